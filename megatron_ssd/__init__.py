@@ -1,0 +1,17 @@
+"""megatron-ssd: offload training activations to NVMe SSDs while the GPU computes."""
+
+from .config import IOConfig, OffloadConfig, Placement, load_config
+from .errors import ChecksumError, ConfigError, MegatronSSDError, OffloadIOError
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ChecksumError",
+    "ConfigError",
+    "IOConfig",
+    "MegatronSSDError",
+    "OffloadConfig",
+    "OffloadIOError",
+    "Placement",
+    "load_config",
+]

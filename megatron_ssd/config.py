@@ -1,0 +1,362 @@
+"""Typed configuration tree for megatron-ssd.
+
+One tree of dataclasses, a docstring under every field (read by :func:`field_docs` to
+generate ``docs/configuration.md``), loaded from YAML presets and overridden by
+``key=value`` strings. Validation raises :class:`~megatron_ssd.errors.ConfigError`
+naming the field, the value and the rule.
+
+Example::
+
+    cfg = load_config(OffloadConfig, "configs/io-nvme1.yaml", ["io.threads=4"])
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import difflib
+import enum
+import inspect
+import os
+import textwrap
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Type, TypeVar
+
+from .errors import ConfigError
+
+__all__ = [
+    "Placement",
+    "IOConfig",
+    "OffloadConfig",
+    "load_config",
+    "from_dict",
+    "to_dict",
+    "apply_overrides",
+    "field_docs",
+    "MiB",
+]
+
+MiB = 1 << 20
+T = TypeVar("T")
+
+
+class Placement(str, enum.Enum):
+    """Where a layer's saved activations live between its forward and backward."""
+
+    KEEP = "keep"
+    """Held in compute-device memory (what autograd does by default)."""
+    OFFLOAD = "offload"
+    """Written to the SSD array during forward, read back before backward."""
+    RECOMPUTE = "recompute"
+    """Not saved: the layer's forward runs again during backward (checkpointing)."""
+
+
+@dataclass
+class IOConfig:
+    """How bytes move between memory and the offload paths."""
+
+    engine: str = "auto"
+    """I/O backend: ``posix`` (O_DIRECT thread pool, every machine), ``kvikio``
+    (GPUDirect Storage, needs CUDA and kvikio) or ``auto`` (kvikio when a GPU and kvikio
+    are present, else posix)."""
+
+    threads: int = 2
+    """Worker threads issuing reads and writes; each holds one request in flight."""
+
+    block_bytes: int = 4 * MiB
+    """Request size: tensors are cut into blocks of this size, striped round-robin over
+    the paths. Must be a positive multiple of 4096."""
+
+    max_inflight_bytes: int = 256 * MiB
+    """Bound on bytes queued for writing but not yet on disk (backpressure)."""
+
+    on_backpressure: str = "wait"
+    """When the write queue is full: ``wait`` blocks the forward pass until room frees,
+    ``keep`` keeps that tensor in memory instead (SSDTrain's adaptive behaviour)."""
+
+    direct: bool = True
+    """Open files with O_DIRECT so offloaded bytes bypass the page cache. Only turn off
+    on filesystems that refuse O_DIRECT; the data then also sits in the page cache."""
+
+    layout: str = "extent"
+    """On-disk layout: ``extent`` (one preallocated file per path, an extent allocator
+    recycles space) or ``file`` (one file per offloaded tensor, unlinked on free)."""
+
+    file_grow_bytes: int = 256 * MiB
+    """``extent`` layout: how much a per-path file grows when its free space runs out.
+    Must be a positive multiple of 4096."""
+
+    checksum: bool = True
+    """Store a CRC32 of each offloaded block and verify it on read."""
+
+
+@dataclass
+class OffloadConfig:
+    """What the tensor cache offloads, and where."""
+
+    paths: List[str] = field(default_factory=list)
+    """Offload directories, one per drive; blocks are striped across them. A private
+    run directory per process is created under each."""
+
+    min_tensor_bytes: int = 64 * 1024
+    """Saved tensors smaller than this stay in memory (not worth a request)."""
+
+    keep_last_layers: int = 1
+    """How many of the last registered layers stay in memory by default: their backward
+    runs first, so a read could not be hidden."""
+
+    prefetch_layers: int = 1
+    """How many layers ahead of the running backward layer to read back."""
+
+    device: str = "auto"
+    """Compute device whose tensors are offloaded: ``auto`` (CUDA when available,
+    else CPU), ``cpu``, ``cuda`` or ``cuda:N``. Tensors on other devices are kept."""
+
+    io: IOConfig = field(default_factory=IOConfig)
+    """I/O engine settings."""
+
+    def __post_init__(self) -> None:
+        validate(self)
+
+
+# --------------------------------------------------------------------------- validation
+
+_POSITIVE = {
+    ("IOConfig", "threads"),
+    ("IOConfig", "block_bytes"),
+    ("IOConfig", "max_inflight_bytes"),
+    ("IOConfig", "file_grow_bytes"),
+}
+_NON_NEGATIVE = {
+    ("OffloadConfig", "min_tensor_bytes"),
+    ("OffloadConfig", "keep_last_layers"),
+    ("OffloadConfig", "prefetch_layers"),
+}
+_CHOICES = {
+    ("IOConfig", "engine"): ("auto", "posix", "kvikio"),
+    ("IOConfig", "on_backpressure"): ("wait", "keep"),
+    ("IOConfig", "layout"): ("extent", "file"),
+}
+_ALIGNED = {("IOConfig", "block_bytes"), ("IOConfig", "file_grow_bytes")}
+
+
+def _fail(cls_name: str, name: str, value: Any, rule: str) -> ConfigError:
+    return ConfigError(f"{cls_name}.{name} = {value!r}: {rule}")
+
+
+def validate(obj: Any) -> None:
+    """Check the rules of one config object (not its children); raise ConfigError."""
+    cls_name = type(obj).__name__
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        key = (cls_name, f.name)
+        if key in _POSITIVE and not value > 0:
+            raise _fail(cls_name, f.name, value, "must be > 0")
+        if key in _NON_NEGATIVE and not value >= 0:
+            raise _fail(cls_name, f.name, value, "must be >= 0")
+        if key in _CHOICES and value not in _CHOICES[key]:
+            raise _fail(cls_name, f.name, value, f"must be one of {list(_CHOICES[key])}")
+        if key in _ALIGNED and value % 4096:
+            raise _fail(cls_name, f.name, value, "must be a multiple of 4096")
+    if isinstance(obj, OffloadConfig):
+        if obj.device != "auto" and not (
+            obj.device == "cpu" or obj.device == "cuda" or obj.device.startswith("cuda:")
+        ):
+            raise _fail(cls_name, "device", obj.device, "must be auto, cpu, cuda or cuda:N")
+        if len(set(os.path.abspath(p) for p in obj.paths)) != len(obj.paths):
+            raise _fail(cls_name, "paths", obj.paths, "must not name a directory twice")
+
+
+# ----------------------------------------------------------------- dict / YAML round trip
+
+
+def _type_hints(cls: type) -> Dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _coerce(cls_name: str, name: str, hint: Any, value: Any) -> Any:
+    """Convert a YAML / command-line value to the field's declared type."""
+    origin = typing.get_origin(hint)
+    args = typing.get_args(hint)
+    if origin is typing.Union and type(None) in args:
+        if value is None or (isinstance(value, str) and value.lower() in ("none", "null")):
+            return None
+        hint = next(a for a in args if a is not type(None))
+        origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if dataclasses.is_dataclass(hint):
+        if isinstance(value, hint):
+            return value
+        if not isinstance(value, Mapping):
+            raise _fail(cls_name, name, value, f"must be a mapping of {hint.__name__} fields")
+        return from_dict(hint, value)
+    if origin in (list, List, tuple, Tuple, Sequence):
+        if isinstance(value, str):
+            value = [v for v in value.split(",") if v]
+        if not isinstance(value, (list, tuple)):
+            raise _fail(cls_name, name, value, "must be a list")
+        inner = args[0] if args else Any
+        items = [_coerce(cls_name, name, inner, v) for v in value]
+        return tuple(items) if origin in (tuple, Tuple) else items
+    if origin in (dict, Dict, Mapping):
+        if not isinstance(value, Mapping):
+            raise _fail(cls_name, name, value, "must be a mapping")
+        return dict(value)
+    if hint is Any:
+        return value
+    if isinstance(hint, type) and issubclass(hint, enum.Enum):
+        try:
+            return hint(value)
+        except ValueError:
+            raise _fail(cls_name, name, value, f"must be one of {[m.value for m in hint]}")
+    if hint is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "1", "yes", "on"):
+            return True
+        if isinstance(value, str) and value.lower() in ("false", "0", "no", "off"):
+            return False
+        raise _fail(cls_name, name, value, "must be a boolean (true/false)")
+    if hint is int:
+        if isinstance(value, bool):
+            raise _fail(cls_name, name, value, "must be an integer")
+        if isinstance(value, int):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        if isinstance(value, str):
+            return _parse_size(cls_name, name, value)
+        raise _fail(cls_name, name, value, "must be an integer")
+    if hint is float:
+        if isinstance(value, bool):
+            raise _fail(cls_name, name, value, "must be a number")
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            raise _fail(cls_name, name, value, "must be a number")
+    if hint is str:
+        if not isinstance(value, str):
+            raise _fail(cls_name, name, value, "must be a string")
+        return value
+    return value
+
+
+_SUFFIXES = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def _parse_size(cls_name: str, name: str, text: str) -> int:
+    """Parse ``123``, ``4MiB``, ``4M``, ``1.5GiB`` or ``1e6`` into an int."""
+    s = text.strip().lower().replace("_", "")
+    for tail in ("ib", "b"):
+        if s.endswith(tail) and len(s) > len(tail) and s[-len(tail) - 1] in _SUFFIXES:
+            s = s[: -len(tail)]
+            break
+    mult = 1
+    if s and s[-1] in _SUFFIXES:
+        mult, s = _SUFFIXES[s[-1]], s[:-1]
+    try:
+        number = float(s)
+    except ValueError:
+        raise _fail(cls_name, name, text, "must be an integer or a size such as 4MiB")
+    value = number * mult
+    if not value.is_integer():
+        raise _fail(cls_name, name, text, "must be a whole number of bytes")
+    return int(value)
+
+
+def _unknown_key(cls: type, key: str) -> ConfigError:
+    names = [f.name for f in dataclasses.fields(cls)]
+    close = difflib.get_close_matches(key, names, n=1)
+    hint = f"; did you mean {close[0]!r}?" if close else f"; known keys: {names}"
+    return ConfigError(f"{cls.__name__}: unknown key {key!r}{hint}")
+
+
+def from_dict(cls: Type[T], data: Mapping[str, Any]) -> T:
+    """Build a config dataclass from a mapping, rejecting unknown keys."""
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{cls.__name__}: expected a mapping, got {type(data).__name__}")
+    hints = _type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for key, value in data.items():
+        if key not in names:
+            raise _unknown_key(cls, key)
+        kwargs[key] = _coerce(cls.__name__, key, hints[key], value)
+    return cls(**kwargs)
+
+
+def to_dict(obj: Any) -> Dict[str, Any]:
+    """The plain-dict form of a config (enums as their values), YAML-ready."""
+
+    def plain(v: Any) -> Any:
+        if dataclasses.is_dataclass(v):
+            return {f.name: plain(getattr(v, f.name)) for f in dataclasses.fields(v)}
+        if isinstance(v, enum.Enum):
+            return v.value
+        if isinstance(v, (list, tuple)):
+            return [plain(x) for x in v]
+        if isinstance(v, dict):
+            return {k: plain(x) for k, x in v.items()}
+        return v
+
+    return plain(obj)
+
+
+def apply_overrides(cls: Type[T], data: Dict[str, Any], overrides: Sequence[str]) -> Dict[str, Any]:
+    """Apply ``dotted.key=value`` strings to a config mapping (checked against ``cls``)."""
+    data = dict(data)
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r}: must have the form key=value (e.g. io.threads=4)")
+        dotted, value = item.split("=", 1)
+        parts = dotted.strip().split(".")
+        node, node_cls = data, cls
+        for i, part in enumerate(parts):
+            names = {f.name for f in dataclasses.fields(node_cls)}
+            if part not in names:
+                raise _unknown_key(node_cls, part)
+            if i == len(parts) - 1:
+                node[part] = value
+            else:
+                hint = _type_hints(node_cls)[part]
+                child = node.get(part)
+                child = dict(child) if isinstance(child, Mapping) else {}
+                node[part] = child
+                node, node_cls = child, hint
+    return data
+
+
+def load_config(cls: Type[T], path: Optional[str] = None, overrides: Sequence[str] = ()) -> T:
+    """Load ``cls`` from a YAML file (optional) with ``key=value`` overrides on top."""
+    data: Dict[str, Any] = {}
+    if path is not None:
+        import yaml
+
+        if not os.path.isfile(path):
+            raise ConfigError(f"config file {path!r}: does not exist")
+        with open(path, "r", encoding="utf-8") as fh:
+            loaded = yaml.safe_load(fh)
+        if loaded is None:
+            loaded = {}
+        if not isinstance(loaded, Mapping):
+            raise ConfigError(f"config file {path!r}: top level must be a mapping")
+        data = dict(loaded)
+    return from_dict(cls, apply_overrides(cls, data, overrides))
+
+
+def field_docs(cls: type) -> Dict[str, str]:
+    """Map each field of a dataclass to the docstring written under it in the source."""
+    source = textwrap.dedent(inspect.getsource(cls))
+    tree = ast.parse(source)
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    docs: Dict[str, str] = {}
+    for node, nxt in zip(body, body[1:]):
+        if (
+            isinstance(node, ast.AnnAssign)
+            and isinstance(node.target, ast.Name)
+            and isinstance(nxt, ast.Expr)
+            and isinstance(nxt.value, ast.Constant)
+            and isinstance(nxt.value.value, str)
+        ):
+            docs[node.target.id] = " ".join(inspect.cleandoc(nxt.value.value).split())
+    return docs

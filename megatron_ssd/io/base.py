@@ -1,0 +1,232 @@
+"""The I/O engine protocol: futures, swap handles and the engine interface.
+
+Async first (as kvikio's ``pread``/``pwrite``): every call returns an :class:`IOFuture`;
+waiting is explicit with ``get()``. The cache never touches files itself.
+
+An engine moves *blobs*: the bytes of one untyped storage, given as a 1-D ``uint8``
+tensor. It decides where they go (striping blocks over the configured paths) and returns
+a :class:`SwapHandle` saying where they went.
+"""
+
+from __future__ import annotations
+
+import abc
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Generic, List, Optional, Tuple, TypeVar
+
+import torch
+
+__all__ = [
+    "ALIGN",
+    "align_up",
+    "Extent",
+    "SwapHandle",
+    "IOFuture",
+    "EngineStats",
+    "Engine",
+]
+
+ALIGN = 4096
+"""O_DIRECT alignment of buffer addresses, file offsets and request sizes (bytes)."""
+
+R = TypeVar("R")
+
+
+def align_up(n: int, align: int = ALIGN) -> int:
+    """Round ``n`` up to a multiple of ``align``."""
+    return (n + align - 1) // align * align
+
+
+@dataclass(frozen=True)
+class Extent:
+    """One contiguous, aligned piece of a blob on one path."""
+
+    path_index: int
+    """Index into the engine's configured paths."""
+    offset: int
+    """Byte offset in that path's file (multiple of ALIGN)."""
+    length: int
+    """Bytes on disk (multiple of ALIGN; the last extent of a blob includes padding)."""
+    blob_offset: int
+    """Where this extent's bytes start within the blob."""
+    file: Optional[str] = None
+    """The file holding this extent (the per-tensor file in the ``file`` layout)."""
+    checksum: Optional[int] = None
+    """CRC32 of the extent's payload bytes (without padding), when checksums are on."""
+
+
+@dataclass(frozen=True)
+class SwapHandle:
+    """Where one blob lives on the SSD array."""
+
+    nbytes: int
+    """Payload bytes of the blob."""
+    extents: Tuple[Extent, ...]
+    """Pieces of the blob, in blob order."""
+
+    @property
+    def disk_bytes(self) -> int:
+        """Bytes the blob occupies on disk, padding included."""
+        return sum(e.length for e in self.extents)
+
+
+class IOFuture(Generic[R]):
+    """Result of an asynchronous read or write.
+
+    ``get()`` waits and returns the result or raises the error the I/O raised.
+    Callbacks added with :meth:`add_done_callback` run exactly once, on the thread that
+    completes the future (or immediately, if it is already done).
+    """
+
+    __slots__ = ("_event", "_result", "_error", "_callbacks", "_lock", "nbytes", "started", "finished")
+
+    def __init__(self, nbytes: int = 0) -> None:
+        self._event = threading.Event()
+        self._result: Optional[R] = None
+        self._error: Optional[BaseException] = None
+        self._callbacks: List[Callable[["IOFuture[R]"], None]] = []
+        self._lock = threading.Lock()
+        self.nbytes = nbytes
+        self.started = time.perf_counter()
+        self.finished: Optional[float] = None
+
+    def done(self) -> bool:
+        """True once the I/O finished, successfully or not."""
+        return self._event.is_set()
+
+    def get(self, timeout: Optional[float] = None) -> R:
+        """Wait for the I/O and return its result; re-raise its error."""
+        if not self._event.wait(timeout):
+            raise TimeoutError(f"megatron_ssd: I/O of {self.nbytes} bytes not done after {timeout}s")
+        if self._error is not None:
+            raise self._error
+        return self._result  # type: ignore[return-value]
+
+    def error(self) -> Optional[BaseException]:
+        """The error of a finished future, or None."""
+        return self._error
+
+    def add_done_callback(self, fn: Callable[["IOFuture[R]"], None]) -> None:
+        """Run ``fn(self)`` when the future completes."""
+        with self._lock:
+            if not self._event.is_set():
+                self._callbacks.append(fn)
+                return
+        fn(self)
+
+    def set_result(self, result: R) -> None:
+        """Complete with a result (engine side)."""
+        self._finish(result, None)
+
+    def set_error(self, error: BaseException) -> None:
+        """Complete with an error (engine side)."""
+        self._finish(None, error)
+
+    def _finish(self, result: Optional[R], error: Optional[BaseException]) -> None:
+        with self._lock:
+            if self._event.is_set():
+                return
+            self._result, self._error = result, error
+            self.finished = time.perf_counter()
+            self._event.set()
+            callbacks, self._callbacks = self._callbacks, []
+        for fn in callbacks:
+            fn(self)
+
+    @classmethod
+    def completed(cls, result: R, nbytes: int = 0) -> "IOFuture[R]":
+        """A future that is already done."""
+        fut: IOFuture[R] = cls(nbytes)
+        fut.set_result(result)
+        return fut
+
+
+@dataclass
+class EngineStats:
+    """Counters an engine keeps since its creation (monotonic; diff two snapshots)."""
+
+    bytes_written: int = 0
+    """Payload bytes written successfully."""
+    bytes_read: int = 0
+    """Payload bytes read successfully."""
+    write_busy_s: float = 0.0
+    """Wall time during which at least one write was in flight."""
+    read_busy_s: float = 0.0
+    """Wall time during which at least one read was in flight."""
+    write_errors: int = 0
+    """Writes that failed (their blobs were not stored)."""
+    read_errors: int = 0
+    """Reads that failed or failed their checksum."""
+    backpressure_wait_s: float = 0.0
+    """Time ``write(block=True)`` callers spent waiting for in-flight room."""
+    disk_bytes: int = 0
+    """Bytes currently allocated on disk (padding included)."""
+    extra: dict = field(default_factory=dict)
+    """Engine-specific counters."""
+
+
+class Engine(abc.ABC):
+    """Moves blobs between memory and the offload paths.
+
+    Contract:
+      * ``write(src)`` keeps a reference to ``src`` until its future completes; the
+        caller must not modify ``src`` in the meantime. For CUDA ``src`` the engine
+        orders its copy after the work already queued on the current stream.
+      * ``read(handle, dst)`` fills ``dst[:handle.nbytes]`` with exactly the bytes that
+        were written; ``dst`` should come from :meth:`alloc` (aligned, padded) so reads
+        need no staging copy.
+      * ``free(handle)`` returns the handle's disk space; it must not be called while a
+        read or write of that handle is in flight.
+      * The future of a failed write carries an :class:`~megatron_ssd.errors.OffloadIOError`
+        and nothing stays allocated for it; a failed checksum raises
+        :class:`~megatron_ssd.errors.ChecksumError` from ``get()``.
+    """
+
+    @property
+    @abc.abstractmethod
+    def paths(self) -> Tuple[str, ...]:
+        """The private run directories this engine writes into, one per offload path."""
+
+    @abc.abstractmethod
+    def write(self, src: torch.Tensor, block: bool = True) -> Optional[IOFuture[SwapHandle]]:
+        """Queue ``src`` (1-D uint8, contiguous) for writing.
+
+        With ``block=False``, return None instead of waiting when the in-flight bound
+        would be exceeded.
+        """
+
+    @abc.abstractmethod
+    def read(self, handle: SwapHandle, dst: torch.Tensor) -> IOFuture[torch.Tensor]:
+        """Queue a read of ``handle`` into ``dst`` (1-D uint8, >= handle.nbytes)."""
+
+    @abc.abstractmethod
+    def alloc(self, nbytes: int, device: torch.device) -> torch.Tensor:
+        """A 1-D uint8 tensor of ``nbytes`` on ``device`` suitable as a read target."""
+
+    @abc.abstractmethod
+    def free(self, handle: SwapHandle) -> None:
+        """Release the disk space of ``handle``."""
+
+    @abc.abstractmethod
+    def stats(self) -> EngineStats:
+        """A snapshot of the engine's counters."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Wait for in-flight I/O, delete every file and run directory; idempotent."""
+
+    def write_blocking(self, src: torch.Tensor) -> SwapHandle:
+        """``write(src).get()``."""
+        return self.write(src).get()  # type: ignore[union-attr]
+
+    def read_blocking(self, handle: SwapHandle, dst: torch.Tensor) -> torch.Tensor:
+        """``read(handle, dst).get()``."""
+        return self.read(handle, dst).get()
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
