@@ -1,5 +1,6 @@
 """megatron-ssd: offload training activations to NVMe SSDs while the GPU computes."""
 
+from .cache import StepStats, TensorCache
 from .config import IOConfig, OffloadConfig, Placement, load_config
 from .errors import ChecksumError, ConfigError, MegatronSSDError, OffloadIOError
 
@@ -13,5 +14,7 @@ __all__ = [
     "OffloadConfig",
     "OffloadIOError",
     "Placement",
+    "StepStats",
+    "TensorCache",
     "load_config",
 ]

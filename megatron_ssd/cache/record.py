@@ -1,0 +1,110 @@
+"""Cache entries (one per stored storage) and records (one per micro-batch forward)."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any, Dict, Hashable, List, Optional
+
+import torch
+
+from ..config import Placement
+from ..io.base import IOFuture, SwapHandle
+from .identity import StorageKey, ViewMeta
+
+__all__ = ["EntryState", "Entry", "Record", "Packed"]
+
+
+class EntryState(enum.Enum):
+    """Where an entry's bytes are."""
+
+    RESIDENT = "resident"
+    """Only in memory (kept, or not offloadable)."""
+    WRITING = "writing"
+    """In memory, write in flight."""
+    ON_DISK = "on_disk"
+    """Only on disk; memory released."""
+    READING = "reading"
+    """On disk, read in flight into a fresh buffer."""
+    LOADED = "loaded"
+    """Back in memory (read completed, or forwarded); the disk copy may still exist."""
+    RELEASED = "released"
+    """Every saved tensor using it is gone; memory and disk freed (or being freed)."""
+
+
+# NOTE [Entry lifetime]
+# An entry is created by the first pack of a storage within a record and lives until the
+# last ``Packed`` referring to it is garbage collected (autograd frees a node's saved
+# tensors after the node's backward, or with the graph). Memory held by an entry:
+#   * ``data`` is the original storage (as bytes) from pack until the write completes
+#     successfully; then it is dropped unless the entry is ``pinned`` (a KEEP layer saved
+#     it too) or ``wanted`` (backward already asked for it: forwarding);
+#   * ``data`` is a fresh aligned buffer from the moment a read is issued.
+# Disk space (``handle``) is freed when the entry is released, or as soon as the bytes
+# are resident again for good (pinned after the write, or forwarded), never while a read
+# or write of it is in flight. Every transition happens under ``TensorCache._lock``;
+# I/O completion callbacks run on engine threads.
+
+
+@dataclass(eq=False)
+class Entry:
+    """One stored storage."""
+
+    key: StorageKey
+    nbytes: int
+    device: torch.device
+    layer: Hashable
+    """The layer whose forward saved it first (None: outside any layer)."""
+    placement: Placement
+    record: "Record"
+    data: Optional[torch.Tensor] = None
+    weak: Any = None
+    """StorageWeakRef of the original storage (dedup liveness)."""
+    state: EntryState = EntryState.RESIDENT
+    handle: Optional[SwapHandle] = None
+    write_future: Optional[IOFuture] = None
+    read_future: Optional[IOFuture] = None
+    refs: int = 0
+    pinned: bool = False
+    wanted: bool = False
+    also_layers: List[Hashable] = field(default_factory=list)
+    """Later layers that saved the same storage (their backward needs it first)."""
+
+
+@dataclass(eq=False)
+class Record:
+    """The saved tensors of one micro-batch forward (one model chunk)."""
+
+    key: Hashable
+    entries: Dict[StorageKey, Entry] = field(default_factory=dict)
+    layer_order: List[Hashable] = field(default_factory=list)
+    """Layer ids in the order their forward ran."""
+    layer_entries: Dict[Hashable, List[Entry]] = field(default_factory=dict)
+    """Entries to prefetch when each layer's backward approaches."""
+    prefetched: set = field(default_factory=set)
+    """Layers whose reads were already issued."""
+    forward_done: bool = False
+    live: int = 0
+    """Entries not yet released."""
+
+    def add_layer_entry(self, layer: Hashable, entry: Entry) -> None:
+        """Register ``entry`` as needed by ``layer``'s backward."""
+        self.layer_entries.setdefault(layer, []).append(entry)
+
+
+@dataclass(eq=False)
+class Packed:
+    """What autograd holds instead of a saved tensor (the pack hook's return value).
+
+    Holds no reference to the tensor's memory. When autograd drops it, the cache is told
+    so the entry can be released after its last use.
+    """
+
+    entry: Entry
+    meta: ViewMeta
+    cache: Any
+
+    def __del__(self) -> None:
+        cache = self.cache
+        if cache is not None:
+            cache._unref(self.entry)

@@ -1,0 +1,113 @@
+"""The numbers the tensor cache reports for each training step."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Dict
+
+__all__ = ["StepStats", "Counters", "LayerCounters"]
+
+
+@dataclass
+class LayerCounters:
+    """Per-layer measurements of one step (summed over micro-batches)."""
+
+    saved_bytes: int = 0
+    """Unique bytes the layer's forward saved for backward (after dedup)."""
+    offloaded_bytes: int = 0
+    """Of those, bytes queued for writing."""
+    forward_s: float = 0.0
+    """Wall time inside the layer's forward."""
+    backward_s: float = 0.0
+    """Wall time from the start of the layer's backward to the start of the previous
+    layer's backward (the last layer's time runs to the end of the record's backward)."""
+    microbatches: int = 0
+    """How many micro-batch forwards ran through the layer."""
+
+
+@dataclass
+class Counters:
+    """Mutable counters the cache accumulates during a step (guarded by its lock)."""
+
+    bytes_offloaded: int = 0
+    bytes_reloaded: int = 0
+    bytes_deduplicated: int = 0
+    bytes_forwarded: int = 0
+    bytes_kept: int = 0
+    tensors_packed: int = 0
+    tensors_skipped: int = 0
+    write_fallbacks: int = 0
+    bytes_fallen_back: int = 0
+    backpressure_keeps: int = 0
+    late_reads: int = 0
+    stall_s: float = 0.0
+    peak_resident_bytes: int = 0
+    layers: Dict[Any, LayerCounters] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class StepStats:
+    """What the cache did during one step (between two ``finish_step()`` calls)."""
+
+    step: int
+    """Index of the step, from 0."""
+    bytes_offloaded: int
+    """Bytes written to the SSD array (completed writes, payload only)."""
+    bytes_reloaded: int
+    """Bytes read back from the SSD array."""
+    bytes_deduplicated: int
+    """Bytes of saved tensors whose storage was already in the cache (not stored again)."""
+    bytes_forwarded: int
+    """Bytes of offloaded tensors served from memory because they were still resident
+    (write still in flight or not yet dropped), so no read was needed."""
+    bytes_kept: int
+    """Bytes of saved tensors held in memory by placement (KEEP layers, small tensors,
+    tensors outside any layer)."""
+    tensors_packed: int
+    """Saved tensors seen by the pack hook."""
+    tensors_skipped: int
+    """Saved tensors left untouched: parameters, other devices, tensor subclasses."""
+    write_fallbacks: int
+    """Writes that failed (ENOSPC, EIO, ...); those tensors stayed in memory."""
+    bytes_fallen_back: int
+    """Bytes of the failed writes kept in memory instead."""
+    backpressure_keeps: int
+    """Tensors kept in memory because the write queue was full (``on_backpressure: keep``)."""
+    late_reads: int
+    """Offloaded tensors needed before any prefetch asked for them (read on demand)."""
+    write_bytes_per_s: float
+    """Achieved write bandwidth: bytes written / time with a write in flight."""
+    read_bytes_per_s: float
+    """Achieved read bandwidth: bytes read / time with a read in flight."""
+    write_busy_s: float
+    """Time during which at least one write was in flight."""
+    read_busy_s: float
+    """Time during which at least one read was in flight."""
+    stall_s: float
+    """Time backward spent waiting in unpack for reads (exposed read time)."""
+    backpressure_wait_s: float
+    """Time forward spent waiting for room in the write queue (exposed write time)."""
+    peak_resident_bytes: int
+    """Peak bytes of saved activations held in compute-device memory by the cache."""
+    ssd_bytes: int
+    """Bytes allocated on the SSD array at the end of the step."""
+    layers: Dict[Any, LayerCounters]
+    """Per-layer measurements, keyed by layer id."""
+
+    def to_dict(self) -> Dict[str, Any]:
+        """A JSON-ready dict (layer ids become strings)."""
+        out = dataclasses.asdict(self)
+        out["layers"] = {str(k): dataclasses.asdict(v) for k, v in self.layers.items()}
+        return out
+
+    def summary(self) -> str:
+        """One line for logs."""
+        mb = 1 << 20
+        return (
+            f"step {self.step}: offloaded {self.bytes_offloaded / mb:.1f} MiB "
+            f"(write {self.write_bytes_per_s / mb:.0f} MiB/s), reloaded {self.bytes_reloaded / mb:.1f} MiB "
+            f"(read {self.read_bytes_per_s / mb:.0f} MiB/s), forwarded {self.bytes_forwarded / mb:.1f} MiB, "
+            f"dedup {self.bytes_deduplicated / mb:.1f} MiB, peak resident {self.peak_resident_bytes / mb:.1f} MiB, "
+            f"stall {self.stall_s * 1e3:.0f} ms"
+        )

@@ -1,0 +1,572 @@
+"""The tensor cache: offloads saved activations during forward, prefetches them for backward.
+
+Usage (plain PyTorch)::
+
+    cache = TensorCache(OffloadConfig(paths=["/mnt/nvme0/act"]))
+    cache.register_layers(model.layers)
+    with cache.microbatch():
+        loss = model(batch)
+    loss.backward()
+    print(cache.finish_step().summary())
+    cache.close()
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import threading
+import time
+from functools import partial
+from typing import Any, Dict, Hashable, Iterable, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
+
+import torch
+
+from ..config import OffloadConfig, Placement
+from ..errors import CacheStateError, ConfigError, OffloadIOError
+from ..io.base import Engine, EngineStats, IOFuture
+from .hooks import OffloadHooks
+from .identity import is_plain, restore, storage_bytes, storage_key, storage_weakref, view_meta
+from .record import Entry, EntryState, Packed, Record
+from .stats import Counters, LayerCounters, StepStats
+
+__all__ = ["TensorCache", "active_cache", "resolve_device"]
+
+logger = logging.getLogger("megatron_ssd")
+
+_ACTIVE = threading.local()
+
+
+def active_cache() -> Optional["TensorCache"]:
+    """The cache whose micro-batch forward is open on this thread, if any.
+
+    Offload-aware layers use it to find their cache without holding a reference.
+    """
+    stack = getattr(_ACTIVE, "stack", None)
+    return stack[-1] if stack else None
+
+
+def resolve_device(name: str) -> torch.device:
+    """The compute device named by ``OffloadConfig.device``."""
+    if name == "auto":
+        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    dev = torch.device(name)
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    return dev
+
+
+class TensorCache:
+    """Routes the tensors autograd saves for backward to an SSD array and back.
+
+    Args:
+        config: what to offload and where.
+        engine: the I/O engine; by default one is created from ``config``
+            (:func:`megatron_ssd.io.create_engine`).
+        rank: process rank used to name the private run directories (default: the
+            torch.distributed rank, else ``$RANK``, else 0).
+    """
+
+    def __init__(self, config: OffloadConfig, engine: Optional[Engine] = None, rank: Optional[int] = None) -> None:
+        if not config.paths and engine is None:
+            raise ConfigError("OffloadConfig.paths = []: name at least one offload directory")
+        self.config = config
+        self.device = resolve_device(config.device)
+        if engine is None:
+            from ..io import create_engine
+
+            engine = create_engine(config, rank=rank)
+        self.engine = engine
+        self._lock = threading.RLock()
+        self._tls = threading.local()
+        self._layers: List[Hashable] = []
+        self._plan: Dict[Hashable, Placement] = {}
+        self._param_storages: set = set()
+        self._records: Dict[Hashable, Record] = {}
+        self._keys = itertools.count()
+        self._counters = Counters()
+        self._resident = 0
+        self._step = 0
+        self._engine_base: EngineStats = engine.stats()
+        self._hook_handles: list = []
+        self._closed = False
+        self._bwd_clock: Dict[int, Tuple[Hashable, float]] = {}
+
+    # ------------------------------------------------------------------ layers and plan
+
+    def register_layers(
+        self, layers: Iterable[torch.nn.Module], ids: Optional[Sequence[Hashable]] = None, install_hooks: bool = True
+    ) -> List[Hashable]:
+        """Declare the layers whose saved tensors the cache manages, in forward order.
+
+        Each layer gets a scope (its saved tensors are grouped under its id) and, when its
+        backward starts, the previous layers' tensors are prefetched. Layers that manage
+        their own scope (``OffloadTransformerLayer``) pass ``install_hooks=False``.
+
+        Returns:
+            The layer ids (``ids``, or 0, 1, ... in order).
+        """
+        layers = list(layers)
+        ids = list(range(len(self._layers), len(self._layers) + len(layers))) if ids is None else list(ids)
+        if len(ids) != len(layers):
+            raise ConfigError(f"register_layers: ids has {len(ids)} entries for {len(layers)} layers; must match")
+        for layer_id, module in zip(ids, layers):
+            if layer_id in self._layers:
+                raise ConfigError(f"register_layers: layer id {layer_id!r} registered twice; ids must be unique")
+            self._layers.append(layer_id)
+            self.register_parameters(module)
+            if install_hooks:
+                self._hook_handles.append(module.register_forward_pre_hook(partial(self._pre_hook, layer_id)))
+                self._hook_handles.append(module.register_forward_hook(partial(self._post_hook, layer_id)))
+        return ids
+
+    def register_parameters(self, module: torch.nn.Module) -> None:
+        """Never offload the parameters of ``module`` (or views of them)."""
+        for p in module.parameters():
+            self._param_storages.add(p.untyped_storage()._cdata)
+
+    def set_plan(self, placements: Mapping[Hashable, Union[Placement, str]]) -> None:
+        """Set the placement of layers by id; unnamed layers keep the default."""
+        plan = {}
+        for layer_id, placement in placements.items():
+            try:
+                plan[layer_id] = Placement(placement)
+            except ValueError:
+                raise ConfigError(
+                    f"plan[{layer_id!r}] = {placement!r}: must be one of {[p.value for p in Placement]}"
+                ) from None
+        with self._lock:
+            self._plan = plan
+
+    def placement(self, layer_id: Hashable) -> Placement:
+        """Where the saved tensors of ``layer_id`` go: the plan's choice, else the default
+        (the last ``keep_last_layers`` registered layers KEEP, the others OFFLOAD)."""
+        if layer_id in self._plan:
+            return self._plan[layer_id]
+        if layer_id is None:
+            return Placement.KEEP
+        keep = self.config.keep_last_layers
+        if keep and layer_id in self._layers[len(self._layers) - keep :]:
+            return Placement.KEEP
+        return Placement.OFFLOAD
+
+    @property
+    def layer_ids(self) -> List[Hashable]:
+        """Registered layer ids in forward order."""
+        return list(self._layers)
+
+    # ------------------------------------------------------------------ scopes
+
+    @contextlib.contextmanager
+    def microbatch(self, key: Optional[Hashable] = None) -> Iterator[Record]:
+        """Run one micro-batch's forward with its saved tensors going to a new record."""
+        self._check_open()
+        record = Record(key if key is not None else next(self._keys))
+        with self._lock:
+            if record.key in self._records:
+                raise CacheStateError(f"microbatch key {record.key!r} is already open; keys must be unique in flight")
+            self._records[record.key] = record
+        previous = getattr(self._tls, "record", None)
+        self._tls.record = record
+        active = _ACTIVE.__dict__.setdefault("stack", [])
+        active.append(self)
+        try:
+            with OffloadHooks(self, record):
+                yield record
+        finally:
+            active.pop()
+            self._tls.record = previous
+            with self._lock:
+                record.forward_done = True
+                self._maybe_retire(record)
+
+    @contextlib.contextmanager
+    def layer(self, layer_id: Hashable) -> Iterator[Placement]:
+        """Scope for the forward of one layer (used by offload-aware layers)."""
+        self.enter_layer(layer_id)
+        try:
+            yield self.placement(layer_id)
+        finally:
+            self.exit_layer(layer_id)
+
+    def current_record(self) -> Optional[Record]:
+        """The record of the micro-batch forward running on this thread, if any."""
+        return getattr(self._tls, "record", None)
+
+    def enter_layer(self, layer_id: Hashable) -> None:
+        """Start ``layer_id``'s forward scope on this thread."""
+        record = self.current_record()
+        stack = self._tls.__dict__.setdefault("layers", [])
+        stack.append((layer_id, time.perf_counter()))
+        if record is not None and layer_id not in record.layer_order:
+            record.layer_order.append(layer_id)
+
+    def exit_layer(self, layer_id: Hashable, outputs: Any = None) -> None:
+        """End ``layer_id``'s forward scope; watch ``outputs`` for the start of its backward."""
+        stack = self._tls.__dict__.get("layers") or []
+        if not stack or stack[-1][0] != layer_id:
+            raise CacheStateError(f"layer scope {layer_id!r} closed out of order (open: {[s[0] for s in stack]})")
+        _, started = stack.pop()
+        record = self.current_record()
+        if record is None:
+            return
+        with self._lock:
+            lc = self._counters.layers.setdefault(layer_id, LayerCounters())
+            lc.forward_s += time.perf_counter() - started
+            lc.microbatches += 1
+        if outputs is not None and torch.is_grad_enabled():
+            self.watch_backward(record, layer_id, outputs)
+
+    def watch_backward(self, record: Record, layer_id: Hashable, outputs: Any) -> None:
+        """Call :meth:`backward_started` when the gradient of ``outputs`` is computed."""
+        tensors = [t for t in _flatten(outputs) if isinstance(t, torch.Tensor) and t.requires_grad]
+        if tensors:
+            tensors[0].register_hook(partial(self._grad_hook, record, layer_id))
+
+    def _grad_hook(self, record: Record, layer_id: Hashable, grad: torch.Tensor) -> None:
+        self.backward_started(record, layer_id)
+
+    def _pre_hook(self, layer_id: Hashable, module: torch.nn.Module, args: Any) -> None:
+        self.enter_layer(layer_id)
+
+    def _post_hook(self, layer_id: Hashable, module: torch.nn.Module, args: Any, output: Any) -> None:
+        self.exit_layer(layer_id, output)
+
+    # ------------------------------------------------------------------ pack / unpack
+
+    def _current_layer(self) -> Hashable:
+        stack = self._tls.__dict__.get("layers")
+        return stack[-1][0] if stack else None
+
+    def _skippable(self, t: torch.Tensor) -> bool:
+        if not is_plain(t) or t.device.type != self.device.type:
+            return True
+        if self.device.index is not None and t.device.index != self.device.index:
+            return True
+        if t.is_leaf and t.requires_grad:
+            return True
+        base = t._base
+        if base is not None and base.is_leaf and base.requires_grad:
+            return True
+        return t.untyped_storage()._cdata in self._param_storages
+
+    def pack(self, record: Record, t: torch.Tensor) -> Union[torch.Tensor, Packed]:
+        """Take a tensor autograd saves; return what autograd should hold instead."""
+        if self._skippable(t):
+            with self._lock:
+                self._counters.tensors_skipped += 1
+                self._counters.tensors_packed += 1
+            return t
+        layer_id = self._current_layer()
+        key = storage_key(t)
+        meta = view_meta(t)
+        with self._lock:
+            self._counters.tensors_packed += 1
+            entry = self._lookup(record, key)
+            if entry is not None:
+                self._add_use(entry, layer_id)
+                return Packed(entry, meta, self)
+            entry = self._new_entry(record, key, t, layer_id)
+            packed = Packed(entry, meta, self)
+        if entry.placement is Placement.OFFLOAD:
+            self._submit_write(entry)
+        return packed
+
+    def _lookup(self, record: Record, key: Any) -> Optional[Entry]:
+        # See NOTE [Dedup identity].
+        entry = record.entries.get(key)
+        if entry is None or entry.state is EntryState.RELEASED:
+            return None
+        if entry.weak is not None and entry.weak.expired():
+            del record.entries[key]
+            return None
+        return entry
+
+    def _add_use(self, entry: Entry, layer_id: Hashable) -> None:
+        entry.refs += 1
+        self._counters.bytes_deduplicated += entry.nbytes
+        if layer_id != entry.layer and layer_id not in entry.also_layers:
+            entry.also_layers.append(layer_id)
+            entry.record.add_layer_entry(layer_id, entry)
+            if self.placement(layer_id) is not Placement.OFFLOAD:
+                entry.pinned = True
+
+    def _new_entry(self, record: Record, key: Any, t: torch.Tensor, layer_id: Hashable) -> Entry:
+        data = storage_bytes(t)
+        nbytes = data.numel()
+        placement = self.placement(layer_id)
+        if placement is not Placement.OFFLOAD or nbytes < self.config.min_tensor_bytes:
+            placement = Placement.KEEP
+        entry = Entry(key, nbytes, t.device, layer_id, placement, record, weak=storage_weakref(t), refs=1)
+        self._set_data(entry, data)
+        record.entries[key] = entry
+        record.live += 1
+        record.add_layer_entry(layer_id, entry)
+        if layer_id is not None:
+            self._counters.layers.setdefault(layer_id, LayerCounters()).saved_bytes += nbytes
+        if placement is Placement.KEEP:
+            self._counters.bytes_kept += nbytes
+        return entry
+
+    def _set_data(self, entry: Entry, data: Optional[torch.Tensor]) -> None:
+        old = entry.nbytes if entry.data is not None else 0
+        new = entry.nbytes if data is not None else 0
+        entry.data = data
+        self._resident += new - old
+        if self._resident > self._counters.peak_resident_bytes:
+            self._counters.peak_resident_bytes = self._resident
+
+    def unpack(self, packed: Packed) -> torch.Tensor:
+        """Return the tensor ``packed`` stands for, waiting for its read if needed."""
+        entry = packed.entry
+        future: Optional[IOFuture] = None
+        with self._lock:
+            if self._closed:
+                raise CacheStateError("unpack after close(): the cache's files are gone")
+            if entry.state is EntryState.ON_DISK:
+                self._counters.late_reads += 1
+                self._submit_read(entry)
+            if entry.state is EntryState.READING:
+                future = entry.read_future
+            else:
+                self._note_forwarded(entry)
+                data = entry.data
+        if future is not None:
+            started = time.perf_counter()
+            try:
+                future.get()
+            except OffloadIOError as err:
+                raise type(err)(f"{err} (tensor {packed.meta.size} {packed.meta.dtype}, layer {entry.layer!r})") from err
+            finally:
+                with self._lock:
+                    self._counters.stall_s += time.perf_counter() - started
+            data = entry.data
+        if data is None:
+            raise CacheStateError(f"saved tensor of layer {entry.layer!r} has no data (state {entry.state.value})")
+        return restore(data, packed.meta)
+
+    # ------------------------------------------------------------------ I/O
+
+    def _submit_write(self, entry: Entry) -> None:
+        # Called without the lock: a blocking write waits for engine threads whose
+        # completion callbacks take the lock.
+        block = self.config.io.on_backpressure == "wait"
+        future = self.engine.write(entry.data, block=block)
+        with self._lock:
+            if future is None:
+                entry.placement = Placement.KEEP
+                self._counters.backpressure_keeps += 1
+                self._counters.bytes_kept += entry.nbytes
+                return
+            lc = self._counters.layers.get(entry.layer)
+            if lc is not None:
+                lc.offloaded_bytes += entry.nbytes
+            entry.state = EntryState.WRITING
+            entry.write_future = future
+        future.add_done_callback(partial(self._write_done, entry))
+
+    def _write_done(self, entry: Entry, future: IOFuture) -> None:
+        # See NOTE [Entry lifetime]. Runs on an engine thread.
+        error = future.error()
+        with self._lock:
+            entry.write_future = None
+            if error is not None:
+                self._counters.write_fallbacks += 1
+                self._counters.bytes_fallen_back += entry.nbytes
+                logger.warning("megatron_ssd: write of %d bytes failed, kept in memory: %s", entry.nbytes, error)
+                if entry.state is not EntryState.RELEASED:
+                    entry.state = EntryState.RESIDENT
+                    entry.placement = Placement.KEEP
+                return
+            self._counters.bytes_offloaded += entry.nbytes
+            entry.handle = future.get()
+            if entry.state is EntryState.RELEASED:
+                self._free_disk(entry)
+            elif entry.pinned or entry.wanted:
+                entry.state = EntryState.LOADED
+                self._free_disk(entry)
+            else:
+                entry.state = EntryState.ON_DISK
+                self._set_data(entry, None)
+
+    def _submit_read(self, entry: Entry) -> None:
+        # Caller holds the lock.
+        dst = self.engine.alloc(entry.nbytes, entry.device)
+        self._set_data(entry, dst[: entry.nbytes])
+        entry.state = EntryState.READING
+        entry.read_future = self.engine.read(entry.handle, dst)
+        entry.read_future.add_done_callback(partial(self._read_done, entry))
+
+    def _read_done(self, entry: Entry, future: IOFuture) -> None:
+        with self._lock:
+            if future.error() is None:
+                self._counters.bytes_reloaded += entry.nbytes
+            if entry.state is EntryState.RELEASED:
+                self._free_disk(entry)
+                self._set_data(entry, None)
+                return
+            if future.error() is None:
+                entry.state = EntryState.LOADED
+                entry.read_future = None
+                self._free_disk(entry)
+
+    def _note_forwarded(self, entry: Entry) -> None:
+        if entry.placement is Placement.OFFLOAD and not entry.wanted:
+            entry.wanted = True
+            if entry.state in (EntryState.WRITING, EntryState.LOADED) and entry.read_future is None:
+                self._counters.bytes_forwarded += entry.nbytes
+
+    def _free_disk(self, entry: Entry) -> None:
+        if entry.handle is not None:
+            self.engine.free(entry.handle)
+            entry.handle = None
+
+    # ------------------------------------------------------------------ backward
+
+    def backward_started(self, record: Record, layer_id: Hashable) -> None:
+        """The backward of ``layer_id`` in ``record`` begins: prefetch what comes next.
+
+        Issues reads for this layer (if not yet issued) and for the
+        ``prefetch_layers`` layers before it in forward order, nearest first.
+        """
+        now = time.perf_counter()
+        with self._lock:
+            self._clock_backward(record, layer_id, now)
+            order = record.layer_order
+            if layer_id not in order:
+                return
+            i = order.index(layer_id)
+            depth = self.config.prefetch_layers
+            for target in [layer_id] + order[max(0, i - depth) : i][::-1]:
+                if target not in record.prefetched:
+                    record.prefetched.add(target)
+                    self._prefetch(record, target)
+
+    def _prefetch(self, record: Record, layer_id: Hashable) -> None:
+        for entry in record.layer_entries.get(layer_id, ()):
+            if entry.state is EntryState.ON_DISK:
+                self._submit_read(entry)
+            elif entry.state in (EntryState.WRITING, EntryState.LOADED):
+                self._note_forwarded(entry)
+
+    def _clock_backward(self, record: Record, layer_id: Hashable, now: float) -> None:
+        last = self._bwd_clock.get(id(record))
+        if last is not None:
+            lc = self._counters.layers.get(last[0])
+            if lc is not None:
+                lc.backward_s += now - last[1]
+        self._bwd_clock[id(record)] = (layer_id, now)
+
+    # ------------------------------------------------------------------ release
+
+    def _unref(self, entry: Entry) -> None:
+        if self._closed:
+            return
+        with self._lock:
+            entry.refs -= 1
+            if entry.refs > 0 or entry.state is EntryState.RELEASED:
+                return
+            reading = entry.state is EntryState.READING
+            entry.state = EntryState.RELEASED
+            # See NOTE [Entry lifetime]: a read in flight still fills ``data`` (its
+            # callback drops it); a write in flight keeps its own reference to the
+            # source and its callback frees the disk copy.
+            if not reading:
+                self._set_data(entry, None)
+                if entry.write_future is None:
+                    self._free_disk(entry)
+            record = entry.record
+            if record.entries.get(entry.key) is entry:
+                del record.entries[entry.key]
+            record.live -= 1
+            self._maybe_retire(record)
+
+    def _maybe_retire(self, record: Record) -> None:
+        if record.forward_done and record.live <= 0 and self._records.get(record.key) is record:
+            del self._records[record.key]
+            last = self._bwd_clock.pop(id(record), None)
+            if last is not None and last[0] in self._counters.layers:
+                self._counters.layers[last[0]].backward_s += time.perf_counter() - last[1]
+
+    # ------------------------------------------------------------------ step / close
+
+    @property
+    def resident_bytes(self) -> int:
+        """Bytes of saved activations the cache holds in memory right now."""
+        return self._resident
+
+    @property
+    def open_records(self) -> List[Hashable]:
+        """Keys of records whose forward or backward is not finished."""
+        with self._lock:
+            return list(self._records)
+
+    def finish_step(self) -> StepStats:
+        """Close the step's accounting and return its numbers; counters start again."""
+        self._check_open()
+        es = self.engine.stats()
+        with self._lock:
+            c, base = self._counters, self._engine_base
+            wbytes, rbytes = es.bytes_written - base.bytes_written, es.bytes_read - base.bytes_read
+            wbusy, rbusy = es.write_busy_s - base.write_busy_s, es.read_busy_s - base.read_busy_s
+            stats = StepStats(
+                step=self._step,
+                bytes_offloaded=c.bytes_offloaded,
+                bytes_reloaded=c.bytes_reloaded,
+                bytes_deduplicated=c.bytes_deduplicated,
+                bytes_forwarded=c.bytes_forwarded,
+                bytes_kept=c.bytes_kept,
+                tensors_packed=c.tensors_packed,
+                tensors_skipped=c.tensors_skipped,
+                write_fallbacks=c.write_fallbacks,
+                bytes_fallen_back=c.bytes_fallen_back,
+                backpressure_keeps=c.backpressure_keeps,
+                late_reads=c.late_reads,
+                write_bytes_per_s=wbytes / wbusy if wbusy > 0 else 0.0,
+                read_bytes_per_s=rbytes / rbusy if rbusy > 0 else 0.0,
+                write_busy_s=wbusy,
+                read_busy_s=rbusy,
+                stall_s=c.stall_s,
+                backpressure_wait_s=es.backpressure_wait_s - base.backpressure_wait_s,
+                peak_resident_bytes=c.peak_resident_bytes,
+                ssd_bytes=es.disk_bytes,
+                layers=c.layers,
+            )
+            self._counters = Counters(peak_resident_bytes=self._resident)
+            self._engine_base = es
+            self._step += 1
+        return stats
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise CacheStateError("the tensor cache is closed")
+
+    def close(self) -> None:
+        """Remove the hooks, wait for in-flight I/O and delete every offload file."""
+        if self._closed:
+            return
+        for handle in self._hook_handles:
+            handle.remove()
+        self._hook_handles.clear()
+        self.engine.close()
+        with self._lock:
+            self._closed = True
+            self._records.clear()
+
+    def __enter__(self) -> "TensorCache":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _flatten(obj: Any) -> Iterator[Any]:
+    if isinstance(obj, (tuple, list)):
+        for item in obj:
+            yield from _flatten(item)
+    elif isinstance(obj, dict):
+        for item in obj.values():
+            yield from _flatten(item)
+    else:
+        yield obj
