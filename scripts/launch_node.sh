@@ -1,0 +1,57 @@
+#!/bin/bash
+# shellcheck shell=bash
+# Per-node step of the SLURM scripts: check this node's NVMe offload mounts, remove
+# stale offload run directories, create one directory per GPU, then (launch) start
+# torchrun with one process per GPU. slurm_multi_node.sbatch runs it once per node:
+#
+#   srun --ntasks-per-node=1 bash scripts/launch_node.sh prepare
+#   srun --ntasks-per-node=1 bash scripts/launch_node.sh launch megatron-ssd pretrain-gpt --megatron-path /opt/Megatron-LM ... --ssd-offload
+#
+# It reads the settings the batch script exported: NNODES, GPUS_PER_NODE, NVME_MOUNTS,
+# OFFLOAD_SUBDIR, MIN_FREE_GB, MEGATRON_SSD_RANK_PATHS, MASTER_ADDR, MASTER_PORT,
+# MEGATRON_SSD, TORCHRUN, SKIP_CLEAN and DRY_RUN (see slurm_single_node.sbatch).
+set -euo pipefail
+
+usage() {
+    awk 'NR == 1 { next } /^# shellcheck/ { next } /^#/ { sub(/^# ?/, ""); if (!started && $0 == "") next; started = 1; print; next } { exit }' "${BASH_SOURCE[0]}"
+}
+
+main() {
+    local self_dir
+    self_dir="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+    SCRIPTS_DIR="$self_dir"
+    # shellcheck source=common.sh
+    source "$SCRIPTS_DIR/common.sh"
+
+    local mode="${1:-}"
+    case "$mode" in
+        -h | --help)
+            usage
+            exit 0
+            ;;
+        prepare | launch) shift ;;
+        *)
+            usage >&2
+            exit 2
+            ;;
+    esac
+    local var
+    for var in NNODES GPUS_PER_NODE NVME_MOUNTS OFFLOAD_SUBDIR MIN_FREE_GB MEGATRON_SSD_RANK_PATHS MASTER_ADDR MASTER_PORT; do
+        [[ -n "${!var:-}" ]] || ms_die "launch_node.sh: $var is not set (run it from the sbatch scripts)"
+    done
+    ms_split_words MEGATRON_SSD_CMD "${MEGATRON_SSD:-megatron-ssd}"
+    ms_split_words TORCHRUN_CMD "${TORCHRUN:-torchrun}"
+    ms_prepare_node
+    if [[ "$mode" == "prepare" ]]; then
+        return 0
+    fi
+    (($# > 0)) || ms_die "launch_node.sh launch: no training command given"
+    # shellcheck disable=SC2034  # read by ms_torchrun_cmd (common.sh)
+    TRAIN_CMD=("$@")
+    local -a cmd
+    ms_torchrun_cmd cmd
+    ms_log "node $(hostname): starting $GPUS_PER_NODE GPU process(es)"
+    ms_exec "${cmd[@]}"
+}
+
+main "$@"
