@@ -1,0 +1,62 @@
+"""Per-layer keep / offload / recompute planning from measured compute and SSD bandwidth.
+
+Pure functions over measurements, no I/O: a :class:`StageProfile` (per-layer compute
+time and saved bytes, SSD bandwidth) goes in, :func:`make_plan` returns a :class:`Plan`.
+:func:`predict` is the timeline model behind it, :class:`DriftDetector` says when to plan
+again, :func:`simulate` answers what-if questions for other hardware. See
+``docs/planner.md``.
+"""
+
+from .drift import DriftDecision, DriftDetector
+from .plan import (
+    GOAL_MAX_OFFLOAD,
+    GOAL_MEMORY_BUDGET,
+    PLAN_SCHEMA,
+    LayerPlan,
+    Plan,
+    PlanInfeasibleError,
+    make_plan,
+)
+from .profile import IOProfile, LayerProfile, StageProfile, uniform_stage
+from .simulate import (
+    MODEL_PRESETS,
+    SimulationResult,
+    SimulationSpec,
+    drive_lifetime_years,
+    layer_activation_bytes,
+    layer_forward_flops,
+    prediction_error,
+    simulate,
+    spec_from_overrides,
+    stage_profile,
+)
+from .timeline import LayerTimeline, Timeline, predict
+
+__all__ = [
+    "DriftDecision",
+    "DriftDetector",
+    "GOAL_MAX_OFFLOAD",
+    "GOAL_MEMORY_BUDGET",
+    "IOProfile",
+    "LayerPlan",
+    "LayerProfile",
+    "LayerTimeline",
+    "MODEL_PRESETS",
+    "PLAN_SCHEMA",
+    "Plan",
+    "PlanInfeasibleError",
+    "SimulationResult",
+    "SimulationSpec",
+    "StageProfile",
+    "Timeline",
+    "drive_lifetime_years",
+    "layer_activation_bytes",
+    "layer_forward_flops",
+    "make_plan",
+    "predict",
+    "prediction_error",
+    "simulate",
+    "spec_from_overrides",
+    "stage_profile",
+    "uniform_stage",
+]

@@ -1,0 +1,289 @@
+"""Choose KEEP / OFFLOAD / RECOMPUTE per layer from a measured stage profile.
+
+:func:`make_plan` is a pure function: a :class:`~megatron_ssd.planner.profile.StageProfile`
+in, a :class:`Plan` out, no I/O. It searches placements with the timeline model of
+:mod:`megatron_ssd.planner.timeline`, judging them with the SSD bandwidths derated by
+``safety_margin`` and reporting their predictions at the measured bandwidths::
+
+    plan = make_plan(stage)                          # offload all that hides behind compute
+    plan = make_plan(stage, memory_budget=8 << 30)   # fit 8 GiB at the smallest step time
+    print(plan.table())
+    open("plan.json", "w").write(plan.to_json())
+
+``docs/planner.md`` describes both goals and the JSON schema.
+"""
+
+from __future__ import annotations
+
+import json
+import numbers
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Mapping, Optional
+
+from ..config import Placement, from_dict, to_dict
+from ..errors import ConfigError
+from .profile import IOProfile, LayerId, StageProfile
+from .search import PlacementSearch, PlanInfeasibleError
+from .timeline import Timeline, predict
+
+__all__ = [
+    "GOAL_MAX_OFFLOAD",
+    "GOAL_MEMORY_BUDGET",
+    "PLAN_SCHEMA",
+    "LayerPlan",
+    "Plan",
+    "PlanInfeasibleError",
+    "make_plan",
+]
+
+GOAL_MAX_OFFLOAD = "max_offload"
+"""Goal without a budget: offload every byte whose I/O hides behind compute."""
+GOAL_MEMORY_BUDGET = "memory_budget"
+"""Goal with a budget: peak <= budget at the smallest predicted step time."""
+PLAN_SCHEMA = "megatron_ssd.plan/1"
+"""Value of the ``schema`` key of a plan's JSON form."""
+
+_GiB = float(1 << 30)
+_MiB = float(1 << 20)
+
+
+@dataclass
+class LayerPlan:
+    """The placement of one layer and what the timeline model predicts for it."""
+
+    layer_id: LayerId
+    """The layer's id (as in the profile)."""
+    placement: Placement
+    """Where its saved activations live between forward and backward."""
+    bytes: int
+    """Offloadable saved bytes of the layer for one micro-batch (moved when OFFLOAD,
+    not saved when RECOMPUTE)."""
+    write_s: float = 0.0
+    """Predicted time the array spends writing the layer."""
+    read_s: float = 0.0
+    """Predicted time the array spends reading the layer back."""
+    exposed_s: float = 0.0
+    """Predicted wait of the layer's backward for its read."""
+    forwarded: bool = False
+    """Predicted to be served from memory because its write would finish too late."""
+    forward_s: float = 0.0
+    """Predicted forward wall time (with slowdown from concurrent I/O)."""
+    backward_s: float = 0.0
+    """Predicted backward wall time without the wait (with recompute and slowdown)."""
+
+
+@dataclass
+class Plan:
+    """Per-layer placements for one pipeline stage, with the predictions behind them."""
+
+    layers: List[LayerPlan]
+    """One entry per layer, in forward order."""
+    goal: str
+    """``max_offload`` or ``memory_budget``."""
+    peak_activation_bytes: int
+    """Predicted peak resident saved-activation bytes of the stage."""
+    step_s: float
+    """Predicted forward + backward time of one micro-batch on the stage."""
+    exposed_s: float
+    """Predicted time backward waits for reads, per micro-batch."""
+    slowdown_s: float
+    """Predicted extra compute time from I/O in flight, per micro-batch."""
+    keep_peak_activation_bytes: int
+    """The same prediction with every layer KEEP (the reference)."""
+    keep_step_s: float
+    """Step time with every layer KEEP."""
+    io: IOProfile
+    """The measured I/O profile the predictions use (not derated)."""
+    memory_budget: Optional[int] = None
+    """The budget asked for (``memory_budget`` goal), in bytes."""
+    safety_margin: float = 0.1
+    """Fraction the bandwidths were derated by while choosing placements."""
+    prefetch_depth: int = 1
+    """How many layers ahead reads are issued."""
+    pipeline_rank: int = 0
+    """The stage planned."""
+    pipeline_size: int = 1
+    """Number of pipeline stages."""
+    microbatches_in_flight: int = 1
+    """Micro-batches the stage holds at once (peak approximation)."""
+    write_busy_s: float = 0.0
+    """Predicted array write time per micro-batch."""
+    read_busy_s: float = 0.0
+    """Predicted array read time per micro-batch."""
+    extra: Dict[str, Any] = field(default_factory=dict)
+    """Free-form notes (e.g. the profile's source); kept in JSON."""
+
+    # ------------------------------------------------------------------ views
+
+    @property
+    def placements(self) -> List[Placement]:
+        """Placements in forward order."""
+        return [lp.placement for lp in self.layers]
+
+    def placement(self, layer_id: LayerId) -> Placement:
+        """The placement of one layer; KeyError names the known ids if absent."""
+        for lp in self.layers:
+            if lp.layer_id == layer_id:
+                return lp.placement
+        raise KeyError(f"megatron_ssd: layer {layer_id!r} is not in the plan; known: {[lp.layer_id for lp in self.layers]}")
+
+    def layers_with(self, placement: Placement) -> List[LayerId]:
+        """Ids of the layers with ``placement``, in forward order."""
+        return [lp.layer_id for lp in self.layers if lp.placement is Placement(placement)]
+
+    @property
+    def offloaded_bytes(self) -> int:
+        """Bytes written to the SSD array per micro-batch."""
+        return sum(lp.bytes for lp in self.layers if lp.placement is Placement.OFFLOAD)
+
+    # ------------------------------------------------------------------ JSON
+
+    def to_dict(self) -> Dict[str, Any]:
+        """A JSON-ready dict; ``placement`` values are ``keep``, ``offload``, ``recompute``."""
+        return {"schema": PLAN_SCHEMA, **to_dict(self)}
+
+    def to_json(self, indent: Optional[int] = 2) -> str:
+        """The plan as JSON text (see ``docs/planner.md`` for the schema)."""
+        return json.dumps(self.to_dict(), indent=indent)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "Plan":
+        """Rebuild a plan from :meth:`to_dict` output; a wrong schema raises ConfigError."""
+        data = dict(data)
+        schema = data.pop("schema", None)
+        if schema != PLAN_SCHEMA:
+            raise ConfigError(f"Plan.schema = {schema!r}: must be {PLAN_SCHEMA!r}")
+        return from_dict(cls, data)
+
+    @classmethod
+    def from_json(cls, text: str) -> "Plan":
+        """Parse JSON text written by :meth:`to_json`."""
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"Plan JSON: not valid JSON ({exc})") from None
+        return cls.from_dict(data)
+
+    def table(self) -> str:
+        """A per-layer table and a summary line, for logs and the command line."""
+        rows = [f"{'layer':>8}  {'placement':<9}  {'MiB':>9}  {'write ms':>9}  {'read ms':>9}  {'exposed ms':>10}"]
+        for lp in self.layers:
+            note = "  (forwarded)" if lp.forwarded else ""
+            rows.append(
+                f"{str(lp.layer_id):>8}  {lp.placement.value:<9}  {lp.bytes / _MiB:9.1f}  {lp.write_s * 1e3:9.2f}"
+                f"  {lp.read_s * 1e3:9.2f}  {lp.exposed_s * 1e3:10.2f}{note}"
+            )
+        peak_ratio = self.peak_activation_bytes / self.keep_peak_activation_bytes if self.keep_peak_activation_bytes else 1.0
+        step_ratio = self.step_s / self.keep_step_s if self.keep_step_s else 1.0
+        budget = f", budget {self.memory_budget / _GiB:.3f} GiB" if self.memory_budget is not None else ""
+        rows.append(
+            f"goal {self.goal}{budget}; stage {self.pipeline_rank}/{self.pipeline_size} "
+            f"x{self.microbatches_in_flight} micro-batch{'es' if self.microbatches_in_flight > 1 else ''}"
+        )
+        rows.append(
+            f"peak {self.peak_activation_bytes / _GiB:.3f} GiB ({peak_ratio:.1%} of keep-everything "
+            f"{self.keep_peak_activation_bytes / _GiB:.3f} GiB); step {self.step_s * 1e3:.2f} ms "
+            f"({step_ratio:.3f}x keep-everything); exposed I/O {self.exposed_s * 1e3:.2f} ms; "
+            f"I/O slowdown {self.slowdown_s * 1e3:.2f} ms"
+        )
+        return "\n".join(rows)
+
+
+# ---------------------------------------------------------------------- planning
+
+
+def make_plan(
+    stage: StageProfile,
+    memory_budget: Optional[int] = None,
+    safety_margin: float = 0.1,
+    prefetch_depth: int = 1,
+    allow_recompute: bool = True,
+) -> Plan:
+    """Choose a placement per layer of ``stage``.
+
+    Without a budget (goal ``max_offload``) layers are offloaded, first layer first, as
+    long as the timeline model predicts no stall and no forwarding with the bandwidths
+    derated by ``safety_margin``; the last layers, whose tensors backward needs first,
+    stay resident. With a budget (goal ``memory_budget``) placements are changed one
+    layer at a time, best peak reduction per second of predicted step time first, until
+    the predicted peak fits, then any change the budget does not need is undone.
+
+    Args:
+        stage: The measured (or simulated) stage.
+        memory_budget: Bytes of saved activations the stage may hold at its peak.
+        safety_margin: Fraction in [0, 1) the bandwidths are derated by while choosing.
+        prefetch_depth: Layers ahead that reads are issued (>= 1).
+        allow_recompute: Whether RECOMPUTE may be used to meet a budget.
+
+    Returns:
+        The :class:`Plan`, its predictions at the measured bandwidths.
+
+    Raises:
+        ConfigError: An argument breaks its rule.
+        PlanInfeasibleError: No placement meets ``memory_budget``.
+    """
+    if not isinstance(stage, StageProfile):
+        raise ConfigError(f"stage = {type(stage).__name__}: must be a StageProfile")
+    if memory_budget is not None:
+        if isinstance(memory_budget, bool) or not isinstance(memory_budget, numbers.Integral) or memory_budget < 0:
+            raise ConfigError(f"memory_budget = {memory_budget!r}: must be None or an integer number of bytes >= 0")
+        memory_budget = int(memory_budget)
+    if not (isinstance(prefetch_depth, int) and prefetch_depth >= 1):
+        raise ConfigError(f"prefetch_depth = {prefetch_depth!r}: must be an integer >= 1")
+    search = PlacementSearch(stage, stage.io.derated(safety_margin), prefetch_depth)
+    if memory_budget is None:
+        placements = search.max_offload()
+        goal = GOAL_MAX_OFFLOAD
+    else:
+        placements = search.meet_budget(memory_budget, allow_recompute)
+        goal = GOAL_MEMORY_BUDGET
+    tl = predict(stage, placements, prefetch_depth)
+    keep = predict(stage, [Placement.KEEP] * len(stage.layers), prefetch_depth)
+    return _build(stage, tl, keep, goal, memory_budget, safety_margin, prefetch_depth)
+
+
+def _build(
+    stage: StageProfile,
+    tl: Timeline,
+    keep: Timeline,
+    goal: str,
+    memory_budget: Optional[int],
+    safety_margin: float,
+    prefetch_depth: int,
+) -> Plan:
+    layers = []
+    for layer, lt in zip(stage.layers, tl.layers):
+        write_s = 0.0 if lt.write_end is None else lt.write_end - lt.write_start
+        read_s = 0.0 if lt.read_end is None else lt.read_end - lt.read_start
+        layers.append(
+            LayerPlan(
+                layer_id=layer.layer_id,
+                placement=lt.placement,
+                bytes=layer.saved_bytes,
+                write_s=write_s,
+                read_s=read_s,
+                exposed_s=lt.stall_s,
+                forwarded=lt.forwarded,
+                forward_s=lt.forward_s,
+                backward_s=lt.backward_s,
+            )
+        )
+    return Plan(
+        layers=layers,
+        goal=goal,
+        peak_activation_bytes=tl.peak_bytes,
+        step_s=tl.step_s,
+        exposed_s=tl.exposed_s,
+        slowdown_s=tl.slowdown_s,
+        keep_peak_activation_bytes=keep.peak_bytes,
+        keep_step_s=keep.step_s,
+        io=stage.io,
+        memory_budget=memory_budget,
+        safety_margin=safety_margin,
+        prefetch_depth=prefetch_depth,
+        pipeline_rank=stage.pipeline_rank,
+        pipeline_size=stage.pipeline_size,
+        microbatches_in_flight=stage.microbatches_in_flight or 1,
+        write_busy_s=tl.write_busy_s,
+        read_busy_s=tl.read_busy_s,
+    )

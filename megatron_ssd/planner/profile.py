@@ -1,0 +1,279 @@
+"""Measurements the planner plans from: per-layer compute and bytes, SSD bandwidth.
+
+A :class:`StageProfile` is everything the planner knows about one pipeline stage: its
+transformer layers in forward order (:class:`LayerProfile`), the SSD array it offloads to
+(:class:`IOProfile`) and where it sits in the pipeline. The runtime profiler fills one
+from measured steps; :mod:`megatron_ssd.planner.simulate` fills one from model
+dimensions. It round-trips through JSON so a profile measured once can be planned from
+again (``megatron-ssd plan profile.json``)::
+
+    stage = StageProfile.from_json(open("profile.json").read())
+    print(make_plan(stage).table())
+
+Validation raises :class:`~megatron_ssd.errors.ConfigError` naming the field, the value
+and the rule.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from typing import Any, Dict, List, Mapping, Optional, Union
+
+from ..config import from_dict, to_dict
+from ..errors import ConfigError
+
+__all__ = ["LayerId", "LayerProfile", "IOProfile", "StageProfile", "uniform_stage"]
+
+LayerId = Union[str, int]
+"""How a layer is named: its index in the stage or a module path."""
+
+
+def _check(owner: str, name: str, value: Any, ok: bool, rule: str) -> None:
+    if not ok:
+        raise ConfigError(f"{owner}.{name} = {value!r}: {rule}")
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+@dataclass
+class LayerProfile:
+    """Measured (or estimated) cost of one transformer layer for one micro-batch."""
+
+    layer_id: LayerId
+    """The layer's name: its index within the stage or a module path. Unique per stage."""
+
+    forward_s: float
+    """Forward compute time of the layer, in seconds, with no I/O running."""
+
+    backward_s: float
+    """Backward compute time of the layer, in seconds, without recompute and without
+    time spent waiting for reads."""
+
+    saved_bytes: int
+    """Bytes of tensors the layer saves for backward that may be offloaded, counted once
+    per storage (after deduplication)."""
+
+    kept_bytes: int = 0
+    """Bytes the layer saves for backward that are never offloaded (tensors under the
+    size threshold, skipped tensors). Held in memory whatever the placement, except
+    under RECOMPUTE, which saves none of them."""
+
+    recompute_s: Optional[float] = None
+    """Time to run the forward again during backward under RECOMPUTE, in seconds;
+    ``None`` means equal to ``forward_s``."""
+
+    boundary_bytes: int = 0
+    """Bytes a RECOMPUTE layer still holds between forward and backward: its input.
+    0 when the previous layer keeps that tensor anyway (its output is saved there)."""
+
+    def __post_init__(self) -> None:
+        owner = f"LayerProfile(layer_id={self.layer_id!r})"
+        _check(
+            owner,
+            "layer_id",
+            self.layer_id,
+            isinstance(self.layer_id, (str, int)) and not isinstance(self.layer_id, bool),
+            "must be a string or an integer",
+        )
+        for name in ("forward_s", "backward_s"):
+            value = getattr(self, name)
+            _check(owner, name, value, _is_number(value) and value >= 0, "must be a number >= 0")
+        if self.recompute_s is not None:
+            _check(
+                owner,
+                "recompute_s",
+                self.recompute_s,
+                _is_number(self.recompute_s) and self.recompute_s >= 0,
+                "must be None or a number >= 0",
+            )
+        for name in ("saved_bytes", "kept_bytes", "boundary_bytes"):
+            value = getattr(self, name)
+            _check(
+                owner,
+                name,
+                value,
+                isinstance(value, int) and not isinstance(value, bool) and value >= 0,
+                "must be an integer >= 0",
+            )
+
+    @property
+    def recompute_time(self) -> float:
+        """Seconds the forward takes again under RECOMPUTE (``recompute_s`` or ``forward_s``)."""
+        return self.forward_s if self.recompute_s is None else self.recompute_s
+
+
+@dataclass
+class IOProfile:
+    """Measured speed of the SSD array as the I/O engine sees it."""
+
+    write_bytes_per_s: float
+    """Sustained write bandwidth of the whole array, in bytes per second, measured with
+    the engine's block size and thread count (bytes written / time a write was in flight)."""
+
+    read_bytes_per_s: float
+    """Sustained read bandwidth of the whole array, in bytes per second."""
+
+    compute_slowdown: float = 0.0
+    """Fractional slowdown of compute while any I/O is in flight: 0.25 means a layer
+    that takes 1 s alone takes 1.25 s under I/O. Measured by timing a layer with and
+    without a concurrent transfer; about 0 on a GPU with GPUDirect Storage, large on a
+    CPU with few cores where the I/O threads compete for cycles."""
+
+    def __post_init__(self) -> None:
+        for name in ("write_bytes_per_s", "read_bytes_per_s"):
+            value = getattr(self, name)
+            _check("IOProfile", name, value, _is_number(value) and value > 0, "must be a number > 0")
+        _check(
+            "IOProfile",
+            "compute_slowdown",
+            self.compute_slowdown,
+            _is_number(self.compute_slowdown) and self.compute_slowdown >= 0,
+            "must be a number >= 0",
+        )
+
+    def derated(self, margin: float) -> "IOProfile":
+        """This profile with both bandwidths multiplied by ``1 - margin``."""
+        if not (_is_number(margin) and 0 <= margin < 1):
+            raise ConfigError(f"safety_margin = {margin!r}: must be a number in [0, 1)")
+        return dataclasses.replace(
+            self,
+            write_bytes_per_s=self.write_bytes_per_s * (1 - margin),
+            read_bytes_per_s=self.read_bytes_per_s * (1 - margin),
+        )
+
+
+@dataclass
+class StageProfile:
+    """One pipeline stage: its layers, its SSD array and its place in the pipeline."""
+
+    layers: List[LayerProfile]
+    """The stage's transformer layers in forward order."""
+
+    io: IOProfile
+    """The SSD array this stage offloads to."""
+
+    pipeline_rank: int = 0
+    """This stage's index in the pipeline, from 0."""
+
+    pipeline_size: int = 1
+    """Number of pipeline stages (1 without pipeline parallelism)."""
+
+    microbatches_in_flight: Optional[int] = None
+    """Most micro-batches whose forward has run and whose backward has not, at once, on
+    this stage. ``None`` means the 1F1B value ``pipeline_size - pipeline_rank`` (1
+    without pipelining). Set it when the schedule differs (interleaved: more)."""
+
+    other_s: float = 0.0
+    """Compute per micro-batch outside the layers (embedding, output layer, loss), in
+    seconds. Modelled as running between the last layer's forward and its backward."""
+
+    def __post_init__(self) -> None:
+        _check("StageProfile", "layers", self.layers, len(self.layers) > 0, "must hold at least one layer")
+        bad = [type(layer).__name__ for layer in self.layers if not isinstance(layer, LayerProfile)]
+        _check("StageProfile", "layers", bad, not bad, "every entry must be a LayerProfile")
+        _check("StageProfile", "io", self.io, isinstance(self.io, IOProfile), "must be an IOProfile")
+        ids = [layer.layer_id for layer in self.layers]
+        dupes = sorted({repr(i) for i in ids if ids.count(i) > 1})
+        _check("StageProfile", "layers", dupes, not dupes, "layer ids must be unique; repeated: " + ", ".join(dupes))
+        _check(
+            "StageProfile",
+            "pipeline_size",
+            self.pipeline_size,
+            isinstance(self.pipeline_size, int) and self.pipeline_size >= 1,
+            "must be an integer >= 1",
+        )
+        _check(
+            "StageProfile",
+            "pipeline_rank",
+            self.pipeline_rank,
+            isinstance(self.pipeline_rank, int) and 0 <= self.pipeline_rank < self.pipeline_size,
+            f"must be an integer in [0, pipeline_size={self.pipeline_size})",
+        )
+        if self.microbatches_in_flight is None:
+            self.microbatches_in_flight = self.pipeline_size - self.pipeline_rank
+        _check(
+            "StageProfile",
+            "microbatches_in_flight",
+            self.microbatches_in_flight,
+            isinstance(self.microbatches_in_flight, int) and self.microbatches_in_flight >= 1,
+            "must be an integer >= 1",
+        )
+        _check("StageProfile", "other_s", self.other_s, _is_number(self.other_s) and self.other_s >= 0, "must be a number >= 0")
+
+    @property
+    def layer_ids(self) -> List[LayerId]:
+        """The layer ids in forward order."""
+        return [layer.layer_id for layer in self.layers]
+
+    @property
+    def saved_bytes(self) -> int:
+        """Offloadable bytes of one micro-batch, all layers."""
+        return sum(layer.saved_bytes for layer in self.layers)
+
+    def with_io(self, io: IOProfile) -> "StageProfile":
+        """A copy of this profile with another I/O profile."""
+        return dataclasses.replace(self, io=io)
+
+    # ------------------------------------------------------------------ JSON round trip
+
+    def to_dict(self) -> Dict[str, Any]:
+        """A JSON-ready dict (the form :meth:`from_dict` reads)."""
+        return to_dict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "StageProfile":
+        """Build a profile from a dict; unknown keys raise ConfigError."""
+        return from_dict(cls, data)
+
+    def to_json(self, indent: Optional[int] = 2) -> str:
+        """This profile as JSON text."""
+        return json.dumps(self.to_dict(), indent=indent)
+
+    @classmethod
+    def from_json(cls, text: str) -> "StageProfile":
+        """Parse JSON text written by :meth:`to_json`."""
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"StageProfile JSON: not valid JSON ({exc})") from None
+        return cls.from_dict(data)
+
+    def save(self, path: str) -> None:
+        """Write this profile as JSON to ``path``."""
+        with open(path, "w", encoding="utf-8") as fh:
+            fh.write(self.to_json() + "\n")
+
+    @classmethod
+    def load(cls, path: str) -> "StageProfile":
+        """Read a profile written by :meth:`save`."""
+        with open(path, "r", encoding="utf-8") as fh:
+            return cls.from_json(fh.read())
+
+
+def uniform_stage(
+    num_layers: int,
+    forward_s: float,
+    backward_s: float,
+    saved_bytes: int,
+    io: IOProfile,
+    **stage_fields: Any,
+) -> StageProfile:
+    """A stage of ``num_layers`` identical layers named 0..n-1 (for tests and what-ifs).
+
+    Args:
+        num_layers: How many layers.
+        forward_s: Forward time of each layer.
+        backward_s: Backward time of each layer.
+        saved_bytes: Offloadable bytes of each layer.
+        io: The SSD array.
+        **stage_fields: Other :class:`StageProfile` fields (``pipeline_rank``, ...).
+    """
+    if not (isinstance(num_layers, int) and num_layers >= 1):
+        raise ConfigError(f"num_layers = {num_layers!r}: must be an integer >= 1")
+    layers = [LayerProfile(i, forward_s, backward_s, saved_bytes) for i in range(num_layers)]
+    return StageProfile(layers=layers, io=io, **stage_fields)
+

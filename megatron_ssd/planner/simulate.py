@@ -1,0 +1,418 @@
+"""What-if model: plan offloading for a model and hardware that are not at hand.
+
+From model dimensions, a GPU's compute rate and an SSD array, :func:`simulate` estimates
+each layer's saved bytes and compute time, builds a
+:class:`~megatron_ssd.planner.profile.StageProfile`, plans it with
+:func:`~megatron_ssd.planner.plan.make_plan` and reports memory saved, step-time
+overhead, the SSD write rate per GPU and the drives' projected lifetime::
+
+    spec = SimulationSpec(num_layers=24, hidden=2048, heads=16, seq_len=2048,
+                          micro_batch=4, ssd_count=4)
+    print(simulate(spec).summary())
+
+Estimates, per layer and micro-batch (Korthikanti et al., "Reducing Activation
+Recomputation in Large Transformer Models", 2022): saved bytes ``sbh(34 + 5as/h)`` in
+16-bit precision without recompute, ``sbh(10 + 24/t + 5as/(ht))`` with tensor parallel
+size t, ``sbh(34 + 5as/h) / t`` with sequence parallelism; forward FLOPs
+``24bsh^2(1 + s/(6h))``, backward twice that. Both are generalized to any FFN width and
+to cross-attention (T5 decoder layers) by counting the same tensors.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Dict, Mapping, Optional, Sequence, Union
+
+from ..config import load_config, to_dict
+from ..errors import ConfigError
+from .plan import Plan, make_plan
+from .profile import IOProfile, LayerProfile, StageProfile
+
+__all__ = [
+    "MODEL_PRESETS",
+    "SimulationSpec",
+    "spec_from_overrides",
+    "SimulationResult",
+    "simulate",
+    "stage_profile",
+    "layer_activation_bytes",
+    "layer_forward_flops",
+    "drive_lifetime_years",
+    "prediction_error",
+]
+
+_SECONDS_PER_DAY = 86400.0
+_ARCHS = ("gpt", "bert", "t5")
+
+
+@dataclass
+class SimulationSpec:
+    """A model, its parallel layout, one GPU and the SSD array serving it."""
+
+    arch: str = "gpt"
+    """``gpt``, ``bert`` (same layers, bidirectional) or ``t5`` (encoder + decoder)."""
+    num_layers: int = 24
+    """Transformer layers (for T5: encoder layers)."""
+    decoder_num_layers: Optional[int] = None
+    """T5 decoder layers; ``None`` means ``num_layers``."""
+    hidden: int = 2048
+    """Hidden size h."""
+    ffn_hidden: Optional[int] = None
+    """MLP inner size; ``None`` means ``4 * hidden``."""
+    heads: int = 16
+    """Attention heads a."""
+    seq_len: int = 2048
+    """Sequence length s (T5: encoder length)."""
+    decoder_seq_len: Optional[int] = None
+    """T5 decoder length; ``None`` means ``seq_len``."""
+    micro_batch: int = 1
+    """Micro-batch size b."""
+    vocab: int = 50304
+    """Vocabulary size (output layer and loss cost on the last stage)."""
+    tp: int = 1
+    """Tensor-parallel size t."""
+    pp: int = 1
+    """Pipeline-parallel size; must divide the layer count."""
+    sequence_parallel: bool = False
+    """Megatron sequence parallelism (splits the rest of the activations by t)."""
+    flash_attention: bool = False
+    """Fused attention that saves no s x s score tensors (drops the 5as/h term)."""
+    dtype_bytes: int = 2
+    """Bytes per activation element (2 for fp16/bf16); the estimate scales linearly."""
+    num_microbatches: int = 1
+    """Micro-batches per iteration (gradient accumulation)."""
+    pipeline_rank: int = 0
+    """The stage to plan; stage 0 holds the most micro-batches under 1F1B."""
+    gpu_flops: float = 312e12
+    """Peak dense 16-bit FLOP/s of one GPU (A100: 312e12, H100 SXM: 989e12)."""
+    mfu: float = 0.45
+    """Fraction of the peak that the layers achieve (model FLOPs utilization)."""
+    ssd_count: int = 1
+    """Drives in the RAID0 array."""
+    gpus_per_array: int = 1
+    """GPUs sharing that array (each gets an equal share of its bandwidth)."""
+    ssd_write_bytes_per_s: float = 6.5e9
+    """Sustained sequential write bandwidth of one drive."""
+    ssd_read_bytes_per_s: float = 7.0e9
+    """Sustained sequential read bandwidth of one drive."""
+    ssd_tbw_bytes: float = 7.0e15
+    """Write endurance of one drive (TBW, in bytes; 7 PB for a 3.84 TB drive at 1 DWPD x 5 years)."""
+    ssd_capacity_bytes: float = 3.84e12
+    """Capacity of one drive."""
+    duty_cycle: float = 1.0
+    """Fraction of each day the job trains (lifetime uses it)."""
+    memory_budget: Optional[int] = None
+    """Activation budget for the planner (``None``: offload what hides behind compute)."""
+    safety_margin: float = 0.1
+    """Bandwidth derating while planning."""
+    prefetch_depth: int = 1
+    """Layers ahead that reads are issued."""
+    allow_recompute: bool = True
+    """Whether the planner may recompute to meet a budget."""
+
+    def __post_init__(self) -> None:
+        if self.arch not in _ARCHS:
+            raise ConfigError(f"SimulationSpec.arch = {self.arch!r}: must be one of {list(_ARCHS)}")
+        positive = ["num_layers", "hidden", "heads", "seq_len", "micro_batch", "vocab", "tp", "pp",
+                    "dtype_bytes", "num_microbatches", "gpu_flops", "ssd_count", "gpus_per_array",
+                    "ssd_write_bytes_per_s", "ssd_read_bytes_per_s", "ssd_tbw_bytes", "ssd_capacity_bytes"]
+        for name in positive + ["decoder_num_layers", "ffn_hidden", "decoder_seq_len"]:
+            value = getattr(self, name)
+            if value is None and name not in positive:
+                continue
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise ConfigError(f"SimulationSpec.{name} = {value!r}: must be a number > 0")
+        for name in ("mfu", "duty_cycle"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and 0 < value <= 1):
+                raise ConfigError(f"SimulationSpec.{name} = {value!r}: must be in (0, 1]")
+        if self.hidden % self.heads:
+            raise ConfigError(f"SimulationSpec.hidden = {self.hidden}: must be a multiple of heads ({self.heads})")
+        if self.total_layers % self.pp:
+            raise ConfigError(
+                f"SimulationSpec.pp = {self.pp}: must divide the layer count ({self.total_layers})"
+            )
+        if not (isinstance(self.pipeline_rank, int) and 0 <= self.pipeline_rank < self.pp):
+            raise ConfigError(f"SimulationSpec.pipeline_rank = {self.pipeline_rank!r}: must be in [0, pp={self.pp})")
+
+    @property
+    def total_layers(self) -> int:
+        """Encoder and decoder layers together."""
+        if self.arch == "t5":
+            return self.num_layers + (self.decoder_num_layers or self.num_layers)
+        return self.num_layers
+
+
+MODEL_PRESETS: Dict[str, Dict[str, Any]] = {
+    "gpt-125m": dict(num_layers=12, hidden=768, heads=12),
+    "gpt-350m": dict(num_layers=24, hidden=1024, heads=16),
+    "gpt-1.3b": dict(num_layers=24, hidden=2048, heads=16),
+    "gpt-2.7b": dict(num_layers=32, hidden=2560, heads=32),
+    "gpt-6.7b": dict(num_layers=32, hidden=4096, heads=32),
+    "gpt-13b": dict(num_layers=40, hidden=5120, heads=40),
+    "gpt-175b": dict(num_layers=96, hidden=12288, heads=96),
+    "bert-large": dict(arch="bert", num_layers=24, hidden=1024, heads=16, seq_len=512, vocab=30522),
+    "t5-base": dict(arch="t5", num_layers=12, hidden=768, heads=12, seq_len=512, vocab=32128),
+    "t5-large": dict(arch="t5", num_layers=24, hidden=1024, heads=16, seq_len=512, vocab=32128),
+}
+"""Model dimensions by name (GPT-3 paper sizes, BERT-large, T5); other fields keep defaults."""
+
+
+def spec_from_overrides(overrides: Sequence[str] = (), model: Optional[str] = None) -> SimulationSpec:
+    """A :class:`SimulationSpec` from a preset name and ``key=value`` strings.
+
+    Args:
+        overrides: e.g. ``["ssd_count=4", "micro_batch=8", "memory_budget=40GiB"]``.
+        model: A key of :data:`MODEL_PRESETS`, applied before the overrides.
+
+    Raises:
+        ConfigError: An unknown preset, an unknown key or a value that breaks its rule.
+    """
+    if model is not None and model not in MODEL_PRESETS:
+        raise ConfigError(f"model = {model!r}: must be one of {sorted(MODEL_PRESETS)}")
+    preset = [f"{k}={v}" for k, v in MODEL_PRESETS.get(model, {}).items()]
+    return load_config(SimulationSpec, None, [*preset, *overrides])
+
+
+def _attention(spec: SimulationSpec, s_q: int, s_kv: int, cross: bool):
+    """(saved elements-bytes split by t, not split by t, forward FLOPs) of one attention block."""
+    b, h, a = spec.micro_batch, spec.hidden, spec.heads
+    # 16-bit tensors: Q (2 s_q b h), K and V (2 s_kv b h each), output projection input (2 s_q b h).
+    split = 2 * s_q * b * h + 4 * s_kv * b * h + 2 * s_q * b * h
+    if not spec.flash_attention:
+        split += 5 * a * s_q * s_kv * b  # softmax output 2, dropout mask 1, dropout output 2
+    # Not split without sequence parallelism: the projection input(s) and the dropout mask.
+    whole = 2 * s_q * b * h + (2 * s_kv * b * h if cross else 0) + s_q * b * h
+    flops = 2 * s_q * b * h * h + 4 * s_kv * b * h * h + 4 * b * s_q * s_kv * h + 2 * s_q * b * h * h
+    return split, whole, flops
+
+
+def _layer(spec: SimulationSpec, decoder: bool):
+    s = (spec.decoder_seq_len or spec.seq_len) if decoder else spec.seq_len
+    b, h = spec.micro_batch, spec.hidden
+    f = spec.ffn_hidden or 4 * h
+    blocks = [_attention(spec, s, s, cross=False)]
+    if decoder:
+        blocks.append(_attention(spec, s, spec.seq_len, cross=True))
+    norms = 2 * s * b * h * (len(blocks) + 1)  # one layernorm input per block and the MLP
+    split = sum(x[0] for x in blocks) + 4 * s * b * f  # MLP: GeLU input 2sbf, second linear input 2sbf
+    whole = sum(x[1] for x in blocks) + norms + 3 * s * b * h  # MLP input 2sbh, dropout mask sbh
+    flops = sum(x[2] for x in blocks) + 4 * s * b * h * f
+    return split, whole, flops, s
+
+
+def layer_activation_bytes(spec: SimulationSpec, decoder: bool = False) -> int:
+    """Saved-activation bytes of one layer per micro-batch on one tensor-parallel rank."""
+    split, whole, _, _ = _layer(spec, decoder)
+    t = spec.tp
+    total = (split + whole) / t if spec.sequence_parallel else split / t + whole
+    return int(round(total * spec.dtype_bytes / 2))
+
+
+def layer_forward_flops(spec: SimulationSpec, decoder: bool = False) -> float:
+    """Forward FLOPs of one layer per micro-batch on one tensor-parallel rank."""
+    return _layer(spec, decoder)[2] / spec.tp
+
+
+def stage_profile(spec: SimulationSpec) -> StageProfile:
+    """The :class:`StageProfile` of ``spec.pipeline_rank`` estimated from the dimensions."""
+    rate = spec.gpu_flops * spec.mfu
+    kinds = [False] * spec.num_layers
+    if spec.arch == "t5":
+        kinds += [True] * (spec.decoder_num_layers or spec.num_layers)
+    per_stage = len(kinds) // spec.pp
+    first = spec.pipeline_rank * per_stage
+    layers = []
+    for index in range(first, first + per_stage):
+        decoder = kinds[index]
+        s = (spec.decoder_seq_len or spec.seq_len) if decoder else spec.seq_len
+        forward = layer_forward_flops(spec, decoder) / rate
+        boundary = 2 * s * spec.micro_batch * spec.hidden * spec.dtype_bytes // 2
+        if spec.sequence_parallel:
+            boundary //= spec.tp
+        layers.append(
+            LayerProfile(
+                layer_id=index,
+                forward_s=forward,
+                backward_s=2 * forward,
+                saved_bytes=layer_activation_bytes(spec, decoder),
+                boundary_bytes=boundary,
+            )
+        )
+    other = 0.0
+    if spec.pipeline_rank == spec.pp - 1:
+        s_out = (spec.decoder_seq_len or spec.seq_len) if spec.arch == "t5" else spec.seq_len
+        other = 6.0 * s_out * spec.micro_batch * spec.hidden * spec.vocab / spec.tp / rate
+    io = IOProfile(
+        write_bytes_per_s=spec.ssd_count * spec.ssd_write_bytes_per_s / spec.gpus_per_array,
+        read_bytes_per_s=spec.ssd_count * spec.ssd_read_bytes_per_s / spec.gpus_per_array,
+    )
+    in_flight = min(spec.pp - spec.pipeline_rank, spec.num_microbatches)
+    return StageProfile(
+        layers=layers,
+        io=io,
+        pipeline_rank=spec.pipeline_rank,
+        pipeline_size=spec.pp,
+        microbatches_in_flight=in_flight,
+        other_s=other,
+    )
+
+
+@dataclass
+class SimulationResult:
+    """What :func:`simulate` predicts for one stage."""
+
+    spec: SimulationSpec
+    """The input."""
+    stage: StageProfile
+    """The estimated stage profile."""
+    plan: Plan
+    """The planner's choice for it."""
+    iteration_s: float
+    """Predicted iteration time with the plan: (micro-batches + pp - 1) micro-batch steps."""
+    keep_iteration_s: float
+    """The same with every layer kept."""
+    write_bytes_per_s_per_gpu: float
+    """Average SSD write rate of one GPU over an iteration."""
+    ssd_footprint_bytes: int
+    """Bytes one GPU holds on the array at once (offloaded bytes x micro-batches in flight)."""
+    ssd_capacity_share_bytes: float
+    """The array capacity available to one GPU."""
+    drive_bytes_per_day: float
+    """Bytes written to each drive per day of training (duty cycle applied)."""
+    lifetime_years: float
+    """Drive TBW / bytes per day / 365 (infinite when nothing is written)."""
+
+    @property
+    def memory_saved_bytes(self) -> int:
+        """Keep-everything peak minus the planned peak."""
+        return self.plan.keep_peak_activation_bytes - self.plan.peak_activation_bytes
+
+    @property
+    def memory_saved_fraction(self) -> float:
+        """``memory_saved_bytes`` as a fraction of the keep-everything peak."""
+        keep = self.plan.keep_peak_activation_bytes
+        return self.memory_saved_bytes / keep if keep else 0.0
+
+    @property
+    def overhead_fraction(self) -> float:
+        """Predicted iteration-time increase over keeping everything."""
+        return self.iteration_s / self.keep_iteration_s - 1.0
+
+    def to_dict(self) -> Dict[str, Any]:
+        """A JSON-ready dict: the spec, the plan and the derived numbers."""
+        return {
+            "spec": to_dict(self.spec),
+            "plan": self.plan.to_dict(),
+            "iteration_s": self.iteration_s,
+            "keep_iteration_s": self.keep_iteration_s,
+            "overhead_fraction": self.overhead_fraction,
+            "memory_saved_bytes": self.memory_saved_bytes,
+            "memory_saved_fraction": self.memory_saved_fraction,
+            "write_bytes_per_s_per_gpu": self.write_bytes_per_s_per_gpu,
+            "ssd_footprint_bytes": self.ssd_footprint_bytes,
+            "ssd_capacity_share_bytes": self.ssd_capacity_share_bytes,
+            "drive_bytes_per_day": self.drive_bytes_per_day,
+            "lifetime_years": None if math.isinf(self.lifetime_years) else self.lifetime_years,
+        }
+
+    def summary(self) -> str:
+        """A few lines for a terminal."""
+        s, p, gb = self.spec, self.plan, 1e9
+        counts = {pl: len(p.layers_with(pl)) for pl in ("keep", "offload", "recompute")}
+        fits = "fits" if self.ssd_footprint_bytes <= self.ssd_capacity_share_bytes else "DOES NOT FIT"
+        return "\n".join([
+            f"{s.arch.upper()} {s.total_layers} layers, h={s.hidden}, s={s.seq_len}, b={s.micro_batch}, "
+            f"tp={s.tp}, pp={s.pp}: stage {s.pipeline_rank} with {len(p.layers)} layers, "
+            f"{p.microbatches_in_flight} micro-batch{'es' if p.microbatches_in_flight > 1 else ''} in flight",
+            f"placements: {counts['keep']} keep, {counts['offload']} offload, {counts['recompute']} recompute",
+            f"peak activations {p.peak_activation_bytes / gb:.2f} GB vs {p.keep_peak_activation_bytes / gb:.2f} GB "
+            f"kept: {self.memory_saved_bytes / gb:.2f} GB saved ({self.memory_saved_fraction:.0%})",
+            f"iteration {self.iteration_s * 1e3:.1f} ms vs {self.keep_iteration_s * 1e3:.1f} ms kept "
+            f"({self.overhead_fraction:+.1%}); exposed I/O {p.exposed_s * 1e3:.2f} ms per micro-batch",
+            f"SSD writes {self.write_bytes_per_s_per_gpu / gb:.2f} GB/s per GPU; footprint "
+            f"{self.ssd_footprint_bytes / gb:.1f} GB of {self.ssd_capacity_share_bytes / gb:.0f} GB ({fits})",
+            f"each drive takes {self.drive_bytes_per_day / 1e12:.1f} TB/day: lifetime "
+            f"{self.lifetime_years:.1f} years at {s.ssd_tbw_bytes / 1e15:.1f} PB TBW",
+        ])
+
+
+def simulate(spec: SimulationSpec) -> SimulationResult:
+    """Estimate, plan and report one pipeline stage of ``spec``.
+
+    Raises:
+        ConfigError: ``spec`` breaks a rule.
+        PlanInfeasibleError: ``spec.memory_budget`` cannot be met.
+    """
+    stage = stage_profile(spec)
+    plan = make_plan(stage, spec.memory_budget, spec.safety_margin, spec.prefetch_depth, spec.allow_recompute)
+    slots = spec.num_microbatches + spec.pp - 1
+    iteration = slots * plan.step_s
+    written = plan.offloaded_bytes * spec.num_microbatches
+    rate = written / iteration if iteration > 0 else 0.0
+    per_drive_day = rate * spec.gpus_per_array / spec.ssd_count * _SECONDS_PER_DAY * spec.duty_cycle
+    lifetime = drive_lifetime_years(rate, spec.ssd_tbw_bytes, spec.ssd_count, spec.gpus_per_array, spec.duty_cycle)
+    return SimulationResult(
+        spec=spec,
+        stage=stage,
+        plan=plan,
+        iteration_s=iteration,
+        keep_iteration_s=slots * plan.keep_step_s,
+        write_bytes_per_s_per_gpu=rate,
+        ssd_footprint_bytes=plan.offloaded_bytes * plan.microbatches_in_flight,
+        ssd_capacity_share_bytes=spec.ssd_count * spec.ssd_capacity_bytes / spec.gpus_per_array,
+        drive_bytes_per_day=per_drive_day,
+        lifetime_years=lifetime,
+    )
+
+
+def drive_lifetime_years(
+    write_bytes_per_s_per_gpu: float,
+    tbw_bytes: float,
+    ssd_count: int = 1,
+    gpus_per_array: int = 1,
+    duty_cycle: float = 1.0,
+) -> float:
+    """Years until each drive of an array reaches its rated endurance.
+
+    The GPUs sharing the array write ``write_bytes_per_s_per_gpu`` each, striped evenly
+    over ``ssd_count`` drives, for ``duty_cycle`` of every day:
+    ``tbw / (rate * gpus / drives * 86400 * duty) / 365``. Infinite when nothing is written.
+    """
+    per_drive_day = write_bytes_per_s_per_gpu * gpus_per_array / ssd_count * _SECONDS_PER_DAY * duty_cycle
+    return tbw_bytes / per_drive_day / 365.0 if per_drive_day > 0 else math.inf
+
+
+Number = Union[int, float]
+
+
+def prediction_error(
+    predicted: Union[Number, Mapping[str, Number]],
+    measured: Union[Number, Mapping[str, Number]],
+    scale: Optional[Number] = None,
+) -> Union[float, dict]:
+    """Relative error of a prediction: ``|predicted - measured| / measured``.
+
+    Args:
+        predicted: A number, or a mapping of named numbers (e.g. ``step_s``, ``exposed_s``).
+        measured: The measured counterpart (same keys for a mapping).
+        scale: Divide by this instead of ``measured``: use the step time when the
+            measured value can be near zero (exposed I/O of a well-hidden plan).
+
+    Returns:
+        A float, or a dict with the same keys. 0 when both are 0; infinity when only
+        ``measured`` is 0 and no ``scale`` is given.
+    """
+    if isinstance(predicted, Mapping):
+        if not isinstance(measured, Mapping) or set(predicted) != set(measured):
+            raise ConfigError(
+                f"measured = {measured!r}: must be a mapping with the same keys as predicted ({sorted(predicted)})"
+            )
+        return {k: prediction_error(predicted[k], measured[k], scale) for k in predicted}
+    denominator = abs(measured) if scale is None else abs(scale)
+    difference = abs(predicted - measured)
+    if denominator == 0:
+        return 0.0 if difference == 0 else math.inf
+    return difference / denominator
+

@@ -1,0 +1,351 @@
+"""Predict one micro-batch's forward + backward on a stage for a given placement.
+
+:func:`predict` replays a :class:`~megatron_ssd.planner.profile.StageProfile` as a small
+event model: compute runs the layers forward then backward; OFFLOAD layers queue writes
+and reads on the SSD array; backward waits for reads that are late. The result, a
+:class:`Timeline`, gives the step time, the exposed I/O time (stall), the peak of resident
+saved-activation bytes and how busy the array was. The planner searches placements with
+it; :mod:`megatron_ssd.planner.simulate` uses it for hardware that is not at hand.
+
+The model's ordering assumptions are the ``NOTE`` blocks below; ``docs/planner.md``
+discusses their limits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, List, Optional, Sequence, Tuple
+
+from ..config import Placement
+from ..errors import ConfigError
+from .profile import IOProfile, LayerId, LayerProfile, StageProfile
+
+__all__ = ["LayerTimeline", "Timeline", "predict"]
+
+_EPS = 1e-12
+"""Slack (seconds) when comparing event times, so float rounding cannot flip an order."""
+
+# NOTE [One device queue]
+# Reads and writes share one FIFO queue in front of the SSD array: a request starts when
+# the array finished the previous one, writes run at write bandwidth and reads at read
+# bandwidth, one at a time. So a prefetch issued while writes are still draining waits
+# behind them. This is what one RAID0 array does when both directions would otherwise
+# split its bandwidth, and it is the conservative choice: the model never assumes a read
+# and a write each get full bandwidth at once. Requests are issued in time order (writes
+# during forward, reads during backward), so each request's start and end are fixed the
+# moment it is issued, and the queue's busy intervals are known before any compute that
+# could overlap them is replayed.
+
+# NOTE [Write and read issue points]
+# A layer's offloadable bytes enter the queue as one write when its forward ends (the
+# tensors are saved during the forward; the model moves them at the layer boundary). The
+# read of layer i is issued when the backward of layer i + prefetch_depth starts (its
+# backward pre-hook); layers with i + prefetch_depth past the last layer are issued when
+# the first backward starts, needed-first first. Backward of layer i starts when the
+# previous backward ended and its read completed; the wait is exposed I/O (stall).
+
+# NOTE [Compute slowdown]
+# While any request is in flight, compute advances at 1 / (1 + compute_slowdown) of its
+# normal rate (I/O threads and copies compete for the CPU, or for memory bandwidth); I/O
+# speed does not depend on compute. The layers' profiled times are their no-I/O times.
+
+# NOTE [Forwarding]
+# When a read would be issued but the layer's write has not completed, the bytes are
+# still in memory: the read is skipped and the layer is served from memory ("forwarded").
+# Its memory is then never freed between forward and backward, and its write, already
+# queued, still runs (requests are not cancelled). A plan with forwarded layers offloads
+# bytes for nothing; the planner rejects such plans.
+
+# NOTE [Memory accounting]
+# Bytes appear when a layer's forward ends and leave when its backward ends: KEEP holds
+# saved + kept bytes; OFFLOAD holds kept bytes throughout and saved bytes until its write
+# completes, then again from its read issue (the read buffer) to its backward end;
+# RECOMPUTE holds boundary bytes, plus saved + kept bytes during its backward (the rerun
+# forward materializes them). Events at the same instant release before they allocate.
+# Bytes inside a running layer that are not saved for backward are not counted.
+
+# NOTE [Pipeline micro-batches]
+# One micro-batch is replayed. A pipeline stage running 1F1B holds up to m micro-batches
+# between their forward and backward; the other m - 1 wait "parked" with everything but
+# their drained writes resident (KEEP saved + kept, OFFLOAD kept, RECOMPUTE boundary).
+# The stage peak is taken as peak(one micro-batch) + (m - 1) * parked bytes. This
+# assumes the parked micro-batches' writes have drained and that their I/O does not
+# overlap the replayed one's; the time model ignores the interleaving of micro-batches.
+
+
+@dataclass
+class LayerTimeline:
+    """When one layer's compute and I/O happen (seconds from the micro-batch's start)."""
+
+    layer_id: LayerId
+    """The layer's id."""
+    placement: Placement
+    """The placement replayed."""
+    forward_start: float
+    """Forward compute begins."""
+    forward_end: float
+    """Forward compute ends (saved tensors complete, write issued)."""
+    backward_start: float
+    """Backward compute begins (after any stall)."""
+    backward_end: float
+    """Backward compute ends (the layer's saved bytes are released)."""
+    stall_s: float = 0.0
+    """Time its backward waited for its read (exposed I/O)."""
+    write_start: Optional[float] = None
+    """The write reaches the array (OFFLOAD only)."""
+    write_end: Optional[float] = None
+    """The write completes and the bytes leave memory (OFFLOAD only)."""
+    read_issue: Optional[float] = None
+    """The prefetch is issued and the read buffer allocated (OFFLOAD, not forwarded)."""
+    read_start: Optional[float] = None
+    """The read reaches the array."""
+    read_end: Optional[float] = None
+    """The read completes."""
+    forwarded: bool = False
+    """The write had not completed when the read was due: served from memory."""
+
+    @property
+    def forward_s(self) -> float:
+        """Forward wall time, including any slowdown from concurrent I/O."""
+        return self.forward_end - self.forward_start
+
+    @property
+    def backward_s(self) -> float:
+        """Backward wall time without the stall (includes recompute and slowdown)."""
+        return self.backward_end - self.backward_start
+
+
+@dataclass
+class Timeline:
+    """The predicted course of one micro-batch on one stage."""
+
+    layers: List[LayerTimeline]
+    """Per-layer events, in forward order."""
+    step_s: float
+    """Forward + other + backward wall time of one micro-batch, stalls included."""
+    compute_s: float
+    """The same compute with no I/O at all (no stall, no slowdown)."""
+    exposed_s: float
+    """Total time backward waited for reads."""
+    slowdown_s: float
+    """Extra compute time caused by I/O in flight (``compute_slowdown``)."""
+    peak_bytes: int
+    """Predicted stage peak of resident saved bytes (pipeline approximation applied)."""
+    microbatch_peak_bytes: int
+    """Peak of the replayed micro-batch alone."""
+    parked_bytes: int
+    """Bytes one micro-batch holds while waiting between its forward and backward."""
+    write_busy_s: float
+    """Time the array spent writing."""
+    read_busy_s: float
+    """Time the array spent reading."""
+    io_end_s: float
+    """When the last request completes (after ``step_s`` if I/O spills over)."""
+    memory: List[Tuple[float, int]] = field(default_factory=list)
+    """(time, resident bytes of the micro-batch) after each change, for plots."""
+
+    @property
+    def forwarded(self) -> List[LayerId]:
+        """Ids of OFFLOAD layers served from memory because their write was late."""
+        return [lt.layer_id for lt in self.layers if lt.forwarded]
+
+
+class _DeviceQueue:
+    """The SSD array's FIFO queue; see NOTE [One device queue]."""
+
+    def __init__(self) -> None:
+        self.free_at = 0.0
+        self.busy: List[Tuple[float, float]] = []
+
+    def submit(self, issue: float, duration: float) -> Tuple[float, float]:
+        start = max(issue, self.free_at)
+        end = start + duration
+        self.free_at = end
+        if duration > 0:
+            self.busy.append((start, end))
+        return start, end
+
+
+class _Compute:
+    """Replays compute segments, slowed while the queue is busy (NOTE [Compute slowdown])."""
+
+    def __init__(self, queue: _DeviceQueue, slowdown: float) -> None:
+        self.queue = queue
+        self.factor = 1.0 + slowdown
+        self.cursor = 0
+
+    def run(self, t: float, work: float) -> float:
+        """End time of ``work`` seconds of no-I/O compute started at ``t``."""
+        if work <= 0:
+            return t
+        if self.factor == 1.0:
+            return t + work
+        busy = self.queue.busy
+        while self.cursor < len(busy) and busy[self.cursor][1] <= t:
+            self.cursor += 1
+        i = self.cursor
+        while i < len(busy):
+            start, end = busy[i]
+            if start > t:
+                gap = start - t
+                if work <= gap:
+                    return t + work
+                work -= gap
+                t = start
+            span = end - t
+            if span > 0:
+                progress = span / self.factor
+                if work <= progress:
+                    return t + work * self.factor
+                work -= progress
+                t = end
+            i += 1
+        return t + work
+
+
+def predict(
+    stage: StageProfile,
+    placements: Sequence[Placement],
+    prefetch_depth: int = 1,
+    io: Optional[IOProfile] = None,
+) -> Timeline:
+    """Replay one micro-batch of ``stage`` under ``placements``.
+
+    Args:
+        stage: The measured stage.
+        placements: One placement per layer, in forward order.
+        prefetch_depth: The read of layer i is issued when the backward of layer
+            ``i + prefetch_depth`` starts (>= 1).
+        io: Bandwidths to replay with; defaults to ``stage.io`` (the planner passes a
+            derated copy).
+
+    Returns:
+        The predicted :class:`Timeline`.
+
+    Raises:
+        ConfigError: ``placements`` does not match the layers or ``prefetch_depth`` < 1.
+    """
+    layers = stage.layers
+    n = len(layers)
+    if len(placements) != n:
+        raise ConfigError(f"placements: {len(placements)} given for {n} layers; need one per layer")
+    placements = [p if type(p) is Placement else Placement(p) for p in placements]
+    if not (isinstance(prefetch_depth, int) and prefetch_depth >= 1):
+        raise ConfigError(f"prefetch_depth = {prefetch_depth!r}: must be an integer >= 1")
+    io = stage.io if io is None else io
+
+    queue = _DeviceQueue()
+    compute = _Compute(queue, io.compute_slowdown)
+    events: List[Tuple[float, int, int]] = []  # (time, 0 = release / 1 = allocate, delta)
+
+    def hold(start: float, end: float, nbytes: int) -> None:
+        if nbytes:
+            events.append((start, 1, nbytes))
+            events.append((end, 0, -nbytes))
+
+    out: List[LayerTimeline] = []
+    write_busy = read_busy = 0.0
+    t = 0.0
+    for layer, placement in zip(layers, placements):
+        start, t = t, compute.run(t, layer.forward_s)
+        lt = LayerTimeline(layer.layer_id, placement, start, t, 0.0, 0.0)
+        if placement is Placement.OFFLOAD and layer.saved_bytes:
+            duration = layer.saved_bytes / io.write_bytes_per_s
+            lt.write_start, lt.write_end = queue.submit(t, duration)
+            write_busy += duration
+        out.append(lt)
+    t = compute.run(t, stage.other_s)
+
+    def issue_read(i: int, now: float) -> None:
+        nonlocal read_busy
+        layer, lt = layers[i], out[i]
+        if lt.placement is not Placement.OFFLOAD or lt.write_end is None:
+            return
+        if lt.write_end > now + _EPS:
+            lt.forwarded = True  # NOTE [Forwarding]
+            return
+        duration = layer.saved_bytes / io.read_bytes_per_s
+        lt.read_issue = now
+        lt.read_start, lt.read_end = queue.submit(now, duration)
+        read_busy += duration
+
+    exposed = 0.0
+    for j in range(n - 1, -1, -1):
+        if j == n - 1:
+            for i in range(n - 1, max(n - 1 - prefetch_depth, 0) - 1, -1):
+                issue_read(i, t)
+        elif j - prefetch_depth >= 0:
+            issue_read(j - prefetch_depth, t)
+        lt, layer = out[j], layers[j]
+        if lt.read_end is not None and lt.read_end > t:
+            lt.stall_s = lt.read_end - t
+            exposed += lt.stall_s
+            t = lt.read_end
+        work = layer.backward_s
+        if lt.placement is Placement.RECOMPUTE:
+            work += layer.recompute_time
+        lt.backward_start, lt.backward_end = t, compute.run(t, work)
+        t = lt.backward_end
+        _account(layer, lt, hold)
+
+    microbatch_peak, memory = _peak(events)
+    parked = sum(_parked_bytes(layer, p) for layer, p in zip(layers, placements))
+    in_flight = stage.microbatches_in_flight or 1
+    compute_s = (
+        sum(layer.forward_s + layer.backward_s for layer in layers)
+        + sum(layer.recompute_time for layer, p in zip(layers, placements) if p is Placement.RECOMPUTE)
+        + stage.other_s
+    )
+    return Timeline(
+        layers=out,
+        step_s=t,
+        compute_s=compute_s,
+        exposed_s=exposed,
+        slowdown_s=max(0.0, t - compute_s - exposed),
+        peak_bytes=microbatch_peak + (in_flight - 1) * parked,  # NOTE [Pipeline micro-batches]
+        microbatch_peak_bytes=microbatch_peak,
+        parked_bytes=parked,
+        write_busy_s=write_busy,
+        read_busy_s=read_busy,
+        io_end_s=queue.free_at,
+        memory=memory,
+    )
+
+
+def _account(layer: LayerProfile, lt: LayerTimeline, hold: Callable[[float, float, int], None]) -> None:
+    """Record the layer's resident intervals; see NOTE [Memory accounting]."""
+    if lt.placement is Placement.KEEP:
+        hold(lt.forward_end, lt.backward_end, layer.saved_bytes + layer.kept_bytes)
+    elif lt.placement is Placement.RECOMPUTE:
+        hold(lt.forward_end, lt.backward_end, layer.boundary_bytes)
+        hold(lt.backward_start, lt.backward_end, layer.saved_bytes + layer.kept_bytes)
+    else:
+        hold(lt.forward_end, lt.backward_end, layer.kept_bytes)
+        if lt.write_end is None or lt.forwarded:
+            hold(lt.forward_end, lt.backward_end, layer.saved_bytes)
+        else:
+            hold(lt.forward_end, lt.write_end, layer.saved_bytes)
+            hold(lt.read_issue, lt.backward_end, layer.saved_bytes)
+
+
+def _parked_bytes(layer: LayerProfile, placement: Placement) -> int:
+    """Bytes a micro-batch waiting between forward and backward holds for ``layer``."""
+    if placement is Placement.KEEP:
+        return layer.saved_bytes + layer.kept_bytes
+    if placement is Placement.RECOMPUTE:
+        return layer.boundary_bytes
+    return layer.kept_bytes
+
+
+def _peak(events: List[Tuple[float, int, int]]) -> Tuple[int, List[Tuple[float, int]]]:
+    """Peak and trace of resident bytes; releases sort before allocations at a tie."""
+    resident = peak = 0
+    memory: List[Tuple[float, int]] = [(0.0, 0)]
+    for time, _, delta in sorted(events):
+        resident += delta
+        peak = max(peak, resident)
+        if memory[-1][0] == time:
+            memory[-1] = (time, resident)
+        else:
+            memory.append((time, resident))
+    return peak, memory

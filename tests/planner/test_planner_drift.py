@@ -1,0 +1,125 @@
+"""DriftDetector: re-plan on sustained change, not on noise; fell-behind streaks."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from megatron_ssd.errors import ConfigError
+from megatron_ssd.planner.drift import DriftDetector
+from megatron_ssd.planner.plan import make_plan
+from megatron_ssd.planner.profile import IOProfile, uniform_stage
+
+GB = 10**9
+NOISE = [1.0, 1.05, 0.95, 1.03, 0.97, 1.04, 0.96, 1.02, 0.98, 1.0]
+
+
+def stage(slowdown=0.0):
+    return uniform_stage(4, 1.0, 2.0, GB, IOProfile(2 * GB, 4 * GB, slowdown))
+
+
+def detector(**kw):
+    d = DriftDetector(**kw)
+    d.rebase(stage())
+    return d
+
+
+def test_small_noise_never_replans():
+    d = detector()
+    for f in NOISE:
+        decision = d.observe(2 * GB * f, 4 * GB / f, [1.0 * f] * 4, [2.0 / f] * 4)
+        assert not decision.replan, decision.reasons
+
+
+def test_sustained_write_bandwidth_drop_replans_after_window():
+    d = detector(threshold=0.15, window=3)
+    decisions = [d.observe(1.2 * GB, 4 * GB, [1.0] * 4, [2.0] * 4) for _ in range(3)]
+    assert [x.replan for x in decisions] == [False, False, True]
+    last = decisions[-1]
+    assert any(r.startswith("write_bw") for r in last.reasons)
+    assert last.profile.io.write_bytes_per_s == pytest.approx(1.2 * GB)
+    assert last.profile.io.read_bytes_per_s == pytest.approx(4 * GB)
+    assert last.profile.layers[0].forward_s == pytest.approx(1.0)
+
+
+def test_one_outlier_step_is_ignored():
+    d = detector()
+    for f in [1.0, 0.5, 1.0, 1.0, 1.0]:  # one step at half bandwidth (e.g. a checkpoint write)
+        assert not d.observe(2 * GB * f, 4 * GB).replan
+
+
+def test_layer_compute_change_replans_with_scaled_profile():
+    d = detector()
+    for _ in range(3):
+        decision = d.observe(2 * GB, 4 * GB, {0: 1.0, 1: 1.0, 2: 1.5, 3: 1.0}, {2: 2.0})
+    assert decision.replan
+    assert decision.reasons == ["forward:2: median 1.5 vs expected 1 (+50.0%)"]
+    assert decision.profile.layers[2].forward_s == pytest.approx(1.5)
+    assert decision.profile.layers[1].forward_s == pytest.approx(1.0)
+
+
+def test_expected_times_come_from_the_plan():
+    # with a compute slowdown the plan predicts layers slower than the profile's pure
+    # compute; measuring exactly the plan's prediction is no drift
+    s = stage(slowdown=0.5)
+    plan = make_plan(s)
+    assert any(lp.forward_s > 1.0 for lp in plan.layers)
+    d = DriftDetector()
+    d.rebase(s, plan)
+    for _ in range(5):
+        decision = d.observe(2 * GB, 4 * GB, [lp.forward_s for lp in plan.layers], [lp.backward_s for lp in plan.layers])
+        assert not decision.replan
+
+
+def test_fell_behind_streak_replans_with_lower_write_bandwidth():
+    d = detector(window=3)
+    for step in range(3):
+        d.report_fell_behind(layer_id=1, nbytes=GB)
+        decision = d.observe(2 * GB, 4 * GB)
+        assert decision.fell_behind == 1
+    assert decision.replan
+    assert any("fell behind" in r for r in decision.reasons)
+    assert decision.profile.io.write_bytes_per_s == pytest.approx(2 * GB * 0.85)
+    assert d.fell_behind_total == 3
+
+
+def test_fell_behind_now_and_then_is_not_a_streak():
+    d = detector(window=3)
+    for step in range(6):
+        if step % 2 == 0:
+            d.report_fell_behind()
+        assert not d.observe(2 * GB, 4 * GB).replan
+    assert d.fell_behind_total == 3
+
+
+def test_rebase_clears_history():
+    d = detector()
+    for _ in range(2):
+        d.observe(1.0 * GB, 4 * GB)
+    d.rebase(stage())
+    assert d.steps_observed == 0
+    assert not d.observe(1.0 * GB, 4 * GB).replan
+
+
+def test_observe_step_stats_reads_cache_counters():
+    d = detector()
+    layers = {i: SimpleNamespace(forward_s=2.0, backward_s=4.0, microbatches=2) for i in range(4)}
+    stats = SimpleNamespace(write_bytes_per_s=2 * GB, read_bytes_per_s=4 * GB, backpressure_keeps=1, layers=layers)
+    for _ in range(3):
+        decision = d.observe_step_stats(stats)
+    assert decision.fell_behind == 1
+    assert decision.replan and all("fell behind" in r for r in decision.reasons)
+
+
+def test_bad_use_is_named():
+    with pytest.raises(ConfigError, match="threshold = 0"):
+        DriftDetector(threshold=0)
+    with pytest.raises(ConfigError, match="window = 0"):
+        DriftDetector(window=0)
+    with pytest.raises(ConfigError, match="rebase"):
+        DriftDetector().observe(GB, GB)
+    with pytest.raises(ConfigError, match="unknown layer ids"):
+        detector().observe(GB, GB, {"x": 1.0})
+    with pytest.raises(ConfigError, match="one per layer"):
+        detector().observe(GB, GB, [1.0])

@@ -1,0 +1,185 @@
+"""make_plan: both goals, infeasible budgets, pipeline stages, JSON form."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from megatron_ssd.config import Placement
+from megatron_ssd.errors import ConfigError, MegatronSSDError
+from megatron_ssd.planner.plan import (
+    GOAL_MAX_OFFLOAD,
+    GOAL_MEMORY_BUDGET,
+    PLAN_SCHEMA,
+    Plan,
+    PlanInfeasibleError,
+    make_plan,
+)
+from megatron_ssd.planner.profile import IOProfile, StageProfile, uniform_stage
+from megatron_ssd.planner.timeline import predict
+
+GB = 10**9
+K, O, R = Placement.KEEP, Placement.OFFLOAD, Placement.RECOMPUTE
+
+
+def fast_stage(**kw) -> StageProfile:
+    """8 layers of 1 s forward, 2 s backward, 1 GB; writes and reads take 0.1 s."""
+    return uniform_stage(8, 1.0, 2.0, GB, IOProfile(10 * GB, 10 * GB), **kw)
+
+
+def slow_stage(**kw) -> StageProfile:
+    """The same layers on an array where a write or a read takes 1.5 s."""
+    return uniform_stage(8, 1.0, 2.0, GB, IOProfile(GB / 1.5, GB / 1.5), **kw)
+
+
+def test_window_fits_offloads_all_but_last():
+    plan = make_plan(fast_stage())
+    assert plan.goal == GOAL_MAX_OFFLOAD
+    assert plan.placements == [O] * 7 + [K]
+    assert plan.exposed_s == 0.0
+    assert plan.step_s == plan.keep_step_s == 24.0
+    assert plan.keep_peak_activation_bytes == 8 * GB
+    assert plan.peak_activation_bytes == 2 * GB  # last layer + the prefetched one
+    assert plan.offloaded_bytes == 7 * GB
+    assert all(lp.write_s == pytest.approx(0.1) and lp.read_s == pytest.approx(0.1) for lp in plan.layers[:7])
+
+
+def test_window_does_not_fit_offloads_a_prefix_without_stall():
+    stage = slow_stage()
+    plan = make_plan(stage, safety_margin=0.1)
+    offloaded = plan.layers_with(O)
+    assert 0 < len(offloaded) < 7
+    assert offloaded == list(range(len(offloaded)))  # the first layers
+    assert plan.exposed_s <= 0.1 * plan.step_s
+    assert plan.exposed_s == 0.0 and not any(lp.forwarded for lp in plan.layers)
+    # the planner stopped where it had to: one more layer stalls or is forwarded at the derated bandwidth
+    more = plan.placements
+    more[len(offloaded)] = O
+    tl = predict(stage, more, io=stage.io.derated(0.1))
+    assert tl.exposed_s > 0 or tl.forwarded
+
+
+def test_compute_slowdown_is_reported_not_hidden():
+    stage = uniform_stage(8, 1.0, 2.0, GB, IOProfile(10 * GB, 10 * GB, compute_slowdown=0.5))
+    plan = make_plan(stage)
+    assert plan.exposed_s == 0.0
+    assert plan.slowdown_s > 0
+    assert plan.step_s == pytest.approx(plan.keep_step_s + plan.slowdown_s)
+
+
+def test_budget_met_with_offload_and_recompute():
+    stage = slow_stage()
+    budget = 3 * GB
+    plan = make_plan(stage, memory_budget=budget)
+    assert plan.goal == GOAL_MEMORY_BUDGET and plan.memory_budget == budget
+    assert plan.peak_activation_bytes <= budget
+    assert plan.layers_with(O) and plan.layers_with(R)
+    assert plan.exposed_s == 0.0
+    # cheaper than reaching the same budget by recompute alone (5 layers recomputed)
+    recompute_only = predict(stage, [R] * 5 + [K] * 3)
+    assert recompute_only.peak_bytes <= budget
+    assert plan.step_s < recompute_only.step_s
+
+
+def test_budget_already_met_keeps_everything():
+    plan = make_plan(fast_stage(), memory_budget=8 * GB)
+    assert plan.placements == [K] * 8
+    assert plan.step_s == plan.keep_step_s
+
+
+def test_budget_without_recompute_uses_offload_only():
+    plan = make_plan(fast_stage(), memory_budget=4 * GB, allow_recompute=False)
+    assert plan.peak_activation_bytes <= 4 * GB
+    assert not plan.layers_with(R)
+    assert plan.step_s == plan.keep_step_s
+
+
+def test_budget_impossible_names_smallest_peak():
+    # everything recomputed still materializes one layer (1 GB) during its backward
+    with pytest.raises(PlanInfeasibleError) as info:
+        make_plan(slow_stage(), memory_budget=GB // 2)
+    err = info.value
+    assert isinstance(err, MegatronSSDError)
+    assert err.memory_budget == GB // 2
+    assert err.smallest_peak == GB
+    text = str(err)
+    assert text.startswith("megatron_ssd:")
+    assert "memory_budget = 500000000 bytes" in text
+    assert "smallest reachable predicted peak is 1000000000 bytes" in text
+
+
+def test_budget_impossible_without_recompute():
+    with pytest.raises(PlanInfeasibleError) as info:
+        make_plan(slow_stage(), memory_budget=2 * GB, allow_recompute=False)
+    assert info.value.smallest_peak > 2 * GB
+    assert str(info.value.smallest_peak) in str(info.value)
+
+
+def test_first_pipeline_stage_offloads_more_for_the_same_budget():
+    budget = 6 * GB
+    first = make_plan(fast_stage(pipeline_rank=0, pipeline_size=4), memory_budget=budget)
+    last = make_plan(fast_stage(pipeline_rank=3, pipeline_size=4), memory_budget=budget)
+    assert first.microbatches_in_flight == 4 and last.microbatches_in_flight == 1
+    assert first.keep_peak_activation_bytes == 32 * GB and last.keep_peak_activation_bytes == 8 * GB
+    assert first.peak_activation_bytes <= budget and last.peak_activation_bytes <= budget
+    moved = lambda plan: sum(lp.bytes for lp in plan.layers if lp.placement is not K)  # noqa: E731
+    assert moved(first) > moved(last)
+    assert len(first.layers_with(O)) > len(last.layers_with(O))
+
+
+def test_plan_json_round_trip_and_schema():
+    plan = make_plan(slow_stage(), memory_budget=3 * GB)
+    data = json.loads(plan.to_json())
+    assert data["schema"] == PLAN_SCHEMA
+    assert data["goal"] == "memory_budget"
+    assert {entry["placement"] for entry in data["layers"]} <= {"keep", "offload", "recompute"}
+    for key in ("layer_id", "placement", "bytes", "write_s", "read_s", "exposed_s"):
+        assert all(key in entry for entry in data["layers"])
+    for key in ("peak_activation_bytes", "step_s", "keep_peak_activation_bytes", "keep_step_s", "io"):
+        assert key in data
+    assert data["io"]["write_bytes_per_s"] == GB / 1.5
+    assert Plan.from_json(plan.to_json()) == plan
+
+
+def test_plan_json_rejects_wrong_schema_and_unknown_keys():
+    data = make_plan(fast_stage()).to_dict()
+    with pytest.raises(ConfigError, match="schema"):
+        Plan.from_dict({**data, "schema": "other/9"})
+    with pytest.raises(ConfigError, match="unknown key 'peak'"):
+        Plan.from_dict({**data, "peak": 1})
+
+
+def test_table_lists_every_layer():
+    plan = make_plan(fast_stage(), memory_budget=3 * GB)
+    text = plan.table()
+    lines = text.splitlines()
+    assert len(lines) == 1 + 8 + 2
+    assert "offload" in text and "keep-everything" in text
+    assert plan.placement(7) is K
+    with pytest.raises(KeyError):
+        plan.placement(99)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"safety_margin": 1.0}, "safety_margin = 1.0"),
+        ({"safety_margin": -0.1}, "safety_margin"),
+        ({"prefetch_depth": 0}, "prefetch_depth = 0"),
+        ({"memory_budget": -1}, "memory_budget = -1"),
+        ({"memory_budget": 1.5}, "memory_budget = 1.5"),
+    ],
+)
+def test_bad_arguments_name_field_and_rule(kwargs, match):
+    with pytest.raises(ConfigError, match=match):
+        make_plan(fast_stage(), **kwargs)
+
+
+def test_unequal_layers_skip_the_one_that_does_not_fit():
+    stage = fast_stage()
+    stage.layers[1].saved_bytes = 40 * GB  # 4 s each way: cannot hide behind one backward
+    plan = make_plan(stage)
+    assert plan.placement(1) is K
+    assert plan.placement(0) is O and plan.placement(2) is O
+    assert plan.exposed_s == 0.0

@@ -1,0 +1,150 @@
+"""simulate(): activation and FLOP estimates, a 1.3B-class GPT, lifetime arithmetic."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from megatron_ssd.errors import ConfigError
+from megatron_ssd.planner.simulate import (
+    SimulationSpec,
+    drive_lifetime_years,
+    layer_activation_bytes,
+    layer_forward_flops,
+    prediction_error,
+    simulate,
+    spec_from_overrides,
+    stage_profile,
+)
+
+# GPT of about 1.3B parameters (24 layers, h = 2048, 16 heads), s = 2048, b = 1
+GPT_1_3B = dict(num_layers=24, hidden=2048, heads=16, seq_len=2048, micro_batch=1, vocab=50304)
+SBH = 2048 * 1 * 2048
+
+
+def test_activation_bytes_follow_korthikanti():
+    spec = SimulationSpec(**GPT_1_3B)
+    assert layer_activation_bytes(spec) == SBH * (34 + 5 * 16 * 2048 // 2048)  # 478,150,656
+    tp2 = SimulationSpec(**GPT_1_3B, tp=2)
+    assert layer_activation_bytes(tp2) == SBH * (10 + 24 // 2 + 5 * 16 * 2048 // (2048 * 2))
+    sp2 = SimulationSpec(**GPT_1_3B, tp=2, sequence_parallel=True)
+    assert layer_activation_bytes(sp2) == SBH * 114 // 2
+    flash = SimulationSpec(**GPT_1_3B, flash_attention=True)
+    assert layer_activation_bytes(flash) == SBH * 34
+    fp32 = SimulationSpec(**GPT_1_3B, dtype_bytes=4)
+    assert layer_activation_bytes(fp32) == 2 * SBH * 114
+
+
+def test_forward_flops_follow_the_standard_count():
+    spec = SimulationSpec(**GPT_1_3B)
+    expected = 24 * 1 * 2048 * 2048**2 * (1 + 2048 / (6 * 2048))
+    assert layer_forward_flops(spec) == pytest.approx(expected)
+    assert layer_forward_flops(SimulationSpec(**GPT_1_3B, tp=4)) == pytest.approx(expected / 4)
+
+
+def test_stage_profile_from_dimensions():
+    spec = SimulationSpec(**GPT_1_3B, pp=4, num_microbatches=8, gpu_flops=312e12, mfu=0.5)
+    first = stage_profile(spec)
+    assert [layer.layer_id for layer in first.layers] == list(range(6))
+    assert first.microbatches_in_flight == 4 and first.other_s == 0.0
+    forward = 24 * 2048**3 * (1 + 1 / 6) / 156e12
+    assert first.layers[0].forward_s == pytest.approx(forward)
+    assert first.layers[0].backward_s == pytest.approx(2 * forward)
+    last = stage_profile(SimulationSpec(**GPT_1_3B, pp=4, num_microbatches=8, pipeline_rank=3))
+    assert last.layers[0].layer_id == 18 and last.microbatches_in_flight == 1
+    assert last.other_s > 0  # output layer and loss
+    t5 = stage_profile(SimulationSpec(arch="t5", num_layers=2, hidden=512, heads=8, seq_len=256, micro_batch=2))
+    assert len(t5.layers) == 4
+    assert t5.layers[2].saved_bytes > t5.layers[1].saved_bytes  # decoder adds cross-attention
+
+
+def test_gpt_1_3b_simulation_is_plausible():
+    spec = SimulationSpec(**GPT_1_3B, flash_attention=True, ssd_count=8, gpu_flops=312e12, mfu=0.45)
+    result = simulate(spec)
+    plan = result.plan
+    offloaded = plan.layers_with("offload")
+    assert 0 < len(offloaded) < 24
+    assert offloaded == list(range(len(offloaded)))
+    assert plan.keep_peak_activation_bytes == 24 * SBH * 34
+    assert 0.2 < result.memory_saved_fraction < 1.0
+    assert abs(result.overhead_fraction) < 1e-9 and plan.exposed_s == 0.0
+    # a step of ~0.13 s and writes bounded by the array's 52 GB/s
+    assert 0.05 < result.iteration_s < 0.5
+    rate = plan.offloaded_bytes / result.iteration_s
+    assert result.write_bytes_per_s_per_gpu == pytest.approx(rate)
+    assert 0 < rate < 8 * 6.5e9
+    # lifetime by hand: each of 8 drives takes rate / 8 bytes per second all day long
+    per_drive_day = rate / 8 * 86400
+    assert result.drive_bytes_per_day == pytest.approx(per_drive_day)
+    assert result.lifetime_years == pytest.approx(7.0e15 / per_drive_day / 365)
+    assert result.ssd_footprint_bytes == plan.offloaded_bytes
+    text = result.summary()
+    assert "lifetime" in text and "GB/s per GPU" in text and "offload" in text
+
+
+def test_budget_simulation_uses_the_planner_budget():
+    spec = SimulationSpec(**{**GPT_1_3B, "micro_batch": 4}, flash_attention=True, ssd_count=4, memory_budget=10 * 10**9)
+    result = simulate(spec)
+    assert result.plan.peak_activation_bytes <= 10 * 10**9
+    assert result.overhead_fraction >= 0
+
+
+def test_lifetime_arithmetic_by_hand():
+    # 1 GB/s for a whole day is 86.4 TB; a drive rated 86.4 TB x 365 lasts one year
+    assert drive_lifetime_years(1e9, 86.4e12 * 365) == pytest.approx(1.0)
+    # 12.1 GB/s per GPU, 2 GPUs on 7 drives: 298.7 TB per drive per day
+    per_drive_day = 12.1e9 * 2 / 7 * 86400
+    assert per_drive_day == pytest.approx(298.7e12, rel=1e-3)
+    assert drive_lifetime_years(12.1e9, 218e15, ssd_count=7, gpus_per_array=2) == pytest.approx(
+        218e15 / per_drive_day / 365
+    )
+    assert drive_lifetime_years(1e9, 1e15, duty_cycle=0.5) == pytest.approx(2 * drive_lifetime_years(1e9, 1e15))
+    assert drive_lifetime_years(0.0, 1e15) == math.inf
+
+
+def test_prediction_error():
+    assert prediction_error(1.1, 1.0) == pytest.approx(0.1)
+    assert prediction_error(0.9, 1.0) == pytest.approx(0.1)
+    assert prediction_error(0.0, 0.0) == 0.0
+    assert prediction_error(0.01, 0.0) == math.inf
+    assert prediction_error(0.01, 0.0, scale=1.0) == pytest.approx(0.01)
+    errors = prediction_error({"step_s": 2.0, "exposed_s": 0.1}, {"step_s": 2.2, "exposed_s": 0.1})
+    assert errors == {"step_s": pytest.approx(0.2 / 2.2), "exposed_s": 0.0}
+    with pytest.raises(ConfigError, match="same keys"):
+        prediction_error({"a": 1.0}, {"b": 1.0})
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"pp": 5}, r"pp = 5: must divide the layer count \(24\)"),
+        ({"arch": "llama"}, "arch = 'llama'"),
+        ({"hidden": 2050}, "hidden = 2050: must be a multiple of heads"),
+        ({"mfu": 1.5}, r"mfu = 1.5: must be in \(0, 1\]"),
+        ({"ssd_count": 0}, "ssd_count = 0"),
+        ({"pipeline_rank": 1}, "pipeline_rank = 1"),
+    ],
+)
+def test_bad_spec_is_named(kwargs, match):
+    with pytest.raises(ConfigError, match=match):
+        SimulationSpec(**{**GPT_1_3B, **kwargs})
+
+
+def test_spec_from_presets_and_overrides():
+    spec = spec_from_overrides(["ssd_count=4", "memory_budget=8GiB", "flash_attention=true"], model="gpt-1.3b")
+    assert (spec.num_layers, spec.hidden, spec.heads, spec.ssd_count) == (24, 2048, 16, 4)
+    assert spec.memory_budget == 8 << 30 and spec.flash_attention is True
+    with pytest.raises(ConfigError, match="model = 'gpt-9t'"):
+        spec_from_overrides([], model="gpt-9t")
+    with pytest.raises(ConfigError, match="unknown key 'ssd_cout'; did you mean 'ssd_count'"):
+        spec_from_overrides(["ssd_cout=4"])
+
+
+def test_result_json_form():
+    result = simulate(SimulationSpec(**GPT_1_3B))  # nothing hides at prefetch depth 1 on 1 drive
+    data = json.loads(json.dumps(result.to_dict()))
+    assert data["lifetime_years"] is None and data["write_bytes_per_s_per_gpu"] == 0.0
+    assert data["plan"]["schema"] == "megatron_ssd.plan/1"
+    assert data["spec"]["hidden"] == 2048

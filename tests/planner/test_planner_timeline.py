@@ -1,0 +1,136 @@
+"""The timeline model on tiny stages whose events are worked out by hand."""
+
+from __future__ import annotations
+
+import pytest
+
+from megatron_ssd.config import Placement
+from megatron_ssd.errors import ConfigError
+from megatron_ssd.planner.profile import IOProfile, LayerProfile, StageProfile
+from megatron_ssd.planner.timeline import predict
+
+K, O, R = Placement.KEEP, Placement.OFFLOAD, Placement.RECOMPUTE
+
+
+def two_layers(write_bw=100.0, read_bw=200.0, slowdown=0.0, **stage):
+    """Layers of 1 s forward, 2 s backward, 100 saved bytes each."""
+    layers = [LayerProfile(0, 1.0, 2.0, 100), LayerProfile(1, 1.0, 2.0, 100)]
+    return StageProfile(layers=layers, io=IOProfile(write_bw, read_bw, slowdown), **stage)
+
+
+def test_keep_everything_is_plain_compute():
+    tl = predict(two_layers(), [K, K])
+    assert tl.step_s == 6.0 and tl.compute_s == 6.0
+    assert tl.exposed_s == 0.0 and tl.slowdown_s == 0.0
+    assert tl.peak_bytes == 200
+    assert tl.memory == [(0.0, 0), (1.0, 100), (2.0, 200), (4.0, 100), (6.0, 0)]
+    assert tl.write_busy_s == 0.0 and tl.read_busy_s == 0.0
+
+
+def test_offload_hidden_write_then_read():
+    # write of layer 0: 1 -> 2 (100 B at 100 B/s); read issued when backward of layer 1
+    # starts at 2, done at 2.5; backward of layer 0 starts at 4 without waiting.
+    tl = predict(two_layers(), [O, K])
+    lt = tl.layers[0]
+    assert (lt.write_start, lt.write_end) == (1.0, 2.0)
+    assert (lt.read_issue, lt.read_start, lt.read_end) == (2.0, 2.0, 2.5)
+    assert (lt.backward_start, lt.backward_end) == (4.0, 6.0)
+    assert tl.step_s == 6.0 and tl.exposed_s == 0.0
+    assert tl.write_busy_s == 1.0 and tl.read_busy_s == 0.5 and tl.io_end_s == 2.5
+    # the read buffer is allocated at 2 when the write frees the bytes: peak stays 200
+    assert tl.memory == [(0.0, 0), (1.0, 100), (2.0, 200), (4.0, 100), (6.0, 0)]
+    assert tl.peak_bytes == 200
+
+
+def test_late_read_is_exposed():
+    # read takes 3 s: 2 -> 5; backward of layer 0 could start at 4, waits 1 s
+    tl = predict(two_layers(read_bw=100.0 / 3), [O, K])
+    assert tl.layers[0].stall_s == pytest.approx(1.0)
+    assert tl.exposed_s == pytest.approx(1.0)
+    assert tl.step_s == pytest.approx(7.0)
+    assert tl.layers[0].backward_start == pytest.approx(5.0)
+
+
+def test_compute_slowdown_while_io_in_flight():
+    # slowdown 0.5: forward of layer 1 runs 1 -> 2 under the write (2/3 done), then 1/3
+    # alone: ends 7/3. The read runs 7/3 -> 16/3, all of backward 1 under it: 2 * 1.5 = 3
+    # s, ending 16/3. Backward 0 runs alone: 16/3 -> 22/3.
+    tl = predict(two_layers(read_bw=100.0 / 3, slowdown=0.5), [O, K])
+    assert tl.layers[1].forward_end == pytest.approx(7 / 3)
+    assert tl.layers[0].read_end == pytest.approx(16 / 3)
+    assert tl.layers[1].backward_end == pytest.approx(16 / 3)
+    assert tl.step_s == pytest.approx(22 / 3)
+    assert tl.exposed_s == pytest.approx(0.0)
+    assert tl.slowdown_s == pytest.approx(4 / 3)
+
+
+def test_write_late_forwards_from_memory():
+    # write 1 -> 3 (100 B at 50 B/s) but the read is due at 2: served from memory
+    tl = predict(two_layers(write_bw=50.0), [O, K])
+    assert tl.forwarded == [0]
+    lt = tl.layers[0]
+    assert lt.read_issue is None and lt.read_end is None
+    assert tl.read_busy_s == 0.0 and tl.write_busy_s == 2.0 and tl.io_end_s == 3.0
+    assert tl.step_s == 6.0 and tl.peak_bytes == 200
+    assert tl.memory == [(0.0, 0), (1.0, 100), (2.0, 200), (4.0, 100), (6.0, 0)]
+
+
+def test_recompute_holds_boundary_then_materializes():
+    layers = [
+        LayerProfile(0, 1.0, 2.0, 100, kept_bytes=5, recompute_s=0.5, boundary_bytes=10),
+        LayerProfile(1, 1.0, 2.0, 100),
+    ]
+    tl = predict(StageProfile(layers, IOProfile(100.0, 100.0)), [R, K])
+    assert tl.step_s == 6.5 and tl.compute_s == 6.5
+    # boundary 10 from 1; layer 1 adds 100 at 2; at 4 layer 1 leaves and layer 0's
+    # rerun forward materializes 105 until 6.5
+    assert tl.memory == [(0.0, 0), (1.0, 10), (2.0, 110), (4.0, 115), (6.5, 0)]
+    assert tl.peak_bytes == 115
+    assert tl.parked_bytes == 110
+
+
+def test_reads_queue_behind_writes_on_one_device():
+    # layer 1 (400 B) writes 2 -> 6 and is forwarded at 3; the read of layer 0, issued at
+    # 5, waits for the array until 6 and takes 2 s: backward 0 waits from 7 to 8.
+    layers = [LayerProfile(0, 1.0, 2.0, 100), LayerProfile(1, 1.0, 2.0, 400), LayerProfile(2, 1.0, 2.0, 100)]
+    tl = predict(StageProfile(layers, IOProfile(100.0, 50.0)), [O, O, K])
+    assert tl.forwarded == [1]
+    assert (tl.layers[0].read_issue, tl.layers[0].read_start, tl.layers[0].read_end) == (5.0, 6.0, 8.0)
+    assert tl.exposed_s == 1.0 and tl.step_s == 10.0
+    assert tl.peak_bytes == 500
+
+
+def test_prefetch_depth_moves_read_issue_earlier():
+    layers = [LayerProfile(i, 1.0, 2.0, 100) for i in range(3)]
+    stage = StageProfile(layers, IOProfile(1000.0, 1000.0))
+    one = predict(stage, [O, O, K], prefetch_depth=1)
+    two = predict(stage, [O, O, K], prefetch_depth=2)
+    assert one.layers[0].read_issue == 5.0  # backward of layer 1 starts
+    assert two.layers[0].read_issue == 3.0  # first backward starts
+    assert two.layers[1].read_issue == 3.0
+    assert two.microbatch_peak_bytes > one.microbatch_peak_bytes
+
+
+def test_other_compute_runs_at_the_turn():
+    tl = predict(two_layers(other_s=0.5), [O, K])
+    assert tl.layers[1].backward_start == 2.5
+    assert tl.layers[0].read_issue == 2.5
+    assert tl.step_s == 6.5
+
+
+def test_pipeline_stage_adds_parked_microbatches():
+    one = predict(two_layers(), [O, K])
+    three = predict(two_layers(pipeline_size=3, pipeline_rank=0), [O, K])
+    assert three.parked_bytes == 100  # layer 1 kept; layer 0 offloaded, writes drained
+    assert three.microbatch_peak_bytes == one.peak_bytes == 200
+    assert three.peak_bytes == 200 + 2 * 100
+    assert three.step_s == one.step_s
+
+
+def test_bad_placements_rejected():
+    with pytest.raises(ConfigError, match="placements"):
+        predict(two_layers(), [K])
+    with pytest.raises(ConfigError, match="prefetch_depth = 0"):
+        predict(two_layers(), [K, K], prefetch_depth=0)
+    with pytest.raises(ValueError):
+        predict(two_layers(), ["sideways", "keep"])
