@@ -1,0 +1,146 @@
+"""CPU mode: the redirected CUDA spots, and megatron-core's stock models and schedule on CPU."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from megatron.core.models.bert.bert_model import BertModel
+from megatron.core.models.gpt.gpt_model import GPTModel
+from megatron.core.models.T5.t5_model import T5Model
+from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.pipeline_parallel.schedules import forward_backward_no_pipelining
+
+import megatron_ssd.megatron.cpu_mode as cpu_mode_module
+from megatron_ssd.megatron.attention import CPUCoreAttention
+from megatron_ssd.megatron.cpu_mode import CPUDeviceMode, cpu_mode, cpu_mode_active
+from megatron_ssd.megatron.harness import (
+    SyntheticData,
+    bert_forward_step,
+    gpt_forward_step,
+    run_steps,
+    t5_forward_step,
+)
+from megatron_ssd.megatron.models import build_bert, build_gpt, build_t5, tiny_transformer_config
+from megatron_ssd.megatron.parallel import destroy_parallel, init_parallel
+
+pytestmark = pytest.mark.skipif(
+    torch.cuda.is_available(), reason="CPU mode is a no-op where CUDA is available"
+)
+
+
+def _modes():
+    stack = torch.overrides._get_current_function_mode_stack()
+    return [mode for mode in stack if isinstance(mode, CPUDeviceMode)]
+
+
+def test_redirects_the_cuda_spots_megatron_uses():
+    original = torch.cuda.current_device
+    with cpu_mode() as active:
+        assert active and cpu_mode_active()
+        # schedules.py: total_num_tokens
+        assert torch.zeros([], dtype=torch.int, device="cuda").device.type == "cpu"
+        # p2p_communication.py: receive buffers and shape tensors
+        assert torch.empty((3,), device=torch.cuda.current_device()).device.type == "cpu"
+        assert torch.tensor([1, 2], device=torch.device("cuda", 0)).device.type == "cpu"
+        torch.cuda.synchronize()
+        # language_module.py: tied embedding copy on the last stage
+        weight = torch.ones(2)
+        assert weight.cuda() is weight
+        # Calls without a CUDA device are untouched.
+        assert torch.equal(torch.arange(3) * 2, torch.tensor([0, 2, 4]))
+    assert torch.cuda.current_device is original
+    assert not cpu_mode_active() and not _modes()
+
+
+def test_is_reentrant_and_undone_on_error():
+    original = (torch.cuda.current_device, torch.cuda.synchronize)
+    with pytest.raises(RuntimeError, match="boom"):
+        with cpu_mode():
+            with cpu_mode():
+                assert len(_modes()) == 1, "nested blocks share one mode"
+                raise RuntimeError("boom")
+    assert (torch.cuda.current_device, torch.cuda.synchronize) == original
+    assert not _modes()
+
+
+def test_mode_is_per_thread_and_stand_ins_are_counted():
+    seen = {}
+    inside = threading.Event()
+    leave = threading.Event()
+
+    def other_thread():
+        with cpu_mode():
+            inside.set()
+            leave.wait(10)
+
+    thread = threading.Thread(target=other_thread)
+    thread.start()
+    inside.wait(10)
+    seen["main_active"] = cpu_mode_active()
+    with cpu_mode():
+        pass
+    seen["still_installed"] = torch.cuda.current_device() == 0  # other thread still inside
+    leave.set()
+    thread.join(10)
+    assert seen == {"main_active": False, "still_installed": True}
+    with pytest.raises((AssertionError, RuntimeError)):
+        torch.cuda.current_device()  # restored: a CPU build has no CUDA
+
+
+def test_is_a_noop_when_cuda_is_available(monkeypatch):
+    monkeypatch.setattr(cpu_mode_module, "cuda_usable", lambda: True)
+    original = torch.cuda.current_device
+    with cpu_mode() as active:
+        assert active is False
+        assert torch.cuda.current_device is original and not _modes()
+
+
+@pytest.fixture(scope="module")
+def world():
+    info = init_parallel(seed=1234)
+    yield info
+    destroy_parallel()
+
+
+MODELS = {
+    "gpt": (build_gpt, gpt_forward_step, GPTModel, {}),
+    "bert": (build_bert, bert_forward_step, BertModel, {}),
+    "t5": (build_t5, t5_forward_step, T5Model, {"decoder_seq_length": 16}),
+}
+SEQ, MBS, NMB, VOCAB = 32, 2, 4, 128
+
+
+def _train(kind: str, seed: int = 7):
+    build, forward_step, _, extra = MODELS[kind]
+    torch.manual_seed(seed)
+    config = tiny_transformer_config(num_layers=2, hidden_size=64, num_attention_heads=4)
+    model = build(config, vocab_size=VOCAB, seq_len=SEQ)
+    data = SyntheticData(kind, MBS, SEQ, VOCAB, seed=3, **extra)
+    result = run_steps([model], forward_step, data, NMB, SEQ, MBS, steps=2, **extra)
+    return model, result
+
+
+@pytest.mark.parametrize("kind", sorted(MODELS))
+def test_stock_model_trains_with_the_stock_schedule(world, kind):
+    assert get_forward_backward_func() is forward_backward_no_pipelining
+    model, result = _train(kind)
+    assert isinstance(model, MODELS[kind][2])
+    attentions = [m for m in model.modules() if isinstance(m, CPUCoreAttention)]
+    assert len(attentions) == (6 if kind == "t5" else 2)  # T5 decoder: self + cross
+    assert [step.shape for step in result.losses] == [torch.Size([NMB])] * 2
+    assert all(torch.isfinite(step).all() for step in result.losses)
+    assert not torch.equal(result.losses[0], result.losses[1]), "SGD step changed nothing"
+    names = {name for name, p in model.named_parameters() if p.requires_grad}
+    assert set(result.grads) == names
+    assert all(torch.isfinite(g).all() for g in result.grads.values())
+
+
+@pytest.mark.parametrize("kind", sorted(MODELS))
+def test_two_runs_are_bit_identical(world, kind):
+    _, first = _train(kind)
+    _, second = _train(kind)
+    assert all(torch.equal(a, b) for a, b in zip(first.losses, second.losses))
+    assert first.grads.keys() == second.grads.keys()
+    assert all(torch.equal(first.grads[n], second.grads[n]) for n in first.grads)

@@ -1,0 +1,171 @@
+"""Device-agnostic recompute: gradients bit-identical to the plain forward, dropout included.
+
+The same tests run on a GPU machine (nccl, CUDA tensors), where attention dropout draws from
+megatron's RNG tracker, so there they also check the tracker replay.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.utils.checkpoint as torch_checkpoint
+from megatron.core import tensor_parallel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.transformer.spec_utils import build_module
+
+from megatron_ssd.megatron.attention import cpu_layer_spec
+from megatron_ssd.megatron.models import tiny_transformer_config
+from megatron_ssd.megatron.parallel import destroy_parallel, init_parallel
+from megatron_ssd.megatron.recompute import RNGReplay, checkpoint_layer, checkpoint_module
+
+
+@pytest.fixture(scope="module")
+def world():
+    init_parallel()
+    yield
+    destroy_parallel()
+
+
+def _layer(dropout: float):
+    torch.manual_seed(0)
+    config = tiny_transformer_config(1, 64, 4, hidden_dropout=dropout, attention_dropout=dropout)
+    return build_module(cpu_layer_spec(get_gpt_layer_local_spec()), config=config, layer_number=1)
+
+
+def _tracker_snapshot() -> dict:
+    """Copies of megatron's RNG tracker states (empty on CPU: nothing forks it there)."""
+    return {name: state.clone() for name, state in _tracker().get_states().items()}
+
+
+def _tracker():
+    return tensor_parallel.get_cuda_rng_tracker()
+
+
+def _run(layer, forward, tracker_states):
+    """Forward with fixed seeds, disturb the generators, backward; return output and grads."""
+    layer.zero_grad(set_to_none=True)
+    device = next(layer.parameters()).device
+    x = torch.randn(32, 2, 64, generator=torch.Generator().manual_seed(1))
+    x = x.to(device).requires_grad_()
+    torch.manual_seed(7)
+    if tracker_states:  # on GPU attention dropout draws from the tracker
+        _tracker().set_states({name: state.clone() for name, state in tracker_states.items()})
+    out, context = forward(layer, x)
+    assert context is None
+    torch.manual_seed(99)  # backward must not depend on the generators' state now
+    (out.float() ** 2).sum().backward()
+    grads = {name: p.grad.clone() for name, p in layer.named_parameters()}
+    return out.detach(), x.grad, grads
+
+
+def _plain(layer, x):
+    return layer(x, attention_mask=None)
+
+
+def _recomputed(layer, x):
+    return checkpoint_layer(layer.forward, x, attention_mask=None)
+
+
+def _recomputed_by_keyword(layer, x):
+    """As ``TransformerBlock`` calls its layers: every tensor by keyword."""
+    return checkpoint_layer(layer.forward, hidden_states=x, attention_mask=None)
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.2])
+def test_gradients_are_bit_identical(world, dropout):
+    layer = _layer(dropout)
+    states = _tracker_snapshot()
+    plain = _run(layer, _plain, states)
+    recomputed = _run(layer, _recomputed, states)
+    assert torch.equal(plain[0], recomputed[0])
+    assert torch.equal(plain[1], recomputed[1])
+    assert plain[2].keys() == recomputed[2].keys()
+    assert all(torch.equal(plain[2][n], recomputed[2][n]) for n in plain[2])
+    via_module = _run(
+        layer, lambda layer, x: checkpoint_module(layer, x, attention_mask=None), states
+    )
+    assert torch.equal(plain[1], via_module[1])
+    by_keyword = _run(layer, _recomputed_by_keyword, states)
+    assert torch.equal(plain[1], by_keyword[1])
+    assert all(torch.equal(plain[2][n], by_keyword[2][n]) for n in plain[2])
+
+
+def test_without_rng_replay_dropout_differs(world):
+    """Control: the dropout test above really depends on replaying the generator."""
+    layer = _layer(0.2)
+    states = _tracker_snapshot()
+    plain = _run(layer, _plain, states)
+    unreplayed = _run(
+        layer,
+        lambda layer, x: torch_checkpoint.checkpoint(
+            layer.forward, x, attention_mask=None, use_reentrant=False, preserve_rng_state=False
+        ),
+        states,
+    )
+    assert not torch.equal(plain[1], unreplayed[1])
+
+
+@pytest.fixture
+def tracker_saved():
+    """Put megatron's RNG tracker back as it was (on GPU it holds the seeded states)."""
+    saved = _tracker_snapshot()
+    yield _tracker()
+    if saved:
+        _tracker().set_states(saved)
+    else:
+        _tracker().reset()
+
+
+def test_tracker_states_are_replayed_and_restored(world, tracker_saved):
+    forward_state = torch.tensor([1, 2, 3], dtype=torch.uint8)
+    tracker_saved.set_states({"model-parallel-rng": forward_state})
+    replay = RNGReplay()
+    forward_ctx, recompute_ctx = replay.context_fn()
+    with forward_ctx:
+        pass
+    live_state = torch.tensor([9, 9, 9], dtype=torch.uint8)
+    tracker_saved.set_states({"model-parallel-rng": live_state})
+    with recompute_ctx:
+        assert torch.equal(tracker_saved.get_states()["model-parallel-rng"], forward_state)
+    assert tracker_saved.get_states()["model-parallel-rng"] is live_state
+
+
+def test_without_tracker_states_replay_does_nothing(world, tracker_saved):
+    tracker_saved.reset()
+    replay = RNGReplay()
+    _, recompute_ctx = replay.context_fn()
+    assert replay.forward_states is None
+    with recompute_ctx:
+        assert not tracker_saved.get_states()
+
+
+class _PackRecorder:
+    """Saved-tensor hooks that record what they are given (stand-in for a tensor cache)."""
+
+    def __init__(self):
+        self.packed = []
+
+    def pack(self, tensor):
+        self.packed.append(tensor)
+        return tensor
+
+    def unpack(self, tensor):
+        return tensor
+
+
+def test_outer_hooks_see_only_the_positional_inputs(world):
+    """NOTE [Recompute and saved-tensor hooks]."""
+    layer = _layer(0.0)
+    device = next(layer.parameters()).device
+    x = torch.randn(32, 2, 64, device=device, requires_grad=True)
+    mask = torch.ones(1, 1, 32, 32, dtype=torch.bool, device=device).triu(1)
+    recorder = _PackRecorder()
+    with torch.autograd.graph.saved_tensors_hooks(recorder.pack, recorder.unpack):
+        out, _ = checkpoint_layer(layer.forward, x, attention_mask=mask)
+    assert [t is x for t in recorder.packed] == [True]
+    plain = _PackRecorder()
+    with torch.autograd.graph.saved_tensors_hooks(plain.pack, plain.unpack):
+        layer(x, attention_mask=mask)
+    assert len(plain.packed) > 10, "without checkpointing the layer saves many tensors"
+    out.sum().backward()
+    assert x.grad is not None
