@@ -92,6 +92,7 @@ class TensorCache:
         self._hook_handles: list = []
         self._closed = False
         self._bwd_clock: Dict[int, Tuple[Hashable, float]] = {}
+        self._writes: set = set()
 
     # ------------------------------------------------------------------ layers and plan
 
@@ -364,6 +365,7 @@ class TensorCache:
                 lc.offloaded_bytes += entry.nbytes
             entry.state = EntryState.WRITING
             entry.write_future = future
+            self._writes.add(future)
         future.add_done_callback(partial(self._write_done, entry))
 
     def _write_done(self, entry: Entry, future: IOFuture) -> None:
@@ -371,6 +373,7 @@ class TensorCache:
         error = future.error()
         with self._lock:
             entry.write_future = None
+            self._writes.discard(future)
             if error is not None:
                 self._counters.write_fallbacks += 1
                 self._counters.bytes_fallen_back += entry.nbytes
@@ -502,9 +505,20 @@ class TensorCache:
         with self._lock:
             return list(self._records)
 
+    def drain(self) -> None:
+        """Wait until every queued write has completed (or failed)."""
+        with self._lock:
+            pending = list(self._writes)
+        for future in pending:
+            _wait(future)
+
     def finish_step(self) -> StepStats:
-        """Close the step's accounting and return its numbers; counters start again."""
+        """Close the step's accounting and return its numbers; counters start again.
+
+        Waits for writes still in flight first, so each step's bytes are its own.
+        """
         self._check_open()
+        self.drain()
         es = self.engine.stats()
         with self._lock:
             c, base = self._counters, self._engine_base
@@ -559,6 +573,14 @@ class TensorCache:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _wait(future: IOFuture) -> None:
+    """Wait for ``future`` without raising its error (callbacks handle errors)."""
+    try:
+        future.get()
+    except Exception:  # noqa: BLE001 - the write callback already recorded the failure
+        pass
 
 
 def _flatten(obj: Any) -> Iterator[Any]:
