@@ -1,5 +1,30 @@
 """I/O engines: the async protocol and its POSIX (O_DIRECT) and kvikio backends."""
 
 from .base import ALIGN, Engine, EngineStats, Extent, IOFuture, SwapHandle, align_up
+from .buffers import BufferPool, aligned_empty
+from .factory import create_engine, resolve_engine_name
+from .kvikio_engine import KvikioEngine, kvikio_available
+from .layout import ExtentLayout, FileLayout, Layout
+from .posix import PosixEngine
+from .rundir import remove_stale_runs
 
-__all__ = ["ALIGN", "Engine", "EngineStats", "Extent", "IOFuture", "SwapHandle", "align_up"]
+__all__ = [
+    "ALIGN",
+    "BufferPool",
+    "Engine",
+    "EngineStats",
+    "Extent",
+    "ExtentLayout",
+    "FileLayout",
+    "IOFuture",
+    "KvikioEngine",
+    "Layout",
+    "PosixEngine",
+    "SwapHandle",
+    "align_up",
+    "aligned_empty",
+    "create_engine",
+    "kvikio_available",
+    "remove_stale_runs",
+    "resolve_engine_name",
+]

@@ -17,7 +17,7 @@ placed KEEP, OFFLOAD or RECOMPUTE by the cache's plan.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional, Union
+from typing import Any, List, Optional, Sequence, Tuple, Union
 
 import torch
 from megatron.core.transformer.moe.moe_layer import MoELayer  # noqa: F401  (import order: MoE before layer)
@@ -30,7 +30,14 @@ from ..config import Placement
 from ..errors import ConfigError
 from .recompute import checkpoint_layer
 
-__all__ = ["OffloadLayerMixin", "OffloadTransformerLayer", "OffloadMoETransformerLayer", "offload_layer_spec"]
+__all__ = [
+    "OffloadLayerMixin",
+    "OffloadMoETransformerLayer",
+    "OffloadTransformerLayer",
+    "assign_layer_ids",
+    "find_offload_layers",
+    "offload_layer_spec",
+]
 
 
 class OffloadLayerMixin:
@@ -43,12 +50,19 @@ class OffloadLayerMixin:
     """
 
     layer_number: int
+    ssd_layer_id: Any = None
+    """Set by :func:`assign_layer_ids`; ``layer_number`` until then."""
+
+    @property
+    def layer_id(self) -> Any:
+        """The id the tensor cache and the plan know this layer by."""
+        return self.layer_number if self.ssd_layer_id is None else self.ssd_layer_id
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         cache = active_cache()
         if cache is None:
             return super().forward(*args, **kwargs)  # type: ignore[misc]
-        layer_id = self.layer_number
+        layer_id = self.layer_id
         cache.enter_layer(layer_id)
         outputs = None
         try:
@@ -109,12 +123,23 @@ def offload_layer_spec(spec: Union[ModuleSpec, TransformerBlockSubmodules]) -> A
     )
 
 
-def find_offload_layers(model: torch.nn.Module) -> list:
-    """The offload-aware layers of ``model`` in ``layer_number`` order."""
-    layers = [m for m in model.modules() if isinstance(m, OffloadLayerMixin)]
-    return sorted(layers, key=lambda m: m.layer_number)
+def find_offload_layers(model: torch.nn.Module) -> List[Tuple[str, OffloadLayerMixin]]:
+    """``(qualified name, layer)`` of the offload-aware layers of ``model``, in module order
+    (the forward order for GPT and BERT; encoder before decoder for T5)."""
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, OffloadLayerMixin)]
 
 
-def layer_number_of(module: Any) -> Optional[int]:
-    """``module.layer_number`` if it is an offload-aware layer, else None."""
-    return module.layer_number if isinstance(module, OffloadLayerMixin) else None
+def assign_layer_ids(chunks: Sequence[torch.nn.Module]) -> List[OffloadLayerMixin]:
+    """Give every offload-aware layer of ``chunks`` a unique id and return them in order.
+
+    The id is Megatron's global ``layer_number``; where two blocks number their layers
+    alike (T5's encoder and decoder), it is ``"<block>.<layer_number>"``, the block being
+    the first component of the layer's module path (``encoder``, ``decoder``).
+    """
+    found = [(n, m) for chunk in chunks for n, m in find_offload_layers(chunk)]
+    numbers = [m.layer_number for _, m in found]
+    clash = len(set(numbers)) != len(numbers)
+    for name, module in found:
+        block = name.split(".")[0] if "." in name else name
+        module.ssd_layer_id = f"{block}.{module.layer_number}" if clash else module.layer_number
+    return [m for _, m in found]

@@ -20,7 +20,7 @@ from megatron.core import pipeline_parallel
 
 from ..cache import StepStats, TensorCache
 from ..errors import ConfigError
-from .layer import find_offload_layers
+from .layer import assign_layer_ids
 
 __all__ = ["OffloadSchedule", "get_forward_backward_func", "set_default_cache", "get_default_cache", "check_no_megatron_offload"]
 
@@ -99,10 +99,9 @@ class OffloadSchedule:
             self.cache.register_parameters(chunk)
             self._registered.add(id(chunk))
         known = set(self.cache.layer_ids)
-        layers = [l for c in new for l in find_offload_layers(c) if l.layer_number not in known]
-        layers.sort(key=lambda l: l.layer_number)
+        layers = [l for l in assign_layer_ids(new) if l.layer_id not in known]
         if layers:
-            self.cache.register_layers(layers, ids=[l.layer_number for l in layers], install_hooks=False)
+            self.cache.register_layers(layers, ids=[l.layer_id for l in layers], install_hooks=False)
 
     def __call__(self, *, forward_step_func: Callable[..., Any], model: Any, forward_only: bool = False, **kwargs: Any) -> Any:
         chunks = list(model) if isinstance(model, (list, tuple)) else [model]

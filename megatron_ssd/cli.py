@@ -1,0 +1,111 @@
+"""The ``megatron-ssd`` command.
+
+Subcommands::
+
+    megatron-ssd train --config configs/gpt-tiny.yaml [key=value ...] [--json PATH]
+    megatron-ssd plan --config configs/gpt-ref-cpu.yaml [--json PATH]
+    megatron-ssd rok --config configs/gpt-ref-cpu.yaml [--json PATH] [--plot PATH]
+    megatron-ssd simulate [--model gpt-1.3b] [--ssd-count 4] ...
+    megatron-ssd bench-io PATH [PATH ...]
+    megatron-ssd clean PATH [PATH ...]
+    megatron-ssd pretrain-gpt --megatron-path DIR <pretrain_gpt.py args> --ssd-offload ...
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import List, Optional
+
+from .errors import MegatronSSDError
+
+__all__ = ["main", "build_parser"]
+
+
+def _add_config_args(p: argparse.ArgumentParser, default: Optional[str]) -> None:
+    p.add_argument("--config", default=default, help="YAML preset (see configs/)")
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="override a config field, e.g. steps=10")
+    p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of the ``megatron-ssd`` command."""
+    parser = argparse.ArgumentParser(prog="megatron-ssd", description="SSD activation offloading for Megatron-LM")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("train", help="train a megatron-core GPT with offload and report what it saved")
+    _add_config_args(p, "configs/gpt-tiny.yaml")
+    p.add_argument("--no-baseline", action="store_true", help="skip the keep-everything comparison run")
+
+    p = sub.add_parser("plan", help="profile a few steps and print the per-layer offload plan")
+    _add_config_args(p, "configs/gpt-ref-cpu.yaml")
+
+    p = sub.add_parser("rok", help="measure the recompute-offload-keep curve, one process per placement")
+    _add_config_args(p, "configs/gpt-ref-cpu.yaml")
+    p.add_argument("--plot", metavar="PATH", help="write a PNG plot of memory against step time")
+
+    p = sub.add_parser("simulate", help="what-if: plan, overhead and SSD lifetime for hardware you describe")
+    p.add_argument("--json", metavar="PATH")
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="e.g. num_layers=24 ssd_count=4")
+
+    p = sub.add_parser("bench-io", help="measure O_DIRECT write/read bandwidth of offload paths")
+    p.add_argument("paths", nargs="+")
+    p.add_argument("--size", default="1GiB", help="bytes written per path (default 1GiB)")
+    p.add_argument("--json", metavar="PATH")
+
+    p = sub.add_parser("clean", help="remove stale offload run directories left by runs that died")
+    p.add_argument("paths", nargs="+")
+
+    sub.add_parser(
+        "pretrain-gpt",
+        help="run Megatron-LM's pretrain_gpt.py with ssd offload (all further arguments go to it)",
+        add_help=False,
+    )
+    return parser
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """Entry point of the ``megatron-ssd`` command; returns the exit status."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "pretrain-gpt":
+        from .megatron.launcher import main as launch
+
+        return launch(argv[1:])
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "train":
+            from .train import run_train
+
+            return run_train(args.config, args.overrides, json_path=args.json, baseline=not args.no_baseline)
+        if args.command == "plan":
+            from .planner.commands import run_plan
+
+            return run_plan(args.config, args.overrides, json_path=args.json)
+        if args.command == "rok":
+            from .planner.commands import run_rok
+
+            return run_rok(args.config, args.overrides, json_path=args.json, plot_path=args.plot)
+        if args.command == "simulate":
+            from .planner.commands import run_simulate
+
+            return run_simulate(args.overrides, json_path=args.json)
+        if args.command == "bench-io":
+            from .io.bench import run_bench_io
+
+            return run_bench_io(args.paths, args.size, json_path=args.json)
+        if args.command == "clean":
+            from .io import remove_stale_runs
+
+            removed = [d for path in args.paths for d in remove_stale_runs(path)]
+            for d in removed:
+                print(f"removed {d}")
+            print(f"megatron-ssd clean: {len(removed)} stale run director{'y' if len(removed) == 1 else 'ies'} removed")
+            return 0
+    except MegatronSSDError as err:
+        print(err, file=sys.stderr)
+        return 2
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

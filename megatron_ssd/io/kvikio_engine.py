@@ -1,0 +1,153 @@
+"""The kvikio engine: GPUDirect Storage reads and writes straight from CUDA memory.
+
+Same layout, striping, backpressure and checksums as :class:`PosixEngine` (it is one,
+with the CUDA block path replaced): a CUDA block is moved by ``kvikio.CuFile.pwrite`` /
+``pread`` between device memory and the file, with no host staging when GDS is active
+(kvikio falls back to its own bounce buffers in compatibility mode). CPU tensors take
+the POSIX path.
+
+kvikio loads ``libcuda.so.1`` on every file operation, even for host memory, so this
+engine needs a GPU. Importing this module never imports kvikio; constructing the engine
+does, and raises :class:`~megatron_ssd.errors.ConfigError` when kvikio or CUDA is
+missing. ::
+
+    engine = KvikioEngine(OffloadConfig(paths=["/nvme0"], io=IOConfig(engine="kvikio")))
+"""
+
+from __future__ import annotations
+
+import errno
+import importlib
+import importlib.util
+import threading
+import zlib
+from typing import Any, Dict, Optional
+
+import torch
+
+from ..config import OffloadConfig
+from ..errors import ConfigError, OffloadIOError
+from .layout import ExtentLayout, Fault, io_error
+from .posix import PosixEngine
+from .striped import BlobOp, Block
+
+__all__ = ["KvikioEngine", "kvikio_available"]
+
+
+def kvikio_available() -> bool:
+    """True when the kvikio package is installed (without importing it)."""
+    return importlib.util.find_spec("kvikio") is not None
+
+
+def _import_kvikio() -> Any:
+    if not kvikio_available():
+        raise ConfigError(
+            "IOConfig.engine = 'kvikio': the kvikio package is not installed "
+            "(pip install -e .[gpu]) ; use io.engine=posix or auto"
+        )
+    if not torch.cuda.is_available():
+        raise ConfigError(
+            "IOConfig.engine = 'kvikio': needs a CUDA device and none is visible "
+            "(kvikio loads libcuda.so.1 for every file operation); use io.engine=posix or auto"
+        )
+    try:
+        return importlib.import_module("kvikio")
+    except Exception as e:  # a broken CUDA install surfaces here as any exception type
+        raise ConfigError(f"IOConfig.engine = 'kvikio': importing kvikio failed: {e!r}") from e
+
+
+class KvikioEngine(PosixEngine):
+    """GPUDirect Storage engine for CUDA tensors; see the module docstring.
+
+    Args:
+        config: Offload settings (``paths`` and ``io``).
+        rank: Rank used in run directory names.
+        fault: Optional fault-injection hook (see :class:`PosixEngine`).
+
+    Raises:
+        ConfigError: kvikio is not installed, CUDA is not available, or a path is bad.
+    """
+
+    def __init__(self, config: OffloadConfig, rank: Optional[int] = None, fault: Optional[Fault] = None) -> None:
+        self._kvikio = _import_kvikio()
+        super().__init__(config, rank, fault)
+        self._cufiles: Dict[str, Any] = {}
+        self._cufiles_lock = threading.Lock()
+
+    # NOTE [CuFile lifetime]: in the extent layout each path has one file for the whole
+    # run, so its CuFile is opened on first use and closed by close() after the workers
+    # stopped. In the file layout a blob's files are unlinked on free (or on a failed
+    # write) by code that does not know about CuFiles, so there a CuFile lives for one
+    # block only.
+
+    def _with_cufile(self, file: str, fn: Any) -> Any:
+        if not isinstance(self._layout, ExtentLayout):
+            f = self._kvikio.CuFile(file, "r+")
+            try:
+                return fn(f)
+            finally:
+                f.close()
+        with self._cufiles_lock:
+            f = self._cufiles.get(file)
+            if f is None:
+                f = self._cufiles[file] = self._kvikio.CuFile(file, "r+")
+        return fn(f)
+
+    def _gds(self, op_name: str, block: Block, part: torch.Tensor) -> None:
+        """One cuFile pwrite / pread of the block's payload; errors become OffloadIOError."""
+        try:
+            if self.fault is not None:
+                err = self.fault(op_name, block.file, block.offset, block.nbytes)
+                if err is not None:
+                    raise err
+            call = (lambda f: f.pwrite(part, block.nbytes, block.offset)) if op_name == "write" else (
+                lambda f: f.pread(part, block.nbytes, block.offset))
+            with self._io_slots:  # NOTE [I/O slots]
+                moved = self._with_cufile(block.file, lambda f: call(f).get())
+        except OffloadIOError:
+            raise
+        except OSError as e:
+            raise io_error(op_name, block.file, block.offset, block.nbytes, e) from e
+        except Exception as e:  # kvikio reports failures as RuntimeError
+            raise io_error(op_name, block.file, block.offset, block.nbytes, OSError(errno.EIO, repr(e))) from e
+        if moved != block.nbytes:
+            short = OSError(errno.EIO, f"short {op_name} ({moved} of {block.nbytes} bytes)")
+            raise io_error(op_name, block.file, block.offset, block.nbytes, short)
+
+    def _device_crc(self, part: torch.Tensor) -> int:
+        """CRC32 of CUDA bytes, through a pinned staging buffer (checksums cost a D2H copy)."""
+        buf = self._pool.acquire()
+        try:
+            self._cuda_copy(buf[: part.numel()], part, part.device, None)
+            return zlib.crc32(buf[: part.numel()].numpy())
+        finally:
+            self._pool.release(buf)
+
+    def _write_block(self, op: BlobOp, block: Block) -> None:
+        src = op.tensor
+        if not src.is_cuda:
+            return super()._write_block(op, block)
+        # cuFile reads device memory outside stream order: wait on the host until the
+        # kernels queued before write() produced the bytes (NOTE [CUDA ordering]).
+        op.ready.synchronize()
+        part = src[block.blob_offset : block.blob_offset + block.nbytes]
+        self._gds("write", block, part)
+        if self.io.checksum:
+            block.checksum = self._device_crc(part)
+
+    def _read_block(self, op: BlobOp, block: Block) -> None:
+        dst = op.tensor
+        if not dst.is_cuda:
+            return super()._read_block(op, block)
+        op.ready.synchronize()
+        part = dst[block.blob_offset : block.blob_offset + block.nbytes]
+        self._gds("read", block, part)
+        if block.expected is not None:
+            self._verify(block, self._device_crc(part))
+
+    def close(self) -> None:
+        super().close()
+        with self._cufiles_lock:
+            files, self._cufiles = self._cufiles, {}
+        for f in files.values():
+            f.close()

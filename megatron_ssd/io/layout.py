@@ -1,0 +1,318 @@
+"""Where blocks live on disk: the ``extent`` and ``file`` layouts.
+
+Both layouts own one :class:`~megatron_ssd.io.rundir.RunDir` per offload path and
+answer one question, "where does this block go", with a file and an aligned offset:
+
+* ``extent``: one preallocated file per path (``extents.bin``); a first-fit allocator
+  with a coalescing free list hands out ALIGN-granular extents and takes them back on
+  free. The file grows by ``io.file_grow_bytes`` when it is full and never shrinks while
+  the run lives, so steady-state training allocates no disk space and creates no files.
+* ``file``: one file per blob per path (``blob-<n>.bin``), preallocated at creation and
+  unlinked on free.
+
+Layouts do no data I/O; engines do, through file descriptors from :meth:`Layout.acquire`.
+"""
+
+from __future__ import annotations
+
+import abc
+import bisect
+import errno
+import itertools
+import os
+import threading
+from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
+
+from ..config import IOConfig
+from ..errors import OffloadIOError
+from .base import ALIGN, Extent, align_up
+from .rundir import RunDir, check_offload_path, remove_stale_runs, resolve_rank
+
+__all__ = ["Fault", "ExtentAllocator", "Layout", "ExtentLayout", "FileLayout", "make_layout",
+           "io_error", "remove_stale_runs"]
+
+Fault = Callable[[str, str, int, int], Optional[OSError]]
+"""Fault-injection hook: ``fault(op, path, offset, nbytes)`` is consulted before each
+disk operation (``op`` is ``"allocate"``, ``"write"`` or ``"read"``); returning an
+OSError makes that operation fail with it."""
+
+
+def io_error(op: str, path: str, offset: int, nbytes: int, err: OSError) -> OffloadIOError:
+    """An OffloadIOError naming the operation, file, offset, size and errno of ``err``."""
+    code = errno.errorcode.get(err.errno or 0, str(err.errno))
+    out = OffloadIOError(
+        f"{op} of {nbytes} bytes at offset {offset} of {path} failed: {code} "
+        f"({err.strerror or err})"
+    )
+    out.errno = err.errno
+    out.__cause__ = err
+    return out
+
+
+def _check_fault(fault: Optional[Fault], op: str, path: str, offset: int, nbytes: int) -> None:
+    if fault is not None:
+        err = fault(op, path, offset, nbytes)
+        if err is not None:
+            raise err
+
+
+def _preallocate(fd: int, offset: int, nbytes: int) -> None:
+    """Reserve ``[offset, offset + nbytes)`` on disk; ftruncate where fallocate is missing."""
+    try:
+        os.posix_fallocate(fd, offset, nbytes)
+    except OSError as e:
+        if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+            raise
+        if os.fstat(fd).st_size < offset + nbytes:
+            os.ftruncate(fd, offset + nbytes)
+
+
+class ExtentAllocator:
+    """First-fit allocation of ALIGN-granular extents in one growable file.
+
+    The free list is kept sorted by offset and coalesced on every free, so freeing the
+    same sizes that were allocated always restores one free run. Not thread-safe; the
+    layout holds its lock around every call.
+    """
+
+    def __init__(self) -> None:
+        self.size = 0
+        """Bytes the file spans (allocated + free)."""
+        self._starts: List[int] = []
+        self._lens: List[int] = []
+
+    @property
+    def free_bytes(self) -> int:
+        """Bytes on the free list."""
+        return sum(self._lens)
+
+    def alloc(self, nbytes: int) -> Optional[int]:
+        """Offset of a free extent of ``align_up(nbytes)`` bytes, or None when none fits."""
+        need = align_up(nbytes)
+        for i, length in enumerate(self._lens):
+            if length >= need:
+                offset = self._starts[i]
+                if length == need:
+                    del self._starts[i], self._lens[i]
+                else:
+                    self._starts[i] += need
+                    self._lens[i] -= need
+                return offset
+        return None
+
+    def free(self, offset: int, nbytes: int) -> None:
+        """Return ``[offset, offset + align_up(nbytes))`` to the free list.
+
+        Raises:
+            ValueError: the range is not allocated (double free or foreign range).
+        """
+        length = align_up(nbytes)
+        end = offset + length
+        i = bisect.bisect_left(self._starts, offset)
+        prev_end = self._starts[i - 1] + self._lens[i - 1] if i > 0 else 0
+        next_start = self._starts[i] if i < len(self._starts) else self.size
+        if offset % ALIGN or offset < prev_end or end > next_start:
+            raise ValueError(
+                f"megatron_ssd: extent [{offset}, {end}) is not allocated (freed twice?)"
+            )
+        if i > 0 and prev_end == offset:
+            i -= 1
+            self._lens[i] += length
+        else:
+            self._starts.insert(i, offset)
+            self._lens.insert(i, length)
+        if i + 1 < len(self._starts) and self._starts[i] + self._lens[i] == self._starts[i + 1]:
+            self._lens[i] += self._lens.pop(i + 1)
+            del self._starts[i + 1]
+
+    def add_space(self, nbytes: int) -> None:
+        """Extend the file by ``nbytes`` (ALIGN multiple) of free space at its end."""
+        old = self.size
+        self.size += nbytes
+        self.free(old, nbytes)
+
+
+class Layout(abc.ABC):
+    """Run directories plus a placement policy for blocks; see the module docstring.
+
+    Args:
+        paths: Offload directories, one per drive.
+        io: I/O settings (``direct``, ``file_grow_bytes``).
+        rank: Rank used in run directory names (see :func:`resolve_rank`).
+        fault: Optional fault-injection hook consulted before disk allocations.
+    """
+
+    def __init__(self, paths: Sequence[str], io: IOConfig, rank: Optional[int] = None,
+                 fault: Optional[Fault] = None) -> None:
+        self.io = io
+        self.fault = fault
+        self._lock = threading.Lock()
+        self._fds: Dict[str, List[int]] = {}  # file -> [fd, references]
+        self.run_dirs: List[RunDir] = []
+        rank = resolve_rank(rank)
+        for p in paths:  # every path is checked before anything is created
+            check_offload_path(p)
+        try:
+            for p in paths:
+                remove_stale_runs(p)
+                self.run_dirs.append(RunDir(p, rank, io.direct))
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def dirs(self) -> Tuple[str, ...]:
+        """The run directories, one per path."""
+        return tuple(d.path for d in self.run_dirs)
+
+    @abc.abstractmethod
+    def allocate(self, blocks: Sequence[Tuple[int, int]]) -> List[Tuple[str, int]]:
+        """Place blocks given as ``(path_index, disk_bytes)``; return ``(file, offset)`` each.
+
+        All or nothing: on failure nothing stays allocated.
+
+        Raises:
+            OffloadIOError: the disk space could not be reserved (e.g. ENOSPC).
+        """
+
+    @abc.abstractmethod
+    def free(self, extents: Iterable[Extent]) -> None:
+        """Give back the space of a blob's extents."""
+
+    def acquire(self, file: str, path_index: int) -> int:
+        """A file descriptor of ``file``, opened on first use; pair with :meth:`release`."""
+        with self._lock:
+            entry = self._fds.get(file)
+            if entry is None:
+                entry = self._fds[file] = [self.run_dirs[path_index].open(os.path.basename(file)), 0]
+            entry[1] += 1
+            return entry[0]
+
+    def release(self, file: str) -> None:
+        """Drop one reference taken by :meth:`acquire`; the last one closes the fd."""
+        with self._lock:
+            entry = self._fds[file]
+            entry[1] -= 1
+            if entry[1] == 0:
+                del self._fds[file]
+                os.close(entry[0])
+
+    def disk_size(self) -> int:
+        """Bytes the layout's data files span right now (sum of their sizes)."""
+        total = 0
+        for d in self.run_dirs:
+            with os.scandir(d.path) as it:
+                total += sum(e.stat(follow_symlinks=False).st_size for e in it
+                             if not e.name.startswith(".") and e.is_file(follow_symlinks=False))
+        return total
+
+    def close(self) -> None:
+        """Close every fd and delete every file and run directory; idempotent."""
+        with self._lock:
+            fds, self._fds = self._fds, {}
+        for fd, _ in fds.values():
+            os.close(fd)
+        for d in self.run_dirs:
+            d.close()
+
+
+class ExtentLayout(Layout):
+    """One preallocated file per path with a first-fit extent allocator."""
+
+    FILE = "extents.bin"
+
+    def __init__(self, paths: Sequence[str], io: IOConfig, rank: Optional[int] = None,
+                 fault: Optional[Fault] = None) -> None:
+        super().__init__(paths, io, rank, fault)
+        self._allocators = [ExtentAllocator() for _ in self.run_dirs]
+        self.files = [d.join(self.FILE) for d in self.run_dirs]
+        try:
+            for file, d in zip(self.files, self.run_dirs):
+                self._fds[file] = [d.create(self.FILE), 1]  # held until close()
+        except BaseException:
+            self.close()
+            raise
+
+    def _grow(self, index: int, need: int) -> None:
+        alloc, file = self._allocators[index], self.files[index]
+        nbytes = max(self.io.file_grow_bytes, align_up(need))
+        try:
+            _check_fault(self.fault, "allocate", file, alloc.size, nbytes)
+            _preallocate(self._fds[file][0], alloc.size, nbytes)
+        except OSError as e:
+            raise io_error("allocate", file, alloc.size, nbytes, e) from e
+        alloc.add_space(nbytes)
+
+    def allocate(self, blocks: Sequence[Tuple[int, int]]) -> List[Tuple[str, int]]:
+        out: List[Tuple[str, int]] = []
+        with self._lock:
+            try:
+                for index, nbytes in blocks:
+                    offset = self._allocators[index].alloc(nbytes)
+                    if offset is None:
+                        self._grow(index, nbytes)
+                        offset = self._allocators[index].alloc(nbytes)
+                    out.append((self.files[index], offset))  # type: ignore[arg-type]
+            except BaseException:
+                for (index, nbytes), (_, offset) in zip(blocks, out):
+                    self._allocators[index].free(offset, nbytes)
+                raise
+        return out
+
+    def free(self, extents: Iterable[Extent]) -> None:
+        with self._lock:
+            for e in extents:
+                self._allocators[e.path_index].free(e.offset, e.length)
+
+
+class FileLayout(Layout):
+    """One preallocated file per blob per path, unlinked on free."""
+
+    def __init__(self, paths: Sequence[str], io: IOConfig, rank: Optional[int] = None,
+                 fault: Optional[Fault] = None) -> None:
+        super().__init__(paths, io, rank, fault)
+        self._seq = itertools.count()
+
+    def allocate(self, blocks: Sequence[Tuple[int, int]]) -> List[Tuple[str, int]]:
+        name = f"blob-{next(self._seq):08d}.bin"
+        sizes: Dict[int, int] = {}
+        out: List[Tuple[str, int]] = []
+        for index, nbytes in blocks:
+            offset = sizes.get(index, 0)
+            sizes[index] = offset + align_up(nbytes)
+            out.append((self.run_dirs[index].join(name), offset))
+        created: List[int] = []
+        try:
+            for index, total in sizes.items():
+                file = self.run_dirs[index].join(name)
+                try:
+                    _check_fault(self.fault, "allocate", file, 0, total)
+                    fd = self.run_dirs[index].create(name)
+                except OSError as e:
+                    raise io_error("create", file, 0, total, e) from e
+                created.append(index)
+                try:
+                    _preallocate(fd, 0, total)
+                except OSError as e:
+                    raise io_error("allocate", file, 0, total, e) from e
+                finally:
+                    os.close(fd)
+        except BaseException:
+            for index in created:
+                self.run_dirs[index].unlink(name)
+            raise
+        return out
+
+    def free(self, extents: Iterable[Extent]) -> None:
+        done = set()
+        for e in extents:
+            if e.file is not None and e.file not in done:
+                done.add(e.file)
+                self.run_dirs[e.path_index].unlink(os.path.basename(e.file))
+
+
+def make_layout(paths: Sequence[str], io: IOConfig, rank: Optional[int] = None,
+                fault: Optional[Fault] = None) -> Layout:
+    """The layout named by ``io.layout``."""
+    cls = ExtentLayout if io.layout == "extent" else FileLayout
+    return cls(paths, io, rank, fault)

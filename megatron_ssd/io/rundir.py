@@ -1,0 +1,338 @@
+"""Private per-process run directories under the offload paths, and stale-run cleanup.
+
+Each process creates ``msd-<host>-<pid>-r<rank>-<8 hex>`` under every offload path,
+mode 0700, holding a marker file ``.megatron_ssd_run`` that says who owns it. Files
+inside are created through the directory's file descriptor with
+``O_CREAT | O_EXCL | O_NOFOLLOW`` and mode 0600, so nothing is ever written through a
+symbolic link or into a file someone else created.
+
+A run killed before it could clean up leaves its directory behind;
+:func:`remove_stale_runs` deletes such directories at the next start, and only those
+whose marker proves the owning process is gone.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import logging
+import os
+import re
+import secrets
+import shutil
+import socket
+import stat
+import struct
+import time
+from typing import Any, Dict, List, Optional, Tuple
+
+from ..errors import ConfigError
+
+__all__ = [
+    "MARKER",
+    "RUN_PREFIX",
+    "RunDir",
+    "resolve_rank",
+    "check_offload_path",
+    "dio_alignment",
+    "remove_stale_runs",
+]
+
+logger = logging.getLogger(__name__)
+
+MARKER = ".megatron_ssd_run"
+"""Name of the marker file that identifies a run directory as ours."""
+
+RUN_PREFIX = "msd-"
+"""Prefix of run directory names."""
+
+_O_DIRECT = getattr(os, "O_DIRECT", 0)
+_O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+
+
+def resolve_rank(rank: Optional[int] = None) -> int:
+    """The rank for naming: explicit, else torch.distributed, else env ``RANK``, else 0."""
+    if rank is not None:
+        return int(rank)
+    try:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            return int(dist.get_rank())
+    except (ImportError, RuntimeError):
+        pass
+    env = os.environ.get("RANK", "")
+    return int(env) if env.strip().isdigit() else 0
+
+
+def check_offload_path(path: str) -> str:
+    """Check an offload path and return it absolute.
+
+    Raises:
+        ConfigError: the path is a symbolic link, does not exist, is not a directory
+            or is not writable.
+    """
+    name = f"OffloadConfig.paths: {path!r}"
+    if os.path.islink(path):
+        raise ConfigError(f"{name} is a symbolic link: offload paths must be real directories "
+                          f"(pass the link's target, {os.path.realpath(path)!r})")
+    if not os.path.exists(path):
+        raise ConfigError(f"{name} does not exist: offload paths must be existing directories")
+    if not os.path.isdir(path):
+        raise ConfigError(f"{name} is not a directory: offload paths must be directories")
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise ConfigError(f"{name} is not writable: offload paths must be writable directories")
+    return os.path.abspath(path)
+
+
+# --------------------------------------------------------------------- process identity
+
+
+def _read(path: str) -> Optional[str]:
+    try:
+        with open(path, "r", encoding="ascii") as fh:
+            return fh.read().strip()
+    except OSError:
+        return None
+
+
+def _proc_start_ticks(pid: int) -> Optional[int]:
+    """Start time of ``pid`` in clock ticks since boot (field 22 of /proc/<pid>/stat)."""
+    text = _read(f"/proc/{pid}/stat")
+    if not text:
+        return None
+    try:
+        return int(text[text.rindex(")") + 2 :].split()[19])
+    except (ValueError, IndexError):
+        return None
+
+
+def _pid_ns() -> Optional[str]:
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return None
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    except (OverflowError, ValueError):
+        return False
+    return True
+
+
+def _identity() -> Dict[str, Any]:
+    pid = os.getpid()
+    return {
+        "pid": pid,
+        "host": socket.gethostname(),
+        "start_time": time.time(),
+        "proc_start": _proc_start_ticks(pid),
+        "boot_id": _read("/proc/sys/kernel/random/boot_id"),
+        "pid_ns": _pid_ns(),
+    }
+
+
+def _is_stale(marker: Dict[str, Any]) -> bool:
+    """True only when the marker proves its process is gone.
+
+    The owner must be on this host. A different boot id means the machine restarted
+    since. In the same boot and pid namespace, a dead pid, or a live pid with another
+    start time (the pid was reused), is gone. Anything else (another host, another pid
+    namespace as in a container) cannot be checked and is left alone.
+    """
+    if marker.get("host") != socket.gethostname():
+        return False
+    boot = _read("/proc/sys/kernel/random/boot_id")
+    if marker.get("boot_id") and boot and marker["boot_id"] != boot:
+        return True
+    if marker.get("pid_ns") != _pid_ns():
+        return False
+    pid = marker.get("pid")
+    if not isinstance(pid, int) or pid <= 0:
+        return False
+    if not _pid_alive(pid):
+        return True
+    started = marker.get("proc_start")
+    now = _proc_start_ticks(pid)
+    return started is not None and now is not None and started != now
+
+
+_STATX_DIOALIGN = 0x2000
+_STATX_DIO_OFFSET = 0x98  # stx_dio_mem_align, stx_dio_offset_align: two u32 (Linux 6.1+)
+
+
+def dio_alignment(path: str, default: int = 4096) -> Tuple[int, int]:
+    """``(memory, offset)`` alignment that O_DIRECT needs for the file ``path``.
+
+    Asked from the kernel with ``statx(STATX_DIOALIGN)``; ``(default, default)`` where
+    the kernel, libc or filesystem cannot say.
+    """
+    try:
+        statx = ctypes.CDLL(None, use_errno=True).statx
+    except (OSError, AttributeError):
+        return default, default
+    buf = ctypes.create_string_buffer(256)
+    at_fdcwd = -100
+    if statx(at_fdcwd, os.fsencode(path), 0, _STATX_DIOALIGN, buf) != 0:
+        return default, default
+    mask = struct.unpack_from("I", buf.raw, 0)[0]
+    mem, offset = struct.unpack_from("II", buf.raw, _STATX_DIO_OFFSET)
+    if not mask & _STATX_DIOALIGN or not mem or not offset:
+        return default, default
+    return mem, offset
+
+
+def _read_marker(run_dir: str) -> Optional[Dict[str, Any]]:
+    try:
+        fd = os.open(os.path.join(run_dir, MARKER), os.O_RDONLY | _O_NOFOLLOW | _O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        data = json.loads(os.read(fd, 1 << 16).decode("utf-8"))
+    except (OSError, ValueError, UnicodeDecodeError):
+        return None
+    finally:
+        os.close(fd)
+    return data if isinstance(data, dict) else None
+
+
+def remove_stale_runs(path: str) -> List[str]:
+    """Delete run directories under ``path`` left by processes that no longer exist.
+
+    Only directories named ``msd-*`` holding a readable marker whose process is provably
+    gone (see :func:`_is_stale`) are removed; anything else, ours or not, is untouched.
+
+    Returns:
+        The removed directories.
+    """
+    removed: List[str] = []
+    try:
+        entries = list(os.scandir(path))
+    except OSError:
+        return removed
+    for entry in entries:
+        if not entry.name.startswith(RUN_PREFIX) or not entry.is_dir(follow_symlinks=False):
+            continue
+        marker = _read_marker(entry.path)
+        if marker is None or not _is_stale(marker):
+            continue
+        shutil.rmtree(entry.path, ignore_errors=True)
+        if not os.path.lexists(entry.path):
+            logger.warning("megatron_ssd: removed stale offload directory %s (pid %s)", entry.path, marker.get("pid"))
+            removed.append(entry.path)
+    return removed
+
+
+# ------------------------------------------------------------------------- run directory
+
+
+class RunDir:
+    """This process's private directory under one offload path.
+
+    Args:
+        parent: The offload path (checked with :func:`check_offload_path`).
+        rank: Rank used in the directory name.
+        direct: Open data files with O_DIRECT.
+
+    Raises:
+        ConfigError: the path is unusable, or ``direct`` is asked for and the
+            filesystem refuses O_DIRECT.
+    """
+
+    def __init__(self, parent: str, rank: int, direct: bool) -> None:
+        self.parent = check_offload_path(parent)
+        if direct and not _O_DIRECT:
+            raise ConfigError("IOConfig.direct = True: this platform has no O_DIRECT; set io.direct=false")
+        self.direct = direct
+        self.dio_mem_align = 1
+        """Memory alignment O_DIRECT needs here (1 without O_DIRECT)."""
+        host = re.sub(r"[^A-Za-z0-9.-]", "_", socket.gethostname())[:64] or "host"
+        name = f"{RUN_PREFIX}{host}-{os.getpid()}-r{rank}-{secrets.token_hex(4)}"
+        self.path = os.path.join(self.parent, name)
+        try:
+            os.mkdir(self.path, 0o700)
+        except OSError as e:
+            raise ConfigError(f"OffloadConfig.paths: cannot create {self.path!r} ({e.strerror}): "
+                              "offload paths must be writable directories") from e
+        self._dirfd = -1
+        try:
+            self._dirfd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | _O_NOFOLLOW | _O_CLOEXEC)
+            os.chmod(self._dirfd, 0o700)  # the umask may have been stricter, never looser
+            marker = dict(_identity(), rank=rank)
+            fd = self._open(MARKER, os.O_WRONLY | os.O_CREAT | os.O_EXCL, direct=False)
+            try:
+                os.write(fd, json.dumps(marker).encode("utf-8"))
+            finally:
+                os.close(fd)
+            self._probe_direct()
+        except BaseException:
+            self.close()
+            raise
+
+    def _open(self, name: str, flags: int, direct: bool) -> int:
+        flags |= _O_NOFOLLOW | _O_CLOEXEC | (_O_DIRECT if direct else 0)
+        return os.open(name, flags, 0o600, dir_fd=self._dirfd)
+
+    def _probe_direct(self) -> None:
+        if not self.direct:
+            return
+        name = ".direct-probe"
+        try:
+            fd = self._open(name, os.O_RDWR | os.O_CREAT | os.O_EXCL, direct=True)
+        except OSError as e:
+            raise ConfigError(
+                f"IOConfig.direct = True: the filesystem of {self.parent!r} refuses O_DIRECT "
+                f"({e.strerror}); use another path or set io.direct=false"
+            ) from e
+        os.close(fd)
+        mem, offset = dio_alignment(self.join(name))
+        os.unlink(name, dir_fd=self._dirfd)
+        if offset > 4096:
+            raise ConfigError(
+                f"IOConfig.direct = True: {self.parent!r} needs O_DIRECT offsets aligned to "
+                f"{offset} bytes, more than the 4096 this engine uses; set io.direct=false"
+            )
+        self.dio_mem_align = min(max(mem, 1), 4096)
+
+    def join(self, name: str) -> str:
+        """Absolute path of ``name`` inside the run directory."""
+        return os.path.join(self.path, name)
+
+    def create(self, name: str) -> int:
+        """Create ``name`` (O_EXCL, O_NOFOLLOW, 0600, O_DIRECT when asked); return its fd."""
+        return self._open(name, os.O_RDWR | os.O_CREAT | os.O_EXCL, self.direct)
+
+    def open(self, name: str) -> int:
+        """Open an existing ``name`` for reading and writing, never through a symlink."""
+        return self._open(name, os.O_RDWR, self.direct)
+
+    def unlink(self, name: str) -> None:
+        """Remove ``name`` (a symlink is removed, never followed)."""
+        os.unlink(name, dir_fd=self._dirfd)
+
+    def close(self) -> None:
+        """Delete everything inside and the directory itself; idempotent."""
+        if self._dirfd >= 0:
+            try:
+                for name in os.listdir(self._dirfd):
+                    try:
+                        os.unlink(name, dir_fd=self._dirfd)
+                    except OSError:
+                        pass
+            finally:
+                os.close(self._dirfd)
+                self._dirfd = -1
+        if os.path.isdir(self.path) and not os.path.islink(self.path):
+            try:
+                os.rmdir(self.path)
+            except OSError:
+                shutil.rmtree(self.path, ignore_errors=True)

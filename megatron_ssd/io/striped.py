@@ -1,0 +1,397 @@
+"""Machinery shared by the block engines: striping, backpressure, completion, stats.
+
+A blob of ``n`` bytes is cut into blocks of ``io.block_bytes``; block ``i`` goes to path
+``(start + i) % len(paths)`` (RAID0-like; ``start`` rotates per blob so small blobs
+spread too). Each block is one task for a pool of workers that keeps ``io.threads``
+requests in flight (NOTE [I/O slots]), so the blocks of one blob proceed in parallel and
+the blob's future completes when the last is done. Reads overtake queued writes: a
+prefetch must not wait behind the forward pass's offload traffic.
+Subclasses only say how one block is written or read (:meth:`_write_block`,
+:meth:`_read_block`).
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import logging
+import queue
+import threading
+import time
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import torch
+
+from ..config import OffloadConfig
+from ..errors import CacheStateError, ConfigError, OffloadIOError
+from .base import Engine, EngineStats, Extent, IOFuture, SwapHandle, align_up
+from .layout import Fault, Layout, make_layout
+
+__all__ = ["Block", "BlobOp", "StripedEngine"]
+
+logger = logging.getLogger(__name__)
+
+_READ, _WRITE, _STOP = 0, 1, 2  # worker queue priorities: reads overtake queued writes
+
+
+@dataclass
+class Block:
+    """One request: ``nbytes`` payload bytes of a blob at ``offset`` of ``file``."""
+
+    blob_offset: int
+    nbytes: int
+    path_index: int
+    file: str
+    offset: int
+    expected: Optional[int] = None  # CRC32 to verify on read
+    checksum: Optional[int] = None  # CRC32 computed on write
+
+    @property
+    def length(self) -> int:
+        """Bytes on disk (padded to ALIGN)."""
+        return align_up(self.nbytes)
+
+
+@dataclass
+class BlobOp:
+    """One blob write or read in flight."""
+
+    kind: str
+    tensor: Optional[torch.Tensor]
+    blocks: List[Block]
+    future: IOFuture
+    fds: Dict[str, int] = field(default_factory=dict)
+    ready: Any = None  # CUDA event recorded on the caller's stream at submit time
+    error: Optional[BaseException] = None
+    remaining: int = 0
+    key: Any = None
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+class _Workers:
+    """``n`` threads draining one priority queue (reads before writes, FIFO within)."""
+
+    def __init__(self, n: int, name: str) -> None:
+        self._q: "queue.PriorityQueue[Tuple[int, int, Optional[Callable[..., None]], tuple]]" = queue.PriorityQueue()
+        self._seq = itertools.count()
+        self._threads = [threading.Thread(target=self._loop, name=f"{name}-{i}", daemon=True) for i in range(n)]
+        for t in self._threads:
+            t.start()
+
+    def submit(self, priority: int, fn: Callable[..., None], *args: Any) -> None:
+        self._q.put((priority, next(self._seq), fn, args))
+
+    def _loop(self) -> None:
+        while True:
+            _, _, fn, args = self._q.get()
+            if fn is None:
+                return
+            try:
+                fn(*args)
+            except BaseException:  # a task must never kill its worker
+                logger.exception("megatron_ssd: I/O task raised")
+
+    def shutdown(self) -> None:
+        for _ in self._threads:
+            self._q.put((_STOP, next(self._seq), None, ()))
+        for t in self._threads:
+            if t is not threading.current_thread():
+                t.join()
+
+
+def _shutdown(workers: _Workers, layout: Layout) -> None:
+    workers.shutdown()
+    layout.close()
+
+
+def check_blob(t: torch.Tensor, name: str) -> torch.Tensor:
+    """Reject anything but a contiguous 1-D uint8 tensor."""
+    if not isinstance(t, torch.Tensor) or t.dtype != torch.uint8 or t.dim() != 1 or not t.is_contiguous():
+        desc = f"{t.dtype}, shape {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+        raise ValueError(f"megatron_ssd: {name} must be a contiguous 1-D uint8 tensor, got {desc}")
+    return t
+
+
+class StripedEngine(Engine):
+    """Block striping over a :class:`~megatron_ssd.io.layout.Layout` with a worker pool.
+
+    Args:
+        config: Offload settings; ``config.paths`` and ``config.io`` are used.
+        rank: Rank for run directory names (default: see ``resolve_rank``).
+        fault: Optional fault-injection hook, see :data:`~megatron_ssd.io.layout.Fault`.
+    """
+
+    def __init__(self, config: OffloadConfig, rank: Optional[int] = None, fault: Optional[Fault] = None) -> None:
+        if not config.paths:
+            raise ConfigError("OffloadConfig.paths = []: must name at least one offload directory")
+        self.config = config
+        self.io = config.io
+        self.fault = fault
+        self._layout = make_layout(config.paths, config.io, rank, fault)
+        # NOTE [I/O slots]: io.threads is the number of requests kept in flight on the
+        # disk. Twice as many workers run blocks, and a worker holds one of io.threads
+        # slots only inside a syscall, so staging copies and checksums of the next
+        # blocks overlap the transfers instead of leaving the disk idle between them.
+        self._io_slots = threading.BoundedSemaphore(config.io.threads)
+        self._workers = _Workers(2 * config.io.threads, "megatron_ssd-io")
+        self._finalizer = weakref.finalize(self, _shutdown, self._workers, self._layout)
+        self._cv = threading.Condition()
+        self._inflight = 0
+        self._closed = False
+        self._stats = EngineStats(extra={"inflight_peak_bytes": 0, "zero_copy_bytes": 0, "staged_bytes": 0})
+        self._busy: Dict[str, List[float]] = {"write": [0, 0.0], "read": [0, 0.0]}  # [count, since]
+        self._live: Dict[Any, int] = {}  # handle key -> reads in flight
+        self._next_path = 0
+
+    # ------------------------------------------------------------------ subclass hooks
+
+    def _prepare(self, op: BlobOp) -> None:
+        """Called on the submitting thread before any block of ``op`` is queued."""
+
+    def _write_block(self, op: BlobOp, block: Block) -> None:
+        raise NotImplementedError
+
+    def _read_block(self, op: BlobOp, block: Block) -> None:
+        raise NotImplementedError
+
+    # ----------------------------------------------------------------------- interface
+
+    @property
+    def paths(self) -> Tuple[str, ...]:
+        return self._layout.dirs
+
+    @property
+    def layout(self) -> Layout:
+        """The on-disk layout (run directories, files, allocator)."""
+        return self._layout
+
+    def write(self, src: torch.Tensor, block: bool = True) -> Optional[IOFuture[SwapHandle]]:
+        self._check_open()
+        n = check_blob(src, "write(src)").numel()
+        if n == 0:
+            return IOFuture.completed(SwapHandle(0, ()))
+        if not self._admit(n, block):
+            return None
+        fut: IOFuture[SwapHandle] = IOFuture(n)
+        bb, npaths = self.io.block_bytes, len(self._layout.run_dirs)
+        with self._cv:
+            start, self._next_path = self._next_path, (self._next_path + 1) % npaths
+        plan = [(off, min(bb, n - off), (start + i) % npaths) for i, off in enumerate(range(0, n, bb))]
+        try:
+            where = self._layout.allocate([(p, align_up(nb)) for _, nb, p in plan])
+        except Exception as e:  # reported through the future, like any failed write
+            self._admit_release(n)
+            with self._cv:
+                self._stats.write_errors += 1
+            fut.set_error(e if isinstance(e, OffloadIOError) else self._wrap("write", n, e))
+            return fut
+        blocks = [Block(off, nb, p, f, o) for (off, nb, p), (f, o) in zip(plan, where)]
+        with self._cv:
+            self._stats.disk_bytes += sum(b.length for b in blocks)
+        self._submit(BlobOp("write", src, blocks, fut), _WRITE)
+        return fut
+
+    def read(self, handle: SwapHandle, dst: torch.Tensor) -> IOFuture[torch.Tensor]:
+        self._check_open()
+        check_blob(dst, "read(dst)")
+        if dst.numel() < handle.nbytes:
+            raise ValueError(f"megatron_ssd: read(dst) holds {dst.numel()} bytes, the blob has {handle.nbytes}")
+        fut: IOFuture[torch.Tensor] = IOFuture(handle.nbytes)
+        if handle.nbytes == 0:
+            fut.set_result(dst)
+            return fut
+        key = self._key(handle)
+        with self._cv:
+            if key not in self._live:
+                raise CacheStateError("read of a handle this engine does not hold (freed, or from another engine)")
+            self._live[key] += 1
+        ends = [e.blob_offset for e in handle.extents[1:]] + [handle.nbytes]
+        blocks = [
+            Block(e.blob_offset, end - e.blob_offset, e.path_index, e.file or "", e.offset, expected=e.checksum)
+            for e, end in zip(handle.extents, ends)
+        ]
+        self._submit(BlobOp("read", dst, blocks, fut, key=key), _READ)
+        return fut
+
+    def alloc(self, nbytes: int, device: torch.device) -> torch.Tensor:
+        from .buffers import aligned_empty
+
+        device = torch.device(device)
+        if device.type == "cpu":
+            return aligned_empty(nbytes)[:nbytes]
+        return torch.empty(align_up(max(nbytes, 1)), dtype=torch.uint8, device=device)[:nbytes]
+
+    def free(self, handle: SwapHandle) -> None:
+        if not handle.extents:
+            return
+        key = self._key(handle)
+        with self._cv:
+            reads = self._live.get(key)
+            if reads is None:
+                raise CacheStateError("free of a handle this engine does not hold (freed twice?)")
+            if reads:
+                raise CacheStateError(f"free of a handle with {reads} read(s) in flight")
+            del self._live[key]
+            self._stats.disk_bytes -= handle.disk_bytes
+        self._layout.free(handle.extents)
+
+    def stats(self) -> EngineStats:
+        with self._cv:
+            snap = copy.deepcopy(self._stats)
+            now = time.perf_counter()
+            for kind, (count, since) in self._busy.items():
+                if count:
+                    setattr(snap, f"{kind}_busy_s", getattr(snap, f"{kind}_busy_s") + now - since)
+            snap.extra["inflight_bytes"] = self._inflight
+            snap.extra["live_blobs"] = len(self._live)
+        return snap
+
+    def close(self) -> None:
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
+        self._finalizer()
+
+    # ------------------------------------------------------------------ implementation
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise OffloadIOError("the I/O engine is closed")
+
+    @staticmethod
+    def _key(handle: SwapHandle) -> Tuple[Optional[str], int]:
+        first = handle.extents[0]
+        return (first.file, first.offset)
+
+    def _admit(self, n: int, block: bool) -> bool:
+        """Reserve ``n`` in-flight bytes; see NOTE [Backpressure]."""
+        # NOTE [Backpressure]: a write is admitted while in-flight payload + n stays
+        # within io.max_inflight_bytes, or when nothing is in flight at all (a blob
+        # bigger than the bound must not wait forever). The bytes are released by the
+        # worker finishing the blob, before its future completes (NOTE [Blob completion]).
+        bound = self.io.max_inflight_bytes
+        with self._cv:
+            fits = lambda: self._closed or self._inflight == 0 or self._inflight + n <= bound  # noqa: E731
+            if not fits():
+                if not block:
+                    return False
+                start = time.perf_counter()
+                self._cv.wait_for(fits)
+                self._stats.backpressure_wait_s += time.perf_counter() - start
+                self._check_open()
+            self._inflight += n
+            extra = self._stats.extra
+            extra["inflight_peak_bytes"] = max(extra["inflight_peak_bytes"], self._inflight)
+        return True
+
+    def _admit_release(self, n: int) -> None:
+        with self._cv:
+            self._inflight -= n
+            self._cv.notify_all()
+
+    def _busy_change(self, kind: str, delta: int) -> None:
+        # Busy time is the union of intervals with >= 1 op of this kind in flight.
+        now = time.perf_counter()
+        entry = self._busy[kind]
+        if delta > 0 and entry[0] == 0:
+            entry[1] = now
+        entry[0] += delta
+        if delta < 0 and entry[0] == 0:
+            setattr(self._stats, f"{kind}_busy_s", getattr(self._stats, f"{kind}_busy_s") + now - entry[1])
+
+    def _submit(self, op: BlobOp, priority: int) -> None:
+        op.remaining = len(op.blocks)
+        with self._cv:
+            self._busy_change(op.kind, +1)
+        try:
+            self._prepare(op)
+            for file, index in {(b.file, b.path_index) for b in op.blocks}:
+                op.fds[file] = self._layout.acquire(file, index)
+        except BaseException as e:
+            op.error = e
+            op.remaining = 1
+            self._block_done(op)
+            return
+        for b in op.blocks:
+            self._workers.submit(priority, self._run_block, op, b)
+
+    def _run_block(self, op: BlobOp, block: Block) -> None:
+        if op.error is None:  # blocks after a failed one are skipped
+            try:
+                if op.kind == "write":
+                    self._write_block(op, block)
+                else:
+                    self._read_block(op, block)
+            except BaseException as e:
+                with op.lock:
+                    if op.error is None:
+                        op.error = e
+        self._block_done(op)
+
+    def _block_done(self, op: BlobOp) -> None:
+        with op.lock:
+            op.remaining -= 1
+            if op.remaining:
+                return
+        try:
+            self._finish(op)
+        except BaseException as e:  # completing must never leave a future hanging
+            op.future.set_error(e)
+
+    def _finish(self, op: BlobOp) -> None:
+        # NOTE [Blob completion]: runs once, on the worker that finished the blob's last
+        # block, so no block of it can still touch its file space or its tensor.
+        # Order: release fds; on a failed write free the extents (only now: an earlier
+        # free could hand them to another blob while a block of this one still writes);
+        # release in-flight bytes so blocked writers proceed; drop the tensor; complete
+        # the future. Done-callbacks run on this worker thread: they must not block on
+        # this engine (a blocking write there can wait for workers that never come).
+        for file in op.fds:
+            self._layout.release(file)
+        op.fds.clear()
+        error = op.error
+        if error is not None and not isinstance(error, OffloadIOError):
+            error = self._wrap(op.kind, op.future.nbytes, error)
+        result: Any = None
+        if op.kind == "write":
+            if error is not None:
+                self._layout.free([self._extent(b) for b in op.blocks])
+            else:
+                result = SwapHandle(op.future.nbytes, tuple(self._extent(b) for b in op.blocks))
+            self._admit_release(op.future.nbytes)
+        with self._cv:
+            self._busy_change(op.kind, -1)
+            if op.kind == "write" and error is None:
+                self._stats.bytes_written += op.future.nbytes
+                self._live[self._key(result)] = 0
+            elif op.kind == "write":
+                self._stats.write_errors += 1
+                self._stats.disk_bytes -= sum(b.length for b in op.blocks)
+            else:
+                self._live[op.key] -= 1
+                if error is None:
+                    self._stats.bytes_read += op.future.nbytes
+                    result = op.tensor
+                else:
+                    self._stats.read_errors += 1
+        op.tensor = None
+        if error is not None:
+            op.future.set_error(error)
+        else:
+            op.future.set_result(result)
+
+    @staticmethod
+    def _wrap(kind: str, nbytes: int, error: BaseException) -> OffloadIOError:
+        wrapped = OffloadIOError(f"{kind} of a {nbytes}-byte blob failed: {error!r}")
+        wrapped.__cause__ = error
+        return wrapped
+
+    @staticmethod
+    def _extent(b: Block) -> Extent:
+        return Extent(b.path_index, b.offset, b.length, b.blob_offset, b.file, b.checksum)
+
+    def _count(self, name: str, nbytes: int) -> None:
+        with self._cv:
+            self._stats.extra[name] = self._stats.extra.get(name, 0) + nbytes

@@ -1,0 +1,99 @@
+"""Engine selection, the kvikio guard, and the CUDA paths (GPU machines only)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from megatron_ssd.config import IOConfig, OffloadConfig
+from megatron_ssd.errors import ConfigError
+from megatron_ssd.io import PosixEngine, create_engine, factory, kvikio_engine, resolve_engine_name
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+SIZES = [1, 10, 100, 1000, 1024, 4095, 4096, 4097, 40960, 10_000_019]
+
+
+def _cfg(path, device="auto", **io):
+    return OffloadConfig(paths=[path], device=device, io=IOConfig(**io))
+
+
+def test_posix_and_auto_build_the_posix_engine_on_cpu(offload_dir, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for name in ("posix", "auto"):
+        with create_engine(_cfg(offload_dir, engine=name), rank=2) as engine:
+            assert type(engine) is PosixEngine and "-r2-" in engine.paths[0]
+
+
+def test_auto_picks_kvikio_only_with_kvikio_cuda_and_a_cuda_device(offload_dir, monkeypatch):
+    monkeypatch.setattr(factory, "kvikio_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert resolve_engine_name(_cfg(offload_dir)) == "kvikio"
+    assert resolve_engine_name(_cfg(offload_dir, device="cuda:1")) == "kvikio"
+    assert resolve_engine_name(_cfg(offload_dir, device="cpu")) == "posix"
+    assert resolve_engine_name(_cfg(offload_dir, engine="posix")) == "posix"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert resolve_engine_name(_cfg(offload_dir)) == "posix"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(factory, "kvikio_available", lambda: False)
+    assert resolve_engine_name(_cfg(offload_dir)) == "posix"
+
+
+def test_package_imports_without_kvikio():
+    code = (
+        "import sys; sys.modules['kvikio'] = None\n"  # any import of kvikio now fails
+        "import megatron_ssd.io, megatron_ssd.io.kvikio_engine\n"
+        "print('kvikio' in sys.modules and sys.modules['kvikio'] is not None)"
+    )
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=60)
+    assert res.returncode == 0 and res.stdout.strip() == "False", res.stderr
+
+
+def test_kvikio_engine_explains_what_is_missing(offload_dir, monkeypatch):
+    monkeypatch.setattr(kvikio_engine, "kvikio_available", lambda: False)
+    with pytest.raises(ConfigError, match="kvikio package is not installed"):
+        create_engine(_cfg(offload_dir, engine="kvikio"))
+    monkeypatch.setattr(kvikio_engine, "kvikio_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ConfigError, match="needs a CUDA device"):
+        create_engine(_cfg(offload_dir, engine="kvikio"))
+    assert os.listdir(offload_dir) == []  # nothing created before the check
+
+
+def _cuda_round_trip(engine):
+    handles = {}
+    for n in SIZES:
+        src = torch.randint(0, 256, (n,), dtype=torch.uint8, device="cuda")
+        handles[n] = (src, engine.write(src))  # no synchronize: the engine orders itself
+    for n, (src, fut) in handles.items():
+        h = fut.get()
+        back = engine.read(h, engine.alloc(n, torch.device("cuda"))).get()
+        assert back.is_cuda and torch.equal(back, src)
+        cpu = engine.read(h, engine.alloc(n, torch.device("cpu"))).get()
+        assert torch.equal(cpu, src.cpu())
+        engine.free(h)
+
+
+@pytest.mark.gpu
+def test_posix_engine_cuda_round_trip(offload_dir):
+    with PosixEngine(_cfg(offload_dir, engine="posix", block_bytes=1 << 20)) as engine:
+        _cuda_round_trip(engine)
+        src = torch.empty(8 << 20, dtype=torch.uint8, device="cuda")
+        side = torch.cuda.Stream()
+        with torch.cuda.stream(side):  # a producer on another stream, then write from it
+            torch.cuda._sleep(10_000_000)
+            src.fill_(7)
+            h = engine.write(src).get()
+        assert torch.equal(engine.read(h, engine.alloc(h.nbytes, "cuda")).get(), src)
+
+
+@pytest.mark.kvikio
+@pytest.mark.parametrize("layout", ["extent", "file"])
+def test_kvikio_round_trip(offload_dir, layout):
+    with create_engine(_cfg(offload_dir, engine="kvikio", layout=layout, block_bytes=1 << 20)) as engine:
+        assert type(engine).__name__ == "KvikioEngine"
+        _cuda_round_trip(engine)

@@ -1,0 +1,247 @@
+"""Failures: ENOSPC / EIO through the fault hook and a real full filesystem, checksums."""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+import torch
+
+from megatron_ssd.config import IOConfig, OffloadConfig
+from megatron_ssd.errors import ChecksumError, OffloadIOError
+from megatron_ssd.io import PosixEngine
+
+KiB = 1024
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _blob(n, seed=0):
+    g = torch.Generator().manual_seed(seed + n)
+    return torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g)
+
+
+class Faults:
+    """A fault hook whose answers the test changes as it goes."""
+
+    def __init__(self):
+        self.rules = []  # (op, nth call of that op or None for all, error)
+        self.calls = {"allocate": 0, "write": 0, "read": 0}
+        self.lock = threading.Lock()
+
+    def __call__(self, op, path, offset, nbytes):
+        with self.lock:
+            self.calls[op] += 1
+            for rule_op, nth, err in self.rules:
+                if rule_op == op and (nth is None or nth == self.calls[op]):
+                    return err
+        return None
+
+
+def _engine(path, fault, **io):
+    io.setdefault("block_bytes", 16 * KiB)
+    return PosixEngine(OffloadConfig(paths=[path], io=IOConfig(**io)), fault=fault)
+
+
+@pytest.mark.parametrize("layout", ["extent", "file"])
+def test_enospc_on_write_fails_the_blob_and_frees_its_space(offload_dir, layout):
+    faults = Faults()
+    with _engine(offload_dir, faults, layout=layout, threads=1) as engine:
+        faults.rules.append(("write", 2, OSError(errno.ENOSPC, "No space left on device")))
+        fut = engine.write(_blob(100 * KiB))
+        with pytest.raises(OffloadIOError) as info:
+            fut.get()
+        msg = str(info.value)
+        assert msg.startswith("megatron_ssd: write of ") and "ENOSPC" in msg and " at offset " in msg
+        assert engine.paths[0] in msg and info.value.errno == errno.ENOSPC
+        st = engine.stats()
+        assert st.disk_bytes == 0 and st.write_errors == 1 and st.bytes_written == 0
+        assert st.extra["inflight_bytes"] == 0
+        if layout == "file":
+            assert os.listdir(engine.paths[0]) == [".megatron_ssd_run"]
+        # the space is reusable: the same write now fits without the file growing
+        size_before = engine.layout.disk_size()
+        faults.rules.clear()
+        h = engine.write(_blob(100 * KiB)).get()
+        assert torch.equal(engine.read(h, engine.alloc(h.nbytes, "cpu")).get(), _blob(100 * KiB))
+        if layout == "extent":
+            assert engine.layout.disk_size() == size_before
+
+
+def test_enospc_when_growing_the_extent_file(offload_dir):
+    faults = Faults()
+    faults.rules.append(("allocate", None, OSError(errno.ENOSPC, "No space left on device")))
+    with _engine(offload_dir, faults) as engine:
+        fut = engine.write(_blob(10 * KiB))
+        with pytest.raises(OffloadIOError, match="allocate of .* ENOSPC"):
+            fut.get()
+        assert engine.stats().disk_bytes == 0 and engine.stats().write_errors == 1
+        faults.rules.clear()
+        assert engine.write(_blob(10 * KiB)).get().nbytes == 10 * KiB
+
+
+def test_eio_on_read(offload_dir):
+    faults = Faults()
+    with _engine(offload_dir, faults) as engine:
+        h = engine.write(_blob(50 * KiB)).get()
+        faults.rules.append(("read", None, OSError(errno.EIO, "Input/output error")))
+        with pytest.raises(OffloadIOError, match="read of .* EIO"):
+            engine.read(h, engine.alloc(h.nbytes, "cpu")).get()
+        assert engine.stats().read_errors == 1
+        faults.rules.clear()
+        assert torch.equal(engine.read(h, engine.alloc(h.nbytes, "cpu")).get(), _blob(50 * KiB))
+        engine.free(h)
+        assert engine.stats().disk_bytes == 0
+
+
+def test_unexpected_exception_becomes_offload_io_error(offload_dir):
+    def broken(op, path, offset, nbytes):
+        if op == "write":
+            raise ValueError("hook bug")
+
+    with _engine(offload_dir, broken) as engine:
+        with pytest.raises(OffloadIOError, match="hook bug") as info:
+            engine.write(_blob(10)).get()
+        assert isinstance(info.value.__cause__, ValueError)
+        assert engine.stats().disk_bytes == 0
+
+
+@pytest.mark.parametrize("layout", ["extent", "file"])
+def test_corrupted_byte_is_detected(offload_dir, layout):
+    with _engine(offload_dir, None, layout=layout) as engine:
+        n = 40 * KiB + 7
+        h = engine.write(_blob(n)).get()
+        assert all(e.checksum is not None for e in h.extents)
+        bad = h.extents[1]
+        fd = os.open(bad.file, os.O_RDWR)
+        try:
+            byte = os.pread(fd, 1, bad.offset + 5)
+            os.pwrite(fd, bytes([byte[0] ^ 0xFF]), bad.offset + 5)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        with pytest.raises(ChecksumError) as info:
+            engine.read(h, engine.alloc(n, "cpu")).get()
+        msg = str(info.value)
+        assert bad.file in msg and f"offset {bad.offset}" in msg and f"{bad.checksum:#010x}" in msg
+        assert "expected CRC32" in msg and "got 0x" in msg
+        assert engine.stats().read_errors == 1
+
+
+def test_checksums_off_store_none(offload_dir):
+    with _engine(offload_dir, None, checksum=False) as engine:
+        h = engine.write(_blob(40 * KiB)).get()
+        assert all(e.checksum is None for e in h.extents)
+        assert torch.equal(engine.read(h, engine.alloc(h.nbytes, "cpu")).get(), _blob(40 * KiB))
+
+
+def test_done_callback_runs_once_and_may_free(offload_dir):
+    with _engine(offload_dir, None) as engine:
+        h = engine.write(_blob(30 * KiB)).get()
+        seen = []
+        done = threading.Event()
+
+        def on_read(fut):
+            seen.append(fut.get())
+            engine.free(h)
+            done.set()
+
+        engine.read(h, engine.alloc(h.nbytes, "cpu")).add_done_callback(on_read)
+        assert done.wait(5) and len(seen) == 1 and torch.equal(seen[0], _blob(30 * KiB))
+        assert engine.stats().disk_bytes == 0
+
+
+def test_reads_overtake_queued_writes(offload_dir):
+    gate = threading.Event()
+
+    def held(op, path, offset, nbytes):
+        if op == "write" and not gate.is_set():
+            gate.wait(5)
+
+    with _engine(offload_dir, held, threads=1) as engine:
+        gate.set()
+        h = engine.write(_blob(10 * KiB)).get()
+        gate.clear()
+        writes = [engine.write(_blob(10 * KiB, i)) for i in range(8)]
+        time.sleep(0.05)  # the two workers are now held inside writes 0 and 1
+        read = engine.read(h, engine.alloc(h.nbytes, "cpu"))
+        gate.set()
+        assert torch.equal(read.get(5), _blob(10 * KiB))
+        last = [w.get(5) for w in writes]
+        assert read.finished < writes[-1].finished and len(last) == 8
+
+
+def test_busy_time_is_the_union_of_intervals(offload_dir):
+    def slow(op, path, offset, nbytes):
+        if op == "write":
+            time.sleep(0.2)
+
+    with _engine(offload_dir, slow, threads=2) as engine:
+        start = time.perf_counter()
+        futs = [engine.write(_blob(4 * KiB, i)) for i in range(2)]
+        [f.get() for f in futs]
+        wall = time.perf_counter() - start
+        busy = engine.stats().write_busy_s
+        assert 0.19 <= busy <= wall + 1e-3 and busy < 0.35  # the sum would be >= 0.4
+
+
+# -------------------------------------------------------------- a real, tiny filesystem
+
+_TINY = textwrap.dedent(
+    """
+    import errno, sys, torch
+    from megatron_ssd.config import IOConfig, OffloadConfig
+    from megatron_ssd.errors import ConfigError, OffloadIOError
+    from megatron_ssd.io import PosixEngine
+    path = sys.argv[1]
+    for layout in ("file", "extent"):
+        io = dict(layout=layout, block_bytes=256 << 10, file_grow_bytes=256 << 10)
+        try:
+            engine = PosixEngine(OffloadConfig(paths=[path], io=IOConfig(**io)))
+        except ConfigError:  # tmpfs before Linux 6.6 refuses O_DIRECT
+            engine = PosixEngine(OffloadConfig(paths=[path], io=IOConfig(direct=False, **io)))
+        with engine:
+            fut = engine.write(torch.ones(4 << 20, dtype=torch.uint8))
+            try:
+                fut.get()
+                raise SystemExit(layout + ": a 4 MiB write into a 1 MiB filesystem succeeded")
+            except OffloadIOError as e:
+                if e.errno != errno.ENOSPC or "ENOSPC" not in str(e):
+                    raise SystemExit(layout + ": wrong error " + str(e))
+            if engine.stats().disk_bytes != 0:
+                raise SystemExit(layout + ": disk_bytes not back to 0")
+            small = torch.arange(100_000).to(torch.uint8)
+            h = engine.write(small).get()
+            if not torch.equal(engine.read(h, engine.alloc(h.nbytes, "cpu")).get(), small):
+                raise SystemExit(layout + ": round trip after ENOSPC failed")
+    print("TINY-OK")
+    """
+)
+
+
+@pytest.mark.skipif(shutil.which("unshare") is None, reason="needs unshare(1) for a private tmpfs")
+def test_real_enospc_on_a_tiny_filesystem(tmp_path):
+    """A 1 MiB tmpfs mounted in a user namespace (no root needed where those are allowed).
+
+    Both layouts reserve space with posix_fallocate before writing, so a full disk is
+    reported when the blob is placed, not halfway through its writes.
+    """
+    mnt = tmp_path / "tiny"
+    mnt.mkdir()
+    script = tmp_path / "tiny.py"
+    script.write_text(_TINY)
+    probe = subprocess.run(["unshare", "-rm", "true"], capture_output=True, text=True)
+    if probe.returncode != 0:
+        pytest.skip(f"unprivileged user namespaces unavailable: {probe.stderr.strip()}")
+    cmd = f"mount -t tmpfs -o size=1m tmpfs {mnt} && exec {sys.executable} {script} {mnt}"
+    env = dict(os.environ, PYTHONPATH=REPO)
+    res = subprocess.run(["unshare", "-rm", "sh", "-c", cmd], capture_output=True, text=True, env=env, timeout=120)
+    if res.returncode != 0 and "mount" in res.stderr and "TINY" not in res.stdout:
+        pytest.skip(f"cannot mount a tmpfs in a user namespace: {res.stderr.strip()[-200:]}")
+    assert res.returncode == 0 and "TINY-OK" in res.stdout, res.stdout + res.stderr
