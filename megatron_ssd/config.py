@@ -29,6 +29,7 @@ __all__ = [
     "Placement",
     "IOConfig",
     "OffloadConfig",
+    "PlannerConfig",
     "load_config",
     "from_dict",
     "to_dict",
@@ -90,6 +91,42 @@ class IOConfig:
     checksum: bool = True
     """Store a CRC32 of each offloaded block and verify it on read."""
 
+    def __post_init__(self) -> None:
+        validate(self)
+
+
+@dataclass
+class PlannerConfig:
+    """How layer placements (keep / offload / recompute) are chosen."""
+
+    mode: str = "auto"
+    """``auto``: profile the first steps, then plan from the measured compute time and
+    SSD bandwidth, and re-plan when they drift; ``static``: keep the last
+    ``keep_last_layers`` layers and offload the rest, never re-plan; ``keep``,
+    ``offload``, ``recompute``: every layer placed alike (for comparisons)."""
+
+    warmup_steps: int = 1
+    """Steps run before profiling starts (allocator and page-cache warm-up)."""
+
+    profile_steps: int = 2
+    """Steps measured before the first plan (``auto`` mode)."""
+
+    safety_margin: float = 0.1
+    """Fraction by which measured bandwidths are derated when planning."""
+
+    memory_budget: Optional[int] = None
+    """Peak saved-activation bytes allowed per process; None plans for zero exposed I/O.
+    Sizes such as ``2GiB`` are accepted."""
+
+    allow_recompute: bool = True
+    """Whether the planner may place layers RECOMPUTE to meet ``memory_budget``."""
+
+    replan_threshold: float = 0.15
+    """Relative drift of measured bandwidth or compute time that triggers a re-plan."""
+
+    def __post_init__(self) -> None:
+        validate(self)
+
 
 @dataclass
 class OffloadConfig:
@@ -116,6 +153,9 @@ class OffloadConfig:
     io: IOConfig = field(default_factory=IOConfig)
     """I/O engine settings."""
 
+    planner: PlannerConfig = field(default_factory=PlannerConfig)
+    """Placement planner settings."""
+
     def __post_init__(self) -> None:
         validate(self)
 
@@ -129,6 +169,9 @@ _POSITIVE = {
     ("IOConfig", "file_grow_bytes"),
 }
 _NON_NEGATIVE = {
+    ("PlannerConfig", "warmup_steps"),
+    ("PlannerConfig", "profile_steps"),
+    ("PlannerConfig", "safety_margin"),
     ("OffloadConfig", "min_tensor_bytes"),
     ("OffloadConfig", "keep_last_layers"),
     ("OffloadConfig", "prefetch_layers"),
@@ -137,6 +180,7 @@ _CHOICES = {
     ("IOConfig", "engine"): ("auto", "posix", "kvikio"),
     ("IOConfig", "on_backpressure"): ("wait", "keep"),
     ("IOConfig", "layout"): ("extent", "file"),
+    ("PlannerConfig", "mode"): ("auto", "static", "keep", "offload", "recompute"),
 }
 _ALIGNED = {("IOConfig", "block_bytes"), ("IOConfig", "file_grow_bytes")}
 
@@ -159,6 +203,13 @@ def validate(obj: Any) -> None:
             raise _fail(cls_name, f.name, value, f"must be one of {list(_CHOICES[key])}")
         if key in _ALIGNED and value % 4096:
             raise _fail(cls_name, f.name, value, "must be a multiple of 4096")
+    if isinstance(obj, PlannerConfig):
+        if obj.memory_budget is not None and obj.memory_budget <= 0:
+            raise _fail(cls_name, "memory_budget", obj.memory_budget, "must be > 0 bytes or null")
+        if not 0 <= obj.safety_margin < 1:
+            raise _fail(cls_name, "safety_margin", obj.safety_margin, "must be in [0, 1)")
+        if obj.mode == "auto" and obj.profile_steps < 1:
+            raise _fail(cls_name, "profile_steps", obj.profile_steps, "must be >= 1 when mode is auto")
     if isinstance(obj, OffloadConfig):
         if obj.device != "auto" and not (
             obj.device == "cpu" or obj.device == "cuda" or obj.device.startswith("cuda:")
