@@ -28,8 +28,10 @@ from .errors import ConfigError
 __all__ = [
     "Placement",
     "IOConfig",
+    "ModelConfig",
     "OffloadConfig",
     "PlannerConfig",
+    "TrainConfig",
     "load_config",
     "from_dict",
     "to_dict",
@@ -160,15 +162,78 @@ class OffloadConfig:
         validate(self)
 
 
+@dataclass
+class ModelConfig:
+    """The megatron-core GPT the ``train`` job builds (local layer spec)."""
+
+    num_layers: int = 4
+    """Transformer layers."""
+    hidden_size: int = 256
+    """Hidden size."""
+    num_attention_heads: int = 8
+    """Attention heads; must divide ``hidden_size``."""
+    ffn_hidden_size: Optional[int] = None
+    """MLP hidden size; 4 x ``hidden_size`` when null."""
+    seq_length: int = 256
+    """Tokens per sequence."""
+    vocab_size: int = 8192
+    """Vocabulary size (>= 256 when training on a text file: tokens are bytes)."""
+    params_dtype: str = "fp32"
+    """Parameter and activation dtype: ``fp32``, ``bf16`` or ``fp16`` (GPU)."""
+
+    def __post_init__(self) -> None:
+        validate(self)
+
+
+@dataclass
+class TrainConfig:
+    """The ``megatron-ssd train`` job: a GPT trained with offload, measured against
+    keeping every activation."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """The model."""
+    micro_batch_size: int = 4
+    """Sequences per micro-batch."""
+    num_microbatches: int = 2
+    """Micro-batches per step (gradient accumulation)."""
+    steps: int = 30
+    """Training steps with offload."""
+    baseline_steps: int = 4
+    """Steps of the keep-everything comparison run before (0: none)."""
+    lr: float = 0.01
+    """SGD learning rate."""
+    seed: int = 1234
+    """Seed of the weights and the synthetic data."""
+    data: str = "synthetic"
+    """``synthetic`` (seeded random tokens) or the path of a local text file (byte tokens)."""
+    device: str = "auto"
+    """``auto`` (CUDA when available), ``cpu`` or ``cuda``."""
+    offload: OffloadConfig = field(default_factory=OffloadConfig)
+    """Offload settings; with no ``paths``, a private temporary directory is used."""
+
+    def __post_init__(self) -> None:
+        validate(self)
+
+
 # --------------------------------------------------------------------------- validation
 
 _POSITIVE = {
+    ("ModelConfig", "num_layers"),
+    ("ModelConfig", "hidden_size"),
+    ("ModelConfig", "num_attention_heads"),
+    ("ModelConfig", "seq_length"),
+    ("ModelConfig", "vocab_size"),
+    ("TrainConfig", "micro_batch_size"),
+    ("TrainConfig", "num_microbatches"),
+    ("TrainConfig", "steps"),
+    ("TrainConfig", "lr"),
     ("IOConfig", "threads"),
     ("IOConfig", "block_bytes"),
     ("IOConfig", "max_inflight_bytes"),
     ("IOConfig", "file_grow_bytes"),
 }
 _NON_NEGATIVE = {
+    ("TrainConfig", "baseline_steps"),
     ("PlannerConfig", "warmup_steps"),
     ("PlannerConfig", "profile_steps"),
     ("PlannerConfig", "safety_margin"),
@@ -181,6 +246,7 @@ _CHOICES = {
     ("IOConfig", "on_backpressure"): ("wait", "keep"),
     ("IOConfig", "layout"): ("extent", "file"),
     ("PlannerConfig", "mode"): ("auto", "static", "keep", "offload", "recompute"),
+    ("ModelConfig", "params_dtype"): ("fp32", "bf16", "fp16"),
 }
 _ALIGNED = {("IOConfig", "block_bytes"), ("IOConfig", "file_grow_bytes")}
 
@@ -203,6 +269,14 @@ def validate(obj: Any) -> None:
             raise _fail(cls_name, f.name, value, f"must be one of {list(_CHOICES[key])}")
         if key in _ALIGNED and value % 4096:
             raise _fail(cls_name, f.name, value, "must be a multiple of 4096")
+    if isinstance(obj, ModelConfig) and obj.num_attention_heads > 0 and obj.hidden_size % obj.num_attention_heads:
+        raise _fail(cls_name, "num_attention_heads", obj.num_attention_heads,
+                    f"must divide hidden_size ({obj.hidden_size})")
+    if isinstance(obj, TrainConfig) and obj.data != "synthetic":
+        if not os.path.isfile(obj.data):
+            raise _fail(cls_name, "data", obj.data, "must be 'synthetic' or an existing text file")
+        if obj.model.vocab_size < 256:
+            raise _fail("ModelConfig", "vocab_size", obj.model.vocab_size, "must be >= 256 for byte tokens")
     if isinstance(obj, PlannerConfig):
         if obj.memory_budget is not None and obj.memory_budget <= 0:
             raise _fail(cls_name, "memory_budget", obj.memory_budget, "must be > 0 bytes or null")

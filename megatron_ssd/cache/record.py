@@ -67,6 +67,8 @@ class Entry:
     refs: int = 0
     pinned: bool = False
     wanted: bool = False
+    reloaded: bool = False
+    """A read of this entry was issued (so it was not served from memory)."""
     also_layers: List[Hashable] = field(default_factory=list)
     """Later layers that saved the same storage (their backward needs it first)."""
 

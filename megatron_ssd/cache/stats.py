@@ -14,7 +14,9 @@ class LayerCounters:
     """Per-layer measurements of one step (summed over micro-batches)."""
 
     saved_bytes: int = 0
-    """Unique bytes the layer's forward saved for backward (after dedup)."""
+    """Unique offloadable bytes the layer's forward saved for backward (after dedup)."""
+    small_bytes: int = 0
+    """Unique saved bytes below ``min_tensor_bytes``: always kept in memory."""
     offloaded_bytes: int = 0
     """Of those, bytes queued for writing."""
     forward_s: float = 0.0
@@ -24,6 +26,10 @@ class LayerCounters:
     layer's backward (the last layer's time runs to the end of the record's backward)."""
     microbatches: int = 0
     """How many micro-batch forwards ran through the layer."""
+    stall_s: float = 0.0
+    """Time the layer's backward waited for reads (included in ``backward_s``)."""
+    write_wait_s: float = 0.0
+    """Time the layer's forward waited for room in the write queue (in ``forward_s``)."""
 
 
 @dataclass
@@ -43,6 +49,7 @@ class Counters:
     late_reads: int = 0
     stall_s: float = 0.0
     peak_resident_bytes: int = 0
+    microbatches: int = 0
     layers: Dict[Any, LayerCounters] = field(default_factory=dict)
 
 
@@ -52,6 +59,10 @@ class StepStats:
 
     step: int
     """Index of the step, from 0."""
+    wall_s: float
+    """Wall time since the previous ``finish_step()`` (or since the cache was created)."""
+    microbatches: int
+    """Micro-batch records opened during the step."""
     bytes_offloaded: int
     """Bytes written to the SSD array (completed writes, payload only)."""
     bytes_reloaded: int

@@ -93,6 +93,9 @@ class TensorCache:
         self._closed = False
         self._bwd_clock: Dict[int, Tuple[Hashable, float]] = {}
         self._writes: set = set()
+        self.default_placement: Optional[Placement] = None
+        """Placement of layers the plan does not name; None: the ``keep_last_layers`` rule."""
+        self._step_started = time.perf_counter()
 
     # ------------------------------------------------------------------ layers and plan
 
@@ -147,6 +150,8 @@ class TensorCache:
             return self._plan[layer_id]
         if layer_id is None:
             return Placement.KEEP
+        if self.default_placement is not None:
+            return self.default_placement
         keep = self.config.keep_last_layers
         if keep and layer_id in self._layers[len(self._layers) - keep :]:
             return Placement.KEEP
@@ -165,6 +170,7 @@ class TensorCache:
         self._check_open()
         record = Record(key if key is not None else next(self._keys))
         with self._lock:
+            self._counters.microbatches += 1
             if record.key in self._records:
                 raise CacheStateError(f"microbatch key {record.key!r} is already open; keys must be unique in flight")
             self._records[record.key] = record
@@ -305,7 +311,11 @@ class TensorCache:
         record.live += 1
         record.add_layer_entry(layer_id, entry)
         if layer_id is not None:
-            self._counters.layers.setdefault(layer_id, LayerCounters()).saved_bytes += nbytes
+            lc = self._counters.layers.setdefault(layer_id, LayerCounters())
+            if nbytes < self.config.min_tensor_bytes:
+                lc.small_bytes += nbytes
+            else:
+                lc.saved_bytes += nbytes
         if placement is Placement.KEEP:
             self._counters.bytes_kept += nbytes
         return entry
@@ -341,7 +351,12 @@ class TensorCache:
                 raise type(err)(f"{err} (tensor {packed.meta.size} {packed.meta.dtype}, layer {entry.layer!r})") from err
             finally:
                 with self._lock:
-                    self._counters.stall_s += time.perf_counter() - started
+                    waited = time.perf_counter() - started
+                    self._counters.stall_s += waited
+                    running = self._bwd_clock.get(id(entry.record))
+                    lc = self._counters.layers.get(running[0] if running else entry.layer)
+                    if lc is not None:
+                        lc.stall_s += waited
             data = entry.data
         if data is None:
             raise CacheStateError(f"saved tensor of layer {entry.layer!r} has no data (state {entry.state.value})")
@@ -353,8 +368,13 @@ class TensorCache:
         # Called without the lock: a blocking write waits for engine threads whose
         # completion callbacks take the lock.
         block = self.config.io.on_backpressure == "wait"
+        started = time.perf_counter()
         future = self.engine.write(entry.data, block=block)
+        waited = time.perf_counter() - started
         with self._lock:
+            lc = self._counters.layers.get(entry.layer)
+            if lc is not None:
+                lc.write_wait_s += waited
             if future is None:
                 entry.placement = Placement.KEEP
                 self._counters.backpressure_keeps += 1
@@ -398,6 +418,7 @@ class TensorCache:
         dst = self.engine.alloc(entry.nbytes, entry.device)
         self._set_data(entry, dst[: entry.nbytes])
         entry.state = EntryState.READING
+        entry.reloaded = True
         entry.read_future = self.engine.read(entry.handle, dst)
         entry.read_future.add_done_callback(partial(self._read_done, entry))
 
@@ -417,7 +438,7 @@ class TensorCache:
     def _note_forwarded(self, entry: Entry) -> None:
         if entry.placement is Placement.OFFLOAD and not entry.wanted:
             entry.wanted = True
-            if entry.state in (EntryState.WRITING, EntryState.LOADED) and entry.read_future is None:
+            if entry.state in (EntryState.WRITING, EntryState.LOADED) and not entry.reloaded:
                 self._counters.bytes_forwarded += entry.nbytes
 
     def _free_disk(self, entry: Entry) -> None:
@@ -524,8 +545,11 @@ class TensorCache:
             c, base = self._counters, self._engine_base
             wbytes, rbytes = es.bytes_written - base.bytes_written, es.bytes_read - base.bytes_read
             wbusy, rbusy = es.write_busy_s - base.write_busy_s, es.read_busy_s - base.read_busy_s
+            now = time.perf_counter()
             stats = StepStats(
                 step=self._step,
+                wall_s=now - self._step_started,
+                microbatches=c.microbatches,
                 bytes_offloaded=c.bytes_offloaded,
                 bytes_reloaded=c.bytes_reloaded,
                 bytes_deduplicated=c.bytes_deduplicated,
@@ -550,6 +574,7 @@ class TensorCache:
             self._counters = Counters(peak_resident_bytes=self._resident)
             self._engine_base = es
             self._step += 1
+            self._step_started = now
         return stats
 
     def _check_open(self) -> None:

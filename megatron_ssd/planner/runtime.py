@@ -1,0 +1,237 @@
+"""The planner at run time: profile the first steps, plan, watch for drift, re-plan.
+
+Wired to a training loop through the step callback of the offload-aware schedule::
+
+    planner = AdaptivePlanner(cache, config.planner)
+    forward_backward = get_forward_backward_func(cache=cache, on_step=planner.on_step)
+
+Modes (``PlannerConfig.mode``): ``auto`` profiles and plans; ``static`` keeps the cache's
+default placement (last ``keep_last_layers`` kept, the rest offloaded); ``keep``,
+``offload`` and ``recompute`` place every layer alike, for comparisons.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+from dataclasses import dataclass, field
+from typing import Any, Dict, Hashable, List, Optional
+
+from ..config import Placement, PlannerConfig
+from .drift import DriftDetector
+from .plan import Plan, make_plan
+from .profile import IOProfile, LayerProfile, StageProfile
+
+__all__ = ["AdaptivePlanner", "PlanEvent", "stage_from_stats"]
+
+logger = logging.getLogger("megatron_ssd")
+
+
+@dataclass
+class PlanEvent:
+    """One plan the run used, and why."""
+
+    step: int
+    """The step after which the plan was set."""
+    reason: str
+    """``profile``, ``drift: ...`` or the mode name."""
+    plan: Optional[Plan] = None
+    """The planner's output (None for the fixed modes)."""
+
+
+# NOTE [Profiling steps]
+# ``auto`` measures two kinds of steps after warm-up: KEEP steps give each layer's compute
+# time with no I/O running and its saved bytes; OFFLOAD steps (the default placement) give
+# the bandwidth the engine achieves while the model computes, and how much the I/O slows
+# compute down (on a CPU both share the cores; on a GPU the factor comes out near 0). The
+# profile alternates them, starting with KEEP, so ``profile_steps = 2`` measures one of each.
+# A KEEP step holds every activation: on a GPU where keep-everything does not fit, set
+# ``profile_steps = 1`` with a memory budget, which profiles under OFFLOAD only.
+
+
+def _per_mb(total: float, n: int) -> float:
+    return total / n if n else 0.0
+
+
+def stage_from_stats(
+    keep_steps: List[Any],
+    offload_steps: List[Any],
+    pipeline_rank: int = 0,
+    pipeline_size: int = 1,
+) -> StageProfile:
+    """Build the planner's :class:`StageProfile` from cache :class:`StepStats`.
+
+    Compute times come from ``keep_steps`` when there are any (no I/O interference),
+    else from ``offload_steps`` with read stalls and write waits subtracted. Bandwidth and
+    compute slowdown come from ``offload_steps``.
+    """
+    source = keep_steps or offload_steps
+    if not source:
+        raise ValueError("megatron_ssd: stage_from_stats needs at least one measured step")
+    layer_ids: List[Hashable] = list(source[-1].layers)
+
+    def per_layer(steps: List[Any], layer_id: Hashable) -> Dict[str, float]:
+        fwd, bwd, saved, small = [], [], [], []
+        for s in steps:
+            lc = s.layers.get(layer_id)
+            if lc is None or not lc.microbatches:
+                continue
+            n = lc.microbatches
+            fwd.append(_per_mb(lc.forward_s - lc.write_wait_s, n))
+            bwd.append(_per_mb(max(lc.backward_s - lc.stall_s, 0.0), n))
+            saved.append(_per_mb(lc.saved_bytes, n))
+            small.append(_per_mb(lc.small_bytes, n))
+        med = lambda xs: statistics.median(xs) if xs else 0.0  # noqa: E731
+        return {"fwd": med(fwd), "bwd": med(bwd), "saved": med(saved), "small": med(small)}
+
+    layers = []
+    clean_compute = 0.0
+    for layer_id in layer_ids:
+        m = per_layer(source, layer_id)
+        clean_compute += m["fwd"] + m["bwd"]
+        layers.append(
+            LayerProfile(
+                layer_id=layer_id,
+                forward_s=m["fwd"],
+                backward_s=m["bwd"],
+                saved_bytes=int(m["saved"]),
+                kept_bytes=int(m["small"]),
+            )
+        )
+    io = _io_profile(offload_steps, layer_ids, clean_compute if keep_steps else None)
+    mbs = max(1, source[-1].microbatches)
+    layer_s = sum(l.forward_s + l.backward_s for l in layers)
+    other = max(0.0, statistics.median(s.wall_s for s in source) / mbs - layer_s)
+    return StageProfile(layers=layers, io=io, pipeline_rank=pipeline_rank, pipeline_size=pipeline_size, other_s=other)
+
+
+def _io_profile(offload_steps: List[Any], layer_ids: List[Hashable], clean_compute: Optional[float]) -> IOProfile:
+    writes = [s.write_bytes_per_s for s in offload_steps if s.write_bytes_per_s > 0]
+    reads = [s.read_bytes_per_s for s in offload_steps if s.read_bytes_per_s > 0]
+    write_bw = statistics.median(writes) if writes else float("inf")
+    read_bw = statistics.median(reads) if reads else write_bw
+    slowdown = 0.0
+    if clean_compute and offload_steps:
+        busy = []
+        for s in offload_steps:
+            total = 0.0
+            for layer_id in layer_ids:
+                lc = s.layers.get(layer_id)
+                if lc is not None and lc.microbatches:
+                    total += (lc.forward_s - lc.write_wait_s + max(lc.backward_s - lc.stall_s, 0.0)) / lc.microbatches
+            busy.append(total)
+        slowdown = max(0.0, statistics.median(busy) / clean_compute - 1.0)
+    return IOProfile(write_bytes_per_s=write_bw, read_bytes_per_s=read_bw, compute_slowdown=slowdown)
+
+
+class AdaptivePlanner:
+    """Chooses and updates the cache's per-layer placement from what each step measured.
+
+    Args:
+        cache: the :class:`~megatron_ssd.cache.TensorCache` whose plan is set.
+        config: planner settings.
+        prefetch_depth: layers read ahead during backward (the cache's ``prefetch_layers``).
+        pipeline_rank, pipeline_size: this process's pipeline stage.
+    """
+
+    def __init__(
+        self,
+        cache: Any,
+        config: PlannerConfig,
+        prefetch_depth: Optional[int] = None,
+        pipeline_rank: int = 0,
+        pipeline_size: int = 1,
+    ) -> None:
+        self.cache = cache
+        self.config = config
+        self.prefetch_depth = prefetch_depth or max(1, cache.config.prefetch_layers)
+        self.pipeline_rank = pipeline_rank
+        self.pipeline_size = pipeline_size
+        self.events: List[PlanEvent] = []
+        self.plan: Optional[Plan] = None
+        self.profile: Optional[StageProfile] = None
+        self.replans = 0
+        self.fell_behind = 0
+        self._keep_steps: List[Any] = []
+        self._offload_steps: List[Any] = []
+        self._drift = DriftDetector(threshold=config.replan_threshold)
+        self._steps_seen = 0
+        self._profiling = config.mode == "auto"
+        self._next_profile_keep = config.profile_steps >= 2
+        if config.mode in ("keep", "offload", "recompute"):
+            self._fixed = Placement(config.mode)
+        else:
+            self._fixed = None
+        self.before_step()
+
+    def before_step(self) -> None:
+        """Set the placement for the coming step (called by the constructor and on_step)."""
+        if self._fixed is not None:
+            self.cache.set_plan({layer: self._fixed for layer in self.cache.layer_ids})
+            self.cache.default_placement = self._fixed
+        elif self._profiling and self._steps_seen >= self.config.warmup_steps:
+            placement = Placement.KEEP if self._next_profile_keep else None
+            self.cache.set_plan({layer: placement for layer in self.cache.layer_ids} if placement else {})
+            self.cache.default_placement = placement
+
+    def on_step(self, stats: Any) -> None:
+        """Take one step's :class:`StepStats`; plan or re-plan when due."""
+        step = self._steps_seen
+        self._steps_seen += 1
+        self.fell_behind += stats.backpressure_keeps
+        if self._fixed is not None:
+            if not self.events:
+                self.events.append(PlanEvent(step, self.config.mode))
+            self.before_step()
+            return
+        if self._profiling:
+            if step >= self.config.warmup_steps:
+                if self._next_profile_keep:
+                    self._keep_steps.append(stats)
+                else:
+                    self._offload_steps.append(stats)
+                self._next_profile_keep = not self._next_profile_keep and self.config.profile_steps >= 2
+                if len(self._keep_steps) + len(self._offload_steps) >= self.config.profile_steps:
+                    self._profiling = False
+                    self.cache.default_placement = None
+                    self._make_plan(step, "profile")
+                    return
+            self.before_step()
+            return
+        if self.plan is None:
+            return
+        for _ in range(stats.backpressure_keeps):
+            self._drift.report_fell_behind()
+        decision = self._drift.observe_step_stats(stats)
+        if decision.replan and decision.profile is not None:
+            self.replans += 1
+            self.profile = decision.profile
+            self._make_plan(step, "drift: " + "; ".join(decision.reasons), profile=decision.profile)
+
+    def _make_plan(self, step: int, reason: str, profile: Optional[StageProfile] = None) -> None:
+        if profile is None:
+            profile = stage_from_stats(self._keep_steps, self._offload_steps, self.pipeline_rank, self.pipeline_size)
+        self.profile = profile
+        plan = make_plan(  # PlanInfeasibleError propagates: the budget cannot be met
+            profile,
+            memory_budget=self.config.memory_budget,
+            safety_margin=self.config.safety_margin,
+            prefetch_depth=self.prefetch_depth,
+            allow_recompute=self.config.allow_recompute,
+        )
+        self.plan = plan
+        self.cache.set_plan({lp.layer_id: lp.placement for lp in plan.layers})
+        self._drift.rebase(profile, plan)
+        self.events.append(PlanEvent(step, reason, plan))
+        logger.info("megatron_ssd: plan after step %d (%s):\n%s", step, reason, plan.table())
+
+    def summary(self) -> Dict[str, Any]:
+        """What the planner did, JSON-ready."""
+        return {
+            "mode": self.config.mode,
+            "replans": self.replans,
+            "fell_behind": self.fell_behind,
+            "events": [
+                {"step": e.step, "reason": e.reason, "plan": e.plan.to_dict() if e.plan else None} for e in self.events
+            ],
+        }

@@ -1,0 +1,323 @@
+"""The main job: train a megatron-core GPT with SSD offload and report what it saved.
+
+Run with ``make run``, or::
+
+    megatron-ssd train --config configs/gpt-tiny.yaml [steps=50] [--json out.json]
+
+A recipe in three parts (``setup`` / ``train`` / ``cleanup``): build the model from
+megatron-core's local spec made offload-aware, run Megatron's own schedule through the
+offload-aware wrapper, first with every activation kept (the measured reference), then
+with the configured planner; print a summary table of both.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Sequence
+
+import torch
+
+from .cache import StepStats, TensorCache
+from .config import PlannerConfig, TrainConfig, load_config, to_dict
+from .data import TextFileData
+from .errors import ConfigError
+
+__all__ = ["TrainRecipe", "PhaseResult", "run_train"]
+
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+MiB = float(1 << 20)
+
+
+@dataclass
+class PhaseResult:
+    """Measurements of one phase (keep-everything or offload) of the job."""
+
+    name: str
+    steps: List[StepStats] = field(default_factory=list)
+    losses: List[float] = field(default_factory=list)
+    measured_from: int = 0
+    """Index of the first step counted in the medians (after warm-up / profiling)."""
+
+    @property
+    def measured(self) -> List[StepStats]:
+        return self.steps[self.measured_from :] or self.steps[-1:]
+
+    def summary(self) -> Dict[str, Any]:
+        """Medians over the measured steps; peaks over them."""
+        m = self.measured
+        med = lambda xs: statistics.median(xs) if xs else 0.0  # noqa: E731
+        step_s = med([s.wall_s for s in m])
+        written = med([s.bytes_offloaded for s in m])
+        return {
+            "name": self.name,
+            "measured_steps": len(m),
+            "peak_activation_bytes": max(s.peak_resident_bytes for s in m),
+            "median_step_s": step_s,
+            "bytes_written_per_step": written,
+            "bytes_read_per_step": med([s.bytes_reloaded for s in m]),
+            "bytes_forwarded_per_step": med([s.bytes_forwarded for s in m]),
+            "write_bytes_per_s": med([s.write_bytes_per_s for s in m if s.write_bytes_per_s]),
+            "read_bytes_per_s": med([s.read_bytes_per_s for s in m if s.read_bytes_per_s]),
+            "stall_s_per_step": med([s.stall_s for s in m]),
+            "write_wait_s_per_step": med([s.backpressure_wait_s for s in m]),
+            "write_fallbacks": sum(s.write_fallbacks for s in self.steps),
+            "ssd_bytes_written_per_day": written / step_s * 86400 if step_s else 0.0,
+            "final_loss": self.losses[-1] if self.losses else None,
+        }
+
+
+class TrainRecipe:
+    """Build, train and measure; ``setup()`` / ``train()`` / ``cleanup()``.
+
+    Args:
+        config: the job's configuration.
+        out: where progress and the summary go.
+    """
+
+    def __init__(self, config: TrainConfig, out=sys.stdout) -> None:
+        self.config = config
+        self.out = out
+        self._tmpdir: Optional[str] = None
+        self._initialized = False
+
+    # ------------------------------------------------------------------ setup
+
+    def setup(self) -> None:
+        """Initialise torch.distributed / Megatron state, build the model and the cache."""
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+        from .megatron import offload_layer_spec
+        from .megatron.models import build_gpt, tiny_transformer_config
+        from .megatron.parallel import init_parallel
+
+        cfg = self.config
+        if cfg.device == "cuda" and not torch.cuda.is_available():
+            raise ConfigError("TrainConfig.device = 'cuda': no CUDA device is visible")
+        self.device = "cuda" if cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available()) else "cpu"
+        if self.device == "cpu" and cfg.model.params_dtype == "fp16":
+            raise ConfigError("ModelConfig.params_dtype = 'fp16': fp16 training needs a GPU; use fp32 or bf16 on CPU")
+        self.info = init_parallel(seed=cfg.seed, backend="nccl" if self.device == "cuda" else "gloo")
+        self._initialized = True
+        torch.manual_seed(cfg.seed)
+        m = cfg.model
+        tconfig = tiny_transformer_config(
+            m.num_layers, m.hidden_size, m.num_attention_heads,
+            ffn_hidden_size=m.ffn_hidden_size, params_dtype=_DTYPES[m.params_dtype],
+        )
+        spec = offload_layer_spec(get_gpt_layer_local_spec())
+        self.model = build_gpt(tconfig, m.vocab_size, m.seq_length, layer_spec=spec)
+        if self.device == "cuda":
+            self.model.cuda()
+        offload = cfg.offload
+        if not offload.paths:
+            self._tmpdir = tempfile.mkdtemp(prefix="megatron-ssd-run-", dir=_temp_root())
+            offload = _with_paths(offload, [self._tmpdir])
+        self.offload = offload
+        if cfg.data == "synthetic":
+            from .megatron.harness import SyntheticData
+
+            self.data = SyntheticData("gpt", cfg.micro_batch_size, m.seq_length, m.vocab_size, seed=cfg.seed)
+        else:
+            self.data = TextFileData(cfg.data, cfg.micro_batch_size, m.seq_length)
+        n_params = sum(p.numel() for p in self.model.parameters())
+        self._say(
+            f"megatron-ssd train: GPT {m.num_layers} layers, hidden {m.hidden_size}, seq {m.seq_length}, "
+            f"{n_params / 1e6:.1f}M parameters on {self.device}; micro-batch {cfg.micro_batch_size} x "
+            f"{cfg.num_microbatches}; offload to {', '.join(offload.paths)}"
+        )
+
+    # ------------------------------------------------------------------ train
+
+    def _phase(self, name: str, steps: int, planner_config: PlannerConfig) -> PhaseResult:
+        from .megatron import get_forward_backward_func
+        from .megatron.cpu_mode import cpu_mode
+        from .megatron.harness import SGD, finalize_embedding_grads, gpt_forward_step
+        from .planner.runtime import AdaptivePlanner
+
+        cfg = self.config
+        result = PhaseResult(name)
+        with TensorCache(self.offload) as cache:
+            planner = AdaptivePlanner(cache, planner_config)
+
+            def on_step(stats: StepStats) -> None:
+                result.steps.append(stats)
+                planner.on_step(stats)
+
+            schedule = get_forward_backward_func(cache=cache, on_step=on_step)
+            optimizer = SGD(lr=cfg.lr)
+            config = self.model.config
+            config.finalize_model_grads_func = config.finalize_model_grads_func or finalize_embedding_grads
+            for step in range(steps):
+                self.model.zero_grad(set_to_none=True)
+                with cpu_mode():
+                    reports = schedule(
+                        forward_step_func=gpt_forward_step,
+                        data_iterator=[self.data(step)],
+                        model=[self.model],
+                        num_microbatches=cfg.num_microbatches,
+                        seq_length=cfg.model.seq_length,
+                        micro_batch_size=cfg.micro_batch_size,
+                        forward_only=False,
+                    )
+                optimizer([self.model], step)
+                loss = statistics.fmean(float(r["loss"]) for r in reports)
+                result.losses.append(loss)
+                self._progress(name, step, steps, loss, result.steps[-1])
+            self._end_progress()
+            result.measured_from = _first_measured(planner, planner_config, steps)
+            self.planner_summary = planner.summary()
+        return result
+
+    def train(self) -> Dict[str, Any]:
+        """Run the reference and the offload phases; print and return the summary."""
+        cfg = self.config
+        phases = []
+        if cfg.baseline_steps:
+            keep = PlannerConfig(mode="keep")
+            phases.append(self._phase("keep-everything", cfg.baseline_steps, keep))
+        offload = self._phase(f"offload ({cfg.offload.planner.mode})", cfg.steps, cfg.offload.planner)
+        phases.append(offload)
+        for event in self.planner_summary["events"]:
+            if event["plan"] is not None:
+                from .planner import Plan
+
+                self._say(f"\nplan set after step {event['step'] + 1} ({event['reason']}):")
+                self._say(Plan.from_dict(event["plan"]).table())
+        report = {
+            "config": to_dict(cfg),
+            "device": self.device,
+            "phases": [p.summary() for p in phases],
+            "planner": self.planner_summary,
+            "steps": [s.to_dict() for s in offload.steps],
+        }
+        self._say(format_summary(report["phases"]))
+        return report
+
+    def cleanup(self) -> None:
+        """Remove the temporary offload directory and tear down Megatron's state."""
+        from .megatron.parallel import destroy_parallel
+
+        if self._initialized:
+            destroy_parallel()
+            self._initialized = False
+        if self._tmpdir is not None:
+            shutil.rmtree(self._tmpdir, ignore_errors=True)
+            self._tmpdir = None
+
+    # ------------------------------------------------------------------ output
+
+    def _say(self, text: str) -> None:
+        print(text, file=self.out, flush=True)
+
+    def _progress(self, name: str, step: int, steps: int, loss: float, stats: StepStats) -> None:
+        width = 24
+        done = int(width * (step + 1) / steps)
+        line = (
+            f"{name:>22} [{'#' * done}{'.' * (width - done)}] {step + 1}/{steps} "
+            f"loss {loss:.3f}  {stats.wall_s:.2f} s/step  peak act {stats.peak_resident_bytes / MiB:.1f} MiB  "
+            f"wrote {stats.bytes_offloaded / MiB:.1f} MiB"
+        )
+        tty = hasattr(self.out, "isatty") and self.out.isatty()
+        print(("\r" + line) if tty else line, end="" if tty else "\n", file=self.out, flush=True)
+        self._tty_line = tty
+
+    def _end_progress(self) -> None:
+        if getattr(self, "_tty_line", False):
+            print(file=self.out)
+
+
+def _with_paths(offload: Any, paths: List[str]) -> Any:
+    from .config import OffloadConfig, from_dict
+
+    data = to_dict(offload)
+    data["paths"] = paths
+    return from_dict(OffloadConfig, data)
+
+
+def _temp_root() -> Optional[str]:
+    """A temporary directory on a real disk (O_DIRECT fails on tmpfs)."""
+    env = os.environ.get("MEGATRON_SSD_TMPDIR")
+    if env:
+        return env
+    root = tempfile.gettempdir()
+    try:
+        with open("/proc/mounts", encoding="utf-8") as fh:
+            mounts = [line.split() for line in fh]
+        best = max((m for m in mounts if root.startswith(m[1])), key=lambda m: len(m[1]), default=None)
+        if best is not None and best[2] == "tmpfs":
+            os.makedirs(".megatron-ssd-tmp", exist_ok=True)
+            return os.path.abspath(".megatron-ssd-tmp")
+    except OSError:
+        pass
+    return root
+
+
+def _first_measured(planner: Any, config: PlannerConfig, steps: int) -> int:
+    if config.mode == "auto":
+        first = config.warmup_steps + config.profile_steps
+        return min(first, steps - 1)
+    return min(1, steps - 1)
+
+
+def format_summary(phases: Sequence[Dict[str, Any]]) -> str:
+    """The summary table printed at the end of the job."""
+    rows = [
+        ("peak activation memory (MiB)", "peak_activation_bytes", 1 / MiB, "{:.1f}"),
+        ("median step time (s)", "median_step_s", 1, "{:.3f}"),
+        ("written per step (MiB)", "bytes_written_per_step", 1 / MiB, "{:.1f}"),
+        ("read per step (MiB)", "bytes_read_per_step", 1 / MiB, "{:.1f}"),
+        ("served from memory (MiB)", "bytes_forwarded_per_step", 1 / MiB, "{:.1f}"),
+        ("write bandwidth (MiB/s)", "write_bytes_per_s", 1 / MiB, "{:.0f}"),
+        ("read bandwidth (MiB/s)", "read_bytes_per_s", 1 / MiB, "{:.0f}"),
+        ("read stall per step (s)", "stall_s_per_step", 1, "{:.3f}"),
+        ("write wait per step (s)", "write_wait_s_per_step", 1, "{:.3f}"),
+        ("SSD writes per day (GiB)", "ssd_bytes_written_per_day", 1 / 1024 / MiB, "{:.1f}"),
+        ("final loss", "final_loss", 1, "{:.4f}"),
+    ]
+    names = [p["name"] for p in phases]
+    width = max(len(r[0]) for r in rows) + 2
+    colw = max(18, *(len(n) + 2 for n in names))
+    lines = ["", "".ljust(width) + "".join(n.rjust(colw) for n in names)]
+    for label, key, scale, fmt in rows:
+        cells = []
+        for p in phases:
+            v = p.get(key)
+            cells.append(("-" if v is None else fmt.format(v * scale)).rjust(colw))
+        lines.append(label.ljust(width) + "".join(cells))
+    if len(phases) >= 2 and phases[0]["peak_activation_bytes"]:
+        keep, off = phases[0], phases[-1]
+        saved = keep["peak_activation_bytes"] - off["peak_activation_bytes"]
+        ratio = off["median_step_s"] / keep["median_step_s"] if keep["median_step_s"] else float("nan")
+        lines.append(
+            f"\nactivation memory saved: {saved / MiB:.1f} MiB "
+            f"({100 * saved / keep['peak_activation_bytes']:.0f}% of keep-everything), "
+            f"step time {ratio:.2f}x keep-everything"
+        )
+    return "\n".join(lines)
+
+
+def run_train(config_path: Optional[str], overrides: Sequence[str], json_path: Optional[str] = None,
+              baseline: bool = True) -> int:
+    """``megatron-ssd train``: load the config, run the recipe, write JSON."""
+    config = load_config(TrainConfig, config_path, overrides)
+    if not baseline:
+        config.baseline_steps = 0
+    recipe = TrainRecipe(config)
+    try:
+        recipe.setup()
+        report = recipe.train()
+    finally:
+        recipe.cleanup()
+    if json_path:
+        os.makedirs(os.path.dirname(os.path.abspath(json_path)), exist_ok=True)
+        with open(json_path, "w", encoding="utf-8") as fh:
+            json.dump(report, fh, indent=2, default=str)
+        print(f"wrote {json_path}")
+    return 0
