@@ -191,6 +191,7 @@ class TrainRecipe:
                 self._say(f"\nplan set after step {event['step'] + 1} ({event['reason']}):")
                 self._say(Plan.from_dict(event["plan"]).table())
         report = {
+            "peak_rss_bytes": _peak_rss_bytes(),
             "config": to_dict(cfg),
             "device": self.device,
             "phases": [p.summary() for p in phases],
@@ -257,6 +258,13 @@ def _temp_root() -> Optional[str]:
     except OSError:
         pass
     return root
+
+
+def _peak_rss_bytes() -> int:
+    """Peak resident set size of this process so far (bytes)."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def _first_measured(planner: Any, config: PlannerConfig, steps: int) -> int:

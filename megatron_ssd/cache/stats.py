@@ -104,7 +104,8 @@ class StepStats:
     ssd_bytes: int
     """Bytes allocated on the SSD array at the end of the step."""
     layers: Dict[Any, LayerCounters]
-    """Per-layer measurements, keyed by layer id."""
+    """Per-layer measurements, keyed by layer id; key ``None`` counts the tensors saved
+    outside any layer (embedding, output layer, loss), always kept."""
 
     def to_dict(self) -> Dict[str, Any]:
         """A JSON-ready dict (layer ids become strings)."""

@@ -310,12 +310,12 @@ class TensorCache:
         record.entries[key] = entry
         record.live += 1
         record.add_layer_entry(layer_id, entry)
-        if layer_id is not None:
-            lc = self._counters.layers.setdefault(layer_id, LayerCounters())
-            if nbytes < self.config.min_tensor_bytes:
-                lc.small_bytes += nbytes
-            else:
-                lc.saved_bytes += nbytes
+        # Tensors saved outside any layer (embedding, loss) are counted under ``None``.
+        lc = self._counters.layers.setdefault(layer_id, LayerCounters())
+        if nbytes < self.config.min_tensor_bytes or layer_id is None:
+            lc.small_bytes += nbytes
+        else:
+            lc.saved_bytes += nbytes
         if placement is Placement.KEEP:
             self._counters.bytes_kept += nbytes
         return entry

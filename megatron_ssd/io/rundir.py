@@ -208,8 +208,9 @@ def _read_marker(run_dir: str) -> Optional[Dict[str, Any]]:
 def remove_stale_runs(path: str) -> List[str]:
     """Delete run directories under ``path`` left by processes that no longer exist.
 
-    Only directories named ``msd-*`` holding a readable marker whose process is provably
-    gone (see :func:`_is_stale`) are removed; anything else, ours or not, is untouched.
+    Only directories named ``msd-*``, owned by this user and holding a readable marker
+    whose process is provably gone (see :func:`_is_stale`) are removed; anything else is
+    untouched, and symbolic links are never followed.
 
     Returns:
         The removed directories.
@@ -220,7 +221,12 @@ def remove_stale_runs(path: str) -> List[str]:
     except OSError:
         return removed
     for entry in entries:
-        if not entry.name.startswith(RUN_PREFIX) or not entry.is_dir(follow_symlinks=False):
+        try:
+            if not entry.name.startswith(RUN_PREFIX) or not entry.is_dir(follow_symlinks=False):
+                continue
+            if entry.stat(follow_symlinks=False).st_uid != os.geteuid():
+                continue  # another user's run: never ours to judge
+        except OSError:
             continue
         marker = _read_marker(entry.path)
         if marker is None or not _is_stale(marker):
@@ -323,7 +329,10 @@ class RunDir:
         """Delete everything inside and the directory itself; idempotent."""
         if self._dirfd >= 0:
             try:
-                for name in os.listdir(self._dirfd):
+                # The marker goes last: a run killed halfway through this still leaves a
+                # directory that remove_stale_runs can identify.
+                names = sorted(os.listdir(self._dirfd), key=lambda n: n == MARKER)
+                for name in names:
                     try:
                         os.unlink(name, dir_fd=self._dirfd)
                     except OSError:

@@ -165,16 +165,22 @@ class DriftDetector:
 
         Reads ``write_bytes_per_s``, ``read_bytes_per_s``, ``backpressure_keeps`` and
         ``layers[id].forward_s / backward_s / microbatches`` (times summed over
-        micro-batches, divided here). Counts ``backpressure_keeps`` as fell-behind events.
+        micro-batches, divided here, less ``write_wait_s`` / ``stall_s`` when present; the
+        ``None`` key, tensors saved outside any layer, is skipped). Counts ``backpressure_keeps`` as fell-behind events.
         """
         for _ in range(int(getattr(stats, "backpressure_keeps", 0) or 0)):
             self.report_fell_behind()
         forward: Dict[LayerId, float] = {}
         backward: Dict[LayerId, float] = {}
         for layer_id, counters in (getattr(stats, "layers", None) or {}).items():
+            if layer_id is None:  # tensors saved outside any layer: no compute time
+                continue
             count = max(int(getattr(counters, "microbatches", 1) or 1), 1)
-            forward[layer_id] = counters.forward_s / count
-            backward[layer_id] = counters.backward_s / count
+            # Compute only: time spent waiting for I/O is exposed I/O, not compute drift.
+            wait_f = getattr(counters, "write_wait_s", 0.0) or 0.0
+            wait_b = getattr(counters, "stall_s", 0.0) or 0.0
+            forward[layer_id] = max(counters.forward_s - wait_f, 0.0) / count
+            backward[layer_id] = max(counters.backward_s - wait_b, 0.0) / count
         return self.observe(stats.write_bytes_per_s, stats.read_bytes_per_s, forward or None, backward or None)
 
     # ------------------------------------------------------------------ internals

@@ -68,7 +68,7 @@ def stage_from_stats(
     source = keep_steps or offload_steps
     if not source:
         raise ValueError("megatron_ssd: stage_from_stats needs at least one measured step")
-    layer_ids: List[Hashable] = list(source[-1].layers)
+    layer_ids: List[Hashable] = [k for k in source[-1].layers if k is not None]
 
     def per_layer(steps: List[Any], layer_id: Hashable) -> Dict[str, float]:
         fwd, bwd, saved, small = [], [], [], []
@@ -97,6 +97,15 @@ def stage_from_stats(
                 saved_bytes=int(m["saved"]),
                 kept_bytes=int(m["small"]),
             )
+        )
+    # Bytes saved outside the layers stay resident for the whole step; the first layer's
+    # kept bytes span nearly the same interval in the timeline, so they are added there.
+    outside = [_per_mb(s.layers[None].small_bytes, s.microbatches) for s in source if None in s.layers]
+    if layers and outside:
+        first = layers[0]
+        layers[0] = LayerProfile(
+            layer_id=first.layer_id, forward_s=first.forward_s, backward_s=first.backward_s,
+            saved_bytes=first.saved_bytes, kept_bytes=first.kept_bytes + int(statistics.median(outside)),
         )
     io = _io_profile(offload_steps, layer_ids, clean_compute if keep_steps else None)
     mbs = max(1, source[-1].microbatches)
@@ -200,8 +209,6 @@ class AdaptivePlanner:
             return
         if self.plan is None:
             return
-        for _ in range(stats.backpressure_keeps):
-            self._drift.report_fell_behind()
         decision = self._drift.observe_step_stats(stats)
         if decision.replan and decision.profile is not None:
             self.replans += 1

@@ -1,0 +1,368 @@
+"""Installs megatron-ssd into Megatron-LM's ``pretrain_gpt.py`` (tag ``core_v0.16.1``).
+
+Two entry points reach :func:`install`:
+
+- the launcher (``megatron-ssd pretrain-gpt`` / ``python -m megatron_ssd.megatron.launcher``)
+  calls :func:`prepare_pretrain` before running an unmodified ``pretrain_gpt.py``; it adds
+  the ``--ssd-offload`` flags to Megatron's parser and calls ``install(get_args())`` once
+  Megatron is initialized, before the model is built;
+- ``patches/megatron-lm-core_v0.16.1.patch`` edits ``pretrain_gpt.py`` to pass the flags
+  and to call ``install(get_args())`` at the start of its model provider.
+
+``install`` builds the :class:`~megatron_ssd.cache.TensorCache` from the flags, makes it
+the default cache, has ``train`` / ``evaluate`` use the offload-aware schedule, has
+``gpt_builder`` apply :func:`~.layer.offload_layer_spec` to its layer spec, prints each
+``--log-interval``-th step's numbers on rank 0 and closes the cache at exit. Without
+``--ssd-offload`` it changes nothing. Every change to Megatron's modules is made by
+:func:`_patch` in this file, each under a ``NOTE [pretrain_gpt hook]`` block, and undone
+by :func:`uninstall`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import atexit
+import importlib
+import inspect
+import logging
+import os
+import sys
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import torch
+
+from ..cache import StepStats, TensorCache
+from ..config import OffloadConfig
+from .args import add_ssd_offload_args, chain_args_providers, offload_config_from_args, validate_ssd_offload_args
+from .layer import offload_layer_spec
+from .schedules import get_forward_backward_func, set_default_cache
+
+__all__ = ["OffloadGPTModelFactory", "StepReporter", "install", "installed_cache", "prepare_pretrain", "uninstall"]
+
+logger = logging.getLogger("megatron_ssd")
+
+_PATCHES: List[Tuple[Any, str, Any]] = []
+"""(module, attribute, original value) of every patch in force, in the order made."""
+
+
+def _patch(module: Any, name: str, replacement: Any) -> None:
+    """Set ``module.name`` to ``replacement``, remembering the original for :func:`uninstall`."""
+    _PATCHES.append((module, name, getattr(module, name)))
+    setattr(module, name, replacement)
+
+
+def _is_patched(module: Any, name: str) -> bool:
+    return any(m is module and n == name for m, n, _ in _PATCHES)
+
+
+# ----------------------------------------------------------------- launcher-time hooks
+
+
+class _ParseArgsWithSSD:
+    """Megatron's ``parse_args`` with the ssd-offload flags added and validated."""
+
+    def __init__(self, original: Callable[..., Any]) -> None:
+        self.original = original
+
+    def __call__(self, extra_args_provider: Any = None, ignore_unknown_args: bool = False) -> Any:
+        provider = chain_args_providers(extra_args_provider, add_ssd_offload_args)
+        args = self.original(provider, ignore_unknown_args)
+        if not hasattr(args, "ssd_offload"):
+            _carry_ssd_args(args)
+        validate_ssd_offload_args(args)
+        return args
+
+
+def _carry_ssd_args(args: Any) -> None:
+    """Copy the ssd-offload flags from ``sys.argv`` onto ``args``.
+
+    ``--yaml-cfg`` makes Megatron's ``parse_args`` return a namespace built from the YAML
+    file, without the command-line flags; ours are parsed again here so they still count.
+    """
+    parser = add_ssd_offload_args(argparse.ArgumentParser(add_help=False, allow_abbrev=False))
+    ours, _ = parser.parse_known_args(sys.argv[1:])
+    for name, value in vars(ours).items():
+        setattr(args, name, value)
+
+
+class _InitializeThenInstall:
+    """Megatron's ``initialize_megatron`` followed by :func:`install`."""
+
+    def __init__(self, original: Callable[..., Any]) -> None:
+        self.original = original
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        result = self.original(*args, **kwargs)
+        from megatron.training import get_args
+
+        install(get_args())
+        return result
+
+
+def prepare_pretrain() -> None:
+    """Hook Megatron-LM's argument parsing and initialization (the launcher calls this).
+
+    Megatron-LM's ``megatron/`` must be importable (its checkout on ``sys.path``).
+    Calling it twice changes nothing.
+    """
+    arguments = importlib.import_module("megatron.training.arguments")
+    initialize = importlib.import_module("megatron.training.initialize")
+    training = importlib.import_module("megatron.training.training")
+    # NOTE [pretrain_gpt hook]
+    # megatron/training/arguments.py: parse_args(extra_args_provider, ignore_unknown_args).
+    # initialize_megatron() (megatron/training/initialize.py) calls the name `parse_args` it
+    # imported from there, with the script's extra_args_provider; pretrain_gpt.py passes
+    # only ModelOpt's, so our flags would be rejected as unknown. inprocess_restart.py and
+    # ft_integration.py call `arguments.parse_args(ignore_unknown_args=True)` earlier, from
+    # pretrain_gpt.py's __main__ block. Both names get one wrapper: it chains
+    # add_ssd_offload_args after the script's provider (so --help lists our flags) and
+    # validates our flags right after parsing, before torch.distributed starts.
+    if not _is_patched(initialize, "parse_args"):
+        wrapper = _ParseArgsWithSSD(initialize.parse_args)
+        _patch(initialize, "parse_args", wrapper)
+        _patch(arguments, "parse_args", wrapper)
+    # NOTE [pretrain_gpt hook]
+    # megatron/training/training.py: pretrain() calls the module-level name
+    # `initialize_megatron` and then setup_model_and_optimizer(). Installing right after
+    # initialization knows the ranks (for per-rank offload directories) and comes before
+    # any model is built, so the layer-spec hook below is in place for gpt_builder.
+    if not _is_patched(training, "initialize_megatron"):
+        _patch(training, "initialize_megatron", _InitializeThenInstall(training.initialize_megatron))
+
+
+# ------------------------------------------------------------------- install-time hooks
+
+
+class OffloadGPTModelFactory:
+    """Stands in for ``GPTModel`` in ``gpt_builders``: same call, offload-aware layer spec.
+
+    Whichever spec ``gpt_builder`` chose (``--spec``, Transformer Engine, local, MoE block,
+    heterogeneous, experimental attention) is passed through
+    :func:`~.layer.offload_layer_spec`; the MTP block keeps its stock layers.
+    """
+
+    def __init__(self, model_class: Callable[..., Any]) -> None:
+        self.model_class = model_class
+        self.built = 0
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if "transformer_layer_spec" in kwargs:
+            kwargs["transformer_layer_spec"] = offload_layer_spec(kwargs["transformer_layer_spec"])
+        elif len(args) >= 2:
+            args = (args[0], offload_layer_spec(args[1]), *args[2:])
+        model = self.model_class(*args, **kwargs)
+        self.built += 1
+        return model
+
+
+class StepReporter:
+    """Receives each training step's :class:`StepStats` from the offload-aware schedule.
+
+    Feeds the planner (when one is attached), keeps the last stats, and prints a summary
+    line every ``interval`` steps on rank 0 (Megatron's ``--log-interval``).
+    """
+
+    def __init__(self, cache: TensorCache, planner: Any = None, interval: int = 1, rank: int = 0) -> None:
+        self.cache = cache
+        self.planner = planner
+        self.interval = max(1, int(interval or 1))
+        self.rank = rank
+        self.last: Optional[StepStats] = None
+        self.steps = 0
+
+    def on_step(self, stats: StepStats) -> None:
+        """Handle one step's numbers (the schedule's ``on_step`` callback)."""
+        self.last = stats
+        self.steps += 1
+        if self.steps == 1 and not self.cache.layer_ids:
+            logger.warning(
+                "megatron_ssd: rank %d has no offload-aware layers, nothing is offloaded here "
+                "(a model built without offload_layer_spec: legacy or ModelOpt builder?)",
+                self.rank,
+            )
+        if self.planner is not None:
+            self.planner.on_step(stats)
+        if self.rank == 0 and self.steps % self.interval == 0:
+            print(f"[megatron-ssd] rank 0 {stats.summary()}", flush=True)
+
+
+class _OffloadForwardBackwardLookup:
+    """Stands in for ``get_forward_backward_func`` in ``megatron.training.training``.
+
+    Returns one :class:`~.schedules.OffloadSchedule` per ``(pp_size, vp_size)`` and reuses
+    it for ``train`` and every ``evaluate``, so record keys keep counting up in one run.
+    """
+
+    def __init__(self, cache: TensorCache, reporter: StepReporter) -> None:
+        self.cache = cache
+        self.reporter = reporter
+        self.schedules: Dict[Tuple[Any, Any], Any] = {}
+
+    def __call__(self, pp_size: Optional[int] = None, vp_size: Optional[int] = None) -> Any:
+        key = (pp_size, vp_size)
+        if key not in self.schedules:
+            self.schedules[key] = get_forward_backward_func(
+                pp_size, vp_size, cache=self.cache, on_step=self.reporter.on_step
+            )
+        return self.schedules[key]
+
+
+class _Installation:
+    """What :func:`install` set up, for :func:`uninstall`."""
+
+    def __init__(self, cache: TensorCache, config: OffloadConfig, reporter: StepReporter) -> None:
+        self.cache = cache
+        self.config = config
+        self.reporter = reporter
+        self.factory: Optional[OffloadGPTModelFactory] = None
+
+
+_STATE: Optional[_Installation] = None
+
+
+def installed_cache() -> Optional[TensorCache]:
+    """The cache :func:`install` created, or None."""
+    return _STATE.cache if _STATE is not None else None
+
+
+def _process_ranks(args: Any) -> Tuple[int, int]:
+    """(global rank, local rank) of this process."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        rank = torch.distributed.get_rank()
+    else:
+        rank = int(getattr(args, "rank", None) or os.environ.get("RANK", "0"))
+    local = os.environ.get("LOCAL_RANK")
+    local_rank = int(local) if local is not None else int(getattr(args, "local_rank", None) or 0)
+    return rank, local_rank
+
+
+def _pipeline_position() -> Dict[str, int]:
+    """This stage's pipeline rank and size, once Megatron's model parallelism is set up."""
+    try:
+        from megatron.core import parallel_state
+
+        if parallel_state.model_parallel_is_initialized():
+            return {
+                "pipeline_rank": parallel_state.get_pipeline_model_parallel_rank(),
+                "pipeline_size": parallel_state.get_pipeline_model_parallel_world_size(),
+            }
+    except (ImportError, AssertionError, RuntimeError):
+        pass
+    return {}
+
+
+def _attach_planner(cache: TensorCache, config: OffloadConfig) -> Any:
+    """The runtime planner for ``cache``, or None where ``megatron_ssd.planner.runtime`` is absent."""
+    try:
+        from ..planner.runtime import AdaptivePlanner
+    except ModuleNotFoundError as err:
+        if err.name != "megatron_ssd.planner.runtime":
+            raise
+        if config.planner.mode != "static":
+            logger.warning(
+                "megatron_ssd: planner.mode = %r needs megatron_ssd.planner.runtime, which this "
+                "install lacks; using the static placement (last %d layers kept, the rest offloaded)",
+                config.planner.mode,
+                config.keep_last_layers,
+            )
+        return None
+    accepted = inspect.signature(AdaptivePlanner).parameters
+    extra = {k: v for k, v in _pipeline_position().items() if k in accepted}
+    return AdaptivePlanner(cache, config.planner, **extra)
+
+
+def install(args: Any) -> Optional[TensorCache]:
+    """Set up SSD offload for a Megatron-LM run from its parsed arguments.
+
+    Call after ``initialize_megatron`` and before the model is built. Idempotent: later
+    calls return the cache of the first.
+
+    Args:
+        args: Megatron's parsed arguments (``get_args()``).
+
+    Returns:
+        The tensor cache, or None when ``--ssd-offload`` is absent (nothing changed).
+
+    Raises:
+        ConfigError: bad or conflicting flags, unusable offload directories.
+    """
+    global _STATE
+    if _STATE is not None:
+        return _STATE.cache
+    validate_ssd_offload_args(args)
+    rank, local_rank = _process_ranks(args)
+    config = offload_config_from_args(args, rank=rank, local_rank=local_rank, make_rank_dirs=True)
+    if config is None:
+        return None
+    # NOTE [Meta device]
+    # With --init-model-with-meta-device the patched pretrain_gpt.py calls install() inside
+    # `with torch.device('meta')`; the cache's own buffers must still be real.
+    with torch.device("cpu"):
+        cache = TensorCache(config, rank=rank)
+    mark = len(_PATCHES)
+    try:
+        reporter = StepReporter(cache, _attach_planner(cache, config), getattr(args, "log_interval", 1), rank)
+        state = _Installation(cache, config, reporter)
+        set_default_cache(cache)
+        _install_hooks(state)
+    except BaseException:
+        _restore_patches(down_to=mark)
+        set_default_cache(None)
+        cache.close()
+        raise
+    _STATE = state
+    atexit.register(_close_at_exit)
+    if rank == 0:
+        print(f"[megatron-ssd] offloading activations to {', '.join(config.paths)} "
+              f"(planner {config.planner.mode}, engine {config.io.engine})", flush=True)
+    return cache
+
+
+def _install_hooks(state: _Installation) -> None:
+    training = sys.modules.get("megatron.training.training")
+    if training is None:
+        training = importlib.import_module("megatron.training.training")
+    # NOTE [pretrain_gpt hook]
+    # megatron/training/training.py: train() and evaluate() call the module-level name
+    # `get_forward_backward_func` (imported from megatron.core.pipeline_parallel) and hand
+    # the result to train_step(). Ours returns Megatron's own schedule wrapped so that each
+    # micro-batch's forward opens a tensor-cache record and each step ends with the step's
+    # numbers (megatron_ssd/megatron/schedules.py); the schedules themselves are unchanged.
+    _patch(training, "get_forward_backward_func", _OffloadForwardBackwardLookup(state.cache, state.reporter))
+    builders = sys.modules.get("gpt_builders")
+    if builders is None or not hasattr(builders, "GPTModel"):
+        logger.info("megatron_ssd: gpt_builders is not loaded; build the model with offload_layer_spec yourself")
+        return
+    # NOTE [pretrain_gpt hook]
+    # gpt_builders.py (Megatron-LM root): gpt_builder() picks the layer spec in one of six
+    # branches and then calls the module-level name `GPTModel(transformer_layer_spec=...)`.
+    # Replacing that one name covers every branch: the factory passes the chosen spec through
+    # offload_layer_spec, so the decoder's layers are OffloadTransformerLayer.
+    state.factory = OffloadGPTModelFactory(builders.GPTModel)
+    _patch(builders, "GPTModel", state.factory)
+
+
+def _restore_patches(down_to: int = 0) -> None:
+    while len(_PATCHES) > down_to:
+        module, name, original = _PATCHES.pop()
+        setattr(module, name, original)
+
+
+def _close_at_exit() -> None:
+    if _STATE is not None:
+        try:
+            _STATE.cache.close()
+        except Exception:  # noqa: BLE001 - exit must go on; the error is reported
+            logger.exception("megatron_ssd: closing the tensor cache at exit failed")
+
+
+def uninstall() -> None:
+    """Undo :func:`install` and :func:`prepare_pretrain`: restore Megatron's functions,
+    clear the default cache and close it (deleting its offload files)."""
+    global _STATE
+    _restore_patches()
+    state, _STATE = _STATE, None
+    if state is not None:
+        atexit.unregister(_close_at_exit)
+        set_default_cache(None)
+        state.cache.close()

@@ -1,0 +1,206 @@
+"""The planner's commands: ``megatron-ssd plan``, ``rok`` and ``simulate``.
+
+``rok`` measures the recompute-offload-keep curve: each placement trains the same model
+in a fresh process (``megatron-ssd train ... --json``), so peaks and allocator state do
+not leak from one placement into the next.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+from typing import Any, Dict, List, Optional, Sequence
+
+from ..config import TrainConfig, load_config, to_dict
+from ..errors import MegatronSSDError
+
+__all__ = ["run_plan", "run_rok", "run_simulate", "rok_points", "machine_info"]
+
+MiB = float(1 << 20)
+
+
+def _write_json(path: str, data: Any) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)) or ".", exist_ok=True)
+    with open(path, "w", encoding="utf-8") as fh:
+        json.dump(data, fh, indent=2, default=str)
+    print(f"wrote {path}")
+
+
+def machine_info() -> Dict[str, Any]:
+    """What the measurements ran on."""
+    import torch
+
+    info = {
+        "hostname": platform.node(),
+        "cpu_count": os.cpu_count(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+    }
+    try:
+        with open("/proc/meminfo", encoding="utf-8") as fh:
+            info["mem_total_kib"] = int(fh.readline().split()[1])
+    except OSError:
+        pass
+    return info
+
+
+def run_plan(config_path: Optional[str], overrides: Sequence[str], json_path: Optional[str] = None) -> int:
+    """Profile a few steps of the configured model, print and optionally save the plan."""
+    from ..train import TrainRecipe
+
+    config = load_config(TrainConfig, config_path, overrides)
+    planner = config.offload.planner
+    planner.mode = "auto"
+    config.baseline_steps = 0
+    config.steps = planner.warmup_steps + planner.profile_steps + 1
+    recipe = TrainRecipe(config)
+    try:
+        recipe.setup()
+        report = recipe.train()
+    finally:
+        recipe.cleanup()
+    events = [e for e in report["planner"]["events"] if e["plan"] is not None]
+    if not events:
+        raise MegatronSSDError("plan: the profile produced no plan (too few steps?)")
+    plan = events[-1]["plan"]
+    if json_path:
+        _write_json(json_path, {**plan, "workload": to_dict(config), "machine": machine_info()})
+    return 0
+
+
+def _train_in_subprocess(config_path: Optional[str], overrides: Sequence[str]) -> Dict[str, Any]:
+    with tempfile.TemporaryDirectory(prefix="megatron-ssd-rok-") as tmp:
+        out = os.path.join(tmp, "point.json")
+        cmd = [sys.executable, "-m", "megatron_ssd.cli", "train", *(["--config", config_path] if config_path else []),
+               *overrides, "baseline_steps=0", "--json", out]
+        print("$ " + " ".join(cmd), flush=True)
+        proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        if proc.returncode != 0 or not os.path.exists(out):
+            raise MegatronSSDError(f"rok: a placement run failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}")
+        last = [l for l in proc.stdout.splitlines() if "loss" in l][-1:]
+        print("  " + (last[0].strip() if last else "done"), flush=True)
+        with open(out, encoding="utf-8") as fh:
+            return json.load(fh)
+
+
+def _point(placement: str, report: Dict[str, Any]) -> Dict[str, Any]:
+    phase = report["phases"][-1]
+    planned = [e for e in report["planner"]["events"] if e["plan"] is not None]
+    point = {
+        "placement": placement,
+        "peak_activation_bytes": phase["peak_activation_bytes"],
+        "peak_rss_bytes": report["peak_rss_bytes"],
+        "median_step_s": phase["median_step_s"],
+        "bytes_written": phase["bytes_written_per_step"],
+        "bytes_read": phase["bytes_read_per_step"],
+        "stall_s": phase["stall_s_per_step"],
+        "write_wait_s": phase["write_wait_s_per_step"],
+        "write_bytes_per_s": phase["write_bytes_per_s"],
+        "read_bytes_per_s": phase["read_bytes_per_s"],
+        "measured_steps": phase["measured_steps"],
+        "final_loss": phase["final_loss"],
+    }
+    if planned:
+        plan = planned[-1]["plan"]
+        point["plan"] = [l["placement"] for l in plan["layers"]]
+        point["predicted_exposed_s"] = plan["exposed_s"]
+        point["predicted_step_s"] = plan["step_s"]
+        point["predicted_peak_activation_bytes"] = plan["peak_activation_bytes"]
+    return point
+
+
+def rok_points(config_path: Optional[str], overrides: Sequence[str], budgets: Sequence[float] = (0.5,)) -> List[Dict[str, Any]]:
+    """Measure keep, recompute, offload-all, the planner, and planner budgets (fractions of
+    keep's peak), each in a fresh process."""
+    points = []
+    runs = [("keep", ["offload.planner.mode=keep"]), ("recompute", ["offload.planner.mode=recompute"]),
+            ("offload-all", ["offload.planner.mode=offload"]), ("planner", ["offload.planner.mode=auto"])]
+    for name, extra in runs:
+        points.append(_point(name, _train_in_subprocess(config_path, [*overrides, *extra])))
+    keep_peak = points[0]["peak_activation_bytes"]
+    for fraction in budgets:
+        budget = int(keep_peak * fraction)
+        extra = ["offload.planner.mode=auto", f"offload.planner.memory_budget={budget}"]
+        try:
+            points.append(_point(f"budget-{budget}", _train_in_subprocess(config_path, [*overrides, *extra])))
+        except MegatronSSDError as err:
+            points.append({"placement": f"budget-{budget}", "infeasible": str(err).splitlines()[-1][:500]})
+    return points
+
+
+def plot_rok(points: Sequence[Dict[str, Any]], path: str, title: str = "") -> None:
+    """A PNG of peak activation memory against median step time, one marker per placement."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.4))
+    for p in points:
+        if "median_step_s" not in p:
+            continue
+        ax.scatter(p["median_step_s"], p["peak_activation_bytes"] / MiB, s=60)
+        ax.annotate(p["placement"], (p["median_step_s"], p["peak_activation_bytes"] / MiB),
+                    textcoords="offset points", xytext=(6, 4), fontsize=9)
+    ax.set_xlabel("median step time (s)")
+    ax.set_ylabel("peak activation memory (MiB)")
+    ax.set_title(title or "recompute / offload / keep")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)) or ".", exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    print(f"wrote {path}")
+
+
+def format_rok(points: Sequence[Dict[str, Any]]) -> str:
+    """The ROK table."""
+    lines = [f"{'placement':<22}{'peak act MiB':>14}{'peak RSS MiB':>14}{'step s':>9}{'x keep':>8}{'written MiB':>13}"]
+    keep_s = next((p["median_step_s"] for p in points if p["placement"] == "keep"), None)
+    for p in points:
+        if "median_step_s" not in p:
+            lines.append(f"{p['placement']:<22}  infeasible: {p.get('infeasible', '')[:60]}")
+            continue
+        ratio = p["median_step_s"] / keep_s if keep_s else float("nan")
+        lines.append(
+            f"{p['placement']:<22}{p['peak_activation_bytes'] / MiB:>14.1f}{p['peak_rss_bytes'] / MiB:>14.0f}"
+            f"{p['median_step_s']:>9.3f}{ratio:>8.2f}{p['bytes_written'] / MiB:>13.1f}"
+        )
+    return "\n".join(lines)
+
+
+def run_rok(config_path: Optional[str], overrides: Sequence[str], json_path: Optional[str] = None,
+            plot_path: Optional[str] = None) -> int:
+    """``megatron-ssd rok``: the measured recompute-offload-keep curve."""
+    config = load_config(TrainConfig, config_path, overrides)  # validate before spending minutes
+    points = rok_points(config_path, overrides)
+    print(format_rok(points))
+    if json_path:
+        _write_json(json_path, {"points": points, "workload": to_dict(config), "machine": machine_info()})
+    if plot_path:
+        plot_rok(points, plot_path, title=os.path.basename(config_path or "rok"))
+    return 0
+
+
+def run_simulate(overrides: Sequence[str], json_path: Optional[str] = None) -> int:
+    """``megatron-ssd simulate``: plan, overhead and drive lifetime for described hardware."""
+    from .simulate import simulate, spec_from_overrides
+
+    model = None
+    rest = []
+    for item in overrides:
+        if item.startswith("model="):
+            model = item.split("=", 1)[1]
+        else:
+            rest.append(item)
+    result = simulate(spec_from_overrides(rest, model=model))
+    print(result.summary())
+    if json_path:
+        _write_json(json_path, result.to_dict())
+    return 0

@@ -1,0 +1,114 @@
+"""The planner at run time: a real GPT, real files, the plan it sets, and the commands."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+from megatron_ssd import IOConfig, OffloadConfig, Placement, TensorCache
+from megatron_ssd.config import PlannerConfig
+from megatron_ssd.megatron import get_forward_backward_func, offload_layer_spec
+from megatron_ssd.megatron.harness import SyntheticData, gpt_forward_step, run_steps
+from megatron_ssd.megatron.models import build_gpt, tiny_transformer_config
+from megatron_ssd.megatron.parallel import destroy_parallel, init_parallel
+from megatron_ssd.planner import StageProfile
+from megatron_ssd.planner.runtime import AdaptivePlanner, stage_from_stats
+
+VOCAB, SEQ, MBS, NMB, LAYERS = 128, 64, 4, 2, 4
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@pytest.fixture(scope="module")
+def world():
+    init_parallel(seed=1234)
+    yield
+    destroy_parallel()
+
+
+def _run(cache=None, planner_config=None, steps=6):
+    torch.manual_seed(5)
+    config = tiny_transformer_config(LAYERS, 64, 4)
+    spec = offload_layer_spec(get_gpt_layer_local_spec()) if cache is not None else None
+    model = build_gpt(config, VOCAB, SEQ, layer_spec=spec)
+    stats, planner, fb = [], None, None
+    if cache is not None:
+        planner = AdaptivePlanner(cache, planner_config)
+
+        def on_step(s):
+            stats.append(s)
+            planner.on_step(s)
+
+        fb = get_forward_backward_func(cache=cache, on_step=on_step)
+    data = SyntheticData("gpt", MBS, SEQ, VOCAB, seed=2)
+    result = run_steps([model], gpt_forward_step, data, NMB, SEQ, MBS, steps=steps, forward_backward_func=fb)
+    return result, stats, planner
+
+
+def test_planned_run_is_bit_identical_and_sets_a_plan(world, tmp_path):
+    stock, _, _ = _run()
+    cfg = OffloadConfig(paths=[str(tmp_path)], min_tensor_bytes=4096, io=IOConfig(max_inflight_bytes=1 << 20))
+    with TensorCache(cfg) as cache:
+        planned, stats, planner = _run(cache, PlannerConfig(mode="auto", warmup_steps=1, profile_steps=2))
+        placements = {layer: cache.placement(layer) for layer in cache.layer_ids}
+    assert all(torch.equal(a, b) for a, b in zip(stock.losses, planned.losses, strict=True))
+    assert [n for n in stock.grads if not torch.equal(stock.grads[n], planned.grads[n])] == []
+    # Warm-up (default placement), KEEP profile step, OFFLOAD profile step, then the plan.
+    assert stats[1].bytes_offloaded == 0 and stats[2].bytes_offloaded > 0
+    assert [e.reason for e in planner.events][:1] == ["profile"]
+    plan = planner.plan
+    assert [lp.layer_id for lp in plan.layers] == [1, 2, 3, 4]
+    assert placements == {lp.layer_id: lp.placement for lp in plan.layers}
+    assert plan.layers[-1].placement is Placement.KEEP, "the layer backward needs first stays"
+    profile = planner.profile
+    assert isinstance(profile, StageProfile)
+    assert all(l.saved_bytes > 0 and l.forward_s > 0 and l.backward_s > 0 for l in profile.layers)
+    assert profile.io.write_bytes_per_s > 0 and profile.io.read_bytes_per_s > 0
+    # Bytes saved outside the layers (embedding, logits) are in the profile as kept bytes.
+    assert profile.layers[0].kept_bytes >= VOCAB * SEQ * MBS * 4
+
+
+def test_fixed_modes_place_every_layer(world, tmp_path):
+    for mode in ("keep", "offload", "recompute"):
+        with TensorCache(OffloadConfig(paths=[str(tmp_path)], min_tensor_bytes=4096)) as cache:
+            _, stats, planner = _run(cache, PlannerConfig(mode=mode), steps=2)
+            assert {cache.placement(l) for l in cache.layer_ids} == {Placement(mode)}
+            written = stats[-1].bytes_offloaded
+            assert (written > 0) == (mode == "offload")
+
+
+def test_stage_from_stats_needs_a_step():
+    with pytest.raises(ValueError, match="megatron_ssd: stage_from_stats needs at least one measured step"):
+        stage_from_stats([], [])
+
+
+def test_rok_json_schema(tmp_path):
+    """``megatron-ssd rok`` on a very small model: one point per placement, each measured."""
+    out = tmp_path / "rok.json"
+    cmd = [
+        sys.executable, "-m", "megatron_ssd.cli", "rok", "--config", os.path.join(REPO, "configs", "gpt-tiny.yaml"),
+        "model.num_layers=2", "model.hidden_size=64", "model.num_attention_heads=4", "model.seq_length=64",
+        "model.vocab_size=256", "micro_batch_size=2", "num_microbatches=1", "steps=4",
+        "offload.min_tensor_bytes=4096", "--json", str(out),
+    ]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    data = json.loads(out.read_text())
+    assert set(data) >= {"points", "workload", "machine"}
+    names = [p["placement"] for p in data["points"]]
+    assert names[:4] == ["keep", "recompute", "offload-all", "planner"]
+    assert names[4].startswith("budget-")
+    for p in data["points"][:4]:
+        assert {"placement", "peak_activation_bytes", "peak_rss_bytes", "median_step_s", "bytes_written"} <= set(p)
+        assert p["median_step_s"] > 0 and p["peak_rss_bytes"] > 0
+    by = {p["placement"]: p for p in data["points"]}
+    assert by["keep"]["bytes_written"] == 0 and by["offload-all"]["bytes_written"] > 0
+    assert by["offload-all"]["peak_activation_bytes"] < by["keep"]["peak_activation_bytes"]
+    assert by["recompute"]["peak_activation_bytes"] < by["keep"]["peak_activation_bytes"]
+    assert all(pl in ("keep", "offload", "recompute") for pl in by["planner"]["plan"])
+    assert data["workload"]["model"]["num_layers"] == 2
