@@ -1,0 +1,57 @@
+"""Docs and presets stay true: the config reference, every YAML preset, README links."""
+
+from __future__ import annotations
+
+import os
+import re
+
+import pytest
+import yaml
+
+from megatron_ssd.config import OffloadConfig, TrainConfig, load_config
+from megatron_ssd.docgen import configuration_reference
+from megatron_ssd.errors import ConfigError
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PRESETS = sorted(f for f in os.listdir(os.path.join(REPO, "configs")) if f.endswith(".yaml"))
+
+
+def test_configuration_reference_is_current():
+    with open(os.path.join(REPO, "docs", "configuration.md"), encoding="utf-8") as fh:
+        committed = fh.read()
+    assert committed == configuration_reference(), "run: python -m megatron_ssd.docgen > docs/configuration.md"
+
+
+@pytest.mark.parametrize("name", PRESETS)
+def test_every_preset_loads_validates_and_names_its_command(name):
+    path = os.path.join(REPO, "configs", name)
+    with open(path, encoding="utf-8") as fh:
+        text = fh.read()
+    first = text.splitlines()[0]
+    assert first.startswith("# ") and ("megatron-ssd" in first or "python" in first), first
+    data = yaml.safe_load(text)
+    cls = TrainConfig if "model" in data else OffloadConfig
+    config = load_config(cls, path)
+    assert isinstance(config, cls)
+
+
+def test_presets_cover_the_shipped_sizes_and_io_profiles():
+    for name in ("gpt-tiny", "gpt-ref-cpu", "gpt-1.3b", "gpt-7b", "gpt-13b", "gpt-70b", "bert-large", "t5-base",
+                 "io-nvme1", "io-raid0x4", "io-gds"):
+        assert f"{name}.yaml" in PRESETS
+
+
+def test_unknown_preset_key_is_an_error_naming_it(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model:\n  num_layer: 4\n")
+    with pytest.raises(ConfigError, match=r"ModelConfig: unknown key 'num_layer'; did you mean 'num_layers'"):
+        load_config(TrainConfig, str(bad))
+
+
+def test_every_doc_is_reachable_from_the_readme():
+    with open(os.path.join(REPO, "README.md"), encoding="utf-8") as fh:
+        readme = fh.read()
+    linked = set(re.findall(r"\(docs/([\w.-]+\.md)\)", readme))
+    docs = {f for f in os.listdir(os.path.join(REPO, "docs")) if f.endswith(".md")}
+    assert docs <= linked, f"not linked from README.md: {sorted(docs - linked)}"
+    assert "make run" in readme and "make test" in readme
