@@ -5,7 +5,7 @@ Subcommands::
     megatron-ssd train --config configs/gpt-tiny.yaml [key=value ...] [--json PATH]
     megatron-ssd plan --config configs/gpt-ref-cpu.yaml [--json PATH]
     megatron-ssd rok --config configs/gpt-ref-cpu.yaml [--json PATH] [--plot PATH]
-    megatron-ssd simulate [--model gpt-1.3b] [--ssd-count 4] ...
+    megatron-ssd simulate model=gpt-1.3b ssd_count=4 [key=value ...]
     megatron-ssd bench-io PATH [PATH ...]
     megatron-ssd clean PATH [PATH ...]
     megatron-ssd pretrain-gpt --megatron-path DIR <pretrain_gpt.py args> --ssd-offload ...

@@ -68,6 +68,7 @@ class PhaseResult:
             "stall_s_per_step": med([s.stall_s for s in m]),
             "write_wait_s_per_step": med([s.backpressure_wait_s for s in m]),
             "write_fallbacks": sum(s.write_fallbacks for s in self.steps),
+            "peak_ssd_bytes": max(s.peak_ssd_bytes for s in m),
             "ssd_bytes_written_per_day": written / step_s * 86400 if step_s else 0.0,
             "final_loss": self.losses[-1] if self.losses else None,
         }
@@ -243,7 +244,8 @@ def _with_paths(offload: Any, paths: List[str]) -> Any:
 
 
 def _temp_root() -> Optional[str]:
-    """A temporary directory on a real disk (O_DIRECT fails on tmpfs)."""
+    """A temporary directory on a real disk: on tmpfs "offloaded" bytes would stay in RAM
+    (and kernels before 6.6 refuse O_DIRECT there)."""
     env = os.environ.get("MEGATRON_SSD_TMPDIR")
     if env:
         return env
@@ -286,7 +288,9 @@ def format_summary(phases: Sequence[Dict[str, Any]]) -> str:
         ("read bandwidth (MiB/s)", "read_bytes_per_s", 1 / MiB, "{:.0f}"),
         ("read stall per step (s)", "stall_s_per_step", 1, "{:.3f}"),
         ("write wait per step (s)", "write_wait_s_per_step", 1, "{:.3f}"),
+        ("peak SSD footprint (MiB)", "peak_ssd_bytes", 1 / MiB, "{:.1f}"),
         ("SSD writes per day (GiB)", "ssd_bytes_written_per_day", 1 / 1024 / MiB, "{:.1f}"),
+        ("failed writes kept in memory", "write_fallbacks", 1, "{:.0f}"),
         ("final loss", "final_loss", 1, "{:.4f}"),
     ]
     names = [p["name"] for p in phases]

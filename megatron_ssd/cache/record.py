@@ -105,6 +105,10 @@ class Packed:
     entry: Entry
     meta: ViewMeta
     cache: Any
+    version: int = 0
+    """The saved tensor's version counter at pack time."""
+    source: Any = None
+    """A weak reference to the saved tensor, to detect in-place changes after the save."""
 
     def __del__(self) -> None:
         cache = self.cache

@@ -49,6 +49,7 @@ class Counters:
     late_reads: int = 0
     stall_s: float = 0.0
     peak_resident_bytes: int = 0
+    peak_ssd_bytes: int = 0
     microbatches: int = 0
     layers: Dict[Any, LayerCounters] = field(default_factory=dict)
 
@@ -101,6 +102,9 @@ class StepStats:
     """Time forward spent waiting for room in the write queue (exposed write time)."""
     peak_resident_bytes: int
     """Peak bytes of saved activations held in compute-device memory by the cache."""
+    peak_ssd_bytes: int
+    """Peak bytes this cache had on the SSD array during the step (padding included):
+    the footprint to provision."""
     ssd_bytes: int
     """Bytes allocated on the SSD array at the end of the step."""
     layers: Dict[Any, LayerCounters]

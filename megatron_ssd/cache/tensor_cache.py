@@ -18,6 +18,7 @@ import itertools
 import logging
 import threading
 import time
+import weakref
 from functools import partial
 from typing import Any, Dict, Hashable, Iterable, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
 
@@ -93,6 +94,7 @@ class TensorCache:
         self._closed = False
         self._bwd_clock: Dict[int, Tuple[Hashable, float]] = {}
         self._writes: set = set()
+        self._ssd_bytes = 0
         self.default_placement: Optional[Placement] = None
         """Placement of layers the plan does not name; None: the ``keep_last_layers`` rule."""
         self._step_started = time.perf_counter()
@@ -268,14 +270,15 @@ class TensorCache:
         layer_id = self._current_layer()
         key = storage_key(t)
         meta = view_meta(t)
+        source = weakref.ref(t)
         with self._lock:
             self._counters.tensors_packed += 1
             entry = self._lookup(record, key)
             if entry is not None:
                 self._add_use(entry, layer_id)
-                return Packed(entry, meta, self)
+                return Packed(entry, meta, self, t._version, source)
             entry = self._new_entry(record, key, t, layer_id)
-            packed = Packed(entry, meta, self)
+            packed = Packed(entry, meta, self, t._version, source)
         if entry.placement is Placement.OFFLOAD:
             self._submit_write(entry)
         return packed
@@ -329,7 +332,19 @@ class TensorCache:
             self._counters.peak_resident_bytes = self._resident
 
     def unpack(self, packed: Packed) -> torch.Tensor:
-        """Return the tensor ``packed`` stands for, waiting for its read if needed."""
+        """Return the tensor ``packed`` stands for, waiting for its read if needed.
+
+        Raises:
+            RuntimeError: the saved tensor was modified in place after it was saved (as
+                autograd itself reports; under saved-tensor hooks it would not).
+        """
+        original = packed.source() if packed.source is not None else None
+        if original is not None and original._version != packed.version:
+            raise RuntimeError(
+                f"megatron_ssd: a tensor saved for backward (layer {packed.entry.layer!r}, shape "
+                f"{list(packed.meta.size)}) was modified by an in-place operation after it was saved: "
+                f"version {packed.version} at save, {original._version} now"
+            )
         entry = packed.entry
         future: Optional[IOFuture] = None
         with self._lock:
@@ -397,13 +412,15 @@ class TensorCache:
             if error is not None:
                 self._counters.write_fallbacks += 1
                 self._counters.bytes_fallen_back += entry.nbytes
-                logger.warning("megatron_ssd: write of %d bytes failed, kept in memory: %s", entry.nbytes, error)
+                logger.warning("write of %d bytes failed, kept in memory instead: %s", entry.nbytes, error)
                 if entry.state is not EntryState.RELEASED:
                     entry.state = EntryState.RESIDENT
                     entry.placement = Placement.KEEP
                 return
             self._counters.bytes_offloaded += entry.nbytes
             entry.handle = future.get()
+            self._ssd_bytes += entry.handle.disk_bytes
+            self._counters.peak_ssd_bytes = max(self._counters.peak_ssd_bytes, self._ssd_bytes)
             if entry.state is EntryState.RELEASED:
                 self._free_disk(entry)
             elif entry.pinned or entry.wanted:
@@ -443,6 +460,7 @@ class TensorCache:
 
     def _free_disk(self, entry: Entry) -> None:
         if entry.handle is not None:
+            self._ssd_bytes -= entry.handle.disk_bytes
             self.engine.free(entry.handle)
             entry.handle = None
 
@@ -568,10 +586,11 @@ class TensorCache:
                 stall_s=c.stall_s,
                 backpressure_wait_s=es.backpressure_wait_s - base.backpressure_wait_s,
                 peak_resident_bytes=c.peak_resident_bytes,
+                peak_ssd_bytes=c.peak_ssd_bytes,
                 ssd_bytes=es.disk_bytes,
                 layers=c.layers,
             )
-            self._counters = Counters(peak_resident_bytes=self._resident)
+            self._counters = Counters(peak_resident_bytes=self._resident, peak_ssd_bytes=self._ssd_bytes)
             self._engine_base = es
             self._step += 1
             self._step_started = now

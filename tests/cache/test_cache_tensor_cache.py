@@ -234,3 +234,36 @@ def test_bad_plan_and_missing_paths_are_clear_errors(offload_dir):
     with _cache([offload_dir]) as cache:
         with pytest.raises(ConfigError, match=r"plan\[0\] = 'swap': must be one of"):
             cache.set_plan({0: "swap"})
+
+
+def test_in_place_change_after_save_is_an_error(offload_dir):
+    """Autograd reports it; under saved-tensor hooks it must still be reported, not used."""
+    with _cache([offload_dir]) as cache:
+        cache.register_layers([torch.nn.Identity()], ids=["L"], install_hooks=False)
+        x = torch.randn(128, 128, requires_grad=True)
+        with cache.microbatch():
+            with cache.layer("L"):
+                h = x * 2
+                y = (h.exp()).sum()  # exp saves its output ...
+                out = h.exp()
+                y = (out * out).sum()  # ... and mul saves `out`
+        with torch.no_grad():
+            out.add_(1)  # modified after it was saved
+        with pytest.raises(RuntimeError, match=r"megatron_ssd: a tensor saved for backward .* modified by an in-place"):
+            y.backward()
+
+
+def test_peak_ssd_footprint_is_reported(offload_dir):
+    with _cache([offload_dir], io={"max_inflight_bytes": 1 << 20}) as cache:
+        cache.register_layers([torch.nn.Identity()], ids=["L"], install_hooks=False)
+        cache.set_plan({"L": "offload"})
+        x = torch.randn(256, 256, requires_grad=True)
+        with cache.microbatch():
+            with cache.layer("L"):
+                y = (x.exp() * x.sin()).sum()
+        cache.drain()
+        y.backward()
+        stats = cache.finish_step()
+    assert stats.bytes_offloaded == 2 * 256 * 256 * 4
+    assert stats.peak_ssd_bytes >= stats.bytes_offloaded  # both on disk before backward
+    assert stats.ssd_bytes == 0  # all freed after backward
