@@ -1,6 +1,8 @@
-"""Megatron-core integration: offload-aware layers, spec wrapper, schedule wrapper, CPU mode."""
+"""Megatron-core integration: offload-aware layers, spec wrapper, schedule wrapper.
 
-from .cpu_mode import cpu_mode
+The CPU development mode is ``megatron_ssd.megatron.cpu_mode.cpu_mode()``.
+"""
+
 from .layer import (
     OffloadMoETransformerLayer,
     OffloadTransformerLayer,
@@ -14,7 +16,6 @@ __all__ = [
     "OffloadSchedule",
     "OffloadTransformerLayer",
     "assign_layer_ids",
-    "cpu_mode",
     "get_default_cache",
     "get_forward_backward_func",
     "offload_layer_spec",

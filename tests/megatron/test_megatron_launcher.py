@@ -1,0 +1,464 @@
+"""The pretrain_gpt.py launcher, the install hooks and the Megatron-LM patch.
+
+Tests without a marker run everywhere (fake Megatron-LM modules, a fake checkout). Tests
+marked ``megatron_lm`` use the real checkout named by ``MEGATRON_LM_PATH`` (tag
+core_v0.16.1) on CPU; they skip without it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import textwrap
+import types
+
+import pytest
+
+from megatron_ssd.errors import ConfigError
+from megatron_ssd.megatron import integration
+from megatron_ssd.megatron.args import add_ssd_offload_args
+from megatron_ssd.megatron.launcher import check_megatron_core, find_pretrain_script, main, split_megatron_path
+from megatron_ssd.megatron.schedules import OffloadSchedule, get_default_cache
+
+REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+PATCH = os.path.join(REPO, "patches", "megatron-lm-core_v0.16.1.patch")
+TAG = "core_v0.16.1"
+CHECKOUT = os.environ.get("MEGATRON_LM_PATH", "")
+
+
+def _env(**extra: str) -> dict:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([REPO] + [p for p in [env.get("PYTHONPATH")] if p])
+    env["PYTHONWARNINGS"] = "ignore"
+    env.update(extra)
+    return env
+
+
+# ------------------------------------------------------------------------ argv handling
+
+
+def test_split_megatron_path_forms(tmp_path):
+    path, rest = split_megatron_path(["--num-layers", "2", "--megatron-path", str(tmp_path), "--ssd-offload"], {})
+    assert (path, rest) == (str(tmp_path), ["--num-layers", "2", "--ssd-offload"])
+    path, rest = split_megatron_path([f"--megatron-path={tmp_path}", "--lr", "1"], {})
+    assert (path, rest) == (str(tmp_path), ["--lr", "1"])
+    path, rest = split_megatron_path(["--lr", "1"], {"MEGATRON_LM_PATH": str(tmp_path)})
+    assert (path, rest) == (str(tmp_path), ["--lr", "1"])
+    path, _ = split_megatron_path(["--megatron-path", "rel"], {"MEGATRON_LM_PATH": "/elsewhere"})
+    assert path == os.path.abspath("rel")  # the flag wins over the environment
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--lr", "1"], "--megatron-path = None: name the Megatron-LM checkout"),
+        (["--megatron-path"], "--megatron-path = '': needs a directory"),
+        (["--megatron-path", "--lr", "1"], "--megatron-path = '': needs a directory"),
+        (["--megatron-path=", "--lr"], "--megatron-path = '': needs a directory"),
+        (["--megatron-path", "/a", "--megatron-path", "/b"], "given twice"),
+    ],
+)
+def test_split_megatron_path_errors(argv, message):
+    with pytest.raises(ConfigError) as info:
+        split_megatron_path(argv, {})
+    assert str(info.value).startswith("megatron_ssd: ") and message in str(info.value)
+
+
+def test_main_reports_a_bad_checkout(tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("MEGATRON_LM_PATH", raising=False)
+    assert main(["--num-layers", "2"]) == 2
+    assert "--megatron-path = None" in capsys.readouterr().err
+    assert main(["--megatron-path", str(tmp_path / "missing")]) == 2
+    assert "is not a directory" in capsys.readouterr().err
+    assert main(["--megatron-path", str(tmp_path)]) == 2
+    assert "has no pretrain_gpt.py" in capsys.readouterr().err
+    (tmp_path / "pretrain_gpt.py").write_text("")
+    assert find_pretrain_script(str(tmp_path)) == str(tmp_path / "pretrain_gpt.py")
+
+
+def test_megatron_core_version_mismatch_is_refused(tmp_path):
+    info = tmp_path / "megatron" / "core"
+    info.mkdir(parents=True)
+    (info / "package_info.py").write_text("MAJOR = 9\nMINOR = 9\nPATCH = 9\nPRE_RELEASE = ''\n")
+    with pytest.raises(ConfigError, match="its megatron-core is 9.9.9 but megatron-core"):
+        check_megatron_core(str(tmp_path))
+    from megatron.core.package_info import MAJOR, MINOR, PATCH
+
+    (info / "package_info.py").write_text(f"MAJOR = {MAJOR}\nMINOR = {MINOR}\nPATCH = {PATCH}\n")
+    check_megatron_core(str(tmp_path))
+
+
+# --------------------------------------------------------- install with fake Megatron-LM
+
+
+@pytest.fixture
+def fake_megatron(monkeypatch):
+    """``megatron.training.training`` and ``gpt_builders`` stand-ins holding the two hooked names."""
+    training, builders = types.ModuleType("megatron.training.training"), types.ModuleType("gpt_builders")
+
+    def megatron_get_forward_backward_func(pp_size=None, vp_size=None):
+        return "megatron's schedule"
+
+    def GPTModel(config=None, transformer_layer_spec=None, **kwargs):
+        builders.built.append(transformer_layer_spec)
+        return "model"
+
+    training.get_forward_backward_func, builders.GPTModel, builders.built = megatron_get_forward_backward_func, GPTModel, []
+    monkeypatch.setitem(sys.modules, "megatron.training.training", training)
+    monkeypatch.setitem(sys.modules, "gpt_builders", builders)
+    yield types.SimpleNamespace(training=training, builders=builders, fbf=megatron_get_forward_backward_func, model=GPTModel)
+    integration.uninstall()
+
+
+def _args(*argv: str, log_interval: int = 1) -> argparse.Namespace:
+    args = add_ssd_offload_args(argparse.ArgumentParser()).parse_args(list(argv))
+    args.log_interval = log_interval
+    return args
+
+
+def test_install_hooks_and_uninstall(fake_megatron, offload_dir, monkeypatch):
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    from megatron_ssd.megatron.layer import OffloadTransformerLayer
+
+    monkeypatch.setenv("RANK", "0")
+    args = _args("--ssd-offload", "--ssd-offload-paths", offload_dir + "/r{rank}", "--ssd-offload-planner", "static")
+    cache = integration.install(args)
+    assert cache is not None and get_default_cache() is cache and integration.installed_cache() is cache
+    assert cache.config.paths == [offload_dir + "/r0"] and os.path.isdir(offload_dir + "/r0")
+    assert integration.install(args) is cache  # idempotent
+    schedule = fake_megatron.training.get_forward_backward_func(1, None)
+    assert isinstance(schedule, OffloadSchedule) and schedule.cache is cache
+    assert fake_megatron.training.get_forward_backward_func(1, None) is schedule  # train and evaluate share it
+    assert fake_megatron.builders.GPTModel(config=None, transformer_layer_spec=get_gpt_layer_local_spec()) == "model"
+    assert fake_megatron.builders.built[-1].module is OffloadTransformerLayer
+    fake_megatron.builders.GPTModel(None, get_gpt_layer_local_spec())  # positional spec too
+    assert fake_megatron.builders.built[-1].module is OffloadTransformerLayer
+    integration.uninstall()
+    assert fake_megatron.training.get_forward_backward_func is fake_megatron.fbf
+    assert fake_megatron.builders.GPTModel is fake_megatron.model
+    assert get_default_cache() is None and integration.installed_cache() is None
+
+
+def test_install_without_flag_or_with_bad_input_changes_nothing(fake_megatron, tmp_path):
+    assert integration.install(_args()) is None
+    args = _args("--ssd-offload", "--ssd-offload-paths", str(tmp_path / "missing"))
+    with pytest.raises(ConfigError, match="does not exist"):
+        integration.install(args)
+    args = _args("--ssd-offload", "--ssd-offload-paths", str(tmp_path))
+    args.recompute_granularity = "full"
+    with pytest.raises(ConfigError, match="--recompute-granularity = 'full'"):
+        integration.install(args)
+    assert fake_megatron.training.get_forward_backward_func is fake_megatron.fbf
+    assert fake_megatron.builders.GPTModel is fake_megatron.model
+    assert integration.installed_cache() is None and get_default_cache() is None
+
+
+def test_parse_args_wrapper_chains_validates_and_survives_yaml_cfg(monkeypatch):
+    calls = []
+
+    def megatron_parse_args(extra_args_provider=None, ignore_unknown_args=False):
+        calls.append(extra_args_provider(argparse.ArgumentParser()).parse_args([]))
+        return argparse.Namespace(num_layers=2)  # what --yaml-cfg returns: no command-line flags
+
+    wrapper = integration._ParseArgsWithSSD(megatron_parse_args)
+    monkeypatch.setattr(sys, "argv", ["pretrain_gpt.py", "--yaml-cfg", "m.yaml", "--ssd-offload-io-threads", "2"])
+    with pytest.raises(ConfigError, match="given without --ssd-offload"):
+        wrapper(None)
+    monkeypatch.setattr(sys, "argv", ["pretrain_gpt.py", "--ssd-offload", "--ssd-offload-paths", "/a"])
+    args = wrapper(None)
+    assert hasattr(calls[-1], "ssd_offload") and (args.num_layers, args.ssd_offload_paths) == (2, "/a")
+
+
+def test_step_reporter_logs_every_interval_on_rank_0(capsys, caplog):
+    cache = types.SimpleNamespace(layer_ids=[])
+    seen = []
+    planner = types.SimpleNamespace(on_step=seen.append)
+    stats = types.SimpleNamespace(summary=lambda: "step N: numbers")
+    reporter = integration.StepReporter(cache, planner, interval=2, rank=0)
+    with caplog.at_level("WARNING", logger="megatron_ssd"):
+        for _ in range(4):
+            reporter.on_step(stats)
+    assert seen == [stats] * 4 and reporter.last is stats
+    assert capsys.readouterr().out.count("[megatron-ssd] rank 0 step N: numbers") == 2
+    assert "has no offload-aware layers" in caplog.text
+    integration.StepReporter(types.SimpleNamespace(layer_ids=[1]), None, interval=1, rank=1).on_step(stats)
+    assert capsys.readouterr().out == ""
+
+
+def test_planner_is_optional(offload_dir, monkeypatch, caplog):
+    from megatron_ssd.cache import TensorCache
+    from megatron_ssd.config import OffloadConfig
+
+    config = OffloadConfig(paths=[offload_dir])
+    with TensorCache(config) as cache:
+        monkeypatch.setitem(sys.modules, "megatron_ssd.planner.runtime", None)
+        with caplog.at_level("WARNING", logger="megatron_ssd"):
+            assert integration._attach_planner(cache, config) is None
+        assert "needs megatron_ssd.planner.runtime" in caplog.text
+        monkeypatch.delitem(sys.modules, "megatron_ssd.planner.runtime")
+        runtime = pytest.importorskip("megatron_ssd.planner.runtime")
+        assert isinstance(integration._attach_planner(cache, config), runtime.AdaptivePlanner)
+
+
+# ------------------------------------------------------- the launcher on a fake checkout
+
+_FAKE_CHECKOUT = {
+    "megatron/training/__init__.py": "_ARGS = None\n\ndef get_args():\n    return _ARGS\n",
+    "megatron/training/arguments.py": """
+        import argparse
+        def parse_args(extra_args_provider=None, ignore_unknown_args=False):
+            parser = argparse.ArgumentParser(allow_abbrev=False)
+            parser.add_argument("--num-layers", type=int, default=1)
+            parser.add_argument("--log-interval", type=int, default=1)
+            if extra_args_provider is not None:
+                parser = extra_args_provider(parser)
+            return parser.parse_known_args()[0] if ignore_unknown_args else parser.parse_args()
+        """,
+    "megatron/training/initialize.py": """
+        import megatron.training as mt
+        from megatron.training.arguments import parse_args
+        def initialize_megatron(extra_args_provider=None, args_defaults={}):
+            mt._ARGS = parse_args(extra_args_provider)
+        """,
+    "megatron/training/training.py": """
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+        from megatron.training import arguments
+        from megatron.training.initialize import initialize_megatron
+        def pretrain(model_provider, extra_args_provider=None):
+            arguments.parse_args(ignore_unknown_args=True)  # as inprocess_restart.py does
+            initialize_megatron(extra_args_provider=extra_args_provider)
+            return model_provider(), get_forward_backward_func(1, None)
+        """,
+    "gpt_builders.py": """
+        def GPTModel(**kwargs):
+            return kwargs
+        def gpt_builder():
+            from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+            return GPTModel(transformer_layer_spec=get_gpt_layer_local_spec())
+        """,
+    "pretrain_gpt.py": """
+        import json, os, sys
+        from gpt_builders import gpt_builder
+        from megatron.training import get_args
+        from megatron.training.training import pretrain
+        if __name__ == "__main__":
+            model, schedule = pretrain(gpt_builder)
+            from megatron_ssd.megatron.integration import installed_cache
+            with open(os.environ["FAKE_OUT"], "w") as fh:
+                json.dump({"argv": sys.argv[1:], "layer": model["transformer_layer_spec"].module.__name__,
+                           "schedule": type(schedule).__name__, "cache": installed_cache() is not None,
+                           "num_layers": get_args().num_layers}, fh)
+        """,
+}
+
+
+@pytest.fixture(scope="module")
+def fake_checkout(tmp_path_factory):
+    root = tmp_path_factory.mktemp("fake-megatron-lm")
+    for name, text in _FAKE_CHECKOUT.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(textwrap.dedent(text).lstrip())
+    return root
+
+
+def _launch(checkout, out, *argv):
+    cmd = [sys.executable, "-m", "megatron_ssd.megatron.launcher", "--megatron-path", str(checkout), *argv]
+    return subprocess.run(cmd, env=_env(FAKE_OUT=str(out)), capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.slow
+def test_launcher_runs_the_script_with_hooks(fake_checkout, tmp_path, offload_dir):
+    out = tmp_path / "out.json"
+    run = _launch(fake_checkout, out, "--num-layers", "3", "--ssd-offload", "--ssd-offload-paths", offload_dir)
+    assert run.returncode == 0, run.stderr
+    result = json.loads(out.read_text())
+    assert result == {
+        "argv": ["--num-layers", "3", "--ssd-offload", "--ssd-offload-paths", offload_dir],
+        "layer": "OffloadTransformerLayer", "schedule": "OffloadSchedule", "cache": True, "num_layers": 3,
+    }
+    assert os.listdir(offload_dir) == []  # the cache was closed: its run directory is gone
+
+
+@pytest.mark.slow
+def test_launcher_without_ssd_offload_is_plain(fake_checkout, tmp_path):
+    out = tmp_path / "out.json"
+    run = _launch(fake_checkout, out, "--num-layers", "2")
+    assert run.returncode == 0, run.stderr
+    result = json.loads(out.read_text())
+    assert (result["layer"], result["schedule"], result["cache"]) == ("TransformerLayer", "function", False)
+    run = _launch(fake_checkout, out, "--ssd-offload-io-threads", "4")
+    assert run.returncode == 2
+    assert "megatron_ssd: --ssd-offload-io-threads = '4': given without --ssd-offload" in run.stderr
+    run = _launch(fake_checkout, out, "--ssd-offlaod")
+    assert run.returncode == 2 and "unrecognized arguments: --ssd-offlaod" in run.stderr
+
+
+# ------------------------------------------------------------ the real Megatron-LM checkout
+
+
+@pytest.mark.megatron_lm
+def test_real_parse_args_accepts_our_flags(monkeypatch, capsys):
+    from megatron_ssd.megatron.args import chain_args_providers, validate_ssd_offload_args
+
+    monkeypatch.syspath_prepend(CHECKOUT)
+    try:
+        import megatron.training.arguments as arguments
+    except ImportError as err:
+        pytest.skip(f"Megatron-LM's megatron.training does not import here: {err}")
+    if not os.path.abspath(arguments.__file__).startswith(os.path.abspath(CHECKOUT)):
+        pytest.skip(f"megatron.training was already imported from {arguments.__file__}")
+    provider = chain_args_providers(None, add_ssd_offload_args)
+    base = ["pretrain_gpt.py", "--num-layers", "2", "--ssd-offload", "--ssd-offload-paths", "/nvme/{local_rank}"]
+    monkeypatch.setattr(sys, "argv", base + ["--ssd-offload-io-threads", "3", "--ssd-offload-planner", "static"])
+    args = arguments.parse_args(provider)
+    assert (args.ssd_offload, args.ssd_offload_io_threads, args.ssd_offload_planner) == (True, 3, "static")
+    validate_ssd_offload_args(args)
+    monkeypatch.setattr(sys, "argv", base + ["--ssd-offlaod"])
+    with pytest.raises(SystemExit) as info:
+        arguments.parse_args(provider)
+    assert info.value.code == 2 and "unrecognized arguments: --ssd-offlaod" in capsys.readouterr().err
+    # The Megatron flags refused next to ours, under their real names in this tag.
+    for extra, message in [
+        (["--cpu-offloading-num-layers", "1"], "--cpu-offloading-num-layers = 1"),
+        (["--fine-grained-activation-offloading"], "--fine-grained-activation-offloading = True"),
+        (["--offload-modules", "core_attn"], "--offload-modules = ['core_attn']"),
+        (["--recompute-granularity", "full"], "--recompute-granularity = 'full'"),
+        (["--use-legacy-models"], "--use-legacy-models = True"),
+        (["--cuda-graph-impl", "local"], "--cuda-graph-impl = 'local'"),
+        (["--overlap-moe-expert-parallel-comm"], "--overlap-moe-expert-parallel-comm = True"),
+    ]:
+        monkeypatch.setattr(sys, "argv", base + extra)
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            validate_ssd_offload_args(arguments.parse_args(provider))
+    monkeypatch.setattr(sys, "argv", base + ["--recompute-granularity", "selective"])
+    validate_ssd_offload_args(arguments.parse_args(provider))
+
+
+@pytest.mark.megatron_lm
+@pytest.mark.slow
+def test_launcher_runs_the_real_pretrain_gpt(tmp_path):
+    def launch(*argv):
+        cmd = [sys.executable, "-m", "megatron_ssd.megatron.launcher", "--megatron-path", CHECKOUT, *argv]
+        return subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=600)
+
+    run = launch("--num-layers", "2", "--ssd-offload-io-threads", "4")
+    if "ModuleNotFoundError" in run.stderr:
+        pytest.skip("Megatron-LM's pretrain_gpt.py does not import here: " + run.stderr.strip().splitlines()[-1])
+    assert run.returncode == 2, run.stderr[-2000:]
+    assert "megatron_ssd: --ssd-offload-io-threads = '4': given without --ssd-offload" in run.stderr
+    run = launch("--help")
+    assert run.returncode == 0 and "ssd offload:" in run.stdout and "--ssd-offload-max-inflight" in run.stdout
+
+
+_BUILD = '''
+import json, os, sys
+variant, offload_dir, spec_dir, patched_dir = sys.argv[1:5]
+sys.path[:0] = ([patched_dir] if variant == "patch" else []) + [os.environ["MEGATRON_LM_PATH"], spec_dir]
+try:
+    import megatron.training.training as training
+except ImportError as err:
+    print(f"Megatron-LM's megatron.training does not import here: {err}")
+    sys.exit(77)
+from megatron_ssd.megatron import cpu_mode, integration
+from megatron_ssd.megatron.args import add_ssd_offload_args, chain_args_providers
+from megatron_ssd.megatron.harness import SyntheticData, gpt_forward_step
+from megatron_ssd.megatron.parallel import init_parallel
+
+sys.argv = ["pretrain_gpt.py", "--ssd-offload-paths", offload_dir + "/rank{rank}"] + (
+    "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --max-position-embeddings 32 "
+    "--micro-batch-size 2 --global-batch-size 4 --transformer-impl local --use-cpu-initialization "
+    "--no-gradient-accumulation-fusion --no-persist-layer-norm --spec cpu_spec SPEC --tokenizer-type "
+    "NullTokenizer --vocab-size 128 --mock-data --train-iters 2 --lr 1e-4 --log-interval 1 --ssd-offload "
+    "--ssd-offload-planner offload --ssd-offload-keep-last-layers 0 --ssd-offload-override min_tensor_bytes=0 "
+    "--ssd-offload-override io.direct=false").split()
+# initialize_megatron asserts CUDA and starts NCCL: on CPU it runs with allow_no_cuda and
+# without its model-parallel setup, which init_parallel then does on gloo.
+if variant == "launcher":
+    integration.prepare_pretrain()
+    import gpt_builders  # pretrain_gpt.py imports it before pretrain() runs
+    from model_provider import model_provider
+    training.initialize_megatron(allow_no_cuda=True, skip_mpu_initialization=True)  # parses, installs
+    provider = lambda **kw: model_provider(gpt_builders.gpt_builder, **kw)
+else:
+    import pretrain_gpt
+    training.initialize_megatron(extra_args_provider=chain_args_providers(None, add_ssd_offload_args),
+                                 allow_no_cuda=True, skip_mpu_initialization=True)
+    provider = pretrain_gpt.ssd_offload_model_provider  # installs, then builds
+init_parallel()
+model = provider(pre_process=True, post_process=True)
+schedule = training.get_forward_backward_func()
+data = SyntheticData("gpt", 2, 32, 128)
+with cpu_mode():
+    for step in range(2):
+        schedule(forward_step_func=gpt_forward_step, data_iterator=data(step), model=[model],
+                 num_microbatches=2, seq_length=32, micro_batch_size=2, forward_only=False)
+stats = integration._STATE.reporter.last
+print("RESULT " + json.dumps({
+    "layers": [type(l).__name__ for l in model.decoder.layers], "schedule": type(schedule).__name__,
+    "offloaded": stats.bytes_offloaded, "reloaded": stats.bytes_reloaded,
+    "paths": integration.installed_cache().config.paths}))
+integration.uninstall()
+'''
+
+
+def _run_build(variant: str, tmp_path) -> dict:
+    """Build the tag's GPT through its model_provider / gpt_builder on CPU and train 2 steps."""
+    (tmp_path / "cpu_spec.py").write_text(
+        "from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec\n"
+        "from megatron_ssd.megatron.attention import cpu_layer_spec\n"
+        "SPEC = cpu_layer_spec(get_gpt_layer_local_spec())\n"
+    )
+    patched = tmp_path / "patched"
+    if variant == "patch":
+        patched.mkdir()
+        shutil.copy(os.path.join(CHECKOUT, "pretrain_gpt.py"), patched)
+        subprocess.run(["git", "apply", PATCH], cwd=patched, check=True, capture_output=True)
+    offload = tmp_path / "offload"
+    offload.mkdir()
+    script = tmp_path / "build.py"
+    script.write_text(_BUILD)
+    cmd = [sys.executable, str(script), variant, str(offload), str(tmp_path), str(patched)]
+    run = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=600)
+    if run.returncode == 77:
+        pytest.skip(run.stdout.strip())
+    assert run.returncode == 0, run.stderr[-3000:]
+    line = next(l for l in run.stdout.splitlines() if l.startswith("RESULT "))
+    return json.loads(line[len("RESULT "):])
+
+
+@pytest.mark.megatron_lm
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", ["launcher", "patch"])
+def test_tag_gpt_builder_makes_offload_layers_and_offloads(variant, tmp_path):
+    if variant == "patch" and shutil.which("git") is None:
+        pytest.skip("git is not installed")
+    result = _run_build(variant, tmp_path)
+    assert result["layers"] == ["OffloadTransformerLayer", "OffloadTransformerLayer"]
+    assert result["schedule"] == "OffloadSchedule"
+    assert result["offloaded"] > 0 and result["reloaded"] == result["offloaded"]
+    assert result["paths"] == [str(tmp_path / "offload" / "rank0")]
+
+
+def _git(*argv: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["git", "-C", CHECKOUT, *argv], capture_output=True, text=True)
+
+
+@pytest.mark.megatron_lm
+def test_patch_applies():
+    if shutil.which("git") is None:
+        pytest.skip("git is not installed")
+    if _git("rev-parse", "--is-inside-work-tree").returncode != 0:
+        pytest.skip(f"MEGATRON_LM_PATH={CHECKOUT} is not a git checkout (git clone -b {TAG} ...)")
+    head, tag = _git("rev-parse", "HEAD"), _git("rev-parse", f"{TAG}^{{commit}}")
+    if tag.returncode != 0 or head.stdout != tag.stdout:
+        pytest.skip(f"MEGATRON_LM_PATH={CHECKOUT} is not checked out at {TAG}")
+    if _git("apply", "--check", "--reverse", PATCH).returncode == 0:
+        pytest.skip(f"the patch is already applied in {CHECKOUT}")
+    check = _git("apply", "--check", PATCH)
+    assert check.returncode == 0, check.stderr
