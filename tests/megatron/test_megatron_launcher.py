@@ -365,7 +365,8 @@ try:
 except ImportError as err:
     print(f"Megatron-LM's megatron.training does not import here: {err}")
     sys.exit(77)
-from megatron_ssd.megatron import cpu_mode, integration
+from megatron_ssd.megatron import integration
+from megatron_ssd.megatron.cpu_mode import cpu_mode
 from megatron_ssd.megatron.args import add_ssd_offload_args, chain_args_providers
 from megatron_ssd.megatron.harness import SyntheticData, gpt_forward_step
 from megatron_ssd.megatron.parallel import init_parallel
