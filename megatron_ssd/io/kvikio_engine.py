@@ -43,7 +43,7 @@ def _import_kvikio() -> Any:
     if not kvikio_available():
         raise ConfigError(
             "IOConfig.engine = 'kvikio': the kvikio package is not installed "
-            "(pip install -e .[gpu]) ; use io.engine=posix or auto"
+            "(pip install -e .[gpu]); use io.engine=posix or auto"
         )
     if not torch.cuda.is_available():
         raise ConfigError(

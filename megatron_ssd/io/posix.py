@@ -154,7 +154,7 @@ class PosixEngine(StripedEngine):
             self._count("zero_copy_bytes", head)
         rest = block.nbytes - head
         if rest:
-            buf = self._pool.acquire()
+            buf = self._pool.acquire()  # NOTE [Staging buffers]
             try:
                 part = src[block.blob_offset + head : block.blob_offset + block.nbytes]
                 if src.is_cuda:
@@ -186,7 +186,7 @@ class PosixEngine(StripedEngine):
             self._count("zero_copy_bytes", head)
         rest = block.nbytes - head
         if rest:
-            buf = self._pool.acquire()
+            buf = self._pool.acquire()  # NOTE [Staging buffers]
             try:
                 view = tensor_buffer(buf, 0, align_up(rest))
                 self._transfer("read", fd, view, block.file, block.offset + head)
