@@ -193,6 +193,7 @@ class TrainRecipe:
                 self._say(Plan.from_dict(event["plan"]).table())
         report = {
             "peak_rss_bytes": _peak_rss_bytes(),
+            "peak_device_bytes": torch.cuda.max_memory_allocated() if self.device == "cuda" else None,
             "config": to_dict(cfg),
             "device": self.device,
             "phases": [p.summary() for p in phases],
