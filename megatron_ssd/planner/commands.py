@@ -118,20 +118,59 @@ def _point(placement: str, report: Dict[str, Any]) -> Dict[str, Any]:
 def rok_points(config_path: Optional[str], overrides: Sequence[str], budgets: Sequence[float] = (0.5,)) -> List[Dict[str, Any]]:
     """Measure keep, recompute, offload-all, the planner, and planner budgets (fractions of
     keep's peak), each in a fresh process."""
-    points = []
+    points, reports = [], {}
     runs = [("keep", ["offload.planner.mode=keep"]), ("recompute", ["offload.planner.mode=recompute"]),
             ("offload-all", ["offload.planner.mode=offload"]), ("planner", ["offload.planner.mode=auto"])]
     for name, extra in runs:
-        points.append(_point(name, _train_in_subprocess(config_path, [*overrides, *extra])))
+        reports[name] = _train_in_subprocess(config_path, [*overrides, *extra])
+        points.append(_point(name, reports[name]))
     keep_peak = points[0]["peak_activation_bytes"]
     for fraction in budgets:
         budget = int(keep_peak * fraction)
         extra = ["offload.planner.mode=auto", f"offload.planner.memory_budget={budget}"]
         try:
-            points.append(_point(f"budget-{budget}", _train_in_subprocess(config_path, [*overrides, *extra])))
+            name = f"budget-{budget}"
+            reports[name] = _train_in_subprocess(config_path, [*overrides, *extra])
+            points.append(_point(name, reports[name]))
         except MegatronSSDError as err:
             points.append({"placement": f"budget-{budget}", "infeasible": str(err).splitlines()[-1][:500]})
+    add_predictions(points, reports)
     return points
+
+
+def add_predictions(points: List[Dict[str, Any]], reports: Dict[str, Dict[str, Any]]) -> None:
+    """Predict each fixed placement's exposed I/O and peak from the planner run's profile.
+
+    The planner point already carries its own prediction; keep, recompute and offload-all
+    get the timeline model's prediction for their placement, so every measured point can
+    be compared with the model (``predicted_exposed_s`` is per step: per micro-batch times
+    micro-batches).
+    """
+    from ..config import Placement
+    from .profile import StageProfile
+    from .timeline import predict
+
+    profile = (reports.get("planner") or {}).get("planner", {}).get("profile")
+    if not profile:
+        return
+    stage = StageProfile.from_dict(profile)
+    n = len(stage.layers)
+    fixed = {"keep": [Placement.KEEP] * n, "recompute": [Placement.RECOMPUTE] * n,
+             "offload-all": [Placement.OFFLOAD] * n}
+    for p in points:
+        report = reports.get(p["placement"])
+        if report is None:
+            continue
+        mbs = report["config"]["num_microbatches"]
+        depth = report["config"]["offload"]["prefetch_layers"]
+        if p["placement"] in fixed:
+            t = predict(stage, fixed[p["placement"]], prefetch_depth=depth)
+            p["predicted_exposed_s"] = t.exposed_s
+            p["predicted_step_s"] = t.step_s
+            p["predicted_peak_activation_bytes"] = t.peak_bytes
+        if "predicted_exposed_s" in p:
+            p["predicted_exposed_s_per_step"] = p["predicted_exposed_s"] * mbs
+            p["measured_exposed_s_per_step"] = p["stall_s"] + p["write_wait_s"]
 
 
 def plot_rok(points: Sequence[Dict[str, Any]], path: str, title: str = "") -> None:

@@ -236,6 +236,7 @@ class AdaptivePlanner:
         """What the planner did, JSON-ready."""
         return {
             "mode": self.config.mode,
+            "profile": self.profile.to_dict() if self.profile is not None else None,
             "replans": self.replans,
             "fell_behind": self.fell_behind,
             "events": [
