@@ -85,17 +85,11 @@ to_bytes() {
     printf '%s\n' "$num"
 }
 
-quote_cmd() {
-    local out="" arg q="'"
-    for arg in "$@"; do
-        if [[ "$arg" =~ ^[A-Za-z0-9_./:=,+@%-]+$ ]]; then
-            out+="$arg "
-        else
-            out+="$q${arg//$q/$q\\$q$q}$q "
-        fi
-    done
-    printf '%s\n' "${out% }"
-}
+ms_here="${BASH_SOURCE[0]%/*}"
+[[ "$ms_here" == "${BASH_SOURCE[0]}" ]] && ms_here=.
+# shellcheck source=common.sh
+source "$ms_here/common.sh"
+quote_cmd() { ms_quote_cmd "$@"; }
 
 parse_args() {
     while (($# > 0)); do

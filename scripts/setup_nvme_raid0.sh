@@ -61,17 +61,11 @@ usage_error() {
     exit 2
 }
 
-quote_cmd() {
-    local out="" arg q="'"
-    for arg in "$@"; do
-        if [[ "$arg" =~ ^[A-Za-z0-9_./:=,+@%-]+$ ]]; then
-            out+="$arg "
-        else
-            out+="$q${arg//$q/$q\\$q$q}$q "
-        fi
-    done
-    printf '%s\n' "${out% }"
-}
+ms_here="${BASH_SOURCE[0]%/*}"
+[[ "$ms_here" == "${BASH_SOURCE[0]}" ]] && ms_here=.
+# shellcheck source=common.sh
+source "$ms_here/common.sh"
+quote_cmd() { ms_quote_cmd "$@"; }
 
 # Print a command; run it unless --dry-run.
 run() {

@@ -29,17 +29,11 @@ die() {
     exit 1
 }
 
-quote_cmd() {
-    local out="" arg q="'"
-    for arg in "$@"; do
-        if [[ "$arg" =~ ^[A-Za-z0-9_./:=,+@%-]+$ ]]; then
-            out+="$arg "
-        else
-            out+="$q${arg//$q/$q\\$q$q}$q "
-        fi
-    done
-    printf '%s\n' "${out% }"
-}
+ms_here="${BASH_SOURCE[0]%/*}"
+[[ "$ms_here" == "${BASH_SOURCE[0]}" ]] && ms_here=.
+# shellcheck source=common.sh
+source "$ms_here/common.sh"
+quote_cmd() { ms_quote_cmd "$@"; }
 
 map_slurm_task_env() {
     # srun started one task per GPU: translate SLURM's task ids to torch.distributed's.
