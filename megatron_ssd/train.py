@@ -29,7 +29,7 @@ from .config import PlannerConfig, TrainConfig, load_config, to_dict
 from .data import TextFileData
 from .errors import ConfigError
 
-__all__ = ["TrainRecipe", "PhaseResult", "run_train"]
+__all__ = ["TrainRecipe", "PhaseResult", "run_train", "write_json"]
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 MiB = float(1 << 20)
@@ -214,6 +214,14 @@ class TrainRecipe:
             shutil.rmtree(self._tmpdir, ignore_errors=True)
             self._tmpdir = None
 
+    def run(self) -> Dict[str, Any]:
+        """``setup()``, ``train()``, and ``cleanup()`` whatever happens; the report."""
+        try:
+            self.setup()
+            return self.train()
+        finally:
+            self.cleanup()
+
     # ------------------------------------------------------------------ output
 
     def _say(self, text: str) -> None:
@@ -316,21 +324,21 @@ def format_summary(phases: Sequence[Dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def write_json(path: str, data: Any) -> None:
+    """Write ``data`` as indented JSON, creating the directory; say so."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)) or ".", exist_ok=True)
+    with open(path, "w", encoding="utf-8") as fh:
+        json.dump(data, fh, indent=2, default=str)
+    print(f"wrote {path}")
+
+
 def run_train(config_path: Optional[str], overrides: Sequence[str], json_path: Optional[str] = None,
               baseline: bool = True) -> int:
     """``megatron-ssd train``: load the config, run the recipe, write JSON."""
     config = load_config(TrainConfig, config_path, overrides)
     if not baseline:
         config.baseline_steps = 0
-    recipe = TrainRecipe(config)
-    try:
-        recipe.setup()
-        report = recipe.train()
-    finally:
-        recipe.cleanup()
+    report = TrainRecipe(config).run()
     if json_path:
-        os.makedirs(os.path.dirname(os.path.abspath(json_path)), exist_ok=True)
-        with open(json_path, "w", encoding="utf-8") as fh:
-            json.dump(report, fh, indent=2, default=str)
-        print(f"wrote {json_path}")
+        write_json(json_path, report)
     return 0

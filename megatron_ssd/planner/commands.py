@@ -16,18 +16,12 @@ import tempfile
 from typing import Any, Dict, List, Optional, Sequence
 
 from ..config import TrainConfig, load_config, to_dict
+from ..train import TrainRecipe, write_json
 from ..errors import MegatronSSDError
 
 __all__ = ["run_plan", "run_rok", "run_simulate", "rok_points", "machine_info"]
 
 MiB = float(1 << 20)
-
-
-def _write_json(path: str, data: Any) -> None:
-    os.makedirs(os.path.dirname(os.path.abspath(path)) or ".", exist_ok=True)
-    with open(path, "w", encoding="utf-8") as fh:
-        json.dump(data, fh, indent=2, default=str)
-    print(f"wrote {path}")
 
 
 def machine_info() -> Dict[str, Any]:
@@ -52,25 +46,19 @@ def machine_info() -> Dict[str, Any]:
 
 def run_plan(config_path: Optional[str], overrides: Sequence[str], json_path: Optional[str] = None) -> int:
     """Profile a few steps of the configured model, print and optionally save the plan."""
-    from ..train import TrainRecipe
 
     config = load_config(TrainConfig, config_path, overrides)
     planner = config.offload.planner
     planner.mode = "auto"
     config.baseline_steps = 0
     config.steps = planner.warmup_steps + planner.profile_steps + 1
-    recipe = TrainRecipe(config)
-    try:
-        recipe.setup()
-        report = recipe.train()
-    finally:
-        recipe.cleanup()
+    report = TrainRecipe(config).run()
     events = [e for e in report["planner"]["events"] if e["plan"] is not None]
     if not events:
         raise MegatronSSDError("plan: the profile produced no plan (too few steps?)")
     plan = events[-1]["plan"]
     if json_path:
-        _write_json(json_path, {**plan, "workload": to_dict(config), "machine": machine_info()})
+        write_json(json_path, {**plan, "workload": to_dict(config), "machine": machine_info()})
     return 0
 
 
@@ -221,7 +209,7 @@ def run_rok(config_path: Optional[str], overrides: Sequence[str], json_path: Opt
     points = rok_points(config_path, overrides)
     print(format_rok(points))
     if json_path:
-        _write_json(json_path, {"points": points, "workload": to_dict(config), "machine": machine_info()})
+        write_json(json_path, {"points": points, "workload": to_dict(config), "machine": machine_info()})
     if plot_path:
         plot_rok(points, plot_path, title=os.path.basename(config_path or "rok"))
     return 0
@@ -241,5 +229,5 @@ def run_simulate(overrides: Sequence[str], json_path: Optional[str] = None) -> i
     result = simulate(spec_from_overrides(rest, model=model))
     print(result.summary())
     if json_path:
-        _write_json(json_path, result.to_dict())
+        write_json(json_path, result.to_dict())
     return 0
