@@ -90,10 +90,14 @@ class IOConfig:
     """``extent`` layout: how much a per-path file grows when its free space runs out.
     Must be a positive multiple of 4096."""
 
-    checksum: bool = True
-    """Store a CRC32 of each offloaded block and verify it on read."""
+    checksum: str = "auto"
+    """Store a CRC32 of each offloaded block and verify it on read: ``on``, ``off`` or
+    ``auto`` (on for the first step that writes, then kept only if computing the CRCs
+    took less than 2% of that step's wall time). ``true`` / ``false`` mean on / off.
+    Blocks written with a CRC are always verified when read back."""
 
     def __post_init__(self) -> None:
+        self.checksum = _switch(self.checksum)
         validate(self)
 
 
@@ -157,6 +161,10 @@ class OffloadConfig:
 
     planner: PlannerConfig = field(default_factory=PlannerConfig)
     """Placement planner settings."""
+
+    min_free_bytes: int = 1 << 30
+    """Free space each offload path must have when the tensor cache starts; 0 turns the
+    check off. Sizes such as ``20GiB`` are accepted."""
 
     def __post_init__(self) -> None:
         validate(self)
@@ -240,11 +248,13 @@ _NON_NEGATIVE = {
     ("OffloadConfig", "min_tensor_bytes"),
     ("OffloadConfig", "keep_last_layers"),
     ("OffloadConfig", "prefetch_layers"),
+    ("OffloadConfig", "min_free_bytes"),
 }
 _CHOICES = {
     ("IOConfig", "engine"): ("auto", "posix", "kvikio"),
     ("IOConfig", "on_backpressure"): ("wait", "keep"),
     ("IOConfig", "layout"): ("extent", "file"),
+    ("IOConfig", "checksum"): ("auto", "on", "off"),
     ("PlannerConfig", "mode"): ("auto", "static", "keep", "offload", "recompute"),
     ("ModelConfig", "params_dtype"): ("fp32", "bf16", "fp16"),
 }
@@ -253,6 +263,24 @@ _ALIGNED = {("IOConfig", "block_bytes"), ("IOConfig", "file_grow_bytes")}
 
 def _fail(cls_name: str, name: str, value: Any, rule: str) -> ConfigError:
     return ConfigError(f"{cls_name}.{name} = {value!r}: {rule}")
+
+
+_SWITCHES = {("IOConfig", "checksum")}
+"""String fields with ``on`` / ``off`` choices that also accept YAML booleans."""
+_ON, _OFF = ("true", "yes", "1"), ("false", "no", "0")
+
+
+def _switch(value: Any) -> Any:
+    """Map ``True`` / ``"true"`` to ``"on"`` and ``False`` / ``"false"`` to ``"off"``;
+    anything else is returned as is for validation to judge."""
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    low = value.strip().lower() if isinstance(value, str) else None
+    if low in _ON:
+        return "on"
+    if low in _OFF:
+        return "off"
+    return low if low in ("on", "off", "auto") else value
 
 
 def validate(obj: Any) -> None:
@@ -360,6 +388,8 @@ def _coerce(cls_name: str, name: str, hint: Any, value: Any) -> Any:
         except (TypeError, ValueError):
             raise _fail(cls_name, name, value, "must be a number")
     if hint is str:
+        if (cls_name, name) in _SWITCHES:
+            value = _switch(value)
         if not isinstance(value, str):
             raise _fail(cls_name, name, value, "must be a string")
         return value

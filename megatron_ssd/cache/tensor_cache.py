@@ -16,6 +16,8 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
+import os
+import shutil
 import threading
 import time
 import weakref
@@ -27,6 +29,7 @@ import torch
 from ..config import OffloadConfig, Placement
 from ..errors import CacheStateError, ConfigError, OffloadIOError
 from ..io.base import Engine, EngineStats, IOFuture
+from .exit_guard import EXIT_GUARD
 from .hooks import OffloadHooks
 from .identity import is_plain, restore, storage_bytes, storage_key, storage_weakref, view_meta
 from .record import Entry, EntryState, Packed, Record
@@ -61,12 +64,20 @@ def resolve_device(name: str) -> torch.device:
 class TensorCache:
     """Routes the tensors autograd saves for backward to an SSD array and back.
 
+    Its files are removed when it closes, at interpreter exit, and on SIGTERM / SIGINT
+    (NOTE [Exit cleanup]).
+
     Args:
         config: what to offload and where.
         engine: the I/O engine; by default one is created from ``config``
-            (:func:`megatron_ssd.io.create_engine`).
+            (:func:`megatron_ssd.io.create_engine`) after checking the paths
+            (:func:`megatron_ssd.io.rundir.check_offload_paths`).
         rank: process rank used to name the private run directories (default: the
             torch.distributed rank, else ``$RANK``, else 0).
+
+    Raises:
+        ConfigError: no paths, or a path is missing, not a writable directory, or has
+            less than ``config.min_free_bytes`` free.
     """
 
     def __init__(self, config: OffloadConfig, engine: Optional[Engine] = None, rank: Optional[int] = None) -> None:
@@ -76,9 +87,13 @@ class TensorCache:
         self.device = resolve_device(config.device)
         if engine is None:
             from ..io import create_engine
+            from ..io.rundir import check_offload_paths
 
+            check_offload_paths(config.paths, config.min_free_bytes)
             engine = create_engine(config, rank=rank)
         self.engine = engine
+        self._pid = os.getpid()
+        self._checksum_pending = config.io.checksum == "auto"
         self._lock = threading.RLock()
         self._tls = threading.local()
         self._layers: List[Hashable] = []
@@ -98,6 +113,7 @@ class TensorCache:
         self.default_placement: Optional[Placement] = None
         """Placement of layers the plan does not name; None: the ``keep_last_layers`` rule."""
         self._step_started = time.perf_counter()
+        EXIT_GUARD.add(self)
 
     # ------------------------------------------------------------------ layers and plan
 
@@ -363,7 +379,9 @@ class TensorCache:
             try:
                 future.get()
             except OffloadIOError as err:
-                raise type(err)(f"{err} (tensor {packed.meta.size} {packed.meta.dtype}, layer {entry.layer!r})") from err
+                named = type(err)(f"{err} (tensor {packed.meta.size} {packed.meta.dtype}, layer {entry.layer!r})")
+                named.errno = err.errno
+                raise named from err
             finally:
                 with self._lock:
                     waited = time.perf_counter() - started
@@ -412,7 +430,10 @@ class TensorCache:
             if error is not None:
                 self._counters.write_fallbacks += 1
                 self._counters.bytes_fallen_back += entry.nbytes
-                logger.warning("write of %d bytes failed, kept in memory instead: %s", entry.nbytes, error)
+                logger.warning(
+                    "megatron_ssd: write of %d bytes (layer %r) failed, kept in memory instead: %s",
+                    entry.nbytes, entry.layer, error,
+                )
                 if entry.state is not EntryState.RELEASED:
                     entry.state = EntryState.RESIDENT
                     entry.placement = Placement.KEEP
@@ -594,7 +615,30 @@ class TensorCache:
             self._engine_base = es
             self._step += 1
             self._step_started = now
+        if self._checksum_pending and wbytes > 0 and "crc_s" in es.extra:
+            self._decide_checksum(es.extra["crc_s"] - base.extra.get("crc_s", 0.0), stats.wall_s)
         return stats
+
+    CHECKSUM_BUDGET = 0.02
+    """``io.checksum: auto`` keeps CRC32s while they cost less than this share of a step."""
+
+    def _decide_checksum(self, crc_s: float, wall_s: float) -> None:
+        """``io.checksum: auto``: keep CRC32s on if the first writing step's CRC time
+        (writes and reads) was under :attr:`CHECKSUM_BUDGET` of its wall time."""
+        self._checksum_pending = False
+        keep = crc_s < self.CHECKSUM_BUDGET * wall_s
+        self.engine.set_checksum(keep)
+        logger.info(
+            "megatron_ssd: io.checksum=auto: CRC32s took %.1f ms of a %.1f ms step (%.2f%%, limit %.0f%%): "
+            "checksums %s for later writes",
+            crc_s * 1e3, wall_s * 1e3, 100 * crc_s / wall_s if wall_s > 0 else 0.0,
+            100 * self.CHECKSUM_BUDGET, "stay on" if keep else "off",
+        )
+
+    @property
+    def checksum(self) -> str:
+        """``on`` or ``off``: whether blobs written now get a CRC32 (``auto`` decided)."""
+        return self.engine.stats().extra.get("checksum", "off" if self.config.io.checksum == "off" else "on")
 
     def _check_open(self) -> None:
         if self._closed:
@@ -611,6 +655,14 @@ class TensorCache:
         with self._lock:
             self._closed = True
             self._records.clear()
+        EXIT_GUARD.discard(self)
+
+    def _remove_files_now(self) -> None:
+        """Delete the run directories at once: no waiting, no locks (NOTE [Exit cleanup])."""
+        if self._closed or os.getpid() != self._pid:
+            return
+        for run_dir in self.engine.paths:
+            shutil.rmtree(run_dir, ignore_errors=True)
 
     def __enter__(self) -> "TensorCache":
         return self

@@ -217,6 +217,13 @@ class Engine(abc.ABC):
     def close(self) -> None:
         """Wait for in-flight I/O, delete every file and run directory; idempotent."""
 
+    def set_checksum(self, enabled: bool) -> None:
+        """Compute CRC32s for blobs written from now on, or stop computing them.
+
+        Blobs already written with a CRC are still verified when read. Engines without
+        checksums ignore the call.
+        """
+
     def write_blocking(self, src: torch.Tensor) -> SwapHandle:
         """``write(src).get()``."""
         return self.write(src).get()  # type: ignore[union-attr]

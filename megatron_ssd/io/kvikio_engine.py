@@ -20,6 +20,7 @@ import errno
 import importlib
 import importlib.util
 import threading
+import time
 import zlib
 from typing import Any, Dict, Optional
 
@@ -118,8 +119,11 @@ class KvikioEngine(PosixEngine):
         """CRC32 of CUDA bytes, through a pinned staging buffer (checksums cost a D2H copy)."""
         buf = self._pool.acquire()
         try:
+            started = time.perf_counter()
             self._cuda_copy(buf[: part.numel()], part, part.device, None)
-            return zlib.crc32(buf[: part.numel()].numpy())
+            crc = zlib.crc32(buf[: part.numel()].numpy())
+            self._count("crc_s", time.perf_counter() - started)
+            return crc
         finally:
             self._pool.release(buf)
 
@@ -132,7 +136,7 @@ class KvikioEngine(PosixEngine):
         op.ready.synchronize()
         part = src[block.blob_offset : block.blob_offset + block.nbytes]
         self._gds("write", block, part)
-        if self.io.checksum:
+        if op.checksum:
             block.checksum = self._device_crc(part)
 
     def _read_block(self, op: BlobOp, block: Block) -> None:

@@ -37,14 +37,20 @@ disk operation (``op`` is ``"allocate"``, ``"write"`` or ``"read"``); returning 
 OSError makes that operation fail with it."""
 
 
-def io_error(op: str, path: str, offset: int, nbytes: int, err: OSError) -> OffloadIOError:
-    """An OffloadIOError naming the operation, file, offset, size and errno of ``err``."""
+def io_error(op: str, path: str, offset: int, nbytes: int, err: OSError,
+             path_index: Optional[int] = None) -> OffloadIOError:
+    """An OffloadIOError naming the operation, file, offset, size and errno of ``err``.
+
+    ``path_index`` (the offload path the file is on, when known) is kept as an attribute
+    so the engine can take a failing path out of its rotation.
+    """
     code = errno.errorcode.get(err.errno or 0, str(err.errno))
     out = OffloadIOError(
         f"{op} of {nbytes} bytes at offset {offset} of {path} failed: {code} "
         f"({err.strerror or err})"
     )
     out.errno = err.errno
+    out.path_index = path_index  # type: ignore[attr-defined]
     out.__cause__ = err
     return out
 
@@ -240,7 +246,7 @@ class ExtentLayout(Layout):
             _check_fault(self.fault, "allocate", file, alloc.size, nbytes)
             _preallocate(self._fds[file][0], alloc.size, nbytes)
         except OSError as e:
-            raise io_error("allocate", file, alloc.size, nbytes, e) from e
+            raise io_error("allocate", file, alloc.size, nbytes, e, index) from e
         alloc.add_space(nbytes)
 
     def allocate(self, blocks: Sequence[Tuple[int, int]]) -> List[Tuple[str, int]]:
@@ -289,12 +295,12 @@ class FileLayout(Layout):
                     _check_fault(self.fault, "allocate", file, 0, total)
                     fd = self.run_dirs[index].create(name)
                 except OSError as e:
-                    raise io_error("create", file, 0, total, e) from e
+                    raise io_error("create", file, 0, total, e, index) from e
                 created.append(index)
                 try:
                     _preallocate(fd, 0, total)
                 except OSError as e:
-                    raise io_error("allocate", file, 0, total, e) from e
+                    raise io_error("allocate", file, 0, total, e, index) from e
                 finally:
                     os.close(fd)
         except BaseException:

@@ -9,6 +9,9 @@ symbolic link or into a file someone else created.
 A run killed before it could clean up leaves its directory behind;
 :func:`remove_stale_runs` deletes such directories at the next start, and only those
 whose marker proves the owning process is gone.
+
+:func:`check_offload_paths` is what the tensor cache checks before it starts: usable
+directories, enough free space, and a warning for memory-backed filesystems.
 """
 
 from __future__ import annotations
@@ -34,6 +37,9 @@ __all__ = [
     "RunDir",
     "resolve_rank",
     "check_offload_path",
+    "check_offload_paths",
+    "check_free_space",
+    "filesystem_type",
     "dio_alignment",
     "remove_stale_runs",
 ]
@@ -84,6 +90,79 @@ def check_offload_path(path: str) -> str:
     if not os.access(path, os.W_OK | os.X_OK):
         raise ConfigError(f"{name} is not writable: offload paths must be writable directories")
     return os.path.abspath(path)
+
+
+def _gib(nbytes: int) -> str:
+    return f"{nbytes / (1 << 30):.2f} GiB"
+
+
+def check_free_space(path: str, min_free_bytes: int) -> int:
+    """Free bytes (for this user) on the filesystem of ``path``; at least ``min_free_bytes``.
+
+    Raises:
+        ConfigError: fewer than ``min_free_bytes`` are free (0 skips the check).
+    """
+    st = os.statvfs(path)
+    free = st.f_bavail * st.f_frsize
+    if min_free_bytes > 0 and free < min_free_bytes:
+        raise ConfigError(
+            f"OffloadConfig.min_free_bytes = {min_free_bytes}: {path!r} has {free} bytes free "
+            f"({_gib(free)}, {_gib(min_free_bytes)} required); every offload path must have at least "
+            "min_free_bytes free (free some space, or lower min_free_bytes; 0 turns the check off)"
+        )
+    return free
+
+
+_MEMORY_FILESYSTEMS = ("tmpfs", "ramfs")
+_warned_memory: set = set()
+
+
+def _unescape_mount(field: str) -> str:
+    """Undo the octal escapes (``\\040`` for a space) of /proc/mounts."""
+    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), field)
+
+
+def filesystem_type(path: str) -> Optional[str]:
+    """Type (``ext4``, ``xfs``, ``tmpfs``, ...) of the filesystem holding ``path``, or None."""
+    real = os.path.realpath(path)
+    best: Optional[Tuple[str, str]] = None
+    try:
+        with open("/proc/self/mounts", "r", encoding="utf-8") as fh:
+            for line in fh:
+                parts = line.split()
+                if len(parts) < 3:
+                    continue
+                mount = _unescape_mount(parts[1])
+                inside = real == mount or real.startswith(mount.rstrip("/") + "/")
+                if inside and (best is None or len(mount) >= len(best[0])):
+                    best = (mount, parts[2])
+    except OSError:
+        return None
+    return best[1] if best else None
+
+
+def check_offload_paths(paths: List[str], min_free_bytes: int) -> None:
+    """Check offload paths before a run starts.
+
+    Every path must be a usable directory (:func:`check_offload_path`) with at least
+    ``min_free_bytes`` free (:func:`check_free_space`). A path on a memory-backed
+    filesystem (tmpfs, ramfs) gets a warning, once per process: the bytes offloaded
+    there stay in RAM.
+
+    Raises:
+        ConfigError: the first path that breaks a rule.
+    """
+    for path in paths:
+        check_offload_path(path)
+        check_free_space(path, min_free_bytes)
+        fs = filesystem_type(path)
+        real = os.path.realpath(path)
+        if fs in _MEMORY_FILESYSTEMS and real not in _warned_memory:
+            _warned_memory.add(real)
+            logger.warning(
+                "megatron_ssd: offload path %s is on %s, a filesystem in memory: offloaded bytes "
+                "would stay in RAM instead of going to an SSD; use a directory on an SSD", path, fs,
+            )
 
 
 # --------------------------------------------------------------------- process identity

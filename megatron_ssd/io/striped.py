@@ -6,11 +6,15 @@ spread too). Each block is one task for a pool of workers that keeps ``io.thread
 requests in flight (NOTE [I/O slots]), so the blocks of one blob proceed in parallel and
 the blob's future completes when the last is done. Reads overtake queued writes: a
 prefetch must not wait behind the forward pass's offload traffic.
+A path whose write fails is dropped from the rotation while another path remains
+(NOTE [Failed paths]).
 Subclasses only say how one block is written or read (:meth:`_write_block`,
 :meth:`_read_block`).
 """
 
 from __future__ import annotations
+
+import abc
 
 import copy
 import itertools
@@ -27,7 +31,7 @@ import torch
 from ..config import OffloadConfig
 from ..errors import CacheStateError, ConfigError, OffloadIOError
 from .base import Engine, EngineStats, Extent, IOFuture, SwapHandle, align_up
-from .layout import Fault, Layout, make_layout
+from .layout import Fault, Layout, io_error, make_layout
 
 __all__ = ["Block", "BlobOp", "StripedEngine"]
 
@@ -68,6 +72,8 @@ class BlobOp:
     remaining: int = 0
     key: Any = None
     lock: threading.Lock = field(default_factory=threading.Lock)
+    checksum: bool = False  # compute CRC32s for this blob's blocks (writes)
+    failed_path: Optional[int] = None  # path index of the block whose I/O failed first
 
 
 class _Workers:
@@ -140,21 +146,26 @@ class StripedEngine(Engine):
         self._cv = threading.Condition()
         self._inflight = 0
         self._closed = False
-        self._stats = EngineStats(extra={"inflight_peak_bytes": 0, "zero_copy_bytes": 0, "staged_bytes": 0})
+        self._stats = EngineStats(extra={"inflight_peak_bytes": 0, "zero_copy_bytes": 0, "staged_bytes": 0,
+                                         "crc_s": 0.0})
         self._busy: Dict[str, List[float]] = {"write": [0, 0.0], "read": [0, 0.0]}  # [count, since]
         self._live: Dict[Any, int] = {}  # handle key -> reads in flight
         self._next_path = 0
+        self._checksum = config.io.checksum != "off"
+        self._failed: Dict[int, str] = {}  # path index -> why it left the rotation
 
     # ------------------------------------------------------------------ subclass hooks
 
     def _prepare(self, op: BlobOp) -> None:
         """Called on the submitting thread before any block of ``op`` is queued."""
 
+    @abc.abstractmethod
     def _write_block(self, op: BlobOp, block: Block) -> None:
-        raise NotImplementedError
+        """Move one block of a write to disk (runs on a worker thread)."""
 
+    @abc.abstractmethod
     def _read_block(self, op: BlobOp, block: Block) -> None:
-        raise NotImplementedError
+        """Fill one block of a read from disk (runs on a worker thread)."""
 
     # ----------------------------------------------------------------------- interface
 
@@ -175,22 +186,26 @@ class StripedEngine(Engine):
         if not self._admit(n, block):
             return None
         fut: IOFuture[SwapHandle] = IOFuture(n)
-        bb, npaths = self.io.block_bytes, len(self._layout.run_dirs)
+        bb = self.io.block_bytes
         with self._cv:
-            start, self._next_path = self._next_path, (self._next_path + 1) % npaths
-        plan = [(off, min(bb, n - off), (start + i) % npaths) for i, off in enumerate(range(0, n, bb))]
+            healthy = [i for i in range(len(self._layout.run_dirs)) if i not in self._failed]
+            start, self._next_path = self._next_path, self._next_path + 1
+            checksum = self._checksum
+        plan = [(off, min(bb, n - off), healthy[(start + i) % len(healthy)]) for i, off in enumerate(range(0, n, bb))]
         try:
             where = self._layout.allocate([(p, align_up(nb)) for _, nb, p in plan])
         except Exception as e:  # reported through the future, like any failed write
             self._admit_release(n)
             with self._cv:
                 self._stats.write_errors += 1
+            if isinstance(e, OSError):
+                self._path_failed(getattr(e, "path_index", None), e)
             fut.set_error(e if isinstance(e, OffloadIOError) else self._wrap("write", n, e))
             return fut
         blocks = [Block(off, nb, p, f, o) for (off, nb, p), (f, o) in zip(plan, where)]
         with self._cv:
             self._stats.disk_bytes += sum(b.length for b in blocks)
-        self._submit(BlobOp("write", src, blocks, fut), _WRITE)
+        self._submit(BlobOp("write", src, blocks, fut, checksum=checksum), _WRITE)
         return fut
 
     def read(self, handle: SwapHandle, dst: torch.Tensor) -> IOFuture[torch.Tensor]:
@@ -246,7 +261,13 @@ class StripedEngine(Engine):
                     setattr(snap, f"{kind}_busy_s", getattr(snap, f"{kind}_busy_s") + now - since)
             snap.extra["inflight_bytes"] = self._inflight
             snap.extra["live_blobs"] = len(self._live)
+            snap.extra["checksum"] = "on" if self._checksum else "off"
+            snap.extra["failed_paths"] = [self._layout.run_dirs[i].parent for i in sorted(self._failed)]
         return snap
+
+    def set_checksum(self, enabled: bool) -> None:
+        with self._cv:
+            self._checksum = bool(enabled)
 
     def close(self) -> None:
         with self._cv:
@@ -308,7 +329,11 @@ class StripedEngine(Engine):
         try:
             self._prepare(op)
             for file, index in {(b.file, b.path_index) for b in op.blocks}:
-                op.fds[file] = self._layout.acquire(file, index)
+                try:
+                    op.fds[file] = self._layout.acquire(file, index)
+                except OSError as e:
+                    op.failed_path = index
+                    raise io_error("open", file, 0, op.future.nbytes, e) from e
         except BaseException as e:
             op.error = e
             op.remaining = 1
@@ -328,6 +353,7 @@ class StripedEngine(Engine):
                 with op.lock:
                     if op.error is None:
                         op.error = e
+                        op.failed_path = block.path_index
         self._block_done(op)
 
     def _block_done(self, op: BlobOp) -> None:
@@ -352,6 +378,8 @@ class StripedEngine(Engine):
             self._layout.release(file)
         op.fds.clear()
         error = op.error
+        if op.kind == "write" and isinstance(error, OSError):
+            self._path_failed(op.failed_path, error)
         if error is not None and not isinstance(error, OffloadIOError):
             error = self._wrap(op.kind, op.future.nbytes, error)
         result: Any = None
@@ -381,6 +409,25 @@ class StripedEngine(Engine):
             op.future.set_error(error)
         else:
             op.future.set_result(result)
+
+    # NOTE [Failed paths]: a write that fails on one path (EIO, ENOSPC, the directory
+    # gone) takes that path out of the rotation for later blobs, with one warning, as
+    # long as another path remains: a dead drive must not fail every blob striped over
+    # it. The last path is never dropped, so with one path each failed write just
+    # falls back (the cache keeps the tensor) and later writes try again. Blobs already
+    # on a dropped path stay readable there; blobs in flight to it fail on their own.
+
+    def _path_failed(self, index: Optional[int], error: BaseException) -> None:
+        with self._cv:
+            npaths = len(self._layout.run_dirs)
+            if index is None or index in self._failed or len(self._failed) + 1 >= npaths:
+                return
+            self._failed[index] = str(error)
+            remaining = [d.parent for i, d in enumerate(self._layout.run_dirs) if i not in self._failed]
+        logger.warning(
+            "megatron_ssd: offload path %s failed, later writes go to %s: %s",
+            self._layout.run_dirs[index].parent, ", ".join(remaining), error,
+        )
 
     @staticmethod
     def _wrap(kind: str, nbytes: int, error: BaseException) -> OffloadIOError:

@@ -63,7 +63,7 @@ def test_flags_default_to_none_and_parse_all():
     assert (cfg.planner.mode, cfg.planner.memory_budget) == ("keep", 2 << 30)
     assert (cfg.keep_last_layers, cfg.prefetch_layers) == (2, 3)
     assert (cfg.io.threads, cfg.io.block_bytes, cfg.io.max_inflight_bytes) == (4, 1 << 20, 64 << 20)
-    assert (cfg.io.engine, cfg.io.checksum, cfg.min_tensor_bytes) == ("posix", False, 0)
+    assert (cfg.io.engine, cfg.io.checksum, cfg.min_tensor_bytes) == ("posix", "off", 0)
 
 
 def test_bad_choice_is_an_argparse_error(capsys):

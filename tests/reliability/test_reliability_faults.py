@@ -1,0 +1,266 @@
+"""Faults during training: failed writes fall back, bad reads are named, a dead path is dropped.
+
+Every fault is real where the machine allows it (bytes flipped and files truncated on
+disk, a run directory deleted under the engine) and injected through the engine's fault
+hook where it does not (ENOSPC, EIO).
+"""
+
+from __future__ import annotations
+
+import copy
+import errno
+import logging
+import os
+import shutil
+import sys
+import threading
+import time
+
+import pytest
+import torch
+
+from megatron_ssd import OffloadConfig, TensorCache
+from megatron_ssd.cache import EntryState
+from megatron_ssd.config import IOConfig
+from megatron_ssd.errors import ChecksumError, OffloadIOError
+from megatron_ssd.io import PosixEngine, create_engine
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "cache"))
+from tiny_model import TinyGPT, make_batches  # noqa: E402
+
+KiB = 1024
+
+
+class Faults:
+    """Fault hook: fails the ``every``-th call of ``op`` (on files under ``under``) with ``err``."""
+
+    def __init__(self, op, err, every=1, under=""):
+        self.op, self.err, self.every, self.under = op, err, every, under
+        self.calls = 0
+        self.hits = []
+        self.lock = threading.Lock()
+
+    def __call__(self, op, path, offset, nbytes):
+        if op != self.op or not path.startswith(self.under):
+            return None
+        with self.lock:
+            self.calls += 1
+            if self.calls % self.every == 0:
+                self.hits.append((path, offset, nbytes))
+                return self.err
+        return None
+
+
+def _config(paths, **io):
+    io.setdefault("block_bytes", 16 * KiB)
+    return OffloadConfig(paths=list(paths), min_tensor_bytes=4096, min_free_bytes=0, io=IOConfig(**io))
+
+
+def _cache(paths, fault=None, **io):
+    cfg = _config(paths, **io)
+    return TensorCache(cfg, engine=create_engine(cfg, fault=fault))
+
+
+def _train(model, batches, cache=None):
+    """SGD over ``batches``; per micro-batch losses and, with a cache, per-step stats."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    losses, stats = [], []
+    for step in batches:
+        opt.zero_grad(set_to_none=True)
+        for mb in step:
+            if cache is None:
+                loss = model(mb)
+            else:
+                with cache.microbatch():
+                    loss = model(mb)
+            (loss / len(step)).backward()
+            losses.append(loss.detach().clone())
+        opt.step()
+        if cache is not None:
+            stats.append(cache.finish_step())
+    return losses, stats
+
+
+def _models(layers=4):
+    torch.manual_seed(0)
+    model = TinyGPT(layers=layers, hidden=64, seq=64)
+    return model, copy.deepcopy(model)
+
+
+# ------------------------------------------------------------------ write failures
+
+
+@pytest.mark.parametrize("code", [errno.ENOSPC, errno.EIO], ids=["ENOSPC", "EIO"])
+def test_failed_writes_fall_back_to_memory_and_training_is_bit_identical(offload_dir, caplog, code):
+    model, reference = _models()
+    batches = make_batches(steps=3, microbatches=2, batch=4, seq=64, vocab=256)
+    ref_losses, _ = _train(reference, batches)
+    faults = Faults("write", OSError(code, os.strerror(code)), every=3)
+    caplog.set_level(logging.WARNING, logger="megatron_ssd")
+    with _cache([offload_dir], faults) as cache:
+        cache.register_layers(model.layers)
+        losses, stats = _train(model, batches, cache)
+        run_dir = cache.engine.paths[0]
+    assert len(losses) == len(ref_losses) and all(torch.equal(a, b) for a, b in zip(losses, ref_losses))
+    assert faults.hits, "the hook never fired"
+    fallbacks = sum(s.write_fallbacks for s in stats)
+    assert fallbacks > 0 and sum(s.bytes_fallen_back for s in stats) > 0
+    assert all(s.bytes_offloaded > 0 for s in stats), "the writes that did not fail still offloaded"
+    warnings = [r.getMessage() for r in caplog.records if "kept in memory instead" in r.getMessage()]
+    assert len(warnings) == fallbacks
+    name = errno.errorcode[code]
+    for msg in warnings:
+        assert msg.startswith("megatron_ssd: write of ") and " bytes (layer " in msg
+        assert run_dir in msg and name in msg and " at offset " in msg
+    assert os.listdir(offload_dir) == []
+
+
+# ------------------------------------------------------------------ bad reads
+
+
+def _forward_to_disk(cache, model, batch):
+    """Forward one micro-batch and wait until its offloaded tensors left memory."""
+    with cache.microbatch() as record:
+        loss = model(batch)
+    cache.drain()
+    deadline = time.time() + 10  # completion callbacks run just after the futures resolve
+    while any(e.state is EntryState.WRITING for e in record.entries.values()) and time.time() < deadline:
+        time.sleep(0.002)
+    on_disk = [e for e in record.entries.values() if e.state is EntryState.ON_DISK]
+    assert on_disk, "nothing was offloaded"
+    return loss, on_disk
+
+
+def test_flipped_byte_on_disk_is_a_checksum_error_naming_tensor_layer_file_offset(offload_dir):
+    model, _ = _models()
+    batch = make_batches(steps=1, microbatches=1, batch=4, seq=64, vocab=256)[0][0]
+    with _cache([offload_dir], checksum="on") as cache:
+        cache.register_layers(model.layers)
+        loss, on_disk = _forward_to_disk(cache, model, batch)
+        entry = max(on_disk, key=lambda e: e.nbytes)
+        extent = entry.handle.extents[-1]
+        fd = os.open(extent.file, os.O_RDWR)
+        try:
+            byte = os.pread(fd, 1, extent.offset + 3)
+            os.pwrite(fd, bytes([byte[0] ^ 0x01]), extent.offset + 3)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        with pytest.raises(ChecksumError) as info:
+            loss.backward()
+        msg = str(info.value)
+        assert msg.startswith("megatron_ssd: checksum mismatch reading ")
+        assert extent.file in msg and f"at offset {extent.offset} " in msg
+        assert f"layer {entry.layer!r}" in msg and "(tensor (" in msg
+        assert cache.engine.stats().read_errors >= 1
+    assert os.listdir(offload_dir) == []
+
+
+def test_short_read_of_a_truncated_file_is_named(offload_dir):
+    model, _ = _models()
+    batch = make_batches(steps=1, microbatches=1, batch=4, seq=64, vocab=256)[0][0]
+    with _cache([offload_dir], layout="file") as cache:
+        cache.register_layers(model.layers)
+        loss, on_disk = _forward_to_disk(cache, model, batch)
+        entry = on_disk[0]
+        file = entry.handle.extents[0].file
+        os.truncate(file, 0)  # a real short read: preadv returns 0 bytes
+        with pytest.raises(OffloadIOError) as info:
+            loss.backward()
+        msg = str(info.value)
+        assert "short read" in msg and file in msg and " at offset " in msg and "EIO" in msg
+        assert "layer " in msg and "(tensor (" in msg
+        assert info.value.errno == errno.EIO
+    assert os.listdir(offload_dir) == []
+
+
+def test_failed_read_is_named(offload_dir):
+    model, _ = _models()
+    batch = make_batches(steps=1, microbatches=1, batch=4, seq=64, vocab=256)[0][0]
+    faults = Faults("read", OSError(errno.EIO, "Input/output error"))
+    with _cache([offload_dir], faults) as cache:
+        cache.register_layers(model.layers)
+        loss, _ = _forward_to_disk(cache, model, batch)
+        with pytest.raises(OffloadIOError) as info:
+            loss.backward()
+        path, offset, _ = faults.hits[0]
+        msg = str(info.value)
+        assert msg.startswith("megatron_ssd: read of ") and "EIO" in msg and path in msg
+        assert " at offset " in msg and "layer " in msg and "(tensor (" in msg
+        assert not isinstance(info.value, ChecksumError)
+
+
+# ------------------------------------------------------------------ a path goes away
+
+
+def _blob(n, seed=0):
+    g = torch.Generator().manual_seed(seed + n)
+    return torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g)
+
+
+def _two_paths(tmp_path):
+    paths = [str(tmp_path / "ssd0"), str(tmp_path / "ssd1")]
+    for p in paths:
+        os.mkdir(p)
+    return paths
+
+
+def _path_warnings(caplog):
+    return [r.getMessage() for r in caplog.records if "later writes go to" in r.getMessage()]
+
+
+def test_failing_path_is_dropped_and_the_other_takes_over(tmp_path, caplog):
+    paths = _two_paths(tmp_path)
+    faults = Faults("write", OSError(errno.EIO, "Input/output error"), under=paths[0])
+    caplog.set_level(logging.WARNING, logger="megatron_ssd")
+    with PosixEngine(_config(paths), fault=faults) as engine:
+        first = engine.write(_blob(100 * KiB))  # 7 blocks over both paths
+        with pytest.raises(OffloadIOError, match="EIO"):
+            first.get()
+        hits = len(faults.hits)
+        handles = [engine.write(_blob(100 * KiB, i)).get() for i in range(1, 6)]
+        assert len(faults.hits) == hits, "writes still went to the failed path"
+        assert all(e.path_index == 1 for h in handles for e in h.extents)
+        for i, h in enumerate(handles, start=1):
+            assert torch.equal(engine.read(h, engine.alloc(h.nbytes, "cpu")).get(), _blob(100 * KiB, i))
+        assert engine.stats().extra["failed_paths"] == [paths[0]]
+    warnings = _path_warnings(caplog)
+    assert len(warnings) == 1
+    assert warnings[0].startswith(f"megatron_ssd: offload path {paths[0]} failed, later writes go to {paths[1]}")
+    assert [os.listdir(p) for p in paths] == [[], []]
+
+
+def test_deleted_run_directory_is_dropped_and_training_continues(tmp_path, caplog):
+    """The run directory of one path disappears for real (the file layout creates a file
+    per blob there, which now fails); the cache keeps those tensors, the engine moves on."""
+    paths = _two_paths(tmp_path)
+    model, reference = _models()
+    batches = make_batches(steps=3, microbatches=1, batch=4, seq=64, vocab=256)
+    ref_losses, _ = _train(reference, batches)
+    caplog.set_level(logging.WARNING, logger="megatron_ssd")
+    with _cache(paths, layout="file") as cache:
+        cache.register_layers(model.layers)
+        losses, stats = _train(model, batches[:1], cache)
+        shutil.rmtree(cache.engine.paths[0])
+        more, more_stats = _train(model, batches[1:], cache)
+        assert cache.engine.stats().extra["failed_paths"] == [paths[0]]
+        run_dir_1 = cache.engine.paths[1]
+        assert os.path.isdir(run_dir_1)
+    losses += more
+    assert all(torch.equal(a, b) for a, b in zip(losses, ref_losses))
+    assert more_stats[0].write_fallbacks >= 1 and more_stats[-1].write_fallbacks == 0
+    assert more_stats[-1].bytes_offloaded > 0
+    warnings = _path_warnings(caplog)
+    assert len(warnings) == 1 and paths[0] in warnings[0] and "ENOENT" in warnings[0]
+    assert not os.path.exists(run_dir_1) and os.listdir(paths[0]) == []
+
+
+def test_single_path_is_never_dropped(offload_dir):
+    faults = Faults("write", OSError(errno.ENOSPC, "No space left on device"), every=1)
+    with PosixEngine(_config([offload_dir]), fault=faults) as engine:
+        with pytest.raises(OffloadIOError, match="ENOSPC"):
+            engine.write(_blob(10 * KiB)).get()
+        faults.op = "none"  # space came back
+        h = engine.write(_blob(10 * KiB)).get()
+        assert torch.equal(engine.read(h, engine.alloc(h.nbytes, "cpu")).get(), _blob(10 * KiB))
+        assert engine.stats().extra["failed_paths"] == []

@@ -1,0 +1,193 @@
+"""Process death: SIGKILL leftovers are removed at the next start or by ``megatron-ssd clean``;
+SIGTERM and SIGINT remove the files before the process exits. Real subprocesses throughout."""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+
+import pytest
+
+from megatron_ssd import OffloadConfig, TensorCache
+from megatron_ssd.cache import exit_guard
+from megatron_ssd.io import rundir
+from megatron_ssd.io.rundir import MARKER
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ENV = dict(os.environ, PYTHONPATH=REPO)
+
+# A child with an open cache and one offloaded tensor on disk. It prints its run
+# directory, then either kills itself with SIGKILL or waits for a signal.
+CHILD = textwrap.dedent(
+    """
+    import os, signal, sys, time
+    import torch
+    from megatron_ssd import OffloadConfig, TensorCache
+    from megatron_ssd.config import Placement
+
+    path, mode = sys.argv[1], sys.argv[2]
+    if mode == "sigterm-default":
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    elif mode == "sigint":
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # whatever the parent left
+    elif mode == "sigterm-chained":
+        def graceful(signum, frame):
+            print("graceful handler ran", flush=True)
+            sys.exit(3)
+        signal.signal(signal.SIGTERM, graceful)
+
+    cache = TensorCache(OffloadConfig(paths=[path], min_tensor_bytes=0, min_free_bytes=0))
+    cache.register_layers([torch.nn.Identity()], ids=["L"], install_hooks=False)
+    cache.set_plan({"L": Placement.OFFLOAD})
+    with cache.microbatch() as record:
+        with cache.layer("L"):
+            packed = cache.pack(record, torch.ones(1 << 20, dtype=torch.uint8))
+    cache.drain()
+    print(cache.engine.paths[0], flush=True)
+    if mode == "sigkill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    while True:
+        time.sleep(0.05)
+    """
+)
+
+
+def _spawn(tmp_path, path, mode):
+    script = tmp_path / "child.py"
+    script.write_text(CHILD)
+    return subprocess.Popen([sys.executable, str(script), path, mode], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=ENV)
+
+
+def _run_dir_of(proc):
+    line = proc.stdout.readline().strip()
+    assert line, proc.stderr.read()
+    assert os.path.isdir(line) and os.path.isfile(os.path.join(line, MARKER))
+    assert [f for f in os.listdir(line) if f != MARKER], "the child wrote nothing"
+    return line
+
+
+def _killed_run(tmp_path, path):
+    proc = _spawn(tmp_path, path, "sigkill")
+    run_dir = _run_dir_of(proc)
+    assert proc.wait(timeout=60) == -signal.SIGKILL
+    assert os.path.isdir(run_dir), "SIGKILL cannot be caught: the directory stays"
+    return run_dir
+
+
+def _neighbours(path):
+    """What must survive a cleanup: a foreign directory, one named like ours but without a
+    marker, and a run of a live process (this one)."""
+    foreign = os.path.join(path, "datasets")
+    unmarked = os.path.join(path, "msd-other-1-r0-00000000")
+    alive = os.path.join(path, "msd-alive-2-r0-00000000")
+    for d in (foreign, unmarked, alive):
+        os.mkdir(d)
+        with open(os.path.join(d, "keep.bin"), "wb") as fh:
+            fh.write(b"keep")
+    with open(os.path.join(alive, MARKER), "w") as fh:
+        json.dump(dict(rundir._identity(), rank=0), fh)
+    return [foreign, unmarked, alive]
+
+
+def test_sigkill_leftovers_are_removed_at_the_next_start(tmp_path, offload_dir):
+    stale = _killed_run(tmp_path, offload_dir)
+    keep = _neighbours(offload_dir)
+    with TensorCache(OffloadConfig(paths=[offload_dir], min_free_bytes=0)) as cache:
+        assert not os.path.exists(stale)
+        mine = cache.engine.paths[0]
+    for d in keep:
+        assert os.path.isfile(os.path.join(d, "keep.bin")), d
+    assert sorted(os.listdir(offload_dir)) == sorted(os.path.basename(d) for d in keep)
+    assert not os.path.exists(mine)
+
+
+def test_megatron_ssd_clean_removes_only_stale_runs(tmp_path, offload_dir):
+    stale = _killed_run(tmp_path, offload_dir)
+    keep = _neighbours(offload_dir)
+    res = subprocess.run([sys.executable, "-m", "megatron_ssd.cli", "clean", offload_dir],
+                         capture_output=True, text=True, env=ENV, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert f"removed {stale}" in res.stdout and "1 stale run directory removed" in res.stdout
+    assert not os.path.exists(stale)
+    assert all(os.path.isfile(os.path.join(d, "keep.bin")) for d in keep)
+
+
+@pytest.mark.parametrize(
+    "mode, sig, status",
+    [
+        ("sigterm-default", signal.SIGTERM, -signal.SIGTERM),
+        ("sigint", signal.SIGINT, None),
+        ("sigterm-chained", signal.SIGTERM, 3),
+    ],
+)
+def test_sigterm_and_sigint_remove_the_files_before_exit(tmp_path, offload_dir, mode, sig, status):
+    proc = _spawn(tmp_path, offload_dir, mode)
+    run_dir = _run_dir_of(proc)
+    proc.send_signal(sig)
+    code = proc.wait(timeout=60)
+    out, err = proc.stdout.read(), proc.stderr.read()
+    if status is None:  # KeyboardInterrupt: Python exits through SIGINT itself (or 1)
+        assert code in (-signal.SIGINT, 1, 130) and "KeyboardInterrupt" in err, (code, err)
+    else:
+        assert code == status, (code, err)
+    if mode == "sigterm-chained":
+        assert "graceful handler ran" in out
+    assert not os.path.exists(run_dir), f"{mode}: run directory left behind"
+    assert os.listdir(offload_dir) == []
+
+
+def _no_other_open_caches():
+    gc.collect()
+    if len(exit_guard.EXIT_GUARD._caches):
+        pytest.skip("another test left a tensor cache open")
+
+
+def test_handlers_are_installed_while_open_and_restored_on_close(offload_dir):
+    _no_other_open_caches()
+    before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    cache = TensorCache(OffloadConfig(paths=[offload_dir], min_free_bytes=0))
+    try:
+        for s in before:
+            assert signal.getsignal(s) == exit_guard.EXIT_GUARD._on_signal
+        second = TensorCache(OffloadConfig(paths=[offload_dir], min_free_bytes=0))
+        second.close()  # one cache still open: the handler stays
+        assert signal.getsignal(signal.SIGTERM) == exit_guard.EXIT_GUARD._on_signal
+    finally:
+        cache.close()
+    assert {s: signal.getsignal(s) for s in before} == before
+
+
+def test_ignored_signal_stays_ignored(offload_dir):
+    _no_other_open_caches()
+    previous = signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    try:
+        with TensorCache(OffloadConfig(paths=[offload_dir], min_free_bytes=0)):
+            assert signal.getsignal(signal.SIGTERM) == signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def test_no_handlers_from_other_threads(offload_dir):
+    _no_other_open_caches()
+    before = signal.getsignal(signal.SIGTERM)
+    seen, caches = [], []
+
+    def open_cache():
+        caches.append(TensorCache(OffloadConfig(paths=[offload_dir], min_free_bytes=0)))
+        seen.append(signal.getsignal(signal.SIGTERM))
+
+    t = threading.Thread(target=open_cache)
+    t.start()
+    t.join()
+    try:
+        assert seen == [before]
+    finally:
+        caches[0].close()
+    assert os.listdir(offload_dir) == []
