@@ -113,6 +113,27 @@ def check_free_space(path: str, min_free_bytes: int) -> int:
     return free
 
 
+def check_space_for_plan(paths: List[str], planned_bytes: int) -> int:
+    """The planned SSD footprint must fit in the free space of ``paths`` together.
+
+    Blocks are striped over the paths, so their free space adds up.
+
+    Returns:
+        The free bytes of all paths together.
+
+    Raises:
+        ConfigError: ``planned_bytes`` exceed the free bytes.
+    """
+    free = sum(check_free_space(path, 0) for path in paths)
+    if planned_bytes > free:
+        raise ConfigError(
+            f"planned SSD footprint = {planned_bytes} bytes ({_gib(planned_bytes)}): the offload paths "
+            f"{list(paths)} have {free} bytes free ({_gib(free)}) together; the plan must fit (free space, add "
+            "paths, or set planner.memory_budget so fewer layers are offloaded)"
+        )
+    return free
+
+
 _MEMORY_FILESYSTEMS = ("tmpfs", "ramfs")
 _warned_memory: set = set()
 

@@ -165,6 +165,7 @@ class AdaptivePlanner:
         self._offload_steps: List[Any] = []
         self._drift = DriftDetector(threshold=config.replan_threshold)
         self._steps_seen = 0
+        self._microbatches = 1
         self._profiling = config.mode == "auto"
         self._next_profile_keep = config.profile_steps >= 2
         if config.mode in ("keep", "offload", "recompute"):
@@ -188,6 +189,7 @@ class AdaptivePlanner:
         step = self._steps_seen
         self._steps_seen += 1
         self.fell_behind += stats.backpressure_keeps
+        self._microbatches = max(self._microbatches, stats.microbatches)
         if self._fixed is not None:
             if not self.events:
                 self.events.append(PlanEvent(step, self.config.mode))
@@ -226,11 +228,26 @@ class AdaptivePlanner:
             prefetch_depth=self.prefetch_depth,
             allow_recompute=self.config.allow_recompute,
         )
+        self._check_space(plan)
         self.plan = plan
         self.cache.set_plan({lp.layer_id: lp.placement for lp in plan.layers})
         self._drift.rebase(profile, plan)
         self.events.append(PlanEvent(step, reason, plan))
         logger.info("megatron_ssd: plan after step %d (%s):\n%s", step, reason, plan.table())
+
+    def _check_space(self, plan: Plan) -> None:
+        """Refuse a plan whose SSD footprint does not fit the offload paths' free space.
+
+        Footprint: the plan's offloaded bytes per micro-batch times the micro-batches a
+        step can hold on disk at once (all of them, under gradient accumulation with
+        1F1B the stage's in-flight count), plus the 4 KiB padding of each blob.
+        """
+        from ..io.rundir import check_space_for_plan
+
+        in_flight = max(plan.microbatches_in_flight, self._microbatches)
+        planned = int(plan.offloaded_bytes * in_flight * 1.01)
+        if planned > 0:
+            check_space_for_plan(list(self.cache.config.paths), planned)
 
     def summary(self) -> Dict[str, Any]:
         """What the planner did, JSON-ready."""

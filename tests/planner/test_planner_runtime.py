@@ -112,3 +112,24 @@ def test_rok_json_schema(tmp_path):
     assert by["recompute"]["peak_activation_bytes"] < by["keep"]["peak_activation_bytes"]
     assert all(pl in ("keep", "offload", "recompute") for pl in by["planner"]["plan"])
     assert data["workload"]["model"]["num_layers"] == 2
+
+
+def test_plan_that_does_not_fit_the_free_space_is_refused(tmp_path, monkeypatch):
+    """Bad input before the planned offload starts: the footprint must fit the paths."""
+    from megatron_ssd.errors import ConfigError
+    from megatron_ssd.io import rundir
+    from megatron_ssd.planner import IOProfile, LayerProfile, StageProfile, make_plan
+
+    stage = StageProfile(
+        layers=[LayerProfile(i, forward_s=1.0, backward_s=2.0, saved_bytes=100 << 20) for i in range(4)],
+        io=IOProfile(write_bytes_per_s=1e9, read_bytes_per_s=1e9),
+    )
+    plan = make_plan(stage)
+    assert plan.offloaded_bytes >= 300 << 20
+    monkeypatch.setattr(rundir, "check_free_space", lambda path, minimum: 10 << 20)  # 10 MiB free
+    with pytest.raises(ConfigError, match=r"planned SSD footprint = \d+ bytes .* have 10485760 bytes free"):
+        rundir.check_space_for_plan([str(tmp_path)], plan.offloaded_bytes)
+    with TensorCache(OffloadConfig(paths=[str(tmp_path)], min_free_bytes=0)) as cache:
+        planner = AdaptivePlanner(cache, PlannerConfig(mode="auto"))
+        with pytest.raises(ConfigError, match="planned SSD footprint"):
+            planner._check_space(plan)
