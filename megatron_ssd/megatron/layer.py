@@ -17,7 +17,7 @@ placed KEEP, OFFLOAD or RECOMPUTE by the cache's plan.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, List, Optional, Sequence, Tuple, Union
+from typing import Any, List, Sequence, Tuple, Union
 
 import torch
 from megatron.core.transformer.moe.moe_layer import MoELayer  # noqa: F401  (import order: MoE before layer)
