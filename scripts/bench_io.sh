@@ -20,6 +20,11 @@
 # Exit status: 0 when bench-io succeeded (a missing fio is reported, not fatal), 1 otherwise.
 set -euo pipefail
 
+ms_here="${BASH_SOURCE[0]%/*}"
+[[ "$ms_here" == "${BASH_SOURCE[0]}" ]] && ms_here=.
+# shellcheck source=common.sh
+source "$ms_here/common.sh"
+
 FIO_ARGS=()
 RUN_FIO=1
 PATHS=()
@@ -61,16 +66,7 @@ parse_args() {
         shift
     done
     if ((${#PATHS[@]} == 0)); then
-        local -a mounts
-        local m
-        read -r -a mounts <<<"${NVME_MOUNTS:-/mnt/nvme_raid0}"
-        for m in "${mounts[@]}"; do
-            if [[ -d "$m/${OFFLOAD_SUBDIR:-megatron-ssd}" ]]; then
-                PATHS+=("$m/${OFFLOAD_SUBDIR:-megatron-ssd}")
-            else
-                PATHS+=("$m")
-            fi
-        done
+        mapfile -t PATHS < <(ms_default_offload_dirs)
     fi
     local p
     for p in "${PATHS[@]}"; do

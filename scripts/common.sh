@@ -58,6 +58,21 @@ ms_exec() {
     exec "$@"
 }
 
+# The default offload directories of this node, one per line: for each mount in
+# NVME_MOUNTS, its OFFLOAD_SUBDIR (default megatron-ssd) when that exists, else the mount.
+ms_default_offload_dirs() {
+    local -a mounts
+    local m
+    read -r -a mounts <<<"${NVME_MOUNTS:-/mnt/nvme_raid0}"
+    for m in "${mounts[@]}"; do
+        if [[ -d "$m/${OFFLOAD_SUBDIR:-megatron-ssd}" ]]; then
+            printf '%s\n' "$m/${OFFLOAD_SUBDIR:-megatron-ssd}"
+        else
+            printf '%s\n' "$m"
+        fi
+    done
+}
+
 # ms_split_words NAME STRING: split STRING on whitespace into the array NAME.
 # (No quote processing: values with spaces go into positional arguments instead.)
 # shellcheck disable=SC2034  # assigns the caller's array through a nameref

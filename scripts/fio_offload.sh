@@ -132,16 +132,7 @@ parse_args() {
         *) usage_error "--ioengine $IOENGINE: use psync or libaio" ;;
     esac
     if ((${#DIRS[@]} == 0)); then
-        local -a mounts
-        local m
-        read -r -a mounts <<<"${NVME_MOUNTS:-/mnt/nvme_raid0}"
-        for m in "${mounts[@]}"; do
-            if [[ -d "$m/${OFFLOAD_SUBDIR:-megatron-ssd}" ]]; then
-                DIRS+=("$m/${OFFLOAD_SUBDIR:-megatron-ssd}")
-            else
-                DIRS+=("$m")
-            fi
-        done
+        mapfile -t DIRS < <(ms_default_offload_dirs)
     fi
 }
 
