@@ -12,7 +12,6 @@ with the configured planner; print a summary table of both.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import statistics
@@ -27,8 +26,9 @@ from .cache import StepStats, TensorCache
 from .config import PlannerConfig, TrainConfig, load_config, to_dict
 from .data import TextFileData
 from .errors import ConfigError
+from .output import write_json
 
-__all__ = ["TrainRecipe", "PhaseResult", "run_train", "write_json"]
+__all__ = ["TrainRecipe", "PhaseResult", "run_train"]
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 MiB = float(1 << 20)
@@ -171,7 +171,7 @@ class TrainRecipe:
                 result.losses.append(loss)
                 self._progress(name, step, steps, loss, result.steps[-1])
             self._end_progress()
-            result.measured_from = _first_measured(planner, planner_config, steps)
+            result.measured_from = _first_measured(planner_config, steps)
             self.planner_summary = planner.summary()
         return result
 
@@ -277,7 +277,7 @@ def _peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def _first_measured(planner: Any, config: PlannerConfig, steps: int) -> int:
+def _first_measured(config: PlannerConfig, steps: int) -> int:
     if config.mode == "auto":
         first = config.warmup_steps + config.profile_steps
         return min(first, steps - 1)
@@ -321,14 +321,6 @@ def format_summary(phases: Sequence[Dict[str, Any]]) -> str:
             f"step time {ratio:.2f}x keep-everything"
         )
     return "\n".join(lines)
-
-
-def write_json(path: str, data: Any) -> None:
-    """Write ``data`` as indented JSON, creating the directory; say so."""
-    os.makedirs(os.path.dirname(os.path.abspath(path)) or ".", exist_ok=True)
-    with open(path, "w", encoding="utf-8") as fh:
-        json.dump(data, fh, indent=2, default=str)
-    print(f"wrote {path}")
 
 
 def run_train(config_path: Optional[str], overrides: Sequence[str], json_path: Optional[str] = None,

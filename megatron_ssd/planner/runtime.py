@@ -177,12 +177,14 @@ class AdaptivePlanner:
     def before_step(self) -> None:
         """Set the placement for the coming step (called by the constructor and on_step)."""
         if self._fixed is not None:
-            self.cache.set_plan({layer: self._fixed for layer in self.cache.layer_ids})
-            self.cache.default_placement = self._fixed
+            self._place_all(self._fixed)
         elif self._profiling and self._steps_seen >= self.config.warmup_steps:
-            placement = Placement.KEEP if self._next_profile_keep else None
-            self.cache.set_plan({layer: placement for layer in self.cache.layer_ids} if placement else {})
-            self.cache.default_placement = placement
+            self._place_all(Placement.KEEP if self._next_profile_keep else None)
+
+    def _place_all(self, placement: Optional[Placement]) -> None:
+        """Place every layer alike; None restores the cache's ``keep_last_layers`` rule."""
+        self.cache.set_plan({})
+        self.cache.default_placement = placement
 
     def on_step(self, stats: Any) -> None:
         """Take one step's :class:`StepStats`; plan or re-plan when due."""
@@ -190,10 +192,9 @@ class AdaptivePlanner:
         self._steps_seen += 1
         self.fell_behind += stats.backpressure_keeps
         self._microbatches = max(self._microbatches, stats.microbatches)
-        if self._fixed is not None:
+        if self._fixed is not None:  # placed once, by the constructor
             if not self.events:
                 self.events.append(PlanEvent(step, self.config.mode))
-            self.before_step()
             return
         if self._profiling:
             if step >= self.config.warmup_steps:
