@@ -7,7 +7,6 @@ setting is printed as config overrides.
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -16,6 +15,7 @@ import torch
 
 from ..config import IOConfig, OffloadConfig, _parse_size
 from ..errors import ConfigError
+from ..output import write_json
 
 __all__ = ["measure_path", "run_bench_io", "SETTINGS"]
 
@@ -76,8 +76,5 @@ def run_bench_io(paths: Sequence[str], size: str, json_path: Optional[str] = Non
     suggestion = [f"offload.io.threads={best['threads']}", f"offload.io.block_bytes={best['block_bytes']}"]
     print("suggested settings (best of min(write, read)): " + " ".join(suggestion))
     if json_path:
-        os.makedirs(os.path.dirname(os.path.abspath(json_path)) or ".", exist_ok=True)
-        with open(json_path, "w", encoding="utf-8") as fh:
-            json.dump({"results": results, "suggested": suggestion}, fh, indent=2)
-        print(f"wrote {json_path}")
+        write_json(json_path, {"results": results, "suggested": suggestion})
     return 0

@@ -16,7 +16,8 @@ import tempfile
 from typing import Any, Dict, List, Optional, Sequence
 
 from ..config import TrainConfig, load_config, to_dict
-from ..train import TrainRecipe, write_json
+from ..output import write_json
+from ..train import TrainRecipe
 from ..errors import MegatronSSDError
 
 __all__ = ["run_plan", "run_rok", "run_simulate", "rok_points", "machine_info"]
