@@ -34,7 +34,7 @@ def sweep(points):
         for name, mode in PLACEMENTS.items():
             overrides = [*BASE, f"model.num_layers={layers}", f"micro_batch_size={mbs}",
                          f"offload.planner.mode={mode}"]
-            p = _point(name, _train_in_subprocess(None, overrides))
+            p = _point(name, [_train_in_subprocess(None, overrides)])
             p.update(num_layers=layers, micro_batch_size=mbs)
             out.append(p)
     return out

@@ -4,7 +4,7 @@ Subcommands::
 
     megatron-ssd train --config configs/gpt-tiny.yaml [key=value ...] [--json PATH]
     megatron-ssd plan --config configs/gpt-ref-cpu.yaml [--json PATH]
-    megatron-ssd rok --config configs/gpt-ref-cpu.yaml [--json PATH] [--plot PATH]
+    megatron-ssd rok --config configs/gpt-ref-cpu.yaml [--json PATH] [--plot PATH] [--rounds N] [--placements A,B]
     megatron-ssd simulate model=gpt-1.3b ssd_count=4 [key=value ...]
     megatron-ssd bench-io PATH [PATH ...]
     megatron-ssd clean PATH [PATH ...]
@@ -43,6 +43,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("rok", help="measure the recompute-offload-keep curve, one process per placement")
     _add_config_args(p, "configs/gpt-ref-cpu.yaml")
     p.add_argument("--plot", metavar="PATH", help="write a PNG plot of memory against step time")
+    p.add_argument("--rounds", type=int, default=1, metavar="N",
+                   help="run every placement N times, interleaved, and pool the steps (default 1)")
+    p.add_argument("--placements", metavar="A,B", type=lambda v: [x for x in v.split(",") if x],
+                   help="only these fixed placements (keep,recompute,offload-all,planner); default all")
 
     p = sub.add_parser("simulate", help="what-if: plan, overhead and SSD lifetime for hardware you describe")
     p.add_argument("--json", metavar="PATH")
@@ -84,7 +88,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         if args.command == "rok":
             from .planner.commands import run_rok
 
-            return run_rok(args.config, args.overrides, json_path=args.json, plot_path=args.plot)
+            return run_rok(args.config, args.overrides, json_path=args.json, plot_path=args.plot,
+                           rounds=args.rounds, placements=args.placements)
         if args.command == "simulate":
             from .planner.commands import run_simulate
 

@@ -64,6 +64,11 @@ class StepStats:
     """Wall time since the previous ``finish_step()`` (or since the cache was created)."""
     microbatches: int
     """Micro-batch records opened during the step."""
+    cpu_s: float
+    """CPU time the whole process used during the step (every thread, user and system)."""
+    io_cpu_s: float
+    """Part of ``cpu_s`` used by the I/O engine's worker threads (staging copies,
+    checksums, syscalls, completion callbacks)."""
     bytes_offloaded: int
     """Bytes written to the SSD array (completed writes, payload only)."""
     bytes_reloaded: int

@@ -114,6 +114,7 @@ class TensorCache(TransferMixin):
         self.default_placement: Optional[Placement] = None
         """Placement of layers the plan does not name; None: the ``keep_last_layers`` rule."""
         self._step_started = time.perf_counter()
+        self._cpu_started = time.process_time()
         EXIT_GUARD.add(self)
 
     # ------------------------------------------------------------------ layers and plan
@@ -481,11 +482,13 @@ class TensorCache(TransferMixin):
             c, base = self._counters, self._engine_base
             wbytes, rbytes = es.bytes_written - base.bytes_written, es.bytes_read - base.bytes_read
             wbusy, rbusy = es.write_busy_s - base.write_busy_s, es.read_busy_s - base.read_busy_s
-            now = time.perf_counter()
+            now, cpu_now = time.perf_counter(), time.process_time()
             stats = StepStats(
                 step=self._step,
                 wall_s=now - self._step_started,
                 microbatches=c.microbatches,
+                cpu_s=cpu_now - self._cpu_started,
+                io_cpu_s=es.cpu_s - base.cpu_s,
                 bytes_offloaded=c.bytes_offloaded,
                 bytes_reloaded=c.bytes_reloaded,
                 bytes_deduplicated=c.bytes_deduplicated,
@@ -511,7 +514,7 @@ class TensorCache(TransferMixin):
             self._counters = Counters(peak_resident_bytes=self._resident, peak_ssd_bytes=self._ssd_bytes)
             self._engine_base = es
             self._step += 1
-            self._step_started = now
+            self._step_started, self._cpu_started = now, cpu_now
         if self._checksum_pending and wbytes > 0 and "crc_s" in es.extra:
             self._decide_checksum(es.extra["crc_s"] - base.extra.get("crc_s", 0.0), stats.wall_s)
         return stats

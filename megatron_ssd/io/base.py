@@ -163,6 +163,9 @@ class EngineStats:
     """Time ``write(block=True)`` callers spent waiting for in-flight room."""
     disk_bytes: int = 0
     """Bytes currently allocated on disk (padding included)."""
+    cpu_s: float = 0.0
+    """CPU time the engine's worker threads used (staging copies, checksums, syscalls):
+    what the I/O path takes from compute on a CPU-bound machine."""
     extra: dict = field(default_factory=dict)
     """Engine-specific counters."""
 

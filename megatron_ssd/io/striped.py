@@ -77,27 +77,41 @@ class BlobOp:
 
 
 class _Workers:
-    """``n`` threads draining one priority queue (reads before writes, FIFO within)."""
+    """``n`` threads draining one priority queue (reads before writes, FIFO within).
+
+    Each thread adds the CPU time its tasks used (``time.thread_time``) to its own slot
+    of ``_cpu``; :attr:`cpu_s` sums the slots (each float is written by one thread only).
+    """
 
     def __init__(self, n: int, name: str) -> None:
         self._q: "queue.PriorityQueue[Tuple[int, int, Optional[Callable[..., None]], tuple]]" = queue.PriorityQueue()
         self._seq = itertools.count()
-        self._threads = [threading.Thread(target=self._loop, name=f"{name}-{i}", daemon=True) for i in range(n)]
+        self._cpu = [0.0] * n
+        self._threads = [
+            threading.Thread(target=self._loop, args=(i,), name=f"{name}-{i}", daemon=True) for i in range(n)
+        ]
         for t in self._threads:
             t.start()
+
+    @property
+    def cpu_s(self) -> float:
+        """CPU seconds used by all tasks so far."""
+        return sum(self._cpu)
 
     def submit(self, priority: int, fn: Callable[..., None], *args: Any) -> None:
         self._q.put((priority, next(self._seq), fn, args))
 
-    def _loop(self) -> None:
+    def _loop(self, index: int) -> None:
         while True:
             _, _, fn, args = self._q.get()
             if fn is None:
                 return
+            started = time.thread_time()
             try:
                 fn(*args)
             except BaseException:  # a task must never kill its worker
                 logger.exception("megatron_ssd: I/O task raised")
+            self._cpu[index] += time.thread_time() - started
 
     def shutdown(self) -> None:
         for _ in self._threads:
@@ -259,6 +273,7 @@ class StripedEngine(Engine):
             for kind, (count, since) in self._busy.items():
                 if count:
                     setattr(snap, f"{kind}_busy_s", getattr(snap, f"{kind}_busy_s") + now - since)
+            snap.cpu_s = self._workers.cpu_s
             snap.extra["inflight_bytes"] = self._inflight
             snap.extra["live_blobs"] = len(self._live)
             snap.extra["checksum"] = "on" if self._checksum else "off"

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -18,9 +19,9 @@ from typing import Any, Dict, List, Optional, Sequence
 from ..config import TrainConfig, load_config, to_dict
 from ..output import write_json
 from ..train import TrainRecipe
-from ..errors import MegatronSSDError
+from ..errors import ConfigError, MegatronSSDError
 
-__all__ = ["run_plan", "run_rok", "run_simulate", "rok_points", "machine_info"]
+__all__ = ["run_plan", "run_rok", "run_simulate", "rok_points", "machine_info", "PLACEMENTS"]
 
 MiB = float(1 << 20)
 
@@ -78,23 +79,51 @@ def _train_in_subprocess(config_path: Optional[str], overrides: Sequence[str]) -
             return json.load(fh)
 
 
-def _point(placement: str, report: Dict[str, Any]) -> Dict[str, Any]:
-    phase = report["phases"][-1]
-    planned = [e for e in report["planner"]["events"] if e["plan"] is not None]
+PLACEMENTS: Dict[str, List[str]] = {
+    "keep": ["offload.planner.mode=keep"],
+    "recompute": ["offload.planner.mode=recompute"],
+    "offload-all": ["offload.planner.mode=offload"],
+    "planner": ["offload.planner.mode=auto"],
+}
+"""The fixed ``rok`` placements and the overrides that select them."""
+
+
+def _median(xs: Sequence[float]) -> float:
+    return statistics.median(xs) if xs else 0.0
+
+
+def _point(placement: str, reports: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
+    """One ROK point from the reports of its runs (one per round).
+
+    NOTE [Pooled rounds]: the step time is the median of every measured step of every
+    round pooled together, and ``round_median_step_s`` keeps each round's own median so
+    the spread stays visible. Rates and bytes are medians of the rounds' medians; peaks
+    are maxima over rounds.
+    """
+    phases = [r["phases"][-1] for r in reports]
+    med = lambda key: _median([p[key] for p in phases])  # noqa: E731
+    pooled = [t for p in phases for t in p.get("step_s", [p["median_step_s"]])]
+    losses = [p["final_loss"] for p in phases]
     point = {
         "placement": placement,
-        "peak_activation_bytes": phase["peak_activation_bytes"],
-        "peak_rss_bytes": report["peak_rss_bytes"],
-        "median_step_s": phase["median_step_s"],
-        "bytes_written": phase["bytes_written_per_step"],
-        "bytes_read": phase["bytes_read_per_step"],
-        "stall_s": phase["stall_s_per_step"],
-        "write_wait_s": phase["write_wait_s_per_step"],
-        "write_bytes_per_s": phase["write_bytes_per_s"],
-        "read_bytes_per_s": phase["read_bytes_per_s"],
-        "measured_steps": phase["measured_steps"],
-        "final_loss": phase["final_loss"],
+        "peak_activation_bytes": max(p["peak_activation_bytes"] for p in phases),
+        "peak_rss_bytes": max(r["peak_rss_bytes"] for r in reports),
+        "median_step_s": _median(pooled),
+        "round_median_step_s": [p["median_step_s"] for p in phases],
+        "cpu_s_per_step": med("cpu_s_per_step"),
+        "io_cpu_s_per_step": med("io_cpu_s_per_step"),
+        "bytes_written": med("bytes_written_per_step"),
+        "bytes_read": med("bytes_read_per_step"),
+        "stall_s": med("stall_s_per_step"),
+        "write_wait_s": med("write_wait_s_per_step"),
+        "write_bytes_per_s": med("write_bytes_per_s"),
+        "read_bytes_per_s": med("read_bytes_per_s"),
+        "measured_steps": len(pooled),
+        "rounds": len(reports),
+        "final_loss": losses[0],
+        "final_loss_same_every_round": all(l == losses[0] for l in losses),
     }
+    planned = [e for e in reports[0]["planner"]["events"] if e["plan"] is not None]
     if planned:
         plan = planned[-1]["plan"]
         point["plan"] = [l["placement"] for l in plan["layers"]]
@@ -104,26 +133,71 @@ def _point(placement: str, report: Dict[str, Any]) -> Dict[str, Any]:
     return point
 
 
-def rok_points(config_path: Optional[str], overrides: Sequence[str], budgets: Sequence[float] = (0.5,)) -> List[Dict[str, Any]]:
+def add_ratios(points: List[Dict[str, Any]]) -> None:
+    """Add each point's step time relative to keep: pooled, and per round.
+
+    ``round_ratios[r]`` divides the point's round-r median by keep's round-r median.
+    Rounds interleave the placements, so a ratio within one round compares runs made
+    minutes apart, and machine drift between rounds cancels out of it.
+    """
+    keep = next((p for p in points if p["placement"] == "keep" and "median_step_s" in p), None)
+    if keep is None:
+        return
+    for p in points:
+        if "median_step_s" not in p:
+            continue
+        p["x_keep"] = p["median_step_s"] / keep["median_step_s"]
+        p["round_ratios"] = [a / b for a, b in zip(p["round_median_step_s"], keep["round_median_step_s"])]
+
+
+def rok_points(config_path: Optional[str], overrides: Sequence[str], budgets: Sequence[float] = (0.5,),
+               rounds: int = 1, placements: Optional[Sequence[str]] = None) -> List[Dict[str, Any]]:
     """Measure keep, recompute, offload-all, the planner, and planner budgets (fractions of
-    keep's peak), each in a fresh process."""
-    points, reports = [], {}
-    runs = [("keep", ["offload.planner.mode=keep"]), ("recompute", ["offload.planner.mode=recompute"]),
-            ("offload-all", ["offload.planner.mode=offload"]), ("planner", ["offload.planner.mode=auto"])]
-    for name, extra in runs:
-        reports[name] = _train_in_subprocess(config_path, [*overrides, *extra])
-        points.append(_point(name, reports[name]))
-    keep_peak = points[0]["peak_activation_bytes"]
-    for fraction in budgets:
-        budget = int(keep_peak * fraction)
-        extra = ["offload.planner.mode=auto", f"offload.planner.memory_budget={budget}"]
-        try:
-            name = f"budget-{budget}"
-            reports[name] = _train_in_subprocess(config_path, [*overrides, *extra])
-            points.append(_point(name, reports[name]))
-        except MegatronSSDError as err:
-            points.append({"placement": f"budget-{budget}", "infeasible": str(err).splitlines()[-1][:500]})
-    add_predictions(points, reports)
+    keep's peak), each in a fresh process.
+
+    With ``rounds > 1`` the whole sequence runs that many times, interleaved (keep,
+    recompute, ..., keep, recompute, ...), and each point pools its rounds
+    (NOTE [Pooled rounds]). ``placements`` restricts the fixed placements (default: all);
+    budgets need ``keep`` among them.
+    """
+    names = list(placements or PLACEMENTS)
+    unknown = [n for n in names if n not in PLACEMENTS]
+    if unknown:
+        raise ConfigError(f"rok: placements = {unknown}: each must be one of {sorted(PLACEMENTS)}")
+    if rounds < 1:
+        raise ConfigError(f"rok: rounds = {rounds}: must be >= 1")
+    if budgets and "keep" not in names:
+        budgets = ()
+    runs: Dict[str, List[Dict[str, Any]]] = {}
+    infeasible: Dict[str, str] = {}
+    extra_runs: List[tuple] = []
+    for r in range(rounds):
+        print(f"-- round {r + 1} of {rounds}", flush=True)
+        for name in names:
+            runs.setdefault(name, []).append(_train_in_subprocess(config_path, [*overrides, *PLACEMENTS[name]]))
+        if r == 0:
+            keep_peak = runs["keep"][0]["phases"][-1]["peak_activation_bytes"] if budgets else 0
+            for fraction in budgets:
+                budget = int(keep_peak * fraction)
+                extra_runs.append((f"budget-{budget}", ["offload.planner.mode=auto",
+                                                        f"offload.planner.memory_budget={budget}"]))
+        for name, extra in extra_runs:
+            if name in infeasible:
+                continue
+            try:
+                report = _train_in_subprocess(config_path, [*overrides, *extra])
+            except MegatronSSDError as err:
+                infeasible[name] = str(err).splitlines()[-1][:500]
+                continue
+            runs.setdefault(name, []).append(report)
+    points = []
+    for name in [*names, *(n for n, _ in extra_runs)]:
+        if name in infeasible:
+            points.append({"placement": name, "infeasible": infeasible[name]})
+        else:
+            points.append(_point(name, runs[name]))
+    add_ratios(points)
+    add_predictions(points, {name: rs[0] for name, rs in runs.items()})
     return points
 
 
@@ -188,29 +262,32 @@ def plot_rok(points: Sequence[Dict[str, Any]], path: str, title: str = "") -> No
 
 
 def format_rok(points: Sequence[Dict[str, Any]]) -> str:
-    """The ROK table."""
-    lines = [f"{'placement':<22}{'peak act MiB':>14}{'peak RSS MiB':>14}{'step s':>9}{'x keep':>8}{'written MiB':>13}"]
-    keep_s = next((p["median_step_s"] for p in points if p["placement"] == "keep"), None)
+    """The ROK table (``x keep`` pooled; ``per round`` its range over rounds)."""
+    lines = [f"{'placement':<22}{'peak act MiB':>14}{'peak RSS MiB':>14}{'step s':>9}{'x keep':>8}"
+             f"{'per round':>13}{'I/O CPU s':>11}{'written MiB':>13}"]
     for p in points:
         if "median_step_s" not in p:
             lines.append(f"{p['placement']:<22}  infeasible: {p.get('infeasible', '')[:60]}")
             continue
-        ratio = p["median_step_s"] / keep_s if keep_s else float("nan")
+        ratios = p.get("round_ratios") or []
+        spread = f"{min(ratios):.2f}-{max(ratios):.2f}" if len(ratios) > 1 else ""
         lines.append(
             f"{p['placement']:<22}{p['peak_activation_bytes'] / MiB:>14.1f}{p['peak_rss_bytes'] / MiB:>14.0f}"
-            f"{p['median_step_s']:>9.3f}{ratio:>8.2f}{p['bytes_written'] / MiB:>13.1f}"
+            f"{p['median_step_s']:>9.3f}{p.get('x_keep', float('nan')):>8.2f}{spread:>13}"
+            f"{p['io_cpu_s_per_step']:>11.2f}{p['bytes_written'] / MiB:>13.1f}"
         )
     return "\n".join(lines)
 
 
 def run_rok(config_path: Optional[str], overrides: Sequence[str], json_path: Optional[str] = None,
-            plot_path: Optional[str] = None) -> int:
+            plot_path: Optional[str] = None, rounds: int = 1, placements: Optional[Sequence[str]] = None) -> int:
     """``megatron-ssd rok``: the measured recompute-offload-keep curve."""
     config = load_config(TrainConfig, config_path, overrides)  # validate before spending minutes
-    points = rok_points(config_path, overrides)
+    points = rok_points(config_path, overrides, rounds=rounds, placements=placements)
     print(format_rok(points))
     if json_path:
-        write_json(json_path, {"points": points, "workload": to_dict(config), "machine": machine_info()})
+        write_json(json_path, {"points": points, "rounds": rounds, "workload": to_dict(config),
+                               "machine": machine_info()})
     if plot_path:
         plot_rok(points, plot_path, title=os.path.basename(config_path or "rok"))
     return 0

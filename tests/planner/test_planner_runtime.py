@@ -133,3 +133,45 @@ def test_plan_that_does_not_fit_the_free_space_is_refused(tmp_path, monkeypatch)
         planner = AdaptivePlanner(cache, PlannerConfig(mode="auto"))
         with pytest.raises(ConfigError, match="planned SSD footprint"):
             planner._check_space(plan)
+
+
+def test_rok_rounds_pool_steps_and_count_io_cpu(tmp_path):
+    """``--rounds 2``: every point pools both rounds' steps, and keeps each round's median
+    and its ratio to keep's median of the same round; I/O CPU time is counted only when
+    something is written."""
+    out = tmp_path / "rok.json"
+    cmd = [
+        sys.executable, "-m", "megatron_ssd.cli", "rok", "--config", os.path.join(REPO, "configs", "gpt-tiny.yaml"),
+        "model.num_layers=2", "model.hidden_size=64", "model.num_attention_heads=4", "model.seq_length=64",
+        "model.vocab_size=256", "micro_batch_size=2", "num_microbatches=1", "steps=3",
+        "offload.min_tensor_bytes=4096", "--rounds", "2", "--placements", "keep,offload-all", "--json", str(out),
+    ]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert proc.stdout.count("-- round ") == 2
+    data = json.loads(out.read_text())
+    assert data["rounds"] == 2
+    names = [p["placement"] for p in data["points"]]
+    assert names[:2] == ["keep", "offload-all"] and names[2].startswith("budget-")
+    keep, off = data["points"][:2]
+    for p in (keep, off):
+        assert p["rounds"] == 2 and len(p["round_median_step_s"]) == 2
+        assert p["measured_steps"] == 2 * 2  # steps=3: one warm-up step, two measured, per round
+        assert p["final_loss_same_every_round"] is True
+        assert p["cpu_s_per_step"] > 0
+    assert keep["round_ratios"] == [1.0, 1.0] and keep["x_keep"] == 1.0
+    assert keep["io_cpu_s_per_step"] == 0.0
+    assert off["io_cpu_s_per_step"] > 0.0 and off["bytes_written"] > 0
+    assert off["round_ratios"] == [a / b for a, b in zip(off["round_median_step_s"], keep["round_median_step_s"])]
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"placements": ["keep", "offlaod-all"]}, r"rok: placements = \['offlaod-all'\]: each must be one of"),
+    ({"rounds": 0}, r"rok: rounds = 0: must be >= 1"),
+])
+def test_rok_rejects_bad_arguments_before_running(kwargs, match):
+    from megatron_ssd.errors import ConfigError
+    from megatron_ssd.planner.commands import rok_points
+
+    with pytest.raises(ConfigError, match=match):
+        rok_points(None, [], **kwargs)
