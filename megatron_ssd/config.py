@@ -96,6 +96,12 @@ class IOConfig:
     took less than 2% of that step's wall time). ``true`` / ``false`` mean on / off.
     Blocks written with a CRC are always verified when read back."""
 
+    priority: str = "normal"
+    """Scheduling priority of the I/O worker threads (Linux): ``normal``; ``low``
+    (nice 19: compute threads win whenever both want a core); ``idle``
+    (``SCHED_IDLE``: the workers run only on otherwise idle cores). Matters where compute
+    keeps every core busy, as CPU training does; elsewhere ignored with a warning."""
+
     def __post_init__(self) -> None:
         self.checksum = _switch(self.checksum)
         validate(self)
@@ -252,6 +258,7 @@ _NON_NEGATIVE = {
 }
 _CHOICES = {
     ("IOConfig", "engine"): ("auto", "posix", "kvikio"),
+    ("IOConfig", "priority"): ("normal", "low", "idle"),
     ("IOConfig", "on_backpressure"): ("wait", "keep"),
     ("IOConfig", "layout"): ("extent", "file"),
     ("IOConfig", "checksum"): ("auto", "on", "off"),

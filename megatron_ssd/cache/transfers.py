@@ -81,7 +81,7 @@ class TransferMixin:
 
     def _submit_read(self, entry: Entry) -> None:
         # Caller holds the lock.
-        dst = self.engine.alloc(entry.nbytes, entry.device)
+        dst = self.engine.alloc(entry.nbytes, entry.device, entry.handle)
         self._set_data(entry, dst[: entry.nbytes])
         entry.state = EntryState.READING
         entry.reloaded = True

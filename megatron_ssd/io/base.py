@@ -55,6 +55,10 @@ class Extent:
     """The file holding this extent (the per-tensor file in the ``file`` layout)."""
     checksum: Optional[int] = None
     """CRC32 of the extent's payload bytes (without padding), when checksums are on."""
+    skew: int = 0
+    """Zero bytes before the payload in the extent's first page: the source memory's
+    offset from a page boundary, so the payload's whole pages move straight from and to
+    memory with the same offset (NOTE [Skewed blocks])."""
 
 
 @dataclass(frozen=True)
@@ -205,8 +209,9 @@ class Engine(abc.ABC):
         """Queue a read of ``handle`` into ``dst`` (1-D uint8, >= handle.nbytes)."""
 
     @abc.abstractmethod
-    def alloc(self, nbytes: int, device: torch.device) -> torch.Tensor:
-        """A 1-D uint8 tensor of ``nbytes`` on ``device`` suitable as a read target."""
+    def alloc(self, nbytes: int, device: torch.device, handle: Optional[SwapHandle] = None) -> torch.Tensor:
+        """A 1-D uint8 tensor of ``nbytes`` on ``device`` suitable as a read target; given
+        the ``handle`` to be read, placed so that the read needs no staging copy."""
 
     @abc.abstractmethod
     def free(self, handle: SwapHandle) -> None:

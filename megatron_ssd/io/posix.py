@@ -6,15 +6,15 @@ Works on every Linux machine; the syscalls release the GIL, so the workers keep
     cfg = OffloadConfig(paths=["/nvme0", "/nvme1"])
     with PosixEngine(cfg) as engine:
         handle = engine.write(blob).get()          # blob: 1-D uint8 tensor
-        back = engine.read(handle, engine.alloc(handle.nbytes, blob.device)).get()
+        back = engine.read(handle, engine.alloc(handle.nbytes, blob.device, handle)).get()
         engine.free(handle)
 
 Data path of one block (see NOTE [Staging buffers]):
 
-* CPU memory aligned as O_DIRECT needs (the device's DMA alignment from ``statx``;
-  ALIGN when unknown) is written / read in place, with no copy; only a final partial
-  page goes through a staging buffer. Other CPU memory is copied through an aligned
-  staging buffer.
+* CPU memory is written / read in place, with no copy, except for at most one page at
+  each end of a block: memory aligned as O_DIRECT needs (the device's DMA alignment from
+  ``statx``; ALIGN when unknown) directly, other memory by writing the blob with a skew
+  (NOTE [Skewed blocks]). The end pages go through an aligned staging buffer.
 * CUDA memory goes through a pinned staging buffer, copied on a side stream that is
   ordered after the caller's stream (NOTE [CUDA ordering]).
 """
@@ -26,7 +26,7 @@ import os
 import threading
 import time
 import zlib
-from typing import Dict, Optional
+from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -71,7 +71,8 @@ class PosixEngine(StripedEngine):
     # acquires one for the part of a block it cannot move in place and releases it
     # before the block counts as done, on every path (try/finally). Any CUDA copy into
     # or out of it is synchronized before the release, so the next owner never races
-    # a pending DMA. Padding up to ALIGN is zeroed so no stale memory reaches the disk.
+    # a pending DMA. The skew before the payload (NOTE [Skewed blocks]) and the padding
+    # after it, up to ALIGN, are zeroed so no stale memory reaches the disk.
 
     # NOTE [CUDA ordering]: at submit time ``_prepare`` records an event on the caller's
     # current stream. Side-stream copies wait on it: a write reads the tensor only
@@ -129,16 +130,50 @@ class PosixEngine(StripedEngine):
         except OSError as e:
             raise io_error(op_name, file, offset + done, total - done, e) from e
 
-    def _in_place(self, t: torch.Tensor, block: Block) -> int:
-        """Bytes of ``block`` that can move straight from / into ``t`` (whole pages).
+    # NOTE [Skewed blocks]: PyTorch's CPU allocator aligns tensors to 64 bytes, and
+    # O_DIRECT needs the memory aligned as the device asks (``statx`` STATX_DIOALIGN:
+    # often 4 bytes on NVMe, 512 on virtio; ALIGN when unknown). A blob whose memory is
+    # not aligned so is written with a skew ``s`` = its address modulo ALIGN: each
+    # block's payload starts ``s`` bytes into its first disk page, so memory and disk
+    # offsets agree modulo ALIGN. Then only the head (the first ALIGN - s payload bytes,
+    # behind s zero bytes) and the partial last page go through a staging buffer; every
+    # whole page in between moves straight from the tensor. ``alloc(nbytes, device,
+    # handle)`` gives reads a destination with the same skew, so they move in place too.
+    # Block ``i`` starts ``i * block_bytes`` (a multiple of ALIGN) into the blob, so all
+    # blocks of a blob share its skew. The zero bytes before the payload, like the
+    # padding after it, are written from the staging buffer: no byte of memory outside
+    # the tensor ever reaches the disk.
 
-        O_DIRECT needs the memory aligned to what the device asks (``statx``
-        STATX_DIOALIGN: often 4 bytes on NVMe, 512 on virtio; ALIGN when unknown), so
-        ordinary PyTorch tensors, 64-byte aligned, move in place on most NVMe drives.
-        """
-        if t.is_cuda or (t.data_ptr() + block.blob_offset) % self._mem_align:
+    SKEW_MIN_BYTES = 16 * ALIGN
+    """Blobs (and blocks) smaller than this are staged whole rather than skewed: one
+    copy of a few pages costs less than the extra request for the head page."""
+
+    def _skew(self, src: torch.Tensor) -> int:
+        small = min(src.numel(), self.io.block_bytes) < self.SKEW_MIN_BYTES
+        if small or src.is_cuda or src.data_ptr() % self._mem_align == 0:
             return 0
-        return block.nbytes - block.nbytes % ALIGN
+        return src.data_ptr() % ALIGN
+
+    def _segments(self, t: torch.Tensor, block: Block) -> List[Tuple[int, int, int, int, bool]]:
+        """The pieces one block moves in: ``(lo, hi, disk_offset, lead, in_place)``.
+
+        Payload bytes ``[lo, hi)`` of the block go to / come from ``disk_offset``, behind
+        ``lead`` zero bytes; ``in_place`` pieces move straight from / into ``t`` (whole
+        pages at an address the device accepts), the others through a staging buffer,
+        which each fits. See NOTE [Skewed blocks].
+        """
+        nb, skew = block.nbytes, block.skew
+        head = min(nb, ALIGN - skew) if skew else 0
+        pieces = [(0, head, block.offset, skew, False)] if head else []
+        disk = block.offset + (ALIGN if head else 0)
+        body = (nb - head) - (nb - head) % ALIGN
+        if body and not t.is_cuda and (t.data_ptr() + block.blob_offset + head) % self._mem_align == 0:
+            pieces.append((head, head + body, disk, 0, True))
+            if head + body < nb:
+                pieces.append((head + body, nb, disk + body, 0, False))
+        elif head < nb:
+            pieces.append((head, nb, disk, 0, False))
+        return pieces
 
     # -------------------------------------------------------------------------- blocks
 
@@ -153,31 +188,32 @@ class PosixEngine(StripedEngine):
         src = op.tensor
         fd = op.fds[block.file]
         crc = 0
-        head = self._in_place(src, block)
-        if head:
-            view = tensor_buffer(src, block.blob_offset, head)
-            if op.checksum:
-                crc = self._crc(view)
-            self._transfer("write", fd, view, block.file, block.offset)
-            self._count("zero_copy_bytes", head)
-        rest = block.nbytes - head
-        if rest:
+        for lo, hi, disk, lead, in_place in self._segments(src, block):
+            n = hi - lo
+            if in_place:
+                view = tensor_buffer(src, block.blob_offset + lo, n)
+                if op.checksum:
+                    crc = self._crc(view, crc)
+                self._transfer("write", fd, view, block.file, disk)
+                self._count("zero_copy_bytes", n)
+                continue
             buf = self._pool.acquire()  # NOTE [Staging buffers]
             try:
-                part = src[block.blob_offset + head : block.blob_offset + block.nbytes]
+                part = src[block.blob_offset + lo : block.blob_offset + hi]
                 if src.is_cuda:
-                    self._cuda_copy(buf[:rest], part, src.device, op.ready)
+                    self._cuda_copy(buf[lead : lead + n], part, src.device, op.ready)
                 else:
-                    np.copyto(buf[:rest].numpy(), part.numpy())  # faster than copy_ for bytes
-                padded = align_up(rest)
-                buf[rest:padded].zero_()
+                    np.copyto(buf[lead : lead + n].numpy(), part.numpy())  # faster than copy_ for bytes
+                padded = align_up(lead + n)
+                buf[:lead].zero_()
+                buf[lead + n : padded].zero_()
                 view = tensor_buffer(buf, 0, padded)
                 if op.checksum:
-                    crc = self._crc(view[:rest], crc)
-                self._transfer("write", fd, view, block.file, block.offset + head)
+                    crc = self._crc(view[lead : lead + n], crc)
+                self._transfer("write", fd, view, block.file, disk)
             finally:
                 self._pool.release(buf)
-            self._count("staged_bytes", rest)
+            self._count("staged_bytes", n)
         if op.checksum:
             block.checksum = crc
 
@@ -185,31 +221,31 @@ class PosixEngine(StripedEngine):
         dst = op.tensor
         fd = op.fds[block.file]
         crc = 0
-        head = self._in_place(dst, block)
-        if head:
-            view = tensor_buffer(dst, block.blob_offset, head)
-            self._transfer("read", fd, view, block.file, block.offset)
-            if block.expected is not None:
-                crc = self._crc(view)
-            self._count("zero_copy_bytes", head)
-        rest = block.nbytes - head
-        if rest:
+        verify = block.expected is not None
+        for lo, hi, disk, lead, in_place in self._segments(dst, block):
+            n = hi - lo
+            part = dst[block.blob_offset + lo : block.blob_offset + hi]
+            if in_place:
+                view = tensor_buffer(dst, block.blob_offset + lo, n)
+                self._transfer("read", fd, view, block.file, disk)
+                if verify:
+                    crc = self._crc(view, crc)
+                self._count("zero_copy_bytes", n)
+                continue
             buf = self._pool.acquire()  # NOTE [Staging buffers]
             try:
-                view = tensor_buffer(buf, 0, align_up(rest))
-                self._transfer("read", fd, view, block.file, block.offset + head)
-                if block.expected is not None:
-                    crc = self._crc(view[:rest], crc)
-                    self._verify(block, crc)  # before the bytes reach dst
-                part = dst[block.blob_offset + head : block.blob_offset + block.nbytes]
+                view = tensor_buffer(buf, 0, align_up(lead + n))
+                self._transfer("read", fd, view, block.file, disk)
+                if verify:
+                    crc = self._crc(view[lead : lead + n], crc)
                 if dst.is_cuda:
-                    self._cuda_copy(part, buf[:rest], dst.device, op.ready)
+                    self._cuda_copy(part, buf[lead : lead + n], dst.device, op.ready)
                 else:
-                    np.copyto(part.numpy(), buf[:rest].numpy())
+                    np.copyto(part.numpy(), buf[lead : lead + n].numpy())
             finally:
                 self._pool.release(buf)
-            self._count("staged_bytes", rest)
-        if block.expected is not None and not rest:
+            self._count("staged_bytes", n)
+        if verify:
             self._verify(block, crc)
 
     @staticmethod

@@ -19,7 +19,9 @@ import abc
 import copy
 import itertools
 import logging
+import os
 import queue
+import sys
 import threading
 import time
 import weakref
@@ -51,11 +53,12 @@ class Block:
     offset: int
     expected: Optional[int] = None  # CRC32 to verify on read
     checksum: Optional[int] = None  # CRC32 computed on write
+    skew: int = 0  # zero bytes before the payload at ``offset`` (NOTE [Skewed blocks])
 
     @property
     def length(self) -> int:
-        """Bytes on disk (padded to ALIGN)."""
-        return align_up(self.nbytes)
+        """Bytes on disk (skew and padding to ALIGN included)."""
+        return align_up(self.skew + self.nbytes)
 
 
 @dataclass
@@ -83,15 +86,18 @@ class _Workers:
     of ``_cpu``; :attr:`cpu_s` sums the slots (each float is written by one thread only).
     """
 
-    def __init__(self, n: int, name: str) -> None:
+    def __init__(self, n: int, name: str, priority: str = "normal") -> None:
         self._q: "queue.PriorityQueue[Tuple[int, int, Optional[Callable[..., None]], tuple]]" = queue.PriorityQueue()
         self._seq = itertools.count()
         self._cpu = [0.0] * n
+        self._priority = priority
+        self._started = threading.Barrier(n + 1)
         self._threads = [
             threading.Thread(target=self._loop, args=(i,), name=f"{name}-{i}", daemon=True) for i in range(n)
         ]
         for t in self._threads:
             t.start()
+        self._started.wait()  # every worker runs at its priority before the first task
 
     @property
     def cpu_s(self) -> float:
@@ -102,6 +108,10 @@ class _Workers:
         self._q.put((priority, next(self._seq), fn, args))
 
     def _loop(self, index: int) -> None:
+        if self._priority != "normal" and index == 0:
+            _warn_unless_supported(self._priority)
+        set_thread_priority(self._priority)
+        self._started.wait()
         while True:
             _, _, fn, args = self._q.get()
             if fn is None:
@@ -119,6 +129,31 @@ class _Workers:
         for t in self._threads:
             if t is not threading.current_thread():
                 t.join()
+
+
+def set_thread_priority(priority: str) -> bool:
+    """Lower the calling thread's scheduling priority (``io.priority``); True if applied.
+
+    ``low``: nice 19 for this thread only (Linux threads have their own nice value);
+    ``idle``: ``SCHED_IDLE``. Lowering needs no privilege. ``normal`` changes nothing.
+    """
+    if priority == "normal":
+        return True
+    try:
+        tid = threading.get_native_id()
+        if priority == "idle":
+            os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
+        else:
+            os.setpriority(os.PRIO_PROCESS, tid, 19)
+        return True
+    except (AttributeError, OSError):
+        return False
+
+
+def _warn_unless_supported(priority: str) -> None:
+    if not (sys.platform.startswith("linux") and hasattr(os, "SCHED_IDLE")):
+        logger.warning("megatron_ssd: io.priority = %r is only applied on Linux; the I/O threads run "
+                       "at normal priority", priority)
 
 
 def _shutdown(workers: _Workers, layout: Layout) -> None:
@@ -155,13 +190,13 @@ class StripedEngine(Engine):
         # slots only inside a syscall, so staging copies and checksums of the next
         # blocks overlap the transfers instead of leaving the disk idle between them.
         self._io_slots = threading.BoundedSemaphore(config.io.threads)
-        self._workers = _Workers(2 * config.io.threads, "megatron_ssd-io")
+        self._workers = _Workers(2 * config.io.threads, "megatron_ssd-io", config.io.priority)
         self._finalizer = weakref.finalize(self, _shutdown, self._workers, self._layout)
         self._cv = threading.Condition()
         self._inflight = 0
         self._closed = False
         self._stats = EngineStats(extra={"inflight_peak_bytes": 0, "zero_copy_bytes": 0, "staged_bytes": 0,
-                                         "crc_s": 0.0})
+                                         "crc_s": 0.0, "write_cpu_s": 0.0, "read_cpu_s": 0.0})
         self._busy: Dict[str, List[float]] = {"write": [0, 0.0], "read": [0, 0.0]}  # [count, since]
         self._live: Dict[Any, int] = {}  # handle key -> reads in flight
         self._next_path = 0
@@ -206,8 +241,9 @@ class StripedEngine(Engine):
             start, self._next_path = self._next_path, self._next_path + 1
             checksum = self._checksum
         plan = [(off, min(bb, n - off), healthy[(start + i) % len(healthy)]) for i, off in enumerate(range(0, n, bb))]
+        skew = self._skew(src)
         try:
-            where = self._layout.allocate([(p, align_up(nb)) for _, nb, p in plan])
+            where = self._layout.allocate([(p, align_up(skew + nb)) for _, nb, p in plan])
         except Exception as e:  # reported through the future, like any failed write
             self._admit_release(n)
             with self._cv:
@@ -216,7 +252,7 @@ class StripedEngine(Engine):
                 self._path_failed(getattr(e, "path_index", None), e)
             fut.set_error(e if isinstance(e, OffloadIOError) else self._wrap("write", n, e))
             return fut
-        blocks = [Block(off, nb, p, f, o) for (off, nb, p), (f, o) in zip(plan, where)]
+        blocks = [Block(off, nb, p, f, o, skew=skew) for (off, nb, p), (f, o) in zip(plan, where)]
         with self._cv:
             self._stats.disk_bytes += sum(b.length for b in blocks)
         self._submit(BlobOp("write", src, blocks, fut, checksum=checksum), _WRITE)
@@ -238,18 +274,20 @@ class StripedEngine(Engine):
             self._live[key] += 1
         ends = [e.blob_offset for e in handle.extents[1:]] + [handle.nbytes]
         blocks = [
-            Block(e.blob_offset, end - e.blob_offset, e.path_index, e.file or "", e.offset, expected=e.checksum)
+            Block(e.blob_offset, end - e.blob_offset, e.path_index, e.file or "", e.offset, expected=e.checksum,
+                  skew=e.skew)
             for e, end in zip(handle.extents, ends)
         ]
         self._submit(BlobOp("read", dst, blocks, fut, key=key), _READ)
         return fut
 
-    def alloc(self, nbytes: int, device: torch.device) -> torch.Tensor:
+    def alloc(self, nbytes: int, device: torch.device, handle: Optional[SwapHandle] = None) -> torch.Tensor:
         from .buffers import aligned_empty
 
         device = torch.device(device)
         if device.type == "cpu":
-            return aligned_empty(nbytes)[:nbytes]
+            skew = handle.extents[0].skew if handle is not None and handle.extents else 0
+            return aligned_empty(skew + nbytes)[skew : skew + nbytes]
         return torch.empty(align_up(max(nbytes, 1)), dtype=torch.uint8, device=device)[:nbytes]
 
     def free(self, handle: SwapHandle) -> None:
@@ -358,6 +396,7 @@ class StripedEngine(Engine):
             self._workers.submit(priority, self._run_block, op, b)
 
     def _run_block(self, op: BlobOp, block: Block) -> None:
+        started = time.thread_time()
         if op.error is None:  # blocks after a failed one are skipped
             try:
                 if op.kind == "write":
@@ -369,6 +408,7 @@ class StripedEngine(Engine):
                     if op.error is None:
                         op.error = e
                         op.failed_path = block.path_index
+        self._count(f"{op.kind}_cpu_s", time.thread_time() - started)
         self._block_done(op)
 
     def _block_done(self, op: BlobOp) -> None:
@@ -452,7 +492,12 @@ class StripedEngine(Engine):
 
     @staticmethod
     def _extent(b: Block) -> Extent:
-        return Extent(b.path_index, b.offset, b.length, b.blob_offset, b.file, b.checksum)
+        return Extent(b.path_index, b.offset, b.length, b.blob_offset, b.file, b.checksum, b.skew)
+
+    def _skew(self, src: torch.Tensor) -> int:
+        """Skew of the blocks of a blob written from ``src``: 0 here (no skew); see
+        :meth:`PosixEngine._skew`."""
+        return 0
 
     def _count(self, name: str, nbytes: int) -> None:
         with self._cv:

@@ -121,8 +121,8 @@ def test_corrupted_byte_is_detected(offload_dir, layout):
         bad = h.extents[1]
         fd = os.open(bad.file, os.O_RDWR)
         try:
-            byte = os.pread(fd, 1, bad.offset + 5)
-            os.pwrite(fd, bytes([byte[0] ^ 0xFF]), bad.offset + 5)
+            byte = os.pread(fd, 1, bad.offset + bad.skew + 5)
+            os.pwrite(fd, bytes([byte[0] ^ 0xFF]), bad.offset + bad.skew + 5)
             os.fsync(fd)
         finally:
             os.close(fd)

@@ -44,7 +44,7 @@ def _engine(paths, fault=None, **io):
 def _on_disk(extent, nbytes):
     """The extent's payload as plain Python reads it from the file."""
     with open(extent.file, "rb") as fh:
-        fh.seek(extent.offset)
+        fh.seek(extent.offset + extent.skew)
         return fh.read(nbytes)
 
 
@@ -113,8 +113,47 @@ def test_aligned_memory_moves_in_place_and_other_memory_is_staged(offload_dir):
         before = engine.stats().extra["staged_bytes"]
         h2 = engine.write(odd).get()
         staged = engine.stats().extra["staged_bytes"] - before
-        assert staged == (n if engine._mem_align > 64 else 100)
+        if engine._mem_align > 64:
+            # written with a skew of 64 (NOTE [Skewed blocks]): per 64 KiB block only the
+            # head page's 4032 bytes and the 64-byte tail are staged; the last block
+            # (100 bytes) fits in the head page
+            assert [e.skew for e in h2.extents] == [64] * 4
+            assert staged == 3 * (ALIGN - 64 + 64) + 100
+            assert [e.length for e in h2.extents] == [64 * KiB + ALIGN] * 3 + [ALIGN]
+        else:
+            assert [e.skew for e in h2.extents] == [0] * 4 and staged == 100
+        before = engine.stats().extra["staged_bytes"]
+        dst = engine.alloc(n, "cpu", h2)  # same skew: the whole pages are read in place
+        assert dst.data_ptr() % ALIGN == h2.extents[0].skew
+        assert torch.equal(engine.read(h2, dst).get(), src)
+        assert engine.stats().extra["staged_bytes"] - before == staged
+        # any other destination works too, through the staging buffers
         assert torch.equal(engine.read(h2, torch.empty(n, dtype=torch.uint8)).get(), src)
+        assert torch.equal(engine.read(h2, engine.alloc(n, "cpu")).get(), src)
+
+
+@pytest.mark.parametrize("offset", [0, 64, 512, 4032, 4095])
+@pytest.mark.parametrize("n", [64 * KiB - 1, 64 * KiB, 64 * KiB + 1, 200 * KiB + 3])
+def test_skewed_blobs_round_trip_and_leak_no_memory_to_disk(offload_dir, offset, n):
+    """Whatever the source's offset from a page, the bytes come back exactly, and the
+    disk holds zeros (never neighbouring memory) around the payload."""
+    with _engine([offload_dir], checksum=True) as engine:
+        raw = torch.full((n + 3 * ALIGN,), 0xAB, dtype=torch.uint8)  # neighbours are 0xAB
+        base = (-raw.data_ptr()) % ALIGN
+        src = raw[base + offset : base + offset + n]
+        src.copy_(_blob(n, offset))
+        h = engine.write(src).get()
+        for dst in (engine.alloc(n, "cpu", h), torch.empty(n, dtype=torch.uint8)):
+            assert torch.equal(engine.read(h, dst).get(), src)
+        ends = [e.blob_offset for e in h.extents[1:]] + [n]
+        for e, end in zip(h.extents, ends):
+            with open(e.file, "rb") as fh:
+                fh.seek(e.offset)
+                page = fh.read(e.length)
+            payload = end - e.blob_offset
+            assert page[: e.skew] == bytes(e.skew)
+            assert page[e.skew : e.skew + payload] == src[e.blob_offset : end].numpy().tobytes()
+            assert page[e.skew + payload :] == bytes(e.length - e.skew - payload)
 
 
 def test_blocks_of_one_blob_are_striped_over_both_paths(tmp_path):
@@ -289,3 +328,41 @@ def test_page_cache_is_bypassed(offload_dir, direct):
             assert resident == 0
         else:  # the control: buffered I/O leaves the bytes in the page cache
             assert resident >= (2 << 20) // 4096
+
+
+def test_worker_cpu_time_is_counted_per_direction(offload_dir):
+    """``cpu_s`` sums the workers' CPU time; ``write_cpu_s`` / ``read_cpu_s`` split it."""
+    n = 8 << 20
+    with _engine([offload_dir], checksum=True) as engine:
+        assert engine.stats().cpu_s == 0.0
+        h = engine.write(_blob(n)).get()
+        after_write = engine.stats()
+        assert after_write.extra["write_cpu_s"] > 0 and after_write.extra["read_cpu_s"] == 0
+        engine.read(h, engine.alloc(n, "cpu")).get()
+        s = engine.stats()
+        assert s.extra["read_cpu_s"] > 0
+        assert s.cpu_s >= after_write.cpu_s
+        assert s.cpu_s >= s.extra["write_cpu_s"] + s.extra["read_cpu_s"] - 1e-6
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="thread priorities are applied on Linux only")
+@pytest.mark.parametrize("priority", ["normal", "low", "idle"])
+def test_io_priority_is_applied_to_every_worker_thread(offload_dir, priority):
+    with _engine([offload_dir], priority=priority) as engine:
+        threads = engine._workers._threads  # each set its priority before the engine was returned
+        nice = [os.getpriority(os.PRIO_PROCESS, t.native_id) for t in threads]
+        policy = [os.sched_getscheduler(t.native_id) for t in threads]
+        assert engine.write(_blob(4096)).get().nbytes == 4096
+        main_nice = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+        if priority == "low":
+            assert nice == [19] * len(threads) and main_nice != 19
+        elif priority == "idle":
+            assert policy == [os.SCHED_IDLE] * len(threads)
+            assert os.sched_getscheduler(threading.get_native_id()) != os.SCHED_IDLE
+        else:
+            assert nice == [main_nice] * len(threads)
+
+
+def test_bad_io_priority_is_refused():
+    with pytest.raises(ConfigError, match=r"IOConfig\.priority = 'nice'.*must be one of \['normal', 'low', 'idle'\]"):
+        IOConfig(priority="nice")

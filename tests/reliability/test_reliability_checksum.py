@@ -42,8 +42,8 @@ def _offload(cache, t):
 def _flip(extent, at=1):
     fd = os.open(extent.file, os.O_RDWR)
     try:
-        byte = os.pread(fd, 1, extent.offset + at)
-        os.pwrite(fd, bytes([byte[0] ^ 0x80]), extent.offset + at)
+        byte = os.pread(fd, 1, extent.offset + extent.skew + at)
+        os.pwrite(fd, bytes([byte[0] ^ 0x80]), extent.offset + extent.skew + at)
         os.fsync(fd)
     finally:
         os.close(fd)

@@ -141,8 +141,8 @@ def test_flipped_byte_on_disk_is_a_checksum_error_naming_tensor_layer_file_offse
         extent = entry.handle.extents[-1]
         fd = os.open(extent.file, os.O_RDWR)
         try:
-            byte = os.pread(fd, 1, extent.offset + 3)
-            os.pwrite(fd, bytes([byte[0] ^ 0x01]), extent.offset + 3)
+            byte = os.pread(fd, 1, extent.offset + extent.skew + 3)
+            os.pwrite(fd, bytes([byte[0] ^ 0x01]), extent.offset + extent.skew + 3)
             os.fsync(fd)
         finally:
             os.close(fd)
