@@ -123,10 +123,14 @@ def _point(placement: str, reports: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
         "final_loss": losses[0],
         "final_loss_same_every_round": all(l == losses[0] for l in losses),
     }
-    planned = [e for e in reports[0]["planner"]["events"] if e["plan"] is not None]
+    plans = [[e for e in r["planner"]["events"] if e["plan"] is not None] for r in reports]
+    planned = plans[0]
     if planned:
         plan = planned[-1]["plan"]
         point["plan"] = [l["placement"] for l in plan["layers"]]
+        point["plan_same_every_round"] = all(
+            p and [l["placement"] for l in p[-1]["plan"]["layers"]] == point["plan"] for p in plans
+        )
         point["predicted_exposed_s"] = plan["exposed_s"]
         point["predicted_step_s"] = plan["step_s"]
         point["predicted_peak_activation_bytes"] = plan["peak_activation_bytes"]

@@ -158,6 +158,7 @@ def test_rok_rounds_pool_steps_and_count_io_cpu(tmp_path):
         assert p["rounds"] == 2 and len(p["round_median_step_s"]) == 2
         assert p["measured_steps"] == 2 * 2  # steps=3: one warm-up step, two measured, per round
         assert p["final_loss_same_every_round"] is True
+        assert "plan" not in p  # fixed placements set no plan
         assert p["cpu_s_per_step"] > 0
     assert keep["round_ratios"] == [1.0, 1.0] and keep["x_keep"] == 1.0
     assert keep["io_cpu_s_per_step"] == 0.0
