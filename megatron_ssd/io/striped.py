@@ -21,7 +21,6 @@ import itertools
 import logging
 import os
 import queue
-import sys
 import threading
 import time
 import weakref
@@ -108,9 +107,9 @@ class _Workers:
         self._q.put((priority, next(self._seq), fn, args))
 
     def _loop(self, index: int) -> None:
-        if self._priority != "normal" and index == 0:
-            _warn_unless_supported(self._priority)
-        set_thread_priority(self._priority)
+        if not set_thread_priority(self._priority) and index == 0:
+            logger.warning("megatron_ssd: io.priority = %r could not be applied on this system (Linux "
+                           "only); the I/O threads run at normal priority", self._priority)
         self._started.wait()
         while True:
             _, _, fn, args = self._q.get()
@@ -148,12 +147,6 @@ def set_thread_priority(priority: str) -> bool:
         return True
     except (AttributeError, OSError):
         return False
-
-
-def _warn_unless_supported(priority: str) -> None:
-    if not (sys.platform.startswith("linux") and hasattr(os, "SCHED_IDLE")):
-        logger.warning("megatron_ssd: io.priority = %r is only applied on Linux; the I/O threads run "
-                       "at normal priority", priority)
 
 
 def _shutdown(workers: _Workers, layout: Layout) -> None:
@@ -240,10 +233,13 @@ class StripedEngine(Engine):
             healthy = [i for i in range(len(self._layout.run_dirs)) if i not in self._failed]
             start, self._next_path = self._next_path, self._next_path + 1
             checksum = self._checksum
-        plan = [(off, min(bb, n - off), healthy[(start + i) % len(healthy)]) for i, off in enumerate(range(0, n, bb))]
-        skew = self._skew(src)
+        skew = self._skew(src)  # NOTE [Skewed blocks]: only the first block is skewed
+        starts = [0, *range(bb - skew, n, bb)] if skew else list(range(0, n, bb))
+        ends = [*starts[1:], n]
+        plan = [(off, end - off, healthy[(start + i) % len(healthy)]) for i, (off, end) in enumerate(zip(starts, ends))]
+        skews = [skew] + [0] * (len(plan) - 1)
         try:
-            where = self._layout.allocate([(p, align_up(skew + nb)) for _, nb, p in plan])
+            where = self._layout.allocate([(p, align_up(k + nb)) for (_, nb, p), k in zip(plan, skews)])
         except Exception as e:  # reported through the future, like any failed write
             self._admit_release(n)
             with self._cv:
@@ -252,7 +248,7 @@ class StripedEngine(Engine):
                 self._path_failed(getattr(e, "path_index", None), e)
             fut.set_error(e if isinstance(e, OffloadIOError) else self._wrap("write", n, e))
             return fut
-        blocks = [Block(off, nb, p, f, o, skew=skew) for (off, nb, p), (f, o) in zip(plan, where)]
+        blocks = [Block(off, nb, p, f, o, skew=k) for (off, nb, p), (f, o), k in zip(plan, where, skews)]
         with self._cv:
             self._stats.disk_bytes += sum(b.length for b in blocks)
         self._submit(BlobOp("write", src, blocks, fut, checksum=checksum), _WRITE)

@@ -20,6 +20,7 @@ from megatron_ssd.io.buffers import aligned_empty
 
 SIZES = [1, 10, 100, 1000, 1024, 4095, 4096, 4097, 40960, 10_000_019]
 KiB = 1024
+MiB = 1024 * KiB
 
 
 def _blob(n, seed=0):
@@ -105,39 +106,53 @@ def test_aligned_memory_moves_in_place_and_other_memory_is_staged(offload_dir):
         back = engine.read(h, engine.alloc(n, "cpu")).get()
         assert torch.equal(back, src)
         assert engine.stats().extra["zero_copy_bytes"] == 2 * (n - 100)
-        # an ordinary tensor 64 bytes past a page: staged unless the device allows it
+        # an ordinary tensor 64 bytes past a page, under SKEW_MIN_BYTES: staged whole
+        # unless the device accepts 64-byte aligned memory
         raw = torch.empty(n + ALIGN, dtype=torch.uint8)
         odd = raw[(64 - raw.data_ptr()) % ALIGN :][:n]
         assert odd.data_ptr() % ALIGN == 64
         odd.copy_(src)
         before = engine.stats().extra["staged_bytes"]
         h2 = engine.write(odd).get()
-        staged = engine.stats().extra["staged_bytes"] - before
-        if engine._mem_align > 64:
-            # written with a skew of 64 (NOTE [Skewed blocks]): per 64 KiB block only the
-            # head page's 4032 bytes and the 64-byte tail are staged; the last block
-            # (100 bytes) fits in the head page
-            assert [e.skew for e in h2.extents] == [64] * 4
-            assert staged == 3 * (ALIGN - 64 + 64) + 100
-            assert [e.length for e in h2.extents] == [64 * KiB + ALIGN] * 3 + [ALIGN]
-        else:
-            assert [e.skew for e in h2.extents] == [0] * 4 and staged == 100
+        assert engine.stats().extra["staged_bytes"] - before == (n if engine._mem_align > 64 else 100)
+        assert all(e.skew == 0 for e in h2.extents)
+        assert torch.equal(engine.read(h2, torch.empty(n, dtype=torch.uint8)).get(), src)
+
+
+def test_large_unaligned_blob_is_skewed_so_only_its_end_pages_are_staged(offload_dir):
+    """NOTE [Skewed blocks]: a blob 64 bytes past a page is written with skew 64; only
+    its first block is skewed, and only the head (4032 bytes) and the tail are staged,
+    on the way out and on the way back into an ``alloc(..., handle)`` destination."""
+    n = 3 * MiB + 100
+    with _engine([offload_dir], checksum=True) as engine:
+        if engine._mem_align <= 64:
+            pytest.skip("this device accepts 64-byte aligned memory: nothing to skew")
+        raw = torch.empty(n + ALIGN, dtype=torch.uint8)
+        odd = raw[(64 - raw.data_ptr()) % ALIGN :][:n]
+        odd.copy_(_blob(n))
         before = engine.stats().extra["staged_bytes"]
-        dst = engine.alloc(n, "cpu", h2)  # same skew: the whole pages are read in place
-        assert dst.data_ptr() % ALIGN == h2.extents[0].skew
-        assert torch.equal(engine.read(h2, dst).get(), src)
+        h = engine.write(odd).get()
+        staged = engine.stats().extra["staged_bytes"] - before
+        assert staged == (ALIGN - 64) + (64 + 100)  # head page's payload + the tail page's
+        assert [e.skew for e in h.extents] == [64] + [0] * (len(h.extents) - 1)
+        assert [e.blob_offset for e in h.extents[:3]] == [0, 64 * KiB - 64, 128 * KiB - 64]
+        assert h.extents[0].length == 64 * KiB and h.extents[-1].length == ALIGN
+        dst = engine.alloc(n, "cpu", h)
+        assert dst.data_ptr() % ALIGN == 64
+        before = engine.stats().extra["staged_bytes"]
+        assert torch.equal(engine.read(h, dst).get(), odd)
         assert engine.stats().extra["staged_bytes"] - before == staged
         # any other destination works too, through the staging buffers
-        assert torch.equal(engine.read(h2, torch.empty(n, dtype=torch.uint8)).get(), src)
-        assert torch.equal(engine.read(h2, engine.alloc(n, "cpu")).get(), src)
+        assert torch.equal(engine.read(h, torch.empty(n, dtype=torch.uint8)).get(), odd)
+        assert torch.equal(engine.read(h, engine.alloc(n, "cpu")).get(), odd)
 
 
 @pytest.mark.parametrize("offset", [0, 64, 512, 4032, 4095])
-@pytest.mark.parametrize("n", [64 * KiB - 1, 64 * KiB, 64 * KiB + 1, 200 * KiB + 3])
+@pytest.mark.parametrize("n", [MiB - 1, MiB, MiB + 1, 2 * MiB + 3])
 def test_skewed_blobs_round_trip_and_leak_no_memory_to_disk(offload_dir, offset, n):
     """Whatever the source's offset from a page, the bytes come back exactly, and the
     disk holds zeros (never neighbouring memory) around the payload."""
-    with _engine([offload_dir], checksum=True) as engine:
+    with _engine([offload_dir], checksum=True, block_bytes=256 * KiB) as engine:
         raw = torch.full((n + 3 * ALIGN,), 0xAB, dtype=torch.uint8)  # neighbours are 0xAB
         base = (-raw.data_ptr()) % ALIGN
         src = raw[base + offset : base + offset + n]
@@ -366,3 +381,17 @@ def test_io_priority_is_applied_to_every_worker_thread(offload_dir, priority):
 def test_bad_io_priority_is_refused():
     with pytest.raises(ConfigError, match=r"IOConfig\.priority = 'nice'.*must be one of \['normal', 'low', 'idle'\]"):
         IOConfig(priority="nice")
+
+
+def test_io_priority_that_cannot_be_applied_warns_and_runs(offload_dir, monkeypatch, caplog):
+    from megatron_ssd.io import striped
+
+    def refuse(tid, *args):
+        raise PermissionError(1, "Operation not permitted")
+
+    monkeypatch.setattr(striped.os, "setpriority", refuse)
+    with caplog.at_level("WARNING", logger="megatron_ssd.io.striped"):
+        with _engine([offload_dir], priority="low") as engine:
+            h = engine.write(_blob(4096)).get()
+            assert torch.equal(engine.read(h, engine.alloc(4096, "cpu")).get(), _blob(4096))
+    assert "io.priority = 'low' could not be applied" in caplog.text
