@@ -140,7 +140,7 @@ def measure_case(path: str, nbytes: int, blob: int, io: IOConfig, srcs: List[tor
     total = nblobs * blob
     res: Dict[str, Any] = {}
     with PosixEngine(OffloadConfig(paths=[path], io=io)) as engine:
-        dsts = [engine.alloc(blob, torch.device("cpu")) for _ in range(4)]
+        dsts: List[torch.Tensor] = []
         for tag in ("new", "recycled"):
             if not engine_first:
                 res[f"dd_write_{tag}"] = dd_write(path, nbytes, dd_source)
@@ -149,6 +149,10 @@ def measure_case(path: str, nbytes: int, blob: int, io: IOConfig, srcs: List[tor
             res[f"write_{tag}"], res[f"write_{tag}_cpu_s_per_gb"] = total / clock.wall, clock.cpu / total * 1e9
             if engine_first:
                 res[f"dd_write_{tag}"] = dd_write(path, nbytes, dd_source)
+            # read targets as the tensor cache makes them: placed at the blob's skew
+            # (NOTE [Skewed blocks]); blob i is read into dsts[i % 4] and written from
+            # srcs[i % len(srcs)], so each target's skew matches its blobs'
+            dsts = dsts or [engine.alloc(blob, torch.device("cpu"), h) for h in handles[:4]]
             if not engine_first:
                 res[f"dd_read_{tag}"] = dd_read(path, nbytes)
             with _Clock() as clock:

@@ -38,7 +38,8 @@ def measure_path(path: str, total_bytes: int, threads: int, block_bytes: int, bl
         started = time.perf_counter()
         handles = [f.get() for f in [engine.write(blob) for _ in range(count)]]
         write_s = time.perf_counter() - started
-        dst = [engine.alloc(blob_bytes, torch.device("cpu")) for _ in range(min(4, count))]
+        # one source, so one skew: targets placed like the tensor cache places them
+        dst = [engine.alloc(blob_bytes, torch.device("cpu"), handles[0]) for _ in range(min(4, count))]
         started = time.perf_counter()
         pending = []
         for i, h in enumerate(handles):
