@@ -186,7 +186,7 @@ def rok_points(config_path: Optional[str], overrides: Sequence[str], budgets: Se
                 extra_runs.append((f"budget-{budget}", ["offload.planner.mode=auto",
                                                         f"offload.planner.memory_budget={budget}"]))
         for name, extra in extra_runs:
-            if name in infeasible:
+            if name in infeasible:  # refused once: the budget is below what can be reached
                 continue
             try:
                 report = _train_in_subprocess(config_path, [*overrides, *extra])
@@ -196,7 +196,7 @@ def rok_points(config_path: Optional[str], overrides: Sequence[str], budgets: Se
             runs.setdefault(name, []).append(report)
     points = []
     for name in [*names, *(n for n, _ in extra_runs)]:
-        if name in infeasible:
+        if name not in runs:  # infeasible in the first round
             points.append({"placement": name, "infeasible": infeasible[name]})
         else:
             points.append(_point(name, runs[name]))
