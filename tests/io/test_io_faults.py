@@ -17,6 +17,7 @@ import torch
 from megatron_ssd.config import IOConfig, OffloadConfig
 from megatron_ssd.errors import ChecksumError, OffloadIOError
 from megatron_ssd.io import PosixEngine
+from ondisk import flip_payload_bits
 
 KiB = 1024
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -119,13 +120,7 @@ def test_corrupted_byte_is_detected(offload_dir, layout):
         h = engine.write(_blob(n)).get()
         assert all(e.checksum is not None for e in h.extents)
         bad = h.extents[1]
-        fd = os.open(bad.file, os.O_RDWR)
-        try:
-            byte = os.pread(fd, 1, bad.offset + bad.skew + 5)
-            os.pwrite(fd, bytes([byte[0] ^ 0xFF]), bad.offset + bad.skew + 5)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        flip_payload_bits(bad, at=5, mask=0xFF)
         with pytest.raises(ChecksumError) as info:
             engine.read(h, engine.alloc(n, "cpu")).get()
         msg = str(info.value)

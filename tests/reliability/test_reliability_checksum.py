@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import os
 import time
 
 import pytest
@@ -13,6 +12,7 @@ from megatron_ssd import OffloadConfig, TensorCache
 from megatron_ssd.cache import EntryState, Packed
 from megatron_ssd.config import IOConfig, Placement, load_config
 from megatron_ssd.errors import ChecksumError, ConfigError
+from ondisk import flip_payload_bits
 
 MiB = 1 << 20
 
@@ -40,13 +40,7 @@ def _offload(cache, t):
 
 
 def _flip(extent, at=1):
-    fd = os.open(extent.file, os.O_RDWR)
-    try:
-        byte = os.pread(fd, 1, extent.offset + extent.skew + at)
-        os.pwrite(fd, bytes([byte[0] ^ 0x80]), extent.offset + extent.skew + at)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    flip_payload_bits(extent, at, mask=0x80)
 
 
 @pytest.mark.parametrize(

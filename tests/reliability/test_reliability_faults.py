@@ -27,6 +27,7 @@ from megatron_ssd.io import PosixEngine, create_engine
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "cache"))
 from tiny_model import TinyGPT, make_batches  # noqa: E402
+from ondisk import flip_payload_bits  # noqa: E402
 
 KiB = 1024
 
@@ -139,13 +140,7 @@ def test_flipped_byte_on_disk_is_a_checksum_error_naming_tensor_layer_file_offse
         loss, on_disk = _forward_to_disk(cache, model, batch)
         entry = max(on_disk, key=lambda e: e.nbytes)
         extent = entry.handle.extents[-1]
-        fd = os.open(extent.file, os.O_RDWR)
-        try:
-            byte = os.pread(fd, 1, extent.offset + extent.skew + 3)
-            os.pwrite(fd, bytes([byte[0] ^ 0x01]), extent.offset + extent.skew + 3)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        flip_payload_bits(extent, at=3, mask=0x01)
         with pytest.raises(ChecksumError) as info:
             loss.backward()
         msg = str(info.value)
