@@ -79,16 +79,11 @@ class BlobOp:
 
 
 class _Workers:
-    """``n`` threads draining one priority queue (reads before writes, FIFO within).
-
-    Each thread adds the CPU time its tasks used (``time.thread_time``) to its own slot
-    of ``_cpu``; :attr:`cpu_s` sums the slots (each float is written by one thread only).
-    """
+    """``n`` threads draining one priority queue (reads before writes, FIFO within)."""
 
     def __init__(self, n: int, name: str, priority: str = "normal") -> None:
         self._q: "queue.PriorityQueue[Tuple[int, int, Optional[Callable[..., None]], tuple]]" = queue.PriorityQueue()
         self._seq = itertools.count()
-        self._cpu = [0.0] * n
         self._priority = priority
         self._started = threading.Barrier(n + 1)
         self._threads = [
@@ -97,11 +92,6 @@ class _Workers:
         for t in self._threads:
             t.start()
         self._started.wait()  # every worker runs at its priority before the first task
-
-    @property
-    def cpu_s(self) -> float:
-        """CPU seconds used by all tasks so far."""
-        return sum(self._cpu)
 
     def submit(self, priority: int, fn: Callable[..., None], *args: Any) -> None:
         self._q.put((priority, next(self._seq), fn, args))
@@ -115,12 +105,10 @@ class _Workers:
             _, _, fn, args = self._q.get()
             if fn is None:
                 return
-            started = time.thread_time()
             try:
                 fn(*args)
             except BaseException:  # a task must never kill its worker
                 logger.exception("megatron_ssd: I/O task raised")
-            self._cpu[index] += time.thread_time() - started
 
     def shutdown(self) -> None:
         for _ in self._threads:
@@ -307,7 +295,7 @@ class StripedEngine(Engine):
             for kind, (count, since) in self._busy.items():
                 if count:
                     setattr(snap, f"{kind}_busy_s", getattr(snap, f"{kind}_busy_s") + now - since)
-            snap.cpu_s = self._workers.cpu_s
+            snap.cpu_s = snap.extra["write_cpu_s"] + snap.extra["read_cpu_s"]
             snap.extra["inflight_bytes"] = self._inflight
             snap.extra["live_blobs"] = len(self._live)
             snap.extra["checksum"] = "on" if self._checksum else "off"
@@ -404,8 +392,10 @@ class StripedEngine(Engine):
                     if op.error is None:
                         op.error = e
                         op.failed_path = block.path_index
-        self._count(f"{op.kind}_cpu_s", time.thread_time() - started)
         self._block_done(op)
+        # every worker task is a block: its CPU time, completion callbacks included,
+        # is the engine's cpu_s (EngineStats), split by direction
+        self._count(f"{op.kind}_cpu_s", time.thread_time() - started)
 
     def _block_done(self, op: BlobOp) -> None:
         with op.lock:
