@@ -23,6 +23,7 @@ from typing import Any, Dict, List, Optional, Sequence
 import torch
 
 from .cache import StepStats, TensorCache
+from .cache.stats import median_or_zero as med
 from .config import PlannerConfig, TrainConfig, load_config, to_dict
 from .data import TextFileData
 from .errors import ConfigError
@@ -51,7 +52,6 @@ class PhaseResult:
     def summary(self) -> Dict[str, Any]:
         """Medians over the measured steps; peaks over them."""
         m = self.measured
-        med = lambda xs: statistics.median(xs) if xs else 0.0  # noqa: E731
         step_s = med([s.wall_s for s in m])
         written = med([s.bytes_offloaded for s in m])
         return {

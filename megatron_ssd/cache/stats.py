@@ -3,10 +3,17 @@
 from __future__ import annotations
 
 import dataclasses
+import statistics
 from dataclasses import dataclass, field
-from typing import Any, Dict
+from typing import Any, Dict, Iterable
 
-__all__ = ["StepStats", "Counters", "LayerCounters"]
+__all__ = ["StepStats", "Counters", "LayerCounters", "median_or_zero"]
+
+
+def median_or_zero(xs: Iterable[float]) -> float:
+    """The median of ``xs``; 0.0 when there is nothing to summarise (no step wrote, ...)."""
+    xs = list(xs)
+    return statistics.median(xs) if xs else 0.0
 
 
 @dataclass

@@ -10,12 +10,12 @@ from __future__ import annotations
 import json
 import os
 import platform
-import statistics
 import subprocess
 import sys
 import tempfile
 from typing import Any, Dict, List, Optional, Sequence
 
+from ..cache.stats import median_or_zero
 from ..config import TrainConfig, load_config, to_dict
 from ..output import write_json
 from ..train import TrainRecipe
@@ -88,10 +88,6 @@ PLACEMENTS: Dict[str, List[str]] = {
 """The fixed ``rok`` placements and the overrides that select them."""
 
 
-def _median(xs: Sequence[float]) -> float:
-    return statistics.median(xs) if xs else 0.0
-
-
 def _point(placement: str, reports: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
     """One ROK point from the reports of its runs (one per round).
 
@@ -101,14 +97,14 @@ def _point(placement: str, reports: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
     are maxima over rounds.
     """
     phases = [r["phases"][-1] for r in reports]
-    med = lambda key: _median([p[key] for p in phases])  # noqa: E731
+    med = lambda key: median_or_zero(p[key] for p in phases)  # noqa: E731
     pooled = [t for p in phases for t in p.get("step_s", [p["median_step_s"]])]
     losses = [p["final_loss"] for p in phases]
     point = {
         "placement": placement,
         "peak_activation_bytes": max(p["peak_activation_bytes"] for p in phases),
         "peak_rss_bytes": max(r["peak_rss_bytes"] for r in reports),
-        "median_step_s": _median(pooled),
+        "median_step_s": median_or_zero(pooled),
         "round_median_step_s": [p["median_step_s"] for p in phases],
         "cpu_s_per_step": med("cpu_s_per_step"),
         "io_cpu_s_per_step": med("io_cpu_s_per_step"),

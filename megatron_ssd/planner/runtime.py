@@ -17,6 +17,7 @@ import statistics
 from dataclasses import dataclass
 from typing import Any, Dict, Hashable, List, Optional
 
+from ..cache.stats import median_or_zero
 from ..config import Placement, PlannerConfig
 from .drift import DriftDetector
 from .plan import Plan, make_plan
@@ -81,8 +82,8 @@ def stage_from_stats(
             bwd.append(_per_mb(max(lc.backward_s - lc.stall_s, 0.0), n))
             saved.append(_per_mb(lc.saved_bytes, n))
             small.append(_per_mb(lc.small_bytes, n))
-        med = lambda xs: statistics.median(xs) if xs else 0.0  # noqa: E731
-        return {"fwd": med(fwd), "bwd": med(bwd), "saved": med(saved), "small": med(small)}
+        return {"fwd": median_or_zero(fwd), "bwd": median_or_zero(bwd), "saved": median_or_zero(saved),
+                "small": median_or_zero(small)}
 
     layers = []
     clean_compute = 0.0
