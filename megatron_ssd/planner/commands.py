@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import random
 import subprocess
 import sys
 import tempfile
@@ -106,6 +107,7 @@ def _point(placement: str, reports: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
         "peak_rss_bytes": max(r["peak_rss_bytes"] for r in reports),
         "median_step_s": median_or_zero(pooled),
         "round_median_step_s": [p["median_step_s"] for p in phases],
+        "round_step_s": [list(p.get("step_s", [p["median_step_s"]])) for p in phases],
         "cpu_s_per_step": med("cpu_s_per_step"),
         "io_cpu_s_per_step": med("io_cpu_s_per_step"),
         "bytes_written": med("bytes_written_per_step"),
@@ -133,12 +135,42 @@ def _point(placement: str, reports: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
     return point
 
 
+def ratio_ci95(num_rounds: Sequence[Sequence[float]], den_rounds: Sequence[Sequence[float]],
+               resamples: int = 2000, seed: int = 0) -> List[float]:
+    """95% interval of ``median(num) / median(den)`` (steps pooled over rounds).
+
+    NOTE [Stratified bootstrap]: each resample draws, round by round, as many steps as
+    the round has, with replacement, from that round's own steps, for the numerator and
+    the denominator alike; the pooled medians' ratio is recorded, and the 2.5th and
+    97.5th percentiles of ``resamples`` ratios are the interval. Resampling within rounds
+    keeps every resample's mix of rounds (and so of machine drift) equal to the
+    measurement's. The seed is fixed so the same steps always give the same interval.
+    Rounds with no steps are skipped; with none at all the interval is ``[nan, nan]``.
+    """
+    pairs = [(list(a), list(b)) for a, b in zip(num_rounds, den_rounds) if a and b]
+    if not pairs:
+        return [float("nan"), float("nan")]
+    rng = random.Random(seed)
+    ratios = []
+    for _ in range(resamples):
+        num: List[float] = []
+        den: List[float] = []
+        for a, b in pairs:
+            num.extend(rng.choices(a, k=len(a)))
+            den.extend(rng.choices(b, k=len(b)))
+        ratios.append(median_or_zero(num) / median_or_zero(den))
+    ratios.sort()
+    return [ratios[int(0.025 * (resamples - 1))], ratios[int(round(0.975 * (resamples - 1)))]]
+
+
 def add_ratios(points: List[Dict[str, Any]]) -> None:
-    """Add each point's step time relative to keep: pooled, and per round.
+    """Add each point's step time relative to keep: pooled, per round, and its interval.
 
     ``round_ratios[r]`` divides the point's round-r median by keep's round-r median.
     Rounds interleave the placements, so a ratio within one round compares runs made
-    minutes apart, and machine drift between rounds cancels out of it.
+    minutes apart, and machine drift between rounds cancels out of it. ``x_keep_ci95``
+    is the 95% interval of ``x_keep`` (NOTE [Stratified bootstrap]): a target such as
+    "at most 1.03x keep" is met beyond noise only when the interval's top is below it.
     """
     keep = next((p for p in points if p["placement"] == "keep" and "median_step_s" in p), None)
     if keep is None:
@@ -148,6 +180,7 @@ def add_ratios(points: List[Dict[str, Any]]) -> None:
             continue
         p["x_keep"] = p["median_step_s"] / keep["median_step_s"]
         p["round_ratios"] = [a / b for a, b in zip(p["round_median_step_s"], keep["round_median_step_s"])]
+        p["x_keep_ci95"] = [1.0, 1.0] if p is keep else ratio_ci95(p["round_step_s"], keep["round_step_s"])
 
 
 def rok_points(config_path: Optional[str], overrides: Sequence[str], budgets: Sequence[float] = (0.5,),
@@ -262,18 +295,20 @@ def plot_rok(points: Sequence[Dict[str, Any]], path: str, title: str = "") -> No
 
 
 def format_rok(points: Sequence[Dict[str, Any]]) -> str:
-    """The ROK table (``x keep`` pooled; ``per round`` its range over rounds)."""
+    """The ROK table (``x keep`` pooled, its 95% interval, and its range over rounds)."""
     lines = [f"{'placement':<22}{'peak act MiB':>14}{'peak RSS MiB':>14}{'step s':>9}{'x keep':>8}"
-             f"{'per round':>13}{'I/O CPU s':>11}{'written MiB':>13}"]
+             f"{'95% interval':>14}{'per round':>13}{'I/O CPU s':>11}{'written MiB':>13}"]
     for p in points:
         if "median_step_s" not in p:
             lines.append(f"{p['placement']:<22}  infeasible: {p.get('infeasible', '')[:60]}")
             continue
         ratios = p.get("round_ratios") or []
         spread = f"{min(ratios):.2f}-{max(ratios):.2f}" if len(ratios) > 1 else ""
+        lo, hi = p.get("x_keep_ci95") or (float("nan"), float("nan"))
+        interval = f"{lo:.3f}-{hi:.3f}" if lo == lo else ""
         lines.append(
             f"{p['placement']:<22}{p['peak_activation_bytes'] / MiB:>14.1f}{p['peak_rss_bytes'] / MiB:>14.0f}"
-            f"{p['median_step_s']:>9.3f}{p.get('x_keep', float('nan')):>8.2f}{spread:>13}"
+            f"{p['median_step_s']:>9.3f}{p.get('x_keep', float('nan')):>8.3f}{interval:>14}{spread:>13}"
             f"{p['io_cpu_s_per_step']:>11.2f}{p['bytes_written'] / MiB:>13.1f}"
         )
     return "\n".join(lines)

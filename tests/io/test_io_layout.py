@@ -69,7 +69,7 @@ def test_run_dir_name_modes_and_marker(offload_dir):
     try:
         name = os.path.basename(d.path)
         host = socket.gethostname()
-        assert name.startswith(f"msd-") and f"-{os.getpid()}-r7-" in name and len(name.rsplit("-", 1)[1]) == 8
+        assert name.startswith("msd-") and f"-{os.getpid()}-r7-" in name and len(name.rsplit("-", 1)[1]) == 8
         assert host.replace("_", "")[:3] in name or "host" in name
         assert _mode(d.path) == 0o700
         assert _mode(d.join(MARKER)) == 0o600

@@ -160,10 +160,31 @@ def test_rok_rounds_pool_steps_and_count_io_cpu(tmp_path):
         assert p["final_loss_same_every_round"] is True
         assert "plan" not in p  # fixed placements set no plan
         assert p["cpu_s_per_step"] > 0
-    assert keep["round_ratios"] == [1.0, 1.0] and keep["x_keep"] == 1.0
+    assert keep["round_ratios"] == [1.0, 1.0] and keep["x_keep"] == 1.0 and keep["x_keep_ci95"] == [1.0, 1.0]
+    assert [len(r) for r in off["round_step_s"]] == [2, 2]
+    lo, hi = off["x_keep_ci95"]
+    assert lo <= off["x_keep"] <= hi
     assert keep["io_cpu_s_per_step"] == 0.0
     assert off["io_cpu_s_per_step"] > 0.0 and off["bytes_written"] > 0
     assert off["round_ratios"] == [a / b for a, b in zip(off["round_median_step_s"], keep["round_median_step_s"])]
+
+
+def test_ratio_interval_separates_a_real_slowdown_from_noise():
+    """NOTE [Stratified bootstrap]: the same steps give an interval around 1.0; steps
+    10% slower in every round give one around 1.10 that excludes 1.0; the fixed seed
+    makes the interval reproducible; no steps give nan."""
+    import math
+
+    from megatron_ssd.planner.commands import ratio_ci95
+
+    rounds = [[5.0, 5.1, 4.9, 5.2, 4.8, 5.05, 4.95], [5.5, 5.4, 5.6, 5.3, 5.7, 5.45, 5.55]]
+    lo, hi = ratio_ci95(rounds, rounds)
+    assert lo < 1.0 < hi and hi - lo < 0.1
+    slower = [[t * 1.10 for t in r] for r in rounds]
+    lo, hi = ratio_ci95(slower, rounds)
+    assert 1.0 < lo < 1.10 < hi
+    assert ratio_ci95(slower, rounds) == [lo, hi]
+    assert all(math.isnan(x) for x in ratio_ci95([[]], [[]]))
 
 
 @pytest.mark.parametrize("kwargs, match", [
