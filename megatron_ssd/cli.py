@@ -4,7 +4,7 @@ Subcommands::
 
     megatron-ssd train --config configs/gpt-tiny.yaml [key=value ...] [--json PATH]
     megatron-ssd plan --config configs/gpt-ref-cpu.yaml [--json PATH]
-    megatron-ssd rok --config configs/gpt-ref-cpu.yaml [--json PATH] [--plot PATH] [--rounds N] [--placements A,B]
+    megatron-ssd rok --config configs/gpt-ref-cpu.yaml [--json PATH] [--plot PATH] [--rounds N] [--placements A,B] [--paired N]
     megatron-ssd simulate model=gpt-1.3b ssd_count=4 [key=value ...]
     megatron-ssd bench-io PATH [PATH ...]
     megatron-ssd clean PATH [PATH ...]
@@ -47,6 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run every placement N times, interleaved, and pool the steps (default 1)")
     p.add_argument("--placements", metavar="A,B", type=lambda v: [x for x in v.split(",") if x],
                    help="only these fixed placements (keep,recompute,offload-all,planner); default all")
+    p.add_argument("--paired", type=int, default=0, metavar="N",
+                   help="add N pairs of back-to-back keep / planner steps to each planner run (default 0)")
 
     p = sub.add_parser("simulate", help="what-if: plan, overhead and SSD lifetime for hardware you describe")
     p.add_argument("--json", metavar="PATH")
@@ -89,7 +91,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             from .planner.commands import run_rok
 
             return run_rok(args.config, args.overrides, json_path=args.json, plot_path=args.plot,
-                           rounds=args.rounds, placements=args.placements)
+                           rounds=args.rounds, placements=args.placements, paired=args.paired)
         if args.command == "simulate":
             from .planner.commands import run_simulate
 

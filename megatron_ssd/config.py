@@ -214,6 +214,11 @@ class TrainConfig:
     """Training steps with offload."""
     baseline_steps: int = 4
     """Steps of the keep-everything comparison run before (0: none)."""
+    paired_steps: int = 0
+    """After the offload steps, this many pairs of steps in the same process: one with
+    every layer kept, one with the offload phase's final placement, alternating which
+    goes first. Each pair's step-time ratio compares runs seconds apart, so the machine's
+    drift cancels out of it (0: none)."""
     lr: float = 0.01
     """SGD learning rate."""
     seed: int = 1234
@@ -248,6 +253,7 @@ _POSITIVE = {
 }
 _NON_NEGATIVE = {
     ("TrainConfig", "baseline_steps"),
+    ("TrainConfig", "paired_steps"),
     ("PlannerConfig", "warmup_steps"),
     ("PlannerConfig", "profile_steps"),
     ("PlannerConfig", "safety_margin"),

@@ -23,7 +23,7 @@ from typing import Any, Dict, List, Optional, Sequence
 import torch
 
 from .cache import StepStats, TensorCache
-from .cache.stats import median_or_zero as med
+from .cache.stats import bootstrap_ci95, median_or_zero as med
 from .config import PlannerConfig, TrainConfig, load_config, to_dict
 from .data import TextFileData
 from .errors import ConfigError
@@ -138,7 +138,7 @@ class TrainRecipe:
 
     # ------------------------------------------------------------------ train
 
-    def _phase(self, name: str, steps: int, planner_config: PlannerConfig) -> PhaseResult:
+    def _phase(self, name: str, steps: int, planner_config: PlannerConfig, pairs: int = 0) -> PhaseResult:
         from .megatron import get_forward_backward_func
         from .megatron.cpu_mode import cpu_mode
         from .megatron.harness import SGD, finalize_embedding_grads, gpt_forward_step
@@ -148,16 +148,19 @@ class TrainRecipe:
         result = PhaseResult(name)
         with TensorCache(self.offload) as cache:
             planner = AdaptivePlanner(cache, planner_config)
+            sink: List[StepStats] = result.steps
 
             def on_step(stats: StepStats) -> None:
-                result.steps.append(stats)
-                planner.on_step(stats)
+                sink.append(stats)
+                if sink is result.steps:
+                    planner.on_step(stats)
 
             schedule = get_forward_backward_func(cache=cache, on_step=on_step)
             optimizer = SGD(lr=cfg.lr)
             config = self.model.config
             config.finalize_model_grads_func = config.finalize_model_grads_func or finalize_embedding_grads
-            for step in range(steps):
+
+            def run_step(step: int) -> float:
                 self.model.zero_grad(set_to_none=True)
                 with cpu_mode():
                     reports = schedule(
@@ -170,13 +173,57 @@ class TrainRecipe:
                         forward_only=False,
                     )
                 optimizer([self.model], step)
-                loss = statistics.fmean(float(r["loss"]) for r in reports)
+                return statistics.fmean(float(r["loss"]) for r in reports)
+
+            for step in range(steps):
+                loss = run_step(step)
                 result.losses.append(loss)
                 self._progress(name, step, steps, loss, result.steps[-1])
             self._end_progress()
             result.measured_from = _first_measured(planner_config, steps)
             self.planner_summary = planner.summary()
+            if pairs:
+                sink = []
+                self.paired = self._pairs(cache, run_step, steps, pairs, sink)
         return result
+
+    def _pairs(self, cache: TensorCache, run_step: Any, first_step: int, pairs: int,
+               sink: List[StepStats]) -> Dict[str, Any]:
+        """``pairs`` pairs of steps, keep-everything against the cache's final placement.
+
+        NOTE [Paired steps]: the two steps of a pair run back to back in one process, so
+        a drift of the machine's speed over minutes hits both alike and cancels out of
+        their ratio; which step goes first alternates (keep first in even pairs), so a
+        drift within a pair cancels over two pairs. The keep step sets every layer to
+        KEEP; the other restores the plan and the default placement the offload phase
+        ended with. The planner sees none of these steps: it neither re-plans nor
+        profiles. They continue training, so the model after them differs from the
+        offload phase's (``final_loss`` stays the offload phase's).
+        """
+        from .config import Placement
+
+        plan, default = cache.plan(), cache.default_placement
+        keep_s: List[float] = []
+        offload_s: List[float] = []
+        written = {True: 0, False: 0}
+        step = first_step
+        for i in range(pairs):
+            for keep in ((True, False) if i % 2 == 0 else (False, True)):
+                cache.set_plan({} if keep else plan)
+                cache.default_placement = Placement.KEEP if keep else default
+                loss = run_step(step)
+                step += 1
+                (keep_s if keep else offload_s).append(sink[-1].wall_s)
+                written[keep] += sink[-1].bytes_offloaded
+            self._progress("paired keep/offload", i, pairs, loss, sink[-1])
+        self._end_progress()
+        cache.set_plan(plan)
+        cache.default_placement = default
+        ratios = [o / k for o, k in zip(offload_s, keep_s)]
+        ci = bootstrap_ci95(lambda rng: statistics.median(rng.choices(ratios, k=len(ratios))))
+        return {"pairs": pairs, "keep_step_s": keep_s, "offload_step_s": offload_s, "ratios": ratios,
+                "median_ratio": statistics.median(ratios), "ratio_ci95": ci,
+                "keep_bytes_written": written[True], "offload_bytes_written_per_step": written[False] / pairs}
 
     def train(self) -> Dict[str, Any]:
         """Run the reference and the offload phases; print and return the summary."""
@@ -185,7 +232,9 @@ class TrainRecipe:
         if cfg.baseline_steps:
             keep = PlannerConfig(mode="keep")
             phases.append(self._phase("keep-everything", cfg.baseline_steps, keep))
-        offload = self._phase(f"offload ({cfg.offload.planner.mode})", cfg.steps, cfg.offload.planner)
+        self.paired: Optional[Dict[str, Any]] = None
+        offload = self._phase(f"offload ({cfg.offload.planner.mode})", cfg.steps, cfg.offload.planner,
+                              pairs=cfg.paired_steps)
         phases.append(offload)
         for event in self.planner_summary["events"]:
             if event["plan"] is not None:
@@ -201,8 +250,13 @@ class TrainRecipe:
             "phases": [p.summary() for p in phases],
             "planner": self.planner_summary,
             "steps": [s.to_dict() for s in offload.steps],
+            "paired": self.paired,
         }
         self._say(format_summary(report["phases"]))
+        if self.paired:
+            lo, hi = self.paired["ratio_ci95"]
+            self._say(f"paired steps: offload {self.paired['median_ratio']:.3f}x keep-everything "
+                      f"(median of {self.paired['pairs']} pairs; 95% interval {lo:.3f}-{hi:.3f})")
         return report
 
     def cleanup(self) -> None:

@@ -3,17 +3,30 @@
 from __future__ import annotations
 
 import dataclasses
+import random
 import statistics
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterable
+from typing import Any, Callable, Dict, Iterable, List
 
-__all__ = ["StepStats", "Counters", "LayerCounters", "median_or_zero"]
+__all__ = ["StepStats", "Counters", "LayerCounters", "median_or_zero", "bootstrap_ci95"]
 
 
 def median_or_zero(xs: Iterable[float]) -> float:
     """The median of ``xs``; 0.0 when there is nothing to summarise (no step wrote, ...)."""
     xs = list(xs)
     return statistics.median(xs) if xs else 0.0
+
+
+def bootstrap_ci95(statistic: Callable[[random.Random], float], resamples: int = 2000, seed: int = 0) -> List[float]:
+    """The 2.5th and 97.5th percentiles of ``statistic(rng)`` over ``resamples`` calls.
+
+    ``statistic`` draws its own resample from ``rng`` (with replacement) and returns the
+    statistic of it. The seed is fixed, so the same measurements always give the same
+    interval.
+    """
+    rng = random.Random(seed)
+    values = sorted(statistic(rng) for _ in range(resamples))
+    return [values[int(0.025 * (resamples - 1))], values[int(round(0.975 * (resamples - 1)))]]
 
 
 @dataclass

@@ -163,6 +163,11 @@ class TensorCache(TransferMixin):
         with self._lock:
             self._plan = plan
 
+    def plan(self) -> Dict[Hashable, Placement]:
+        """A copy of the placements set with :meth:`set_plan`."""
+        with self._lock:
+            return dict(self._plan)
+
     def placement(self, layer_id: Hashable) -> Placement:
         """Where the saved tensors of ``layer_id`` go: the plan's choice, else the default
         (the last ``keep_last_layers`` registered layers KEEP, the others OFFLOAD)."""

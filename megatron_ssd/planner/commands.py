@@ -16,7 +16,7 @@ import sys
 import tempfile
 from typing import Any, Dict, List, Optional, Sequence
 
-from ..cache.stats import median_or_zero
+from ..cache.stats import bootstrap_ci95, median_or_zero
 from ..config import TrainConfig, load_config, to_dict
 from ..output import write_json
 from ..train import TrainRecipe
@@ -132,6 +132,12 @@ def _point(placement: str, reports: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
         point["predicted_exposed_s"] = plan["exposed_s"]
         point["predicted_step_s"] = plan["step_s"]
         point["predicted_peak_activation_bytes"] = plan["peak_activation_bytes"]
+    paired = [r["paired"] for r in reports if r.get("paired")]
+    if paired:  # NOTE [Paired steps]: every round's pairs pooled
+        ratios = [x for p in paired for x in p["ratios"]]
+        point["paired_ratios"] = ratios
+        point["paired_x_keep"] = median_or_zero(ratios)
+        point["paired_x_keep_ci95"] = bootstrap_ci95(lambda rng: median_or_zero(rng.choices(ratios, k=len(ratios))))
     return point
 
 
@@ -150,17 +156,16 @@ def ratio_ci95(num_rounds: Sequence[Sequence[float]], den_rounds: Sequence[Seque
     pairs = [(list(a), list(b)) for a, b in zip(num_rounds, den_rounds) if a and b]
     if not pairs:
         return [float("nan"), float("nan")]
-    rng = random.Random(seed)
-    ratios = []
-    for _ in range(resamples):
+
+    def resampled_ratio(rng: random.Random) -> float:
         num: List[float] = []
         den: List[float] = []
         for a, b in pairs:
             num.extend(rng.choices(a, k=len(a)))
             den.extend(rng.choices(b, k=len(b)))
-        ratios.append(median_or_zero(num) / median_or_zero(den))
-    ratios.sort()
-    return [ratios[int(0.025 * (resamples - 1))], ratios[int(round(0.975 * (resamples - 1)))]]
+        return median_or_zero(num) / median_or_zero(den)
+
+    return bootstrap_ci95(resampled_ratio, resamples, seed)
 
 
 def add_ratios(points: List[Dict[str, Any]]) -> None:
@@ -184,14 +189,16 @@ def add_ratios(points: List[Dict[str, Any]]) -> None:
 
 
 def rok_points(config_path: Optional[str], overrides: Sequence[str], budgets: Sequence[float] = (0.5,),
-               rounds: int = 1, placements: Optional[Sequence[str]] = None) -> List[Dict[str, Any]]:
+               rounds: int = 1, placements: Optional[Sequence[str]] = None,
+               paired: int = 0) -> List[Dict[str, Any]]:
     """Measure keep, recompute, offload-all, the planner, and planner budgets (fractions of
     keep's peak), each in a fresh process.
 
     With ``rounds > 1`` the whole sequence runs that many times, interleaved (keep,
     recompute, ..., keep, recompute, ...), and each point pools its rounds
     (NOTE [Pooled rounds]). ``placements`` restricts the fixed placements (default: all);
-    budgets need ``keep`` among them.
+    budgets need ``keep`` among them. ``paired`` adds that many pairs of steps to each
+    planner run (NOTE [Paired steps]), pooled over rounds into ``paired_x_keep``.
     """
     names = list(placements or PLACEMENTS)
     unknown = [n for n in names if n not in PLACEMENTS]
@@ -199,6 +206,9 @@ def rok_points(config_path: Optional[str], overrides: Sequence[str], budgets: Se
         raise ConfigError(f"rok: placements = {unknown}: each must be one of {sorted(PLACEMENTS)}")
     if rounds < 1:
         raise ConfigError(f"rok: rounds = {rounds}: must be >= 1")
+    if paired < 0 or (paired and "planner" not in names):
+        raise ConfigError(f"rok: paired = {paired}: must be >= 0, and > 0 only with the planner placement")
+    extra = {"planner": [f"paired_steps={paired}"] if paired else []}
     if budgets and "keep" not in names:
         budgets = ()
     runs: Dict[str, List[Dict[str, Any]]] = {}
@@ -207,7 +217,8 @@ def rok_points(config_path: Optional[str], overrides: Sequence[str], budgets: Se
     for r in range(rounds):
         print(f"-- round {r + 1} of {rounds}", flush=True)
         for name in names:
-            runs.setdefault(name, []).append(_train_in_subprocess(config_path, [*overrides, *PLACEMENTS[name]]))
+            runs.setdefault(name, []).append(
+                _train_in_subprocess(config_path, [*overrides, *PLACEMENTS[name], *extra.get(name, [])]))
         if r == 0:
             keep_peak = runs["keep"][0]["phases"][-1]["peak_activation_bytes"] if budgets else 0
             for fraction in budgets:
@@ -315,11 +326,17 @@ def format_rok(points: Sequence[Dict[str, Any]]) -> str:
 
 
 def run_rok(config_path: Optional[str], overrides: Sequence[str], json_path: Optional[str] = None,
-            plot_path: Optional[str] = None, rounds: int = 1, placements: Optional[Sequence[str]] = None) -> int:
+            plot_path: Optional[str] = None, rounds: int = 1, placements: Optional[Sequence[str]] = None,
+            paired: int = 0) -> int:
     """``megatron-ssd rok``: the measured recompute-offload-keep curve."""
     config = load_config(TrainConfig, config_path, overrides)  # validate before spending minutes
-    points = rok_points(config_path, overrides, rounds=rounds, placements=placements)
+    points = rok_points(config_path, overrides, rounds=rounds, placements=placements, paired=paired)
     print(format_rok(points))
+    for p in points:
+        if "paired_x_keep" in p:
+            lo, hi = p["paired_x_keep_ci95"]
+            print(f"{p['placement']}: paired steps {p['paired_x_keep']:.3f}x keep "
+                  f"(median of {len(p['paired_ratios'])} pairs; 95% interval {lo:.3f}-{hi:.3f})")
     if json_path:
         write_json(json_path, {"points": points, "rounds": rounds, "workload": to_dict(config),
                                "machine": machine_info()})
