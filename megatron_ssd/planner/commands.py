@@ -208,7 +208,7 @@ def rok_points(config_path: Optional[str], overrides: Sequence[str], budgets: Se
         raise ConfigError(f"rok: rounds = {rounds}: must be >= 1")
     if paired < 0 or (paired and "planner" not in names):
         raise ConfigError(f"rok: paired = {paired}: must be >= 0, and > 0 only with the planner placement")
-    extra = {"planner": [f"paired_steps={paired}"] if paired else []}
+    per_placement = {"planner": [f"paired_steps={paired}"] if paired else []}
     if budgets and "keep" not in names:
         budgets = ()
     runs: Dict[str, List[Dict[str, Any]]] = {}
@@ -218,7 +218,7 @@ def rok_points(config_path: Optional[str], overrides: Sequence[str], budgets: Se
         print(f"-- round {r + 1} of {rounds}", flush=True)
         for name in names:
             runs.setdefault(name, []).append(
-                _train_in_subprocess(config_path, [*overrides, *PLACEMENTS[name], *extra.get(name, [])]))
+                _train_in_subprocess(config_path, [*overrides, *PLACEMENTS[name], *per_placement.get(name, [])]))
         if r == 0:
             keep_peak = runs["keep"][0]["phases"][-1]["peak_activation_bytes"] if budgets else 0
             for fraction in budgets:

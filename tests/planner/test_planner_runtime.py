@@ -94,10 +94,11 @@ def test_rok_json_schema(tmp_path):
         sys.executable, "-m", "megatron_ssd.cli", "rok", "--config", os.path.join(REPO, "configs", "gpt-tiny.yaml"),
         "model.num_layers=2", "model.hidden_size=64", "model.num_attention_heads=4", "model.seq_length=64",
         "model.vocab_size=256", "micro_batch_size=2", "num_microbatches=1", "steps=4",
-        "offload.min_tensor_bytes=4096", "--json", str(out),
+        "offload.min_tensor_bytes=4096", "--paired", "2", "--json", str(out),
     ]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "planner: paired steps " in proc.stdout
     data = json.loads(out.read_text())
     assert set(data) >= {"points", "workload", "machine"}
     names = [p["placement"] for p in data["points"]]
@@ -112,6 +113,45 @@ def test_rok_json_schema(tmp_path):
     assert by["recompute"]["peak_activation_bytes"] < by["keep"]["peak_activation_bytes"]
     assert all(pl in ("keep", "offload", "recompute") for pl in by["planner"]["plan"])
     assert data["workload"]["model"]["num_layers"] == 2
+    planner = by["planner"]
+    assert len(planner["paired_ratios"]) == 2
+    lo, hi = planner["paired_x_keep_ci95"]
+    assert lo <= planner["paired_x_keep"] <= hi
+    assert all("paired_ratios" not in p for p in data["points"] if p["placement"] != "planner")
+
+
+def _train_json(tmp_path, name, *overrides):
+    out = tmp_path / f"{name}.json"
+    cmd = [
+        sys.executable, "-m", "megatron_ssd.cli", "train", "--config", os.path.join(REPO, "configs", "gpt-tiny.yaml"),
+        "--no-baseline", "model.num_layers=2", "model.hidden_size=64", "model.num_attention_heads=4",
+        "model.seq_length=64", "model.vocab_size=256", "micro_batch_size=2", "steps=3",
+        "offload.planner.mode=offload", "offload.keep_last_layers=0", "offload.min_tensor_bytes=4096",
+        *overrides, "--json", str(out),
+    ]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    return proc.stdout, json.loads(out.read_text())
+
+
+def test_paired_steps_alternate_keep_and_offload_and_leave_the_phase_alone(tmp_path):
+    """NOTE [Paired steps]: keep steps write nothing, offload steps write what the offload
+    phase wrote; each ratio is offload over keep of its own pair; the offload phase's
+    results (losses, steps, plan events) are those of the same run without pairs."""
+    stdout, data = _train_json(tmp_path, "paired", "paired_steps=3")
+    _, plain = _train_json(tmp_path, "plain")
+    paired = data["paired"]
+    assert paired["pairs"] == 3 and len(paired["keep_step_s"]) == len(paired["offload_step_s"]) == 3
+    assert paired["keep_bytes_written"] == 0
+    assert paired["offload_bytes_written_per_step"] == data["phases"][-1]["bytes_written_per_step"] > 0
+    assert paired["ratios"] == [o / k for o, k in zip(paired["offload_step_s"], paired["keep_step_s"])]
+    lo, hi = paired["ratio_ci95"]
+    assert lo <= paired["median_ratio"] <= hi
+    assert "paired steps: offload " in stdout and "(median of 3 pairs; 95% interval " in stdout
+    assert plain["paired"] is None
+    assert data["phases"][-1]["final_loss"] == plain["phases"][-1]["final_loss"]
+    assert len(data["steps"]) == len(plain["steps"]) == 3
+    assert data["planner"]["events"] == plain["planner"]["events"]
 
 
 def test_plan_that_does_not_fit_the_free_space_is_refused(tmp_path, monkeypatch):
@@ -190,6 +230,8 @@ def test_ratio_interval_separates_a_real_slowdown_from_noise():
 @pytest.mark.parametrize("kwargs, match", [
     ({"placements": ["keep", "offlaod-all"]}, r"rok: placements = \['offlaod-all'\]: each must be one of"),
     ({"rounds": 0}, r"rok: rounds = 0: must be >= 1"),
+    ({"paired": 2, "placements": ["keep", "offload-all"]}, r"rok: paired = 2: must be >= 0, and > 0 only with"),
+    ({"paired": -1}, r"rok: paired = -1: must be >= 0"),
 ])
 def test_rok_rejects_bad_arguments_before_running(kwargs, match):
     from megatron_ssd.errors import ConfigError

@@ -67,6 +67,7 @@ def test_bad_offload_config_is_one_line_naming_field_value_rule(tmp_path, yaml_t
     [
         ("offload.io.treads=2", ["IOConfig: unknown key 'treads'", "'threads'"]),
         ("steps=0", ["TrainConfig.steps = 0", "must be > 0"]),
+        ("paired_steps=-1", ["TrainConfig.paired_steps = -1", "must be >= 0"]),
         ("model.hidden_size=-8", ["ModelConfig.hidden_size = -8", "must be > 0"]),
         ("micro_batch_size=two", ["TrainConfig.micro_batch_size = 'two'", "must be an integer"]),
         ("offload.min_free_bytes=lots", ["OffloadConfig.min_free_bytes = 'lots'", "size such as 4MiB"]),
