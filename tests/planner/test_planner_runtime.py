@@ -178,13 +178,14 @@ def test_plan_that_does_not_fit_the_free_space_is_refused(tmp_path, monkeypatch)
 def test_rok_rounds_pool_steps_and_count_io_cpu(tmp_path):
     """``--rounds 2``: every point pools both rounds' steps, and keeps each round's median
     and its ratio to keep's median of the same round; I/O CPU time is counted only when
-    something is written."""
+    something is written; ``--paired`` pairs are pooled over the rounds."""
     out = tmp_path / "rok.json"
     cmd = [
         sys.executable, "-m", "megatron_ssd.cli", "rok", "--config", os.path.join(REPO, "configs", "gpt-tiny.yaml"),
         "model.num_layers=2", "model.hidden_size=64", "model.num_attention_heads=4", "model.seq_length=64",
         "model.vocab_size=256", "micro_batch_size=2", "num_microbatches=1", "steps=3",
-        "offload.min_tensor_bytes=4096", "--rounds", "2", "--placements", "keep,offload-all", "--json", str(out),
+        "offload.min_tensor_bytes=4096", "--rounds", "2", "--placements", "keep,offload-all,planner",
+        "--paired", "1", "--json", str(out),
     ]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
@@ -192,8 +193,9 @@ def test_rok_rounds_pool_steps_and_count_io_cpu(tmp_path):
     data = json.loads(out.read_text())
     assert data["rounds"] == 2
     names = [p["placement"] for p in data["points"]]
-    assert names[:2] == ["keep", "offload-all"] and names[2].startswith("budget-")
-    keep, off = data["points"][:2]
+    assert names[:3] == ["keep", "offload-all", "planner"] and names[3].startswith("budget-")
+    keep, off, planner = data["points"][:3]
+    assert len(planner["paired_ratios"]) == 2  # one pair per round, pooled
     for p in (keep, off):
         assert p["rounds"] == 2 and len(p["round_median_step_s"]) == 2
         assert p["measured_steps"] == 2 * 2  # steps=3: one warm-up step, two measured, per round
