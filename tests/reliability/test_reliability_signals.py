@@ -151,17 +151,25 @@ def _no_other_open_caches():
 
 def test_handlers_are_installed_while_open_and_restored_on_close(offload_dir):
     _no_other_open_caches()
-    before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
-    cache = TensorCache(OffloadConfig(paths=[offload_dir], min_free_bytes=0))
+    # A shell starting the suite in the background hands it SIGINT ignored, and ignored
+    # signals stay ignored (the next test); start from Python's own handlers here.
+    inherited = {signal.SIGTERM: signal.signal(signal.SIGTERM, signal.SIG_DFL),
+                 signal.SIGINT: signal.signal(signal.SIGINT, signal.default_int_handler)}
     try:
-        for s in before:
-            assert signal.getsignal(s) == exit_guard.EXIT_GUARD._on_signal
-        second = TensorCache(OffloadConfig(paths=[offload_dir], min_free_bytes=0))
-        second.close()  # one cache still open: the handler stays
-        assert signal.getsignal(signal.SIGTERM) == exit_guard.EXIT_GUARD._on_signal
+        before = {s: signal.getsignal(s) for s in inherited}
+        cache = TensorCache(OffloadConfig(paths=[offload_dir], min_free_bytes=0))
+        try:
+            for s in before:
+                assert signal.getsignal(s) == exit_guard.EXIT_GUARD._on_signal
+            second = TensorCache(OffloadConfig(paths=[offload_dir], min_free_bytes=0))
+            second.close()  # one cache still open: the handler stays
+            assert signal.getsignal(signal.SIGTERM) == exit_guard.EXIT_GUARD._on_signal
+        finally:
+            cache.close()
+        assert {s: signal.getsignal(s) for s in before} == before
     finally:
-        cache.close()
-    assert {s: signal.getsignal(s) for s in before} == before
+        for s, handler in inherited.items():
+            signal.signal(s, handler)
 
 
 def test_ignored_signal_stays_ignored(offload_dir):
