@@ -13,7 +13,6 @@ Usage (plain PyTorch)::
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import logging
 import os
@@ -22,34 +21,24 @@ import threading
 import time
 import weakref
 from functools import partial
-from typing import Any, Dict, Hashable, Iterable, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, Hashable, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 
 from ..config import OffloadConfig, Placement
 from ..errors import CacheStateError, ConfigError, OffloadIOError
 from ..io.base import Engine, EngineStats, IOFuture
+from .accounting import StepAccountingMixin
 from .exit_guard import EXIT_GUARD
-from .transfers import TransferMixin
-from .hooks import OffloadHooks
 from .identity import is_plain, restore, storage_bytes, storage_key, storage_weakref, view_meta
 from .record import Entry, EntryState, Packed, Record
-from .stats import Counters, LayerCounters, StepStats
+from .scopes import ScopeMixin, active_cache
+from .stats import Counters, LayerCounters
+from .transfers import TransferMixin
 
 __all__ = ["TensorCache", "active_cache", "resolve_device"]
 
 logger = logging.getLogger("megatron_ssd")
-
-_ACTIVE = threading.local()
-
-
-def active_cache() -> Optional["TensorCache"]:
-    """The cache whose micro-batch forward is open on this thread, if any.
-
-    Offload-aware layers use it to find their cache without holding a reference.
-    """
-    stack = getattr(_ACTIVE, "stack", None)
-    return stack[-1] if stack else None
 
 
 def resolve_device(name: str) -> torch.device:
@@ -62,7 +51,7 @@ def resolve_device(name: str) -> torch.device:
     return dev
 
 
-class TensorCache(TransferMixin):
+class TensorCache(ScopeMixin, TransferMixin, StepAccountingMixin):
     """Routes the tensors autograd saves for backward to an SSD array and back.
 
     Its files are removed when it closes, at interpreter exit, and on SIGTERM / SIGINT
@@ -186,84 +175,6 @@ class TensorCache(TransferMixin):
     def layer_ids(self) -> List[Hashable]:
         """Registered layer ids in forward order."""
         return list(self._layers)
-
-    # ------------------------------------------------------------------ scopes
-
-    @contextlib.contextmanager
-    def microbatch(self, key: Optional[Hashable] = None) -> Iterator[Record]:
-        """Run one micro-batch's forward with its saved tensors going to a new record."""
-        self._check_open()
-        record = Record(key if key is not None else next(self._keys))
-        with self._lock:
-            self._counters.microbatches += 1
-            if record.key in self._records:
-                raise CacheStateError(f"microbatch key {record.key!r} is already open; keys must be unique in flight")
-            self._records[record.key] = record
-        previous = getattr(self._tls, "record", None)
-        self._tls.record = record
-        active = _ACTIVE.__dict__.setdefault("stack", [])
-        active.append(self)
-        try:
-            with OffloadHooks(self, record):
-                yield record
-        finally:
-            active.pop()
-            self._tls.record = previous
-            with self._lock:
-                record.forward_done = True
-                self._maybe_retire(record)
-
-    @contextlib.contextmanager
-    def layer(self, layer_id: Hashable) -> Iterator[Placement]:
-        """Scope for the forward of one layer (used by offload-aware layers)."""
-        self.enter_layer(layer_id)
-        try:
-            yield self.placement(layer_id)
-        finally:
-            self.exit_layer(layer_id)
-
-    def current_record(self) -> Optional[Record]:
-        """The record of the micro-batch forward running on this thread, if any."""
-        return getattr(self._tls, "record", None)
-
-    def enter_layer(self, layer_id: Hashable) -> None:
-        """Start ``layer_id``'s forward scope on this thread."""
-        record = self.current_record()
-        stack = self._tls.__dict__.setdefault("layers", [])
-        stack.append((layer_id, time.perf_counter()))
-        if record is not None and layer_id not in record.layer_order:
-            record.layer_order.append(layer_id)
-
-    def exit_layer(self, layer_id: Hashable, outputs: Any = None) -> None:
-        """End ``layer_id``'s forward scope; watch ``outputs`` for the start of its backward."""
-        stack = self._tls.__dict__.get("layers") or []
-        if not stack or stack[-1][0] != layer_id:
-            raise CacheStateError(f"layer scope {layer_id!r} closed out of order (open: {[s[0] for s in stack]})")
-        _, started = stack.pop()
-        record = self.current_record()
-        if record is None:
-            return
-        with self._lock:
-            lc = self._counters.layers.setdefault(layer_id, LayerCounters())
-            lc.forward_s += time.perf_counter() - started
-            lc.microbatches += 1
-        if outputs is not None and torch.is_grad_enabled():
-            self.watch_backward(record, layer_id, outputs)
-
-    def watch_backward(self, record: Record, layer_id: Hashable, outputs: Any) -> None:
-        """Call :meth:`backward_started` when the gradient of ``outputs`` is computed."""
-        tensors = [t for t in _flatten(outputs) if isinstance(t, torch.Tensor) and t.requires_grad]
-        if tensors:
-            tensors[0].register_hook(partial(self._grad_hook, record, layer_id))
-
-    def _grad_hook(self, record: Record, layer_id: Hashable, grad: torch.Tensor) -> None:
-        self.backward_started(record, layer_id)
-
-    def _pre_hook(self, layer_id: Hashable, module: torch.nn.Module, args: Any) -> None:
-        self.enter_layer(layer_id)
-
-    def _post_hook(self, layer_id: Hashable, module: torch.nn.Module, args: Any, output: Any) -> None:
-        self.exit_layer(layer_id, output)
 
     # ------------------------------------------------------------------ pack / unpack
 
@@ -475,76 +386,6 @@ class TensorCache(TransferMixin):
         with self._lock:
             return list(self._records)
 
-    def finish_step(self) -> StepStats:
-        """Close the step's accounting and return its numbers; counters start again.
-
-        Waits for writes still in flight first, so each step's bytes are its own.
-        """
-        self._check_open()
-        self.drain()
-        es = self.engine.stats()
-        with self._lock:
-            c, base = self._counters, self._engine_base
-            wbytes, rbytes = es.bytes_written - base.bytes_written, es.bytes_read - base.bytes_read
-            wbusy, rbusy = es.write_busy_s - base.write_busy_s, es.read_busy_s - base.read_busy_s
-            now, cpu_now = time.perf_counter(), time.process_time()
-            stats = StepStats(
-                step=self._step,
-                wall_s=now - self._step_started,
-                microbatches=c.microbatches,
-                cpu_s=cpu_now - self._cpu_started,
-                io_cpu_s=es.cpu_s - base.cpu_s,
-                bytes_offloaded=c.bytes_offloaded,
-                bytes_reloaded=c.bytes_reloaded,
-                bytes_deduplicated=c.bytes_deduplicated,
-                bytes_forwarded=c.bytes_forwarded,
-                bytes_kept=c.bytes_kept,
-                tensors_packed=c.tensors_packed,
-                tensors_skipped=c.tensors_skipped,
-                write_fallbacks=c.write_fallbacks,
-                bytes_fallen_back=c.bytes_fallen_back,
-                backpressure_keeps=c.backpressure_keeps,
-                late_reads=c.late_reads,
-                write_bytes_per_s=wbytes / wbusy if wbusy > 0 else 0.0,
-                read_bytes_per_s=rbytes / rbusy if rbusy > 0 else 0.0,
-                write_busy_s=wbusy,
-                read_busy_s=rbusy,
-                stall_s=c.stall_s,
-                backpressure_wait_s=es.backpressure_wait_s - base.backpressure_wait_s,
-                peak_resident_bytes=c.peak_resident_bytes,
-                peak_ssd_bytes=c.peak_ssd_bytes,
-                ssd_bytes=es.disk_bytes,
-                layers=c.layers,
-            )
-            self._counters = Counters(peak_resident_bytes=self._resident, peak_ssd_bytes=self._ssd_bytes)
-            self._engine_base = es
-            self._step += 1
-            self._step_started, self._cpu_started = now, cpu_now
-        if self._checksum_pending and wbytes > 0 and "crc_s" in es.extra:
-            self._decide_checksum(es.extra["crc_s"] - base.extra.get("crc_s", 0.0), stats.wall_s)
-        return stats
-
-    CHECKSUM_BUDGET = 0.02
-    """``io.checksum: auto`` keeps CRC32s while they cost less than this share of a step."""
-
-    def _decide_checksum(self, crc_s: float, wall_s: float) -> None:
-        """``io.checksum: auto``: keep CRC32s on if the first writing step's CRC time
-        (writes and reads) was under :attr:`CHECKSUM_BUDGET` of its wall time."""
-        self._checksum_pending = False
-        keep = crc_s < self.CHECKSUM_BUDGET * wall_s
-        self.engine.set_checksum(keep)
-        logger.info(
-            "megatron_ssd: io.checksum=auto: CRC32s took %.1f ms of a %.1f ms step (%.2f%%, limit %.0f%%): "
-            "checksums %s for later writes",
-            crc_s * 1e3, wall_s * 1e3, 100 * crc_s / wall_s if wall_s > 0 else 0.0,
-            100 * self.CHECKSUM_BUDGET, "stay on" if keep else "off",
-        )
-
-    @property
-    def checksum(self) -> str:
-        """``on`` or ``off``: whether blobs written now get a CRC32 (``auto`` decided)."""
-        return self.engine.stats().extra.get("checksum", "off" if self.config.io.checksum == "off" else "on")
-
     def _check_open(self) -> None:
         if self._closed:
             raise CacheStateError("the tensor cache is closed")
@@ -575,13 +416,3 @@ class TensorCache(TransferMixin):
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-
-def _flatten(obj: Any) -> Iterator[Any]:
-    if isinstance(obj, (tuple, list)):
-        for item in obj:
-            yield from _flatten(item)
-    elif isinstance(obj, dict):
-        for item in obj.values():
-            yield from _flatten(item)
-    else:
-        yield obj

@@ -1,0 +1,92 @@
+"""The tensor cache's per-step accounting and the ``io.checksum: auto`` decision.
+
+Split from :mod:`megatron_ssd.cache.tensor_cache`. :class:`StepAccountingMixin` is mixed
+into :class:`~megatron_ssd.cache.TensorCache`, which provides ``engine``, ``config``,
+``_lock``, ``_counters``, ``_engine_base``, ``_resident``, ``_ssd_bytes``, ``_step``,
+``_step_started``, ``_cpu_started``, ``_checksum_pending``, ``_check_open`` and ``drain``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from .stats import Counters, StepStats
+
+__all__ = ["StepAccountingMixin"]
+
+logger = logging.getLogger("megatron_ssd")
+
+
+class StepAccountingMixin:
+    """Closes each step's counters into a :class:`StepStats`."""
+
+    def finish_step(self) -> StepStats:
+        """Close the step's accounting and return its numbers; counters start again.
+
+        Waits for writes still in flight first, so each step's bytes are its own.
+        """
+        self._check_open()
+        self.drain()
+        es = self.engine.stats()
+        with self._lock:
+            c, base = self._counters, self._engine_base
+            wbytes, rbytes = es.bytes_written - base.bytes_written, es.bytes_read - base.bytes_read
+            wbusy, rbusy = es.write_busy_s - base.write_busy_s, es.read_busy_s - base.read_busy_s
+            now, cpu_now = time.perf_counter(), time.process_time()
+            stats = StepStats(
+                step=self._step,
+                wall_s=now - self._step_started,
+                microbatches=c.microbatches,
+                cpu_s=cpu_now - self._cpu_started,
+                io_cpu_s=es.cpu_s - base.cpu_s,
+                bytes_offloaded=c.bytes_offloaded,
+                bytes_reloaded=c.bytes_reloaded,
+                bytes_deduplicated=c.bytes_deduplicated,
+                bytes_forwarded=c.bytes_forwarded,
+                bytes_kept=c.bytes_kept,
+                tensors_packed=c.tensors_packed,
+                tensors_skipped=c.tensors_skipped,
+                write_fallbacks=c.write_fallbacks,
+                bytes_fallen_back=c.bytes_fallen_back,
+                backpressure_keeps=c.backpressure_keeps,
+                late_reads=c.late_reads,
+                write_bytes_per_s=wbytes / wbusy if wbusy > 0 else 0.0,
+                read_bytes_per_s=rbytes / rbusy if rbusy > 0 else 0.0,
+                write_busy_s=wbusy,
+                read_busy_s=rbusy,
+                stall_s=c.stall_s,
+                backpressure_wait_s=es.backpressure_wait_s - base.backpressure_wait_s,
+                peak_resident_bytes=c.peak_resident_bytes,
+                peak_ssd_bytes=c.peak_ssd_bytes,
+                ssd_bytes=es.disk_bytes,
+                layers=c.layers,
+            )
+            self._counters = Counters(peak_resident_bytes=self._resident, peak_ssd_bytes=self._ssd_bytes)
+            self._engine_base = es
+            self._step += 1
+            self._step_started, self._cpu_started = now, cpu_now
+        if self._checksum_pending and wbytes > 0 and "crc_s" in es.extra:
+            self._decide_checksum(es.extra["crc_s"] - base.extra.get("crc_s", 0.0), stats.wall_s)
+        return stats
+
+    CHECKSUM_BUDGET = 0.02
+    """``io.checksum: auto`` keeps CRC32s while they cost less than this share of a step."""
+
+    def _decide_checksum(self, crc_s: float, wall_s: float) -> None:
+        """``io.checksum: auto``: keep CRC32s on if the first writing step's CRC time
+        (writes and reads) was under :attr:`CHECKSUM_BUDGET` of its wall time."""
+        self._checksum_pending = False
+        keep = crc_s < self.CHECKSUM_BUDGET * wall_s
+        self.engine.set_checksum(keep)
+        logger.info(
+            "megatron_ssd: io.checksum=auto: CRC32s took %.1f ms of a %.1f ms step (%.2f%%, limit %.0f%%): "
+            "checksums %s for later writes",
+            crc_s * 1e3, wall_s * 1e3, 100 * crc_s / wall_s if wall_s > 0 else 0.0,
+            100 * self.CHECKSUM_BUDGET, "stay on" if keep else "off",
+        )
+
+    @property
+    def checksum(self) -> str:
+        """``on`` or ``off``: whether blobs written now get a CRC32 (``auto`` decided)."""
+        return self.engine.stats().extra.get("checksum", "off" if self.config.io.checksum == "off" else "on")

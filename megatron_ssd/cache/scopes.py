@@ -1,0 +1,130 @@
+"""The tensor cache's scopes: micro-batch forward, layer forward, start of a layer's backward.
+
+Split from :mod:`megatron_ssd.cache.tensor_cache`. :class:`ScopeMixin` is mixed into
+:class:`~megatron_ssd.cache.TensorCache`, which provides ``_lock``, ``_tls``, ``_keys``,
+``_records``, ``_counters``, ``_check_open``, ``_maybe_retire``, ``placement`` and
+``backward_started``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from functools import partial
+from typing import TYPE_CHECKING, Any, Hashable, Iterator, Optional
+
+import torch
+
+from ..config import Placement
+from ..errors import CacheStateError
+from .hooks import OffloadHooks
+from .record import Record
+from .stats import LayerCounters
+
+if TYPE_CHECKING:
+    from .tensor_cache import TensorCache
+
+__all__ = ["ScopeMixin", "active_cache"]
+
+_ACTIVE = threading.local()
+
+
+def active_cache() -> Optional["TensorCache"]:
+    """The cache whose micro-batch forward is open on this thread, if any.
+
+    Offload-aware layers use it to find their cache without holding a reference.
+    """
+    stack = getattr(_ACTIVE, "stack", None)
+    return stack[-1] if stack else None
+
+
+class ScopeMixin:
+    """Opens and closes the forward scopes whose saved tensors the cache routes."""
+
+    @contextlib.contextmanager
+    def microbatch(self, key: Optional[Hashable] = None) -> Iterator[Record]:
+        """Run one micro-batch's forward with its saved tensors going to a new record."""
+        self._check_open()
+        record = Record(key if key is not None else next(self._keys))
+        with self._lock:
+            self._counters.microbatches += 1
+            if record.key in self._records:
+                raise CacheStateError(f"microbatch key {record.key!r} is already open; keys must be unique in flight")
+            self._records[record.key] = record
+        previous = getattr(self._tls, "record", None)
+        self._tls.record = record
+        active = _ACTIVE.__dict__.setdefault("stack", [])
+        active.append(self)
+        try:
+            with OffloadHooks(self, record):
+                yield record
+        finally:
+            active.pop()
+            self._tls.record = previous
+            with self._lock:
+                record.forward_done = True
+                self._maybe_retire(record)
+
+    @contextlib.contextmanager
+    def layer(self, layer_id: Hashable) -> Iterator[Placement]:
+        """Scope for the forward of one layer (used by offload-aware layers)."""
+        self.enter_layer(layer_id)
+        try:
+            yield self.placement(layer_id)
+        finally:
+            self.exit_layer(layer_id)
+
+    def current_record(self) -> Optional[Record]:
+        """The record of the micro-batch forward running on this thread, if any."""
+        return getattr(self._tls, "record", None)
+
+    def enter_layer(self, layer_id: Hashable) -> None:
+        """Start ``layer_id``'s forward scope on this thread."""
+        record = self.current_record()
+        stack = self._tls.__dict__.setdefault("layers", [])
+        stack.append((layer_id, time.perf_counter()))
+        if record is not None and layer_id not in record.layer_order:
+            record.layer_order.append(layer_id)
+
+    def exit_layer(self, layer_id: Hashable, outputs: Any = None) -> None:
+        """End ``layer_id``'s forward scope; watch ``outputs`` for the start of its backward."""
+        stack = self._tls.__dict__.get("layers") or []
+        if not stack or stack[-1][0] != layer_id:
+            raise CacheStateError(f"layer scope {layer_id!r} closed out of order (open: {[s[0] for s in stack]})")
+        _, started = stack.pop()
+        record = self.current_record()
+        if record is None:
+            return
+        with self._lock:
+            lc = self._counters.layers.setdefault(layer_id, LayerCounters())
+            lc.forward_s += time.perf_counter() - started
+            lc.microbatches += 1
+        if outputs is not None and torch.is_grad_enabled():
+            self.watch_backward(record, layer_id, outputs)
+
+    def watch_backward(self, record: Record, layer_id: Hashable, outputs: Any) -> None:
+        """Call :meth:`backward_started` when the gradient of ``outputs`` is computed."""
+        tensors = [t for t in _flatten(outputs) if isinstance(t, torch.Tensor) and t.requires_grad]
+        if tensors:
+            tensors[0].register_hook(partial(self._grad_hook, record, layer_id))
+
+    def _grad_hook(self, record: Record, layer_id: Hashable, grad: torch.Tensor) -> None:
+        self.backward_started(record, layer_id)
+
+    def _pre_hook(self, layer_id: Hashable, module: torch.nn.Module, args: Any) -> None:
+        self.enter_layer(layer_id)
+
+    def _post_hook(self, layer_id: Hashable, module: torch.nn.Module, args: Any, output: Any) -> None:
+        self.exit_layer(layer_id, output)
+
+
+def _flatten(obj: Any) -> Iterator[Any]:
+    if isinstance(obj, (tuple, list)):
+        for item in obj:
+            yield from _flatten(item)
+    elif isinstance(obj, dict):
+        for item in obj.values():
+            yield from _flatten(item)
+    else:
+        yield obj
