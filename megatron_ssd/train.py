@@ -23,7 +23,7 @@ from typing import Any, Dict, List, Optional, Sequence
 import torch
 
 from .cache import StepStats, TensorCache
-from .cache.stats import bootstrap_ci95, median_or_zero as med
+from .cache.stats import median_ci95, median_or_zero as med
 from .config import PlannerConfig, TrainConfig, load_config, to_dict
 from .data import TextFileData
 from .errors import ConfigError
@@ -220,9 +220,8 @@ class TrainRecipe:
         cache.set_plan(plan)
         cache.default_placement = default
         ratios = [o / k for o, k in zip(offload_s, keep_s)]
-        ci = bootstrap_ci95(lambda rng: statistics.median(rng.choices(ratios, k=len(ratios))))
         return {"pairs": pairs, "keep_step_s": keep_s, "offload_step_s": offload_s, "ratios": ratios,
-                "median_ratio": statistics.median(ratios), "ratio_ci95": ci,
+                "median_ratio": statistics.median(ratios), "ratio_ci95": median_ci95(ratios),
                 "keep_bytes_written": written[True], "offload_bytes_written_per_step": written[False] / pairs}
 
     def train(self) -> Dict[str, Any]:

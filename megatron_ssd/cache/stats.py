@@ -8,7 +8,7 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterable, List
 
-__all__ = ["StepStats", "Counters", "LayerCounters", "median_or_zero", "bootstrap_ci95"]
+__all__ = ["StepStats", "Counters", "LayerCounters", "median_or_zero", "bootstrap_ci95", "median_ci95"]
 
 
 def median_or_zero(xs: Iterable[float]) -> float:
@@ -27,6 +27,11 @@ def bootstrap_ci95(statistic: Callable[[random.Random], float], resamples: int =
     rng = random.Random(seed)
     values = sorted(statistic(rng) for _ in range(resamples))
     return [values[int(0.025 * (resamples - 1))], values[int(round(0.975 * (resamples - 1)))]]
+
+
+def median_ci95(xs: List[float]) -> List[float]:
+    """95% bootstrap interval of the median of ``xs`` (resampled whole, with replacement)."""
+    return bootstrap_ci95(lambda rng: median_or_zero(rng.choices(xs, k=len(xs))))
 
 
 @dataclass

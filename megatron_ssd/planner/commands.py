@@ -16,7 +16,7 @@ import sys
 import tempfile
 from typing import Any, Dict, List, Optional, Sequence
 
-from ..cache.stats import bootstrap_ci95, median_or_zero
+from ..cache.stats import bootstrap_ci95, median_ci95, median_or_zero
 from ..config import TrainConfig, load_config, to_dict
 from ..output import write_json
 from ..train import TrainRecipe
@@ -137,7 +137,7 @@ def _point(placement: str, reports: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
         ratios = [x for p in paired for x in p["ratios"]]
         point["paired_ratios"] = ratios
         point["paired_x_keep"] = median_or_zero(ratios)
-        point["paired_x_keep_ci95"] = bootstrap_ci95(lambda rng: median_or_zero(rng.choices(ratios, k=len(ratios))))
+        point["paired_x_keep_ci95"] = median_ci95(ratios)
     return point
 
 
