@@ -415,4 +415,3 @@ class TensorCache(ScopeMixin, TransferMixin, StepAccountingMixin):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-

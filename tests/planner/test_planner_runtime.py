@@ -22,6 +22,10 @@ from megatron_ssd.planner.runtime import AdaptivePlanner, stage_from_stats
 
 VOCAB, SEQ, MBS, NMB, LAYERS = 128, 64, 4, 2, 4
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+TINY_CLI = [  # overrides of configs/gpt-tiny.yaml for the command-line runs below
+    "model.num_layers=2", "model.hidden_size=64", "model.num_attention_heads=4", "model.seq_length=64",
+    "model.vocab_size=256", "micro_batch_size=2", "offload.min_tensor_bytes=4096",
+]
 
 
 @pytest.fixture(scope="module")
@@ -92,9 +96,7 @@ def test_rok_json_schema(tmp_path):
     out = tmp_path / "rok.json"
     cmd = [
         sys.executable, "-m", "megatron_ssd.cli", "rok", "--config", os.path.join(REPO, "configs", "gpt-tiny.yaml"),
-        "model.num_layers=2", "model.hidden_size=64", "model.num_attention_heads=4", "model.seq_length=64",
-        "model.vocab_size=256", "micro_batch_size=2", "num_microbatches=1", "steps=4",
-        "offload.min_tensor_bytes=4096", "--paired", "2", "--json", str(out),
+        *TINY_CLI, "num_microbatches=1", "steps=4", "--paired", "2", "--json", str(out),
     ]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
@@ -124,9 +126,7 @@ def _train_json(tmp_path, name, *overrides):
     out = tmp_path / f"{name}.json"
     cmd = [
         sys.executable, "-m", "megatron_ssd.cli", "train", "--config", os.path.join(REPO, "configs", "gpt-tiny.yaml"),
-        "--no-baseline", "model.num_layers=2", "model.hidden_size=64", "model.num_attention_heads=4",
-        "model.seq_length=64", "model.vocab_size=256", "micro_batch_size=2", "steps=3",
-        "offload.planner.mode=offload", "offload.keep_last_layers=0", "offload.min_tensor_bytes=4096",
+        "--no-baseline", *TINY_CLI, "steps=3", "offload.planner.mode=offload", "offload.keep_last_layers=0",
         *overrides, "--json", str(out),
     ]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
@@ -182,9 +182,7 @@ def test_rok_rounds_pool_steps_and_count_io_cpu(tmp_path):
     out = tmp_path / "rok.json"
     cmd = [
         sys.executable, "-m", "megatron_ssd.cli", "rok", "--config", os.path.join(REPO, "configs", "gpt-tiny.yaml"),
-        "model.num_layers=2", "model.hidden_size=64", "model.num_attention_heads=4", "model.seq_length=64",
-        "model.vocab_size=256", "micro_batch_size=2", "num_microbatches=1", "steps=3",
-        "offload.min_tensor_bytes=4096", "--rounds", "2", "--placements", "keep,offload-all,planner",
+        *TINY_CLI, "num_microbatches=1", "steps=3", "--rounds", "2", "--placements", "keep,offload-all,planner",
         "--paired", "1", "--json", str(out),
     ]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
