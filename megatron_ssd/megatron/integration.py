@@ -1,4 +1,4 @@
-"""Installs megatron-ssd into Megatron-LM's ``pretrain_gpt.py`` (tag ``core_v0.16.1``).
+"""Installs megatron-ssd into Megatron-LM's ``pretrain_gpt.py`` (tags ``core_v0.16.1``, ``core_v0.19.0``).
 
 Two entry points reach :func:`install`:
 
@@ -6,16 +6,17 @@ Two entry points reach :func:`install`:
   calls :func:`prepare_pretrain` before running an unmodified ``pretrain_gpt.py``; it adds
   the ``--ssd-offload`` flags to Megatron's parser and calls ``install(get_args())`` once
   Megatron is initialized, before the model is built;
-- ``patches/megatron-lm-core_v0.16.1.patch`` edits ``pretrain_gpt.py`` to pass the flags
-  and to call ``install(get_args())`` at the start of its model provider.
+- ``patches/megatron-lm-<tag>.patch`` edits ``pretrain_gpt.py`` to pass the flags and to
+  call ``install(get_args())`` before its model is built.
 
 ``install`` builds the :class:`~megatron_ssd.cache.TensorCache` from the flags, makes it
 the default cache, has ``train`` / ``evaluate`` use the offload-aware schedule, has
-``gpt_builder`` apply :func:`~.layer.offload_layer_spec` to its layer spec, prints each
+Megatron-LM's model builders apply :func:`~.layer.offload_layer_spec` to their layer spec
+(the sites are in :data:`~.compat.MODEL_CLASS_SITES`), prints each
 ``--log-interval``-th step's numbers on rank 0 and closes the cache at exit. Without
 ``--ssd-offload`` it changes nothing. Every change to Megatron's modules is made by
 :func:`_patch` in this file, each under a ``NOTE [pretrain_gpt hook]`` block, and undone
-by :func:`uninstall`.
+by :func:`uninstall`. What differs between releases comes from :mod:`.compat`.
 """
 
 from __future__ import annotations
@@ -33,27 +34,18 @@ import torch
 
 from ..cache import StepStats, TensorCache
 from ..config import OffloadConfig
+from . import compat
 from .args import add_ssd_offload_args, chain_args_providers, offload_config_from_args, validate_ssd_offload_args
 from .layer import offload_layer_spec
+from .patching import is_patched as _is_patched
+from .patching import mark as _mark
+from .patching import patch as _patch
+from .patching import restore as _restore_patches
 from .schedules import get_forward_backward_func, set_default_cache
 
-__all__ = ["OffloadGPTModelFactory", "StepReporter", "install", "installed_cache", "prepare_pretrain", "uninstall"]
+__all__ = ["ModelSpecFactory", "patch_model_classes", "StepReporter", "install", "installed_cache", "prepare_pretrain", "uninstall"]
 
 logger = logging.getLogger("megatron_ssd")
-
-_PATCHES: List[Tuple[Any, str, Any]] = []
-"""(module, attribute, original value) of every patch in force, in the order made."""
-
-
-def _patch(module: Any, name: str, replacement: Any) -> None:
-    """Set ``module.name`` to ``replacement``, remembering the original for :func:`uninstall`."""
-    _PATCHES.append((module, name, getattr(module, name)))
-    setattr(module, name, replacement)
-
-
-def _is_patched(module: Any, name: str) -> bool:
-    return any(m is module and n == name for m, n, _ in _PATCHES)
-
 
 # ----------------------------------------------------------------- launcher-time hooks
 
@@ -86,73 +78,164 @@ def _carry_ssd_args(args: Any) -> None:
 
 
 class _InitializeThenInstall:
-    """Megatron's ``initialize_megatron`` followed by :func:`install`."""
+    """Megatron's ``initialize_megatron`` followed by :func:`install`.
 
-    def __init__(self, original: Callable[..., Any]) -> None:
+    With ``cpu`` (the CPU development mode, NOTE [CPU pretrain] 1 and 6) it also passes
+    ``allow_no_cuda=True``, which skips ``initialize_megatron``'s CUDA assertion, and
+    has the model builders use CPU core attention, with or without ``--ssd-offload``.
+    """
+
+    def __init__(self, original: Callable[..., Any], cpu: bool = False) -> None:
         self.original = original
+        self.cpu = cpu
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.cpu:
+            kwargs["allow_no_cuda"] = True
         result = self.original(*args, **kwargs)
         from megatron.training import get_args
 
         install(get_args())
+        if self.cpu:
+            from .attention import cpu_block_spec
+
+            patch_model_classes(cpu_block_spec)
         return result
 
 
-def prepare_pretrain() -> None:
+class _CompileHelpersOnce:
+    """``megatron.core.datasets.utils.compile_helpers`` that skips ``make`` when the
+    compiled helper already imports (an installed megatron-core wheel ships it built,
+    without the Makefile, so ``make`` would fail and the run would exit)."""
+
+    def __init__(self, original: Callable[[], Any]) -> None:
+        self.original = original
+
+    def __call__(self) -> Any:
+        try:
+            importlib.import_module("megatron.core.datasets.helpers_cpp")
+        except ImportError:
+            return self.original()
+        return None
+
+
+def prepare_pretrain(cpu: bool = False) -> None:
     """Hook Megatron-LM's argument parsing and initialization (the launcher calls this).
 
     Megatron-LM's ``megatron/`` must be importable (its checkout on ``sys.path``).
     Calling it twice changes nothing.
+
+    Args:
+        cpu: also apply the CPU development mode (:mod:`.cpu_pretrain`), so that
+            ``pretrain()`` runs on a machine without CUDA over gloo.
     """
-    arguments = importlib.import_module("megatron.training.arguments")
-    initialize = importlib.import_module("megatron.training.initialize")
     training = importlib.import_module("megatron.training.training")
     # NOTE [pretrain_gpt hook]
     # megatron/training/arguments.py: parse_args(extra_args_provider, ignore_unknown_args).
-    # initialize_megatron() (megatron/training/initialize.py) calls the name `parse_args` it
-    # imported from there, with the script's extra_args_provider; pretrain_gpt.py passes
-    # only ModelOpt's, so our flags would be rejected as unknown. inprocess_restart.py and
-    # ft_integration.py call `arguments.parse_args(ignore_unknown_args=True)` earlier, from
-    # pretrain_gpt.py's __main__ block. Both names get one wrapper: it chains
-    # add_ssd_offload_args after the script's provider (so --help lists our flags) and
-    # validates our flags right after parsing, before torch.distributed starts.
-    if not _is_patched(initialize, "parse_args"):
-        wrapper = _ParseArgsWithSSD(initialize.parse_args)
-        _patch(initialize, "parse_args", wrapper)
-        _patch(arguments, "parse_args", wrapper)
+    # core_v0.16.1: initialize_megatron() (megatron/training/initialize.py) calls the name
+    # `parse_args` it imported from there, with the script's extra_args_provider;
+    # pretrain_gpt.py passes only ModelOpt's, so our flags would be rejected as unknown.
+    # core_v0.19.0: pretrain_gpt.py calls parse_and_validate_args(), which calls
+    # arguments.parse_args. inprocess_restart.py and ft_integration.py call
+    # `arguments.parse_args(ignore_unknown_args=True)` earlier. Every such name gets one
+    # wrapper (compat.PARSE_ARGS_MODULES): it chains add_ssd_offload_args after the
+    # script's provider (so --help lists our flags) and validates our flags right after
+    # parsing, before torch.distributed starts.
+    wrapper = None
+    for name in compat.PARSE_ARGS_MODULES:
+        module = importlib.import_module(name)
+        if hasattr(module, "parse_args") and not _is_patched(module, "parse_args"):
+            wrapper = wrapper or _ParseArgsWithSSD(module.parse_args)
+            _patch(module, "parse_args", wrapper)
     # NOTE [pretrain_gpt hook]
     # megatron/training/training.py: pretrain() calls the module-level name
     # `initialize_megatron` and then setup_model_and_optimizer(). Installing right after
     # initialization knows the ranks (for per-rank offload directories) and comes before
-    # any model is built, so the layer-spec hook below is in place for gpt_builder.
+    # any model is built, so the model-class hook below is in place for the builders.
     if not _is_patched(training, "initialize_megatron"):
-        _patch(training, "initialize_megatron", _InitializeThenInstall(training.initialize_megatron))
+        _patch(training, "initialize_megatron", _InitializeThenInstall(training.initialize_megatron, cpu))
+    # NOTE [pretrain_gpt hook]
+    # megatron/training/initialize.py _compile_dependencies() calls
+    # megatron.core.datasets.utils.compile_helpers(), which runs `make` in the installed
+    # megatron-core; a wheel has the built helper but no Makefile, so make fails and the
+    # run exits. The helper is built already there: skip make (GPU and CPU alike).
+    datasets_utils = importlib.import_module("megatron.core.datasets.utils")
+    if not _is_patched(datasets_utils, "compile_helpers"):
+        _patch(datasets_utils, "compile_helpers", _CompileHelpersOnce(datasets_utils.compile_helpers))
+    if cpu:
+        from .cpu_pretrain import prepare_cpu_pretrain
+
+        prepare_cpu_pretrain()
 
 
 # ------------------------------------------------------------------- install-time hooks
 
 
-class OffloadGPTModelFactory:
-    """Stands in for ``GPTModel`` in ``gpt_builders``: same call, offload-aware layer spec.
+class ModelSpecFactory:
+    """Stands in for a model class (``GPTModel``, ``HybridModel``) in a Megatron-LM
+    builder module: same call, with the layer spec passed through ``convert`` first.
 
-    Whichever spec ``gpt_builder`` chose (``--spec``, Transformer Engine, local, MoE block,
-    heterogeneous, experimental attention) is passed through
-    :func:`~.layer.offload_layer_spec`; the MTP block keeps its stock layers.
+    Whichever spec the builder chose (``--spec``, Transformer Engine, local, MoE block,
+    heterogeneous, experimental attention, hybrid stack) is converted; the MTP block
+    keeps its stock layers. :func:`install` converts with
+    :func:`~.layer.offload_layer_spec`; the CPU development mode with
+    :func:`~.attention.cpu_block_spec` (factories stack: each wraps the previous one).
+
+    Args:
+        model_class: what the builder module named (a class or another factory).
+        spec_keyword: the constructor's spec argument (``transformer_layer_spec`` for
+            GPT, ``hybrid_stack_spec`` for hybrid models); it is also the second
+            positional argument of both.
+        convert: spec -> spec.
     """
 
-    def __init__(self, model_class: Callable[..., Any]) -> None:
+    def __init__(self, model_class: Callable[..., Any], spec_keyword: str, convert: Callable[[Any], Any]) -> None:
         self.model_class = model_class
+        self.spec_keyword = spec_keyword
+        self.convert = convert
         self.built = 0
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if "transformer_layer_spec" in kwargs:
-            kwargs["transformer_layer_spec"] = offload_layer_spec(kwargs["transformer_layer_spec"])
+        if self.spec_keyword in kwargs:
+            kwargs[self.spec_keyword] = self.convert(kwargs[self.spec_keyword])
         elif len(args) >= 2:
-            args = (args[0], offload_layer_spec(args[1]), *args[2:])
+            args = (args[0], self.convert(args[1]), *args[2:])
         model = self.model_class(*args, **kwargs)
         self.built += 1
         return model
+
+
+def patch_model_classes(convert: Callable[[Any], Any]) -> List[ModelSpecFactory]:
+    """Have every loaded Megatron-LM model builder pass its spec through ``convert``.
+
+    Returns:
+        The factories put in place (one per builder site found).
+    """
+    # NOTE [pretrain_gpt hook]
+    # Megatron-LM's builders pick the layer spec in one of several branches (--spec,
+    # Transformer Engine, local, MoE, heterogeneous, experimental attention) and then call
+    # a module-level model class: gpt_builders.gpt_builder() (core_v0.16.1, and
+    # core_v0.19.0's model_provider path) and megatron/training/models/gpt.py
+    # GPTModelBuilder.build_model() (core_v0.19.0's config-container path), likewise for
+    # hybrid models (compat.MODEL_CLASS_SITES). Replacing that one name per builder covers
+    # every branch. Builder modules in the checkout's root are replaced only when the
+    # script has imported them; megatron.training.models.* are imported here so the
+    # replacement is in place before pretrain() builds the model.
+    factories = []
+    for module_name, class_name in compat.MODEL_CLASS_SITES:
+        module = sys.modules.get(module_name)
+        if module is None and module_name.startswith("megatron."):
+            try:
+                module = importlib.import_module(module_name)
+            except ImportError:  # a release without this builder
+                module = None
+        if module is None or not hasattr(module, class_name):
+            continue
+        keyword = "hybrid_stack_spec" if class_name == "HybridModel" else "transformer_layer_spec"
+        factory = ModelSpecFactory(getattr(module, class_name), keyword, convert)
+        factories.append(factory)
+        _patch(module, class_name, factory)
+    return factories
 
 
 class StepReporter:
@@ -196,13 +279,14 @@ class _OffloadForwardBackwardLookup:
     def __init__(self, cache: TensorCache, reporter: StepReporter) -> None:
         self.cache = cache
         self.reporter = reporter
-        self.schedules: Dict[Tuple[Any, Any], Any] = {}
+        self.schedules: Dict[Tuple[Any, ...], Any] = {}
 
-    def __call__(self, pp_size: Optional[int] = None, vp_size: Optional[int] = None) -> Any:
-        key = (pp_size, vp_size)
+    def __call__(self, pp_size: Optional[int] = None, vp_size: Optional[int] = None, **kwargs: Any) -> Any:
+        # core_v0.19.0's train() passes schedule_pg_collection= (compat.schedule_kwargs).
+        key = (pp_size, vp_size) + tuple((name, id(value)) for name, value in sorted(kwargs.items()))
         if key not in self.schedules:
             self.schedules[key] = get_forward_backward_func(
-                pp_size, vp_size, cache=self.cache, on_step=self.reporter.on_step
+                pp_size, vp_size, cache=self.cache, on_step=self.reporter.on_step, **kwargs
             )
         return self.schedules[key]
 
@@ -214,7 +298,7 @@ class _Installation:
         self.cache = cache
         self.config = config
         self.reporter = reporter
-        self.factory: Optional[OffloadGPTModelFactory] = None
+        self.factories: List[ModelSpecFactory] = []
 
 
 _STATE: Optional[_Installation] = None
@@ -299,14 +383,14 @@ def install(args: Any) -> Optional[TensorCache]:
     # `with torch.device('meta')`; the cache's own buffers must still be real.
     with torch.device("cpu"):
         cache = TensorCache(config, rank=rank)
-    mark = len(_PATCHES)
+    mark = _mark()
     try:
         reporter = StepReporter(cache, _attach_planner(cache, config), getattr(args, "log_interval", 1), rank)
         state = _Installation(cache, config, reporter)
         set_default_cache(cache)
         _install_hooks(state)
     except BaseException:
-        _restore_patches(down_to=mark)
+        _restore_patches(mark)
         set_default_cache(None)
         cache.close()
         raise
@@ -329,23 +413,9 @@ def _install_hooks(state: _Installation) -> None:
     # micro-batch's forward opens a tensor-cache record and each step ends with the step's
     # numbers (megatron_ssd/megatron/schedules.py); the schedules themselves are unchanged.
     _patch(training, "get_forward_backward_func", _OffloadForwardBackwardLookup(state.cache, state.reporter))
-    builders = sys.modules.get("gpt_builders")
-    if builders is None or not hasattr(builders, "GPTModel"):
-        logger.info("megatron_ssd: gpt_builders is not loaded; build the model with offload_layer_spec yourself")
-        return
-    # NOTE [pretrain_gpt hook]
-    # gpt_builders.py (Megatron-LM root): gpt_builder() picks the layer spec in one of six
-    # branches and then calls the module-level name `GPTModel(transformer_layer_spec=...)`.
-    # Replacing that one name covers every branch: the factory passes the chosen spec through
-    # offload_layer_spec, so the decoder's layers are OffloadTransformerLayer.
-    state.factory = OffloadGPTModelFactory(builders.GPTModel)
-    _patch(builders, "GPTModel", state.factory)
-
-
-def _restore_patches(down_to: int = 0) -> None:
-    while len(_PATCHES) > down_to:
-        module, name, original = _PATCHES.pop()
-        setattr(module, name, original)
+    state.factories = patch_model_classes(offload_layer_spec)
+    if not state.factories:
+        logger.info("megatron_ssd: no Megatron-LM model builder is loaded; build the model with offload_layer_spec yourself")
 
 
 def _close_at_exit() -> None:

@@ -16,6 +16,10 @@ One node (the same through ``megatron-ssd pretrain-gpt``)::
 (:func:`~.integration.prepare_pretrain`), and ``pretrain_gpt.py`` runs as ``__main__``
 with the remaining arguments. Without ``--ssd-offload`` the run is plain
 ``pretrain_gpt.py``.
+
+``--cpu`` (taken out of the arguments too) runs the script on a machine without CUDA,
+over gloo: the CPU development mode of :mod:`.cpu_pretrain` (NOTE [CPU pretrain]).
+Supported checkouts: the tags ``core_v0.16.1`` and ``core_v0.19.0`` (:mod:`.compat`).
 """
 
 from __future__ import annotations
@@ -34,9 +38,12 @@ ENV_VAR = "MEGATRON_LM_PATH"
 SCRIPT = "pretrain_gpt.py"
 
 _USAGE = (
-    "usage: megatron-ssd pretrain-gpt --megatron-path DIR <pretrain_gpt.py arguments> "
+    "usage: megatron-ssd pretrain-gpt --megatron-path DIR [--cpu] <pretrain_gpt.py arguments> "
     "[--ssd-offload --ssd-offload-paths DIR[,DIR...] ...]"
 )
+
+# Modules Megatron-LM's training scripts import beyond megatron-core: pip's extra names them.
+_EXTRA_HINT = "pip install 'megatron-ssd[megatron-lm]'"
 
 
 def split_megatron_path(argv: List[str], environ: Optional[Mapping[str, str]] = None) -> Tuple[str, List[str]]:
@@ -85,6 +92,12 @@ def split_megatron_path(argv: List[str], environ: Optional[Mapping[str, str]] = 
     return os.path.abspath(os.path.expanduser(path)), rest
 
 
+def take_flag(argv: List[str], flag: str) -> Tuple[bool, List[str]]:
+    """``(whether the bare flag was given, argv without it)``."""
+    rest = [a for a in argv if a != flag]
+    return len(rest) != len(argv), rest
+
+
 def find_pretrain_script(path: str) -> str:
     """The ``pretrain_gpt.py`` of the checkout at ``path``.
 
@@ -97,7 +110,7 @@ def find_pretrain_script(path: str) -> str:
     if not os.path.isfile(script):
         raise ConfigError(
             f"--megatron-path = {path!r}: has no {SCRIPT}; give the top directory of a Megatron-LM "
-            f"checkout (git clone -b core_v0.16.1 https://github.com/NVIDIA/Megatron-LM)"
+            f"checkout (git clone -b core_v0.19.0 https://github.com/NVIDIA/Megatron-LM)"
         )
     return script
 
@@ -120,32 +133,45 @@ def _checkout_core_version(path: str) -> Optional[str]:
 
 
 def check_megatron_core(path: str) -> None:
-    """Refuse a checkout whose megatron-core differs from the one already imported.
+    """Refuse a checkout whose megatron-core release differs from the one installed.
 
     megatron-ssd imports ``megatron.core`` itself, so by the time the checkout is on
     ``sys.path`` the installed megatron-core is loaded; Megatron-LM's ``megatron.training``
-    then runs against it. That is only sound when both are the same release.
+    then runs against it. That is only sound for the same release line: the same
+    major.minor (a newer patch release of megatron-core, such as 0.19.2 under the tag
+    core_v0.19.0, is fine). The installed release must also be a supported one.
 
     Raises:
-        ConfigError: the two versions differ.
+        ConfigError: the two differ in major.minor, or megatron-core is unsupported.
     """
+    from . import compat
+
     core = sys.modules.get("megatron.core")
     if core is None:
         return
     location = os.path.dirname(os.path.abspath(getattr(core, "__file__", "") or ""))
     if location.startswith(os.path.join(path, "megatron", "core")):
         return
+    loaded = compat.check_supported()
     ours = _checkout_core_version(path)
-    try:
-        from megatron.core.package_info import __version__ as loaded
-    except ImportError:
+    if ours is None:
         return
-    if ours is not None and ours != loaded:
+    theirs = tuple(int(x) for x in ours.split(".")[:2] if x.isdigit())
+    if theirs != loaded[:2]:
+        dotted = ".".join(str(v) for v in loaded)
         raise ConfigError(
-            f"--megatron-path = {path!r}: its megatron-core is {ours} but megatron-core {loaded} is "
+            f"--megatron-path = {path!r}: its megatron-core is {ours} but megatron-core {dotted} is "
             f"installed ({location}) and already imported; install the matching release "
-            f"(pip install megatron-core=={ours}) or check out the Megatron-LM tag core_v{loaded}"
+            f"(pip install megatron-core=={ours}) or check out the Megatron-LM tag for "
+            f"{loaded[0]}.{loaded[1]}"
         )
+
+
+def _missing_module_line(err: ModuleNotFoundError) -> str:
+    return (
+        f"megatron_ssd: Megatron-LM's training scripts need the module {err.name!r}, which is not "
+        f"installed; {_EXTRA_HINT} installs what they import"
+    )
 
 
 def _exit_code(code: object) -> int:
@@ -164,6 +190,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         argv: arguments after the program name (default ``sys.argv[1:]``).
     """
     argv = list(sys.argv[1:] if argv is None else argv)
+    cpu, argv = take_flag(argv, "--cpu")
     try:
         path, rest = split_megatron_path(argv)
         script = find_pretrain_script(path)
@@ -171,6 +198,11 @@ def main(argv: Optional[List[str]] = None) -> int:
             sys.path.remove(path)
         sys.path.insert(0, path)
         check_megatron_core(path)
+        if cpu:
+            from .cpu_pretrain import add_cpu_flags, single_process_env
+
+            rest = add_cpu_flags(rest)
+            single_process_env()
     except MegatronSSDError as err:
         print(err, file=sys.stderr)
         return 2
@@ -179,12 +211,23 @@ def main(argv: Optional[List[str]] = None) -> int:
     saved_argv = sys.argv
     sys.argv = [script] + rest
     try:
-        integration.prepare_pretrain()
-        runpy.run_path(script, run_name="__main__")
+        integration.prepare_pretrain(cpu=cpu)
+        if cpu:
+            from .cpu_pretrain import cpu_pretrain_run
+
+            with cpu_pretrain_run():
+                runpy.run_path(script, run_name="__main__")
+        else:
+            runpy.run_path(script, run_name="__main__")
     except SystemExit as exc:
         return _exit_code(exc.code)
     except MegatronSSDError as err:
         print(err, file=sys.stderr)
+        return 2
+    except ModuleNotFoundError as err:
+        if err.name is None or err.name.split(".")[0] in ("megatron", "megatron_ssd", "torch"):
+            raise
+        print(_missing_module_line(err), file=sys.stderr)
         return 2
     finally:
         sys.argv = saved_argv

@@ -20,6 +20,7 @@ from megatron.core import pipeline_parallel
 
 from ..cache import StepStats, TensorCache
 from ..errors import ConfigError
+from . import compat
 from .layer import assign_layer_ids
 
 __all__ = ["OffloadSchedule", "get_forward_backward_func", "set_default_cache", "get_default_cache", "check_no_megatron_offload"]
@@ -42,9 +43,12 @@ def check_no_megatron_offload(config: Any) -> None:
     """Refuse megatron-core's own activation offloading next to ours.
 
     Raises:
-        ConfigError: ``cpu_offloading`` or ``fine_grained_activation_offloading`` is on.
+        ConfigError: ``cpu_offloading``, ``fine_grained_activation_offloading`` or (0.18+)
+            ``moe_paged_stash`` is on.
     """
-    for name in ("cpu_offloading", "fine_grained_activation_offloading"):
+    for name in ("cpu_offloading", "fine_grained_activation_offloading") + tuple(
+        attr for attr, _, _ in compat.CONFLICTING_FLAGS
+    ):
         if getattr(config, name, False):
             raise ConfigError(
                 f"TransformerConfig.{name} = True: megatron-core's own activation offloading cannot be "
@@ -129,19 +133,20 @@ def get_forward_backward_func(
     vp_size: Optional[int] = None,
     *,
     cache: Optional[TensorCache] = None,
-    **schedule_kwargs: Any,
+    finish_step: bool = True,
+    on_step: Optional[Callable[[StepStats], None]] = None,
+    **megatron_kwargs: Any,
 ) -> Callable[..., Any]:
     """megatron-core's ``get_forward_backward_func``, offload-aware.
 
-    Same arguments and same returned call signature as megatron-core's. With no cache
-    (none given, none set by :func:`set_default_cache`) it returns Megatron's function
-    unchanged.
+    Same arguments and same returned call signature as megatron-core's (including
+    0.19's ``schedule_pg_collection=``, see :func:`~.compat.schedule_kwargs`). With no
+    cache (none given, none set by :func:`set_default_cache`) it returns Megatron's
+    function unchanged. ``finish_step`` and ``on_step`` are :class:`OffloadSchedule`'s.
     """
-    try:
-        inner = pipeline_parallel.get_forward_backward_func(pp_size, vp_size)
-    except TypeError:  # releases whose function takes no arguments
-        inner = pipeline_parallel.get_forward_backward_func()
+    lookup = pipeline_parallel.get_forward_backward_func
+    inner = lookup(pp_size, vp_size, **compat.schedule_kwargs(lookup, megatron_kwargs))
     cache = cache if cache is not None else _DEFAULT_CACHE
     if cache is None:
         return inner
-    return OffloadSchedule(inner, cache, **schedule_kwargs)
+    return OffloadSchedule(inner, cache, finish_step=finish_step, on_step=on_step)

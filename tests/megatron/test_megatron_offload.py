@@ -148,7 +148,7 @@ def test_offload_layer_spec_accepts_block_specs_and_rejects_others():
     assert block.layer_specs[0].module is not OffloadTransformerLayer, "input left unchanged"
     assert offload_layer_spec(offload_layer_spec(layer)).module is OffloadTransformerLayer
     with pytest.raises(ConfigError, match="must be megatron-core's TransformerLayer"):
-        offload_layer_spec(layer.submodules.mlp)
+        offload_layer_spec(ModuleSpec(module=torch.nn.Linear))  # a spec, but not of a layer
     with pytest.raises(ConfigError, match="must be a ModuleSpec"):
         offload_layer_spec("not a spec")
 

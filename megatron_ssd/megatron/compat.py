@@ -1,0 +1,138 @@
+"""Every difference between the Megatron releases megatron-ssd supports, in one place.
+
+Supported: megatron-core 0.16.1 through 0.19.x, and Megatron-LM's training scripts at the
+tags ``core_v0.16.1`` and ``core_v0.19.0`` (docs/compatibility.md). Code elsewhere in
+``megatron_ssd`` asks this module instead of testing versions itself; each difference
+below is named by the release that introduced it.
+
+# NOTE [Release differences]
+- megatron-core 0.17: wheels for Python 3.12 only (packaging; no code difference here).
+- megatron-core 0.18: ``TransformerConfig.moe_paged_stash`` (``--moe-paged-stash``) keeps
+  routed-expert activations in a paged buffer through its own saved-tensor hooks; it
+  would take the tensors ssd offload takes, so the two are refused together
+  (:data:`CONFLICTING_FLAGS`).
+- megatron-core 0.19: ``get_forward_backward_func(pp_size, vp_size,
+  schedule_pg_collection=None)``; Megatron-LM core_v0.19.0's ``train()`` passes the
+  keyword (:func:`schedule_kwargs`).
+- megatron-core 0.19: ``HybridModel`` built from a ``HybridStack`` spec
+  (:func:`hybrid_stack_classes`); ``GPTModel`` logs that it is deprecated in its favour.
+- Megatron-LM core_v0.19.0: ``pretrain_gpt.py`` calls ``parse_and_validate_args()``
+  itself and hands ``pretrain()`` a config container; ``initialize_megatron`` no longer
+  parses (``megatron.training.initialize`` has no ``parse_args``); the model is built by
+  ``megatron.training.models.gpt.GPTModelBuilder`` through that module's name
+  ``GPTModel`` (:data:`MODEL_CLASS_SITES`); ``--use-legacy-models`` and the legacy fused
+  kernels are gone.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from typing import Any, Dict, Optional, Tuple
+
+from ..errors import ConfigError
+
+__all__ = [
+    "CONFLICTING_FLAGS",
+    "MODEL_CLASS_SITES",
+    "OLDEST",
+    "PARSE_ARGS_MODULES",
+    "SUPPORTED_BELOW",
+    "check_supported",
+    "core_version",
+    "hybrid_stack_classes",
+    "schedule_kwargs",
+]
+
+OLDEST: Tuple[int, int, int] = (0, 16, 1)
+"""The oldest megatron-core release supported (and tested)."""
+SUPPORTED_BELOW: Tuple[int, int] = (0, 20)
+"""The first megatron-core release not yet supported (untested)."""
+
+PARSE_ARGS_MODULES: Tuple[str, ...] = ("megatron.training.arguments", "megatron.training.initialize")
+"""Modules whose ``parse_args`` name the launcher wraps, where they have one.
+
+core_v0.16.1: ``initialize_megatron`` calls the name it imported into
+``megatron.training.initialize``; ``inprocess_restart`` and ``parse_and_validate_args``
+(core_v0.19.0) call ``megatron.training.arguments.parse_args``."""
+
+MODEL_CLASS_SITES: Tuple[Tuple[str, str], ...] = (
+    ("gpt_builders", "GPTModel"),  # core_v0.16.1 and core_v0.19.0: gpt_builder()
+    ("megatron.training.models.gpt", "GPTModel"),  # core_v0.19.0: GPTModelBuilder.build_model()
+    ("hybrid_builders", "HybridModel"),  # core_v0.19.0: hybrid_builder()
+    ("megatron.training.models.hybrid", "HybridModel"),  # core_v0.19.0: HybridModelBuilder
+)
+"""``(module, name)`` of every model class a Megatron-LM builder calls with
+``transformer_layer_spec=`` (GPT) or ``hybrid_stack_spec=`` (hybrid); each present one is
+replaced by a factory that makes the spec offload-aware."""
+
+CONFLICTING_FLAGS: Tuple[Tuple[str, str, str], ...] = (
+    (
+        "moe_paged_stash", "--moe-paged-stash",  # megatron-core 0.18
+        "the MoE paged stash keeps expert activations through its own saved-tensor hooks, "
+        "which would take the tensors ssd offload takes; remove one of them",
+    ),
+)
+"""``(args attribute, flag, rule)`` of Megatron options added after 0.16.1 that install
+their own saved-tensor hooks; a truthy value is refused together with ``--ssd-offload``."""
+
+
+def core_version() -> Tuple[int, int, int]:
+    """``(major, minor, patch)`` of the installed megatron-core.
+
+    Read from ``megatron.core.package_info`` (its ``__version__`` can carry a local
+    suffix such as ``+<git hash>`` of the current directory).
+    """
+    info = importlib.import_module("megatron.core.package_info")
+    return int(info.MAJOR), int(info.MINOR), int(info.PATCH)
+
+
+def _dotted(version: Tuple[int, ...]) -> str:
+    return ".".join(str(v) for v in version)
+
+
+def check_supported(version: Optional[Tuple[int, int, int]] = None) -> Tuple[int, int, int]:
+    """Refuse a megatron-core outside the supported range; return its version.
+
+    Raises:
+        ConfigError: naming the installed release and the supported range.
+    """
+    version = core_version() if version is None else version
+    if version < OLDEST or version[:2] >= SUPPORTED_BELOW:
+        raise ConfigError(
+            f"megatron-core = {_dotted(version)}: megatron-ssd supports {_dotted(OLDEST)} through "
+            f"{SUPPORTED_BELOW[0]}.{SUPPORTED_BELOW[1] - 1}.x; install one of those "
+            f"(pip install 'megatron-core>={_dotted(OLDEST)},<{_dotted(SUPPORTED_BELOW)}')"
+        )
+    return version
+
+
+def schedule_kwargs(function: Any, kwargs: Dict[str, Any]) -> Dict[str, Any]:
+    """The subset of ``kwargs`` that megatron-core's ``get_forward_backward_func`` takes.
+
+    megatron-core 0.19 added ``schedule_pg_collection``; a keyword the installed release
+    does not take is dropped when its value is None and refused otherwise.
+
+    Raises:
+        ConfigError: a keyword with a value that this megatron-core cannot honour.
+    """
+    accepted = inspect.signature(function).parameters
+    kept = {}
+    for name, value in kwargs.items():
+        if name in accepted:
+            kept[name] = value
+        elif value is not None:
+            raise ConfigError(
+                f"get_forward_backward_func({name}=...): megatron-core {_dotted(core_version())} "
+                f"does not take this argument (it arrived in a later release)"
+            )
+    return kept
+
+
+def hybrid_stack_classes() -> Tuple[type, type]:
+    """``(HybridStack, HybridStackSubmodules)`` of megatron-core 0.19+, or ``()`` before."""
+    try:
+        block = importlib.import_module("megatron.core.models.hybrid.hybrid_block")
+    except ImportError:
+        return ()  # type: ignore[return-value]
+    return block.HybridStack, block.HybridStackSubmodules
