@@ -151,6 +151,44 @@ def test_hybrid_layer_ids_are_unique(world):
     assert [layer.layer_id for layer in layers] == [layer.layer_number for layer in model.decoder.layers]
 
 
+def test_hybrid_mtp_layers_stay_stock(world):
+    """HybridModel builds each MTP depth's inner stack from the same submodules as its
+    decoder; only the decoder's layers become offload-aware (NOTE [Hybrid stack])."""
+    from megatron.core.models.hybrid.hybrid_model import HybridModel
+    from megatron.core.tensor_parallel import ColumnParallelLinear
+    from megatron.core.transformer.multi_token_prediction import (
+        MultiTokenPredictionBlock,
+        MultiTokenPredictionBlockSubmodules,
+        MultiTokenPredictionLayer,
+        MultiTokenPredictionLayerSubmodules,
+    )
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    norm = WrappedTorchNorm
+    mtp_layer = MultiTokenPredictionLayerSubmodules(
+        enorm=norm, hnorm=norm, eh_proj=ColumnParallelLinear, layer_norm=norm
+    )
+    mtp = ModuleSpec(
+        module=MultiTokenPredictionBlock,
+        submodules=MultiTokenPredictionBlockSubmodules(
+            layer_specs=[ModuleSpec(module=MultiTokenPredictionLayer, submodules=mtp_layer)]
+        ),
+    )
+    submodules = _local_submodules(mtp_block_spec=mtp)
+    spec = ModuleSpec(module=HYBRID[0], submodules=submodules, params={"post_layer_norm": False})
+    torch.manual_seed(11)
+    config = tiny_transformer_config(num_layers=len(PATTERN), hidden_size=64, num_attention_heads=4, mtp_num_layers=2)
+    with cpu_mode():
+        model = HybridModel(
+            config, offload_layer_spec(spec), vocab_size=VOCAB, max_sequence_length=SEQ,
+            hybrid_layer_pattern=f"{PATTERN}/*-/*-", position_embedding_type="learned_absolute",
+        )
+    assert [type(layer) for layer in model.decoder.layers] == [OffloadTransformerLayer, OffloadMLPLayer] * 2
+    inner = [layer for depth in model.mtp.layers for layer in depth.mtp_model_layer.layers]
+    assert [type(layer) for layer in inner] == [TransformerLayer, MLPLayer] * 2
+    assert [layer.layer_id for layer in assign_layer_ids([model])] == [1, 2, 3, 4]
+
+
 def test_offload_layer_spec_on_hybrid_stack_spec():
     stack_class, submodules_class = HYBRID
     spec = _stack_spec()
