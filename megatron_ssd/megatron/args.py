@@ -29,6 +29,7 @@ from . import compat
 __all__ = [
     "SSD_FLAGS",
     "add_ssd_offload_args",
+    "ssd_offload_help",
     "chain_args_providers",
     "expand_path",
     "offload_config_from_args",
@@ -132,6 +133,12 @@ def add_ssd_offload_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     for f in SSD_FLAGS:
         group.add_argument(f.flag, dest=f.dest, default=None, type=f.kind, choices=f.choices, metavar=f.metavar, help=f.help)
     return parser
+
+
+def ssd_offload_help(prog: str, usage: str) -> str:
+    """The ``--help`` text of the ``ssd offload`` flags alone (no Megatron parser needed)."""
+    parser = argparse.ArgumentParser(prog=prog, usage=usage, add_help=False, allow_abbrev=False)
+    return add_ssd_offload_args(parser).format_help()
 
 
 def chain_args_providers(*providers: Optional[ArgsProvider]) -> ArgsProvider:

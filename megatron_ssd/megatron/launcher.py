@@ -174,6 +174,19 @@ def _missing_module_line(err: ModuleNotFoundError) -> str:
     )
 
 
+def _help() -> str:
+    from .args import ssd_offload_help
+
+    return (
+        ssd_offload_help("megatron-ssd pretrain-gpt", _USAGE.split("usage: ", 1)[1])
+        + "\nlauncher:\n"
+        "  --megatron-path DIR   the Megatron-LM checkout holding pretrain_gpt.py (default $MEGATRON_LM_PATH)\n"
+        "  --cpu                 run on a machine without CUDA, over gloo (docs/megatron-lm.md, CPU runs)\n"
+        "\nEvery other argument goes to pretrain_gpt.py; its own flags: python pretrain_gpt.py --help in the\n"
+        "checkout (Megatron-LM core_v0.19.0's --help fails with a ValueError of its own; docs/megatron-lm.md)."
+    )
+
+
 def _exit_code(code: object) -> int:
     if code is None:
         return 0
@@ -190,6 +203,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         argv: arguments after the program name (default ``sys.argv[1:]``).
     """
     argv = list(sys.argv[1:] if argv is None else argv)
+    if "-h" in argv or "--help" in argv:
+        print(_help())
+        return 0
     cpu, argv = take_flag(argv, "--cpu")
     try:
         path, rest = split_megatron_path(argv)

@@ -15,6 +15,7 @@ import torch
 from megatron.core.models.bert.bert_layer_specs import bert_layer_local_spec
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.models.T5.t5_spec import decoder_model_with_local_spec, encoder_model_with_local_spec
+from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
 from megatron_ssd import IOConfig, OffloadConfig, Placement, TensorCache
