@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import atexit
 import importlib.util
 import os
+import shutil
+import tarfile
+import tempfile
 
 import pytest
 import torch
@@ -26,9 +30,41 @@ _SKIPS = {
     "megatron_lm": (
         lambda: bool(os.environ.get("MEGATRON_LM_PATH"))
         and os.path.isfile(os.path.join(os.environ["MEGATRON_LM_PATH"], "pretrain_gpt.py")),
-        "needs a Megatron-LM checkout: set MEGATRON_LM_PATH to a directory holding pretrain_gpt.py",
+        "needs a Megatron-LM checkout: set MEGATRON_LM_PATH to a directory holding pretrain_gpt.py "
+        "(or keep shared/megatron-lm/ beside the repository)",
     ),
 }
+
+
+REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
+MEGATRON_LM_ARCHIVES = os.path.join(REPO, "..", "shared", "megatron-lm")
+"""Unmodified source archives of Megatron-LM releases (shared/megatron-lm/README.md)."""
+MEGATRON_LM_TAGS = {(0, 16): "core_v0.16.1", (0, 19): "core_v0.19.0"}
+"""The Megatron-LM tag whose training scripts run on each megatron-core release line."""
+
+
+def megatron_lm_tag() -> str | None:
+    """The Megatron-LM tag matching the installed megatron-core, or None."""
+    from megatron_ssd.megatron.compat import core_version
+
+    return MEGATRON_LM_TAGS.get(core_version()[:2])
+
+
+def pytest_configure(config):
+    """Unpack the Megatron-LM archive matching the installed megatron-core into a temporary
+    directory and name it in ``MEGATRON_LM_PATH``, unless that is set already: so the
+    ``megatron_lm`` tests run Megatron-LM's real scripts wherever the archives are."""
+    if os.environ.get("MEGATRON_LM_PATH"):
+        return
+    tag = megatron_lm_tag()
+    archive = os.path.join(MEGATRON_LM_ARCHIVES, f"Megatron-LM-{tag}.tar.gz")
+    if tag is None or not os.path.isfile(archive):
+        return
+    root = tempfile.mkdtemp(prefix="megatron-lm-")
+    atexit.register(shutil.rmtree, root, True)
+    with tarfile.open(archive) as tar:
+        tar.extractall(root, filter="data")
+    os.environ["MEGATRON_LM_PATH"] = os.path.join(root, f"Megatron-LM-{tag}")
 
 
 def pytest_collection_modifyitems(config, items):

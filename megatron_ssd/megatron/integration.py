@@ -372,11 +372,13 @@ def install(args: Any) -> Optional[TensorCache]:
         The tensor cache, or None when ``--ssd-offload`` is absent (nothing changed).
 
     Raises:
-        ConfigError: bad or conflicting flags, unusable offload directories.
+        ConfigError: bad or conflicting flags, unusable offload directories, a
+            megatron-core outside the supported range.
     """
     global _STATE
     if _STATE is not None:
         return _STATE.cache
+    compat.check_supported()
     validate_ssd_offload_args(args)
     rank, local_rank = _process_ranks(args)
     config = offload_config_from_args(args, rank=rank, local_rank=local_rank, make_rank_dirs=True)

@@ -1,8 +1,7 @@
 """The pretrain_gpt.py launcher, the install hooks and the Megatron-LM patch.
 
-Tests without a marker run everywhere (fake Megatron-LM modules, a fake checkout). Tests
-marked ``megatron_lm`` use the real checkout named by ``MEGATRON_LM_PATH`` (tag
-core_v0.16.1) on CPU; they skip without it.
+These tests use fake Megatron-LM modules and a fake checkout, and run everywhere; the
+real Megatron-LM scripts are run by ``test_megatron_lm_pretrain.py``.
 """
 
 from __future__ import annotations
@@ -10,8 +9,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
-import shutil
 import subprocess
 import sys
 import textwrap
@@ -26,9 +23,6 @@ from megatron_ssd.megatron.launcher import check_megatron_core, find_pretrain_sc
 from megatron_ssd.megatron.schedules import OffloadSchedule, get_default_cache
 
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
-PATCH = os.path.join(REPO, "patches", "megatron-lm-core_v0.16.1.patch")
-TAG = "core_v0.16.1"
-CHECKOUT = os.environ.get("MEGATRON_LM_PATH", "")
 
 
 def _env(**extra: str) -> dict:
@@ -297,169 +291,3 @@ def test_launcher_without_ssd_offload_is_plain(fake_checkout, tmp_path):
     assert "megatron_ssd: --ssd-offload-io-threads = '4': given without --ssd-offload" in run.stderr
     run = _launch(fake_checkout, out, "--ssd-offlaod")
     assert run.returncode == 2 and "unrecognized arguments: --ssd-offlaod" in run.stderr
-
-
-# ------------------------------------------------------------ the real Megatron-LM checkout
-
-
-@pytest.mark.megatron_lm
-def test_real_parse_args_accepts_our_flags(monkeypatch, capsys):
-    from megatron_ssd.megatron.args import chain_args_providers, validate_ssd_offload_args
-
-    monkeypatch.syspath_prepend(CHECKOUT)
-    try:
-        import megatron.training.arguments as arguments
-    except ImportError as err:
-        pytest.skip(f"Megatron-LM's megatron.training does not import here: {err}")
-    if not os.path.abspath(arguments.__file__).startswith(os.path.abspath(CHECKOUT)):
-        pytest.skip(f"megatron.training was already imported from {arguments.__file__}")
-    provider = chain_args_providers(None, add_ssd_offload_args)
-    base = ["pretrain_gpt.py", "--num-layers", "2", "--ssd-offload", "--ssd-offload-paths", "/nvme/{local_rank}"]
-    monkeypatch.setattr(sys, "argv", base + ["--ssd-offload-io-threads", "3", "--ssd-offload-planner", "static"])
-    args = arguments.parse_args(provider)
-    assert (args.ssd_offload, args.ssd_offload_io_threads, args.ssd_offload_planner) == (True, 3, "static")
-    validate_ssd_offload_args(args)
-    monkeypatch.setattr(sys, "argv", base + ["--ssd-offlaod"])
-    with pytest.raises(SystemExit) as info:
-        arguments.parse_args(provider)
-    assert info.value.code == 2 and "unrecognized arguments: --ssd-offlaod" in capsys.readouterr().err
-    # The Megatron flags refused next to ours, under their real names in this tag.
-    for extra, message in [
-        (["--cpu-offloading-num-layers", "1"], "--cpu-offloading-num-layers = 1"),
-        (["--fine-grained-activation-offloading"], "--fine-grained-activation-offloading = True"),
-        (["--offload-modules", "core_attn"], "--offload-modules = ['core_attn']"),
-        (["--recompute-granularity", "full"], "--recompute-granularity = 'full'"),
-        (["--use-legacy-models"], "--use-legacy-models = True"),
-        (["--cuda-graph-impl", "local"], "--cuda-graph-impl = 'local'"),
-        (["--overlap-moe-expert-parallel-comm"], "--overlap-moe-expert-parallel-comm = True"),
-    ]:
-        monkeypatch.setattr(sys, "argv", base + extra)
-        with pytest.raises(ConfigError, match=re.escape(message)):
-            validate_ssd_offload_args(arguments.parse_args(provider))
-    monkeypatch.setattr(sys, "argv", base + ["--recompute-granularity", "selective"])
-    validate_ssd_offload_args(arguments.parse_args(provider))
-
-
-@pytest.mark.megatron_lm
-@pytest.mark.slow
-def test_launcher_runs_the_real_pretrain_gpt(tmp_path):
-    def launch(*argv):
-        cmd = [sys.executable, "-m", "megatron_ssd.megatron.launcher", "--megatron-path", CHECKOUT, *argv]
-        return subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=600)
-
-    run = launch("--num-layers", "2", "--ssd-offload-io-threads", "4")
-    if "ModuleNotFoundError" in run.stderr:
-        pytest.skip("Megatron-LM's pretrain_gpt.py does not import here: " + run.stderr.strip().splitlines()[-1])
-    assert run.returncode == 2, run.stderr[-2000:]
-    assert "megatron_ssd: --ssd-offload-io-threads = '4': given without --ssd-offload" in run.stderr
-    run = launch("--help")
-    assert run.returncode == 0 and "ssd offload:" in run.stdout and "--ssd-offload-max-inflight" in run.stdout
-
-
-_BUILD = '''
-import json, os, sys
-variant, offload_dir, spec_dir, patched_dir = sys.argv[1:5]
-sys.path[:0] = ([patched_dir] if variant == "patch" else []) + [os.environ["MEGATRON_LM_PATH"], spec_dir]
-try:
-    import megatron.training.training as training
-except ImportError as err:
-    print(f"Megatron-LM's megatron.training does not import here: {err}")
-    sys.exit(77)
-from megatron_ssd.megatron import integration
-from megatron_ssd.megatron.cpu_mode import cpu_mode
-from megatron_ssd.megatron.args import add_ssd_offload_args, chain_args_providers
-from megatron_ssd.megatron.harness import SyntheticData, gpt_forward_step
-from megatron_ssd.megatron.parallel import init_parallel
-
-sys.argv = ["pretrain_gpt.py", "--ssd-offload-paths", offload_dir + "/rank{rank}"] + (
-    "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --max-position-embeddings 32 "
-    "--micro-batch-size 2 --global-batch-size 4 --transformer-impl local --use-cpu-initialization "
-    "--no-gradient-accumulation-fusion --no-persist-layer-norm --spec cpu_spec SPEC --tokenizer-type "
-    "NullTokenizer --vocab-size 128 --mock-data --train-iters 2 --lr 1e-4 --log-interval 1 --ssd-offload "
-    "--ssd-offload-planner offload --ssd-offload-keep-last-layers 0 --ssd-offload-override min_tensor_bytes=0 "
-    "--ssd-offload-override io.direct=false").split()
-# initialize_megatron asserts CUDA and starts NCCL: on CPU it runs with allow_no_cuda and
-# without its model-parallel setup, which init_parallel then does on gloo.
-if variant == "launcher":
-    integration.prepare_pretrain()
-    import gpt_builders  # pretrain_gpt.py imports it before pretrain() runs
-    from model_provider import model_provider
-    training.initialize_megatron(allow_no_cuda=True, skip_mpu_initialization=True)  # parses, installs
-    provider = lambda **kw: model_provider(gpt_builders.gpt_builder, **kw)
-else:
-    import pretrain_gpt
-    training.initialize_megatron(extra_args_provider=chain_args_providers(None, add_ssd_offload_args),
-                                 allow_no_cuda=True, skip_mpu_initialization=True)
-    provider = pretrain_gpt.ssd_offload_model_provider  # installs, then builds
-init_parallel()
-model = provider(pre_process=True, post_process=True)
-schedule = training.get_forward_backward_func()
-data = SyntheticData("gpt", 2, 32, 128)
-with cpu_mode():
-    for step in range(2):
-        schedule(forward_step_func=gpt_forward_step, data_iterator=data(step), model=[model],
-                 num_microbatches=2, seq_length=32, micro_batch_size=2, forward_only=False)
-stats = integration._STATE.reporter.last
-print("RESULT " + json.dumps({
-    "layers": [type(l).__name__ for l in model.decoder.layers], "schedule": type(schedule).__name__,
-    "offloaded": stats.bytes_offloaded, "reloaded": stats.bytes_reloaded,
-    "paths": integration.installed_cache().config.paths}))
-integration.uninstall()
-'''
-
-
-def _run_build(variant: str, tmp_path) -> dict:
-    """Build the tag's GPT through its model_provider / gpt_builder on CPU and train 2 steps."""
-    (tmp_path / "cpu_spec.py").write_text(
-        "from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec\n"
-        "from megatron_ssd.megatron.attention import cpu_layer_spec\n"
-        "SPEC = cpu_layer_spec(get_gpt_layer_local_spec())\n"
-    )
-    patched = tmp_path / "patched"
-    if variant == "patch":
-        patched.mkdir()
-        shutil.copy(os.path.join(CHECKOUT, "pretrain_gpt.py"), patched)
-        subprocess.run(["git", "apply", PATCH], cwd=patched, check=True, capture_output=True)
-    offload = tmp_path / "offload"
-    offload.mkdir()
-    script = tmp_path / "build.py"
-    script.write_text(_BUILD)
-    cmd = [sys.executable, str(script), variant, str(offload), str(tmp_path), str(patched)]
-    run = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=600)
-    if run.returncode == 77:
-        pytest.skip(run.stdout.strip())
-    assert run.returncode == 0, run.stderr[-3000:]
-    line = next(l for l in run.stdout.splitlines() if l.startswith("RESULT "))
-    return json.loads(line[len("RESULT "):])
-
-
-@pytest.mark.megatron_lm
-@pytest.mark.slow
-@pytest.mark.parametrize("variant", ["launcher", "patch"])
-def test_tag_gpt_builder_makes_offload_layers_and_offloads(variant, tmp_path):
-    if variant == "patch" and shutil.which("git") is None:
-        pytest.skip("git is not installed")
-    result = _run_build(variant, tmp_path)
-    assert result["layers"] == ["OffloadTransformerLayer", "OffloadTransformerLayer"]
-    assert result["schedule"] == "OffloadSchedule"
-    assert result["offloaded"] > 0 and result["reloaded"] == result["offloaded"]
-    assert result["paths"] == [str(tmp_path / "offload" / "rank0")]
-
-
-def _git(*argv: str) -> subprocess.CompletedProcess:
-    return subprocess.run(["git", "-C", CHECKOUT, *argv], capture_output=True, text=True)
-
-
-@pytest.mark.megatron_lm
-def test_patch_applies():
-    if shutil.which("git") is None:
-        pytest.skip("git is not installed")
-    if _git("rev-parse", "--is-inside-work-tree").returncode != 0:
-        pytest.skip(f"MEGATRON_LM_PATH={CHECKOUT} is not a git checkout (git clone -b {TAG} ...)")
-    head, tag = _git("rev-parse", "HEAD"), _git("rev-parse", f"{TAG}^{{commit}}")
-    if tag.returncode != 0 or head.stdout != tag.stdout:
-        pytest.skip(f"MEGATRON_LM_PATH={CHECKOUT} is not checked out at {TAG}")
-    if _git("apply", "--check", "--reverse", PATCH).returncode == 0:
-        pytest.skip(f"the patch is already applied in {CHECKOUT}")
-    check = _git("apply", "--check", PATCH)
-    assert check.returncode == 0, check.stderr
