@@ -1,6 +1,6 @@
 """Run megatron-core's own schedules and p2p communication on a CPU-only machine.
 
-Megatron-core 0.16.1 is written for CUDA: a handful of spots in the pipeline schedules and
+Megatron-core (0.16.1 to 0.19.x) is written for CUDA: a handful of spots in the pipeline schedules and
 the p2p communicator allocate on ``"cuda"`` or ask ``torch.cuda`` for the current device.
 :func:`cpu_mode` redirects exactly those spots to the CPU, so that
 ``forward_backward_no_pipelining``, ``forward_backward_pipelining_without_interleaving``
