@@ -39,15 +39,6 @@ _SKIPS = {
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 MEGATRON_LM_ARCHIVES = os.path.join(REPO, "..", "shared", "megatron-lm")
 """Unmodified source archives of Megatron-LM releases (shared/megatron-lm/README.md)."""
-MEGATRON_LM_TAGS = {(0, 16): "core_v0.16.1", (0, 19): "core_v0.19.0"}
-"""The Megatron-LM tag whose training scripts run on each megatron-core release line."""
-
-
-def megatron_lm_tag() -> str | None:
-    """The Megatron-LM tag matching the installed megatron-core, or None."""
-    from megatron_ssd.megatron.compat import core_version
-
-    return MEGATRON_LM_TAGS.get(core_version()[:2])
 
 
 def pytest_configure(config):
@@ -56,6 +47,8 @@ def pytest_configure(config):
     ``megatron_lm`` tests run Megatron-LM's real scripts wherever the archives are."""
     if os.environ.get("MEGATRON_LM_PATH"):
         return
+    from megatron_ssd.megatron.compat import megatron_lm_tag
+
     tag = megatron_lm_tag()
     archive = os.path.join(MEGATRON_LM_ARCHIVES, f"Megatron-LM-{tag}.tar.gz")
     if tag is None or not os.path.isfile(archive):

@@ -34,6 +34,7 @@ from ..errors import ConfigError
 
 __all__ = [
     "CONFLICTING_FLAGS",
+    "MEGATRON_LM_TAGS",
     "MODEL_CLASS_SITES",
     "OLDEST",
     "PARSE_ARGS_MODULES",
@@ -41,6 +42,7 @@ __all__ = [
     "check_supported",
     "core_version",
     "hybrid_stack_classes",
+    "megatron_lm_tag",
     "schedule_kwargs",
 ]
 
@@ -48,6 +50,10 @@ OLDEST: Tuple[int, int, int] = (0, 16, 1)
 """The oldest megatron-core release supported (and tested)."""
 SUPPORTED_BELOW: Tuple[int, int] = (0, 20)
 """The first megatron-core release not yet supported (untested)."""
+
+MEGATRON_LM_TAGS: Dict[Tuple[int, int], str] = {(0, 16): "core_v0.16.1", (0, 19): "core_v0.19.0"}
+"""The Megatron-LM tag whose training scripts the launcher and ``patches/`` support on each
+megatron-core release line (0.17 and 0.18 have none)."""
 
 PARSE_ARGS_MODULES: Tuple[str, ...] = ("megatron.training.arguments", "megatron.training.initialize")
 """Modules whose ``parse_args`` name the launcher wraps, where they have one.
@@ -89,6 +95,12 @@ def core_version() -> Tuple[int, int, int]:
 
 def _dotted(version: Tuple[int, ...]) -> str:
     return ".".join(str(v) for v in version)
+
+
+def megatron_lm_tag(version: Optional[Tuple[int, int, int]] = None) -> Optional[str]:
+    """The supported Megatron-LM tag for ``version`` (default: the installed megatron-core), or None."""
+    version = core_version() if version is None else version
+    return MEGATRON_LM_TAGS.get(version[:2])
 
 
 def check_supported(version: Optional[Tuple[int, int, int]] = None) -> Tuple[int, int, int]:

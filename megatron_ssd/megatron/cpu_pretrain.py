@@ -19,7 +19,7 @@ Each adaptation, with the Megatron-LM file:line it answers (core_v0.16.1 / core_
    ``torch.cuda.is_available()`` unless ``allow_no_cuda``. The launcher's
    ``initialize_megatron`` wrapper passes ``allow_no_cuda=True``
    (``integration._InitializeThenInstall``).
-2. ``initialize.py:319,366`` / ``:270,358``: ``_initialize_distributed`` sets up model
+2. ``initialize.py:319,360`` / ``:270,358``: ``_initialize_distributed`` sets up model
    parallelism only when ``torch.cuda.device_count() > 0``. While it runs,
    ``device_count`` reports 1 and ``set_device`` does nothing (:class:`_OneDevice`), so
    Megatron's own ``initialize_model_parallel`` call runs over the gloo process group.
@@ -46,7 +46,7 @@ Each adaptation, with the Megatron-LM file:line it answers (core_v0.16.1 / core_
    ``--no-persist-layer-norm`` and ``--no-gradient-accumulation-fusion`` (apex / CUDA
    fused kernels); ``--use-cpu-initialization``; ``--rerun-mode disabled`` (the rerun
    state machine saves CUDA RNG states, ``megatron/core/rerun_state_machine.py``);
-   ``--clip-grad 0`` (``megatron/core/optimizer/clip_grads.py:167`` / ``:170`` asserts
+   ``--clip-grad 0`` (``megatron/core/optimizer/clip_grads.py:167`` / ``:174`` asserts
    ``torch.cuda.FloatTensor`` gradients when clipping); ``--no-masked-softmax-fusion``,
    ``--no-bias-gelu-fusion``, ``--no-bias-dropout-fusion``, ``--no-rope-fusion`` (fused
    CUDA / TorchScript kernels).

@@ -162,8 +162,8 @@ def check_megatron_core(path: str) -> None:
         raise ConfigError(
             f"--megatron-path = {path!r}: its megatron-core is {ours} but megatron-core {dotted} is "
             f"installed ({location}) and already imported; install the matching release "
-            f"(pip install megatron-core=={ours}) or check out the Megatron-LM tag for "
-            f"{loaded[0]}.{loaded[1]}"
+            f"(pip install megatron-core=={ours}) or check out the Megatron-LM tag "
+            f"{compat.megatron_lm_tag(loaded) or 'of the same release line'}"
         )
 
 

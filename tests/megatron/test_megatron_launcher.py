@@ -291,3 +291,18 @@ def test_launcher_without_ssd_offload_is_plain(fake_checkout, tmp_path):
     assert "megatron_ssd: --ssd-offload-io-threads = '4': given without --ssd-offload" in run.stderr
     run = _launch(fake_checkout, out, "--ssd-offlaod")
     assert run.returncode == 2 and "unrecognized arguments: --ssd-offlaod" in run.stderr
+
+
+@pytest.mark.slow
+def test_launcher_names_the_extra_for_a_missing_megatron_lm_dependency(tmp_path):
+    root = tmp_path / "checkout"
+    for name, text in _FAKE_CHECKOUT.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(textwrap.dedent(text).lstrip())
+    (root / "pretrain_gpt.py").write_text("import megatron_lm_dependency_not_installed\n")
+    run = _launch(root, tmp_path / "out.json", "--num-layers", "2")
+    assert run.returncode == 2, run.stderr
+    assert run.stderr.strip().splitlines()[-1] == (
+        "megatron_ssd: Megatron-LM's training scripts need the module 'megatron_lm_dependency_not_installed', "
+        "which is not installed; pip install 'megatron-ssd[megatron-lm]' installs what they import"
+    )

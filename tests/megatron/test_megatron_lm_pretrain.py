@@ -23,7 +23,7 @@ from megatron_ssd.megatron import compat
 
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 CHECKOUT = os.environ.get("MEGATRON_LM_PATH", "")
-TAG = {(0, 16): "core_v0.16.1", (0, 19): "core_v0.19.0"}.get(compat.core_version()[:2])
+TAG = compat.megatron_lm_tag()
 PATCH = os.path.join(REPO, "patches", f"megatron-lm-{TAG}.patch")
 
 pytestmark = pytest.mark.megatron_lm
