@@ -6,17 +6,17 @@ Two entry points reach :func:`install`:
   calls :func:`prepare_pretrain` before running an unmodified ``pretrain_gpt.py``; it adds
   the ``--ssd-offload`` flags to Megatron's parser and calls ``install(get_args())`` once
   Megatron is initialized, before the model is built;
-- ``patches/megatron-lm-<tag>.patch`` edits ``pretrain_gpt.py`` to pass the flags and to
-  call ``install(get_args())`` before its model is built.
+- ``patches/megatron-lm-<tag>.patch`` edits ``pretrain_gpt.py`` to call
+  :func:`prepare_pretrain` itself, at the start of its ``__main__`` block.
 
 ``install`` builds the :class:`~megatron_ssd.cache.TensorCache` from the flags, makes it
 the default cache, has ``train`` / ``evaluate`` use the offload-aware schedule, has
 Megatron-LM's model builders apply :func:`~.layer.offload_layer_spec` to their layer spec
 (the sites are in :data:`~.compat.MODEL_CLASS_SITES`), prints each
 ``--log-interval``-th step's numbers on rank 0 and closes the cache at exit. Without
-``--ssd-offload`` it changes nothing. Every change to Megatron's modules is made by
-:func:`_patch` in this file, each under a ``NOTE [pretrain_gpt hook]`` block, and undone
-by :func:`uninstall`. What differs between releases comes from :mod:`.compat`.
+``--ssd-offload`` it changes nothing. Every change to Megatron's modules goes through
+:mod:`.patching`, each under a ``NOTE [pretrain_gpt hook]`` block here (or ``NOTE [CPU
+pretrain]`` in :mod:`.cpu_pretrain`), and is undone by :func:`uninstall`. What differs between releases comes from :mod:`.compat`.
 """
 
 from __future__ import annotations
