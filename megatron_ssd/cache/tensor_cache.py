@@ -83,7 +83,6 @@ class TensorCache(ScopeMixin, TransferMixin, StepAccountingMixin):
             engine = create_engine(config, rank=rank)
         self.engine = engine
         self._pid = os.getpid()
-        self._checksum_pending = config.io.checksum == "auto"
         self._lock = threading.RLock()
         self._tls = threading.local()
         self._layers: List[Hashable] = []

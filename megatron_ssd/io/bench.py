@@ -1,7 +1,7 @@
 """``megatron-ssd bench-io PATH...``: measure each offload path with the engine, suggest settings.
 
 For every path, and for a few (threads, block size) settings, the engine writes and reads
-back ``size`` bytes in 64 MiB blobs with O_DIRECT, exactly as during training. The best
+back ``size`` bytes in 64 MiB blobs with O_DIRECT and checksums, exactly as during training. The best
 setting is printed as config overrides.
 """
 
@@ -28,8 +28,7 @@ def measure_path(path: str, total_bytes: int, threads: int, block_bytes: int, bl
     """Write then read ``total_bytes`` under ``path``; return bytes/s of each direction."""
     from . import create_engine
 
-    io = IOConfig(engine="posix", threads=threads, block_bytes=block_bytes, max_inflight_bytes=4 * blob_bytes,
-                  checksum=False)
+    io = IOConfig(engine="posix", threads=threads, block_bytes=block_bytes, max_inflight_bytes=4 * blob_bytes)
     config = OffloadConfig(paths=[path], io=io, device="cpu")
     blob = torch.randint(0, 256, (blob_bytes,), dtype=torch.uint8)
     count = max(1, total_bytes // blob_bytes)

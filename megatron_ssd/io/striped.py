@@ -50,8 +50,8 @@ class Block:
     path_index: int
     file: str
     offset: int
-    expected: Optional[int] = None  # CRC32 to verify on read
-    checksum: Optional[int] = None  # CRC32 computed on write
+    expected: Optional[int] = None  # checksum to verify on read (io/checksum.py)
+    checksum: Optional[int] = None  # checksum computed on write
     skew: int = 0  # zero bytes before the payload at ``offset`` (NOTE [Skewed blocks])
 
     @property
@@ -74,7 +74,7 @@ class BlobOp:
     remaining: int = 0
     key: Any = None
     lock: threading.Lock = field(default_factory=threading.Lock)
-    checksum: bool = False  # compute CRC32s for this blob's blocks (writes)
+    checksum: bool = False  # compute checksums of this blob's blocks (writes)
     failed_path: Optional[int] = None  # path index of the block whose I/O failed first
 
 
@@ -177,11 +177,17 @@ class StripedEngine(Engine):
         self._inflight = 0
         self._closed = False
         self._stats = EngineStats(extra={"inflight_peak_bytes": 0, "zero_copy_bytes": 0, "staged_bytes": 0,
-                                         "crc_s": 0.0, "write_cpu_s": 0.0, "read_cpu_s": 0.0})
+                                         "checksum_s": 0.0, "write_cpu_s": 0.0, "read_cpu_s": 0.0})
         self._busy: Dict[str, List[float]] = {"write": [0, 0.0], "read": [0, 0.0]}  # [count, since]
         self._live: Dict[Any, int] = {}  # handle key -> reads in flight
         self._next_path = 0
         self._checksum = config.io.checksum != "off"
+        if not self._checksum:
+            logger.warning(
+                "megatron_ssd: io.checksum = off: blocks read back from %s are not verified, so a corrupted "
+                "byte on the drive would reach training unnoticed; remove the setting to verify them",
+                ", ".join(config.paths),
+            )
         self._failed: Dict[int, str] = {}  # path index -> why it left the rotation
 
     # ------------------------------------------------------------------ subclass hooks

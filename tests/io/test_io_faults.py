@@ -124,8 +124,8 @@ def test_corrupted_byte_is_detected(offload_dir, layout):
         with pytest.raises(ChecksumError) as info:
             engine.read(h, engine.alloc(n, "cpu")).get()
         msg = str(info.value)
-        assert bad.file in msg and f"offset {bad.offset}" in msg and f"{bad.checksum:#010x}" in msg
-        assert "expected CRC32" in msg and "got 0x" in msg
+        assert bad.file in msg and f"offset {bad.offset}" in msg and f"{bad.checksum:#018x}" in msg
+        assert "expected xxh3_64" in msg and "got 0x" in msg
         assert engine.stats().read_errors == 1
 
 

@@ -48,7 +48,7 @@ def _one_line(err: BaseException) -> str:
         ("min_tensor_bytes: -1\n", ["OffloadConfig.min_tensor_bytes = -1", "must be >= 0"]),
         ("min_free_bytes: -1GiB\n", ["OffloadConfig.min_free_bytes = -1073741824", "must be >= 0"]),
         ("prefetch_layers: -2\n", ["OffloadConfig.prefetch_layers = -2", "must be >= 0"]),
-        ("io:\n  checksum: sometimes\n", ["IOConfig.checksum = 'sometimes'", "must be one of ['auto', 'on', 'off']"]),
+        ("io:\n  checksum: sometimes\n", ["IOConfig.checksum = 'sometimes'", "must be one of ['on', 'off']"]),
         ("paths: [/a, /a/]\n", ["OffloadConfig.paths = ", "must not name a directory twice"]),
     ],
 )
