@@ -14,10 +14,11 @@ Subcommands::
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import List, Optional
 
-from .errors import MegatronSSDError
+from .errors import ConfigError, MegatronSSDError
 
 __all__ = ["main", "build_parser"]
 
@@ -103,6 +104,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         if args.command == "clean":
             from .io import remove_stale_runs
 
+            for path in args.paths:  # check every path before removing anything
+                if not os.path.isdir(path):
+                    rule = "is not a directory" if os.path.exists(path) else "does not exist"
+                    raise ConfigError(f"clean: path {path!r} {rule}: must be an offload directory")
             removed = [d for path in args.paths for d in remove_stale_runs(path)]
             for d in removed:
                 print(f"removed {d}")
