@@ -32,8 +32,23 @@ CHILD = textwrap.dedent(
     from megatron_ssd.config import Placement
 
     path, mode = sys.argv[1], sys.argv[2]
-    if mode == "sigterm-default":
+    if mode in ("sigterm-default", "sigterm-logged", "sigterm-stuck"):
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    if mode in ("sigterm-logged", "sigterm-stuck"):
+        import threading
+        from megatron_ssd.cache.exit_guard import EXIT_GUARD
+        from megatron_ssd.io import rundir
+        real_unlink = rundir._unlink
+
+        def logged(name, dir_fd):  # the order in which the run directory's files go
+            with open(sys.argv[3], "a") as log:
+                log.write(name + "\\n")
+            if mode == "sigterm-stuck" and name != rundir.MARKER:
+                threading.Event().wait()  # a drive that never answers
+            real_unlink(name, dir_fd)
+
+        rundir._unlink = logged
+        EXIT_GUARD.CLEANUP_DEADLINE_S = 0.5
     elif mode == "sigint":
         signal.signal(signal.SIGINT, signal.default_int_handler)  # whatever the parent left
     elif mode == "sigterm-chained":
@@ -58,10 +73,10 @@ CHILD = textwrap.dedent(
 )
 
 
-def _spawn(tmp_path, path, mode):
+def _spawn(tmp_path, path, mode, *extra):
     script = tmp_path / "child.py"
     script.write_text(CHILD)
-    return subprocess.Popen([sys.executable, str(script), path, mode], stdout=subprocess.PIPE,
+    return subprocess.Popen([sys.executable, str(script), path, mode, *extra], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=ENV)
 
 
@@ -140,6 +155,37 @@ def test_sigterm_and_sigint_remove_the_files_before_exit(tmp_path, offload_dir, 
     if mode == "sigterm-chained":
         assert "graceful handler ran" in out
     assert not os.path.exists(run_dir), f"{mode}: run directory left behind"
+    assert os.listdir(offload_dir) == []
+
+
+def test_sigterm_removes_the_data_before_the_marker(tmp_path, offload_dir):
+    log = tmp_path / "unlinked.txt"
+    proc = _spawn(tmp_path, offload_dir, "sigterm-logged", str(log))
+    run_dir = _run_dir_of(proc)
+    files = sorted(os.listdir(run_dir))
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=60) == -signal.SIGTERM, proc.stderr.read()
+    order = log.read_text().split()
+    assert sorted(order) == files and order[-1] == MARKER and "extents.bin" in order[:-1], order
+    assert os.listdir(offload_dir) == []
+
+
+def test_sigterm_with_a_hung_unlink_exits_anyway_and_clean_finishes(tmp_path, offload_dir):
+    """An unlink that never returns (a stalled drive): the process still dies of SIGTERM
+    after the deadline, says so, and leaves the marker so ``megatron-ssd clean`` can
+    finish the job."""
+    log = tmp_path / "unlinked.txt"
+    proc = _spawn(tmp_path, offload_dir, "sigterm-stuck", str(log))
+    run_dir = _run_dir_of(proc)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=60) == -signal.SIGTERM
+    err = proc.stderr.read()
+    assert "megatron_ssd: removing the offload files did not finish within 0.5 s; exiting anyway" in err, err
+    assert MARKER not in log.read_text().split(), "the marker must not go before the data"
+    assert os.path.isfile(os.path.join(run_dir, MARKER)) and "extents.bin" in os.listdir(run_dir)
+    res = subprocess.run([sys.executable, "-m", "megatron_ssd.cli", "clean", offload_dir],
+                         capture_output=True, text=True, env=ENV, timeout=120)
+    assert res.returncode == 0 and f"removed {run_dir}" in res.stdout, res.stdout + res.stderr
     assert os.listdir(offload_dir) == []
 
 
