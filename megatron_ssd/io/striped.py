@@ -89,8 +89,17 @@ class _Workers:
         self._threads = [
             threading.Thread(target=self._loop, args=(i,), name=f"{name}-{i}", daemon=True) for i in range(n)
         ]
-        for t in self._threads:
-            t.start()
+        started = []
+        try:
+            for t in self._threads:
+                t.start()
+                started.append(t)
+        except BaseException:
+            # the threads already running wait on the barrier: break it so they return
+            self._started.abort()
+            for t in started:
+                t.join()
+            raise
         self._started.wait()  # every worker runs at its priority before the first task
 
     def submit(self, priority: int, fn: Callable[..., None], *args: Any) -> None:
@@ -100,7 +109,10 @@ class _Workers:
         if not set_thread_priority(self._priority) and index == 0:
             logger.warning("megatron_ssd: io.priority = %r could not be applied on this system (Linux "
                            "only); the I/O threads run at normal priority", self._priority)
-        self._started.wait()
+        try:
+            self._started.wait()
+        except threading.BrokenBarrierError:  # a later worker failed to start
+            return
         while True:
             _, _, fn, args = self._q.get()
             if fn is None:
@@ -171,7 +183,14 @@ class StripedEngine(Engine):
         # slots only inside a syscall, so staging copies and checksums of the next
         # blocks overlap the transfers instead of leaving the disk idle between them.
         self._io_slots = threading.BoundedSemaphore(config.io.threads)
-        self._workers = _Workers(2 * config.io.threads, "megatron_ssd-io", config.io.priority)
+        try:
+            self._workers = _Workers(2 * config.io.threads, "megatron_ssd-io", config.io.priority)
+        except BaseException as e:  # no thread of ours is left running: close the run directories too
+            self._layout.close()
+            if not isinstance(e, Exception):
+                raise
+            raise OffloadIOError(f"cannot start the I/O engine's {2 * config.io.threads} worker threads "
+                                 f"(io.threads = {config.io.threads}): {e}") from e
         self._finalizer = weakref.finalize(self, _shutdown, self._workers, self._layout)
         self._cv = threading.Condition()
         self._inflight = 0

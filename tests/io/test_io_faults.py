@@ -240,3 +240,27 @@ def test_real_enospc_on_a_tiny_filesystem(tmp_path):
     if res.returncode != 0 and "mount" in res.stderr and "TINY" not in res.stdout:
         pytest.skip(f"cannot mount a tmpfs in a user namespace: {res.stderr.strip()[-200:]}")
     assert res.returncode == 0 and "TINY-OK" in res.stdout, res.stdout + res.stderr
+
+
+@pytest.mark.parametrize("fail_at", [0, 3])
+def test_worker_start_failure_closes_the_run_directory_and_stops_started_threads(offload_dir, monkeypatch, fail_at):
+    """The thread limit is hit after ``fail_at`` of the 4 workers started: the engine
+    constructor raises one clear error, and leaves no run directory and no thread."""
+    real_start = threading.Thread.start
+    starts = []
+
+    def start(self):
+        if self.name.startswith("megatron_ssd-io-"):
+            if len(starts) == fail_at:
+                raise RuntimeError("can't start new thread")
+            starts.append(self)
+        real_start(self)
+
+    monkeypatch.setattr(threading.Thread, "start", start)
+    config = OffloadConfig(paths=[offload_dir], io=IOConfig(engine="posix", threads=2))
+    with pytest.raises(OffloadIOError) as info:
+        PosixEngine(config)
+    assert str(info.value) == ("megatron_ssd: cannot start the I/O engine's 4 worker threads (io.threads = 2): "
+                               "can't start new thread")
+    assert os.listdir(offload_dir) == []
+    assert len(starts) == fail_at and not any(t.is_alive() for t in starts)
