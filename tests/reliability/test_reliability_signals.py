@@ -245,3 +245,51 @@ def test_no_handlers_from_other_threads(offload_dir):
     finally:
         caches[0].close()
     assert os.listdir(offload_dir) == []
+
+
+BENCH_CHILD = textwrap.dedent(
+    """
+    import signal, sys, time
+    from megatron_ssd import io as msd_io
+    from megatron_ssd.io import bench
+
+    path, mode = sys.argv[1], sys.argv[2]
+    if mode == "sigterm":
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    else:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    real_create, said = msd_io.create_engine, []
+
+    def slow_reads(op, file, offset, nbytes):  # a slow drive, so the signal lands mid-measurement
+        if op == "read":
+            if not said:
+                said.append(file)
+                print("READY", file, flush=True)
+            time.sleep(0.2)
+
+    msd_io.create_engine = lambda config, rank=None, fault=None: real_create(config, rank, slow_reads)
+    bench.run_bench_io([path], "64MiB")
+    """
+)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_bench_io_files_are_removed_on_sigterm_and_sigint(tmp_path, offload_dir, sig):
+    script = tmp_path / "bench_child.py"
+    script.write_text(BENCH_CHILD)
+    mode = "sigterm" if sig == signal.SIGTERM else "sigint"
+    proc = subprocess.Popen([sys.executable, str(script), offload_dir, mode], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=ENV)
+    line = proc.stdout.readline().split()
+    while line and line[0] != "READY":  # the table's header
+        line = proc.stdout.readline().split()
+    assert line, proc.stderr.read()
+    assert os.path.isfile(line[1]) and line[1].startswith(offload_dir)
+    proc.send_signal(sig)
+    code = proc.wait(timeout=120)
+    err = proc.stderr.read()
+    if sig == signal.SIGTERM:
+        assert code == -signal.SIGTERM, err
+    else:
+        assert code in (-signal.SIGINT, 1, 130) and "KeyboardInterrupt" in err, (code, err)
+    assert os.listdir(offload_dir) == [], "bench-io left its files behind"
