@@ -99,6 +99,11 @@ class IOConfig:
     or ``off`` (not recommended: a warning says so). ``true`` / ``false`` mean on / off;
     ``auto``, the old default, means ``on``. It costs about 0.06 CPU-s per GB moved."""
 
+    stall_warning_s: float = 60.0
+    """Seconds a read or write may go without progress before a WARNING names it (file,
+    offset, bytes, seconds waited), repeated every ``stall_warning_s`` while it stays
+    stuck: a stalled drive otherwise hangs training without a word. 0 turns it off."""
+
     priority: str = "normal"
     """Scheduling priority of the I/O worker threads (Linux): ``normal``; ``low``
     (nice 19: compute threads win whenever both want a core); ``idle``
@@ -265,6 +270,7 @@ _NON_NEGATIVE = {
     ("OffloadConfig", "keep_last_layers"),
     ("OffloadConfig", "prefetch_layers"),
     ("OffloadConfig", "min_free_bytes"),
+    ("IOConfig", "stall_warning_s"),
 }
 _CHOICES = {
     ("IOConfig", "engine"): ("auto", "posix", "kvikio"),

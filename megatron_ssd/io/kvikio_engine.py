@@ -96,6 +96,7 @@ class KvikioEngine(PosixEngine):
 
     def _gds(self, op_name: str, block: Block, part: torch.Tensor) -> None:
         """One cuFile pwrite / pread of the block's payload; errors become OffloadIOError."""
+        token = self._watch(op_name, block.file, block.offset, block.nbytes)
         try:
             if self.fault is not None:
                 err = self.fault(op_name, block.file, block.offset, block.nbytes)
@@ -111,6 +112,8 @@ class KvikioEngine(PosixEngine):
             raise io_error(op_name, block.file, block.offset, block.nbytes, e) from e
         except Exception as e:  # kvikio reports failures as RuntimeError
             raise io_error(op_name, block.file, block.offset, block.nbytes, OSError(errno.EIO, repr(e))) from e
+        finally:
+            self._watch_end(token)
         if moved != block.nbytes:
             short = OSError(errno.EIO, f"short {op_name} ({moved} of {block.nbytes} bytes)")
             raise io_error(op_name, block.file, block.offset, block.nbytes, short)

@@ -111,6 +111,7 @@ class PosixEngine(StripedEngine):
     def _transfer(self, op_name: str, fd: int, view: memoryview, file: str, offset: int) -> None:
         """Move all of ``view`` with pwrite / preadv, retrying short transfers."""
         done, total = 0, len(view)
+        token = self._watch(op_name, file, offset, total)
         try:
             while done < total:
                 if self.fault is not None:
@@ -125,10 +126,13 @@ class PosixEngine(StripedEngine):
                 if n <= 0:
                     raise OSError(errno.EIO, f"short {op_name} ({done} of {total} bytes)")
                 done += n
+                self._watch_progress(token, offset + done, total - done)
         except OffloadIOError:
             raise
         except OSError as e:
             raise io_error(op_name, file, offset + done, total - done, e) from e
+        finally:
+            self._watch_end(token)
 
     # NOTE [Skewed blocks]: PyTorch's CPU allocator aligns tensors to 64 bytes, and
     # O_DIRECT needs the memory aligned as the device asks (``statx`` STATX_DIOALIGN:

@@ -33,6 +33,7 @@ from ..config import OffloadConfig
 from ..errors import CacheStateError, ConfigError, OffloadIOError
 from .base import Engine, EngineStats, Extent, IOFuture, SwapHandle, align_up
 from .layout import Fault, Layout, io_error, make_layout
+from .watchdog import StallWatchdog
 
 __all__ = ["Block", "BlobOp", "StripedEngine"]
 
@@ -149,8 +150,10 @@ def set_thread_priority(priority: str) -> bool:
         return False
 
 
-def _shutdown(workers: _Workers, layout: Layout) -> None:
-    workers.shutdown()
+def _shutdown(workers: _Workers, layout: Layout, watchdog: Optional[StallWatchdog]) -> None:
+    workers.shutdown()  # waits for the requests in flight; the watchdog still warns about stuck ones
+    if watchdog is not None:
+        watchdog.stop()
     layout.close()
 
 
@@ -183,15 +186,22 @@ class StripedEngine(Engine):
         # slots only inside a syscall, so staging copies and checksums of the next
         # blocks overlap the transfers instead of leaving the disk idle between them.
         self._io_slots = threading.BoundedSemaphore(config.io.threads)
+        self._watchdog: Optional[StallWatchdog] = None
         try:
             self._workers = _Workers(2 * config.io.threads, "megatron_ssd-io", config.io.priority)
+            if config.io.stall_warning_s > 0:
+                try:
+                    self._watchdog = StallWatchdog(config.io.stall_warning_s)
+                except BaseException:
+                    self._workers.shutdown()
+                    raise
         except BaseException as e:  # no thread of ours is left running: close the run directories too
             self._layout.close()
             if not isinstance(e, Exception):
                 raise
             raise OffloadIOError(f"cannot start the I/O engine's {2 * config.io.threads} worker threads "
                                  f"(io.threads = {config.io.threads}): {e}") from e
-        self._finalizer = weakref.finalize(self, _shutdown, self._workers, self._layout)
+        self._finalizer = weakref.finalize(self, _shutdown, self._workers, self._layout, self._watchdog)
         self._cv = threading.Condition()
         self._inflight = 0
         self._closed = False
@@ -509,6 +519,18 @@ class StripedEngine(Engine):
         """Skew of the blocks of a blob written from ``src``: 0 here (no skew); see
         :meth:`PosixEngine._skew`."""
         return 0
+
+    def _watch(self, op: str, file: str, offset: int, nbytes: int) -> Optional[int]:
+        """Register a disk request with the stall watchdog (``io.stall_warning_s``)."""
+        return None if self._watchdog is None else self._watchdog.begin(op, file, offset, nbytes)
+
+    def _watch_progress(self, token: Optional[int], offset: int, nbytes: int) -> None:
+        if token is not None:
+            self._watchdog.progress(token, offset, nbytes)  # type: ignore[union-attr]
+
+    def _watch_end(self, token: Optional[int]) -> None:
+        if token is not None:
+            self._watchdog.end(token)  # type: ignore[union-attr]
 
     def _count(self, name: str, nbytes: int) -> None:
         with self._cv:
