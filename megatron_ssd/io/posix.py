@@ -191,7 +191,7 @@ class PosixEngine(StripedEngine):
 
     def _write_block(self, op: BlobOp, block: Block) -> None:
         src = op.tensor
-        fd = op.fds[block.file]
+        fd = block.fd
         d = Digest() if op.checksum else None
         for lo, hi, disk, lead, in_place in self._segments(src, block):
             n = hi - lo
@@ -224,7 +224,7 @@ class PosixEngine(StripedEngine):
 
     def _read_block(self, op: BlobOp, block: Block) -> None:
         dst = op.tensor
-        fd = op.fds[block.file]
+        fd = block.fd
         d = Digest() if block.expected is not None else None
         for lo, hi, disk, lead, in_place in self._segments(dst, block):
             n = hi - lo

@@ -17,6 +17,7 @@ from __future__ import annotations
 import abc
 
 import copy
+import errno
 import itertools
 import logging
 import os
@@ -54,6 +55,7 @@ class Block:
     expected: Optional[int] = None  # checksum to verify on read (io/checksum.py)
     checksum: Optional[int] = None  # checksum computed on write
     skew: int = 0  # zero bytes before the payload at ``offset`` (NOTE [Skewed blocks])
+    fd: int = -1  # descriptor of ``file`` while a worker moves the block (NOTE [Descriptors])
 
     @property
     def length(self) -> int:
@@ -69,7 +71,6 @@ class BlobOp:
     tensor: Optional[torch.Tensor]
     blocks: List[Block]
     future: IOFuture
-    fds: Dict[str, int] = field(default_factory=dict)
     ready: Any = None  # CUDA event recorded on the caller's stream at submit time
     error: Optional[BaseException] = None
     remaining: int = 0
@@ -218,6 +219,7 @@ class StripedEngine(Engine):
                 ", ".join(config.paths),
             )
         self._failed: Dict[int, str] = {}  # path index -> why it left the rotation
+        self._fd_warned = False
 
     # ------------------------------------------------------------------ subclass hooks
 
@@ -400,12 +402,6 @@ class StripedEngine(Engine):
             self._busy_change(op.kind, +1)
         try:
             self._prepare(op)
-            for file, index in {(b.file, b.path_index) for b in op.blocks}:
-                try:
-                    op.fds[file] = self._layout.acquire(file, index)
-                except OSError as e:
-                    op.failed_path = index
-                    raise io_error("open", file, 0, op.future.nbytes, e) from e
         except BaseException as e:
             op.error = e
             op.remaining = 1
@@ -414,14 +410,47 @@ class StripedEngine(Engine):
         for b in op.blocks:
             self._workers.submit(priority, self._run_block, op, b)
 
+    # NOTE [Descriptors]: a block's file descriptor is taken by the worker that moves the
+    # block, just before the transfer, and given back right after it, so descriptors in
+    # use are bounded by the workers (2 x io.threads) plus the extent layout's one file
+    # per path, never by the blobs in flight. The layout shares one descriptor per file
+    # between the workers using it (reference counts). A worker that finds the process out
+    # of descriptors (EMFILE, ENFILE) waits for others to be given back and tries again,
+    # for up to FD_WAIT_S, with one warning: the data is intact, only the fd is missing.
+
+    FD_WAIT_S = 60.0
+    """How long a worker waits for a file descriptor when the process has none left."""
+
+    def _acquire_fd(self, op: BlobOp, block: Block) -> int:
+        delay, waited = 0.001, 0.0
+        while True:
+            try:
+                return self._layout.acquire(block.file, block.path_index)
+            except OSError as e:
+                if e.errno not in (errno.EMFILE, errno.ENFILE) or waited >= self.FD_WAIT_S:
+                    raise io_error("open", block.file, block.offset, block.nbytes, e, block.path_index) from e
+                if not self._fd_warned:
+                    self._fd_warned = True
+                    logger.warning("megatron_ssd: no file descriptor left to open %s (%s); I/O waits for "
+                                   "descriptors to be closed (raise `ulimit -n`, or lower io.threads)",
+                                   block.file, errno.errorcode[e.errno])
+                time.sleep(delay)
+                waited += delay
+                delay = min(2 * delay, 0.1)
+
     def _run_block(self, op: BlobOp, block: Block) -> None:
         started = time.thread_time()
         if op.error is None:  # blocks after a failed one are skipped
             try:
-                if op.kind == "write":
-                    self._write_block(op, block)
-                else:
-                    self._read_block(op, block)
+                block.fd = self._acquire_fd(op, block)  # NOTE [Descriptors]
+                try:
+                    if op.kind == "write":
+                        self._write_block(op, block)
+                    else:
+                        self._read_block(op, block)
+                finally:
+                    self._layout.release(block.file)
+                    block.fd = -1
             except BaseException as e:
                 with op.lock:
                     if op.error is None:
@@ -445,14 +474,11 @@ class StripedEngine(Engine):
     def _finish(self, op: BlobOp) -> None:
         # NOTE [Blob completion]: runs once, on the worker that finished the blob's last
         # block, so no block of it can still touch its file space or its tensor.
-        # Order: release fds; on a failed write free the extents (only now: an earlier
+        # Order: on a failed write free the extents (only now: an earlier
         # free could hand them to another blob while a block of this one still writes);
         # release in-flight bytes so blocked writers proceed; drop the tensor; complete
         # the future. Done-callbacks run on this worker thread: they must not block on
         # this engine (a blocking write there can wait for workers that never come).
-        for file in op.fds:
-            self._layout.release(file)
-        op.fds.clear()
         error = op.error
         if op.kind == "write" and isinstance(error, OSError):
             self._path_failed(op.failed_path, error)
