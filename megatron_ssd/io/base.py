@@ -54,7 +54,8 @@ class Extent:
     file: Optional[str] = None
     """The file holding this extent (the per-tensor file in the ``file`` layout)."""
     checksum: Optional[int] = None
-    """CRC32 of the extent's payload bytes (without padding), when checksums are on."""
+    """Checksum (xxh3_64, :mod:`megatron_ssd.io.checksum`) of the extent's payload bytes
+    (without padding), when checksums are on."""
     skew: int = 0
     """Zero bytes before the payload in the extent's first page: the source memory's
     offset from a page boundary, so the payload's whole pages move straight from and to
@@ -226,9 +227,9 @@ class Engine(abc.ABC):
         """Wait for in-flight I/O, delete every file and run directory; idempotent."""
 
     def set_checksum(self, enabled: bool) -> None:
-        """Compute CRC32s for blobs written from now on, or stop computing them.
+        """Compute checksums for blobs written from now on, or stop computing them.
 
-        Blobs already written with a CRC are still verified when read. Engines without
+        Blobs already written with a checksum are still verified when read. Engines without
         checksums ignore the call.
         """
 

@@ -1,8 +1,13 @@
 """``megatron-ssd bench-io PATH...``: measure each offload path with the engine, suggest settings.
 
 For every path, and for a few (threads, block size) settings, the engine writes and reads
-back ``size`` bytes in 64 MiB blobs with O_DIRECT, exactly as during training. The best
+back ``size`` bytes in 64 MiB blobs with O_DIRECT and checksums, exactly as during training. The best
 setting is printed as config overrides.
+
+``--size`` must fit: at most :data:`MAX_SHARE_OF_FREE` of each path's free space. The
+files live in the engine's private run directory, removed when a measurement ends, fails
+or is interrupted (SIGINT unwinds; on SIGTERM the exit guard deletes them, NOTE [Exit
+cleanup]).
 """
 
 from __future__ import annotations
@@ -17,23 +22,48 @@ from ..config import IOConfig, OffloadConfig, _parse_size
 from ..errors import ConfigError
 from ..output import write_json
 
-__all__ = ["measure_path", "run_bench_io", "SETTINGS"]
+__all__ = ["measure_path", "run_bench_io", "check_size", "SETTINGS", "MAX_SHARE_OF_FREE"]
 
 MiB = 1 << 20
 SETTINGS: Tuple[Tuple[int, int], ...] = ((1, 4 * MiB), (2, 4 * MiB), (4, 4 * MiB), (4, 16 * MiB))
 """(threads, block_bytes) pairs tried on every path."""
+
+MAX_SHARE_OF_FREE = 0.9
+"""``--size`` may use at most this share of a path's free space (the rest is for others)."""
+
+
+class _ExitGuarded:
+    """An engine registered with the exit guard for the time of one measurement, so a
+    SIGTERM deletes its files like a tensor cache's (NOTE [Exit cleanup])."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        self._pid = os.getpid()
+
+    def _remove_files_now(self) -> None:
+        from .rundir import remove_run_dir
+
+        if os.getpid() == self._pid:
+            for run_dir in self.engine.paths:
+                remove_run_dir(run_dir)
+
+    def close(self) -> None:
+        self.engine.close()
 
 
 def measure_path(path: str, total_bytes: int, threads: int, block_bytes: int, blob_bytes: int = 64 * MiB) -> Dict[str, Any]:
     """Write then read ``total_bytes`` under ``path``; return bytes/s of each direction."""
     from . import create_engine
 
-    io = IOConfig(engine="posix", threads=threads, block_bytes=block_bytes, max_inflight_bytes=4 * blob_bytes,
-                  checksum=False)
+    io = IOConfig(engine="posix", threads=threads, block_bytes=block_bytes, max_inflight_bytes=4 * blob_bytes)
     config = OffloadConfig(paths=[path], io=io, device="cpu")
     blob = torch.randint(0, 256, (blob_bytes,), dtype=torch.uint8)
     count = max(1, total_bytes // blob_bytes)
+    from ..cache.exit_guard import EXIT_GUARD
+
     engine = create_engine(config)
+    guard = _ExitGuarded(engine)
+    EXIT_GUARD.add(guard)
     try:
         started = time.perf_counter()
         handles = [f.get() for f in [engine.write(blob) for _ in range(count)]]
@@ -53,9 +83,26 @@ def measure_path(path: str, total_bytes: int, threads: int, block_bytes: int, bl
             raise ConfigError(f"bench-io: data read back from {path!r} differs from what was written")
     finally:
         engine.close()
+        EXIT_GUARD.discard(guard)
     nbytes = count * blob_bytes
     return {"threads": threads, "block_bytes": block_bytes, "bytes": nbytes,
             "write_bytes_per_s": nbytes / write_s, "read_bytes_per_s": nbytes / read_s}
+
+
+def check_size(text: str, total: int, path: str) -> None:
+    """``total`` bytes (``--size text``) must be at most MAX_SHARE_OF_FREE of ``path``'s free space.
+
+    Raises:
+        ConfigError: naming the value, the free space and the rule.
+    """
+    st = os.statvfs(path)
+    free = st.f_bavail * st.f_frsize
+    if total > MAX_SHARE_OF_FREE * free:
+        raise ConfigError(
+            f"bench-io --size {text!r} ({total} bytes): {path!r} has {free} bytes free "
+            f"({free / (1 << 30):.2f} GiB); --size must be at most {MAX_SHARE_OF_FREE:.0%} of the free space "
+            "of every path"
+        )
 
 
 def run_bench_io(paths: Sequence[str], size: str, json_path: Optional[str] = None) -> int:
@@ -63,11 +110,13 @@ def run_bench_io(paths: Sequence[str], size: str, json_path: Optional[str] = Non
     total = _parse_size("bench-io", "size", size)
     if total < 64 * MiB:
         raise ConfigError(f"bench-io --size {size!r}: must be at least 64MiB for a meaningful measurement")
-    results: List[Dict[str, Any]] = []
-    print(f"{'path':<32}{'threads':>8}{'block MiB':>10}{'write MiB/s':>13}{'read MiB/s':>12}")
     for path in paths:
         if not os.path.isdir(path):
             raise ConfigError(f"bench-io path {path!r}: must be an existing directory")
+        check_size(size, total, path)
+    results: List[Dict[str, Any]] = []
+    print(f"{'path':<32}{'threads':>8}{'block MiB':>10}{'write MiB/s':>13}{'read MiB/s':>12}")
+    for path in paths:
         for threads, block in SETTINGS:
             r = {"path": path, **measure_path(path, total, threads, block)}
             results.append(r)

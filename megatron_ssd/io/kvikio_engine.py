@@ -21,13 +21,13 @@ import importlib
 import importlib.util
 import threading
 import time
-import zlib
 from typing import Any, Dict, Optional
 
 import torch
 
 from ..config import OffloadConfig
 from ..errors import ConfigError, OffloadIOError
+from .checksum import digest
 from .layout import ExtentLayout, Fault, io_error
 from .posix import PosixEngine
 from .striped import BlobOp, Block
@@ -96,6 +96,7 @@ class KvikioEngine(PosixEngine):
 
     def _gds(self, op_name: str, block: Block, part: torch.Tensor) -> None:
         """One cuFile pwrite / pread of the block's payload; errors become OffloadIOError."""
+        token = self._watch(op_name, block.file, block.offset, block.nbytes)
         try:
             if self.fault is not None:
                 err = self.fault(op_name, block.file, block.offset, block.nbytes)
@@ -111,19 +112,21 @@ class KvikioEngine(PosixEngine):
             raise io_error(op_name, block.file, block.offset, block.nbytes, e) from e
         except Exception as e:  # kvikio reports failures as RuntimeError
             raise io_error(op_name, block.file, block.offset, block.nbytes, OSError(errno.EIO, repr(e))) from e
+        finally:
+            self._watch_end(token)
         if moved != block.nbytes:
             short = OSError(errno.EIO, f"short {op_name} ({moved} of {block.nbytes} bytes)")
             raise io_error(op_name, block.file, block.offset, block.nbytes, short)
 
-    def _device_crc(self, part: torch.Tensor) -> int:
-        """CRC32 of CUDA bytes, through a pinned staging buffer (checksums cost a D2H copy)."""
+    def _device_digest(self, part: torch.Tensor) -> int:
+        """Checksum of CUDA bytes, through a pinned staging buffer (checksums cost a D2H copy)."""
         buf = self._pool.acquire()
         try:
             started = time.perf_counter()
             self._cuda_copy(buf[: part.numel()], part, part.device, None)
-            crc = zlib.crc32(buf[: part.numel()].numpy())
-            self._count("crc_s", time.perf_counter() - started)
-            return crc
+            value = digest(buf[: part.numel()].numpy())
+            self._count("checksum_s", time.perf_counter() - started)
+            return value
         finally:
             self._pool.release(buf)
 
@@ -137,7 +140,7 @@ class KvikioEngine(PosixEngine):
         part = src[block.blob_offset : block.blob_offset + block.nbytes]
         self._gds("write", block, part)
         if op.checksum:
-            block.checksum = self._device_crc(part)
+            block.checksum = self._device_digest(part)
 
     def _read_block(self, op: BlobOp, block: Block) -> None:
         dst = op.tensor
@@ -147,7 +150,7 @@ class KvikioEngine(PosixEngine):
         part = dst[block.blob_offset : block.blob_offset + block.nbytes]
         self._gds("read", block, part)
         if block.expected is not None:
-            self._verify(block, self._device_crc(part))
+            self._verify(block, self._device_digest(part))
 
     def close(self) -> None:
         super().close()

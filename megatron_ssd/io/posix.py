@@ -25,7 +25,6 @@ import errno
 import os
 import threading
 import time
-import zlib
 from typing import Dict, List, Optional, Tuple
 
 import numpy as np
@@ -35,6 +34,7 @@ from ..config import OffloadConfig
 from ..errors import ChecksumError, OffloadIOError
 from .base import ALIGN, align_up
 from .buffers import BufferPool, tensor_buffer
+from .checksum import ALGORITHM, Digest, format_digest
 from .layout import Fault, io_error
 from .striped import BlobOp, Block, StripedEngine
 
@@ -111,6 +111,7 @@ class PosixEngine(StripedEngine):
     def _transfer(self, op_name: str, fd: int, view: memoryview, file: str, offset: int) -> None:
         """Move all of ``view`` with pwrite / preadv, retrying short transfers."""
         done, total = 0, len(view)
+        token = self._watch(op_name, file, offset, total)
         try:
             while done < total:
                 if self.fault is not None:
@@ -125,10 +126,13 @@ class PosixEngine(StripedEngine):
                 if n <= 0:
                     raise OSError(errno.EIO, f"short {op_name} ({done} of {total} bytes)")
                 done += n
+                self._watch_progress(token, offset + done, total - done)
         except OffloadIOError:
             raise
         except OSError as e:
             raise io_error(op_name, file, offset + done, total - done, e) from e
+        finally:
+            self._watch_end(token)
 
     # NOTE [Skewed blocks]: PyTorch's CPU allocator aligns tensors to 64 bytes, and
     # O_DIRECT needs the memory aligned as the device asks (``statx`` STATX_DIOALIGN:
@@ -179,23 +183,22 @@ class PosixEngine(StripedEngine):
 
     # -------------------------------------------------------------------------- blocks
 
-    def _crc(self, view: memoryview, crc: int = 0) -> int:
-        """``zlib.crc32(view, crc)``, its time added to the ``crc_s`` counter."""
+    def _digest(self, d: Digest, view: memoryview) -> None:
+        """``d.update(view)``, its time added to the ``checksum_s`` counter."""
         started = time.perf_counter()
-        crc = zlib.crc32(view, crc)
-        self._count("crc_s", time.perf_counter() - started)
-        return crc
+        d.update(view)
+        self._count("checksum_s", time.perf_counter() - started)
 
     def _write_block(self, op: BlobOp, block: Block) -> None:
         src = op.tensor
-        fd = op.fds[block.file]
-        crc = 0
+        fd = block.fd
+        d = Digest() if op.checksum else None
         for lo, hi, disk, lead, in_place in self._segments(src, block):
             n = hi - lo
             if in_place:
                 view = tensor_buffer(src, block.blob_offset + lo, n)
-                if op.checksum:
-                    crc = self._crc(view, crc)
+                if d is not None:
+                    self._digest(d, view)
                 self._transfer("write", fd, view, block.file, disk)
                 self._count("zero_copy_bytes", n)
                 continue
@@ -210,36 +213,35 @@ class PosixEngine(StripedEngine):
                 buf[:lead].zero_()
                 buf[lead + n : padded].zero_()
                 view = tensor_buffer(buf, 0, padded)
-                if op.checksum:
-                    crc = self._crc(view[lead : lead + n], crc)
+                if d is not None:
+                    self._digest(d, view[lead : lead + n])
                 self._transfer("write", fd, view, block.file, disk)
             finally:
                 self._pool.release(buf)
             self._count("staged_bytes", n)
-        if op.checksum:
-            block.checksum = crc
+        if d is not None:
+            block.checksum = d.value()
 
     def _read_block(self, op: BlobOp, block: Block) -> None:
         dst = op.tensor
-        fd = op.fds[block.file]
-        crc = 0
-        verify = block.expected is not None
+        fd = block.fd
+        d = Digest() if block.expected is not None else None
         for lo, hi, disk, lead, in_place in self._segments(dst, block):
             n = hi - lo
             part = dst[block.blob_offset + lo : block.blob_offset + hi]
             if in_place:
                 view = tensor_buffer(dst, block.blob_offset + lo, n)
                 self._transfer("read", fd, view, block.file, disk)
-                if verify:
-                    crc = self._crc(view, crc)
+                if d is not None:
+                    self._digest(d, view)
                 self._count("zero_copy_bytes", n)
                 continue
             buf = self._pool.acquire()  # NOTE [Staging buffers]
             try:
                 view = tensor_buffer(buf, 0, align_up(lead + n))
                 self._transfer("read", fd, view, block.file, disk)
-                if verify:
-                    crc = self._crc(view[lead : lead + n], crc)
+                if d is not None:
+                    self._digest(d, view[lead : lead + n])
                 if dst.is_cuda:
                     self._cuda_copy(part, buf[lead : lead + n], dst.device, op.ready)
                 else:
@@ -247,13 +249,14 @@ class PosixEngine(StripedEngine):
             finally:
                 self._pool.release(buf)
             self._count("staged_bytes", n)
-        if verify:
-            self._verify(block, crc)
+        if d is not None:
+            self._verify(block, d.value())
 
     @staticmethod
-    def _verify(block: Block, crc: int) -> None:
-        if crc != block.expected:
+    def _verify(block: Block, value: int) -> None:
+        if value != block.expected:
             raise ChecksumError(
                 f"checksum mismatch reading {block.file} at offset {block.offset} "
-                f"({block.nbytes} bytes): expected CRC32 {block.expected:#010x}, got {crc:#010x}"
+                f"({block.nbytes} bytes): expected {ALGORITHM} {format_digest(block.expected)}, "
+                f"got {format_digest(value)}"
             )

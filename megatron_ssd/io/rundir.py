@@ -22,7 +22,6 @@ import logging
 import os
 import re
 import secrets
-import shutil
 import socket
 import stat
 import struct
@@ -42,6 +41,7 @@ __all__ = [
     "filesystem_type",
     "dio_alignment",
     "remove_stale_runs",
+    "remove_run_dir",
 ]
 
 logger = logging.getLogger(__name__)
@@ -331,14 +331,69 @@ def remove_stale_runs(path: str) -> List[str]:
         marker = _read_marker(entry.path)
         if marker is None or not _is_stale(marker):
             continue
-        shutil.rmtree(entry.path, ignore_errors=True)
-        if not os.path.lexists(entry.path):
+        if remove_run_dir(entry.path):
             logger.warning("megatron_ssd: removed stale offload directory %s (pid %s)", entry.path, marker.get("pid"))
             removed.append(entry.path)
     return removed
 
 
 # ------------------------------------------------------------------------- run directory
+
+
+def _unlink(name: str, dir_fd: int) -> None:
+    """``os.unlink(name, dir_fd=dir_fd)``: every file of a run directory is removed here
+    (one seam, so tests can make a removal fail or hang)."""
+    os.unlink(name, dir_fd=dir_fd)
+
+
+# NOTE [Marker last]: a run directory's files are removed data first, the marker
+# ``.megatron_ssd_run`` last, then the directory. A process that dies or gives up half
+# way (SIGKILL, a removal that hangs on a stalled drive) so leaves a directory that
+# still says whose it is, and remove_stale_runs / ``megatron-ssd clean`` finish the job.
+# Without the marker a half-removed directory would be nobody's and stay forever.
+
+
+def _empty_dir(dir_fd: int) -> None:
+    """Unlink every entry of the directory open as ``dir_fd``, and the marker last, only
+    once every other entry is gone (NOTE [Marker last]). Best effort: what cannot be
+    removed stays, with the marker."""
+    left = 0
+    for name in os.listdir(dir_fd):
+        if name != MARKER:
+            try:
+                _unlink(name, dir_fd)
+            except FileNotFoundError:
+                pass
+            except OSError:
+                left += 1
+    if not left:
+        try:
+            _unlink(MARKER, dir_fd)
+        except OSError:
+            pass
+
+
+def remove_run_dir(path: str) -> bool:
+    """Delete the run directory ``path`` now: data files, then the marker, then the
+    directory (NOTE [Marker last]). Takes no lock and needs no :class:`RunDir`, so the
+    signal path can call it; never follows a symbolic link.
+
+    Returns:
+        True when the directory is gone.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | _O_NOFOLLOW | _O_CLOEXEC)
+    except OSError:
+        return not os.path.lexists(path)
+    try:
+        _empty_dir(fd)
+    finally:
+        os.close(fd)
+    try:
+        os.rmdir(path)
+    except OSError:
+        pass
+    return not os.path.lexists(path)
 
 
 class RunDir:
@@ -429,14 +484,7 @@ class RunDir:
         """Delete everything inside and the directory itself; idempotent."""
         if self._dirfd >= 0:
             try:
-                # The marker goes last: a run killed halfway through this still leaves a
-                # directory that remove_stale_runs can identify.
-                names = sorted(os.listdir(self._dirfd), key=lambda n: n == MARKER)
-                for name in names:
-                    try:
-                        os.unlink(name, dir_fd=self._dirfd)
-                    except OSError:
-                        pass
+                _empty_dir(self._dirfd)  # NOTE [Marker last]
             finally:
                 os.close(self._dirfd)
                 self._dirfd = -1
@@ -444,4 +492,4 @@ class RunDir:
             try:
                 os.rmdir(self.path)
             except OSError:
-                shutil.rmtree(self.path, ignore_errors=True)
+                pass  # something could not be removed: the marker stays (NOTE [Marker last])

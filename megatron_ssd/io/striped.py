@@ -17,6 +17,7 @@ from __future__ import annotations
 import abc
 
 import copy
+import errno
 import itertools
 import logging
 import os
@@ -33,6 +34,7 @@ from ..config import OffloadConfig
 from ..errors import CacheStateError, ConfigError, OffloadIOError
 from .base import Engine, EngineStats, Extent, IOFuture, SwapHandle, align_up
 from .layout import Fault, Layout, io_error, make_layout
+from .watchdog import StallWatchdog
 
 __all__ = ["Block", "BlobOp", "StripedEngine"]
 
@@ -50,9 +52,10 @@ class Block:
     path_index: int
     file: str
     offset: int
-    expected: Optional[int] = None  # CRC32 to verify on read
-    checksum: Optional[int] = None  # CRC32 computed on write
+    expected: Optional[int] = None  # checksum to verify on read (io/checksum.py)
+    checksum: Optional[int] = None  # checksum computed on write
     skew: int = 0  # zero bytes before the payload at ``offset`` (NOTE [Skewed blocks])
+    fd: int = -1  # descriptor of ``file`` while a worker moves the block (NOTE [Descriptors])
 
     @property
     def length(self) -> int:
@@ -68,13 +71,12 @@ class BlobOp:
     tensor: Optional[torch.Tensor]
     blocks: List[Block]
     future: IOFuture
-    fds: Dict[str, int] = field(default_factory=dict)
     ready: Any = None  # CUDA event recorded on the caller's stream at submit time
     error: Optional[BaseException] = None
     remaining: int = 0
     key: Any = None
     lock: threading.Lock = field(default_factory=threading.Lock)
-    checksum: bool = False  # compute CRC32s for this blob's blocks (writes)
+    checksum: bool = False  # compute checksums of this blob's blocks (writes)
     failed_path: Optional[int] = None  # path index of the block whose I/O failed first
 
 
@@ -89,8 +91,17 @@ class _Workers:
         self._threads = [
             threading.Thread(target=self._loop, args=(i,), name=f"{name}-{i}", daemon=True) for i in range(n)
         ]
-        for t in self._threads:
-            t.start()
+        started = []
+        try:
+            for t in self._threads:
+                t.start()
+                started.append(t)
+        except BaseException:
+            # the threads already running wait on the barrier: break it so they return
+            self._started.abort()
+            for t in started:
+                t.join()
+            raise
         self._started.wait()  # every worker runs at its priority before the first task
 
     def submit(self, priority: int, fn: Callable[..., None], *args: Any) -> None:
@@ -100,7 +111,10 @@ class _Workers:
         if not set_thread_priority(self._priority) and index == 0:
             logger.warning("megatron_ssd: io.priority = %r could not be applied on this system (Linux "
                            "only); the I/O threads run at normal priority", self._priority)
-        self._started.wait()
+        try:
+            self._started.wait()
+        except threading.BrokenBarrierError:  # a later worker failed to start
+            return
         while True:
             _, _, fn, args = self._q.get()
             if fn is None:
@@ -137,8 +151,10 @@ def set_thread_priority(priority: str) -> bool:
         return False
 
 
-def _shutdown(workers: _Workers, layout: Layout) -> None:
-    workers.shutdown()
+def _shutdown(workers: _Workers, layout: Layout, watchdog: Optional[StallWatchdog]) -> None:
+    workers.shutdown()  # waits for the requests in flight; the watchdog still warns about stuck ones
+    if watchdog is not None:
+        watchdog.stop()
     layout.close()
 
 
@@ -171,18 +187,39 @@ class StripedEngine(Engine):
         # slots only inside a syscall, so staging copies and checksums of the next
         # blocks overlap the transfers instead of leaving the disk idle between them.
         self._io_slots = threading.BoundedSemaphore(config.io.threads)
-        self._workers = _Workers(2 * config.io.threads, "megatron_ssd-io", config.io.priority)
-        self._finalizer = weakref.finalize(self, _shutdown, self._workers, self._layout)
+        self._watchdog: Optional[StallWatchdog] = None
+        try:
+            self._workers = _Workers(2 * config.io.threads, "megatron_ssd-io", config.io.priority)
+            if config.io.stall_warning_s > 0:
+                try:
+                    self._watchdog = StallWatchdog(config.io.stall_warning_s)
+                except BaseException:
+                    self._workers.shutdown()
+                    raise
+        except BaseException as e:  # no thread of ours is left running: close the run directories too
+            self._layout.close()
+            if not isinstance(e, Exception):
+                raise
+            raise OffloadIOError(f"cannot start the I/O engine's {2 * config.io.threads} worker threads "
+                                 f"(io.threads = {config.io.threads}): {e}") from e
+        self._finalizer = weakref.finalize(self, _shutdown, self._workers, self._layout, self._watchdog)
         self._cv = threading.Condition()
         self._inflight = 0
         self._closed = False
         self._stats = EngineStats(extra={"inflight_peak_bytes": 0, "zero_copy_bytes": 0, "staged_bytes": 0,
-                                         "crc_s": 0.0, "write_cpu_s": 0.0, "read_cpu_s": 0.0})
+                                         "checksum_s": 0.0, "write_cpu_s": 0.0, "read_cpu_s": 0.0})
         self._busy: Dict[str, List[float]] = {"write": [0, 0.0], "read": [0, 0.0]}  # [count, since]
         self._live: Dict[Any, int] = {}  # handle key -> reads in flight
         self._next_path = 0
         self._checksum = config.io.checksum != "off"
+        if not self._checksum:
+            logger.warning(
+                "megatron_ssd: io.checksum = off: blocks read back from %s are not verified, so a corrupted "
+                "byte on the drive would reach training unnoticed; remove the setting to verify them",
+                ", ".join(config.paths),
+            )
         self._failed: Dict[int, str] = {}  # path index -> why it left the rotation
+        self._fd_warned = False
 
     # ------------------------------------------------------------------ subclass hooks
 
@@ -365,12 +402,6 @@ class StripedEngine(Engine):
             self._busy_change(op.kind, +1)
         try:
             self._prepare(op)
-            for file, index in {(b.file, b.path_index) for b in op.blocks}:
-                try:
-                    op.fds[file] = self._layout.acquire(file, index)
-                except OSError as e:
-                    op.failed_path = index
-                    raise io_error("open", file, 0, op.future.nbytes, e) from e
         except BaseException as e:
             op.error = e
             op.remaining = 1
@@ -379,14 +410,47 @@ class StripedEngine(Engine):
         for b in op.blocks:
             self._workers.submit(priority, self._run_block, op, b)
 
+    # NOTE [Descriptors]: a block's file descriptor is taken by the worker that moves the
+    # block, just before the transfer, and given back right after it, so descriptors in
+    # use are bounded by the workers (2 x io.threads) plus the extent layout's one file
+    # per path, never by the blobs in flight. The layout shares one descriptor per file
+    # between the workers using it (reference counts). A worker that finds the process out
+    # of descriptors (EMFILE, ENFILE) waits for others to be given back and tries again,
+    # for up to FD_WAIT_S, with one warning: the data is intact, only the fd is missing.
+
+    FD_WAIT_S = 60.0
+    """How long a worker waits for a file descriptor when the process has none left."""
+
+    def _acquire_fd(self, op: BlobOp, block: Block) -> int:
+        delay, waited = 0.001, 0.0
+        while True:
+            try:
+                return self._layout.acquire(block.file, block.path_index)
+            except OSError as e:
+                if e.errno not in (errno.EMFILE, errno.ENFILE) or waited >= self.FD_WAIT_S:
+                    raise io_error("open", block.file, block.offset, block.nbytes, e, block.path_index) from e
+                if not self._fd_warned:
+                    self._fd_warned = True
+                    logger.warning("megatron_ssd: no file descriptor left to open %s (%s); I/O waits for "
+                                   "descriptors to be closed (raise `ulimit -n`, or lower io.threads)",
+                                   block.file, errno.errorcode[e.errno])
+                time.sleep(delay)
+                waited += delay
+                delay = min(2 * delay, 0.1)
+
     def _run_block(self, op: BlobOp, block: Block) -> None:
         started = time.thread_time()
         if op.error is None:  # blocks after a failed one are skipped
             try:
-                if op.kind == "write":
-                    self._write_block(op, block)
-                else:
-                    self._read_block(op, block)
+                block.fd = self._acquire_fd(op, block)  # NOTE [Descriptors]
+                try:
+                    if op.kind == "write":
+                        self._write_block(op, block)
+                    else:
+                        self._read_block(op, block)
+                finally:
+                    self._layout.release(block.file)
+                    block.fd = -1
             except BaseException as e:
                 with op.lock:
                     if op.error is None:
@@ -410,14 +474,11 @@ class StripedEngine(Engine):
     def _finish(self, op: BlobOp) -> None:
         # NOTE [Blob completion]: runs once, on the worker that finished the blob's last
         # block, so no block of it can still touch its file space or its tensor.
-        # Order: release fds; on a failed write free the extents (only now: an earlier
+        # Order: on a failed write free the extents (only now: an earlier
         # free could hand them to another blob while a block of this one still writes);
         # release in-flight bytes so blocked writers proceed; drop the tensor; complete
         # the future. Done-callbacks run on this worker thread: they must not block on
         # this engine (a blocking write there can wait for workers that never come).
-        for file in op.fds:
-            self._layout.release(file)
-        op.fds.clear()
         error = op.error
         if op.kind == "write" and isinstance(error, OSError):
             self._path_failed(op.failed_path, error)
@@ -484,6 +545,18 @@ class StripedEngine(Engine):
         """Skew of the blocks of a blob written from ``src``: 0 here (no skew); see
         :meth:`PosixEngine._skew`."""
         return 0
+
+    def _watch(self, op: str, file: str, offset: int, nbytes: int) -> Optional[int]:
+        """Register a disk request with the stall watchdog (``io.stall_warning_s``)."""
+        return None if self._watchdog is None else self._watchdog.begin(op, file, offset, nbytes)
+
+    def _watch_progress(self, token: Optional[int], offset: int, nbytes: int) -> None:
+        if token is not None:
+            self._watchdog.progress(token, offset, nbytes)  # type: ignore[union-attr]
+
+    def _watch_end(self, token: Optional[int]) -> None:
+        if token is not None:
+            self._watchdog.end(token)  # type: ignore[union-attr]
 
     def _count(self, name: str, nbytes: int) -> None:
         with self._cv:

@@ -124,8 +124,8 @@ def test_corrupted_byte_is_detected(offload_dir, layout):
         with pytest.raises(ChecksumError) as info:
             engine.read(h, engine.alloc(n, "cpu")).get()
         msg = str(info.value)
-        assert bad.file in msg and f"offset {bad.offset}" in msg and f"{bad.checksum:#010x}" in msg
-        assert "expected CRC32" in msg and "got 0x" in msg
+        assert bad.file in msg and f"offset {bad.offset}" in msg and f"{bad.checksum:#018x}" in msg
+        assert "expected xxh3_64" in msg and "got 0x" in msg
         assert engine.stats().read_errors == 1
 
 
@@ -240,3 +240,75 @@ def test_real_enospc_on_a_tiny_filesystem(tmp_path):
     if res.returncode != 0 and "mount" in res.stderr and "TINY" not in res.stdout:
         pytest.skip(f"cannot mount a tmpfs in a user namespace: {res.stderr.strip()[-200:]}")
     assert res.returncode == 0 and "TINY-OK" in res.stdout, res.stdout + res.stderr
+
+
+@pytest.mark.parametrize("fail_at", [0, 3])
+def test_worker_start_failure_closes_the_run_directory_and_stops_started_threads(offload_dir, monkeypatch, fail_at):
+    """The thread limit is hit after ``fail_at`` of the 4 workers started: the engine
+    constructor raises one clear error, and leaves no run directory and no thread."""
+    real_start = threading.Thread.start
+    starts = []
+
+    def start(self):
+        if self.name.startswith("megatron_ssd-io-"):
+            if len(starts) == fail_at:
+                raise RuntimeError("can't start new thread")
+            starts.append(self)
+        real_start(self)
+
+    monkeypatch.setattr(threading.Thread, "start", start)
+    config = OffloadConfig(paths=[offload_dir], io=IOConfig(engine="posix", threads=2))
+    with pytest.raises(OffloadIOError) as info:
+        PosixEngine(config)
+    assert str(info.value) == ("megatron_ssd: cannot start the I/O engine's 4 worker threads (io.threads = 2): "
+                               "can't start new thread")
+    assert os.listdir(offload_dir) == []
+    assert len(starts) == fail_at and not any(t.is_alive() for t in starts)
+
+
+EMFILE_CHILD = textwrap.dedent(
+    """
+    import logging, os, resource, sys, threading
+    import torch
+    from megatron_ssd.config import IOConfig, OffloadConfig
+    from megatron_ssd.io import PosixEngine
+
+    path = sys.argv[1]
+    io = IOConfig(engine="posix", layout="file", threads=2, block_bytes=16384, max_inflight_bytes=64 << 20)
+    engine = PosixEngine(OffloadConfig(paths=[path], io=io))
+    blobs = [torch.randint(0, 256, (65536 + i,), dtype=torch.uint8) for i in range(32)]
+    handles = [f.get() for f in [engine.write(b) for b in blobs]]
+    dsts = [engine.alloc(h.nbytes, torch.device("cpu"), h) for h in handles]
+
+    waiting = threading.Event()
+
+    class Seen(logging.Handler):
+        def emit(self, record):
+            if "no file descriptor left" in record.getMessage():
+                waiting.set()
+
+    logging.getLogger("megatron_ssd").addHandler(Seen())
+    spare = os.dup(1)
+    # No descriptor left (the spare is the last): the 32 reads must wait, not fail.
+    resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) - 1,
+                                                resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+    futures = [engine.read(h, d) for h, d in zip(handles, dsts)]
+    print("waited" if waiting.wait(60) else "never-waited", flush=True)
+    os.close(spare)  # one descriptor for 4 workers and 32 blobs in flight
+    ok = all(torch.equal(f.get()[: b.numel()], b) for f, b in zip(futures, blobs))
+    print("OK" if ok else "DIFFERENT", engine.stats().read_errors, flush=True)
+    engine.close()
+    """
+)
+
+
+def test_reads_under_a_tiny_descriptor_limit_wait_and_succeed(tmp_path, offload_dir):
+    """``file`` layout, 32 blobs read at once with no descriptor left, then one
+    (RLIMIT_NOFILE in a child): the reads wait on EMFILE instead of failing, and once a
+    descriptor is free they all complete, every byte right."""
+    script = tmp_path / "emfile.py"
+    script.write_text(EMFILE_CHILD)
+    res = subprocess.run([sys.executable, str(script), offload_dir], capture_output=True, text=True, timeout=300,
+                         env=dict(os.environ, PYTHONPATH=REPO))
+    assert res.returncode == 0 and res.stdout.split() == ["waited", "OK", "0"], res.stdout + res.stderr[-3000:]
+    assert os.listdir(offload_dir) == []

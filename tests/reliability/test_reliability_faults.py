@@ -259,3 +259,65 @@ def test_single_path_is_never_dropped(offload_dir):
         h = engine.write(_blob(10 * KiB)).get()
         assert torch.equal(engine.read(h, engine.alloc(h.nbytes, "cpu")).get(), _blob(10 * KiB))
         assert engine.stats().extra["failed_paths"] == []
+
+
+# ------------------------------------------------------------------ stalls
+
+
+class Stall:
+    """Fault hook: the first write waits until ``release`` is set (a drive that stops answering)."""
+
+    def __init__(self):
+        self.release = threading.Event()
+        self.stuck = []
+
+    def __call__(self, op, path, offset, nbytes):
+        if op == "write" and not self.stuck:
+            self.stuck.append((path, offset, nbytes))
+            self.release.wait()
+        return None
+
+
+def _stall_warnings(caplog):
+    return [r.getMessage() for r in caplog.records if "has made no progress" in r.getMessage()]
+
+
+def test_stalled_write_is_named_repeatedly_and_training_ends_bit_identical(offload_dir, caplog):
+    model, reference = _models()
+    batches = make_batches(steps=2, microbatches=2, batch=4, seq=64, vocab=256)
+    ref_losses, _ = _train(reference, batches)
+    stall = Stall()
+    caplog.set_level(logging.WARNING, logger="megatron_ssd")
+    with _cache([offload_dir], stall, stall_warning_s=0.05) as cache:
+        cache.register_layers(model.layers)
+        result = {}
+        trainer = threading.Thread(target=lambda: result.update(zip(("losses", "stats"), _train(model, batches, cache))))
+        trainer.start()
+        deadline = time.time() + 60
+        while len(_stall_warnings(caplog)) < 2 and time.time() < deadline:
+            time.sleep(0.01)
+        warnings = _stall_warnings(caplog)
+        stall.release.set()  # the drive answers again
+        trainer.join(timeout=120)
+        assert not trainer.is_alive()
+    assert len(warnings) >= 2, "the warning repeats while the request stays stuck"
+    path, offset, nbytes = stall.stuck[0]
+    for msg in warnings:
+        assert msg.startswith(f"megatron_ssd: write of {nbytes} bytes at offset {offset} of {path} has made no "
+                              "progress for "), msg
+        assert " s (io.stall_warning_s = 0.05): the drive may be stalled" in msg
+    assert all(torch.equal(a, b) for a, b in zip(result["losses"], ref_losses))
+    assert len(result["losses"]) == len(ref_losses)
+    assert sum(s.write_fallbacks for s in result["stats"]) == 0
+
+
+def test_no_stall_warning_without_a_stall_or_when_off(offload_dir, caplog):
+    caplog.set_level(logging.WARNING, logger="megatron_ssd")
+    for seconds in (60.0, 0.0):
+        cfg = _config([offload_dir], stall_warning_s=seconds)
+        with create_engine(cfg) as engine:
+            blob = torch.arange(256 * KiB, dtype=torch.int64).to(torch.uint8)
+            handle = engine.write(blob).get()
+            assert torch.equal(engine.read(handle, engine.alloc(handle.nbytes, "cpu", handle)).get(), blob)
+            assert (engine._watchdog is None) == (seconds == 0)
+    assert not _stall_warnings(caplog)

@@ -48,7 +48,7 @@ def _one_line(err: BaseException) -> str:
         ("min_tensor_bytes: -1\n", ["OffloadConfig.min_tensor_bytes = -1", "must be >= 0"]),
         ("min_free_bytes: -1GiB\n", ["OffloadConfig.min_free_bytes = -1073741824", "must be >= 0"]),
         ("prefetch_layers: -2\n", ["OffloadConfig.prefetch_layers = -2", "must be >= 0"]),
-        ("io:\n  checksum: sometimes\n", ["IOConfig.checksum = 'sometimes'", "must be one of ['auto', 'on', 'off']"]),
+        ("io:\n  checksum: sometimes\n", ["IOConfig.checksum = 'sometimes'", "must be one of ['on', 'off']"]),
         ("paths: [/a, /a/]\n", ["OffloadConfig.paths = ", "must not name a directory twice"]),
     ],
 )
@@ -79,6 +79,100 @@ def test_bad_train_overrides_are_one_line_errors(override, parts):
     msg = _one_line(info.value)
     for part in parts:
         assert part in msg, (part, msg)
+
+
+_BAD_FILES = [
+    ("1: 2\n", ["TrainConfig: key 1 (int): keys must be field names"]),
+    ("model:\n  7: x\n", ["ModelConfig: key 7 (int): keys must be field names"]),
+    (b"steps: \xff\xfe\n", ["byte 0xff at offset 7 is not valid UTF-8: config files must be UTF-8 text"]),
+    ("steps: [1\n", ["invalid YAML at line 2, column 1", "must be a YAML mapping of config fields"]),
+    ("a: b: c\n", ["invalid YAML at line 1, column 5 (mapping values are not allowed here)"]),
+    ("steps: !!python/object/apply:os.system ['touch PWNED']\n",
+     ["tag 'tag:yaml.org,2002:python/object/apply:os.system' at line 1 is not allowed", "no !!python"]),
+    ("!!python/name:os.system\n", ["tag 'tag:yaml.org,2002:python/name:os.system' at line 1 is not allowed"]),
+]
+
+
+def _refused_before_setup(monkeypatch, capsys, argv):
+    """``megatron-ssd ARGV`` exits 2 with one ``megatron_ssd:`` line, no model built."""
+    from megatron_ssd import cli
+    from megatron_ssd.train import TrainRecipe
+
+    def no_setup(self):
+        raise AssertionError("a model was built before the input was checked")
+
+    monkeypatch.setattr(TrainRecipe, "setup", no_setup)
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("megatron_ssd: ") and "\n" not in err and "Traceback" not in err, err
+    return err
+
+
+@pytest.mark.parametrize("content, parts", _BAD_FILES)
+def test_malformed_config_files_are_one_line_errors_before_any_model_is_built(
+        tmp_path, monkeypatch, capsys, content, parts):
+    f = tmp_path / "bad.yaml"
+    f.write_bytes(content if isinstance(content, bytes) else content.encode())
+    monkeypatch.chdir(tmp_path)
+    err = _refused_before_setup(monkeypatch, capsys, ["train", "--config", str(f)])
+    assert f"config file {str(f)!r}: " in err or "keys must be field names" in err
+    for part in parts:
+        assert part in err, (part, err)
+    assert not (tmp_path / "PWNED").exists()
+
+
+def test_config_directory_is_named_as_a_directory(tmp_path, monkeypatch, capsys):
+    err = _refused_before_setup(monkeypatch, capsys, ["train", "--config", str(tmp_path)])
+    assert err == f"megatron_ssd: config file {str(tmp_path)!r}: is a directory: --config must name a YAML file"
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("steps.x=1", "override 'steps.x=1': TrainConfig.steps is a value, not a section: it has no key 'x' "
+                      "(set it as steps=VALUE)"),
+        ("model.ffn_hidden_size.y=3", "override 'model.ffn_hidden_size.y=3': ModelConfig.ffn_hidden_size is a value, "
+                                      "not a section: it has no key 'y' (set it as model.ffn_hidden_size=VALUE)"),
+        ("offload.device=cuda:abc", "OffloadConfig.device = 'cuda:abc': must be auto, cpu, cuda or cuda:N"),
+        ("seed=1e23", "TrainConfig.seed = 99999999999999991611392: must be <= 4294967295"),
+        ("seed=-1", "TrainConfig.seed = -1: must be >= 0"),
+        ("lr=inf", "TrainConfig.lr = 'inf': must be a finite number"),
+        ("lr=nan", "TrainConfig.lr = 'nan': must be a finite number"),
+        ("offload.planner.safety_margin=-inf", "PlannerConfig.safety_margin = '-inf': must be a finite number"),
+        ("steps=1e400", "TrainConfig.steps = '1e400': must be a finite integer"),
+        ("offload.planner.replan_threshold=-5", "PlannerConfig.replan_threshold = -5.0: must be in (0, 1)"),
+        ("offload.planner.replan_threshold=1", "PlannerConfig.replan_threshold = 1.0: must be in (0, 1)"),
+        ("offload.io.threads=1000", "IOConfig.threads = 1000: must be <= 64"),
+    ],
+)
+def test_bad_values_are_refused_before_any_model_is_built(monkeypatch, capsys, override, message):
+    err = _refused_before_setup(monkeypatch, capsys, ["train", override])
+    assert err == "megatron_ssd: " + message
+
+
+def test_infinite_float_from_yaml_and_in_code_is_refused(tmp_path):
+    f = tmp_path / "inf.yaml"
+    f.write_text("lr: .inf\n")
+    with pytest.raises(ConfigError, match=r"^megatron_ssd: TrainConfig.lr = inf: must be a finite number$"):
+        load_config(TrainConfig, str(f))
+    with pytest.raises(ConfigError, match=r"TrainConfig.lr = nan: must be a finite number"):
+        TrainConfig(lr=float("nan"))
+
+
+def test_threads_bound_accepts_the_bound():
+    assert IOConfig(threads=64).threads == 64
+
+
+def test_clean_of_a_missing_path_is_an_error(tmp_path, capsys):
+    from megatron_ssd import cli
+
+    (tmp_path / "file").write_text("x")
+    assert cli.main(["clean", str(tmp_path), str(tmp_path / "nope")]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"megatron_ssd: clean: path {str(tmp_path / 'nope')!r} does not exist: must be an offload directory")
+    assert cli.main(["clean", str(tmp_path / "file")]) == 2
+    assert "is not a directory: must be an offload directory" in capsys.readouterr().err
+    assert cli.main(["clean", str(tmp_path)]) == 0
 
 
 # ------------------------------------------------------------------ offload paths

@@ -32,8 +32,23 @@ CHILD = textwrap.dedent(
     from megatron_ssd.config import Placement
 
     path, mode = sys.argv[1], sys.argv[2]
-    if mode == "sigterm-default":
+    if mode in ("sigterm-default", "sigterm-logged", "sigterm-stuck"):
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    if mode in ("sigterm-logged", "sigterm-stuck"):
+        import threading
+        from megatron_ssd.cache.exit_guard import EXIT_GUARD
+        from megatron_ssd.io import rundir
+        real_unlink = rundir._unlink
+
+        def logged(name, dir_fd):  # the order in which the run directory's files go
+            with open(sys.argv[3], "a") as log:
+                log.write(name + "\\n")
+            if mode == "sigterm-stuck" and name != rundir.MARKER:
+                threading.Event().wait()  # a drive that never answers
+            real_unlink(name, dir_fd)
+
+        rundir._unlink = logged
+        EXIT_GUARD.CLEANUP_DEADLINE_S = 0.5
     elif mode == "sigint":
         signal.signal(signal.SIGINT, signal.default_int_handler)  # whatever the parent left
     elif mode == "sigterm-chained":
@@ -58,10 +73,10 @@ CHILD = textwrap.dedent(
 )
 
 
-def _spawn(tmp_path, path, mode):
+def _spawn(tmp_path, path, mode, *extra):
     script = tmp_path / "child.py"
     script.write_text(CHILD)
-    return subprocess.Popen([sys.executable, str(script), path, mode], stdout=subprocess.PIPE,
+    return subprocess.Popen([sys.executable, str(script), path, mode, *extra], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=ENV)
 
 
@@ -143,6 +158,37 @@ def test_sigterm_and_sigint_remove_the_files_before_exit(tmp_path, offload_dir, 
     assert os.listdir(offload_dir) == []
 
 
+def test_sigterm_removes_the_data_before_the_marker(tmp_path, offload_dir):
+    log = tmp_path / "unlinked.txt"
+    proc = _spawn(tmp_path, offload_dir, "sigterm-logged", str(log))
+    run_dir = _run_dir_of(proc)
+    files = sorted(os.listdir(run_dir))
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=60) == -signal.SIGTERM, proc.stderr.read()
+    order = log.read_text().split()
+    assert sorted(order) == files and order[-1] == MARKER and "extents.bin" in order[:-1], order
+    assert os.listdir(offload_dir) == []
+
+
+def test_sigterm_with_a_hung_unlink_exits_anyway_and_clean_finishes(tmp_path, offload_dir):
+    """An unlink that never returns (a stalled drive): the process still dies of SIGTERM
+    after the deadline, says so, and leaves the marker so ``megatron-ssd clean`` can
+    finish the job."""
+    log = tmp_path / "unlinked.txt"
+    proc = _spawn(tmp_path, offload_dir, "sigterm-stuck", str(log))
+    run_dir = _run_dir_of(proc)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=60) == -signal.SIGTERM
+    err = proc.stderr.read()
+    assert "megatron_ssd: removing the offload files did not finish within 0.5 s; exiting anyway" in err, err
+    assert MARKER not in log.read_text().split(), "the marker must not go before the data"
+    assert os.path.isfile(os.path.join(run_dir, MARKER)) and "extents.bin" in os.listdir(run_dir)
+    res = subprocess.run([sys.executable, "-m", "megatron_ssd.cli", "clean", offload_dir],
+                         capture_output=True, text=True, env=ENV, timeout=120)
+    assert res.returncode == 0 and f"removed {run_dir}" in res.stdout, res.stdout + res.stderr
+    assert os.listdir(offload_dir) == []
+
+
 def _no_other_open_caches():
     gc.collect()
     if len(exit_guard.EXIT_GUARD._caches):
@@ -199,3 +245,51 @@ def test_no_handlers_from_other_threads(offload_dir):
     finally:
         caches[0].close()
     assert os.listdir(offload_dir) == []
+
+
+BENCH_CHILD = textwrap.dedent(
+    """
+    import signal, sys, time
+    from megatron_ssd import io as msd_io
+    from megatron_ssd.io import bench
+
+    path, mode = sys.argv[1], sys.argv[2]
+    if mode == "sigterm":
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    else:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    real_create, said = msd_io.create_engine, []
+
+    def slow_reads(op, file, offset, nbytes):  # a slow drive, so the signal lands mid-measurement
+        if op == "read":
+            if not said:
+                said.append(file)
+                print("READY", file, flush=True)
+            time.sleep(0.2)
+
+    msd_io.create_engine = lambda config, rank=None, fault=None: real_create(config, rank, slow_reads)
+    bench.run_bench_io([path], "64MiB")
+    """
+)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_bench_io_files_are_removed_on_sigterm_and_sigint(tmp_path, offload_dir, sig):
+    script = tmp_path / "bench_child.py"
+    script.write_text(BENCH_CHILD)
+    mode = "sigterm" if sig == signal.SIGTERM else "sigint"
+    proc = subprocess.Popen([sys.executable, str(script), offload_dir, mode], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=ENV)
+    line = proc.stdout.readline().split()
+    while line and line[0] != "READY":  # the table's header
+        line = proc.stdout.readline().split()
+    assert line, proc.stderr.read()
+    assert os.path.isfile(line[1]) and line[1].startswith(offload_dir)
+    proc.send_signal(sig)
+    code = proc.wait(timeout=120)
+    err = proc.stderr.read()
+    if sig == signal.SIGTERM:
+        assert code == -signal.SIGTERM, err
+    else:
+        assert code in (-signal.SIGINT, 1, 130) and "KeyboardInterrupt" in err, (code, err)
+    assert os.listdir(offload_dir) == [], "bench-io left its files behind"
