@@ -23,21 +23,21 @@ PYTHON311 ?= $(call find_python,$(PYTHON311_ENV),3.11)
 
 .PHONY: run test test-default test-oldest venv clean
 
+# $(call build_venv,DIR,PYTHON,TORCH,MEGATRON_CORE,PYTHON_VERSION,OVERRIDE_VARIABLE)
+define build_venv
+	@test -n "$(2)" || { echo "megatron_ssd: make needs Python $(5) (python$(5) on PATH, or $(6)=/path/to/python$(5))"; exit 2; }
+	@test -x $(1)/bin/python || $(2) -m venv $(1)
+	$(1)/bin/python -m pip install -q --upgrade pip
+	$(1)/bin/python -m pip install -q torch==$(3) megatron-core==$(4)
+	$(1)/bin/python -m pip install -q -e '.[dev,megatron-lm]'
+	@touch $(1)/.installed
+endef
+
 $(VENV)/.installed: setup.py Makefile
-	@test -n "$(PYTHON312)" || { echo "megatron_ssd: make needs Python 3.12 (python3.12 on PATH, or PYTHON312=/path/to/python3.12)"; exit 2; }
-	@test -x $(PY) || $(PYTHON312) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q torch==$(TORCH_VERSION) megatron-core==$(CORE_VERSION)
-	$(PY) -m pip install -q -e '.[dev,megatron-lm]'
-	@touch $@
+	$(call build_venv,$(VENV),$(PYTHON312),$(TORCH_VERSION),$(CORE_VERSION),3.12,PYTHON312)
 
 $(OLDEST)/.installed: setup.py Makefile
-	@test -n "$(PYTHON311)" || { echo "megatron_ssd: make test needs Python 3.11 (python3.11 on PATH, or PYTHON311=/path/to/python3.11)"; exit 2; }
-	@test -x $(OLDEST_PY) || $(PYTHON311) -m venv $(OLDEST)
-	$(OLDEST_PY) -m pip install -q --upgrade pip
-	$(OLDEST_PY) -m pip install -q torch==$(OLDEST_TORCH_VERSION) megatron-core==$(OLDEST_CORE_VERSION)
-	$(OLDEST_PY) -m pip install -q -e '.[dev,megatron-lm]'
-	@touch $@
+	$(call build_venv,$(OLDEST),$(PYTHON311),$(OLDEST_TORCH_VERSION),$(OLDEST_CORE_VERSION),3.11,PYTHON311)
 
 venv: $(VENV)/.installed
 
