@@ -30,7 +30,9 @@ from megatron_ssd.megatron import compat
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 OFFLOAD = "--ssd-offload --ssd-offload-planner offload --ssd-offload-keep-last-layers 0 --ssd-offload-override min_tensor_bytes=0"
 ITERATION = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?lm loss: (\S+) \|.*?grad norm: (\S+) \|")
-OFFLOADED = re.compile(r"\[megatron-ssd\] rank 0 step (\d+): offloaded ([\d.]+) MiB .*?reloaded ([\d.]+) MiB")
+OFFLOADED = re.compile(
+    r"\[megatron-ssd\] rank 0 step (\d+): offloaded ([\d.]+) MiB .*?reloaded ([\d.]+) MiB .*?forwarded ([\d.]+) MiB"
+)
 
 
 def docs_gpt_flags() -> list:
@@ -60,7 +62,10 @@ def run(checkout: str, pp: int, offload_dir: str | None) -> dict:
         "ssd_offload": offload_dir is not None,
         "wall_s": round(time.monotonic() - start, 1),
         "iterations": [{"iteration": int(i), "lm_loss": l, "grad_norm": g} for i, l, g in ITERATION.findall(done.stdout)],
-        "offload_steps": [{"step": int(s), "offloaded_mib": float(w), "reloaded_mib": float(r)} for s, w, r in OFFLOADED.findall(done.stdout)],
+        "offload_steps": [
+            {"step": int(s), "offloaded_mib": float(w), "reloaded_mib": float(r), "forwarded_mib": float(f)}
+            for s, w, r, f in OFFLOADED.findall(done.stdout)
+        ],
         "loss_lines": [line.strip() for line in done.stdout.splitlines() if "lm loss:" in line],
         "files_left": left,
     }

@@ -54,7 +54,9 @@ OFFLOAD = "--ssd-offload --ssd-offload-planner offload --ssd-offload-keep-last-l
 """Every layer offloaded, small tensors included, so every step writes and reads real files."""
 
 _ITERATION = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?lm loss: (\S+) \|.*?grad norm: (\S+) \|")
-_OFFLOADED = re.compile(r"\[megatron-ssd\] rank 0 step (\d+): offloaded ([\d.]+) MiB .*?reloaded ([\d.]+) MiB")
+_OFFLOADED = re.compile(
+    r"\[megatron-ssd\] rank 0 step (\d+): offloaded ([\d.]+) MiB .*?reloaded ([\d.]+) MiB .*?forwarded ([\d.]+) MiB"
+)
 
 
 def _env() -> dict:
@@ -96,7 +98,11 @@ def test_pretrain_gpt_with_ssd_offload_trains_as_without(pp, tmp_path):
     assert len(plain) == 3 and offloaded == plain
     steps = _OFFLOADED.findall(run.stdout)
     assert [s[0] for s in steps] == ["0", "1", "2"]
-    assert all(float(written) > 0 and written == read for _, written, read in steps), steps
+    # Every offloaded byte comes back: read from its file, or served from memory when backward
+    # needs it before its write is done (forwarded; more of it on a loaded machine).
+    for _, written, read, forwarded in steps:
+        assert float(written) > 0 and abs(float(read) + float(forwarded) - float(written)) <= 0.15, steps
+    assert sum(float(read) for _, _, read, _ in steps) > 0, steps
     assert sorted(os.listdir(offload_dir)) == [f"rank{r}" for r in range(pp)]
     assert _files_under(offload_dir) == []  # each rank's cache deleted its files at exit
 
