@@ -142,3 +142,11 @@ def test_launcher_help_lists_its_flags_without_megatron(capsys, monkeypatch):
     assert out.startswith("usage: megatron-ssd pretrain-gpt --megatron-path DIR [--cpu]")
     for flag in ("--ssd-offload-paths", "--ssd-offload-max-inflight", "--megatron-path DIR", "--cpu "):
         assert flag in out
+
+
+def test_the_integration_points_are_importable_from_the_package():
+    import megatron_ssd.megatron as package
+    from megatron_ssd.megatron import args
+
+    for name in ("add_ssd_offload_args", "validate_ssd_offload_args", "offload_config_from_args"):
+        assert getattr(package, name) is getattr(args, name) and name in package.__all__
