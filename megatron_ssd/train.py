@@ -12,7 +12,6 @@ with the configured planner; print a summary table of both.
 
 from __future__ import annotations
 
-import os
 import statistics
 import sys
 from dataclasses import dataclass, field
@@ -85,7 +84,6 @@ class TrainRecipe:
     def __init__(self, config: TrainConfig, out=sys.stdout) -> None:
         self.config = config
         self.out = out
-        self._scratch: Optional[str] = None
         self._initialized = False
 
     # ------------------------------------------------------------------ setup
@@ -106,12 +104,15 @@ class TrainRecipe:
             raise ConfigError("ModelConfig.params_dtype = 'fp16': fp16 training needs a GPU; use fp32 or bf16 on CPU")
         offload = cfg.offload
         if not offload.paths:  # the fixed per-user directory that clean and the next start know
-            from .cache.exit_guard import EXIT_GUARD
             from .io.scratch import default_offload_dir, make_private_dir
 
-            self._scratch = make_private_dir(default_offload_dir())
-            EXIT_GUARD.remove_when_empty(self._scratch)
-            offload = _with_paths(offload, [self._scratch])
+            # NOTE [Default offload directory]
+            # One fixed directory per user, shared by that user's concurrent runs, so it is
+            # never removed by a run: between one run's mkdir and the creation of its run
+            # directory inside, another run's exit could remove it and the first would fail.
+            # Each run removes its own run directory (close, SIGTERM, or the next start after
+            # SIGKILL); `megatron-ssd clean` with no path removes the directory when empty.
+            offload = _with_paths(offload, [make_private_dir(default_offload_dir())])
         self.offload = offload
         self.info = init_parallel(seed=cfg.seed, backend="nccl" if self.device == "cuda" else "gloo")
         self._initialized = True
@@ -261,20 +262,12 @@ class TrainRecipe:
         return report
 
     def cleanup(self) -> None:
-        """Remove the default offload directory if no other run uses it; tear down Megatron's state."""
-        from .cache.exit_guard import EXIT_GUARD
+        """Tear down Megatron's state (the caches removed their run directories)."""
         from .megatron.parallel import destroy_parallel
 
         if self._initialized:
             destroy_parallel()
             self._initialized = False
-        if self._scratch is not None:
-            EXIT_GUARD.forget_dir(self._scratch)
-            try:
-                os.rmdir(self._scratch)  # our run directories are gone; another run's stay
-            except OSError:
-                pass
-            self._scratch = None
 
     def run(self) -> Dict[str, Any]:
         """``setup()``, ``train()``, and ``cleanup()`` whatever happens; the report."""

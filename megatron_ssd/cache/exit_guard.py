@@ -58,16 +58,6 @@ class _ExitGuard:
         self._atexit = False
         self._wake_w = self._done_r = -1  # pipes to the cleanup thread, while handlers are in
         self._cleaner_pid = -1  # a forked child shares the pipes, not the thread
-        self._dirs: Dict[str, None] = {}  # removed on a fatal signal when empty
-
-    def remove_when_empty(self, path: str) -> None:
-        """On a fatal signal, after the caches' files, remove the directory ``path`` if
-        it is then empty (the default offload directory of ``megatron-ssd train``)."""
-        self._dirs[path] = None
-
-    def forget_dir(self, path: str) -> None:
-        """Undo :meth:`remove_when_empty`."""
-        self._dirs.pop(path, None)
 
     def add(self, cache: Any) -> None:
         with self._lock:
@@ -124,11 +114,6 @@ class _ExitGuard:
                     try:
                         cache._remove_files_now()
                     except Exception:  # noqa: BLE001 - best effort; the marker stays for clean
-                        pass
-                for path in list(self._dirs):
-                    try:
-                        os.rmdir(path)  # fails while another run's directories are in it
-                    except OSError:
                         pass
                 os.write(done_w, b"x")
         finally:

@@ -44,7 +44,7 @@ def _wait_for_run_dir(proc, default):
     pytest.fail(f"no run directory appeared under {default}")
 
 
-def test_default_dir_is_cleaned_after_sigkill_and_removed_after_sigterm(tmp_path):
+def test_default_dir_is_cleaned_after_sigkill_and_emptied_after_sigterm(tmp_path):
     root = tmp_path / "scratch-root"
     root.mkdir()
     default = os.path.join(str(root), f"megatron-ssd-{os.geteuid()}")
@@ -64,7 +64,31 @@ def test_default_dir_is_cleaned_after_sigkill_and_removed_after_sigterm(tmp_path
     _wait_for_run_dir(termed, default)
     termed.send_signal(signal.SIGTERM)
     assert termed.wait(timeout=60) == -signal.SIGTERM
-    assert os.listdir(root) == [], "SIGTERM removes the run directory and the empty default directory"
+    # The run directory is gone; the fixed per-user directory stays for the user's other
+    # runs (NOTE [Default offload directory]), empty, and clean removes it.
+    assert os.listdir(root) == [os.path.basename(default)] and os.listdir(default) == []
+    res = subprocess.run([sys.executable, "-m", "megatron_ssd.cli", "clean"], capture_output=True, text=True,
+                         env=env, timeout=120)
+    assert res.returncode == 0 and os.listdir(root) == []
+
+
+def test_a_finished_run_leaves_the_shared_default_dir_for_a_concurrent_one(tmp_path, monkeypatch):
+    """Two runs of one user share the default directory: one finishing must not remove it
+    under the other (which would fail with 'does not exist' before creating its run dir)."""
+    import io
+
+    from megatron_ssd.train import TrainRecipe
+
+    monkeypatch.setenv(scratch.SCRATCH_ENV, str(tmp_path))
+    default = scratch.default_offload_dir()
+    other = scratch.make_private_dir(default)  # the concurrent run: directory made, its run dir not yet
+    config = load_config(TrainConfig, os.path.join(REPO, "configs", "gpt-tiny.yaml"), list(TINY) + ["steps=1"])
+    recipe = TrainRecipe(config, out=io.StringIO())
+    try:
+        recipe.setup()
+    finally:
+        recipe.cleanup()
+    assert os.path.isdir(other) and os.listdir(other) == []
 
 
 @pytest.fixture
