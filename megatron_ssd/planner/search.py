@@ -5,8 +5,7 @@
 safety margin to choose, and with the measured ones to check. Two searches:
 
 - :meth:`PlacementSearch.max_offload`: first fit in forward order, OFFLOAD only, no
-  stall and no forwarding allowed, then every offload that does not lower the predicted
-  peak undone (NOTE [Benefit rule]);
+  stall and no forwarding allowed;
 - :meth:`PlacementSearch.meet_budget`: greedy single-layer moves (KEEP -> OFFLOAD,
   KEEP -> RECOMPUTE, OFFLOAD -> RECOMPUTE) by memory benefit per second of step time,
   until the predicted peak fits, then undoing the moves the budget does not need.
@@ -101,27 +100,6 @@ class PlacementSearch:
         while not self.hidden(self.check(placements)):
             last = max(i for i, p in enumerate(placements) if p is Placement.OFFLOAD)
             placements[last] = Placement.KEEP
-        return self.without_zero_benefit(placements)
-
-    def without_zero_benefit(self, placements: List[Placement]) -> List[Placement]:
-        """``placements`` with every OFFLOAD that does not lower the predicted peak put back
-        to KEEP (NOTE [Benefit rule])."""
-        # NOTE [Benefit rule]
-        # An offloaded byte costs SSD writes (drive wear, bandwidth other layers could use)
-        # and buys memory only if the peak is lower with it. Reads issued far ahead (a deep
-        # prefetch), or a peak set where the layer's bytes are back in memory anyway, make
-        # an offload pay for nothing: the admission above checks only that its I/O hides.
-        # Latest layer first (its bytes come back soonest, so it buys the least), each
-        # offload is undone when the peak at both derated and measured bandwidths stays as
-        # low without it; undoing one can make an earlier one necessary, which is then kept.
-        judged, checked = self.judge(placements).peak_bytes, self.check(placements).peak_bytes
-        for i in range(self.n - 1, -1, -1):
-            if placements[i] is not Placement.OFFLOAD:
-                continue
-            trial = placements[:i] + [Placement.KEEP] + placements[i + 1 :]
-            tl = self.judge(trial)
-            if tl.peak_bytes <= judged and self.hidden(tl) and self.check(trial).peak_bytes <= checked:
-                placements = trial
         return placements
 
     def fits(self, placements: Sequence[Placement], tl: Timeline, budget: int) -> bool:
