@@ -18,8 +18,9 @@ between two points is read exactly from ``/proc/self/status``, at no cost betwee
 Where that write is refused (old kernels, some sandboxes), a daemon thread reads
 ``/proc/self/statm`` every ``interval_s`` seconds and keeps the maximum; it can miss a
 peak shorter than the interval, so ``method`` says which one produced the number.
-Both were checked on the reference machine (Linux 5.x, a container): ``clear_refs``
-works there and is the default.
+Both were checked on the reference machine (a container): ``clear_refs`` works there and
+is the default. Either is exact only to the kernel's batching of per-thread RSS counters
+(up to 64 pages per thread), a few hundred KiB.
 """
 
 from __future__ import annotations
