@@ -84,19 +84,20 @@ def test_soak_200_steps_bit_identical_and_flat(offload_dir):
 
 HIDDEN_256_STEPS = 40
 HIDDEN_256_WARMUP = 12
-HIDDEN_256_RSS_SLACK = 64 << 20
+HIDDEN_256_RSS_SLACK = 128 << 20
 """RSS growth allowed after warm-up at hidden 256. In one run the first 9 steps grew RSS by
 about 170 MiB (warm-up), and after that glibc's heap still settled upward a few times in
-steps of 5-20 MiB (+91 MiB from step 10 to step 60, levelling off). Buffers kept from
-every step's read-back would add their whole size each step and fail this bound."""
+steps of 5-20 MiB (+91 MiB from step 10 to step 60, levelling off; +75 MiB from step 12
+to step 40 in another). Buffers kept from every step's read-back would add their whole
+size each step and fail this bound."""
 
 
 def test_soak_hidden_256_rss_stays_flat(offload_dir):
     """The RSS soak at a size users run (hidden 256): read-back memory is returned each step.
 
-    Measured by the process itself (``/proc/self/statm``), not by the cache: before
-    read-back buffers had mappings of their own, the allocator kept them and RSS grew
-    step after step (NOTE [Mapped read buffers]).
+    Measured by the process itself (``/proc/self/statm``), not by the cache. A heap that
+    keeps read-back buffers (NOTE [Mapped read buffers]) is shown in isolation by
+    tests/memory/test_memory_measures.py::test_read_back_memory_returns_to_the_os_when_freed.
     """
     from megatron_ssd.memory import current_rss_bytes
 
