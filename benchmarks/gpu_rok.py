@@ -52,6 +52,10 @@ def _train_point(name, path, mbs, mode, steps=8):
     return {"placement": name, "micro_batch_size": mbs, "fits": True,
             "peak_device_bytes": report["peak_device_bytes"],
             "peak_activation_bytes": phase["peak_activation_bytes"],
+            # measured without the cache (NOTE [Independent memory]): CUDA's own counters
+            "cuda_peak_allocated_above_base_bytes": phase.get("cuda_peak_allocated_above_base_bytes"),
+            "cuda_peak_reserved_above_base_bytes": phase.get("cuda_peak_reserved_above_base_bytes"),
+            "peak_rss_above_base_bytes": phase.get("peak_rss_above_base_bytes"),
             "median_step_s": phase["median_step_s"], "bytes_written": phase["bytes_written_per_step"],
             "stall_s": phase["stall_s_per_step"]}
 

@@ -73,10 +73,11 @@ def main():
     args = parser.parse_args()
     points = [(4, 4), (8, 4), (16, 4), (8, 1), (8, 2), (8, 8)]
     results = sweep(points)
-    print(f"{'placement':<11}{'layers':>7}{'mbs':>5}{'peak act MiB':>14}{'step s':>9}")
-    for p in results:
+    print(f"{'placement':<11}{'layers':>7}{'mbs':>5}{'peak act MiB':>14}{'live MiB':>10}{'RSS+ MiB':>10}{'step s':>9}")
+    for p in results:  # live / RSS+: measured without the cache (NOTE [Independent memory])
         print(f"{p['placement']:<11}{p['num_layers']:>7}{p['micro_batch_size']:>5}"
-              f"{p['peak_activation_bytes'] / MiB:>14.1f}{p['median_step_s']:>9.3f}")
+              f"{p['peak_activation_bytes'] / MiB:>14.1f}{(p['allocator_peak_bytes'] or 0) / MiB:>10.1f}"
+              f"{(p['peak_rss_above_base_bytes'] or 0) / MiB:>10.1f}{p['median_step_s']:>9.3f}")
     os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
     with open(args.json, "w", encoding="utf-8") as fh:
         json.dump({"points": results, "base_overrides": BASE, "machine": machine_info()}, fh, indent=2)

@@ -228,6 +228,12 @@ class TrainConfig:
     every layer kept, one with the offload phase's final placement, alternating which
     goes first. Each pair's step-time ratio compares runs seconds apart, so the machine's
     drift cancels out of it (0: none)."""
+    allocator_timeline: bool = False
+    """After each phase's steps, run one more step under the PyTorch profiler's memory
+    events and report ``allocator_peak_bytes``: the peak of live tensor bytes (read-back
+    buffers included) above the step's start, measured at the allocators, independently
+    of the tensor cache. That step is not timed, planned from, or counted in the losses
+    (``megatron-ssd rok`` turns it on)."""
     lr: float = 0.01
     """SGD learning rate."""
     seed: int = 1234

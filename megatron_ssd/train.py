@@ -12,10 +12,11 @@ with the configured planner; print a summary table of both.
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import sys
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -41,6 +42,8 @@ class PhaseResult:
     losses: List[float] = field(default_factory=list)
     measured_from: int = 0
     """Index of the first step counted in the medians (after warm-up / profiling)."""
+    memory: Dict[str, Any] = field(default_factory=dict)
+    """Memory measured independently of the cache (:meth:`PhaseMemory.summary`)."""
 
     @property
     def measured(self) -> List[StepStats]:
@@ -70,6 +73,7 @@ class PhaseResult:
             "peak_ssd_bytes": max(s.peak_ssd_bytes for s in m),
             "ssd_bytes_written_per_day": written / step_s * 86400 if step_s else 0.0,
             "final_loss": self.losses[-1] if self.losses else None,
+            **self.memory,
         }
 
 
@@ -145,11 +149,13 @@ class TrainRecipe:
         from .megatron import get_forward_backward_func
         from .megatron.cpu_mode import cpu_mode
         from .megatron.harness import SGD, finalize_embedding_grads, gpt_forward_step
+        from .memory import PhaseMemory
         from .planner.runtime import AdaptivePlanner
 
         cfg = self.config
         result = PhaseResult(name)
-        with TensorCache(self.offload) as cache:
+        memory = PhaseMemory(self.device)
+        with TensorCache(self.offload) as cache, _closing(memory):
             planner = AdaptivePlanner(cache, planner_config)
             sink: List[StepStats] = result.steps
 
@@ -178,16 +184,25 @@ class TrainRecipe:
                 optimizer([self.model], step)
                 return statistics.fmean(float(r["loss"]) for r in reports)
 
+            memory.start()  # NOTE [Independent memory]: the level right before the first forward
             for step in range(steps):
+                memory.step_begin()
                 loss = run_step(step)
+                memory.step_end()
                 result.losses.append(loss)
                 self._progress(name, step, steps, loss, result.steps[-1])
             self._end_progress()
             result.measured_from = _first_measured(planner_config, steps)
             self.planner_summary = planner.summary()
+            next_step = steps
+            if cfg.allocator_timeline:
+                sink = []
+                memory.allocator_peak_bytes, memory.allocator_device_peak_bytes = _profiled_step(run_step, next_step)
+                next_step += 1
+            result.memory = memory.summary(result.measured_from)
             if pairs:
                 sink = []
-                self.paired = self._pairs(cache, run_step, steps, pairs, sink)
+                self.paired = self._pairs(cache, run_step, next_step, pairs, sink)
         return result
 
     def _pairs(self, cache: TensorCache, run_step: Any, first_step: int, pairs: int,
@@ -246,7 +261,8 @@ class TrainRecipe:
                 self._say(Plan.from_dict(event["plan"]).table())
         report = {
             "peak_rss_bytes": _peak_rss_bytes(),
-            "peak_device_bytes": torch.cuda.max_memory_allocated() if self.device == "cuda" else None,
+            "peak_device_bytes": (max(p.memory.get("cuda_peak_allocated_bytes") or 0 for p in phases)
+                                  if self.device == "cuda" else None),
             "config": to_dict(cfg),
             "device": self.device,
             "phases": [p.summary() for p in phases],
@@ -299,6 +315,32 @@ class TrainRecipe:
             print(file=self.out)
 
 
+# NOTE [Independent memory]: each phase reports, beside the cache's own count of the
+# activation bytes it holds, peaks the cache does not compute (megatron_ssd.memory): the
+# process's RSS, and on a GPU CUDA's allocated / reserved bytes, above their level right
+# before the phase's first forward, over the measured steps; and with
+# ``allocator_timeline`` the peak of live tensor bytes from allocator events during one
+# more step. That step runs after the measured ones and is neither timed nor seen by the
+# planner nor counted in the losses, like the paired steps; it trains the model once more.
+
+
+@contextlib.contextmanager
+def _closing(memory: Any) -> Iterator[Any]:
+    try:
+        yield memory
+    finally:
+        memory.close()
+
+
+def _profiled_step(run_step: Any, step: int) -> Tuple[Optional[int], Optional[int]]:
+    """Run ``step`` under :class:`AllocatorTimeline`; (host peak, CUDA peak) in bytes."""
+    from .memory import AllocatorTimeline
+
+    with AllocatorTimeline() as timeline:
+        run_step(step)
+    return timeline.peak_bytes, timeline.device_peak_bytes
+
+
 def _with_paths(offload: Any, paths: List[str]) -> Any:
     from .config import OffloadConfig, from_dict
 
@@ -324,7 +366,13 @@ def _first_measured(config: PlannerConfig, steps: int) -> int:
 def format_summary(phases: Sequence[Dict[str, Any]]) -> str:
     """The summary table printed at the end of the job."""
     rows = [
-        ("peak activation memory (MiB)", "peak_activation_bytes", 1 / MiB, "{:.1f}"),
+        ("peak activation memory, cache count (MiB)", "peak_activation_bytes", 1 / MiB, "{:.1f}"),
+        ("peak memory, measured (MiB)", "independent_peak_bytes", 1 / MiB, "{:.1f}"),
+        ("  process RSS above start (MiB)", "peak_rss_above_base_bytes", 1 / MiB, "{:.1f}"),
+        ("  allocator live tensors (MiB)", "allocator_peak_bytes", 1 / MiB, "{:.1f}"),
+        ("  CUDA allocated above start (MiB)", "cuda_peak_allocated_above_base_bytes", 1 / MiB, "{:.1f}"),
+        ("  CUDA reserved above start (MiB)", "cuda_peak_reserved_above_base_bytes", 1 / MiB, "{:.1f}"),
+        ("process RSS at start (MiB)", "rss_base_bytes", 1 / MiB, "{:.0f}"),
         ("median step time (s)", "median_step_s", 1, "{:.3f}"),
         ("written per step (MiB)", "bytes_written_per_step", 1 / MiB, "{:.1f}"),
         ("read per step (MiB)", "bytes_read_per_step", 1 / MiB, "{:.1f}"),
@@ -359,6 +407,11 @@ def format_summary(phases: Sequence[Dict[str, Any]]) -> str:
             f"({100 * saved / keep['peak_activation_bytes']:.0f}% of keep-everything), "
             f"step time {ratio:.2f}x keep-everything"
         )
+        if keep.get("independent_peak_bytes"):
+            measured = keep["independent_peak_bytes"] - off.get("independent_peak_bytes", 0)
+            lines.append(f"measured peak lower by {measured / MiB:.1f} MiB "
+                         f"({100 * measured / keep['independent_peak_bytes']:.0f}% of keep-everything's; "
+                         f"{off.get('independent_peak_source', '')}, same process)")
     return "\n".join(lines)
 
 

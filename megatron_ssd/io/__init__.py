@@ -5,6 +5,7 @@ from .buffers import BufferPool, aligned_empty
 from .factory import create_engine, resolve_engine_name
 from .kvikio_engine import KvikioEngine, kvikio_available
 from .layout import ExtentLayout, FileLayout, Layout
+from .mapped import mapped_bytes, mapped_empty
 from .posix import PosixEngine
 from .rundir import remove_stale_runs
 
@@ -25,6 +26,8 @@ __all__ = [
     "aligned_empty",
     "create_engine",
     "kvikio_available",
+    "mapped_bytes",
+    "mapped_empty",
     "remove_stale_runs",
     "resolve_engine_name",
 ]

@@ -303,12 +303,12 @@ class StripedEngine(Engine):
         return fut
 
     def alloc(self, nbytes: int, device: torch.device, handle: Optional[SwapHandle] = None) -> torch.Tensor:
-        from .buffers import aligned_empty
+        from .mapped import mapped_empty
 
         device = torch.device(device)
-        if device.type == "cpu":
+        if device.type == "cpu":  # NOTE [Mapped read buffers]: unmapped, not kept by the heap, when freed
             skew = handle.extents[0].skew if handle is not None and handle.extents else 0
-            return aligned_empty(skew + nbytes)[skew : skew + nbytes]
+            return mapped_empty(skew + nbytes)[skew : skew + nbytes]
         return torch.empty(align_up(max(nbytes, 1)), dtype=torch.uint8, device=device)[:nbytes]
 
     def free(self, handle: SwapHandle) -> None:

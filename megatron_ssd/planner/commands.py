@@ -69,7 +69,7 @@ def _train_in_subprocess(config_path: Optional[str], overrides: Sequence[str]) -
     with tempfile.TemporaryDirectory(prefix="megatron-ssd-rok-") as tmp:
         out = os.path.join(tmp, "point.json")
         cmd = [sys.executable, "-m", "megatron_ssd.cli", "train", *(["--config", config_path] if config_path else []),
-               *overrides, "baseline_steps=0", "--json", out]
+               *overrides, "baseline_steps=0", "allocator_timeline=true", "--json", out]
         print("$ " + " ".join(cmd), flush=True)
         proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         if proc.returncode != 0 or not os.path.exists(out):
@@ -105,6 +105,12 @@ def _point(placement: str, reports: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
         "placement": placement,
         "peak_activation_bytes": max(p["peak_activation_bytes"] for p in phases),
         "peak_rss_bytes": max(r["peak_rss_bytes"] for r in reports),
+        # NOTE [Independent memory] (train.py): measured without the cache's help
+        "independent_peak_bytes": _max_of(phases, "independent_peak_bytes"),
+        "independent_peak_source": phases[0].get("independent_peak_source"),
+        "peak_rss_above_base_bytes": _max_of(phases, "peak_rss_above_base_bytes"),
+        "rss_base_bytes": _max_of(phases, "rss_base_bytes"),
+        "allocator_peak_bytes": _max_of(phases, "allocator_peak_bytes"),
         "median_step_s": median_or_zero(pooled),
         "round_median_step_s": [p["median_step_s"] for p in phases],
         "round_step_s": [list(p.get("step_s", [p["median_step_s"]])) for p in phases],
@@ -139,6 +145,11 @@ def _point(placement: str, reports: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
         point["paired_x_keep"] = median_or_zero(ratios)
         point["paired_x_keep_ci95"] = median_ci95(ratios)
     return point
+
+
+def _max_of(phases: Sequence[Dict[str, Any]], key: str) -> Optional[int]:
+    values = [p[key] for p in phases if p.get(key) is not None]
+    return max(values) if values else None
 
 
 def ratio_ci95(num_rounds: Sequence[Sequence[float]], den_rounds: Sequence[Sequence[float]],
@@ -281,21 +292,40 @@ def add_predictions(points: List[Dict[str, Any]], reports: Dict[str, Dict[str, A
 
 
 def plot_rok(points: Sequence[Dict[str, Any]], path: str, title: str = "") -> None:
-    """A PNG of peak activation memory against median step time, one marker per placement."""
+    """A PNG of measured peak memory against median step time, one marker per placement.
+
+    Filled markers: the allocator timeline's peak of live tensor bytes; open markers: the
+    process's RSS above its pre-forward level (NOTE [Independent memory]); small crosses:
+    the cache's own count of activation bytes, for comparison.
+    """
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6.4, 4.4))
-    for p in points:
+    labelled = set()
+
+    def mark(x: float, y: Optional[int], label: str, **style: Any) -> None:
+        if y is None:
+            return
+        ax.scatter(x, y / MiB, label=None if label in labelled else label, **style)
+        labelled.add(label)
+
+    for i, p in enumerate(points):
         if "median_step_s" not in p:
             continue
-        ax.scatter(p["median_step_s"], p["peak_activation_bytes"] / MiB, s=60)
-        ax.annotate(p["placement"], (p["median_step_s"], p["peak_activation_bytes"] / MiB),
-                    textcoords="offset points", xytext=(6, 4), fontsize=9)
+        x, color = p["median_step_s"], f"C{i % 10}"
+        main = p.get("allocator_peak_bytes")
+        mark(x, main, "live tensors (allocator timeline)", s=60, color=color)
+        mark(x, p.get("peak_rss_above_base_bytes"), "process RSS above pre-forward", s=60,
+             facecolors="none", edgecolors=color)
+        mark(x, p["peak_activation_bytes"], "cache's own count", s=30, marker="x", color=color)
+        anchor = main if main is not None else p.get("independent_peak_bytes") or p["peak_activation_bytes"]
+        ax.annotate(p["placement"], (x, anchor / MiB), textcoords="offset points", xytext=(6, 4), fontsize=9)
+    ax.legend(fontsize=8)
     ax.set_xlabel("median step time (s)")
-    ax.set_ylabel("peak activation memory (MiB)")
+    ax.set_ylabel("peak memory above the pre-forward level (MiB)")
     ax.set_title(title or "recompute / offload / keep")
     ax.grid(alpha=0.3)
     fig.tight_layout()
@@ -306,8 +336,11 @@ def plot_rok(points: Sequence[Dict[str, Any]], path: str, title: str = "") -> No
 
 
 def format_rok(points: Sequence[Dict[str, Any]]) -> str:
-    """The ROK table (``x keep`` pooled, its 95% interval, and its range over rounds)."""
-    lines = [f"{'placement':<22}{'peak act MiB':>14}{'peak RSS MiB':>14}{'step s':>9}{'x keep':>8}"
+    """The ROK table: measured peaks (``live``: allocator timeline; ``RSS+``: process RSS
+    above its pre-forward level), the cache's own count, ``x keep`` pooled with its 95%
+    interval and its range over rounds."""
+    lines = [f"{'placement':<22}{'live MiB':>10}{'RSS+ MiB':>10}{'cache MiB':>11}{'peak RSS MiB':>14}"
+             f"{'step s':>9}{'x keep':>8}"
              f"{'95% interval':>14}{'per round':>13}{'I/O CPU s':>11}{'written MiB':>13}"]
     for p in points:
         if "median_step_s" not in p:
@@ -318,11 +351,16 @@ def format_rok(points: Sequence[Dict[str, Any]]) -> str:
         lo, hi = p.get("x_keep_ci95") or (float("nan"), float("nan"))
         interval = f"{lo:.3f}-{hi:.3f}" if lo == lo else ""
         lines.append(
-            f"{p['placement']:<22}{p['peak_activation_bytes'] / MiB:>14.1f}{p['peak_rss_bytes'] / MiB:>14.0f}"
+            f"{p['placement']:<22}{_mib(p.get('allocator_peak_bytes')):>10}{_mib(p.get('peak_rss_above_base_bytes')):>10}"
+            f"{p['peak_activation_bytes'] / MiB:>11.1f}{p['peak_rss_bytes'] / MiB:>14.0f}"
             f"{p['median_step_s']:>9.3f}{p.get('x_keep', float('nan')):>8.3f}{interval:>14}{spread:>13}"
             f"{p['io_cpu_s_per_step']:>11.2f}{p['bytes_written'] / MiB:>13.1f}"
         )
     return "\n".join(lines)
+
+
+def _mib(n: Optional[int]) -> str:
+    return "-" if n is None else f"{n / MiB:.1f}"
 
 
 def run_rok(config_path: Optional[str], overrides: Sequence[str], json_path: Optional[str] = None,

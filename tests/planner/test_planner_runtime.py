@@ -109,10 +109,16 @@ def test_rok_json_schema(tmp_path):
     for p in data["points"][:4]:
         assert {"placement", "peak_activation_bytes", "peak_rss_bytes", "median_step_s", "bytes_written"} <= set(p)
         assert p["median_step_s"] > 0 and p["peak_rss_bytes"] > 0
+        # NOTE [Independent memory]: measured beside the cache's count, for every placement
+        assert p["independent_peak_bytes"] == p["peak_rss_above_base_bytes"] >= 0
+        assert p["rss_base_bytes"] > 0 and p["allocator_peak_bytes"] > 0
     by = {p["placement"]: p for p in data["points"]}
     assert by["keep"]["bytes_written"] == 0 and by["offload-all"]["bytes_written"] > 0
     assert by["offload-all"]["peak_activation_bytes"] < by["keep"]["peak_activation_bytes"]
     assert by["recompute"]["peak_activation_bytes"] < by["keep"]["peak_activation_bytes"]
+    # every saved tensor is a storage allocated in the step; recompute rebuilds what it does not count
+    assert by["keep"]["allocator_peak_bytes"] >= by["keep"]["peak_activation_bytes"]
+    assert by["recompute"]["allocator_peak_bytes"] > by["recompute"]["peak_activation_bytes"]
     assert all(pl in ("keep", "offload", "recompute") for pl in by["planner"]["plan"])
     assert data["workload"]["model"]["num_layers"] == 2
     planner = by["planner"]
@@ -150,6 +156,23 @@ def test_paired_steps_alternate_keep_and_offload_and_leave_the_phase_alone(tmp_p
     assert "paired steps: offload " in stdout and "(median of 3 pairs; 95% interval " in stdout
     assert plain["paired"] is None
     assert data["phases"][-1]["final_loss"] == plain["phases"][-1]["final_loss"]
+    assert len(data["steps"]) == len(plain["steps"]) == 3
+    assert data["planner"]["events"] == plain["planner"]["events"]
+
+
+def test_train_json_carries_independent_memory_and_the_profiled_step_changes_nothing(tmp_path):
+    """NOTE [Independent memory]: RSS above the pre-forward level per phase and per step;
+    ``allocator_timeline`` adds the allocator peak from one more, unrecorded, step."""
+    stdout, data = _train_json(tmp_path, "timeline", "allocator_timeline=true")
+    _, plain = _train_json(tmp_path, "plain")
+    phase, plain_phase = data["phases"][-1], plain["phases"][-1]
+    assert phase["rss_method"] in ("vmhwm", "sampled") and phase["rss_base_bytes"] > 0
+    assert len(phase["rss_peak_per_step_bytes"]) == 3
+    assert phase["independent_peak_bytes"] == phase["peak_rss_above_base_bytes"] >= 0
+    assert phase["allocator_peak_bytes"] > 0 and plain_phase["allocator_peak_bytes"] is None
+    assert phase["cuda_peak_allocated_above_base_bytes"] is None
+    assert "peak memory, measured (MiB)" in stdout and "allocator live tensors (MiB)" in stdout
+    assert phase["final_loss"] == plain_phase["final_loss"]
     assert len(data["steps"]) == len(plain["steps"]) == 3
     assert data["planner"]["events"] == plain["planner"]["events"]
 

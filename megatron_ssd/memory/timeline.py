@@ -1,0 +1,164 @@
+"""Peak of live tensor bytes over a window, counted from the storages torch allocates.
+
+The second independent measure (beside the process's RSS, :mod:`.rss`): it counts what
+torch allocated, not what the tensor cache thinks it holds, so tensors that recompute
+rebuilds during backward, gradients, temporaries and read-back buffers all count::
+
+    with AllocatorTimeline() as timeline:
+        run_one_step()
+    timeline.peak_bytes        # host bytes, above the window's start
+
+NOTE [Allocator timeline]: a ``TorchDispatchMode`` sees the outputs of every operator
+run while it is open, forward and backward (autograd runs CPU backward on the calling
+thread, with the mode). An output whose storage is new (shared with no input: not a
+view, not in place) is an allocation of ``storage.nbytes()`` bytes at that time. Its
+death is observed through a storage weak reference, which expires when the storage is
+freed, on whichever thread drops the last reference; expiries are checked before and
+after every operator, so a free is timed to within one operator. Read-back buffers come
+from their own mappings, not from an operator (NOTE [Mapped read buffers]);
+:mod:`megatron_ssd.io.mapped` reports their maps and unmaps. The running sum of both is
+the live bytes allocated inside the window; its peak is measured above the level at the
+window's start. Not seen: scratch memory an operator allocates and frees inside itself.
+The PyTorch profiler's ``profile_memory`` events were tried first: they record only
+the profiled thread's frees, and the I/O threads drop offloaded tensors, so offloaded
+bytes looked alive until the end of the step (``profile_all_threads`` records none).
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from typing import Any, Dict, List, Optional, Set, Tuple
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+__all__ = ["AllocatorTimeline", "peak_of_events"]
+
+
+def peak_of_events(events: List[Tuple[int, int]]) -> int:
+    """Peak of the running sum of ``(time_ns, delta_bytes)`` events taken in time order.
+
+    At equal times frees go first, so a free and an allocation at the same instant do
+    not count twice.
+    """
+    live = peak = 0
+    for _, delta in sorted(events, key=lambda e: (e[0], e[1])):
+        live += delta
+        peak = max(peak, live)
+    return peak
+
+
+def _storages(obj: Any, out: List[Any]) -> None:
+    if isinstance(obj, torch.Tensor):
+        out.append(obj)
+    elif isinstance(obj, (list, tuple)):
+        for o in obj:
+            _storages(o, out)
+
+
+class _Tracker(TorchDispatchMode):
+    """Records fresh output storages and when they die (NOTE [Allocator timeline])."""
+
+    def __init__(self, timeline: "AllocatorTimeline") -> None:
+        super().__init__()
+        self.timeline = timeline
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        tl = self.timeline
+        tl.poll()
+        inputs: List[Any] = []
+        _storages(args, inputs)
+        _storages(list((kwargs or {}).values()), inputs)
+        seen = {_key(t) for t in inputs if _has_storage(t)}
+        result = func(*args, **(kwargs or {}))
+        outputs: List[Any] = []
+        _storages(result, outputs)
+        for t in outputs:
+            if _has_storage(t) and t.device.type == "cpu":
+                key = _key(t)
+                if key not in seen:
+                    seen.add(key)
+                    tl.allocated(t)
+        tl.poll()
+        return result
+
+
+def _has_storage(t: torch.Tensor) -> bool:
+    try:
+        t.untyped_storage()
+    except (RuntimeError, NotImplementedError):
+        return False
+    return True
+
+
+def _key(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr() or id(t.untyped_storage())
+
+
+class AllocatorTimeline:
+    """Context manager: the peak of live tensor bytes while it is open (NOTE [Allocator timeline])."""
+
+    def __init__(self) -> None:
+        self.peak_bytes: Optional[int] = None
+        """Host (CPU) peak above the window's start, read-back mappings included."""
+        self.device_peak_bytes: Optional[int] = None
+        """Reserved for CUDA; on a GPU use ``torch.cuda.max_memory_allocated`` instead."""
+        self.allocations = 0
+        """Number of storages and mappings allocated inside the window."""
+        self._events: List[Tuple[int, int]] = []
+        self._live: Dict[int, Tuple[Any, int]] = {}
+        self._ids = itertools.count()
+        self._tokens: Set[int] = set()
+        self._lock = threading.Lock()
+        self._mode: Optional[_Tracker] = None
+
+    def allocated(self, t: torch.Tensor) -> None:
+        """Count ``t``'s storage as allocated now (called by the dispatch mode)."""
+        from torch.multiprocessing.reductions import StorageWeakRef
+
+        storage = t.untyped_storage()
+        nbytes = storage.nbytes()
+        with self._lock:
+            self._live[next(self._ids)] = (StorageWeakRef(storage), nbytes)
+            self._events.append((time.time_ns(), nbytes))
+            self.allocations += 1
+
+    def poll(self) -> None:
+        """Record the frees of tracked storages that have died since the last poll."""
+        now = time.time_ns()
+        with self._lock:
+            dead = [k for k, (ref, _) in self._live.items() if ref.expired()]
+            for k in dead:
+                self._events.append((now, -self._live.pop(k)[1]))
+
+    def _on_mapped(self, time_ns: int, delta: int, token: int) -> None:
+        with self._lock:
+            if delta > 0:
+                self._tokens.add(token)
+                self.allocations += 1
+            elif token not in self._tokens:
+                return  # mapped before the window: part of its base
+            self._events.append((time_ns, delta))
+
+    def __enter__(self) -> "AllocatorTimeline":
+        from ..io.mapped import add_listener
+
+        add_listener(self._on_mapped)
+        self._mode = _Tracker(self)
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        from ..io.mapped import remove_listener
+
+        try:
+            if self._mode is not None:
+                self._mode.__exit__(*exc)
+        finally:
+            remove_listener(self._on_mapped)
+            self._mode = None
+        self.poll()
+        with self._lock:
+            self.peak_bytes = peak_of_events(self._events)
