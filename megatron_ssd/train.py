@@ -25,12 +25,51 @@ from .cache.stats import median_ci95, median_or_zero as med
 from .config import PlannerConfig, TrainConfig, load_config, to_dict
 from .data import TextFileData
 from .errors import ConfigError
-from .output import write_json
+from .output import Progress, write_json
 
-__all__ = ["TrainRecipe", "PhaseResult", "run_train"]
+__all__ = ["TrainRecipe", "PhaseResult", "run_train", "step_kinds", "short_run_problems", "FEW_STEPS"]
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 MiB = float(1 << 20)
+FEW_STEPS = 5
+"""A step-time ratio from fewer measured steps than this (either side) is printed with a
+warning next to its interval: a handful of steps cannot separate a few percent from noise."""
+
+
+def step_kinds(config: PlannerConfig, steps: int) -> List[str]:
+    """What each step of a phase is: ``warm-up``, ``profile`` or ``measured``.
+
+    NOTE [Step kinds]: an ``auto`` phase runs ``warmup_steps`` warm-up steps, then
+    ``profile_steps`` profiling steps (alternately every layer kept and the default
+    placement), and only the steps after those run the planner's placement; every other
+    phase's first step warms up the allocator and the page cache. Only ``measured``
+    steps enter the summary; a phase with none is short (:func:`short_run_problems`).
+    """
+    if config.mode == "auto":
+        head = ["warm-up"] * config.warmup_steps + ["profile"] * config.profile_steps
+    else:
+        head = ["warm-up"]
+    return (head + ["measured"] * steps)[:steps]
+
+
+def short_run_problems(config: TrainConfig) -> List[str]:
+    """Why each phase of ``config`` would have no measured step (NOTE [Step kinds]); empty
+    when every phase measures at least one."""
+    problems = []
+    if config.baseline_steps and "measured" not in step_kinds(PlannerConfig(mode="keep"), config.baseline_steps):
+        problems.append(f"TrainConfig.baseline_steps = {config.baseline_steps}: its one step is the warm-up step, "
+                        "so keep-everything would be measured from it; must be 0 or >= 2")
+    planner = config.offload.planner
+    if "measured" not in step_kinds(planner, config.steps):
+        if planner.mode == "auto":
+            need = planner.warmup_steps + planner.profile_steps + 1
+            problems.append(
+                f"TrainConfig.steps = {config.steps}: the planner uses {planner.warmup_steps} warm-up + "
+                f"{planner.profile_steps} profiling steps, so no step would run its plan; must be >= {need} "
+                "to measure the planner's placement")
+        else:
+            problems.append(f"TrainConfig.steps = {config.steps}: its one step is the warm-up step; must be >= 2")
+    return problems
 
 
 @dataclass
@@ -40,12 +79,25 @@ class PhaseResult:
     name: str
     steps: List[StepStats] = field(default_factory=list)
     losses: List[float] = field(default_factory=list)
-    measured_from: int = 0
-    """Index of the first step counted in the medians (after warm-up / profiling)."""
+    kinds: List[str] = field(default_factory=list)
+    """What each step was (NOTE [Step kinds]): ``warm-up``, ``profile`` or ``measured``."""
+
+    @property
+    def measured_kind(self) -> str:
+        """``measured``; for a short run (``--allow-short``), the kind of its last step,
+        which the summary then comes from."""
+        return "measured" if "measured" in self.kinds else (self.kinds[-1] if self.kinds else "measured")
+
+    @property
+    def label(self) -> str:
+        """The column name: the phase, and what its numbers come from when not measured steps."""
+        kind = self.measured_kind
+        return self.name if kind == "measured" else f"{self.name} [{kind} step]"
 
     @property
     def measured(self) -> List[StepStats]:
-        return self.steps[self.measured_from :] or self.steps[-1:]
+        m = [s for s, k in zip(self.steps, self.kinds) if k == "measured"]
+        return m or self.steps[-1:]
 
     def summary(self) -> Dict[str, Any]:
         """Medians over the measured steps; peaks over them."""
@@ -53,8 +105,11 @@ class PhaseResult:
         step_s = med([s.wall_s for s in m])
         written = med([s.bytes_offloaded for s in m])
         return {
-            "name": self.name,
-            "measured_steps": len(m),
+            "name": self.label,
+            "measured_steps": len(m) if self.measured_kind == "measured" else 0,
+            "measured_kind": self.measured_kind,
+            "warmup_steps": self.kinds.count("warm-up"),
+            "profile_steps": self.kinds.count("profile"),
             "peak_activation_bytes": max(s.peak_resident_bytes for s in m),
             "median_step_s": step_s,
             "step_s": [s.wall_s for s in m],
@@ -82,9 +137,12 @@ class TrainRecipe:
         out: where progress and the summary go.
     """
 
-    def __init__(self, config: TrainConfig, out=sys.stdout) -> None:
+    def __init__(self, config: TrainConfig, out=sys.stdout, command: str = "train",
+                 tensorboard_dir: Optional[str] = None) -> None:
         self.config = config
         self.out = out
+        self.command = command
+        self.tensorboard_dir = tensorboard_dir
         self._scratch: Optional[str] = None
         self._initialized = False
 
@@ -133,7 +191,7 @@ class TrainRecipe:
             self.data = TextFileData(cfg.data, cfg.micro_batch_size, m.seq_length)
         n_params = sum(p.numel() for p in self.model.parameters())
         self._say(
-            f"megatron-ssd train: GPT {m.num_layers} layers, hidden {m.hidden_size}, seq {m.seq_length}, "
+            f"megatron-ssd {self.command}: GPT {m.num_layers} layers, hidden {m.hidden_size}, seq {m.seq_length}, "
             f"{n_params / 1e6:.1f}M parameters on {self.device}; micro-batch {cfg.micro_batch_size} x "
             f"{cfg.num_microbatches}; offload to {', '.join(offload.paths)}"
         )
@@ -147,7 +205,8 @@ class TrainRecipe:
         from .planner.runtime import AdaptivePlanner
 
         cfg = self.config
-        result = PhaseResult(name)
+        result = PhaseResult(name, kinds=step_kinds(planner_config, steps))
+        metrics = self._metrics_writer() if planner_config is cfg.offload.planner else None
         with TensorCache(self.offload) as cache:
             planner = AdaptivePlanner(cache, planner_config)
             sink: List[StepStats] = result.steps
@@ -156,6 +215,8 @@ class TrainRecipe:
                 sink.append(stats)
                 if sink is result.steps:
                     planner.on_step(stats)
+                    if metrics is not None:
+                        metrics.write(stats, len(sink))
 
             schedule = get_forward_backward_func(cache=cache, on_step=on_step)
             optimizer = SGD(lr=cfg.lr)
@@ -177,12 +238,14 @@ class TrainRecipe:
                 optimizer([self.model], step)
                 return statistics.fmean(float(r["loss"]) for r in reports)
 
+            progress = Progress(name, steps, self.out)
             for step in range(steps):
                 loss = run_step(step)
                 result.losses.append(loss)
-                self._progress(name, step, steps, loss, result.steps[-1])
-            self._end_progress()
-            result.measured_from = _first_measured(planner_config, steps)
+                progress.step(_step_line(result.kinds[step], loss, result.steps[-1]))
+            progress.close()
+            if metrics is not None:
+                metrics.flush()
             self.planner_summary = planner.summary()
             if pairs:
                 sink = []
@@ -209,6 +272,7 @@ class TrainRecipe:
         offload_s: List[float] = []
         written = {True: 0, False: 0}
         step = first_step
+        progress = Progress("paired keep/offload", pairs, self.out)
         for i in range(pairs):
             for keep in ((True, False) if i % 2 == 0 else (False, True)):
                 cache.set_plan({} if keep else plan)
@@ -217,8 +281,8 @@ class TrainRecipe:
                 step += 1
                 (keep_s if keep else offload_s).append(sink[-1].wall_s)
                 written[keep] += sink[-1].bytes_offloaded
-            self._progress("paired keep/offload", i, pairs, loss, sink[-1])
-        self._end_progress()
+            progress.step(_step_line("pair", loss, sink[-1]))
+        progress.close()
         cache.set_plan(plan)
         cache.default_placement = default
         ratios = [o / k for o, k in zip(offload_s, keep_s)]
@@ -226,8 +290,9 @@ class TrainRecipe:
                 "median_ratio": statistics.median(ratios), "ratio_ci95": median_ci95(ratios),
                 "keep_bytes_written": written[True], "offload_bytes_written_per_step": written[False] / pairs}
 
-    def train(self) -> Dict[str, Any]:
-        """Run the reference and the offload phases; print and return the summary."""
+    def train(self, print_summary: bool = True) -> Dict[str, Any]:
+        """Run the reference and the offload phases; print (unless ``print_summary`` is
+        false) and return the summary."""
         cfg = self.config
         phases = []
         if cfg.baseline_steps:
@@ -237,12 +302,8 @@ class TrainRecipe:
         offload = self._phase(f"offload ({cfg.offload.planner.mode})", cfg.steps, cfg.offload.planner,
                               pairs=cfg.paired_steps)
         phases.append(offload)
-        for event in self.planner_summary["events"]:
-            if event["plan"] is not None:
-                from .planner import Plan
-
-                self._say(f"\nplan set after step {event['step'] + 1} ({event['reason']}):")
-                self._say(Plan.from_dict(event["plan"]).table())
+        if print_summary:
+            self._say(format_plans(self.planner_summary["events"], cfg.steps))
         report = {
             "peak_rss_bytes": _peak_rss_bytes(),
             "peak_device_bytes": torch.cuda.max_memory_allocated() if self.device == "cuda" else None,
@@ -250,10 +311,17 @@ class TrainRecipe:
             "device": self.device,
             "phases": [p.summary() for p in phases],
             "planner": self.planner_summary,
-            "steps": [s.to_dict() for s in offload.steps],
+            "steps": [{"kind": k, **s.to_dict()} for s, k in zip(offload.steps, offload.kinds)],
             "paired": self.paired,
         }
+        if not print_summary:
+            return report
         self._say(format_summary(report["phases"]))
+        for phase in phases:
+            if phase.measured_kind != "measured":
+                what = "the planner's placement" if "profile" in phase.kinds else "its placement"
+                self._say(f"WARNING: {phase.name}: no measured step (steps: {', '.join(phase.kinds)}); its column "
+                          f"shows its last {phase.measured_kind} step, not {what}")
         if self.paired:
             lo, hi = self.paired["ratio_ci95"]
             self._say(f"paired steps: offload {self.paired['median_ratio']:.3f}x keep-everything "
@@ -276,11 +344,11 @@ class TrainRecipe:
                 pass
             self._scratch = None
 
-    def run(self) -> Dict[str, Any]:
+    def run(self, print_summary: bool = True) -> Dict[str, Any]:
         """``setup()``, ``train()``, and ``cleanup()`` whatever happens; the report."""
         try:
             self.setup()
-            return self.train()
+            return self.train(print_summary)
         finally:
             self.cleanup()
 
@@ -289,21 +357,40 @@ class TrainRecipe:
     def _say(self, text: str) -> None:
         print(text, file=self.out, flush=True)
 
-    def _progress(self, name: str, step: int, steps: int, loss: float, stats: StepStats) -> None:
-        width = 24
-        done = int(width * (step + 1) / steps)
-        line = (
-            f"{name:>22} [{'#' * done}{'.' * (width - done)}] {step + 1}/{steps} "
-            f"loss {loss:.3f}  {stats.wall_s:.2f} s/step  peak act {stats.peak_resident_bytes / MiB:.1f} MiB  "
-            f"wrote {stats.bytes_offloaded / MiB:.1f} MiB"
-        )
-        tty = hasattr(self.out, "isatty") and self.out.isatty()
-        print(("\r" + line) if tty else line, end="" if tty else "\n", file=self.out, flush=True)
-        self._tty_line = tty
+    def _metrics_writer(self) -> Any:
+        """The offload phase's TensorBoard scalars (``--tensorboard-dir``), or None."""
+        if not self.tensorboard_dir:
+            return None
+        from .metrics import ScalarWriter, tensorboard_writer
 
-    def _end_progress(self) -> None:
-        if getattr(self, "_tty_line", False):
-            print(file=self.out)
+        return ScalarWriter(tensorboard=tensorboard_writer(self.tensorboard_dir))
+
+
+def _step_line(kind: str, loss: float, stats: StepStats) -> str:
+    """One progress line's text: what the step was, and its numbers with their units."""
+    return (f"{kind}, loss {loss:.3f}, {stats.wall_s:.2f} s, peak act {stats.peak_resident_bytes / MiB:.1f} MiB, "
+            f"wrote {stats.bytes_offloaded / MiB:.1f} MiB")
+
+
+def format_plans(events: Sequence[Dict[str, Any]], steps: int) -> str:
+    """The plans a phase set: the first as a table, each later one as its changes."""
+    from .planner import Plan
+
+    lines: List[str] = []
+    previous: Optional[Plan] = None
+    for event in events:
+        if event["plan"] is None:
+            continue
+        plan = Plan.from_dict(event["plan"])
+        applied = "" if event["step"] + 1 < steps else "; the run ended before a step ran it"
+        when = f"after step {event['step'] + 1} ({event['reason']}{applied})"
+        if previous is None:
+            lines += ["", f"plan set {when}:", plan.table()]
+        else:
+            changes = plan.changes_from(previous)
+            lines.append(f"re-plan {when}: " + ("; ".join(changes) if changes else "placement unchanged"))
+        previous = plan
+    return "\n".join(lines)
 
 
 def _with_paths(offload: Any, paths: List[str]) -> Any:
@@ -321,13 +408,6 @@ def _peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def _first_measured(config: PlannerConfig, steps: int) -> int:
-    if config.mode == "auto":
-        first = config.warmup_steps + config.profile_steps
-        return min(first, steps - 1)
-    return min(1, steps - 1)
-
-
 def format_summary(phases: Sequence[Dict[str, Any]]) -> str:
     """The summary table printed at the end of the job."""
     rows = [
@@ -343,7 +423,7 @@ def format_summary(phases: Sequence[Dict[str, Any]]) -> str:
         ("read stall per step (s)", "stall_s_per_step", 1, "{:.3f}"),
         ("write wait per step (s)", "write_wait_s_per_step", 1, "{:.3f}"),
         ("peak SSD footprint (MiB)", "peak_ssd_bytes", 1 / MiB, "{:.1f}"),
-        ("SSD writes per day (GiB)", "ssd_bytes_written_per_day", 1 / 1024 / MiB, "{:.1f}"),
+        ("SSD writes per day (MiB)", "ssd_bytes_written_per_day", 1 / MiB, "{:.0f}"),
         ("failed writes kept in memory", "write_fallbacks", 1, "{:.0f}"),
         ("final loss", "final_loss", 1, "{:.4f}"),
     ]
@@ -358,24 +438,43 @@ def format_summary(phases: Sequence[Dict[str, Any]]) -> str:
             cells.append(("-" if v is None else fmt.format(v * scale)).rjust(colw))
         lines.append(label.ljust(width) + "".join(cells))
     if len(phases) >= 2 and phases[0]["peak_activation_bytes"]:
-        keep, off = phases[0], phases[-1]
-        saved = keep["peak_activation_bytes"] - off["peak_activation_bytes"]
-        ratio = off["median_step_s"] / keep["median_step_s"] if keep["median_step_s"] else float("nan")
-        lines.append(
-            f"\nactivation memory saved: {saved / MiB:.1f} MiB "
-            f"({100 * saved / keep['peak_activation_bytes']:.0f}% of keep-everything), "
-            f"step time {ratio:.2f}x keep-everything"
-        )
+        lines.append("\n" + format_comparison(phases[0], phases[-1]))
     return "\n".join(lines)
 
 
+def format_comparison(keep: Dict[str, Any], off: Dict[str, Any]) -> str:
+    """The last line: memory saved, and the step-time ratio with its 95% interval, or why
+    there is none (NOTE [Step kinds]); a warning when either side has few steps."""
+    from .cache.stats import ratio_ci95
+
+    saved = keep["peak_activation_bytes"] - off["peak_activation_bytes"]
+    memory = (f"activation memory saved: {saved / MiB:.1f} MiB "
+              f"({100 * saved / keep['peak_activation_bytes']:.0f}% of keep-everything)")
+    unmeasured = [p["name"] for p in (keep, off) if p.get("measured_kind", "measured") != "measured"]
+    if unmeasured:
+        return f"{memory}; no step-time ratio: {', '.join(unmeasured)} has no measured step"
+    ratio = off["median_step_s"] / keep["median_step_s"] if keep["median_step_s"] else float("nan")
+    lo, hi = ratio_ci95([off["step_s"]], [keep["step_s"]])
+    n_off, n_keep = off["measured_steps"], keep["measured_steps"]
+    few = min(n_off, n_keep) < FEW_STEPS
+    warning = (f"; WARNING: from {n_off} and {n_keep} measured steps, too few for a ratio to mean much "
+               f"(at least {FEW_STEPS} each)") if few else ""
+    return (f"{memory}, step time {ratio:.2f}x keep-everything (95% interval {lo:.2f}-{hi:.2f}; "
+            f"medians of {n_off} and {n_keep} measured steps){warning}")
+
+
 def run_train(config_path: Optional[str], overrides: Sequence[str], json_path: Optional[str] = None,
-              baseline: bool = True) -> int:
-    """``megatron-ssd train``: load the config, run the recipe, write JSON."""
+              baseline: bool = True, allow_short: bool = False, tensorboard_dir: Optional[str] = None) -> int:
+    """``megatron-ssd train``: load the config, check every phase can be measured (unless
+    ``allow_short``), run the recipe, write JSON."""
     config = load_config(TrainConfig, config_path, overrides)
     if not baseline:
         config.baseline_steps = 0
-    report = TrainRecipe(config).run()
+    problems = short_run_problems(config)
+    if problems and not allow_short:
+        raise ConfigError("; ".join(problems) + " (or pass --allow-short to run anyway: the numbers then come "
+                          "from warm-up or profiling steps, labelled so)")
+    report = TrainRecipe(config, tensorboard_dir=tensorboard_dir).run()
     if json_path:
         write_json(json_path, report)
     return 0
