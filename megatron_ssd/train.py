@@ -323,9 +323,7 @@ class TrainRecipe:
                 self._say(f"WARNING: {phase.name}: no measured step (steps: {', '.join(phase.kinds)}); its column "
                           f"shows its last {phase.measured_kind} step, not {what}")
         if self.paired:
-            lo, hi = self.paired["ratio_ci95"]
-            self._say(f"paired steps: offload {self.paired['median_ratio']:.3f}x keep-everything "
-                      f"(median of {self.paired['pairs']} pairs; 95% interval {lo:.3f}-{hi:.3f})")
+            self._say(format_paired(self.paired))
         return report
 
     def cleanup(self) -> None:
@@ -440,6 +438,13 @@ def format_summary(phases: Sequence[Dict[str, Any]]) -> str:
     if len(phases) >= 2 and phases[0]["peak_activation_bytes"]:
         lines.append("\n" + format_comparison(phases[0], phases[-1]))
     return "\n".join(lines)
+
+
+def format_paired(paired: Dict[str, Any]) -> str:
+    """The paired steps' line (NOTE [Paired steps]): the median ratio and its interval."""
+    lo, hi = paired["ratio_ci95"]
+    return (f"paired steps: offload {paired['median_ratio']:.3f}x keep-everything "
+            f"(median of {paired['pairs']} pairs; 95% interval {lo:.3f}-{hi:.3f})")
 
 
 def format_comparison(keep: Dict[str, Any], off: Dict[str, Any]) -> str:
