@@ -130,11 +130,20 @@ def test_simulate_knows_every_shipped_model_preset(capsys):
 
     from megatron_ssd.planner.simulate import MODEL_PRESETS
 
-    models = [f[:-5] for f in os.listdir("configs") if f.endswith(".yaml") and f"{f}" in OFFLOAD_PRESETS
-              and not f.startswith("io-")]
-    assert sorted(models) == ["bert-large", "gpt-1.3b", "gpt-13b", "gpt-70b", "gpt-7b", "t5-base"]
+    import yaml
+
+    models = [f[:-5] for f in os.listdir("configs") if f.endswith(".yaml") and not f.startswith("io-")]
+    assert sorted(models) == ["bert-large", "gpt-1.3b", "gpt-13b", "gpt-70b", "gpt-7b", "gpt-ref-cpu", "gpt-tiny",
+                              "t5-base"]
     for model in models:
         assert model in MODEL_PRESETS
+        with open(f"configs/{model}.yaml", encoding="utf-8") as fh:
+            data = yaml.safe_load(fh)
+        if "model" in data:  # a TrainConfig preset: the same dimensions
+            dims = MODEL_PRESETS[model]
+            assert (dims["num_layers"], dims["hidden"], dims["heads"], dims["seq_len"], dims["micro_batch"]) == (
+                data["model"]["num_layers"], data["model"]["hidden_size"], data["model"]["num_attention_heads"],
+                data["model"]["seq_length"], data["micro_batch_size"])
     assert main(["simulate", "model=gpt-70b", "tp=8", "ssd_count=4"]) == 0
     assert "placements:" in capsys.readouterr().out
 

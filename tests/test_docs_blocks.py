@@ -183,7 +183,8 @@ def _shape(line: str) -> str:
 
 
 def _train_lines() -> List[str]:
-    from megatron_ssd.train import format_comparison, format_paired, format_summary
+    from megatron_ssd.steps import format_comparison, format_paired
+    from megatron_ssd.train import format_summary
 
     def phase(name, peak):
         return {"name": name, "peak_activation_bytes": peak, "median_step_s": 1.0, "step_s": [1.0] * 8,

@@ -11,11 +11,11 @@ import subprocess
 import sys
 import types
 
-import pytest
 
 from megatron_ssd.cli import main
 from megatron_ssd.config import PlannerConfig, TrainConfig, load_config
-from megatron_ssd.train import FEW_STEPS, format_comparison, format_plans, format_summary, short_run_problems, step_kinds
+from megatron_ssd.steps import FEW_STEPS, format_comparison, format_plans, short_run_problems, step_kinds
+from megatron_ssd.train import format_summary
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = [  # overrides of configs/gpt-tiny.yaml: a model that trains in about a second per step

@@ -147,6 +147,11 @@ class SimulationSpec:
 
 
 MODEL_PRESETS: Dict[str, Dict[str, Any]] = {
+    # the TrainConfig presets, for comparing simulate with a measured CPU run (fp32, so 4 bytes)
+    "gpt-tiny": dict(num_layers=6, hidden=256, heads=8, seq_len=256, micro_batch=4, vocab=8192,
+                     num_microbatches=2, dtype_bytes=4),
+    "gpt-ref-cpu": dict(num_layers=8, hidden=512, heads=8, seq_len=512, micro_batch=4, vocab=8192,
+                        dtype_bytes=4),
     "gpt-125m": dict(num_layers=12, hidden=768, heads=12),
     "gpt-350m": dict(num_layers=24, hidden=1024, heads=16),
     "gpt-1.3b": dict(num_layers=24, hidden=2048, heads=16),
@@ -160,8 +165,9 @@ MODEL_PRESETS: Dict[str, Dict[str, Any]] = {
     "t5-base": dict(arch="t5", num_layers=12, hidden=768, heads=12, seq_len=512, vocab=32128),
     "t5-large": dict(arch="t5", num_layers=24, hidden=1024, heads=16, seq_len=512, vocab=32128),
 }
-"""Model dimensions by name (GPT-3 paper sizes, the 7B and 70B-class GPTs of ``configs/``,
-BERT-large, T5); other fields keep defaults."""
+"""Model dimensions by name: every GPT, BERT and T5 preset of ``configs/`` (the CPU
+presets' compute rate still comes from ``gpu_flops``), the GPT-3 paper sizes, T5-large;
+other fields keep defaults."""
 
 
 def simulate_help() -> str:
