@@ -77,7 +77,8 @@ def _train_in_subprocess(config_path: Optional[str], overrides: Sequence[str]) -
         proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         if proc.returncode != 0 or not os.path.exists(out):
             raise MegatronSSDError(f"rok: a placement run failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}")
-        last = [l for l in proc.stdout.splitlines() if "loss" in l][-1:]
+        lines = proc.stdout.splitlines()
+        last = [l for l in lines if ": measured, loss" in l][-1:] or [l for l in lines if "loss" in l][-1:]
         print("  " + (last[0].strip() if last else "done"), flush=True)
         with open(out, encoding="utf-8") as fh:
             return json.load(fh)
