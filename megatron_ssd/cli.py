@@ -85,15 +85,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[List[str]] = None) -> int:
     """Entry point of the ``megatron-ssd`` command; returns the exit status."""
+    from .output import collapse_optional_dependency_warnings
+
     argv = list(sys.argv[1:] if argv is None else argv)
+    collapse_optional_dependency_warnings()
     if argv and argv[0] == "pretrain-gpt":
         from .megatron.launcher import main as launch
 
         return launch(argv[1:])
     args = build_parser().parse_args(argv)
-    from .output import collapse_optional_dependency_warnings
-
-    collapse_optional_dependency_warnings()
     try:
         if args.command == "train":
             from .train import run_train
