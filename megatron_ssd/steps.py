@@ -62,6 +62,21 @@ def step_line(kind: str, loss: float, stats: StepStats) -> str:
             f"wrote {stats.bytes_offloaded / MiB:.1f} MiB")
 
 
+_REASONS_SHOWN = 2
+"""A re-plan line quotes this many drift reasons; the JSON's ``planner.events`` has all."""
+
+
+def _short_reason(reason: str) -> str:
+    """A drift reason cut to its first :data:`_REASONS_SHOWN` measurements."""
+    if not reason.startswith("drift: "):
+        return reason
+    parts = reason[len("drift: "):].split("; ")
+    if len(parts) <= _REASONS_SHOWN:
+        return reason
+    rest = len(parts) - _REASONS_SHOWN
+    return f"drift: {'; '.join(parts[:_REASONS_SHOWN])}; and {rest} more (--json: planner.events)"
+
+
 def format_plans(events: Sequence[Dict[str, Any]], steps: int) -> str:
     """The plans a phase set: the first as a table, each later one as its changes."""
     from .planner import Plan
@@ -73,7 +88,7 @@ def format_plans(events: Sequence[Dict[str, Any]], steps: int) -> str:
             continue
         plan = Plan.from_dict(event["plan"])
         applied = "" if event["step"] + 1 < steps else "; the run ended before a step ran it"
-        when = f"after step {event['step'] + 1} ({event['reason']}{applied})"
+        when = f"after step {event['step'] + 1} ({_short_reason(event['reason'])}{applied})"
         if previous is None:
             lines += ["", f"plan set {when}:", plan.table()]
         else:

@@ -116,6 +116,11 @@ def test_plans_are_printed_once_then_as_changes():
                          "(-50.0%)): placement unchanged")
     assert lines[-1] == ("re-plan after step 12 (drift: forward:1: median 2.00 ms vs expected 1.00 ms (+100.0%)): "
                          "layer 2: offload -> keep")
+    many = dict(events[1], reason="drift: " + "; ".join(f"forward:{i}: median 2.00 ms vs expected 1.00 ms (+100.0%)"
+                                                         for i in range(5)))
+    assert format_plans([events[0], many], steps=24).splitlines()[-1] == (
+        "re-plan after step 9 (drift: forward:0: median 2.00 ms vs expected 1.00 ms (+100.0%); forward:1: median "
+        "2.00 ms vs expected 1.00 ms (+100.0%); and 3 more (--json: planner.events)): placement unchanged")
     last = format_plans(events[:1], steps=3)
     assert "plan set after step 3 (profile; the run ended before a step ran it):" in last
 
