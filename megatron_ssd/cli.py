@@ -2,7 +2,7 @@
 
 Subcommands::
 
-    megatron-ssd train --config configs/gpt-tiny.yaml [key=value ...] [--json PATH]
+    megatron-ssd train --config configs/gpt-tiny.yaml [key=value ...] [--json PATH] [--allow-short] [--tensorboard-dir DIR]
     megatron-ssd plan --config configs/gpt-ref-cpu.yaml [--json PATH]
     megatron-ssd rok --config configs/gpt-ref-cpu.yaml [--json PATH] [--plot PATH] [--rounds N] [--placements A,B] [--paired N]
     megatron-ssd simulate model=gpt-1.3b ssd_count=4 [key=value ...]
@@ -31,12 +31,21 @@ def _add_config_args(p: argparse.ArgumentParser, default: Optional[str]) -> None
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the ``megatron-ssd`` command."""
+    from . import __version__
+    from .planner.simulate import simulate_help
+
     parser = argparse.ArgumentParser(prog="megatron-ssd", description="SSD activation offloading for Megatron-LM")
+    parser.add_argument("--version", action="version", version=f"megatron-ssd {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("train", help="train a megatron-core GPT with offload and report what it saved")
     _add_config_args(p, "configs/gpt-tiny.yaml")
     p.add_argument("--no-baseline", action="store_true", help="skip the keep-everything comparison run")
+    p.add_argument("--allow-short", action="store_true",
+                   help="run even when too few steps are left to measure a phase (its numbers then come from "
+                        "warm-up or profiling steps and are labelled so)")
+    p.add_argument("--tensorboard-dir", metavar="DIR",
+                   help="also write each offload step's metrics as TensorBoard scalars under DIR")
 
     p = sub.add_parser("plan", help="profile a few steps and print the per-layer offload plan")
     _add_config_args(p, "configs/gpt-ref-cpu.yaml")
@@ -47,11 +56,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rounds", type=int, default=1, metavar="N",
                    help="run every placement N times, interleaved, and pool the steps (default 1)")
     p.add_argument("--placements", metavar="A,B", type=lambda v: [x for x in v.split(",") if x],
-                   help="only these fixed placements (keep,recompute,offload-all,planner); default all")
+                   help="only these placements (keep,recompute,offload-all,planner,budget); default all. "
+                        "budget is the planner with half of keep's peak as its memory budget, and needs keep")
     p.add_argument("--paired", type=int, default=0, metavar="N",
                    help="add N pairs of back-to-back keep / planner steps to each planner run (default 0)")
 
-    p = sub.add_parser("simulate", help="what-if: plan, overhead and SSD lifetime for hardware you describe")
+    p = sub.add_parser("simulate", help="what-if: plan, overhead and SSD lifetime for hardware you describe",
+                       epilog=simulate_help(), formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--json", metavar="PATH")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="e.g. num_layers=24 ssd_count=4")
 
@@ -74,7 +85,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[List[str]] = None) -> int:
     """Entry point of the ``megatron-ssd`` command; returns the exit status."""
+    from .output import collapse_optional_dependency_warnings
+
     argv = list(sys.argv[1:] if argv is None else argv)
+    collapse_optional_dependency_warnings()
     if argv and argv[0] == "pretrain-gpt":
         from .megatron.launcher import main as launch
 
@@ -84,7 +98,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         if args.command == "train":
             from .train import run_train
 
-            return run_train(args.config, args.overrides, json_path=args.json, baseline=not args.no_baseline)
+            return run_train(args.config, args.overrides, json_path=args.json, baseline=not args.no_baseline,
+                             allow_short=args.allow_short, tensorboard_dir=args.tensorboard_dir)
         if args.command == "plan":
             from .planner.commands import run_plan
 

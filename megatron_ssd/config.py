@@ -39,6 +39,8 @@ __all__ = [
     "to_dict",
     "apply_overrides",
     "field_docs",
+    "is_size_field",
+    "is_duration_field",
     "MiB",
 ]
 
@@ -423,11 +425,15 @@ def _coerce(cls_name: str, name: str, hint: Any, value: Any) -> Any:
         if isinstance(value, float) and value.is_integer():
             return int(value)
         if isinstance(value, str):
-            return _parse_size(cls_name, name, value)
+            if is_size_field(name):
+                return _parse_size(cls_name, name, value)
+            return _parse_count(cls_name, name, value)
         raise _fail(cls_name, name, value, "must be an integer")
     if hint is float:
         if isinstance(value, bool):
             raise _fail(cls_name, name, value, "must be a number")
+        if isinstance(value, str) and is_duration_field(name):
+            return _parse_duration(cls_name, name, value)
         try:
             number = float(value)
         except (TypeError, ValueError):
@@ -445,6 +451,48 @@ def _coerce(cls_name: str, name: str, hint: Any, value: Any) -> Any:
 
 
 _SUFFIXES = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+_DURATIONS = {"ms": 1e-3, "s": 1.0, "min": 60.0, "h": 3600.0}
+
+
+def is_size_field(name: str) -> bool:
+    """Whether an integer field holds bytes, so that ``4MiB`` is accepted (by its name:
+    ``*_bytes`` or ``memory_budget``); other integer fields are counts."""
+    return name.endswith("_bytes") or name == "memory_budget"
+
+
+def is_duration_field(name: str) -> bool:
+    """Whether a number field holds seconds, so that ``500ms`` or ``2min`` is accepted
+    (by its name: ``*_s``)."""
+    return name.endswith("_s")
+
+
+def _parse_count(cls_name: str, name: str, text: str) -> int:
+    """Parse ``24``, ``1_000`` or ``1e3`` into an int; sizes such as ``1KiB`` are refused."""
+    s = text.strip().replace("_", "")
+    try:
+        number = float(s)
+    except ValueError:
+        raise _fail(cls_name, name, text, "must be an integer such as 24 (a count, not a size)")
+    if not math.isfinite(number):
+        raise _fail(cls_name, name, text, "must be a finite integer")
+    if not number.is_integer():
+        raise _fail(cls_name, name, text, "must be a whole number")
+    return int(s) if s.lstrip("+-").isdigit() else int(number)
+
+
+def _parse_duration(cls_name: str, name: str, text: str) -> float:
+    """Parse ``60``, ``60s``, ``500ms``, ``2min`` or ``1h`` into seconds."""
+    s = text.strip().lower().replace("_", "")
+    match = re.fullmatch(r"(.*?)\s*(ms|s|min|h)", s)
+    number_text, unit = (match.group(1), match.group(2)) if match else (s, "s")
+    try:
+        number = float(number_text)
+    except ValueError:
+        raise _fail(cls_name, name, text, "must be a number of seconds or a duration such as 500ms, 30s, 2min, 1h")
+    seconds = number * _DURATIONS[unit]
+    if not math.isfinite(seconds):
+        raise _fail(cls_name, name, text, "must be a finite number")
+    return seconds
 
 
 def _parse_size(cls_name: str, name: str, text: str) -> int:
@@ -469,14 +517,39 @@ def _parse_size(cls_name: str, name: str, text: str) -> int:
     return int(value)
 
 
-def _unknown_key(cls: type, key: str) -> ConfigError:
-    names = [f.name for f in dataclasses.fields(cls)]
-    close = difflib.get_close_matches(key, names, n=1)
-    hint = f"; did you mean {close[0]!r}?" if close else f"; known keys: {names}"
-    return ConfigError(f"{cls.__name__}: unknown key {key!r}{hint}")
+def _dotted_keys(cls: type, prefix: str = "") -> List[str]:
+    """Every field of ``cls`` and of its sections, as dotted keys (``offload.io.threads``)."""
+    keys: List[str] = []
+    hints = _type_hints(cls)
+    for f in dataclasses.fields(cls):
+        keys.append(prefix + f.name)
+        if dataclasses.is_dataclass(hints[f.name]):
+            keys.extend(_dotted_keys(hints[f.name], prefix + f.name + "."))
+    return keys
 
 
-def from_dict(cls: Type[T], data: Mapping[str, Any]) -> T:
+def _unknown_key(cls: type, key: str, root: Optional[type] = None, prefix: str = "", rest: str = "") -> ConfigError:
+    """The error for ``prefix + key``, unknown in section ``cls`` of the tree ``root``.
+
+    The suggestion is a full dotted key: the same name in another section first
+    (``paths`` at the top of a TrainConfig is ``offload.paths``), then a near name in the
+    same section, then a near name anywhere in the tree.
+    """
+    root = root or cls
+    everywhere = _dotted_keys(root)
+    here = [prefix + f.name for f in dataclasses.fields(cls)]
+    same_name = [k for k in everywhere if k.rsplit(".", 1)[-1] == key]
+    near_here = difflib.get_close_matches(prefix + key, here, n=1)
+    leaves = {k.rsplit(".", 1)[-1]: k for k in reversed(everywhere)}
+    near_anywhere = [leaves[n] for n in difflib.get_close_matches(key, list(leaves), n=1)]
+    best = (same_name or near_here or near_anywhere)[:1]
+    if best and rest and best[0] + rest in everywhere:  # planner.mode -> offload.planner.mode
+        best = [best[0] + rest]
+    hint = f"; did you mean {best[0]!r}?" if best else f"; known keys: {here}"
+    return ConfigError(f"{cls.__name__}: unknown key {prefix + key!r}{hint}")
+
+
+def from_dict(cls: Type[T], data: Mapping[str, Any], _root: Optional[type] = None, _prefix: str = "") -> T:
     """Build a config dataclass from a mapping, rejecting unknown keys."""
     if not isinstance(data, Mapping):
         raise ConfigError(f"{cls.__name__}: expected a mapping, got {type(data).__name__}")
@@ -488,8 +561,12 @@ def from_dict(cls: Type[T], data: Mapping[str, Any]) -> T:
             raise ConfigError(f"{cls.__name__}: key {key!r} ({type(key).__name__}): keys must be field names, "
                               f"known keys: {sorted(names)}")
         if key not in names:
-            raise _unknown_key(cls, key)
-        kwargs[key] = _coerce(cls.__name__, key, hints[key], value)
+            raise _unknown_key(cls, key, _root, _prefix)
+        hint = hints[key]
+        if dataclasses.is_dataclass(hint) and isinstance(value, Mapping):
+            kwargs[key] = from_dict(hint, value, _root or cls, f"{_prefix}{key}.")
+        else:
+            kwargs[key] = _coerce(cls.__name__, key, hint, value)
     return cls(**kwargs)
 
 
@@ -522,7 +599,8 @@ def apply_overrides(cls: Type[T], data: Dict[str, Any], overrides: Sequence[str]
         for i, part in enumerate(parts):
             names = {f.name for f in dataclasses.fields(node_cls)}
             if part not in names:
-                raise _unknown_key(node_cls, part)
+                raise _unknown_key(node_cls, part, cls, "".join(p + "." for p in parts[:i]),
+                                   "".join("." + p for p in parts[i + 1:]))
             if i == len(parts) - 1:
                 node[part] = value
             else:
@@ -553,7 +631,25 @@ def load_config(cls: Type[T], path: Optional[str] = None, overrides: Sequence[st
         if not isinstance(loaded, Mapping):
             raise ConfigError(f"config file {path!r}: top level must be a mapping")
         data = dict(loaded)
+        _check_preset_kind(cls, data, path)
     return from_dict(cls, apply_overrides(cls, data, overrides))
+
+
+def _check_preset_kind(cls: type, data: Mapping[str, Any], path: str) -> None:
+    """Refuse an OffloadConfig preset (``configs/gpt-1.3b.yaml``, ``io-*.yaml``) given
+    where a TrainConfig is read, saying what the file is for instead of ``unknown key``."""
+    if cls is not TrainConfig:
+        return
+    keys = {k for k in data if isinstance(k, str)}
+    train_keys = {f.name for f in dataclasses.fields(TrainConfig)}
+    offload_keys = {f.name for f in dataclasses.fields(OffloadConfig)}
+    if keys - train_keys and keys <= offload_keys:
+        raise ConfigError(
+            f"config file {path!r}: holds OffloadConfig fields ({', '.join(sorted(keys))}), not a TrainConfig: "
+            "it sets how Megatron-LM's pretrain_gpt.py offloads (megatron-ssd pretrain-gpt ... --ssd-offload-config "
+            f"{path}; the model comes from Megatron-LM's flags) or configures a TensorCache; train, plan and rok "
+            "need a TrainConfig preset such as configs/gpt-tiny.yaml or configs/gpt-ref-cpu.yaml"
+        )
 
 
 def _read_yaml(path: str) -> Any:

@@ -10,7 +10,8 @@ import dataclasses
 import typing
 from typing import List
 
-from .config import IOConfig, ModelConfig, OffloadConfig, PlannerConfig, TrainConfig, field_docs, to_dict
+from .config import (IOConfig, ModelConfig, OffloadConfig, PlannerConfig, TrainConfig, field_docs,
+                     is_duration_field, is_size_field, to_dict)
 
 __all__ = ["configuration_reference"]
 
@@ -21,6 +22,16 @@ _SECTIONS = [
     ("offload.io.", IOConfig),
     ("offload.planner.", PlannerConfig),
 ]
+
+
+def _kind(name: str, hint) -> str:
+    """The type column: the type, and the unit of byte and second fields."""
+    text = _type_name(hint)
+    if text.startswith("int") and is_size_field(name):
+        return f"{text} (bytes; sizes such as `4MiB`)"
+    if text.startswith("float") and is_duration_field(name):
+        return f"{text} (seconds; durations such as `500ms`, `2min`)"
+    return text
 
 
 def _type_name(hint) -> str:
@@ -43,8 +54,10 @@ def configuration_reference() -> str:
         "One tree of typed settings. `megatron-ssd train|plan|rok` read a `TrainConfig` (YAML",
         "presets in `configs/`, then `key=value` overrides such as `offload.io.threads=4`);",
         "`TensorCache` and the `--ssd-offload-config` file of `pretrain_gpt.py` read an",
-        "`OffloadConfig` (the `offload:` section). Unknown keys are errors (the nearest known key",
-        "is suggested); sizes accept suffixes (`4MiB`, `2GiB`).",
+        "`OffloadConfig` (the `offload:` section). Unknown keys are errors (the full dotted key",
+        "meant is suggested). Each number is parsed as what it is: a count is a whole number",
+        "(`1_000` and `1e3` are 1000; `1KiB` is refused), a byte field also takes sizes",
+        "(`4MiB`, `2GiB`) and a seconds field durations (`500ms`, `30s`, `2min`, `1h`).",
         "",
     ]
     for prefix, cls in _SECTIONS:
@@ -59,7 +72,7 @@ def configuration_reference() -> str:
                 continue
             default = defaults[f.name]
             lines.append(
-                f"| `{prefix}{f.name}` | {_type_name(hints[f.name])} | `{default!r}` | {docs.get(f.name, '')} |"
+                f"| `{prefix}{f.name}` | {_kind(f.name, hints[f.name])} | `{default!r}` | {docs.get(f.name, '')} |"
             )
         lines.append("")
     return "\n".join(lines)

@@ -25,9 +25,10 @@ from .cache.stats import median_ci95, median_or_zero as med
 from .config import PlannerConfig, TrainConfig, load_config, to_dict
 from .data import TextFileData
 from .errors import ConfigError
-from .output import write_json
+from .output import Progress, write_json
+from .steps import format_comparison, format_paired, format_plans, short_run_problems, step_kinds, step_line
 
-__all__ = ["TrainRecipe", "PhaseResult", "run_train"]
+__all__ = ["TrainRecipe", "PhaseResult", "run_train", "format_summary"]
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 MiB = float(1 << 20)
@@ -40,14 +41,32 @@ class PhaseResult:
     name: str
     steps: List[StepStats] = field(default_factory=list)
     losses: List[float] = field(default_factory=list)
-    measured_from: int = 0
-    """Index of the first step counted in the medians (after warm-up / profiling)."""
     memory: Dict[str, Any] = field(default_factory=dict)
     """Memory measured independently of the cache (:meth:`PhaseMemory.summary`)."""
+    kinds: List[str] = field(default_factory=list)
+    """What each step was (NOTE [Step kinds]): ``warm-up``, ``profile`` or ``measured``."""
+
+    @property
+    def measured_kind(self) -> str:
+        """``measured``; for a short run (``--allow-short``), the kind of its last step,
+        which the summary then comes from."""
+        return "measured" if "measured" in self.kinds else (self.kinds[-1] if self.kinds else "measured")
+
+    @property
+    def label(self) -> str:
+        """The column name: the phase, and what its numbers come from when not measured steps."""
+        kind = self.measured_kind
+        return self.name if kind == "measured" else f"{self.name} [{kind} step]"
+
+    @property
+    def measured_from(self) -> int:
+        """Index of the first measured step; the memory peaks are taken from there on."""
+        return self.kinds.index("measured") if "measured" in self.kinds else max(len(self.steps) - 1, 0)
 
     @property
     def measured(self) -> List[StepStats]:
-        return self.steps[self.measured_from :] or self.steps[-1:]
+        m = [s for s, k in zip(self.steps, self.kinds) if k == "measured"]
+        return m or self.steps[-1:]
 
     def summary(self) -> Dict[str, Any]:
         """Medians over the measured steps; peaks over them."""
@@ -55,8 +74,11 @@ class PhaseResult:
         step_s = med([s.wall_s for s in m])
         written = med([s.bytes_offloaded for s in m])
         return {
-            "name": self.name,
-            "measured_steps": len(m),
+            "name": self.label,
+            "measured_steps": len(m) if self.measured_kind == "measured" else 0,
+            "measured_kind": self.measured_kind,
+            "warmup_steps": self.kinds.count("warm-up"),
+            "profile_steps": self.kinds.count("profile"),
             "peak_activation_bytes": max(s.peak_resident_bytes for s in m),
             "median_step_s": step_s,
             "step_s": [s.wall_s for s in m],
@@ -85,9 +107,12 @@ class TrainRecipe:
         out: where progress and the summary go.
     """
 
-    def __init__(self, config: TrainConfig, out=sys.stdout) -> None:
+    def __init__(self, config: TrainConfig, out=sys.stdout, command: str = "train",
+                 tensorboard_dir: Optional[str] = None) -> None:
         self.config = config
         self.out = out
+        self.command = command
+        self.tensorboard_dir = tensorboard_dir
         self._initialized = False
 
     # ------------------------------------------------------------------ setup
@@ -138,7 +163,7 @@ class TrainRecipe:
             self.data = TextFileData(cfg.data, cfg.micro_batch_size, m.seq_length)
         n_params = sum(p.numel() for p in self.model.parameters())
         self._say(
-            f"megatron-ssd train: GPT {m.num_layers} layers, hidden {m.hidden_size}, seq {m.seq_length}, "
+            f"megatron-ssd {self.command}: GPT {m.num_layers} layers, hidden {m.hidden_size}, seq {m.seq_length}, "
             f"{n_params / 1e6:.1f}M parameters on {self.device}; micro-batch {cfg.micro_batch_size} x "
             f"{cfg.num_microbatches}; offload to {', '.join(offload.paths)}"
         )
@@ -153,7 +178,8 @@ class TrainRecipe:
         from .planner.runtime import AdaptivePlanner
 
         cfg = self.config
-        result = PhaseResult(name)
+        result = PhaseResult(name, kinds=step_kinds(planner_config, steps))
+        metrics = self._metrics_writer() if planner_config is cfg.offload.planner else None
         memory = PhaseMemory(self.device)
         with TensorCache(self.offload) as cache, _closing(memory):
             planner = AdaptivePlanner(cache, planner_config)
@@ -163,6 +189,8 @@ class TrainRecipe:
                 sink.append(stats)
                 if sink is result.steps:
                     planner.on_step(stats)
+                    if metrics is not None:
+                        metrics.write(stats, len(sink))
 
             schedule = get_forward_backward_func(cache=cache, on_step=on_step)
             optimizer = SGD(lr=cfg.lr)
@@ -185,14 +213,16 @@ class TrainRecipe:
                 return statistics.fmean(float(r["loss"]) for r in reports)
 
             memory.start()  # NOTE [Independent memory]: the level right before the first forward
+            progress = Progress(name, steps, self.out)
             for step in range(steps):
                 memory.step_begin()
                 loss = run_step(step)
                 memory.step_end()
                 result.losses.append(loss)
-                self._progress(name, step, steps, loss, result.steps[-1])
-            self._end_progress()
-            result.measured_from = _first_measured(planner_config, steps)
+                progress.step(step_line(result.kinds[step], loss, result.steps[-1]))
+            progress.close()
+            if metrics is not None:
+                metrics.flush()
             self.planner_summary = planner.summary()
             next_step = steps
             if cfg.allocator_timeline:
@@ -225,6 +255,7 @@ class TrainRecipe:
         offload_s: List[float] = []
         written = {True: 0, False: 0}
         step = first_step
+        progress = Progress("paired keep/offload", pairs, self.out)
         for i in range(pairs):
             for keep in ((True, False) if i % 2 == 0 else (False, True)):
                 cache.set_plan({} if keep else plan)
@@ -233,8 +264,8 @@ class TrainRecipe:
                 step += 1
                 (keep_s if keep else offload_s).append(sink[-1].wall_s)
                 written[keep] += sink[-1].bytes_offloaded
-            self._progress("paired keep/offload", i, pairs, loss, sink[-1])
-        self._end_progress()
+            progress.step(step_line("pair", loss, sink[-1]))
+        progress.close()
         cache.set_plan(plan)
         cache.default_placement = default
         ratios = [o / k for o, k in zip(offload_s, keep_s)]
@@ -242,8 +273,9 @@ class TrainRecipe:
                 "median_ratio": statistics.median(ratios), "ratio_ci95": median_ci95(ratios),
                 "keep_bytes_written": written[True], "offload_bytes_written_per_step": written[False] / pairs}
 
-    def train(self) -> Dict[str, Any]:
-        """Run the reference and the offload phases; print and return the summary."""
+    def train(self, print_summary: bool = True) -> Dict[str, Any]:
+        """Run the reference and the offload phases; print (unless ``print_summary`` is
+        false) and return the summary."""
         cfg = self.config
         phases = []
         if cfg.baseline_steps:
@@ -253,12 +285,8 @@ class TrainRecipe:
         offload = self._phase(f"offload ({cfg.offload.planner.mode})", cfg.steps, cfg.offload.planner,
                               pairs=cfg.paired_steps)
         phases.append(offload)
-        for event in self.planner_summary["events"]:
-            if event["plan"] is not None:
-                from .planner import Plan
-
-                self._say(f"\nplan set after step {event['step'] + 1} ({event['reason']}):")
-                self._say(Plan.from_dict(event["plan"]).table())
+        if print_summary:
+            self._say(format_plans(self.planner_summary["events"], cfg.steps))
         report = {
             "peak_rss_bytes": _peak_rss_bytes(),
             "peak_device_bytes": (max(p.memory.get("cuda_peak_allocated_bytes") or 0 for p in phases)
@@ -267,14 +295,19 @@ class TrainRecipe:
             "device": self.device,
             "phases": [p.summary() for p in phases],
             "planner": self.planner_summary,
-            "steps": [s.to_dict() for s in offload.steps],
+            "steps": [{"kind": k, **s.to_dict()} for s, k in zip(offload.steps, offload.kinds)],
             "paired": self.paired,
         }
+        if not print_summary:
+            return report
         self._say(format_summary(report["phases"]))
+        for phase in phases:
+            if phase.measured_kind != "measured":
+                what = "the planner's placement" if "profile" in phase.kinds else "its placement"
+                self._say(f"WARNING: {phase.name}: no measured step (steps: {', '.join(phase.kinds)}); its column "
+                          f"shows its last {phase.measured_kind} step, not {what}")
         if self.paired:
-            lo, hi = self.paired["ratio_ci95"]
-            self._say(f"paired steps: offload {self.paired['median_ratio']:.3f}x keep-everything "
-                      f"(median of {self.paired['pairs']} pairs; 95% interval {lo:.3f}-{hi:.3f})")
+            self._say(format_paired(self.paired))
         return report
 
     def cleanup(self) -> None:
@@ -285,11 +318,11 @@ class TrainRecipe:
             destroy_parallel()
             self._initialized = False
 
-    def run(self) -> Dict[str, Any]:
+    def run(self, print_summary: bool = True) -> Dict[str, Any]:
         """``setup()``, ``train()``, and ``cleanup()`` whatever happens; the report."""
         try:
             self.setup()
-            return self.train()
+            return self.train(print_summary)
         finally:
             self.cleanup()
 
@@ -298,21 +331,13 @@ class TrainRecipe:
     def _say(self, text: str) -> None:
         print(text, file=self.out, flush=True)
 
-    def _progress(self, name: str, step: int, steps: int, loss: float, stats: StepStats) -> None:
-        width = 24
-        done = int(width * (step + 1) / steps)
-        line = (
-            f"{name:>22} [{'#' * done}{'.' * (width - done)}] {step + 1}/{steps} "
-            f"loss {loss:.3f}  {stats.wall_s:.2f} s/step  peak act {stats.peak_resident_bytes / MiB:.1f} MiB  "
-            f"wrote {stats.bytes_offloaded / MiB:.1f} MiB"
-        )
-        tty = hasattr(self.out, "isatty") and self.out.isatty()
-        print(("\r" + line) if tty else line, end="" if tty else "\n", file=self.out, flush=True)
-        self._tty_line = tty
+    def _metrics_writer(self) -> Any:
+        """The offload phase's TensorBoard scalars (``--tensorboard-dir``), or None."""
+        if not self.tensorboard_dir:
+            return None
+        from .metrics import ScalarWriter, tensorboard_writer
 
-    def _end_progress(self) -> None:
-        if getattr(self, "_tty_line", False):
-            print(file=self.out)
+        return ScalarWriter(tensorboard=tensorboard_writer(self.tensorboard_dir))
 
 
 # NOTE [Independent memory]: each phase reports, beside the cache's own count of the
@@ -356,13 +381,6 @@ def _peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def _first_measured(config: PlannerConfig, steps: int) -> int:
-    if config.mode == "auto":
-        first = config.warmup_steps + config.profile_steps
-        return min(first, steps - 1)
-    return min(1, steps - 1)
-
-
 def format_summary(phases: Sequence[Dict[str, Any]]) -> str:
     """The summary table printed at the end of the job."""
     rows = [
@@ -384,7 +402,7 @@ def format_summary(phases: Sequence[Dict[str, Any]]) -> str:
         ("read stall per step (s)", "stall_s_per_step", 1, "{:.3f}"),
         ("write wait per step (s)", "write_wait_s_per_step", 1, "{:.3f}"),
         ("peak SSD footprint (MiB)", "peak_ssd_bytes", 1 / MiB, "{:.1f}"),
-        ("SSD writes per day (GiB)", "ssd_bytes_written_per_day", 1 / 1024 / MiB, "{:.1f}"),
+        ("SSD writes per day (MiB)", "ssd_bytes_written_per_day", 1 / MiB, "{:.0f}"),
         ("failed writes kept in memory", "write_fallbacks", 1, "{:.0f}"),
         ("final loss", "final_loss", 1, "{:.4f}"),
     ]
@@ -400,13 +418,7 @@ def format_summary(phases: Sequence[Dict[str, Any]]) -> str:
         lines.append(label.ljust(width) + "".join(cells))
     if len(phases) >= 2 and phases[0]["peak_activation_bytes"]:
         keep, off = phases[0], phases[-1]
-        saved = keep["peak_activation_bytes"] - off["peak_activation_bytes"]
-        ratio = off["median_step_s"] / keep["median_step_s"] if keep["median_step_s"] else float("nan")
-        lines.append(
-            f"\nactivation memory saved: {saved / MiB:.1f} MiB "
-            f"({100 * saved / keep['peak_activation_bytes']:.0f}% of keep-everything), "
-            f"step time {ratio:.2f}x keep-everything"
-        )
+        lines.append("\n" + format_comparison(keep, off))
         if keep.get("independent_peak_bytes"):
             measured = keep["independent_peak_bytes"] - off.get("independent_peak_bytes", 0)
             lines.append(f"measured peak lower by {measured / MiB:.1f} MiB "
@@ -416,12 +428,17 @@ def format_summary(phases: Sequence[Dict[str, Any]]) -> str:
 
 
 def run_train(config_path: Optional[str], overrides: Sequence[str], json_path: Optional[str] = None,
-              baseline: bool = True) -> int:
-    """``megatron-ssd train``: load the config, run the recipe, write JSON."""
+              baseline: bool = True, allow_short: bool = False, tensorboard_dir: Optional[str] = None) -> int:
+    """``megatron-ssd train``: load the config, check every phase can be measured (unless
+    ``allow_short``), run the recipe, write JSON."""
     config = load_config(TrainConfig, config_path, overrides)
     if not baseline:
         config.baseline_steps = 0
-    report = TrainRecipe(config).run()
+    problems = short_run_problems(config)
+    if problems and not allow_short:
+        raise ConfigError("; ".join(problems) + " (or pass --allow-short to run anyway: the numbers then come "
+                          "from warm-up or profiling steps, labelled so)")
+    report = TrainRecipe(config, tensorboard_dir=tensorboard_dir).run()
     if json_path:
         write_json(json_path, report)
     return 0

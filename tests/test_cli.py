@@ -7,6 +7,7 @@ import json
 import pytest
 
 from megatron_ssd.cli import build_parser, main
+from megatron_ssd.config import OffloadConfig, load_config
 
 
 def test_help_lists_every_subcommand(capsys):
@@ -47,7 +48,7 @@ def test_simulate_prints_a_plan_and_lifetime(tmp_path, capsys):
 def test_train_rejects_unknown_keys_before_starting(capsys):
     assert main(["train", "--config", "configs/gpt-tiny.yaml", "model.num_layer=3"]) == 2
     err = capsys.readouterr().err
-    assert "megatron_ssd: ModelConfig: unknown key 'num_layer'; did you mean 'num_layers'?" in err
+    assert "megatron_ssd: ModelConfig: unknown key 'model.num_layer'; did you mean 'model.num_layers'?" in err
 
 
 @pytest.mark.parametrize(
@@ -86,3 +87,111 @@ def test_bench_io_removes_its_files_when_a_measurement_fails(tmp_path, capsys, m
     assert main(["bench-io", str(tmp_path), "--size", "64MiB"]) == 2
     assert "data read back from" in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []
+
+
+def test_version(capsys):
+    import megatron_ssd
+
+    with pytest.raises(SystemExit) as exc:
+        main(["--version"])
+    assert exc.value.code == 0
+    assert capsys.readouterr().out.strip() == f"megatron-ssd {megatron_ssd.__version__}"
+
+
+OFFLOAD_PRESETS = ["gpt-1.3b.yaml", "gpt-7b.yaml", "gpt-13b.yaml", "gpt-70b.yaml", "bert-large.yaml",
+                   "t5-base.yaml", "io-nvme1.yaml", "io-raid0x4.yaml", "io-gds.yaml"]
+
+
+@pytest.mark.parametrize("command", ["train", "plan", "rok"])
+@pytest.mark.parametrize("preset", OFFLOAD_PRESETS)
+def test_an_offload_preset_given_to_train_says_what_it_is_for(capsys, preset, command):
+    assert main([command, "--config", f"configs/{preset}"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"megatron_ssd: config file 'configs/{preset}': holds OffloadConfig fields (")
+    assert f"--ssd-offload-config configs/{preset}" in err
+    assert "need a TrainConfig preset such as configs/gpt-tiny.yaml" in err and "unknown key" not in err
+
+
+def test_simulate_help_lists_every_key_and_model(capsys):
+    from megatron_ssd.config import field_docs
+    from megatron_ssd.planner.simulate import MODEL_PRESETS, SimulationSpec
+
+    with pytest.raises(SystemExit):
+        main(["simulate", "--help"])
+    out = capsys.readouterr().out
+    for name in field_docs(SimulationSpec):
+        assert f"\n  {name} " in out, name
+    for name in MODEL_PRESETS:
+        assert f"\n  {name} " in out, name
+
+
+def test_simulate_knows_every_shipped_model_preset(capsys):
+    import os
+
+    from megatron_ssd.planner.simulate import MODEL_PRESETS
+
+    import yaml
+
+    models = [f[:-5] for f in os.listdir("configs") if f.endswith(".yaml") and not f.startswith("io-")]
+    assert sorted(models) == ["bert-large", "gpt-1.3b", "gpt-13b", "gpt-70b", "gpt-7b", "gpt-ref-cpu", "gpt-tiny",
+                              "t5-base"]
+    for model in models:
+        assert model in MODEL_PRESETS
+        with open(f"configs/{model}.yaml", encoding="utf-8") as fh:
+            data = yaml.safe_load(fh)
+        if "model" in data:  # a TrainConfig preset: the same dimensions
+            dims = MODEL_PRESETS[model]
+            assert (dims["num_layers"], dims["hidden"], dims["heads"], dims["seq_len"], dims["micro_batch"]) == (
+                data["model"]["num_layers"], data["model"]["hidden_size"], data["model"]["num_attention_heads"],
+                data["model"]["seq_length"], data["micro_batch_size"])
+    assert main(["simulate", "model=gpt-70b", "tp=8", "ssd_count=4"]) == 0
+    assert "placements:" in capsys.readouterr().out
+
+
+def test_bench_io_suggests_overrides_and_flags_and_warns_on_tmpfs(tmp_path, capsys, monkeypatch):
+    from megatron_ssd.io import bench, rundir
+
+    def fake_measure(path, total, threads, block):
+        speed = threads * block  # the last setting is the fastest
+        return {"threads": threads, "block_bytes": block, "bytes": total,
+                "write_bytes_per_s": float(speed), "read_bytes_per_s": float(speed)}
+
+    monkeypatch.setattr(bench, "measure_path", fake_measure)
+    monkeypatch.setattr(rundir, "filesystem_type", lambda path: "tmpfs")
+    out = tmp_path / "b.json"
+    assert main(["bench-io", str(tmp_path), "--size", "64MiB", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "megatron-ssd train / a YAML preset: offload.io.threads=4 offload.io.block_bytes=16MiB" in text
+    assert "pretrain_gpt.py: --ssd-offload-io-threads 4 --ssd-offload-block-size 16MiB" in text
+    assert f"WARNING: bench-io path {str(tmp_path)!r} is on tmpfs: it measures memory, not an SSD" in text
+    data = json.loads(out.read_text())
+    assert data["suggested"] == ["offload.io.threads=4", "offload.io.block_bytes=16MiB"]
+    assert data["suggested_flags"] == ["--ssd-offload-io-threads 4", "--ssd-offload-block-size 16MiB"]
+    assert data["memory_filesystems"] == [str(tmp_path)]
+    from megatron_ssd.megatron.args import validate_ssd_offload_args
+    from megatron_ssd.megatron.args import add_ssd_offload_args
+    import argparse
+
+    flags = " ".join(data["suggested_flags"]).split()
+    args = add_ssd_offload_args(argparse.ArgumentParser()).parse_args(["--ssd-offload", "--ssd-offload-paths",
+                                                                        str(tmp_path), *flags])
+    validate_ssd_offload_args(args)  # the suggested flags are real and valid
+    assert load_config(OffloadConfig, None, [o.split(".", 1)[1] for o in data["suggested"]]).io.threads == 4
+
+
+def test_optional_dependency_warnings_become_one_line(capsys, monkeypatch):
+    import warnings
+
+    from megatron_ssd import output
+
+    shown = []
+    monkeypatch.setattr(warnings, "showwarning", lambda message, *args, **kwargs: shown.append(str(message)))
+    output.collapse_optional_dependency_warnings()
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.warn("Transformer Engine and Apex are not installed. Falling back to Torch optimizers.")
+        warnings.warn("Apex is not installed. Falling back to Torch Norm")
+        warnings.warn("absl.logging is not installed. Using logging.getLogger(__name__) instead.")
+        warnings.warn("something else entirely")
+    assert capsys.readouterr().err == output.OPTIONAL_DEPENDENCY_LINE + "\n"
+    assert shown == ["something else entirely"]

@@ -44,7 +44,7 @@ def test_presets_cover_the_shipped_sizes_and_io_profiles():
 def test_unknown_preset_key_is_an_error_naming_it(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("model:\n  num_layer: 4\n")
-    with pytest.raises(ConfigError, match=r"ModelConfig: unknown key 'num_layer'; did you mean 'num_layers'"):
+    with pytest.raises(ConfigError, match=r"ModelConfig: unknown key 'model.num_layer'; did you mean 'model.num_layers'"):
         load_config(TrainConfig, str(bad))
 
 

@@ -22,7 +22,7 @@ from ..config import IOConfig, OffloadConfig, _parse_size
 from ..errors import ConfigError
 from ..output import write_json
 
-__all__ = ["measure_path", "run_bench_io", "check_size", "SETTINGS", "MAX_SHARE_OF_FREE"]
+__all__ = ["measure_path", "run_bench_io", "check_size", "suggested_settings", "SETTINGS", "MAX_SHARE_OF_FREE"]
 
 MiB = 1 << 20
 SETTINGS: Tuple[Tuple[int, int], ...] = ((1, 4 * MiB), (2, 4 * MiB), (4, 4 * MiB), (4, 16 * MiB))
@@ -114,6 +114,12 @@ def run_bench_io(paths: Sequence[str], size: str, json_path: Optional[str] = Non
         if not os.path.isdir(path):
             raise ConfigError(f"bench-io path {path!r}: must be an existing directory")
         check_size(size, total, path)
+    from .rundir import filesystem_type
+
+    memory = [p for p in paths if filesystem_type(p) in ("tmpfs", "ramfs")]
+    for path in memory:
+        print(f"WARNING: bench-io path {path!r} is on {filesystem_type(path)}: it measures memory, not an SSD",
+              flush=True)
     results: List[Dict[str, Any]] = []
     print(f"{'path':<32}{'threads':>8}{'block MiB':>10}{'write MiB/s':>13}{'read MiB/s':>12}")
     for path in paths:
@@ -123,8 +129,22 @@ def run_bench_io(paths: Sequence[str], size: str, json_path: Optional[str] = Non
             print(f"{path:<32}{threads:>8}{block // MiB:>10}{r['write_bytes_per_s'] / MiB:>13.0f}"
                   f"{r['read_bytes_per_s'] / MiB:>12.0f}", flush=True)
     best = max(results, key=lambda r: min(r["write_bytes_per_s"], r["read_bytes_per_s"]))
-    suggestion = [f"offload.io.threads={best['threads']}", f"offload.io.block_bytes={best['block_bytes']}"]
-    print("suggested settings (best of min(write, read)): " + " ".join(suggestion))
+    suggestion, flags = suggested_settings(best["threads"], best["block_bytes"])
+    print("suggested settings (best of min(write, read)):")
+    print("  megatron-ssd train / a YAML preset: " + " ".join(suggestion))
+    print("  megatron-ssd pretrain-gpt / pretrain_gpt.py: " + " ".join(flags))
+    if memory:
+        print(f"WARNING: {', '.join(memory)} in memory (tmpfs or ramfs): these numbers are RAM speed, not a "
+              "drive's, and offloaded bytes there stay in RAM; measure the directories on your SSDs instead")
     if json_path:
-        write_json(json_path, {"results": results, "suggested": suggestion})
+        write_json(json_path, {"results": results, "suggested": suggestion, "suggested_flags": flags,
+                               "memory_filesystems": memory})
     return 0
+
+
+def suggested_settings(threads: int, block_bytes: int) -> Tuple[List[str], List[str]]:
+    """The overrides (``offload.io.threads=4``) and the matching ``--ssd-offload-*`` flags."""
+    size = f"{block_bytes // MiB}MiB" if block_bytes % MiB == 0 else str(block_bytes)
+    overrides = [f"offload.io.threads={threads}", f"offload.io.block_bytes={size}"]
+    flags = [f"--ssd-offload-io-threads {threads}", f"--ssd-offload-block-size {size}"]
+    return overrides, flags

@@ -245,17 +245,24 @@ def patch_model_classes(convert: Callable[[Any], Any]) -> List[ModelSpecFactory]
 class StepReporter:
     """Receives each training step's :class:`StepStats` from the offload-aware schedule.
 
-    Feeds the planner (when one is attached), keeps the last stats, and prints a summary
-    line every ``interval`` steps on rank 0 (Megatron's ``--log-interval``).
+    Feeds the planner (when one is attached), keeps the last stats, prints a summary
+    line every ``interval`` steps on rank 0 (Megatron's ``--log-interval``), and writes
+    the step's offload metrics (:mod:`megatron_ssd.metrics`) through Megatron's own
+    TensorBoard and W&B writers when ``pretrain_gpt.py`` has them (``--tensorboard-dir``,
+    ``--wandb-project``; Megatron creates them on the last rank), at the iteration number
+    Megatron logs ``lm loss`` at.
     """
 
     def __init__(self, cache: TensorCache, planner: Any = None, interval: int = 1, rank: int = 0) -> None:
+        from ..metrics import ScalarWriter
+
         self.cache = cache
         self.planner = planner
         self.interval = max(1, int(interval or 1))
         self.rank = rank
         self.last: Optional[StepStats] = None
         self.steps = 0
+        self.metrics = ScalarWriter()
 
     def on_step(self, stats: StepStats) -> None:
         """Handle one step's numbers (the schedule's ``on_step`` callback)."""
@@ -271,6 +278,27 @@ class StepReporter:
             self.planner.on_step(stats)
         if self.rank == 0 and self.steps % self.interval == 0:
             print(f"[megatron-ssd] rank 0 {stats.summary()}", flush=True)
+        self.write_metrics(stats)
+
+    def write_metrics(self, stats: StepStats) -> bool:
+        """Write ``stats`` through Megatron's TensorBoard / W&B writers, if it has any.
+
+        The step is ``args.curr_iteration + 1``: ``train()`` sets ``curr_iteration``
+        before the step and logs the step's loss at the incremented iteration. An
+        ``evaluate()`` run in the same iteration is not written again.
+        """
+        try:
+            from megatron.training import global_vars
+        except ImportError:  # megatron-core alone, without Megatron-LM's training package
+            return False
+        tensorboard, wandb = global_vars.get_tensorboard_writer(), global_vars.get_wandb_writer()
+        if tensorboard is None and wandb is None:
+            return False
+        args = global_vars.get_args() if getattr(global_vars, "_GLOBAL_ARGS", None) is not None else None
+        iteration = getattr(args, "curr_iteration", None)
+        step = self.steps if iteration is None else int(iteration) + 1
+        self.metrics.tensorboard, self.metrics.wandb = tensorboard, wandb
+        return self.metrics.write(stats, step)
 
 
 class _OffloadForwardBackwardLookup:

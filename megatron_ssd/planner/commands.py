@@ -10,13 +10,12 @@ from __future__ import annotations
 import json
 import os
 import platform
-import random
 import subprocess
 import sys
 import tempfile
 from typing import Any, Dict, List, Optional, Sequence
 
-from ..cache.stats import bootstrap_ci95, median_ci95, median_or_zero
+from ..cache.stats import median_ci95, median_or_zero, ratio_ci95
 from ..config import TrainConfig, load_config, to_dict
 from ..output import write_json
 from ..train import TrainRecipe
@@ -48,18 +47,22 @@ def machine_info() -> Dict[str, Any]:
 
 
 def run_plan(config_path: Optional[str], overrides: Sequence[str], json_path: Optional[str] = None) -> int:
-    """Profile a few steps of the configured model, print and optionally save the plan."""
+    """Profile the configured model (``warmup_steps`` + ``profile_steps`` steps of the
+    planner in ``auto`` mode), print the plan it sets, optionally save it as JSON."""
+    from .plan import Plan
 
     config = load_config(TrainConfig, config_path, overrides)
     planner = config.offload.planner
     planner.mode = "auto"
     config.baseline_steps = 0
-    config.steps = planner.warmup_steps + planner.profile_steps + 1
-    report = TrainRecipe(config).run()
+    config.steps = planner.warmup_steps + planner.profile_steps
+    report = TrainRecipe(config, command="plan").run(print_summary=False)
     events = [e for e in report["planner"]["events"] if e["plan"] is not None]
     if not events:
         raise MegatronSSDError("plan: the profile produced no plan (too few steps?)")
     plan = events[-1]["plan"]
+    print(f"\nplan from {planner.warmup_steps} warm-up and {planner.profile_steps} profiling steps:")
+    print(Plan.from_dict(plan).table())
     if json_path:
         write_json(json_path, {**plan, "workload": to_dict(config), "machine": machine_info()})
     return 0
@@ -74,7 +77,8 @@ def _train_in_subprocess(config_path: Optional[str], overrides: Sequence[str]) -
         proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         if proc.returncode != 0 or not os.path.exists(out):
             raise MegatronSSDError(f"rok: a placement run failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}")
-        last = [l for l in proc.stdout.splitlines() if "loss" in l][-1:]
+        lines = proc.stdout.splitlines()
+        last = [l for l in lines if ": measured, loss" in l][-1:] or [l for l in lines if "loss" in l][-1:]
         print("  " + (last[0].strip() if last else "done"), flush=True)
         with open(out, encoding="utf-8") as fh:
             return json.load(fh)
@@ -87,6 +91,10 @@ PLACEMENTS: Dict[str, List[str]] = {
     "planner": ["offload.planner.mode=auto"],
 }
 """The fixed ``rok`` placements and the overrides that select them."""
+
+BUDGET = "budget"
+"""The ``rok`` placement that runs the planner with memory budgets (fractions of keep's
+peak; one point ``budget-<bytes>`` each). It needs ``keep``, which measures that peak."""
 
 
 def _point(placement: str, reports: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
@@ -152,33 +160,6 @@ def _max_of(phases: Sequence[Dict[str, Any]], key: str) -> Optional[int]:
     return max(values) if values else None
 
 
-def ratio_ci95(num_rounds: Sequence[Sequence[float]], den_rounds: Sequence[Sequence[float]],
-               resamples: int = 2000, seed: int = 0) -> List[float]:
-    """95% interval of ``median(num) / median(den)`` (steps pooled over rounds).
-
-    NOTE [Stratified bootstrap]: each resample draws, round by round, as many steps as
-    the round has, with replacement, from that round's own steps, for the numerator and
-    the denominator alike; the pooled medians' ratio is recorded, and the 2.5th and
-    97.5th percentiles of ``resamples`` ratios are the interval. Resampling within rounds
-    keeps every resample's mix of rounds (and so of machine drift) equal to the
-    measurement's. The seed is fixed so the same steps always give the same interval.
-    Rounds with no steps are skipped; with none at all the interval is ``[nan, nan]``.
-    """
-    pairs = [(list(a), list(b)) for a, b in zip(num_rounds, den_rounds) if a and b]
-    if not pairs:
-        return [float("nan"), float("nan")]
-
-    def resampled_ratio(rng: random.Random) -> float:
-        num: List[float] = []
-        den: List[float] = []
-        for a, b in pairs:
-            num.extend(rng.choices(a, k=len(a)))
-            den.extend(rng.choices(b, k=len(b)))
-        return median_or_zero(num) / median_or_zero(den)
-
-    return bootstrap_ci95(resampled_ratio, resamples, seed)
-
-
 def add_ratios(points: List[Dict[str, Any]]) -> None:
     """Add each point's step time relative to keep: pooled, per round, and its interval.
 
@@ -211,17 +192,21 @@ def rok_points(config_path: Optional[str], overrides: Sequence[str], budgets: Se
     budgets need ``keep`` among them. ``paired`` adds that many pairs of steps to each
     planner run (NOTE [Paired steps]), pooled over rounds into ``paired_x_keep``.
     """
-    names = list(placements or PLACEMENTS)
-    unknown = [n for n in names if n not in PLACEMENTS]
+    names = list(placements or [*PLACEMENTS, BUDGET])
+    unknown = [n for n in names if n not in PLACEMENTS and n != BUDGET]
     if unknown:
-        raise ConfigError(f"rok: placements = {unknown}: each must be one of {sorted(PLACEMENTS)}")
+        raise ConfigError(f"rok: placements = {unknown}: each must be one of {sorted([*PLACEMENTS, BUDGET])}")
+    if BUDGET in names and "keep" not in names:
+        raise ConfigError(f"rok: placements = {names}: {BUDGET!r} needs 'keep' (the budgets are fractions of its peak)")
+    if BUDGET not in names or not budgets:
+        budgets = ()
+    names = [n for n in names if n != BUDGET]
     if rounds < 1:
         raise ConfigError(f"rok: rounds = {rounds}: must be >= 1")
     if paired < 0 or (paired and "planner" not in names):
         raise ConfigError(f"rok: paired = {paired}: must be >= 0, and > 0 only with the planner placement")
     per_placement = {"planner": [f"paired_steps={paired}"] if paired else []}
-    if budgets and "keep" not in names:
-        budgets = ()
+    _check_measurable(config_path, overrides, [*names, *(["planner"] if budgets else [])])
     runs: Dict[str, List[Dict[str, Any]]] = {}
     infeasible: Dict[str, str] = {}
     extra_runs: List[tuple] = []
@@ -254,6 +239,17 @@ def rok_points(config_path: Optional[str], overrides: Sequence[str], budgets: Se
     add_ratios(points)
     add_predictions(points, {name: rs[0] for name, rs in runs.items()})
     return points
+
+
+def _check_measurable(config_path: Optional[str], overrides: Sequence[str], names: Sequence[str]) -> None:
+    """Refuse, before any run, a placement whose run would measure no step (NOTE [Step kinds])."""
+    from ..train import short_run_problems
+
+    for name in dict.fromkeys(names):
+        config = load_config(TrainConfig, config_path, [*overrides, *PLACEMENTS[name], "baseline_steps=0"])
+        problems = short_run_problems(config)
+        if problems:
+            raise ConfigError(f"rok: placement {name!r}: {'; '.join(problems)}")
 
 
 def add_predictions(points: List[Dict[str, Any]], reports: Dict[str, Dict[str, Any]]) -> None:

@@ -65,6 +65,13 @@ class _Expected:
     backward_s: Dict[LayerId, float]
 
 
+def _with_unit(key: str, value: float) -> str:
+    """A checked quantity with its unit: bandwidths in MiB/s, layer times in ms."""
+    if key.endswith("_bw"):
+        return f"{value / (1 << 20):.1f} MiB/s"
+    return f"{value * 1e3:.2f} ms"
+
+
 class DriftDetector:
     """Compare measured steps with the profile (and plan) in use.
 
@@ -221,7 +228,8 @@ class DriftDetector:
             ratio = median / expected
             ratios[key] = ratio
             if abs(ratio - 1.0) > self.threshold:
-                reasons.append(f"{key}: median {median:.6g} vs expected {expected:.6g} ({ratio - 1.0:+.1%})")
+                reasons.append(f"{key}: median {_with_unit(key, median)} vs expected {_with_unit(key, expected)} "
+                               f"({ratio - 1.0:+.1%})")
         streak = len(self._streak) == self.window and all(self._streak)
         if streak:
             reasons.append(

@@ -43,7 +43,6 @@ GOAL_MEMORY_BUDGET = "memory_budget"
 PLAN_SCHEMA = "megatron_ssd.plan/1"
 """Value of the ``schema`` key of a plan's JSON form."""
 
-_GiB = float(1 << 30)
 _MiB = float(1 << 20)
 
 
@@ -164,6 +163,17 @@ class Plan:
             raise ConfigError(f"Plan JSON: not valid JSON ({exc})") from None
         return cls.from_dict(data)
 
+    def changes_from(self, old: "Plan") -> List[str]:
+        """Each layer whose placement differs from ``old``'s, as ``layer 3: offload -> keep``
+        (empty when the placement is the same): what a re-plan prints instead of the table."""
+        before = {str(lp.layer_id): lp.placement for lp in old.layers}
+        return [
+            f"layer {lp.layer_id}: {before[str(lp.layer_id)].value if str(lp.layer_id) in before else 'new'} "
+            f"-> {lp.placement.value}"
+            for lp in self.layers
+            if before.get(str(lp.layer_id)) != lp.placement
+        ]
+
     def table(self) -> str:
         """A per-layer table and a summary line, for logs and the command line."""
         rows = [f"{'layer':>8}  {'placement':<9}  {'MiB':>9}  {'write ms':>9}  {'read ms':>9}  {'exposed ms':>10}"]
@@ -175,14 +185,14 @@ class Plan:
             )
         peak_ratio = self.peak_activation_bytes / self.keep_peak_activation_bytes if self.keep_peak_activation_bytes else 1.0
         step_ratio = self.step_s / self.keep_step_s if self.keep_step_s else 1.0
-        budget = f", budget {self.memory_budget / _GiB:.3f} GiB" if self.memory_budget is not None else ""
+        budget = f", budget {self.memory_budget / _MiB:.1f} MiB" if self.memory_budget is not None else ""
         rows.append(
             f"goal {self.goal}{budget}; stage {self.pipeline_rank}/{self.pipeline_size} "
             f"x{self.microbatches_in_flight} micro-batch{'es' if self.microbatches_in_flight > 1 else ''}"
         )
         rows.append(
-            f"peak {self.peak_activation_bytes / _GiB:.3f} GiB ({peak_ratio:.1%} of keep-everything "
-            f"{self.keep_peak_activation_bytes / _GiB:.3f} GiB); step {self.step_s * 1e3:.2f} ms "
+            f"peak {self.peak_activation_bytes / _MiB:.1f} MiB ({peak_ratio:.1%} of keep-everything "
+            f"{self.keep_peak_activation_bytes / _MiB:.1f} MiB); step {self.step_s * 1e3:.2f} ms "
             f"({step_ratio:.3f}x keep-everything); exposed I/O {self.exposed_s * 1e3:.2f} ms; "
             f"I/O slowdown {self.slowdown_s * 1e3:.2f} ms"
         )

@@ -20,6 +20,7 @@ to cross-attention (T5 decoder layers) by counting the same tensors.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any, Dict, Mapping, Optional, Sequence, Union
@@ -31,6 +32,7 @@ from .profile import IOProfile, LayerProfile, StageProfile
 
 __all__ = [
     "MODEL_PRESETS",
+    "simulate_help",
     "SimulationSpec",
     "spec_from_overrides",
     "SimulationResult",
@@ -145,18 +147,47 @@ class SimulationSpec:
 
 
 MODEL_PRESETS: Dict[str, Dict[str, Any]] = {
+    # the TrainConfig presets, for comparing simulate with a measured CPU run (fp32, so 4 bytes)
+    "gpt-tiny": dict(num_layers=6, hidden=256, heads=8, seq_len=256, micro_batch=4, vocab=8192,
+                     num_microbatches=2, dtype_bytes=4),
+    "gpt-ref-cpu": dict(num_layers=8, hidden=512, heads=8, seq_len=512, micro_batch=4, vocab=8192,
+                        dtype_bytes=4),
     "gpt-125m": dict(num_layers=12, hidden=768, heads=12),
     "gpt-350m": dict(num_layers=24, hidden=1024, heads=16),
     "gpt-1.3b": dict(num_layers=24, hidden=2048, heads=16),
     "gpt-2.7b": dict(num_layers=32, hidden=2560, heads=32),
     "gpt-6.7b": dict(num_layers=32, hidden=4096, heads=32),
+    "gpt-7b": dict(num_layers=32, hidden=4096, heads=32, seq_len=4096),
     "gpt-13b": dict(num_layers=40, hidden=5120, heads=40),
+    "gpt-70b": dict(num_layers=80, hidden=8192, heads=64, seq_len=4096),
     "gpt-175b": dict(num_layers=96, hidden=12288, heads=96),
     "bert-large": dict(arch="bert", num_layers=24, hidden=1024, heads=16, seq_len=512, vocab=30522),
     "t5-base": dict(arch="t5", num_layers=12, hidden=768, heads=12, seq_len=512, vocab=32128),
     "t5-large": dict(arch="t5", num_layers=24, hidden=1024, heads=16, seq_len=512, vocab=32128),
 }
-"""Model dimensions by name (GPT-3 paper sizes, BERT-large, T5); other fields keep defaults."""
+"""Model dimensions by name: every GPT, BERT and T5 preset of ``configs/`` (the CPU
+presets' compute rate still comes from ``gpu_flops``), the GPT-3 paper sizes, T5-large;
+other fields keep defaults."""
+
+
+def simulate_help() -> str:
+    """The keys and models ``megatron-ssd simulate --help`` lists, from the code."""
+    import textwrap
+
+    from ..config import field_docs
+
+    lines = ["keys (key=value; memory_budget takes sizes such as 40GiB):"]
+    defaults = {f.name: f.default for f in dataclasses.fields(SimulationSpec)}
+    for name, doc in field_docs(SimulationSpec).items():
+        text = f"{doc.replace('``', '')} (default {defaults[name]})"
+        wrapped = textwrap.wrap(text, 76)
+        lines.append(f"  {name:<24}{wrapped[0]}")
+        lines.extend(" " * 26 + w for w in wrapped[1:])
+    lines.append("")
+    lines.append("models (model=NAME sets these fields; keys given after it override them):")
+    for name, dims in MODEL_PRESETS.items():
+        lines.append(f"  {name:<12}" + ", ".join(f"{k}={v}" for k, v in dims.items()))
+    return "\n".join(lines)
 
 
 def spec_from_overrides(overrides: Sequence[str] = (), model: Optional[str] = None) -> SimulationSpec:

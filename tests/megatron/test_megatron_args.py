@@ -164,7 +164,7 @@ ON = ["--ssd-offload", "--ssd-offload-paths", "/ok"]
         (ON + ["--ssd-offload-keep-last-layers", "-1"], ["--ssd-offload-keep-last-layers = '-1'", "must be >= 0"]),
         (ON + ["--ssd-offload-prefetch-layers", "-2"], ["--ssd-offload-prefetch-layers = '-2'", "must be >= 0"]),
         (ON + ["--ssd-offload-memory-budget", "0"], ["--ssd-offload-memory-budget = '0'", "> 0 bytes or null"]),
-        (ON + ["--ssd-offload-override", "io.thread=2"], ["--ssd-offload-override = 'io.thread=2'", "'threads'"]),
+        (ON + ["--ssd-offload-override", "io.thread=2"], ["--ssd-offload-override = 'io.thread=2'", "did you mean 'io.threads'?"]),
         (ON + ["--ssd-offload-override", "threads"], ["--ssd-offload-override = 'threads'", "key=value"]),
         (["--ssd-offload", "--ssd-offload-paths", "/x/{node}"], ["= '/x/{node}'", "unknown placeholder {node}"]),
         (["--ssd-offload", "--ssd-offload-paths", "/x,/x"], ["= '/x,/x'", "must not name a directory twice"]),
@@ -184,7 +184,7 @@ def test_yaml_errors_surface(tmp_path, yaml_file):
     _check(parse("--ssd-offload", "--ssd-offload-config", str(tmp_path / "none.yaml")), "does not exist")
     bad = tmp_path / "bad.yaml"
     bad.write_text("paths: [/a]\nio:\n  thread: 2\n")
-    _check(parse("--ssd-offload", "--ssd-offload-config", str(bad)), "unknown key 'thread'")
+    _check(parse("--ssd-offload", "--ssd-offload-config", str(bad)), "unknown key 'io.thread'; did you mean 'io.threads'?")
     empty = tmp_path / "empty.yaml"
     empty.write_text("keep_last_layers: 2\n")
     _check(parse("--ssd-offload", "--ssd-offload-config", str(empty)), "at least one offload directory")

@@ -163,3 +163,26 @@ def test_patched_pretrain_gpt_knows_the_flags_and_trains(tmp_path):
     run = pretrain_gpt(patched, *GPT, *OFFLOAD, "--ssd-offload-paths", str(offload_dir))
     assert len(_losses(run)) == 3 and len(_OFFLOADED.findall(run.stdout)) == 3
     assert _files_under(offload_dir) == []
+
+
+@pytest.mark.slow
+def test_offload_metrics_go_to_megatrons_tensorboard_writer(tmp_path):
+    """``--tensorboard-dir``: Megatron's own writer gets the offload scalars of each
+    iteration, at the iteration it logs ``lm loss`` at, with the bytes the log line shows."""
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing import event_accumulator
+
+    from megatron_ssd.metrics import SCALARS
+
+    offload_dir, tb = tmp_path / "offload", tmp_path / "tb"
+    offload_dir.mkdir()
+    run = pretrain_gpt(CHECKOUT, *GPT, *OFFLOAD, "--ssd-offload-paths", str(offload_dir), "--tensorboard-dir", str(tb))
+    assert len(_losses(run)) == 3
+    acc = event_accumulator.EventAccumulator(str(tb))
+    acc.Reload()
+    tags = set(acc.Tags()["scalars"])
+    assert {"megatron-ssd/" + name for name in SCALARS} <= tags and "lm loss" in tags
+    offloaded = acc.Scalars("megatron-ssd/offloaded_bytes")
+    assert [e.step for e in offloaded] == [e.step for e in acc.Scalars("lm loss")] == [1, 2, 3]
+    logged = [float(mib) for _, mib, _ in _OFFLOADED.findall(run.stdout)]
+    assert [round(e.value / (1 << 20), 1) for e in offloaded] == logged and all(v > 0 for v in logged)

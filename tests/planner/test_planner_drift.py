@@ -54,7 +54,7 @@ def test_layer_compute_change_replans_with_scaled_profile():
     for _ in range(3):
         decision = d.observe(2 * GB, 4 * GB, {0: 1.0, 1: 1.0, 2: 1.5, 3: 1.0}, {2: 2.0})
     assert decision.replan
-    assert decision.reasons == ["forward:2: median 1.5 vs expected 1 (+50.0%)"]
+    assert decision.reasons == ["forward:2: median 1500.00 ms vs expected 1000.00 ms (+50.0%)"]
     assert decision.profile.layers[2].forward_s == pytest.approx(1.5)
     assert decision.profile.layers[1].forward_s == pytest.approx(1.0)
 

@@ -205,7 +205,7 @@ def test_rok_rounds_pool_steps_and_count_io_cpu(tmp_path):
     out = tmp_path / "rok.json"
     cmd = [
         sys.executable, "-m", "megatron_ssd.cli", "rok", "--config", os.path.join(REPO, "configs", "gpt-tiny.yaml"),
-        *TINY_CLI, "num_microbatches=1", "steps=3", "--rounds", "2", "--placements", "keep,offload-all,planner",
+        *TINY_CLI, "num_microbatches=1", "steps=4", "--rounds", "2", "--placements", "keep,offload-all,planner",
         "--paired", "1", "--json", str(out),
     ]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
@@ -214,17 +214,18 @@ def test_rok_rounds_pool_steps_and_count_io_cpu(tmp_path):
     data = json.loads(out.read_text())
     assert data["rounds"] == 2
     names = [p["placement"] for p in data["points"]]
-    assert names[:3] == ["keep", "offload-all", "planner"] and names[3].startswith("budget-")
+    assert names == ["keep", "offload-all", "planner"]  # exactly those named: no budget point
     keep, off, planner = data["points"][:3]
     assert len(planner["paired_ratios"]) == 2  # one pair per round, pooled
     for p in (keep, off):
         assert p["rounds"] == 2 and len(p["round_median_step_s"]) == 2
-        assert p["measured_steps"] == 2 * 2  # steps=3: one warm-up step, two measured, per round
+        assert p["measured_steps"] == 2 * 3  # steps=4: one warm-up step, three measured, per round
         assert p["final_loss_same_every_round"] is True
         assert "plan" not in p  # fixed placements set no plan
         assert p["cpu_s_per_step"] > 0
     assert keep["round_ratios"] == [1.0, 1.0] and keep["x_keep"] == 1.0 and keep["x_keep_ci95"] == [1.0, 1.0]
-    assert [len(r) for r in off["round_step_s"]] == [2, 2]
+    assert [len(r) for r in off["round_step_s"]] == [3, 3]
+    assert planner["measured_steps"] == 2 * 1  # 1 warm-up + 2 profiling steps, then one with the plan
     lo, hi = off["x_keep_ci95"]
     assert lo <= off["x_keep"] <= hi
     assert keep["io_cpu_s_per_step"] == 0.0
@@ -255,10 +256,14 @@ def test_ratio_interval_separates_a_real_slowdown_from_noise():
     ({"rounds": 0}, r"rok: rounds = 0: must be >= 1"),
     ({"paired": 2, "placements": ["keep", "offload-all"]}, r"rok: paired = 2: must be >= 0, and > 0 only with"),
     ({"paired": -1}, r"rok: paired = -1: must be >= 0"),
+    ({"placements": ["planner", "budget"]}, r"rok: placements = \['planner', 'budget'\]: 'budget' needs 'keep'"),
+    ({"placements": ["keep", "planner"], "overrides": ["steps=3"]},
+     r"rok: placement 'planner': TrainConfig.steps = 3: the planner uses 1 warm-up \+ 2 profiling steps, so no "
+     r"step would run its plan; must be >= 4"),
 ])
 def test_rok_rejects_bad_arguments_before_running(kwargs, match):
     from megatron_ssd.errors import ConfigError
     from megatron_ssd.planner.commands import rok_points
 
     with pytest.raises(ConfigError, match=match):
-        rok_points(None, [], **kwargs)
+        rok_points(None, kwargs.pop("overrides", []), **kwargs)

@@ -32,10 +32,10 @@ def _one_line(err: BaseException) -> str:
 @pytest.mark.parametrize(
     "yaml_text, parts",
     [
-        ("io:\n  thread: 4\n", ["IOConfig: unknown key 'thread'", "did you mean 'threads'?"]),
+        ("io:\n  thread: 4\n", ["IOConfig: unknown key 'io.thread'", "did you mean 'io.threads'?"]),
         ("min_free_byte: 1\n", ["OffloadConfig: unknown key 'min_free_byte'", "did you mean 'min_free_bytes'?"]),
         ("pahts: [/x]\n", ["OffloadConfig: unknown key 'pahts'", "did you mean 'paths'?"]),
-        ("io:\n  threads: four\n", ["IOConfig.threads = 'four'", "must be an integer or a size such as 4MiB"]),
+        ("io:\n  threads: four\n", ["IOConfig.threads = 'four'", "must be an integer such as 24 (a count, not a size)"]),
         ("io:\n  direct: maybe\n", ["IOConfig.direct = 'maybe'", "must be a boolean"]),
         ("io:\n  engine: 3\n", ["IOConfig.engine = 3", "must be a string"]),
         ("io: 3\n", ["OffloadConfig.io = 3", "must be a mapping of IOConfig fields"]),
@@ -65,7 +65,7 @@ def test_bad_offload_config_is_one_line_naming_field_value_rule(tmp_path, yaml_t
 @pytest.mark.parametrize(
     "override, parts",
     [
-        ("offload.io.treads=2", ["IOConfig: unknown key 'treads'", "'threads'"]),
+        ("offload.io.treads=2", ["IOConfig: unknown key 'offload.io.treads'", "'offload.io.threads'"]),
         ("steps=0", ["TrainConfig.steps = 0", "must be > 0"]),
         ("paired_steps=-1", ["TrainConfig.paired_steps = -1", "must be >= 0"]),
         ("model.hidden_size=-8", ["ModelConfig.hidden_size = -8", "must be > 0"]),

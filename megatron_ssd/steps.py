@@ -1,0 +1,126 @@
+"""What ``megatron-ssd train`` says about its steps: their kinds, runs too short to
+measure, and the lines that compare phases, show plans and progress.
+
+NOTE [Step kinds] is here; :mod:`megatron_ssd.train` runs the phases and prints these.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Sequence
+
+from .cache import StepStats
+from .config import PlannerConfig, TrainConfig
+
+__all__ = ["FEW_STEPS", "step_kinds", "short_run_problems", "step_line", "format_plans", "format_paired",
+           "format_comparison"]
+
+MiB = float(1 << 20)
+FEW_STEPS = 5
+"""A step-time ratio from fewer measured steps than this (either side) is printed with a
+warning next to its interval: a handful of steps cannot separate a few percent from noise."""
+
+
+def step_kinds(config: PlannerConfig, steps: int) -> List[str]:
+    """What each step of a phase is: ``warm-up``, ``profile`` or ``measured``.
+
+    NOTE [Step kinds]: an ``auto`` phase runs ``warmup_steps`` warm-up steps, then
+    ``profile_steps`` profiling steps (alternately every layer kept and the default
+    placement), and only the steps after those run the planner's placement; every other
+    phase's first step warms up the allocator and the page cache. Only ``measured``
+    steps enter the summary; a phase with none is short (:func:`short_run_problems`).
+    """
+    if config.mode == "auto":
+        head = ["warm-up"] * config.warmup_steps + ["profile"] * config.profile_steps
+    else:
+        head = ["warm-up"]
+    return (head + ["measured"] * steps)[:steps]
+
+
+def short_run_problems(config: TrainConfig) -> List[str]:
+    """Why each phase of ``config`` would have no measured step (NOTE [Step kinds]); empty
+    when every phase measures at least one."""
+    problems = []
+    if config.baseline_steps and "measured" not in step_kinds(PlannerConfig(mode="keep"), config.baseline_steps):
+        problems.append(f"TrainConfig.baseline_steps = {config.baseline_steps}: its one step is the warm-up step, "
+                        "so keep-everything would be measured from it; must be 0 or >= 2")
+    planner = config.offload.planner
+    if "measured" not in step_kinds(planner, config.steps):
+        if planner.mode == "auto":
+            need = planner.warmup_steps + planner.profile_steps + 1
+            problems.append(
+                f"TrainConfig.steps = {config.steps}: the planner uses {planner.warmup_steps} warm-up + "
+                f"{planner.profile_steps} profiling steps, so no step would run its plan; must be >= {need} "
+                "to measure the planner's placement")
+        else:
+            problems.append(f"TrainConfig.steps = {config.steps}: its one step is the warm-up step; must be >= 2")
+    return problems
+
+
+def step_line(kind: str, loss: float, stats: StepStats) -> str:
+    """One progress line's text: what the step was, and its numbers with their units."""
+    return (f"{kind}, loss {loss:.3f}, {stats.wall_s:.2f} s, peak act {stats.peak_resident_bytes / MiB:.1f} MiB, "
+            f"wrote {stats.bytes_offloaded / MiB:.1f} MiB")
+
+
+_REASONS_SHOWN = 2
+"""A re-plan line quotes this many drift reasons; the JSON's ``planner.events`` has all."""
+
+
+def _short_reason(reason: str) -> str:
+    """A drift reason cut to its first :data:`_REASONS_SHOWN` measurements."""
+    if not reason.startswith("drift: "):
+        return reason
+    parts = reason[len("drift: "):].split("; ")
+    if len(parts) <= _REASONS_SHOWN:
+        return reason
+    rest = len(parts) - _REASONS_SHOWN
+    return f"drift: {'; '.join(parts[:_REASONS_SHOWN])}; and {rest} more (--json: planner.events)"
+
+
+def format_plans(events: Sequence[Dict[str, Any]], steps: int) -> str:
+    """The plans a phase set: the first as a table, each later one as its changes."""
+    from .planner import Plan
+
+    lines: List[str] = []
+    previous: Optional[Plan] = None
+    for event in events:
+        if event["plan"] is None:
+            continue
+        plan = Plan.from_dict(event["plan"])
+        applied = "" if event["step"] + 1 < steps else "; the run ended before a step ran it"
+        when = f"after step {event['step'] + 1} ({_short_reason(event['reason'])}{applied})"
+        if previous is None:
+            lines += ["", f"plan set {when}:", plan.table()]
+        else:
+            changes = plan.changes_from(previous)
+            lines.append(f"re-plan {when}: " + ("; ".join(changes) if changes else "placement unchanged"))
+        previous = plan
+    return "\n".join(lines)
+
+
+def format_paired(paired: Dict[str, Any]) -> str:
+    """The paired steps' line (NOTE [Paired steps]): the median ratio and its interval."""
+    lo, hi = paired["ratio_ci95"]
+    return (f"paired steps: offload {paired['median_ratio']:.3f}x keep-everything "
+            f"(median of {paired['pairs']} pairs; 95% interval {lo:.3f}-{hi:.3f})")
+
+
+def format_comparison(keep: Dict[str, Any], off: Dict[str, Any]) -> str:
+    """The last line: memory saved, and the step-time ratio with its 95% interval, or why
+    there is none (NOTE [Step kinds]); a warning when either side has few steps."""
+    from .cache.stats import ratio_ci95
+
+    saved = keep["peak_activation_bytes"] - off["peak_activation_bytes"]
+    memory = (f"activation memory saved: {saved / MiB:.1f} MiB "
+              f"({100 * saved / keep['peak_activation_bytes']:.0f}% of keep-everything)")
+    unmeasured = [p["name"] for p in (keep, off) if p.get("measured_kind", "measured") != "measured"]
+    if unmeasured:
+        return f"{memory}; no step-time ratio: {', '.join(unmeasured)} has no measured step"
+    ratio = off["median_step_s"] / keep["median_step_s"] if keep["median_step_s"] else float("nan")
+    lo, hi = ratio_ci95([off["step_s"]], [keep["step_s"]])
+    n_off, n_keep = off["measured_steps"], keep["measured_steps"]
+    few = min(n_off, n_keep) < FEW_STEPS
+    warning = (f"; WARNING: from {n_off} and {n_keep} measured steps, too few for a ratio to mean much "
+               f"(at least {FEW_STEPS} each)") if few else ""
+    return (f"{memory}, step time {ratio:.2f}x keep-everything (95% interval {lo:.2f}-{hi:.2f}; "
+            f"medians of {n_off} and {n_keep} measured steps){warning}")

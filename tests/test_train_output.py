@@ -1,0 +1,234 @@
+"""What a user of ``megatron-ssd train`` / ``plan`` sees: step kinds, short runs, ratios
+with their interval, plans as changes, progress lines, units, and the offload metrics
+written to TensorBoard (NOTE [Step kinds])."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import subprocess
+import sys
+import types
+
+
+from megatron_ssd.cli import main
+from megatron_ssd.config import PlannerConfig, TrainConfig, load_config
+from megatron_ssd.steps import FEW_STEPS, format_comparison, format_plans, short_run_problems, step_kinds
+from megatron_ssd.train import format_summary
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = [  # overrides of configs/gpt-tiny.yaml: a model that trains in about a second per step
+    "model.num_layers=2", "model.hidden_size=64", "model.num_attention_heads=4", "model.seq_length=64",
+    "model.vocab_size=256", "micro_batch_size=2", "offload.min_tensor_bytes=4096",
+]
+
+
+def test_step_kinds_label_warm_up_profiling_and_measured_steps():
+    auto = PlannerConfig(mode="auto", warmup_steps=1, profile_steps=2)
+    assert step_kinds(auto, 5) == ["warm-up", "profile", "profile", "measured", "measured"]
+    assert step_kinds(auto, 3) == ["warm-up", "profile", "profile"]
+    assert step_kinds(PlannerConfig(mode="offload"), 3) == ["warm-up", "measured", "measured"]
+    assert step_kinds(PlannerConfig(mode="keep"), 1) == ["warm-up"]
+
+
+def test_short_runs_are_named_with_the_steps_they_need():
+    assert short_run_problems(load_config(TrainConfig, None, ["steps=4"])) == []
+    assert short_run_problems(load_config(TrainConfig, None, ["steps=3", "baseline_steps=1"])) == [
+        "TrainConfig.baseline_steps = 1: its one step is the warm-up step, so keep-everything would be measured "
+        "from it; must be 0 or >= 2",
+        "TrainConfig.steps = 3: the planner uses 1 warm-up + 2 profiling steps, so no step would run its plan; "
+        "must be >= 4 to measure the planner's placement",
+    ]
+    assert short_run_problems(load_config(TrainConfig, None, ["steps=1", "offload.planner.mode=static"])) == [
+        "TrainConfig.steps = 1: its one step is the warm-up step; must be >= 2"]
+
+
+def test_a_short_train_exits_non_zero_before_building_anything(monkeypatch, capsys):
+    from megatron_ssd.train import TrainRecipe
+
+    def no_setup(self):
+        raise AssertionError("setup() must not run")
+
+    monkeypatch.setattr(TrainRecipe, "setup", no_setup)
+    assert main(["train", "--config", "configs/gpt-tiny.yaml", "steps=3"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("megatron_ssd: TrainConfig.steps = 3: the planner uses 1 warm-up + 2 profiling steps")
+    assert "(or pass --allow-short to run anyway" in err
+    assert main(["train", "--config", "configs/gpt-tiny.yaml", "steps=2", "--no-baseline"]) == 2
+
+
+def _phase(name, steps, kind="measured"):
+    return {"name": name, "peak_activation_bytes": 100 << 20, "median_step_s": sorted(steps)[len(steps) // 2],
+            "step_s": steps, "measured_steps": len(steps) if kind == "measured" else 0, "measured_kind": kind}
+
+
+def test_a_ratio_from_few_steps_carries_its_interval_and_a_warning():
+    keep = _phase("keep-everything", [1.0, 1.1, 0.9])
+    off = dict(_phase("offload (auto)", [1.2, 1.3, 1.1, 1.25]), peak_activation_bytes=40 << 20)
+    line = format_comparison(keep, off)
+    assert line.startswith("activation memory saved: 60.0 MiB (60% of keep-everything), step time 1.25x "
+                           "keep-everything (95% interval ")
+    assert "medians of 4 and 3 measured steps); WARNING: from 4 and 3 measured steps, too few" in line
+    many = format_comparison(_phase("k", [1.0] * FEW_STEPS), _phase("o", [1.5] * FEW_STEPS))
+    assert "step time 1.50x keep-everything (95% interval 1.50-1.50; medians of 5 and 5" in many
+    assert "WARNING" not in many
+
+
+def test_an_unmeasured_phase_gets_no_ratio():
+    line = format_comparison(_phase("keep-everything", [1.0, 1.0]),
+                             _phase("offload (auto) [profile step]", [0.2], kind="profile"))
+    assert line.endswith("; no step-time ratio: offload (auto) [profile step] has no measured step")
+    assert "x keep-everything" not in line
+
+
+def test_summary_table_has_a_unit_on_every_figure_and_one_unit_family():
+    text = format_summary([dict(_phase("keep-everything", [1.0, 1.0]), bytes_written_per_step=0.0)])
+    labels = [line[:40].strip() for line in text.splitlines()[2:] if line.strip()]
+    unitless = {"failed writes kept in memory", "final loss"}
+    for label in labels:
+        assert label in unitless or label.endswith(("(MiB)", "(MiB/s)", "(s)")), label
+    assert "GiB" not in text
+
+
+def _plan(layers_offloaded, n=3):
+    from megatron_ssd.planner import IOProfile, LayerProfile, StageProfile, make_plan
+
+    stage = StageProfile(layers=[LayerProfile(i + 1, forward_s=1.0, backward_s=2.0, saved_bytes=10 << 20)
+                                 for i in range(n)], io=IOProfile(write_bytes_per_s=1e9, read_bytes_per_s=1e9))
+    plan = make_plan(stage).to_dict()
+    for i, layer in enumerate(plan["layers"]):
+        layer["placement"] = "offload" if i < layers_offloaded else "keep"
+    return plan
+
+
+def test_plans_are_printed_once_then_as_changes():
+    events = [{"step": 2, "reason": "profile", "plan": _plan(2)},
+              {"step": 8, "reason": "drift: write_bw: median 10.0 MiB/s vs expected 20.0 MiB/s (-50.0%)",
+               "plan": _plan(2)},
+              {"step": 11, "reason": "drift: forward:1: median 2.00 ms vs expected 1.00 ms (+100.0%)",
+               "plan": _plan(1)}]
+    text = format_plans(events, steps=24)
+    assert text.count("placement") == 2  # the table's header, and the unchanged re-plan
+    lines = text.splitlines()
+    assert lines[1] == "plan set after step 3 (profile):"
+    assert lines[-2] == ("re-plan after step 9 (drift: write_bw: median 10.0 MiB/s vs expected 20.0 MiB/s "
+                         "(-50.0%)): placement unchanged")
+    assert lines[-1] == ("re-plan after step 12 (drift: forward:1: median 2.00 ms vs expected 1.00 ms (+100.0%)): "
+                         "layer 2: offload -> keep")
+    many = dict(events[1], reason="drift: " + "; ".join(f"forward:{i}: median 2.00 ms vs expected 1.00 ms (+100.0%)"
+                                                         for i in range(5)))
+    assert format_plans([events[0], many], steps=24).splitlines()[-1] == (
+        "re-plan after step 9 (drift: forward:0: median 2.00 ms vs expected 1.00 ms (+100.0%); forward:1: median "
+        "2.00 ms vs expected 1.00 ms (+100.0%); and 3 more (--json: planner.events)): placement unchanged")
+    last = format_plans(events[:1], steps=3)
+    assert "plan set after step 3 (profile; the run ended before a step ran it):" in last
+
+
+def test_progress_is_plain_lines_off_a_terminal_and_a_bar_on_one():
+    from megatron_ssd.output import Progress
+
+    plain = io.StringIO()
+    p = Progress("offload (auto)", 2, plain)
+    p.step("warm-up, loss 5.000")
+    p.step("measured, loss 4.900")
+    p.close()
+    assert plain.getvalue() == ("offload (auto) 1/2: warm-up, loss 5.000\n"
+                                "offload (auto) 2/2: measured, loss 4.900\n")
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    tty = Terminal()
+    p = Progress("offload (auto)", 2, tty)
+    p.step("warm-up, loss 5.000")
+    p.step("measured, loss 4.900")
+    p.close()
+    assert "\r" in tty.getvalue() and "2/2" in tty.getvalue() and "measured, loss 4.900" in tty.getvalue()
+
+
+class _Stats:
+    bytes_offloaded, bytes_reloaded, bytes_forwarded = 3 << 20, 2 << 20, 1 << 20
+    write_bytes_per_s, read_bytes_per_s = 1e9, 2e9
+    stall_s, backpressure_wait_s = 0.25, 0.5
+    peak_resident_bytes, peak_ssd_bytes, write_fallbacks = 7 << 20, 9 << 20, 0
+
+
+class _Recorder:
+    def __init__(self):
+        self.scalars = []
+        self.logged = []
+
+    def add_scalar(self, tag, value, step):
+        self.scalars.append((tag, value, step))
+
+    def log(self, data, step):
+        self.logged.append((data, step))
+
+
+def test_step_reporter_writes_through_megatrons_writers_at_its_iteration(monkeypatch):
+    from megatron_ssd.megatron.integration import StepReporter
+    from megatron_ssd.metrics import step_scalars
+
+    tb, wandb = _Recorder(), _Recorder()
+    global_vars = types.SimpleNamespace(
+        _GLOBAL_ARGS=types.SimpleNamespace(curr_iteration=41), get_args=lambda: global_vars._GLOBAL_ARGS,
+        get_tensorboard_writer=lambda: tb, get_wandb_writer=lambda: wandb)
+    training = types.ModuleType("megatron.training")
+    training.global_vars = global_vars
+    monkeypatch.setitem(sys.modules, "megatron.training", training)
+    reporter = StepReporter(types.SimpleNamespace(layer_ids=[1]), None, interval=100, rank=3)
+    reporter.on_step(_Stats())
+    reporter.on_step(_Stats())  # an evaluation in the same iteration: not written again
+    expected = step_scalars(_Stats())
+    assert tb.scalars == [(tag, value, 42) for tag, value in expected.items()]
+    assert wandb.logged == [(expected, 42)]
+    assert expected["megatron-ssd/offloaded_bytes"] == 3 << 20 and expected["megatron-ssd/read_stall_s"] == 0.25
+    global_vars._GLOBAL_ARGS.curr_iteration = 42
+    reporter.on_step(_Stats())
+    assert tb.scalars[-1][2] == 43
+
+
+def _cli(tmp_path, *argv):
+    proc = subprocess.run([sys.executable, "-m", "megatron_ssd.cli", *argv], cwd=REPO, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    return proc.stdout
+
+
+def test_train_labels_its_steps_and_writes_tensorboard_scalars(tmp_path):
+    from tensorboard.backend.event_processing import event_accumulator
+
+    out, tb = tmp_path / "t.json", tmp_path / "tb"
+    stdout = _cli(tmp_path, "train", "--config", "configs/gpt-tiny.yaml", *TINY, "steps=5", "baseline_steps=2",
+                  "--tensorboard-dir", str(tb), "--json", str(out))
+    data = json.loads(out.read_text())
+    assert [s["kind"] for s in data["steps"]] == ["warm-up", "profile", "profile", "measured", "measured"]
+    keep, off = data["phases"]
+    assert (keep["name"], keep["warmup_steps"], keep["measured_steps"]) == ("keep-everything", 1, 1)
+    assert (off["name"], off["warmup_steps"], off["profile_steps"], off["measured_steps"]) == \
+        ("offload (auto)", 1, 2, 2)
+    assert len(off["step_s"]) == 2 and off["measured_kind"] == "measured"
+    assert "offload (auto) 2/5: profile, loss " in stdout and "offload (auto) 4/5: measured, loss " in stdout
+    assert "plan set after step 3 (profile):" in stdout
+    assert "WARNING: from 2 and 1 measured steps, too few" in stdout
+
+    acc = event_accumulator.EventAccumulator(str(tb))
+    acc.Reload()
+    from megatron_ssd.metrics import SCALARS
+
+    assert sorted(acc.Tags()["scalars"]) == sorted("megatron-ssd/" + name for name in SCALARS)
+    written = acc.Scalars("megatron-ssd/offloaded_bytes")
+    assert [e.step for e in written] == [1, 2, 3, 4, 5]
+    assert [e.value for e in written] == [float(s["bytes_offloaded"]) for s in data["steps"]]
+    peaks = [e.value for e in acc.Scalars("megatron-ssd/peak_resident_bytes")]
+    assert peaks == [float(s["peak_resident_bytes"]) for s in data["steps"]]
+
+
+def test_plan_prints_the_plan_and_not_a_training_table(tmp_path):
+    stdout = _cli(tmp_path, "plan", "--config", "configs/gpt-tiny.yaml", *TINY)
+    assert "megatron-ssd plan: GPT 2 layers" in stdout
+    assert "plan from 1 warm-up and 2 profiling steps:" in stdout
+    assert "   layer  placement" in stdout and "goal max_offload" in stdout
+    assert "peak activation memory (MiB)" not in stdout and "megatron-ssd train" not in stdout
