@@ -184,5 +184,5 @@ def test_offload_metrics_go_to_megatrons_tensorboard_writer(tmp_path):
     assert {"megatron-ssd/" + name for name in SCALARS} <= tags and "lm loss" in tags
     offloaded = acc.Scalars("megatron-ssd/offloaded_bytes")
     assert [e.step for e in offloaded] == [e.step for e in acc.Scalars("lm loss")] == [1, 2, 3]
-    logged = [float(mib) for _, mib, _ in _OFFLOADED.findall(run.stdout)]
+    logged = [float(mib) for _, mib, _, _ in _OFFLOADED.findall(run.stdout)]
     assert [round(e.value / (1 << 20), 1) for e in offloaded] == logged and all(v > 0 for v in logged)
