@@ -84,21 +84,21 @@ def test_soak_200_steps_bit_identical_and_flat(offload_dir):
 
 HIDDEN_256_STEPS = 40
 HIDDEN_256_WARMUP = 12
-HIDDEN_256_RSS_SLACK = 128 << 20
-"""RSS growth allowed after warm-up at hidden 256. In one run the first 9 steps grew RSS by
-about 170 MiB (warm-up), and after that glibc's heap still settled upward a few times in
-steps of 5-20 MiB (+91 MiB from step 10 to step 60, levelling off; +75 MiB from step 12
-to step 40 in another). Buffers kept from every step's read-back would add their whole
-size each step and fail this bound."""
 
 
-def test_soak_hidden_256_rss_stays_flat(offload_dir):
-    """The RSS soak at a size users run (hidden 256): read-back memory is returned each step.
+def test_soak_hidden_256_read_back_memory_is_returned_every_step(offload_dir):
+    """The soak at a size users run (hidden 256): read-back memory does not accumulate from
+    step to step, and the process's RSS grows by less than keeping the read-back buffers
+    would add.
 
-    Measured by the process itself (``/proc/self/statm``), not by the cache. A heap that
-    keeps read-back buffers (NOTE [Mapped read buffers]) is shown in isolation by
-    tests/memory/test_memory_measures.py::test_read_back_memory_returns_to_the_os_when_freed.
+    The first check counts exactly: read-back buffers are mappings of their own (NOTE
+    [Mapped read buffers]) and ``mapped_bytes()`` counts the live ones. The second is measured by
+    the process (``/proc/self/statm``), not by the cache: glibc's heap still settles upward
+    from torch's own tensors here (+75 to +161 MiB after warm-up in four runs, the same with
+    and without the cache), so the bound is what keeping the buffers would cost, the
+    bytes read back over the measured steps, which that noise stays well under.
     """
+    from megatron_ssd.io.mapped import mapped_bytes
     from megatron_ssd.memory import current_rss_bytes
 
     torch.manual_seed(0)
@@ -106,7 +106,7 @@ def test_soak_hidden_256_rss_stays_flat(offload_dir):
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     g = torch.Generator().manual_seed(1)
     cfg = OffloadConfig(paths=[offload_dir], min_tensor_bytes=64 << 10, min_free_bytes=0, keep_last_layers=0)
-    rss = []
+    rss, reloaded, mapped = [], [], []
     with TensorCache(cfg) as cache:
         cache.register_layers(model.layers)
         for step in range(HIDDEN_256_STEPS):
@@ -119,7 +119,15 @@ def test_soak_hidden_256_rss_stays_flat(offload_dir):
             stats = cache.finish_step()
             assert stats.bytes_reloaded > 0 and stats.write_fallbacks == 0
             del loss
+            mapped.append(mapped_bytes())
             rss.append(current_rss_bytes())
-    base = rss[HIDDEN_256_WARMUP]
-    grown = max(rss[HIDDEN_256_WARMUP:]) - base
-    assert grown <= HIDDEN_256_RSS_SLACK, f"RSS grew by {grown / 2**20:.1f} MiB over {HIDDEN_256_STEPS} steps"
+            reloaded.append(stats.bytes_reloaded)
+    # About 5 MiB of one step's 25 MiB read back is still mapped when finish_step returns
+    # (freed with the next step's first tensors); it must not accumulate.
+    assert max(mapped[HIDDEN_256_WARMUP:]) <= max(mapped[:HIDDEN_256_WARMUP]) < min(reloaded), (mapped, reloaded)
+    kept_would_cost = sum(reloaded[HIDDEN_256_WARMUP + 1 :])
+    grown = max(rss[HIDDEN_256_WARMUP:]) - rss[HIDDEN_256_WARMUP]
+    assert grown < kept_would_cost, (
+        f"RSS grew by {grown / 2**20:.1f} MiB over {HIDDEN_256_STEPS - HIDDEN_256_WARMUP} steps; "
+        f"keeping every read-back buffer would have added {kept_would_cost / 2**20:.1f} MiB"
+    )
