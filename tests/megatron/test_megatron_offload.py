@@ -19,7 +19,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
 from megatron_ssd import IOConfig, OffloadConfig, Placement, TensorCache
-from megatron_ssd.errors import ConfigError
+from megatron_ssd.errors import ConfigError, MegatronSSDError
 from megatron_ssd.megatron import (
     OffloadTransformerLayer,
     get_forward_backward_func,
@@ -166,7 +166,7 @@ LAYOUTS = {"1f1b": (1, 2, None), "interleaved": (1, 2, 2), "tp2": (2, 1, None), 
 
 
 def _layout_run(tp: int, pp: int, vp, path) -> dict:
-    init_parallel(tp, pp, vp, seed=1234)
+    init_parallel(tp, pp, vp, seed=1234, timeout_s=90.0)  # a hung send fails in 90 s, not 300
     try:
         out = {}
         for offload in (False, True):
@@ -212,7 +212,16 @@ def run_layouts(path: str) -> dict:
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):
     shared = str(tmp_path_factory.mktemp("shared_offload"))  # both ranks get the same path
-    return spawn(run_layouts, 2, shared, timeout_s=400)
+    try:
+        return spawn(run_layouts, 2, shared, timeout_s=400)
+    except MegatronSSDError as err:
+        # gloo's TCP transport on a loaded 2-core machine once never completed a p2p send of
+        # the interleaved schedule (1 of 5 fresh-clone runs: rank 0 timed out in
+        # send_backward_recv_backward, in Megatron's schedule, before any offload check).
+        # Retry once in fresh processes; a real failure fails both times.
+        if "Timed out waiting" not in str(err) and "timed out after" not in str(err):
+            raise
+        return spawn(run_layouts, 2, shared, timeout_s=400)
 
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
