@@ -43,7 +43,10 @@ Listener = Callable[[int, int, int], None]
 """Called with ``(time_ns, delta_bytes, token)``: positive on map, negative on unmap;
 ``token`` names the mapping, the same on its map and its unmap."""
 
-_lock = threading.Lock()
+# Reentrant: a mapping's finalizer runs _event on whatever thread drops its last view,
+# which can be this one inside _event itself (``list(_listeners)`` can trigger a garbage
+# collection that frees a mapping); a plain Lock deadlocked the thread there.
+_lock = threading.RLock()
 _live = 0
 _tokens = itertools.count(1)
 _listeners: List[Listener] = []
