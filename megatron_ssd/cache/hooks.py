@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any, Union
 
 import torch
@@ -27,7 +28,9 @@ class OffloadHooks(torch.autograd.graph.saved_tensors_hooks):
     def __init__(self, cache: Any, record: Record) -> None:
         self.cache = cache
         self.record = record
-        super().__init__(self.pack, self.unpack)
+        # See NOTE [No reference cycles]: autograd keeps the unpack hook with every saved
+        # tensor; a bound method of ``self`` would make self -> hook -> self a cycle.
+        super().__init__(partial(cache.pack, record), partial(_unpack, cache))
 
     def pack(self, tensor: torch.Tensor) -> Union[torch.Tensor, Packed]:
         """Hand ``tensor`` to the cache; autograd keeps what this returns."""
@@ -35,6 +38,8 @@ class OffloadHooks(torch.autograd.graph.saved_tensors_hooks):
 
     def unpack(self, packed: Union[torch.Tensor, Packed]) -> torch.Tensor:
         """Return the saved tensor, reading it back from the SSD if needed."""
-        if isinstance(packed, Packed):
-            return self.cache.unpack(packed)
-        return packed
+        return _unpack(self.cache, packed)
+
+
+def _unpack(cache: Any, packed: Union[torch.Tensor, Packed]) -> torch.Tensor:
+    return cache.unpack(packed) if isinstance(packed, Packed) else packed

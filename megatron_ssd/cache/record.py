@@ -45,6 +45,18 @@ class EntryState(enum.Enum):
 # or write of it is in flight. Every transition happens under ``TensorCache._lock``;
 # I/O completion callbacks run on engine threads.
 
+# NOTE [No reference cycles]
+# Everything the cache builds for a micro-batch must be freed by reference counting the
+# moment its backward ends, never left to Python's cyclic collector. Entries point at
+# their record and the record's ``entries`` / ``layer_entries`` point back, so a record
+# clears its containers when it retires, and a released entry drops its StorageWeakRef
+# (a c10 weak reference keeps the storage's C++ object allocated). Left to the collector,
+# a micro-batch's entries, lists and storage objects lived on in generation 2 for hundreds
+# of steps, small blocks pinned all over glibc's heap between the activations freed around
+# them, and the heap grew by ~5 MiB a step (hidden-64 GPT: 198 -> 1041 MiB of [heap] in
+# 150 steps, even with every layer kept; flat at ~200 MiB without the cache or with
+# ``gc.collect()`` each step). ``tests/cache/test_no_reference_cycles.py`` checks it.
+
 
 @dataclass(eq=False)
 class Entry:

@@ -351,6 +351,7 @@ class TensorCache(ScopeMixin, TransferMixin, StepAccountingMixin):
                 return
             reading = entry.state is EntryState.READING
             entry.state = EntryState.RELEASED
+            entry.weak = None  # NOTE [No reference cycles]: frees the storage's C++ object now
             # See NOTE [Entry lifetime]: a read in flight still fills ``data`` (its
             # callback drops it); a write in flight keeps its own reference to the
             # source and its callback frees the disk copy.
@@ -367,6 +368,10 @@ class TensorCache(ScopeMixin, TransferMixin, StepAccountingMixin):
     def _maybe_retire(self, record: Record) -> None:
         if record.forward_done and record.live <= 0 and self._records.get(record.key) is record:
             del self._records[record.key]
+            # NOTE [No reference cycles]: entries point back at the record.
+            record.entries.clear()
+            record.layer_entries.clear()
+            record.prefetched.clear()
             last = self._bwd_clock.pop(id(record), None)
             if last is not None and last[0] in self._counters.layers:
                 self._counters.layers[last[0]].backward_s += time.perf_counter() - last[1]
