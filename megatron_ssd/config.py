@@ -57,6 +57,10 @@ class Placement(str, enum.Enum):
     """Written to the SSD array during forward, read back before backward."""
     RECOMPUTE = "recompute"
     """Not saved: the layer's forward runs again during backward (checkpointing)."""
+    HOST = "host"
+    """Copied into a bounded pool of host memory during forward (pinned on a GPU), copied
+    back before backward: no SSD bandwidth or wear. On a CPU it saves nothing (the device
+    already is host memory); ``offload.host_pool_bytes`` must be set to use it."""
 
 
 @dataclass
@@ -125,7 +129,8 @@ class PlannerConfig:
     """``auto``: profile the first steps, then plan from the measured compute time and
     SSD bandwidth, and re-plan when they drift; ``static``: keep the last
     ``keep_last_layers`` layers and offload the rest, never re-plan; ``keep``,
-    ``offload``, ``recompute``: every layer placed alike (for comparisons)."""
+    ``offload``, ``recompute``, ``host``: every layer placed alike (for comparisons;
+    ``host`` needs ``offload.host_pool_bytes``)."""
 
     warmup_steps: int = 1
     """Steps run before profiling starts (allocator and page-cache warm-up)."""
@@ -182,6 +187,11 @@ class OffloadConfig:
     min_free_bytes: int = 1 << 30
     """Free space each offload path must have when the tensor cache starts; 0 turns the
     check off. Sizes such as ``20GiB`` are accepted."""
+
+    host_pool_bytes: int = 0
+    """Host memory the ``host`` placement may hold at once, per process (pinned on a
+    GPU); 0: no host tier. A tensor that would overflow it stays where it is (kept).
+    Sizes such as ``16GiB`` are accepted; host RAM is shared by the node's GPUs."""
 
     def __post_init__(self) -> None:
         validate(self)
@@ -278,6 +288,7 @@ _NON_NEGATIVE = {
     ("OffloadConfig", "keep_last_layers"),
     ("OffloadConfig", "prefetch_layers"),
     ("OffloadConfig", "min_free_bytes"),
+    ("OffloadConfig", "host_pool_bytes"),
     ("IOConfig", "stall_warning_s"),
 }
 _CHOICES = {
@@ -286,7 +297,7 @@ _CHOICES = {
     ("IOConfig", "on_backpressure"): ("wait", "keep"),
     ("IOConfig", "layout"): ("extent", "file"),
     ("IOConfig", "checksum"): ("on", "off"),
-    ("PlannerConfig", "mode"): ("auto", "static", "keep", "offload", "recompute"),
+    ("PlannerConfig", "mode"): ("auto", "static", "keep", "offload", "recompute", "host"),
     ("ModelConfig", "params_dtype"): ("fp32", "bf16", "fp16"),
 }
 _ALIGNED = {("IOConfig", "block_bytes"), ("IOConfig", "file_grow_bytes")}
@@ -366,6 +377,8 @@ def validate(obj: Any) -> None:
             raise _fail(cls_name, "device", obj.device, "must be auto, cpu, cuda or cuda:N")
         if len(set(os.path.abspath(p) for p in obj.paths)) != len(obj.paths):
             raise _fail(cls_name, "paths", obj.paths, "must not name a directory twice")
+        if obj.planner.mode == "host" and obj.host_pool_bytes == 0:
+            raise _fail(cls_name, "host_pool_bytes", 0, "must be > 0 when planner.mode is host")
 
 
 # ----------------------------------------------------------------- dict / YAML round trip

@@ -93,6 +93,8 @@ class PhaseResult:
             "write_wait_s_per_step": med([s.backpressure_wait_s for s in m]),
             "write_fallbacks": sum(s.write_fallbacks for s in self.steps),
             "peak_ssd_bytes": max(s.peak_ssd_bytes for s in m),
+            "bytes_to_host_per_step": med([s.bytes_to_host for s in m]),
+            "peak_host_bytes": max(s.peak_host_bytes for s in m),
             "ssd_bytes_written_per_day": written / step_s * 86400 if step_s else 0.0,
             "final_loss": self.losses[-1] if self.losses else None,
             **self.memory,
@@ -406,6 +408,11 @@ def format_summary(phases: Sequence[Dict[str, Any]]) -> str:
         ("failed writes kept in memory", "write_fallbacks", 1, "{:.0f}"),
         ("final loss", "final_loss", 1, "{:.4f}"),
     ]
+    if any(p.get("peak_host_bytes") for p in phases):  # the host tier ran: its rows too
+        rows[-2:-2] = [
+            ("copied to host memory per step (MiB)", "bytes_to_host_per_step", 1 / MiB, "{:.1f}"),
+            ("peak host pool (MiB)", "peak_host_bytes", 1 / MiB, "{:.1f}"),
+        ]
     names = [p["name"] for p in phases]
     width = max(len(r[0]) for r in rows) + 2
     colw = max(18, *(len(n) + 2 for n in names))

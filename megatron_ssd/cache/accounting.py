@@ -58,8 +58,12 @@ class StepAccountingMixin:
                 peak_ssd_bytes=c.peak_ssd_bytes,
                 ssd_bytes=es.disk_bytes,
                 layers=c.layers,
+                bytes_to_host=c.bytes_to_host,
+                bytes_from_host=c.bytes_from_host,
+                peak_host_bytes=c.peak_host_bytes,
             )
-            self._counters = Counters(peak_resident_bytes=self._resident, peak_ssd_bytes=self._ssd_bytes)
+            self._counters = Counters(peak_resident_bytes=self._resident, peak_ssd_bytes=self._ssd_bytes,
+                                      peak_host_bytes=self._host_bytes)
             self._engine_base = es
             self._step += 1
             self._step_started, self._cpu_started = now, cpu_now

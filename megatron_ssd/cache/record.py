@@ -74,6 +74,8 @@ class Entry:
     """StorageWeakRef of the original storage (dedup liveness)."""
     state: EntryState = EntryState.RESIDENT
     handle: Optional[SwapHandle] = None
+    store: Any = None
+    """The engine holding ``handle``: the SSD engine, or the host pool (``Placement.HOST``)."""
     write_future: Optional[IOFuture] = None
     read_future: Optional[IOFuture] = None
     refs: int = 0

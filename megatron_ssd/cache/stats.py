@@ -70,7 +70,9 @@ class LayerCounters:
     small_bytes: int = 0
     """Unique saved bytes below ``min_tensor_bytes``: always kept in memory."""
     offloaded_bytes: int = 0
-    """Of those, bytes queued for writing."""
+    """Of those, bytes queued for writing to the SSDs."""
+    hosted_bytes: int = 0
+    """Of those, bytes queued for copying into the host pool (``host`` placement)."""
     forward_s: float = 0.0
     """Wall time inside the layer's forward."""
     backward_s: float = 0.0
@@ -102,6 +104,9 @@ class Counters:
     stall_s: float = 0.0
     peak_resident_bytes: int = 0
     peak_ssd_bytes: int = 0
+    bytes_to_host: int = 0
+    bytes_from_host: int = 0
+    peak_host_bytes: int = 0
     microbatches: int = 0
     layers: Dict[Any, LayerCounters] = field(default_factory=dict)
 
@@ -167,6 +172,12 @@ class StepStats:
     layers: Dict[Any, LayerCounters]
     """Per-layer measurements, keyed by layer id; key ``None`` counts the tensors saved
     outside any layer (embedding, output layer, loss), always kept."""
+    bytes_to_host: int = 0
+    """Bytes copied into the host pool (``host`` placement; completed copies)."""
+    bytes_from_host: int = 0
+    """Bytes copied back from the host pool."""
+    peak_host_bytes: int = 0
+    """Peak bytes this cache held in the host pool during the step."""
 
     def to_dict(self) -> Dict[str, Any]:
         """A JSON-ready dict (layer ids become strings)."""

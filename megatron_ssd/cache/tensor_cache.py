@@ -35,6 +35,9 @@ from .scopes import ScopeMixin, active_cache
 from .stats import Counters, LayerCounters
 from .transfers import TransferMixin
 
+MOVED = (Placement.OFFLOAD, Placement.HOST)
+"""Placements whose tensors leave compute-device memory between forward and backward."""
+
 __all__ = ["TensorCache", "active_cache", "resolve_device"]
 
 logger = logging.getLogger("megatron_ssd")
@@ -81,6 +84,12 @@ class TensorCache(ScopeMixin, TransferMixin, StepAccountingMixin):
             check_offload_paths(config.paths, config.min_free_bytes)
             engine = create_engine(config, rank=rank)
         self.engine = engine
+        self.host: Optional[Engine] = None
+        """The host-memory tier (``Placement.HOST``), when ``config.host_pool_bytes`` > 0."""
+        if config.host_pool_bytes:
+            from ..io.host import HostEngine
+
+            self.host = HostEngine(config.host_pool_bytes)
         self._pid = os.getpid()
         self._lock = threading.RLock()
         self._tls = threading.local()
@@ -98,6 +107,7 @@ class TensorCache(ScopeMixin, TransferMixin, StepAccountingMixin):
         self._bwd_clock: Dict[int, Tuple[Hashable, float]] = {}
         self._writes: set = set()
         self._ssd_bytes = 0
+        self._host_bytes = 0
         self.default_placement: Optional[Placement] = None
         """Placement of layers the plan does not name; None: the ``keep_last_layers`` rule."""
         self._step_started = time.perf_counter()
@@ -147,6 +157,11 @@ class TensorCache(ScopeMixin, TransferMixin, StepAccountingMixin):
                 raise ConfigError(
                     f"plan[{layer_id!r}] = {placement!r}: must be one of {[p.value for p in Placement]}"
                 ) from None
+            if plan[layer_id] is Placement.HOST and self.host is None:
+                raise ConfigError(
+                    f"plan[{layer_id!r}] = 'host': OffloadConfig.host_pool_bytes = 0; the host placement needs a "
+                    "host pool (e.g. offload.host_pool_bytes=8GiB)"
+                )
         with self._lock:
             self._plan = plan
 
@@ -211,7 +226,7 @@ class TensorCache(ScopeMixin, TransferMixin, StepAccountingMixin):
                 return Packed(entry, meta, self, t._version, source)
             entry = self._new_entry(record, key, t, layer_id)
             packed = Packed(entry, meta, self, t._version, source)
-        if entry.placement is Placement.OFFLOAD:
+        if entry.placement in MOVED:
             self._submit_write(entry)
         return packed
 
@@ -231,14 +246,16 @@ class TensorCache(ScopeMixin, TransferMixin, StepAccountingMixin):
         if layer_id != entry.layer and layer_id not in entry.also_layers:
             entry.also_layers.append(layer_id)
             entry.record.add_layer_entry(layer_id, entry)
-            if self.placement(layer_id) is not Placement.OFFLOAD:
+            if self.placement(layer_id) not in MOVED:
                 entry.pinned = True
 
     def _new_entry(self, record: Record, key: Any, t: torch.Tensor, layer_id: Hashable) -> Entry:
         data = storage_bytes(t)
         nbytes = data.numel()
         placement = self.placement(layer_id)
-        if placement is not Placement.OFFLOAD or nbytes < self.config.min_tensor_bytes:
+        if placement not in MOVED or nbytes < self.config.min_tensor_bytes:
+            placement = Placement.KEEP
+        elif placement is Placement.HOST and self.host is None:  # a default placement of host
             placement = Placement.KEEP
         entry = Entry(key, nbytes, t.device, layer_id, placement, record, weak=storage_weakref(t), refs=1)
         self._set_data(entry, data)
@@ -401,6 +418,8 @@ class TensorCache(ScopeMixin, TransferMixin, StepAccountingMixin):
             handle.remove()
         self._hook_handles.clear()
         self.engine.close()
+        if self.host is not None:
+            self.host.close()
         with self._lock:
             self._closed = True
             self._records.clear()

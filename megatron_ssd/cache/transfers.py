@@ -3,7 +3,9 @@
 Split from :mod:`megatron_ssd.cache.tensor_cache` so the state machine of
 NOTE [Entry lifetime] (``record.py``) reads in one place. :class:`TransferMixin` is mixed
 into :class:`~megatron_ssd.cache.TensorCache`, which provides ``engine``, ``config``,
-``_lock``, ``_counters``, ``_writes``, ``_ssd_bytes`` and ``_set_data``.
+``host``, ``_lock``, ``_counters``, ``_writes``, ``_ssd_bytes``, ``_host_bytes`` and
+``_set_data``. Entries placed ``host`` go to the host pool (``host``), the others to the
+SSD engine; an entry remembers which in ``entry.store``.
 """
 
 from __future__ import annotations
@@ -28,9 +30,10 @@ class TransferMixin:
     def _submit_write(self, entry: Entry) -> None:
         # Called without the lock: a blocking write waits for engine threads whose
         # completion callbacks take the lock.
+        store = self.host if entry.placement is Placement.HOST else self.engine
         block = self.config.io.on_backpressure == "wait"
         started = time.perf_counter()
-        future = self.engine.write(entry.data, block=block)
+        future = store.write(entry.data, block=block)  # the host pool never blocks (NOTE [Host pool bound])
         waited = time.perf_counter() - started
         with self._lock:
             lc = self._counters.layers.get(entry.layer)
@@ -43,7 +46,11 @@ class TransferMixin:
                 return
             lc = self._counters.layers.get(entry.layer)
             if lc is not None:
-                lc.offloaded_bytes += entry.nbytes
+                if store is self.engine:
+                    lc.offloaded_bytes += entry.nbytes
+                else:
+                    lc.hosted_bytes += entry.nbytes
+            entry.store = store
             entry.state = EntryState.WRITING
             entry.write_future = future
             self._writes.add(future)
@@ -66,10 +73,16 @@ class TransferMixin:
                     entry.state = EntryState.RESIDENT
                     entry.placement = Placement.KEEP
                 return
-            self._counters.bytes_offloaded += entry.nbytes
             entry.handle = future.get()
-            self._ssd_bytes += entry.handle.disk_bytes
-            self._counters.peak_ssd_bytes = max(self._counters.peak_ssd_bytes, self._ssd_bytes)
+            c = self._counters
+            if entry.store is self.engine:
+                c.bytes_offloaded += entry.nbytes
+                self._ssd_bytes += entry.handle.disk_bytes
+                c.peak_ssd_bytes = max(c.peak_ssd_bytes, self._ssd_bytes)
+            else:
+                c.bytes_to_host += entry.nbytes
+                self._host_bytes += entry.nbytes
+                c.peak_host_bytes = max(c.peak_host_bytes, self._host_bytes)
             if entry.state is EntryState.RELEASED:
                 self._free_disk(entry)
             elif entry.pinned or entry.wanted:
@@ -81,17 +94,20 @@ class TransferMixin:
 
     def _submit_read(self, entry: Entry) -> None:
         # Caller holds the lock.
-        dst = self.engine.alloc(entry.nbytes, entry.device, entry.handle)
+        dst = entry.store.alloc(entry.nbytes, entry.device, entry.handle)
         self._set_data(entry, dst[: entry.nbytes])
         entry.state = EntryState.READING
         entry.reloaded = True
-        entry.read_future = self.engine.read(entry.handle, dst)
+        entry.read_future = entry.store.read(entry.handle, dst)
         entry.read_future.add_done_callback(partial(self._read_done, entry))
 
     def _read_done(self, entry: Entry, future: IOFuture) -> None:
         with self._lock:
             if future.error() is None:
-                self._counters.bytes_reloaded += entry.nbytes
+                if entry.store is self.engine:
+                    self._counters.bytes_reloaded += entry.nbytes
+                else:
+                    self._counters.bytes_from_host += entry.nbytes
             if entry.state is EntryState.RELEASED:
                 self._free_disk(entry)
                 self._set_data(entry, None)
@@ -102,15 +118,18 @@ class TransferMixin:
                 self._free_disk(entry)
 
     def _note_forwarded(self, entry: Entry) -> None:
-        if entry.placement is Placement.OFFLOAD and not entry.wanted:
+        if entry.placement in (Placement.OFFLOAD, Placement.HOST) and not entry.wanted:
             entry.wanted = True
             if entry.state in (EntryState.WRITING, EntryState.LOADED) and not entry.reloaded:
                 self._counters.bytes_forwarded += entry.nbytes
 
     def _free_disk(self, entry: Entry) -> None:
         if entry.handle is not None:
-            self._ssd_bytes -= entry.handle.disk_bytes
-            self.engine.free(entry.handle)
+            if entry.store is self.engine:
+                self._ssd_bytes -= entry.handle.disk_bytes
+            else:
+                self._host_bytes -= entry.handle.nbytes
+            entry.store.free(entry.handle)
             entry.handle = None
 
     def _prefetch(self, record: Record, layer_id: Hashable) -> None:

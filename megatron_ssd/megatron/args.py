@@ -58,11 +58,18 @@ class _Flag(NamedTuple):
 
 SSD_FLAGS: Tuple[_Flag, ...] = (
     _Flag(
-        "--ssd-offload-planner", "planner.mode", None, ("auto", "static", "keep", "offload", "recompute"), str,
+        "--ssd-offload-planner", "planner.mode", None, ("auto", "static", "keep", "offload", "recompute", "host"),
+        str,
         "How each layer's saved activations are placed: auto (profile the first steps, then "
         "plan keep/offload/recompute per layer from measured compute time and SSD bandwidth, "
         "re-plan on drift), static (keep the last --ssd-offload-keep-last-layers layers, "
-        "offload the rest), or keep / offload / recompute for every layer. [planner.mode]",
+        "offload the rest), or keep / offload / recompute / host for every layer (host needs "
+        "--ssd-offload-host-pool). [planner.mode]",
+    ),
+    _Flag(
+        "--ssd-offload-host-pool", "host_pool_bytes", "SIZE", None, str,
+        "Pinned host memory per process that the host placement may hold at once, e.g. "
+        "16GiB; host RAM is shared by the node's GPUs. [host_pool_bytes]",
     ),
     _Flag(
         "--ssd-offload-memory-budget", "planner.memory_budget", "SIZE", None, str,

@@ -169,7 +169,7 @@ class AdaptivePlanner:
         self._microbatches = 1
         self._profiling = config.mode == "auto"
         self._next_profile_keep = config.profile_steps >= 2
-        if config.mode in ("keep", "offload", "recompute"):
+        if config.mode in ("keep", "offload", "recompute", "host"):
             self._fixed = Placement(config.mode)
         else:
             self._fixed = None

@@ -132,6 +132,22 @@ def test_mixed_placements_are_bit_identical(world, tmp_path):
     assert per_layer[3].offloaded_bytes == 0
 
 
+def test_host_tier_through_megatron_layers_is_bit_identical(world, tmp_path):
+    """The host tier (``Placement.HOST``) beside SSD offload and recompute, through
+    megatron-core's schedule and ``OffloadTransformerLayer``."""
+    _, stock, _ = _run("gpt")
+    plan = {1: Placement.HOST, 2: Placement.RECOMPUTE, 3: Placement.OFFLOAD}
+    with _cache(str(tmp_path), host_pool_bytes=64 << 20) as cache:
+        _, mixed, stats = _run("gpt", cache, plan=plan)
+        host_left = cache.host.stats().extra["host_bytes"]
+    _assert_identical(mixed, stock)
+    per_layer = stats[-1].layers
+    assert per_layer[1].hosted_bytes > 0 and per_layer[1].offloaded_bytes == 0
+    assert per_layer[3].offloaded_bytes > 0 and per_layer[3].hosted_bytes == 0
+    assert all(s.bytes_to_host > 0 and s.backpressure_keeps == 0 for s in stats)
+    assert host_left == 0
+
+
 def test_refuses_megatron_own_offloading(world, tmp_path):
     model, forward_step, _ = _build("gpt", offload=True)
     model.config.cpu_offloading = True
