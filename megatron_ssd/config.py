@@ -188,6 +188,13 @@ class OffloadConfig:
     """Free space each offload path must have when the tensor cache starts; 0 turns the
     check off. Sizes such as ``20GiB`` are accepted."""
 
+    return_freed_pages: bool = True
+    """On a CPU device, give the pages of offloaded activations back to the kernel: the
+    pages of a tensor whose write completed when the cache holds its last reference, and
+    glibc's free pages at the end of each micro-batch's forward (NOTE [Returning freed
+    pages]). Without it freed activations stay resident and the process's RSS shows
+    little of the saving. Ignored on CUDA and off glibc."""
+
     host_pool_bytes: int = 0
     """Host memory the ``host`` placement may hold at once, per process (pinned on a
     GPU); 0: no host tier. A tensor that would overflow it stays where it is (kept).

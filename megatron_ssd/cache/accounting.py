@@ -61,6 +61,8 @@ class StepAccountingMixin:
                 bytes_to_host=c.bytes_to_host,
                 bytes_from_host=c.bytes_from_host,
                 peak_host_bytes=c.peak_host_bytes,
+                bytes_returned=c.bytes_returned,
+                heap_trim_s=c.heap_trim_s,
             )
             self._counters = Counters(peak_resident_bytes=self._resident, peak_ssd_bytes=self._ssd_bytes,
                                       peak_host_bytes=self._host_bytes)

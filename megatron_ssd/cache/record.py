@@ -83,6 +83,8 @@ class Entry:
     wanted: bool = False
     reloaded: bool = False
     """A read of this entry was issued (so it was not served from memory)."""
+    releasable: bool = False
+    """Its pages may be given back when its write completes (NOTE [Returning freed pages])."""
     also_layers: List[Hashable] = field(default_factory=list)
     """Later layers that saved the same storage (their backward needs it first)."""
 

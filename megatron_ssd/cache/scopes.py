@@ -1,7 +1,7 @@
 """The tensor cache's scopes: micro-batch forward, layer forward, start of a layer's backward.
 
 Split from :mod:`megatron_ssd.cache.tensor_cache`. :class:`ScopeMixin` is mixed into
-:class:`~megatron_ssd.cache.TensorCache`, which provides ``_lock``, ``_tls``, ``_keys``,
+:class:`~megatron_ssd.cache.TensorCache`, which provides ``_lock``, ``_return_pages``, ``_tls``, ``_keys``,
 ``_records``, ``_counters``, ``_check_open``, ``_maybe_retire``, ``placement`` and
 ``backward_started``.
 """
@@ -19,6 +19,7 @@ import torch
 from ..config import Placement
 from ..errors import CacheStateError
 from .hooks import OffloadHooks
+from .pages import trim_heap
 from .record import Record
 from .stats import LayerCounters
 
@@ -65,6 +66,10 @@ class ScopeMixin:
             with self._lock:
                 record.forward_done = True
                 self._maybe_retire(record)
+            if self._return_pages:  # NOTE [Returning freed pages]
+                trimmed = trim_heap()
+                with self._lock:
+                    self._counters.heap_trim_s += trimmed
 
     @contextlib.contextmanager
     def layer(self, layer_id: Hashable) -> Iterator[Placement]:

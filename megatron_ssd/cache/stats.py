@@ -107,6 +107,8 @@ class Counters:
     bytes_to_host: int = 0
     bytes_from_host: int = 0
     peak_host_bytes: int = 0
+    bytes_returned: int = 0
+    heap_trim_s: float = 0.0
     microbatches: int = 0
     layers: Dict[Any, LayerCounters] = field(default_factory=dict)
 
@@ -178,6 +180,11 @@ class StepStats:
     """Bytes copied back from the host pool."""
     peak_host_bytes: int = 0
     """Peak bytes this cache held in the host pool during the step."""
+    bytes_returned: int = 0
+    """Bytes of offloaded CPU activations whose pages were given back to the kernel when
+    their write completed (NOTE [Returning freed pages])."""
+    heap_trim_s: float = 0.0
+    """Time spent returning glibc's free pages at the end of micro-batch forwards."""
 
     def to_dict(self) -> Dict[str, Any]:
         """A JSON-ready dict (layer ids become strings)."""

@@ -30,6 +30,7 @@ from ..io.base import Engine, EngineStats, IOFuture
 from .accounting import StepAccountingMixin
 from .exit_guard import EXIT_GUARD
 from .identity import is_plain, restore, storage_bytes, storage_key, storage_weakref, view_meta
+from .pages import allocator_owned
 from .record import Entry, EntryState, Packed, Record
 from .scopes import ScopeMixin, active_cache
 from .stats import Counters, LayerCounters
@@ -108,6 +109,7 @@ class TensorCache(ScopeMixin, TransferMixin, StepAccountingMixin):
         self._writes: set = set()
         self._ssd_bytes = 0
         self._host_bytes = 0
+        self._return_pages = config.return_freed_pages and self.device.type == "cpu"
         self.default_placement: Optional[Placement] = None
         """Placement of layers the plan does not name; None: the ``keep_last_layers`` rule."""
         self._step_started = time.perf_counter()
@@ -258,6 +260,7 @@ class TensorCache(ScopeMixin, TransferMixin, StepAccountingMixin):
         elif placement is Placement.HOST and self.host is None:  # a default placement of host
             placement = Placement.KEEP
         entry = Entry(key, nbytes, t.device, layer_id, placement, record, weak=storage_weakref(t), refs=1)
+        entry.releasable = self._return_pages and placement is Placement.OFFLOAD and allocator_owned(t)
         self._set_data(entry, data)
         record.entries[key] = entry
         record.live += 1

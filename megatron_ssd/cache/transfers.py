@@ -3,7 +3,7 @@
 Split from :mod:`megatron_ssd.cache.tensor_cache` so the state machine of
 NOTE [Entry lifetime] (``record.py``) reads in one place. :class:`TransferMixin` is mixed
 into :class:`~megatron_ssd.cache.TensorCache`, which provides ``engine``, ``config``,
-``host``, ``_lock``, ``_counters``, ``_writes``, ``_ssd_bytes``, ``_host_bytes`` and
+``host``, ``_return_pages``, ``_lock``, ``_counters``, ``_writes``, ``_ssd_bytes``, ``_host_bytes`` and
 ``_set_data``. Entries placed ``host`` go to the host pool (``host``), the others to the
 SSD engine; an entry remembers which in ``entry.store``.
 """
@@ -17,6 +17,7 @@ from typing import Hashable
 
 from ..config import Placement
 from ..io.base import IOFuture
+from .pages import release_pages
 from .record import Entry, EntryState, Record
 
 __all__ = ["TransferMixin"]
@@ -90,6 +91,8 @@ class TransferMixin:
                 self._free_disk(entry)
             else:
                 entry.state = EntryState.ON_DISK
+                if entry.releasable:  # NOTE [Returning freed pages]
+                    c.bytes_returned += release_pages(entry.data)
                 self._set_data(entry, None)
 
     def _submit_read(self, entry: Entry) -> None:
