@@ -45,7 +45,7 @@ import torch
 from ..errors import CacheStateError, ConfigError
 from .base import Engine, EngineStats, Extent, IOFuture, SwapHandle
 from .mapped import mapped_empty
-from .striped import check_blob
+from .striped import check_blob, check_read_target
 
 __all__ = ["HostEngine", "HOST_PATH_INDEX"]
 
@@ -110,9 +110,7 @@ class HostEngine(Engine):
 
     def read(self, handle: SwapHandle, dst: torch.Tensor) -> IOFuture[torch.Tensor]:
         self._check_open()
-        check_blob(dst, "read(dst)")
-        if dst.numel() < handle.nbytes:
-            raise ValueError(f"megatron_ssd: read(dst) holds {dst.numel()} bytes, the blob has {handle.nbytes}")
+        check_read_target(handle, dst)
         with self._lock:
             src = self._blobs.get(self._key(handle))
         if src is None:

@@ -166,6 +166,13 @@ def check_blob(t: torch.Tensor, name: str) -> torch.Tensor:
     return t
 
 
+def check_read_target(handle: SwapHandle, dst: torch.Tensor) -> None:
+    """Reject a read destination that is not a blob tensor or cannot hold ``handle``."""
+    check_blob(dst, "read(dst)")
+    if dst.numel() < handle.nbytes:
+        raise ValueError(f"megatron_ssd: read(dst) holds {dst.numel()} bytes, the blob has {handle.nbytes}")
+
+
 class StripedEngine(Engine):
     """Block striping over a :class:`~megatron_ssd.io.layout.Layout` with a worker pool.
 
@@ -281,9 +288,7 @@ class StripedEngine(Engine):
 
     def read(self, handle: SwapHandle, dst: torch.Tensor) -> IOFuture[torch.Tensor]:
         self._check_open()
-        check_blob(dst, "read(dst)")
-        if dst.numel() < handle.nbytes:
-            raise ValueError(f"megatron_ssd: read(dst) holds {dst.numel()} bytes, the blob has {handle.nbytes}")
+        check_read_target(handle, dst)
         fut: IOFuture[torch.Tensor] = IOFuture(handle.nbytes)
         if handle.nbytes == 0:
             fut.set_result(dst)

@@ -56,6 +56,15 @@ def test_host_pool_size_must_be_positive(bad):
         HostEngine(capacity_bytes=bad)
 
 
+def _reference(layers, steps, microbatches):
+    """A model, its untouched copy's losses and gradients over fresh batches, and the batches."""
+    torch.manual_seed(0)
+    model = TinyGPT(layers=layers)
+    batches = make_batches(steps=steps, microbatches=microbatches, batch=2, seq=64, vocab=256)
+    *_, (losses, grads) = _train(copy.deepcopy(model), batches)
+    return model, batches, losses, grads
+
+
 def _train(model, batches, cache=None):
     losses = []
     for step in batches:
@@ -82,11 +91,7 @@ def _train(model, batches, cache=None):
     ids=["all-host", "host-ssd-keep"],
 )
 def test_training_through_the_host_tier_is_bit_identical(offload_dir, plan):
-    torch.manual_seed(0)
-    model = TinyGPT(layers=4)
-    reference = copy.deepcopy(model)
-    batches = make_batches(steps=2, microbatches=2, batch=2, seq=64, vocab=256)
-    *_, (ref_losses, ref_grads) = _train(reference, batches)
+    model, batches, ref_losses, ref_grads = _reference(layers=4, steps=2, microbatches=2)
     cfg = OffloadConfig(paths=[offload_dir], min_tensor_bytes=0, min_free_bytes=0, host_pool_bytes=64 << 20)
     with TensorCache(cfg) as cache:
         cache.register_layers(model.layers)
@@ -105,11 +110,7 @@ def test_training_through_the_host_tier_is_bit_identical(offload_dir, plan):
 
 
 def test_a_full_host_pool_keeps_tensors_and_stays_bit_identical(offload_dir):
-    torch.manual_seed(0)
-    model = TinyGPT(layers=2)
-    reference = copy.deepcopy(model)
-    batches = make_batches(steps=1, microbatches=1, batch=2, seq=64, vocab=256)
-    *_, (ref_losses, ref_grads) = _train(reference, batches)
+    model, batches, ref_losses, ref_grads = _reference(layers=2, steps=1, microbatches=1)
     cfg = OffloadConfig(paths=[offload_dir], min_tensor_bytes=0, min_free_bytes=0, host_pool_bytes=64 << 10)
     with TensorCache(cfg) as cache:
         cache.register_layers(model.layers)
