@@ -152,6 +152,27 @@ class PlannerConfig:
     """Relative drift of measured bandwidth or compute time that triggers a re-plan; in
     (0, 1)."""
 
+    drive_tbw_bytes: Optional[int] = None
+    """Rated write endurance of one offload drive, in bytes (TBW; DWPD x capacity x
+    warranty days, e.g. ``7.0e15`` for a 3.84 TB drive at 1 DWPD over 5 years). Set, the
+    planner never chooses more SSD writes than let the drives last
+    ``drive_lifetime_years``, and ``train`` reports their projected lifetime. None: writes
+    are not bounded by wear (NOTE [Wear model])."""
+
+    drive_lifetime_years: float = 3.0
+    """Years the drives must last at this job's write rate (used with ``drive_tbw_bytes``)."""
+
+    drive_count: int = 0
+    """Drives behind the offload paths; 0: one per path (a RAID0 mount given as one path
+    needs its drive count here)."""
+
+    drive_sharing: int = 1
+    """Processes writing to the same drives, each given an equal share of their endurance
+    (e.g. 8 when a node's 8 GPUs share its array)."""
+
+    drive_duty_cycle: float = 1.0
+    """Fraction of each day the drives are written at this rate, in (0, 1]."""
+
     def __post_init__(self) -> None:
         validate(self)
 
@@ -291,6 +312,7 @@ _NON_NEGATIVE = {
     ("PlannerConfig", "warmup_steps"),
     ("PlannerConfig", "profile_steps"),
     ("PlannerConfig", "safety_margin"),
+    ("PlannerConfig", "drive_count"),
     ("OffloadConfig", "min_tensor_bytes"),
     ("OffloadConfig", "keep_last_layers"),
     ("OffloadConfig", "prefetch_layers"),
@@ -379,6 +401,14 @@ def validate(obj: Any) -> None:
             raise _fail(cls_name, "replan_threshold", obj.replan_threshold, "must be in (0, 1)")
         if obj.mode == "auto" and obj.profile_steps < 1:
             raise _fail(cls_name, "profile_steps", obj.profile_steps, "must be >= 1 when mode is auto")
+        if obj.drive_tbw_bytes is not None and obj.drive_tbw_bytes <= 0:
+            raise _fail(cls_name, "drive_tbw_bytes", obj.drive_tbw_bytes, "must be > 0 bytes or null")
+        if not obj.drive_lifetime_years > 0:
+            raise _fail(cls_name, "drive_lifetime_years", obj.drive_lifetime_years, "must be > 0")
+        if obj.drive_sharing < 1:
+            raise _fail(cls_name, "drive_sharing", obj.drive_sharing, "must be >= 1")
+        if not 0 < obj.drive_duty_cycle <= 1:
+            raise _fail(cls_name, "drive_duty_cycle", obj.drive_duty_cycle, "must be in (0, 1]")
     if isinstance(obj, OffloadConfig):
         if obj.device not in ("auto", "cpu", "cuda") and not _CUDA_DEVICE.fullmatch(obj.device):
             raise _fail(cls_name, "device", obj.device, "must be auto, cpu, cuda or cuda:N")

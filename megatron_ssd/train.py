@@ -13,6 +13,7 @@ with the configured planner; print a summary table of both.
 from __future__ import annotations
 
 import contextlib
+import math
 import statistics
 import sys
 from dataclasses import dataclass, field
@@ -275,6 +276,15 @@ class TrainRecipe:
                 "median_ratio": statistics.median(ratios), "ratio_ci95": median_ci95(ratios),
                 "keep_bytes_written": written[True], "offload_bytes_written_per_step": written[False] / pairs}
 
+    def _with_wear(self, summary: Dict[str, Any]) -> Dict[str, Any]:
+        """Add the drives' projected lifetime at the phase's write rate (NOTE [Wear model])."""
+        from .planner.wear import lifetime_for
+
+        rate = summary["bytes_written_per_step"] / summary["median_step_s"] if summary["median_step_s"] else 0.0
+        years = lifetime_for(self.config.offload.planner, len(self.config.offload.paths), rate)
+        summary["drive_lifetime_years"] = None if years is None or math.isinf(years) else years
+        return summary
+
     def train(self, print_summary: bool = True) -> Dict[str, Any]:
         """Run the reference and the offload phases; print (unless ``print_summary`` is
         false) and return the summary."""
@@ -295,7 +305,7 @@ class TrainRecipe:
                                   if self.device == "cuda" else None),
             "config": to_dict(cfg),
             "device": self.device,
-            "phases": [p.summary() for p in phases],
+            "phases": [self._with_wear(p.summary()) for p in phases],
             "planner": self.planner_summary,
             "steps": [{"kind": k, **s.to_dict()} for s, k in zip(offload.steps, offload.kinds)],
             "paired": self.paired,
@@ -408,6 +418,9 @@ def format_summary(phases: Sequence[Dict[str, Any]]) -> str:
         ("failed writes kept in memory", "write_fallbacks", 1, "{:.0f}"),
         ("final loss", "final_loss", 1, "{:.4f}"),
     ]
+    if any(p.get("drive_lifetime_years") is not None for p in phases):  # drive_tbw_bytes set, writes made
+        at = next(i for i, r in enumerate(rows) if r[1] == "ssd_bytes_written_per_day") + 1
+        rows.insert(at, ("projected drive lifetime (years)", "drive_lifetime_years", 1, "{:.1f}"))
     if any(p.get("peak_host_bytes") for p in phases):  # the host tier ran: its rows too
         rows[-2:-2] = [
             ("copied to host memory per step (MiB)", "bytes_to_host_per_step", 1 / MiB, "{:.1f}"),

@@ -105,6 +105,9 @@ class Plan:
     """Number of pipeline stages."""
     microbatches_in_flight: int = 1
     """Micro-batches the stage holds at once (peak approximation)."""
+    max_write_bytes_per_s: Optional[float] = None
+    """The drive-wear write limit the plan was chosen under (NOTE [Wear model]); None:
+    no limit."""
     write_busy_s: float = 0.0
     """Predicted array write time per micro-batch."""
     read_busy_s: float = 0.0
@@ -118,6 +121,12 @@ class Plan:
     def placements(self) -> List[Placement]:
         """Placements in forward order."""
         return [lp.placement for lp in self.layers]
+
+    @property
+    def write_bytes_per_s(self) -> float:
+        """Predicted SSD write rate of this process while it computes: offloaded bytes per
+        micro-batch over the predicted micro-batch step time."""
+        return self.offloaded_bytes / self.step_s if self.step_s > 0 else 0.0
 
     def placement(self, layer_id: LayerId) -> Placement:
         """The placement of one layer; KeyError names the known ids if absent."""
@@ -196,6 +205,11 @@ class Plan:
             f"({step_ratio:.3f}x keep-everything); exposed I/O {self.exposed_s * 1e3:.2f} ms; "
             f"I/O slowdown {self.slowdown_s * 1e3:.2f} ms"
         )
+        if self.max_write_bytes_per_s is not None:
+            rows.append(
+                f"SSD writes {self.write_bytes_per_s / 1e6:.1f} MB/s of the {self.max_write_bytes_per_s / 1e6:.1f} MB/s "
+                "the drives' endurance allows this process"
+            )
         return "\n".join(rows)
 
 
@@ -208,6 +222,7 @@ def make_plan(
     safety_margin: float = 0.1,
     prefetch_depth: int = 1,
     allow_recompute: bool = True,
+    max_write_bytes_per_s: Optional[float] = None,
 ) -> Plan:
     """Choose a placement per layer of ``stage``.
 
@@ -224,6 +239,10 @@ def make_plan(
         safety_margin: Fraction in [0, 1) the bandwidths are derated by while choosing.
         prefetch_depth: Layers ahead that reads are issued (>= 1).
         allow_recompute: Whether RECOMPUTE may be used to meet a budget.
+        max_write_bytes_per_s: The write rate the drives' endurance allows this process
+            (:func:`~megatron_ssd.planner.wear.write_limit_bytes_per_s`): no placement
+            whose offloaded bytes per predicted step exceed it is chosen, under either
+            goal. None: no limit.
 
     Returns:
         The :class:`Plan`, its predictions at the measured bandwidths.
@@ -240,7 +259,13 @@ def make_plan(
         memory_budget = int(memory_budget)
     if not (isinstance(prefetch_depth, int) and prefetch_depth >= 1):
         raise ConfigError(f"prefetch_depth = {prefetch_depth!r}: must be an integer >= 1")
-    search = PlacementSearch(stage, stage.io.derated(safety_margin), prefetch_depth)
+    if max_write_bytes_per_s is not None and (
+        isinstance(max_write_bytes_per_s, bool)
+        or not isinstance(max_write_bytes_per_s, numbers.Real)
+        or not max_write_bytes_per_s >= 0
+    ):
+        raise ConfigError(f"max_write_bytes_per_s = {max_write_bytes_per_s!r}: must be None or a number >= 0")
+    search = PlacementSearch(stage, stage.io.derated(safety_margin), prefetch_depth, max_write_bytes_per_s)
     if memory_budget is None:
         placements = search.max_offload()
         goal = GOAL_MAX_OFFLOAD
@@ -249,7 +274,9 @@ def make_plan(
         goal = GOAL_MEMORY_BUDGET
     tl = predict(stage, placements, prefetch_depth)
     keep = predict(stage, [Placement.KEEP] * len(stage.layers), prefetch_depth)
-    return _build(stage, tl, keep, goal, memory_budget, safety_margin, prefetch_depth)
+    plan = _build(stage, tl, keep, goal, memory_budget, safety_margin, prefetch_depth)
+    plan.max_write_bytes_per_s = max_write_bytes_per_s
+    return plan
 
 
 def _build(

@@ -22,6 +22,7 @@ from ..config import Placement, PlannerConfig
 from .drift import DriftDetector
 from .plan import Plan, make_plan
 from .profile import IOProfile, LayerProfile, StageProfile
+from .wear import write_limit_for
 
 __all__ = ["AdaptivePlanner", "PlanEvent", "stage_from_stats"]
 
@@ -229,6 +230,7 @@ class AdaptivePlanner:
             safety_margin=self.config.safety_margin,
             prefetch_depth=self.prefetch_depth,
             allow_recompute=self.config.allow_recompute,
+            max_write_bytes_per_s=write_limit_for(self.config, len(self.cache.config.paths)),
         )
         self._check_space(plan)
         self.plan = plan

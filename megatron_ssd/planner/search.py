@@ -44,11 +44,18 @@ class PlanInfeasibleError(MegatronSSDError):
         smallest_peak: The smallest predicted peak any placement reached, in bytes.
     """
 
-    def __init__(self, memory_budget: int, smallest_peak: int, stage: StageProfile, keep_peak: int) -> None:
+    def __init__(
+        self, memory_budget: int, smallest_peak: int, stage: StageProfile, keep_peak: int,
+        max_write_bytes_per_s: Optional[float] = None,
+    ) -> None:
         self.memory_budget = memory_budget
         self.smallest_peak = smallest_peak
+        wear = (
+            f" within the drive-wear write limit of {max_write_bytes_per_s / 1e6:.1f} MB/s"
+            if max_write_bytes_per_s is not None else ""
+        )
         super().__init__(
-            f"memory_budget = {memory_budget} bytes ({memory_budget / _GiB:.2f} GiB) cannot be met on "
+            f"memory_budget = {memory_budget} bytes ({memory_budget / _GiB:.2f} GiB) cannot be met{wear} on "
             f"pipeline stage {stage.pipeline_rank} of {stage.pipeline_size} "
             f"({stage.microbatches_in_flight} micro-batches in flight): the smallest reachable predicted "
             f"peak is {smallest_peak} bytes ({smallest_peak / _GiB:.2f} GiB; keeping everything needs "
@@ -59,17 +66,30 @@ class PlanInfeasibleError(MegatronSSDError):
 class PlacementSearch:
     """Placement search over the timeline model (derated I/O judges, measured I/O checks)."""
 
-    def __init__(self, stage: StageProfile, derated: IOProfile, depth: int) -> None:
+    def __init__(
+        self, stage: StageProfile, derated: IOProfile, depth: int, max_write_bytes_per_s: Optional[float] = None
+    ) -> None:
         self.stage = stage
         self.derated = derated
         self.depth = depth
+        self.max_write_bytes_per_s = max_write_bytes_per_s
         self.n = len(stage.layers)
         self.smallest_peak: Optional[int] = None
+
+    def wears_ok(self, placements: Sequence[Placement], tl: Timeline) -> bool:
+        """The offloaded bytes per micro-batch over its predicted step time stay within
+        ``max_write_bytes_per_s`` (NOTE [Wear model]); always true without a limit."""
+        if self.max_write_bytes_per_s is None:
+            return True
+        written = sum(layer.saved_bytes for layer, p in zip(self.stage.layers, placements) if p is Placement.OFFLOAD)
+        return written <= self.max_write_bytes_per_s * tl.step_s * (1 + 1e-9)
 
     def judge(self, placements: Sequence[Placement]) -> Timeline:
         """Replay with derated bandwidths; remembers the smallest peak seen."""
         tl = predict(self.stage, placements, self.depth, io=self.derated)
-        if not tl.forwarded and (self.smallest_peak is None or tl.peak_bytes < self.smallest_peak):
+        if not tl.forwarded and self.wears_ok(placements, tl) and (
+            self.smallest_peak is None or tl.peak_bytes < self.smallest_peak
+        ):
             self.smallest_peak = tl.peak_bytes
         return tl
 
@@ -93,7 +113,8 @@ class PlacementSearch:
             if layer.saved_bytes == 0:
                 continue
             trial = placements[:i] + [Placement.OFFLOAD] + placements[i + 1 :]
-            if self.hidden(self.judge(trial)):
+            tl = self.judge(trial)
+            if self.hidden(tl) and self.wears_ok(trial, tl):
                 placements = trial
         # Derating makes I/O slower, so the measured bandwidths normally agree; if
         # they do not (slowdown interplay), drop the latest admitted layers until they do.
@@ -168,7 +189,8 @@ class PlacementSearch:
             if not taken:
                 if allow_recompute:
                     self.judge([Placement.RECOMPUTE] * self.n)
-                raise PlanInfeasibleError(budget, int(self.smallest_peak or keep_peak), self.stage, keep_peak)
+                raise PlanInfeasibleError(budget, int(self.smallest_peak or keep_peak), self.stage, keep_peak,
+                                          self.max_write_bytes_per_s)
         return self._relax(placements, tl, budget, eps)
 
     def _score(
@@ -184,7 +206,7 @@ class PlacementSearch:
         cost = max(ttl.step_s - tl.step_s, 0.0) + eps
         peak_drop = tl.peak_bytes - ttl.peak_bytes
         area_drop = area - _byte_seconds(ttl, self.stage)
-        if ttl.forwarded:
+        if ttl.forwarded or not self.wears_ok(trial, ttl):
             return (_NO_BENEFIT, 0.0, 0.0, i, rank)
         if peak_drop > 0:
             return (0, -peak_drop / cost, -float(peak_drop), i, rank)
@@ -201,7 +223,8 @@ class PlacementSearch:
                 for target in _weaker(placements[i]):
                     trial = placements[:i] + [target] + placements[i + 1 :]
                     ttl = self.judge(trial)
-                    if ttl.forwarded or ttl.step_s > tl.step_s + eps or not self.fits(trial, ttl, budget):
+                    if (ttl.forwarded or ttl.step_s > tl.step_s + eps or not self.fits(trial, ttl, budget)
+                            or not self.wears_ok(trial, ttl)):
                         continue
                     placements, tl, changed = trial, ttl, True
                     break

@@ -28,6 +28,7 @@ from typing import Any, Dict, Mapping, Optional, Sequence, Union
 from ..config import load_config, to_dict
 from ..errors import ConfigError
 from .plan import Plan, make_plan
+from .wear import SECONDS_PER_DAY, drive_lifetime_years, write_limit_bytes_per_s
 from .profile import IOProfile, LayerProfile, StageProfile
 
 __all__ = [
@@ -44,7 +45,6 @@ __all__ = [
     "prediction_error",
 ]
 
-_SECONDS_PER_DAY = 86400.0
 _ARCHS = ("gpt", "bert", "t5")
 
 
@@ -104,6 +104,9 @@ class SimulationSpec:
     """Capacity of one drive."""
     duty_cycle: float = 1.0
     """Fraction of each day the job trains (lifetime uses it)."""
+    target_lifetime_years: Optional[float] = None
+    """Years the drives must last: the planner then writes no faster than their endurance
+    allows (NOTE [Wear model]); ``None``: lifetime is reported, not constrained."""
     memory_budget: Optional[int] = None
     """Activation budget for the planner (``None``: offload what hides behind compute)."""
     safety_margin: float = 0.1
@@ -125,6 +128,14 @@ class SimulationSpec:
                 continue
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
                 raise ConfigError(f"SimulationSpec.{name} = {value!r}: must be a number > 0")
+        if self.target_lifetime_years is not None and (
+            isinstance(self.target_lifetime_years, bool)
+            or not isinstance(self.target_lifetime_years, (int, float))
+            or not self.target_lifetime_years > 0
+        ):
+            raise ConfigError(
+                f"SimulationSpec.target_lifetime_years = {self.target_lifetime_years!r}: must be a number > 0 or null"
+            )
         for name in ("mfu", "duty_cycle"):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and 0 < value <= 1):
@@ -377,12 +388,17 @@ def simulate(spec: SimulationSpec) -> SimulationResult:
         PlanInfeasibleError: ``spec.memory_budget`` cannot be met.
     """
     stage = stage_profile(spec)
-    plan = make_plan(stage, spec.memory_budget, spec.safety_margin, spec.prefetch_depth, spec.allow_recompute)
+    limit = None
+    if spec.target_lifetime_years is not None:
+        limit = write_limit_bytes_per_s(spec.ssd_tbw_bytes, spec.target_lifetime_years, spec.ssd_count,
+                                        spec.gpus_per_array, spec.duty_cycle)
+    plan = make_plan(stage, spec.memory_budget, spec.safety_margin, spec.prefetch_depth, spec.allow_recompute,
+                     max_write_bytes_per_s=limit)
     slots = spec.num_microbatches + spec.pp - 1
     iteration = slots * plan.step_s
     written = plan.offloaded_bytes * spec.num_microbatches
     rate = written / iteration if iteration > 0 else 0.0
-    per_drive_day = rate * spec.gpus_per_array / spec.ssd_count * _SECONDS_PER_DAY * spec.duty_cycle
+    per_drive_day = rate * spec.gpus_per_array / spec.ssd_count * SECONDS_PER_DAY * spec.duty_cycle
     lifetime = drive_lifetime_years(rate, spec.ssd_tbw_bytes, spec.ssd_count, spec.gpus_per_array, spec.duty_cycle)
     return SimulationResult(
         spec=spec,
@@ -396,23 +412,6 @@ def simulate(spec: SimulationSpec) -> SimulationResult:
         drive_bytes_per_day=per_drive_day,
         lifetime_years=lifetime,
     )
-
-
-def drive_lifetime_years(
-    write_bytes_per_s_per_gpu: float,
-    tbw_bytes: float,
-    ssd_count: int = 1,
-    gpus_per_array: int = 1,
-    duty_cycle: float = 1.0,
-) -> float:
-    """Years until each drive of an array reaches its rated endurance.
-
-    The GPUs sharing the array write ``write_bytes_per_s_per_gpu`` each, striped evenly
-    over ``ssd_count`` drives, for ``duty_cycle`` of every day:
-    ``tbw / (rate * gpus / drives * 86400 * duty) / 365``. Infinite when nothing is written.
-    """
-    per_drive_day = write_bytes_per_s_per_gpu * gpus_per_array / ssd_count * _SECONDS_PER_DAY * duty_cycle
-    return tbw_bytes / per_drive_day / 365.0 if per_drive_day > 0 else math.inf
 
 
 Number = Union[int, float]

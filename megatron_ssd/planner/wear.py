@@ -1,0 +1,74 @@
+"""Drive wear: projected lifetime from a write rate, and the write rate a target lifetime allows.
+
+Pure arithmetic, shared by the planner, ``simulate`` and ``train``::
+
+    drive_lifetime_years(2e9, tbw_bytes=7.3e15, ssd_count=4, gpus_per_array=8)       # 0.058 years
+    write_limit_bytes_per_s(7.3e15, target_years=3, ssd_count=4, gpus_per_array=8)  # 38.6 MB/s per GPU
+
+NOTE [Wear model]: the GPUs (processes) sharing an array write at the same rate each,
+striped evenly over its ``ssd_count`` drives, for ``duty_cycle`` of every day; a drive is
+worn out when it has taken its rated endurance (TBW; DWPD x capacity x warranty days).
+Write amplification inside the drive is in the rated figure for the sequential, 4 KiB-
+aligned, multi-MiB writes the engine issues; the model adds none.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Optional
+
+if TYPE_CHECKING:
+    from ..config import PlannerConfig
+
+__all__ = ["SECONDS_PER_DAY", "drive_lifetime_years", "lifetime_for", "write_limit_bytes_per_s", "write_limit_for"]
+
+SECONDS_PER_DAY = 86400.0
+
+
+def drive_lifetime_years(
+    write_bytes_per_s_per_gpu: float,
+    tbw_bytes: float,
+    ssd_count: int = 1,
+    gpus_per_array: int = 1,
+    duty_cycle: float = 1.0,
+) -> float:
+    """Years until each drive of an array reaches its rated endurance (NOTE [Wear model]):
+    ``tbw / (rate * gpus / drives * 86400 * duty) / 365``. Infinite when nothing is written."""
+    per_drive_day = write_bytes_per_s_per_gpu * gpus_per_array / ssd_count * SECONDS_PER_DAY * duty_cycle
+    return tbw_bytes / per_drive_day / 365.0 if per_drive_day > 0 else math.inf
+
+
+def write_limit_bytes_per_s(
+    tbw_bytes: float,
+    target_years: float,
+    ssd_count: int = 1,
+    gpus_per_array: int = 1,
+    duty_cycle: float = 1.0,
+) -> float:
+    """The write rate per GPU at which the drives last exactly ``target_years``: the
+    inverse of :func:`drive_lifetime_years`."""
+    return tbw_bytes * ssd_count / (target_years * 365.0 * SECONDS_PER_DAY * duty_cycle * gpus_per_array)
+
+
+def _drives(config: "PlannerConfig", paths: int) -> int:
+    return config.drive_count or max(paths, 1)
+
+
+def write_limit_for(config: "PlannerConfig", paths: int) -> Optional[float]:
+    """The per-process write limit ``config``'s drive fields set for ``paths`` offload
+    paths (one drive each unless ``drive_count`` says otherwise); None without
+    ``drive_tbw_bytes``."""
+    if config.drive_tbw_bytes is None:
+        return None
+    return write_limit_bytes_per_s(config.drive_tbw_bytes, config.drive_lifetime_years, _drives(config, paths),
+                                   config.drive_sharing, config.drive_duty_cycle)
+
+
+def lifetime_for(config: "PlannerConfig", paths: int, write_bytes_per_s: float) -> Optional[float]:
+    """Projected drive lifetime in years at ``write_bytes_per_s`` per process under
+    ``config``'s drive fields; None without ``drive_tbw_bytes``, infinite when nothing is
+    written."""
+    if config.drive_tbw_bytes is None:
+        return None
+    return drive_lifetime_years(write_bytes_per_s, config.drive_tbw_bytes, _drives(config, paths),
+                                config.drive_sharing, config.drive_duty_cycle)
