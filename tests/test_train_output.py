@@ -92,6 +92,20 @@ def test_summary_table_has_a_unit_on_every_figure_and_one_unit_family():
     assert "GiB" not in text
 
 
+def test_wear_and_host_rows_appear_only_when_they_apply():
+    plain = dict(_phase("offload (auto)", [1.0, 1.0]), bytes_written_per_step=0.0)
+    text = format_summary([plain])
+    assert "projected drive lifetime" not in text and "host pool" not in text
+    both = dict(plain, drive_lifetime_years=4.25, peak_host_bytes=3 << 20, bytes_to_host_per_step=6 << 20)
+    text = format_summary([both])
+    assert re.search(r"projected drive lifetime \(years\)\s+4\.2", text)
+    assert re.search(r"peak host pool \(MiB\)\s+3\.0", text)
+    assert re.search(r"copied to host memory per step \(MiB\)\s+6\.0", text)
+    lines = text.splitlines()
+    at = next(i for i, line in enumerate(lines) if line.startswith("SSD writes per day"))
+    assert lines[at + 1].startswith("projected drive lifetime (years)")
+
+
 def _plan(layers_offloaded, n=3):
     from megatron_ssd.planner import IOProfile, LayerProfile, StageProfile, make_plan
 

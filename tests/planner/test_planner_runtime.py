@@ -77,6 +77,22 @@ def test_planned_run_is_bit_identical_and_sets_a_plan(world, tmp_path):
     assert profile.layers[0].kept_bytes >= VOCAB * SEQ * MBS * 4
 
 
+def test_runtime_plan_honours_the_drive_wear_limit(world, tmp_path):
+    """The measured plan under a drive endurance too small for any write: nothing is
+    offloaded, the plan carries the limit, and training stays bit-identical."""
+    stock, _, _ = _run(steps=4)
+    cfg = OffloadConfig(paths=[str(tmp_path)], min_tensor_bytes=4096, io=IOConfig(max_inflight_bytes=1 << 20))
+    # 1 MB of endurance to last 3 years: ~1e-8 B/s, below any layer's write rate.
+    worn = PlannerConfig(mode="auto", warmup_steps=1, profile_steps=2, drive_tbw_bytes=10**6)
+    with TensorCache(cfg) as cache:
+        planned, stats, planner = _run(cache, worn, steps=4)
+    assert all(torch.equal(a, b) for a, b in zip(stock.losses, planned.losses, strict=True))
+    plan = planner.plan
+    assert plan.max_write_bytes_per_s == pytest.approx(1e6 / (3 * 365 * 86400))
+    assert plan.offloaded_bytes == 0 and Placement.OFFLOAD not in plan.placements
+    assert stats[-1].bytes_offloaded == 0
+
+
 def test_fixed_modes_place_every_layer(world, tmp_path):
     for mode in ("keep", "offload", "recompute"):
         with TensorCache(OffloadConfig(paths=[str(tmp_path)], min_tensor_bytes=4096)) as cache:
