@@ -148,6 +148,18 @@ class PlannerConfig:
     allow_recompute: bool = True
     """Whether the planner may place layers RECOMPUTE to meet ``memory_budget``."""
 
+    activation_capacity_bytes: Optional[int] = None
+    """The most saved-activation bytes the device can hold: a hard limit on every plan,
+    with or without ``memory_budget`` (a plan that offloads what hides but does not fit
+    is replaced by one that fits, at the smallest predicted step time). None: on a CUDA
+    device measured at each plan (total memory x (1 - ``capacity_reserve``) minus what is
+    allocated between steps: parameters, gradients, optimizer state); on a CPU, no limit.
+    Sizes such as ``60GiB`` are accepted."""
+
+    capacity_reserve: float = 0.15
+    """Fraction of a CUDA device's memory left out of the measured activation capacity,
+    for temporaries, communication buffers and fragmentation; in [0, 1)."""
+
     replan_threshold: float = 0.15
     """Relative drift of measured bandwidth or compute time that triggers a re-plan; in
     (0, 1)."""
@@ -401,6 +413,11 @@ def validate(obj: Any) -> None:
             raise _fail(cls_name, "replan_threshold", obj.replan_threshold, "must be in (0, 1)")
         if obj.mode == "auto" and obj.profile_steps < 1:
             raise _fail(cls_name, "profile_steps", obj.profile_steps, "must be >= 1 when mode is auto")
+        if obj.activation_capacity_bytes is not None and obj.activation_capacity_bytes <= 0:
+            raise _fail(cls_name, "activation_capacity_bytes", obj.activation_capacity_bytes,
+                        "must be > 0 bytes or null")
+        if not 0 <= obj.capacity_reserve < 1:
+            raise _fail(cls_name, "capacity_reserve", obj.capacity_reserve, "must be in [0, 1)")
         if obj.drive_tbw_bytes is not None and obj.drive_tbw_bytes <= 0:
             raise _fail(cls_name, "drive_tbw_bytes", obj.drive_tbw_bytes, "must be > 0 bytes or null")
         if not obj.drive_lifetime_years > 0:

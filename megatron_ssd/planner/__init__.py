@@ -9,6 +9,7 @@ again, :func:`simulate` answers what-if questions for other hardware. See
 
 from .drift import DriftDecision, DriftDetector
 from .plan import (
+    GOAL_CAPACITY,
     GOAL_MAX_OFFLOAD,
     GOAL_MEMORY_BUDGET,
     PLAN_SCHEMA,
@@ -35,6 +36,7 @@ from .timeline import LayerTimeline, Timeline, predict
 __all__ = [
     "DriftDecision",
     "DriftDetector",
+    "GOAL_CAPACITY",
     "GOAL_MAX_OFFLOAD",
     "GOAL_MEMORY_BUDGET",
     "IOProfile",

@@ -27,6 +27,7 @@ from .search import PlacementSearch, PlanInfeasibleError
 from .timeline import Timeline, predict
 
 __all__ = [
+    "GOAL_CAPACITY",
     "GOAL_MAX_OFFLOAD",
     "GOAL_MEMORY_BUDGET",
     "PLAN_SCHEMA",
@@ -40,6 +41,9 @@ GOAL_MAX_OFFLOAD = "max_offload"
 """Goal without a budget: offload every byte whose I/O hides behind compute."""
 GOAL_MEMORY_BUDGET = "memory_budget"
 """Goal with a budget: peak <= budget at the smallest predicted step time."""
+GOAL_CAPACITY = "capacity"
+"""Goal without a budget whose hidden offload does not fit the device: peak <= the
+device's activation capacity at the smallest predicted step time."""
 PLAN_SCHEMA = "megatron_ssd.plan/1"
 """Value of the ``schema`` key of a plan's JSON form."""
 
@@ -78,7 +82,7 @@ class Plan:
     layers: List[LayerPlan]
     """One entry per layer, in forward order."""
     goal: str
-    """``max_offload`` or ``memory_budget``."""
+    """``max_offload``, ``memory_budget`` or ``capacity``."""
     peak_activation_bytes: int
     """Predicted peak resident saved-activation bytes of the stage."""
     step_s: float
@@ -108,6 +112,8 @@ class Plan:
     max_write_bytes_per_s: Optional[float] = None
     """The drive-wear write limit the plan was chosen under (NOTE [Wear model]); None:
     no limit."""
+    capacity_bytes: Optional[int] = None
+    """The device's activation capacity the plan was held under; None: no limit."""
     write_busy_s: float = 0.0
     """Predicted array write time per micro-batch."""
     read_busy_s: float = 0.0
@@ -195,6 +201,8 @@ class Plan:
         peak_ratio = self.peak_activation_bytes / self.keep_peak_activation_bytes if self.keep_peak_activation_bytes else 1.0
         step_ratio = self.step_s / self.keep_step_s if self.keep_step_s else 1.0
         budget = f", budget {self.memory_budget / _MiB:.1f} MiB" if self.memory_budget is not None else ""
+        if self.capacity_bytes is not None:
+            budget += f", device capacity {self.capacity_bytes / _MiB:.1f} MiB"
         rows.append(
             f"goal {self.goal}{budget}; stage {self.pipeline_rank}/{self.pipeline_size} "
             f"x{self.microbatches_in_flight} micro-batch{'es' if self.microbatches_in_flight > 1 else ''}"
@@ -223,6 +231,7 @@ def make_plan(
     prefetch_depth: int = 1,
     allow_recompute: bool = True,
     max_write_bytes_per_s: Optional[float] = None,
+    capacity_bytes: Optional[int] = None,
 ) -> Plan:
     """Choose a placement per layer of ``stage``.
 
@@ -243,6 +252,10 @@ def make_plan(
             (:func:`~megatron_ssd.planner.wear.write_limit_bytes_per_s`): no placement
             whose offloaded bytes per predicted step exceed it is chosen, under either
             goal. None: no limit.
+        capacity_bytes: Saved-activation bytes the device can hold at most: a hard limit
+            under either goal. Without a budget, when the hidden offload's predicted
+            peak exceeds it, the plan meets it as a budget instead (goal ``capacity``);
+            a budget above it is lowered to it. None: no limit.
 
     Returns:
         The :class:`Plan`, its predictions at the measured bandwidths.
@@ -265,17 +278,28 @@ def make_plan(
         or not max_write_bytes_per_s >= 0
     ):
         raise ConfigError(f"max_write_bytes_per_s = {max_write_bytes_per_s!r}: must be None or a number >= 0")
+    if capacity_bytes is not None:
+        if isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, numbers.Integral) or capacity_bytes < 0:
+            raise ConfigError(f"capacity_bytes = {capacity_bytes!r}: must be None or an integer number of bytes >= 0")
+        capacity_bytes = int(capacity_bytes)
     search = PlacementSearch(stage, stage.io.derated(safety_margin), prefetch_depth, max_write_bytes_per_s)
-    if memory_budget is None:
-        placements = search.max_offload()
-        goal = GOAL_MAX_OFFLOAD
-    else:
+    if memory_budget is not None and (capacity_bytes is None or memory_budget <= capacity_bytes):
         placements = search.meet_budget(memory_budget, allow_recompute)
         goal = GOAL_MEMORY_BUDGET
+    elif memory_budget is not None:
+        placements = search.meet_budget(capacity_bytes, allow_recompute, "capacity_bytes")
+        goal = GOAL_CAPACITY
+    else:
+        placements = search.max_offload()
+        goal = GOAL_MAX_OFFLOAD
+        if capacity_bytes is not None and search.check(placements).peak_bytes > capacity_bytes:
+            placements = search.meet_budget(capacity_bytes, allow_recompute, "capacity_bytes")
+            goal = GOAL_CAPACITY
     tl = predict(stage, placements, prefetch_depth)
     keep = predict(stage, [Placement.KEEP] * len(stage.layers), prefetch_depth)
     plan = _build(stage, tl, keep, goal, memory_budget, safety_margin, prefetch_depth)
     plan.max_write_bytes_per_s = max_write_bytes_per_s
+    plan.capacity_bytes = capacity_bytes
     return plan
 
 

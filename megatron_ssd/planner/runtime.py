@@ -17,6 +17,8 @@ import statistics
 from dataclasses import dataclass
 from typing import Any, Dict, Hashable, List, Optional
 
+import torch
+
 from ..cache.stats import median_or_zero
 from ..config import Placement, PlannerConfig
 from .drift import DriftDetector
@@ -231,6 +233,7 @@ class AdaptivePlanner:
             prefetch_depth=self.prefetch_depth,
             allow_recompute=self.config.allow_recompute,
             max_write_bytes_per_s=write_limit_for(self.config, len(self.cache.config.paths)),
+            capacity_bytes=self.activation_capacity(),
         )
         self._check_space(plan)
         self.plan = plan
@@ -238,6 +241,20 @@ class AdaptivePlanner:
         self._drift.rebase(profile, plan)
         self.events.append(PlanEvent(step, reason, plan))
         logger.info("megatron_ssd: plan after step %d (%s):\n%s", step, reason, plan.table())
+
+    def activation_capacity(self) -> Optional[int]:
+        """The hard limit on the plan's predicted peak: ``activation_capacity_bytes`` when
+        set; on a CUDA device, its total memory less ``capacity_reserve`` and less what is
+        allocated now, between steps (parameters, gradients, optimizer state: activations
+        are freed by then); on a CPU, None."""
+        if self.config.activation_capacity_bytes is not None:
+            return self.config.activation_capacity_bytes
+        device = self.cache.device
+        if device.type != "cuda":
+            return None
+        total = torch.cuda.get_device_properties(device).total_memory
+        usable = int(total * (1.0 - self.config.capacity_reserve)) - torch.cuda.memory_allocated(device)
+        return max(usable, 0)
 
     def _check_space(self, plan: Plan) -> None:
         """Refuse a plan whose SSD footprint does not fit the offload paths' free space.

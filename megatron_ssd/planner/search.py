@@ -46,7 +46,7 @@ class PlanInfeasibleError(MegatronSSDError):
 
     def __init__(
         self, memory_budget: int, smallest_peak: int, stage: StageProfile, keep_peak: int,
-        max_write_bytes_per_s: Optional[float] = None,
+        max_write_bytes_per_s: Optional[float] = None, limit_name: str = "memory_budget",
     ) -> None:
         self.memory_budget = memory_budget
         self.smallest_peak = smallest_peak
@@ -55,7 +55,7 @@ class PlanInfeasibleError(MegatronSSDError):
             if max_write_bytes_per_s is not None else ""
         )
         super().__init__(
-            f"memory_budget = {memory_budget} bytes ({memory_budget / _GiB:.2f} GiB) cannot be met{wear} on "
+            f"{limit_name} = {memory_budget} bytes ({memory_budget / _GiB:.2f} GiB) cannot be met{wear} on "
             f"pipeline stage {stage.pipeline_rank} of {stage.pipeline_size} "
             f"({stage.microbatches_in_flight} micro-batches in flight): the smallest reachable predicted "
             f"peak is {smallest_peak} bytes ({smallest_peak / _GiB:.2f} GiB; keeping everything needs "
@@ -127,7 +127,7 @@ class PlacementSearch:
         """Peak within budget at derated (``tl``) and at measured bandwidths."""
         return tl.peak_bytes <= budget and self.check(placements).peak_bytes <= budget
 
-    def meet_budget(self, budget: int, allow_recompute: bool) -> List[Placement]:
+    def meet_budget(self, budget: int, allow_recompute: bool, limit_name: str = "memory_budget") -> List[Placement]:
         """Greedy moves until the predicted peak fits ``budget``; see the module docstring.
 
         Each step takes the single-layer move with the best score (:meth:`_score`)
@@ -190,7 +190,7 @@ class PlacementSearch:
                 if allow_recompute:
                     self.judge([Placement.RECOMPUTE] * self.n)
                 raise PlanInfeasibleError(budget, int(self.smallest_peak or keep_peak), self.stage, keep_peak,
-                                          self.max_write_bytes_per_s)
+                                          self.max_write_bytes_per_s, limit_name)
         return self._relax(placements, tl, budget, eps)
 
     def _score(

@@ -93,6 +93,23 @@ def test_runtime_plan_honours_the_drive_wear_limit(world, tmp_path):
     assert stats[-1].bytes_offloaded == 0
 
 
+def test_runtime_plan_fits_the_activation_capacity(world, tmp_path):
+    """A CPU has no measured capacity; a configured one holds the measured plan under it
+    (here half of keep-everything's predicted peak), bit-identical."""
+    stock, _, _ = _run(steps=4)
+    cfg = OffloadConfig(paths=[str(tmp_path)], min_tensor_bytes=4096, io=IOConfig(max_inflight_bytes=1 << 20))
+    auto = PlannerConfig(mode="auto", warmup_steps=1, profile_steps=2)
+    with TensorCache(cfg) as cache:
+        _, _, free = _run(cache, auto, steps=4)
+        assert free.activation_capacity() is None and free.plan.capacity_bytes is None
+    capacity = free.plan.keep_peak_activation_bytes // 2
+    with TensorCache(cfg) as cache:
+        planned, _, held = _run(cache, PlannerConfig(**{**auto.__dict__, "activation_capacity_bytes": capacity}), steps=4)
+    assert all(torch.equal(a, b) for a, b in zip(stock.losses, planned.losses, strict=True))
+    assert held.plan.capacity_bytes == capacity
+    assert held.plan.peak_activation_bytes <= capacity
+
+
 def test_fixed_modes_place_every_layer(world, tmp_path):
     for mode in ("keep", "offload", "recompute"):
         with TensorCache(OffloadConfig(paths=[str(tmp_path)], min_tensor_bytes=4096)) as cache:
