@@ -104,6 +104,9 @@ class SimulationSpec:
     """Capacity of one drive."""
     duty_cycle: float = 1.0
     """Fraction of each day the job trains (lifetime uses it)."""
+    gpu_memory_bytes: Optional[float] = None
+    """Memory of one GPU (H100 SXM: 80e9). Set, the plan must fit what remains for
+    activations (NOTE [Simulated capacity]); ``None``: no limit."""
     target_lifetime_years: Optional[float] = None
     """Years the drives must last: the planner then writes no faster than their endurance
     allows (NOTE [Wear model]); ``None``: lifetime is reported, not constrained."""
@@ -128,6 +131,12 @@ class SimulationSpec:
                 continue
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
                 raise ConfigError(f"SimulationSpec.{name} = {value!r}: must be a number > 0")
+        if self.gpu_memory_bytes is not None and (
+            isinstance(self.gpu_memory_bytes, bool)
+            or not isinstance(self.gpu_memory_bytes, (int, float))
+            or not self.gpu_memory_bytes > 0
+        ):
+            raise ConfigError(f"SimulationSpec.gpu_memory_bytes = {self.gpu_memory_bytes!r}: must be a number > 0 or null")
         if self.target_lifetime_years is not None and (
             isinstance(self.target_lifetime_years, bool)
             or not isinstance(self.target_lifetime_years, (int, float))
@@ -364,7 +373,14 @@ class SimulationResult:
         s, p, gb = self.spec, self.plan, 1e9
         counts = {pl: len(p.layers_with(pl)) for pl in ("keep", "offload", "recompute")}
         fits = "fits" if self.ssd_footprint_bytes <= self.ssd_capacity_share_bytes else "DOES NOT FIT"
-        return "\n".join([
+        held = []
+        if p.capacity_bytes is not None:
+            held.append(f"held under the GPU's {p.capacity_bytes / gb:.2f} GB for activations "
+                        f"({s.gpu_memory_bytes / gb:.0f} GB less model state and reserve)")
+        if p.max_write_bytes_per_s is not None:
+            held.append(f"writes held under {p.max_write_bytes_per_s / gb:.3f} GB/s per GPU for "
+                        f"{s.target_lifetime_years:g} years of drive life")
+        lines = [
             f"{s.arch.upper()} {s.total_layers} layers, h={s.hidden}, s={s.seq_len}, b={s.micro_batch}, "
             f"tp={s.tp}, pp={s.pp}: stage {s.pipeline_rank} with {len(p.layers)} layers, "
             f"{p.microbatches_in_flight} micro-batch{'es' if p.microbatches_in_flight > 1 else ''} in flight",
@@ -377,7 +393,54 @@ class SimulationResult:
             f"{self.ssd_footprint_bytes / gb:.1f} GB of {self.ssd_capacity_share_bytes / gb:.0f} GB ({fits})",
             f"each drive takes {self.drive_bytes_per_day / 1e12:.1f} TB/day: lifetime "
             f"{self.lifetime_years:.1f} years at {s.ssd_tbw_bytes / 1e15:.1f} PB TBW",
-        ])
+        ]
+        lines[1:1] = held  # what bounded the plan, after the model line
+        return "\n".join(lines)
+
+
+# NOTE [Simulated capacity]
+# What a GPU has for saved activations in the what-if model: its memory less the
+# ``CAPACITY_RESERVE`` share the runtime planner also leaves (temporaries, communication
+# buffers, fragmentation) and less the model state of the stage at ``STATE_BYTES_PER_PARAM``:
+# bf16 weights (2), fp32 gradients (4), fp32 master weights and two Adam moments (12),
+# Megatron's mixed-precision layout without the distributed optimizer (which divides the
+# last 12 by the data-parallel size; not modelled). Stage parameters: per layer
+# 4h^2 + 2h x ffn (attention and MLP weights) over t, plus the embedding (vocab x h / t)
+# on the first stage and the output layer on the last when they differ.
+CAPACITY_RESERVE = 0.15
+STATE_BYTES_PER_PARAM = 18
+
+
+def stage_parameters(spec: SimulationSpec) -> int:
+    """Parameters one tensor-parallel rank of ``spec.pipeline_rank`` holds."""
+    ffn = spec.ffn_hidden or 4 * spec.hidden
+    per_layer = 4 * spec.hidden * spec.hidden + 2 * spec.hidden * ffn
+    params = per_layer * (spec.total_layers // spec.pp)
+    if spec.pipeline_rank == 0:
+        params += spec.vocab * spec.hidden
+    if spec.pipeline_rank == spec.pp - 1 and spec.pp > 1:
+        params += spec.vocab * spec.hidden
+    return params // spec.tp
+
+
+def activation_capacity(spec: SimulationSpec) -> Optional[int]:
+    """Bytes one GPU of ``spec`` has for saved activations (NOTE [Simulated capacity]);
+    None without ``gpu_memory_bytes``.
+
+    Raises:
+        ConfigError: the model state alone does not fit the GPU.
+    """
+    if spec.gpu_memory_bytes is None:
+        return None
+    state = STATE_BYTES_PER_PARAM * stage_parameters(spec)
+    capacity = int(spec.gpu_memory_bytes * (1 - CAPACITY_RESERVE) - state)
+    if capacity <= 0:
+        raise ConfigError(
+            f"SimulationSpec.gpu_memory_bytes = {spec.gpu_memory_bytes:.3g}: the stage's model state alone takes "
+            f"{state / 1e9:.1f} GB ({STATE_BYTES_PER_PARAM} bytes x {stage_parameters(spec)} parameters) of the "
+            f"{(1 - CAPACITY_RESERVE) * spec.gpu_memory_bytes / 1e9:.1f} GB usable; raise tp or pp"
+        )
+    return capacity
 
 
 def simulate(spec: SimulationSpec) -> SimulationResult:
@@ -393,7 +456,7 @@ def simulate(spec: SimulationSpec) -> SimulationResult:
         limit = write_limit_bytes_per_s(spec.ssd_tbw_bytes, spec.target_lifetime_years, spec.ssd_count,
                                         spec.gpus_per_array, spec.duty_cycle)
     plan = make_plan(stage, spec.memory_budget, spec.safety_margin, spec.prefetch_depth, spec.allow_recompute,
-                     max_write_bytes_per_s=limit)
+                     max_write_bytes_per_s=limit, capacity_bytes=activation_capacity(spec))
     slots = spec.num_microbatches + spec.pp - 1
     iteration = slots * plan.step_s
     written = plan.offloaded_bytes * spec.num_microbatches

@@ -9,6 +9,7 @@ import pytest
 
 from megatron_ssd.errors import ConfigError
 from megatron_ssd.planner.simulate import (
+    stage_parameters,
     SimulationSpec,
     drive_lifetime_years,
     layer_activation_bytes,
@@ -148,3 +149,32 @@ def test_result_json_form():
     assert data["lifetime_years"] is None and data["write_bytes_per_s_per_gpu"] == 0.0
     assert data["plan"]["schema"] == "megatron_ssd.plan/1"
     assert data["spec"]["hidden"] == 2048
+
+
+def test_gpu_memory_holds_the_plan_under_what_the_model_state_leaves():
+    """NOTE [Simulated capacity]: 13B at tp 8, sequence 32k on an 80 GB GPU keeps 87 GB of
+    activations without a limit; with the GPU's memory the plan fits what remains."""
+    spec = dict(num_layers=40, hidden=5120, heads=40, seq_len=32768, tp=8, flash_attention=True, gpu_flops=989e12,
+                ssd_count=4)
+    free = simulate(SimulationSpec(**spec))
+    assert free.plan.capacity_bytes is None and free.plan.peak_activation_bytes > 80e9
+    held = simulate(SimulationSpec(**spec, gpu_memory_bytes=80e9))
+    params = stage_parameters(SimulationSpec(**spec))
+    assert params == (40 * (4 + 8) * 5120**2 + 50304 * 5120) // 8
+    assert held.plan.capacity_bytes == int(80e9 * 0.85 - 18 * params)
+    assert held.plan.peak_activation_bytes <= held.plan.capacity_bytes
+    assert held.plan.goal == "capacity" and "held under the GPU's" in held.summary()
+
+
+def test_model_state_that_alone_overflows_the_gpu_is_one_clear_error():
+    with pytest.raises(ConfigError, match=r"gpu_memory_bytes = 8e\+10: the stage's model state alone takes 231\.1 GB"):
+        simulate(SimulationSpec(num_layers=40, hidden=5120, heads=40, gpu_memory_bytes=80e9))
+
+
+def test_target_lifetime_bounds_the_write_rate():
+    spec = dict(num_layers=40, hidden=5120, heads=40, flash_attention=True, ssd_count=4)  # A100 rates
+    free = simulate(SimulationSpec(**spec))
+    assert free.lifetime_years < 0.2 and free.plan.offloaded_bytes > 0
+    worn = simulate(SimulationSpec(**spec, target_lifetime_years=3))
+    assert worn.plan.write_bytes_per_s <= worn.plan.max_write_bytes_per_s
+    assert worn.lifetime_years >= 3
