@@ -75,19 +75,25 @@ class PlacementSearch:
         self.max_write_bytes_per_s = max_write_bytes_per_s
         self.n = len(stage.layers)
         self.smallest_peak: Optional[int] = None
+        # See wears_ok: no placement's step is shorter than keeping everything.
+        self._shortest_step_s = (
+            predict(stage, [Placement.KEEP] * self.n, depth).step_s if max_write_bytes_per_s is not None else 0.0
+        )
 
-    def wears_ok(self, placements: Sequence[Placement], tl: Timeline) -> bool:
-        """The offloaded bytes per micro-batch over its predicted step time stay within
-        ``max_write_bytes_per_s`` (NOTE [Wear model]); always true without a limit."""
+    def wears_ok(self, placements: Sequence[Placement]) -> bool:
+        """The offloaded bytes per micro-batch stay within ``max_write_bytes_per_s``
+        (NOTE [Wear model]) over keep-everything's step time at the measured bandwidths:
+        offload and recompute only lengthen a step, so the bound holds for the plan's
+        own step time whatever bandwidth judged it. Always true without a limit."""
         if self.max_write_bytes_per_s is None:
             return True
         written = sum(layer.saved_bytes for layer, p in zip(self.stage.layers, placements) if p is Placement.OFFLOAD)
-        return written <= self.max_write_bytes_per_s * tl.step_s * (1 + 1e-9)
+        return written <= self.max_write_bytes_per_s * self._shortest_step_s * (1 + 1e-9)
 
     def judge(self, placements: Sequence[Placement]) -> Timeline:
         """Replay with derated bandwidths; remembers the smallest peak seen."""
         tl = predict(self.stage, placements, self.depth, io=self.derated)
-        if not tl.forwarded and self.wears_ok(placements, tl) and (
+        if not tl.forwarded and self.wears_ok(placements) and (
             self.smallest_peak is None or tl.peak_bytes < self.smallest_peak
         ):
             self.smallest_peak = tl.peak_bytes
@@ -114,7 +120,7 @@ class PlacementSearch:
                 continue
             trial = placements[:i] + [Placement.OFFLOAD] + placements[i + 1 :]
             tl = self.judge(trial)
-            if self.hidden(tl) and self.wears_ok(trial, tl):
+            if self.hidden(tl) and self.wears_ok(trial):
                 placements = trial
         # Derating makes I/O slower, so the measured bandwidths normally agree; if
         # they do not (slowdown interplay), drop the latest admitted layers until they do.
@@ -206,7 +212,7 @@ class PlacementSearch:
         cost = max(ttl.step_s - tl.step_s, 0.0) + eps
         peak_drop = tl.peak_bytes - ttl.peak_bytes
         area_drop = area - _byte_seconds(ttl, self.stage)
-        if ttl.forwarded or not self.wears_ok(trial, ttl):
+        if ttl.forwarded or not self.wears_ok(trial):
             return (_NO_BENEFIT, 0.0, 0.0, i, rank)
         if peak_drop > 0:
             return (0, -peak_drop / cost, -float(peak_drop), i, rank)
@@ -224,7 +230,7 @@ class PlacementSearch:
                     trial = placements[:i] + [target] + placements[i + 1 :]
                     ttl = self.judge(trial)
                     if (ttl.forwarded or ttl.step_s > tl.step_s + eps or not self.fits(trial, ttl, budget)
-                            or not self.wears_ok(trial, ttl)):
+                            or not self.wears_ok(trial)):
                         continue
                     placements, tl, changed = trial, ttl, True
                     break

@@ -89,3 +89,15 @@ def test_config_fields_give_the_limit_per_process():
 def test_drive_fields_are_checked(field, value, rule):
     with pytest.raises(ConfigError, match=rf"PlannerConfig\.{field} = .*: {rule}"):
         PlannerConfig(**{field: value})
+
+
+@pytest.mark.parametrize("limit_gb_s", [0.02, 0.05, 0.1, 0.3])
+def test_plans_write_within_the_limit_at_their_own_predicted_step_time(limit_gb_s):
+    """Slow drives: offloads stall and lengthen the step, and the bound still holds at
+    the plan's own (measured-bandwidth) step time, under both goals."""
+    slow = uniform_stage(8, 1.0, 2.0, GB, IOProfile(GB / 1.5, GB / 1.5))
+    limit = limit_gb_s * GB
+    keep_peak = make_plan(slow).keep_peak_activation_bytes
+    for plan in (make_plan(slow, max_write_bytes_per_s=limit),
+                 make_plan(slow, memory_budget=keep_peak // 2, max_write_bytes_per_s=limit)):
+        assert plan.write_bytes_per_s <= limit
