@@ -78,6 +78,17 @@ SSD_FLAGS: Tuple[_Flag, ...] = (
         "instead. [planner.memory_budget]",
     ),
     _Flag(
+        "--ssd-offload-drive-tbw", "planner.drive_tbw_bytes", "BYTES", None, str,
+        "Rated write endurance of one offload drive in bytes, e.g. 7.0e15 (3.84 TB at 1 drive "
+        "write per day for 5 years); the planner then writes no faster than lets the drives "
+        "last planner.drive_lifetime_years (3). [planner.drive_tbw_bytes]",
+    ),
+    _Flag(
+        "--ssd-offload-drive-sharing", "planner.drive_sharing", "N", None, int,
+        "Processes writing to the same drives, each given an equal share of their endurance, "
+        "e.g. 8 when a node's 8 GPUs share one array. [planner.drive_sharing]",
+    ),
+    _Flag(
         "--ssd-offload-keep-last-layers", "keep_last_layers", "N", None, int,
         "Layers at the end of each pipeline stage kept in GPU memory by the static placement "
         "(their backward runs first, so their read could not be hidden). [keep_last_layers]",

@@ -55,7 +55,8 @@ def test_flags_default_to_none_and_parse_all():
         "--ssd-offload-prefetch-layers", "3", "--ssd-offload-io-threads", "4",
         "--ssd-offload-block-size", "1MiB", "--ssd-offload-max-inflight", "64MiB",
         "--ssd-offload-engine", "posix", "--ssd-offload-override", "io.checksum=false",
-        "--ssd-offload-override", "min_tensor_bytes=0",
+        "--ssd-offload-override", "min_tensor_bytes=0", "--ssd-offload-drive-tbw", "7.0e15",
+        "--ssd-offload-drive-sharing", "8",
     )
     validate_ssd_offload_args(args)
     cfg = offload_config_from_args(args)
@@ -64,6 +65,7 @@ def test_flags_default_to_none_and_parse_all():
     assert (cfg.keep_last_layers, cfg.prefetch_layers) == (2, 3)
     assert (cfg.io.threads, cfg.io.block_bytes, cfg.io.max_inflight_bytes) == (4, 1 << 20, 64 << 20)
     assert (cfg.io.engine, cfg.io.checksum, cfg.min_tensor_bytes) == ("posix", "off", 0)
+    assert (cfg.planner.drive_tbw_bytes, cfg.planner.drive_sharing) == (7 * 10**15, 8)
 
 
 def test_bad_choice_is_an_argparse_error(capsys):
@@ -164,6 +166,8 @@ ON = ["--ssd-offload", "--ssd-offload-paths", "/ok"]
         (ON + ["--ssd-offload-keep-last-layers", "-1"], ["--ssd-offload-keep-last-layers = '-1'", "must be >= 0"]),
         (ON + ["--ssd-offload-prefetch-layers", "-2"], ["--ssd-offload-prefetch-layers = '-2'", "must be >= 0"]),
         (ON + ["--ssd-offload-memory-budget", "0"], ["--ssd-offload-memory-budget = '0'", "> 0 bytes or null"]),
+        (ON + ["--ssd-offload-drive-sharing", "0"], ["--ssd-offload-drive-sharing = '0'", "drive_sharing", ">= 1"]),
+        (ON + ["--ssd-offload-drive-tbw", "0"], ["--ssd-offload-drive-tbw = '0'", "> 0 bytes or null"]),
         (ON + ["--ssd-offload-override", "io.thread=2"], ["--ssd-offload-override = 'io.thread=2'", "did you mean 'io.threads'?"]),
         (ON + ["--ssd-offload-override", "threads"], ["--ssd-offload-override = 'threads'", "key=value"]),
         (["--ssd-offload", "--ssd-offload-paths", "/x/{node}"], ["= '/x/{node}'", "unknown placeholder {node}"]),
