@@ -32,8 +32,8 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import mmap
-import threading
 import time
 from typing import Optional
 
@@ -43,26 +43,18 @@ __all__ = ["allocator_owned", "release_pages", "trim_heap", "heap_trimming_avail
 
 _MADV_DONTNEED = 4
 _PAGE = mmap.PAGESIZE
-_lock = threading.Lock()
-_libc: Optional[ctypes.CDLL] = None
-_probed = False
-_sole: Optional[int] = None
 
 
+@functools.lru_cache(maxsize=None)
 def _load() -> Optional[ctypes.CDLL]:
-    global _libc, _probed
-    with _lock:
-        if not _probed:
-            _probed = True
-            try:
-                libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
-                libc.gnu_get_libc_version  # glibc only: malloc_trim's semantics are glibc's
-                libc.malloc_trim.argtypes = [ctypes.c_size_t]
-                libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-                _libc = libc
-            except (OSError, AttributeError):
-                _libc = None
-        return _libc
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+        libc.gnu_get_libc_version  # glibc only: malloc_trim's semantics are glibc's
+        libc.malloc_trim.argtypes = [ctypes.c_size_t]
+        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    except (OSError, AttributeError):
+        return None
+    return libc
 
 
 def heap_trimming_available() -> bool:
@@ -74,22 +66,19 @@ def _use_count(storage: torch.UntypedStorage) -> int:
     return torch._C._storage_Use_Count(storage._cdata)
 
 
+@functools.lru_cache(maxsize=None)
 def _sole_use_count() -> Optional[int]:
     """The use count :func:`release_pages` sees for a storage nobody else holds, built
     the way the cache holds one (a bytes view made with ``set_``)."""
-    global _sole
-    if _sole is None:
-        if not hasattr(torch._C, "_storage_Use_Count"):
-            _sole = -1
-        else:
-            from .identity import storage_bytes
+    if not hasattr(torch._C, "_storage_Use_Count"):
+        return None
+    from .identity import storage_bytes
 
-            owner = torch.empty(3 * _PAGE, dtype=torch.uint8)
-            data = storage_bytes(owner)
-            del owner
-            storage = data.untyped_storage()
-            _sole = _use_count(storage)
-    return None if _sole < 0 else _sole
+    owner = torch.empty(3 * _PAGE, dtype=torch.uint8)
+    data = storage_bytes(owner)
+    del owner
+    storage = data.untyped_storage()
+    return _use_count(storage)
 
 
 def allocator_owned(t: torch.Tensor) -> bool:

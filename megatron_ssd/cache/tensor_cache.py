@@ -34,10 +34,7 @@ from .pages import allocator_owned
 from .record import Entry, EntryState, Packed, Record
 from .scopes import ScopeMixin, active_cache
 from .stats import Counters, LayerCounters
-from .transfers import TransferMixin
-
-MOVED = (Placement.OFFLOAD, Placement.HOST)
-"""Placements whose tensors leave compute-device memory between forward and backward."""
+from .transfers import MOVED, TransferMixin
 
 __all__ = ["TensorCache", "active_cache", "resolve_device"]
 
@@ -255,9 +252,8 @@ class TensorCache(ScopeMixin, TransferMixin, StepAccountingMixin):
         data = storage_bytes(t)
         nbytes = data.numel()
         placement = self.placement(layer_id)
-        if placement not in MOVED or nbytes < self.config.min_tensor_bytes:
-            placement = Placement.KEEP
-        elif placement is Placement.HOST and self.host is None:  # a default placement of host
+        if (placement not in MOVED or nbytes < self.config.min_tensor_bytes
+                or (placement is Placement.HOST and self.host is None)):  # a default placement of host, no pool
             placement = Placement.KEEP
         entry = Entry(key, nbytes, t.device, layer_id, placement, record, weak=storage_weakref(t), refs=1)
         entry.releasable = self._return_pages and placement is Placement.OFFLOAD and allocator_owned(t)

@@ -20,7 +20,10 @@ from ..io.base import IOFuture
 from .pages import release_pages
 from .record import Entry, EntryState, Record
 
-__all__ = ["TransferMixin"]
+__all__ = ["MOVED", "TransferMixin"]
+
+MOVED = (Placement.OFFLOAD, Placement.HOST)
+"""Placements whose tensors leave compute-device memory between forward and backward."""
 
 logger = logging.getLogger("megatron_ssd")
 
@@ -121,7 +124,7 @@ class TransferMixin:
                 self._free_disk(entry)
 
     def _note_forwarded(self, entry: Entry) -> None:
-        if entry.placement in (Placement.OFFLOAD, Placement.HOST) and not entry.wanted:
+        if entry.placement in MOVED and not entry.wanted:
             entry.wanted = True
             if entry.state in (EntryState.WRITING, EntryState.LOADED) and not entry.reloaded:
                 self._counters.bytes_forwarded += entry.nbytes

@@ -283,18 +283,15 @@ def make_plan(
             raise ConfigError(f"capacity_bytes = {capacity_bytes!r}: must be None or an integer number of bytes >= 0")
         capacity_bytes = int(capacity_bytes)
     search = PlacementSearch(stage, stage.io.derated(safety_margin), prefetch_depth, max_write_bytes_per_s)
-    if memory_budget is not None and (capacity_bytes is None or memory_budget <= capacity_bytes):
-        placements = search.meet_budget(memory_budget, allow_recompute)
-        goal = GOAL_MEMORY_BUDGET
-    elif memory_budget is not None:
-        placements = search.meet_budget(capacity_bytes, allow_recompute, "capacity_bytes")
-        goal = GOAL_CAPACITY
+    if memory_budget is None:
+        placements, goal = search.max_offload(), GOAL_MAX_OFFLOAD
+        over = capacity_bytes is not None and search.check(placements).peak_bytes > capacity_bytes
     else:
-        placements = search.max_offload()
-        goal = GOAL_MAX_OFFLOAD
-        if capacity_bytes is not None and search.check(placements).peak_bytes > capacity_bytes:
-            placements = search.meet_budget(capacity_bytes, allow_recompute, "capacity_bytes")
-            goal = GOAL_CAPACITY
+        over = capacity_bytes is not None and memory_budget > capacity_bytes
+        if not over:
+            placements, goal = search.meet_budget(memory_budget, allow_recompute), GOAL_MEMORY_BUDGET
+    if over:  # the device's capacity binds: meet it as the budget
+        placements, goal = search.meet_budget(capacity_bytes, allow_recompute, "capacity_bytes"), GOAL_CAPACITY
     tl = predict(stage, placements, prefetch_depth)
     keep = predict(stage, [Placement.KEEP] * len(stage.layers), prefetch_depth)
     plan = _build(stage, tl, keep, goal, memory_budget, safety_margin, prefetch_depth)

@@ -34,8 +34,10 @@ def drive_lifetime_years(
 ) -> float:
     """Years until each drive of an array reaches its rated endurance (NOTE [Wear model]):
     ``tbw / (rate * gpus / drives * 86400 * duty) / 365``. Infinite when nothing is written."""
-    per_drive_day = write_bytes_per_s_per_gpu * gpus_per_array / ssd_count * SECONDS_PER_DAY * duty_cycle
-    return tbw_bytes / per_drive_day / 365.0 if per_drive_day > 0 else math.inf
+    if write_bytes_per_s_per_gpu <= 0:
+        return math.inf
+    # The rate that lasts one year, over the actual rate (write_limit_bytes_per_s is linear in 1/years).
+    return write_limit_bytes_per_s(tbw_bytes, 1.0, ssd_count, gpus_per_array, duty_cycle) / write_bytes_per_s_per_gpu
 
 
 def write_limit_bytes_per_s(
