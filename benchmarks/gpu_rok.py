@@ -31,7 +31,6 @@ sys.path.insert(0, REPO)
 
 MODEL = ["model.num_layers=24", "model.hidden_size=2048", "model.num_attention_heads=16",
          "model.seq_length=2048", "model.vocab_size=50304", "model.params_dtype=bf16"]
-GiB = float(1 << 30)
 
 
 def _train_point(name, path, mbs, mode, steps=8):

@@ -36,7 +36,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_ssd.config import IOConfig, MiB, OffloadConfig  # noqa: E402
+from megatron_ssd.config import IOConfig, OffloadConfig  # noqa: E402
+from megatron_ssd.units import MiB  # noqa: E402
 from megatron_ssd.io import PosixEngine, aligned_empty  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -22,7 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_ssd.planner.commands import _point, _train_in_subprocess, machine_info  # noqa: E402
 
-MiB = float(1 << 20)
+from megatron_ssd.units import MiB  # noqa: E402
 BASE = ["model.hidden_size=256", "model.num_attention_heads=8", "model.seq_length=256", "model.vocab_size=4096",
         "num_microbatches=1", "steps=4", "offload.min_tensor_bytes=65536"]
 PLACEMENTS = {"keep": "keep", "recompute": "recompute", "offload": "offload"}

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Type, TypeVar
 
 from .errors import ConfigError
+from .units import MiB
 
 __all__ = [
     "Placement",
@@ -44,7 +45,6 @@ __all__ = [
     "MiB",
 ]
 
-MiB = 1 << 20
 T = TypeVar("T")
 
 

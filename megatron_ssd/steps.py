@@ -10,11 +10,11 @@ from typing import Any, Dict, List, Optional, Sequence
 
 from .cache import StepStats
 from .config import PlannerConfig, TrainConfig
+from .units import MiB
 
 __all__ = ["FEW_STEPS", "step_kinds", "short_run_problems", "step_line", "format_plans", "format_paired",
            "format_comparison"]
 
-MiB = float(1 << 20)
 FEW_STEPS = 5
 """A step-time ratio from fewer measured steps than this (either side) is printed with a
 warning next to its interval: a handful of steps cannot separate a few percent from noise."""

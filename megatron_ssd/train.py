@@ -28,11 +28,11 @@ from .data import TextFileData
 from .errors import ConfigError
 from .output import Progress, write_json
 from .steps import format_comparison, format_paired, format_plans, short_run_problems, step_kinds, step_line
+from .units import MiB
 
 __all__ = ["TrainRecipe", "PhaseResult", "run_train", "format_summary"]
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-MiB = float(1 << 20)
 
 
 @dataclass

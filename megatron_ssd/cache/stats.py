@@ -7,6 +7,7 @@ import random
 import statistics
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterable, List, Sequence
+from ..units import MiB
 
 __all__ = ["StepStats", "Counters", "LayerCounters", "median_or_zero", "bootstrap_ci95", "median_ci95", "ratio_ci95"]
 
@@ -194,11 +195,10 @@ class StepStats:
 
     def summary(self) -> str:
         """One line for logs."""
-        mb = 1 << 20
         return (
-            f"step {self.step}: offloaded {self.bytes_offloaded / mb:.1f} MiB "
-            f"(write {self.write_bytes_per_s / mb:.0f} MiB/s), reloaded {self.bytes_reloaded / mb:.1f} MiB "
-            f"(read {self.read_bytes_per_s / mb:.0f} MiB/s), forwarded {self.bytes_forwarded / mb:.1f} MiB, "
-            f"dedup {self.bytes_deduplicated / mb:.1f} MiB, peak resident {self.peak_resident_bytes / mb:.1f} MiB, "
+            f"step {self.step}: offloaded {self.bytes_offloaded / MiB:.1f} MiB "
+            f"(write {self.write_bytes_per_s / MiB:.0f} MiB/s), reloaded {self.bytes_reloaded / MiB:.1f} MiB "
+            f"(read {self.read_bytes_per_s / MiB:.0f} MiB/s), forwarded {self.bytes_forwarded / MiB:.1f} MiB, "
+            f"dedup {self.bytes_deduplicated / MiB:.1f} MiB, peak resident {self.peak_resident_bytes / MiB:.1f} MiB, "
             f"stall {self.stall_s * 1e3:.0f} ms"
         )

@@ -21,10 +21,10 @@ import torch
 from ..config import IOConfig, OffloadConfig, _parse_size
 from ..errors import ConfigError
 from ..output import write_json
+from ..units import GiB, MiB
 
 __all__ = ["measure_path", "run_bench_io", "check_size", "suggested_settings", "SETTINGS", "MAX_SHARE_OF_FREE"]
 
-MiB = 1 << 20
 SETTINGS: Tuple[Tuple[int, int], ...] = ((1, 4 * MiB), (2, 4 * MiB), (4, 4 * MiB), (4, 16 * MiB))
 """(threads, block_bytes) pairs tried on every path."""
 
@@ -100,7 +100,7 @@ def check_size(text: str, total: int, path: str) -> None:
     if total > MAX_SHARE_OF_FREE * free:
         raise ConfigError(
             f"bench-io --size {text!r} ({total} bytes): {path!r} has {free} bytes free "
-            f"({free / (1 << 30):.2f} GiB); --size must be at most {MAX_SHARE_OF_FREE:.0%} of the free space "
+            f"({free / GiB:.2f} GiB); --size must be at most {MAX_SHARE_OF_FREE:.0%} of the free space "
             "of every path"
         )
 

@@ -29,6 +29,7 @@ import time
 from typing import Any, Dict, List, Optional, Tuple
 
 from ..errors import ConfigError
+from ..units import gib
 
 __all__ = [
     "MARKER",
@@ -92,10 +93,6 @@ def check_offload_path(path: str) -> str:
     return os.path.abspath(path)
 
 
-def _gib(nbytes: int) -> str:
-    return f"{nbytes / (1 << 30):.2f} GiB"
-
-
 def check_free_space(path: str, min_free_bytes: int) -> int:
     """Free bytes (for this user) on the filesystem of ``path``; at least ``min_free_bytes``.
 
@@ -107,7 +104,7 @@ def check_free_space(path: str, min_free_bytes: int) -> int:
     if min_free_bytes > 0 and free < min_free_bytes:
         raise ConfigError(
             f"OffloadConfig.min_free_bytes = {min_free_bytes}: {path!r} has {free} bytes free "
-            f"({_gib(free)}, {_gib(min_free_bytes)} required); every offload path must have at least "
+            f"({gib(free)}, {gib(min_free_bytes)} required); every offload path must have at least "
             "min_free_bytes free (free some space, or lower min_free_bytes; 0 turns the check off)"
         )
     return free
@@ -127,8 +124,8 @@ def check_space_for_plan(paths: List[str], planned_bytes: int) -> int:
     free = sum(check_free_space(path, 0) for path in paths)
     if planned_bytes > free:
         raise ConfigError(
-            f"planned SSD footprint = {planned_bytes} bytes ({_gib(planned_bytes)}): the offload paths "
-            f"{list(paths)} have {free} bytes free ({_gib(free)}) together; the plan must fit (free space, add "
+            f"planned SSD footprint = {planned_bytes} bytes ({gib(planned_bytes)}): the offload paths "
+            f"{list(paths)} have {free} bytes free ({gib(free)}) together; the plan must fit (free space, add "
             "paths, or set planner.memory_budget so fewer layers are offloaded)"
         )
     return free

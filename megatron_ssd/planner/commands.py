@@ -20,10 +20,10 @@ from ..config import TrainConfig, load_config, to_dict
 from ..output import write_json
 from ..train import TrainRecipe
 from ..errors import ConfigError, MegatronSSDError
+from ..units import MiB
 
 __all__ = ["run_plan", "run_rok", "run_simulate", "rok_points", "machine_info", "PLACEMENTS"]
 
-MiB = float(1 << 20)
 
 
 def machine_info() -> Dict[str, Any]:

@@ -34,6 +34,7 @@ from typing import Any, Deque, Dict, List, Mapping, Optional, Sequence, Union
 from ..errors import ConfigError
 from .plan import Plan
 from .profile import IOProfile, LayerId, StageProfile
+from ..units import MiB
 
 __all__ = ["DriftDecision", "DriftDetector"]
 
@@ -68,7 +69,7 @@ class _Expected:
 def _with_unit(key: str, value: float) -> str:
     """A checked quantity with its unit: bandwidths in MiB/s, layer times in ms."""
     if key.endswith("_bw"):
-        return f"{value / (1 << 20):.1f} MiB/s"
+        return f"{value / MiB:.1f} MiB/s"
     return f"{value * 1e3:.2f} ms"
 
 

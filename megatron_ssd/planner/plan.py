@@ -25,6 +25,7 @@ from ..errors import ConfigError
 from .profile import IOProfile, LayerId, StageProfile
 from .search import PlacementSearch, PlanInfeasibleError
 from .timeline import Timeline, predict
+from ..units import MiB
 
 __all__ = [
     "GOAL_CAPACITY",
@@ -47,7 +48,6 @@ device's activation capacity at the smallest predicted step time."""
 PLAN_SCHEMA = "megatron_ssd.plan/1"
 """Value of the ``schema`` key of a plan's JSON form."""
 
-_MiB = float(1 << 20)
 
 
 @dataclass
@@ -195,21 +195,21 @@ class Plan:
         for lp in self.layers:
             note = "  (forwarded)" if lp.forwarded else ""
             rows.append(
-                f"{str(lp.layer_id):>8}  {lp.placement.value:<9}  {lp.bytes / _MiB:9.1f}  {lp.write_s * 1e3:9.2f}"
+                f"{str(lp.layer_id):>8}  {lp.placement.value:<9}  {lp.bytes / MiB:9.1f}  {lp.write_s * 1e3:9.2f}"
                 f"  {lp.read_s * 1e3:9.2f}  {lp.exposed_s * 1e3:10.2f}{note}"
             )
         peak_ratio = self.peak_activation_bytes / self.keep_peak_activation_bytes if self.keep_peak_activation_bytes else 1.0
         step_ratio = self.step_s / self.keep_step_s if self.keep_step_s else 1.0
-        budget = f", budget {self.memory_budget / _MiB:.1f} MiB" if self.memory_budget is not None else ""
+        budget = f", budget {self.memory_budget / MiB:.1f} MiB" if self.memory_budget is not None else ""
         if self.capacity_bytes is not None:
-            budget += f", device capacity {self.capacity_bytes / _MiB:.1f} MiB"
+            budget += f", device capacity {self.capacity_bytes / MiB:.1f} MiB"
         rows.append(
             f"goal {self.goal}{budget}; stage {self.pipeline_rank}/{self.pipeline_size} "
             f"x{self.microbatches_in_flight} micro-batch{'es' if self.microbatches_in_flight > 1 else ''}"
         )
         rows.append(
-            f"peak {self.peak_activation_bytes / _MiB:.1f} MiB ({peak_ratio:.1%} of keep-everything "
-            f"{self.keep_peak_activation_bytes / _MiB:.1f} MiB); step {self.step_s * 1e3:.2f} ms "
+            f"peak {self.peak_activation_bytes / MiB:.1f} MiB ({peak_ratio:.1%} of keep-everything "
+            f"{self.keep_peak_activation_bytes / MiB:.1f} MiB); step {self.step_s * 1e3:.2f} ms "
             f"({step_ratio:.3f}x keep-everything); exposed I/O {self.exposed_s * 1e3:.2f} ms; "
             f"I/O slowdown {self.slowdown_s * 1e3:.2f} ms"
         )

@@ -24,10 +24,10 @@ from ..config import Placement
 from ..errors import MegatronSSDError
 from .profile import IOProfile, StageProfile
 from .timeline import Timeline, predict
+from ..units import GiB
 
 __all__ = ["PlanInfeasibleError", "PlacementSearch"]
 
-_GiB = float(1 << 30)
 _TOP = (-1, 0.0, 0.0, -1, -1)
 """Heap key of a move never evaluated: ahead of every evaluated one."""
 _NO_BENEFIT = 2
@@ -55,11 +55,11 @@ class PlanInfeasibleError(MegatronSSDError):
             if max_write_bytes_per_s is not None else ""
         )
         super().__init__(
-            f"{limit_name} = {memory_budget} bytes ({memory_budget / _GiB:.2f} GiB) cannot be met{wear} on "
+            f"{limit_name} = {memory_budget} bytes ({memory_budget / GiB:.2f} GiB) cannot be met{wear} on "
             f"pipeline stage {stage.pipeline_rank} of {stage.pipeline_size} "
             f"({stage.microbatches_in_flight} micro-batches in flight): the smallest reachable predicted "
-            f"peak is {smallest_peak} bytes ({smallest_peak / _GiB:.2f} GiB; keeping everything needs "
-            f"{keep_peak / _GiB:.2f} GiB). Raise the budget, allow recompute, or lower the micro-batch size."
+            f"peak is {smallest_peak} bytes ({smallest_peak / GiB:.2f} GiB; keeping everything needs "
+            f"{keep_peak / GiB:.2f} GiB). Raise the budget, allow recompute, or lower the micro-batch size."
         )
 
 
