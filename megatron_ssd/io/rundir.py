@@ -29,6 +29,7 @@ import time
 from typing import Any, Dict, List, Optional, Tuple
 
 from ..errors import ConfigError
+from ..ranks import global_rank
 from ..units import gib
 
 __all__ = [
@@ -59,18 +60,8 @@ _O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 
 
 def resolve_rank(rank: Optional[int] = None) -> int:
-    """The rank for naming: explicit, else torch.distributed, else env ``RANK``, else 0."""
-    if rank is not None:
-        return int(rank)
-    try:
-        import torch.distributed as dist
-
-        if dist.is_available() and dist.is_initialized():
-            return int(dist.get_rank())
-    except (ImportError, RuntimeError):
-        pass
-    env = os.environ.get("RANK", "")
-    return int(env) if env.strip().isdigit() else 0
+    """The rank for naming run directories (:func:`megatron_ssd.ranks.global_rank`)."""
+    return global_rank(rank)
 
 
 def check_offload_path(path: str) -> str:

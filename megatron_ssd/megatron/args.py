@@ -24,6 +24,7 @@ from typing import Any, Callable, List, NamedTuple, Optional, Tuple
 
 from ..config import OffloadConfig, load_config
 from ..errors import ConfigError
+from ..ranks import process_ranks
 from . import compat
 
 __all__ = [
@@ -208,14 +209,6 @@ def _strip_prefix(err: ConfigError) -> str:
     return str(err).split("megatron_ssd: ", 1)[-1]
 
 
-def _default_ranks(rank: Optional[int], local_rank: Optional[int]) -> Tuple[int, int]:
-    if rank is None:
-        rank = int(os.environ.get("RANK", "0"))
-    if local_rank is None:
-        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    return rank, local_rank
-
-
 def offload_config_from_args(
     args: Any, rank: Optional[int] = None, local_rank: Optional[int] = None, make_rank_dirs: bool = False
 ) -> Optional[OffloadConfig]:
@@ -239,7 +232,7 @@ def offload_config_from_args(
     overrides = list(getattr(args, "ssd_offload_override", None) or [])
     overrides += [f"{field}={value}" for _, field, value in _flag_overrides(args)]
     config = load_config(OffloadConfig, getattr(args, "ssd_offload_config", None), overrides)
-    rank, local_rank = _default_ranks(rank, local_rank)
+    rank, local_rank = process_ranks(rank, local_rank, args)
     paths = [expand_path(p, rank, local_rank) for p in config.paths]
     if make_rank_dirs:
         for raw, path in zip(config.paths, paths):

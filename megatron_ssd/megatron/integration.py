@@ -26,7 +26,6 @@ import atexit
 import importlib
 import inspect
 import logging
-import os
 import sys
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -34,6 +33,7 @@ import torch
 
 from ..cache import StepStats, TensorCache
 from ..config import OffloadConfig
+from ..ranks import process_ranks
 from . import compat
 from .args import add_ssd_offload_args, chain_args_providers, offload_config_from_args, validate_ssd_offload_args
 from .layer import offload_layer_spec
@@ -341,17 +341,6 @@ def installed_cache() -> Optional[TensorCache]:
     return _STATE.cache if _STATE is not None else None
 
 
-def _process_ranks(args: Any) -> Tuple[int, int]:
-    """(global rank, local rank) of this process."""
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        rank = torch.distributed.get_rank()
-    else:
-        rank = int(getattr(args, "rank", None) or os.environ.get("RANK", "0"))
-    local = os.environ.get("LOCAL_RANK")
-    local_rank = int(local) if local is not None else int(getattr(args, "local_rank", None) or 0)
-    return rank, local_rank
-
-
 def _pipeline_position() -> Dict[str, int]:
     """This stage's pipeline rank and size, once Megatron's model parallelism is set up."""
     try:
@@ -408,7 +397,7 @@ def install(args: Any) -> Optional[TensorCache]:
         return _STATE.cache
     compat.check_supported()
     validate_ssd_offload_args(args)
-    rank, local_rank = _process_ranks(args)
+    rank, local_rank = process_ranks(args=args)
     config = offload_config_from_args(args, rank=rank, local_rank=local_rank, make_rank_dirs=True)
     if config is None:
         return None

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
 
 from ..errors import ConfigError, MegatronSSDError
+from ..ranks import env_int
 from .cpu_mode import cuda_usable
 from .launch import free_port
 
@@ -65,16 +66,6 @@ class ParallelInfo:
 _OWN_PROCESS_GROUP = False
 
 
-def _env_int(name: str) -> Optional[int]:
-    value = os.environ.get(name)
-    if value is None:
-        return None
-    try:
-        return int(value)
-    except ValueError:
-        raise ConfigError(f"environment {name}={value!r} is not an integer") from None
-
-
 def _check_sizes(tp: int, pp: int, vp: Optional[int], world_size: int) -> None:
     for name, value in (
         ("tensor_model_parallel_size", tp),
@@ -101,7 +92,7 @@ def _check_sizes(tp: int, pp: int, vp: Optional[int], world_size: int) -> None:
 
 def _init_process_group(backend: str, timeout: timedelta) -> None:
     global _OWN_PROCESS_GROUP
-    rank, world_size = _env_int("RANK"), _env_int("WORLD_SIZE")
+    rank, world_size = env_int("RANK"), env_int("WORLD_SIZE")
     if (rank is None) != (world_size is None):
         raise ConfigError("set both RANK and WORLD_SIZE in the environment, or neither")
     if rank is None:
@@ -109,14 +100,14 @@ def _init_process_group(backend: str, timeout: timedelta) -> None:
         init_method = f"tcp://127.0.0.1:{free_port()}"
     else:
         addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
-        port = _env_int("MASTER_PORT")
+        port = env_int("MASTER_PORT")
         if port is None:
             raise ConfigError(
                 f"RANK={rank} and WORLD_SIZE={world_size} are set but MASTER_PORT is not"
             )
         init_method = f"tcp://{addr}:{port}"
     if backend == "nccl":
-        local_rank = _env_int("LOCAL_RANK") or 0
+        local_rank = env_int("LOCAL_RANK") or 0
         torch.cuda.set_device(local_rank % torch.cuda.device_count())
     dist.init_process_group(
         backend=backend,
@@ -173,7 +164,7 @@ def init_parallel(
             "megatron parallel state is already initialised; call destroy_parallel() first"
         )
     initialized = dist.is_initialized()
-    world_size = dist.get_world_size() if initialized else (_env_int("WORLD_SIZE") or 1)
+    world_size = dist.get_world_size() if initialized else (env_int("WORLD_SIZE") or 1)
     _check_sizes(
         tensor_model_parallel_size,
         pipeline_model_parallel_size,
