@@ -5,6 +5,18 @@ generate ``docs/configuration.md``), loaded from YAML presets and overridden by
 ``key=value`` strings. Validation raises :class:`~megatron_ssd.errors.ConfigError`
 naming the field, the value and the rule.
 
+Each field's rules and unit are declared on its own annotation as :data:`typing.Annotated`
+metadata (``threads: Annotated[int, Positive(), AtMost(64)]``,
+``block_bytes: Annotated[ByteCount, Positive(), MultipleOf(4096)]``), so renaming a field
+carries its rules along, and whether ``4MiB`` or ``500ms`` is accepted follows the
+field's type (:data:`Bytes`, :data:`Seconds`), not its name. Rules that compare several
+fields are each class's ``_check`` method. This is plain ``Annotated`` metadata rather
+than pydantic because: every error stays one line naming ``Class.field = value: rule``,
+the project's format; the same rules run when a config is built directly
+(``IOConfig(threads=0)``) and when it is loaded from YAML or overrides; the docstring
+under each field stays the source of the generated reference; and the core package
+gains no runtime dependency (pydantic comes only with the ``megatron-lm`` extra).
+
 Example::
 
     cfg = load_config(OffloadConfig, "configs/io-nvme1.yaml", ["io.threads=4"])
@@ -16,6 +28,7 @@ import ast
 import dataclasses
 import difflib
 import enum
+import functools
 import inspect
 import math
 import os
@@ -23,7 +36,7 @@ import re
 import textwrap
 import typing
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Type, TypeVar
+from typing import Annotated, Any, Dict, List, Mapping, Optional, Sequence, Tuple, Type, TypeVar
 
 from .errors import ConfigError
 from .units import MiB
@@ -39,13 +52,157 @@ __all__ = [
     "from_dict",
     "to_dict",
     "apply_overrides",
+    "validate",
     "field_docs",
     "is_size_field",
     "is_duration_field",
+    "Unit",
+    "Bytes",
+    "Seconds",
+    "ByteCount",
+    "Duration",
+    "Rule",
+    "Positive",
+    "NonNegative",
+    "AtLeast",
+    "AtMost",
+    "MultipleOf",
+    "InRange",
+    "OneOf",
+    "Switch",
     "MiB",
 ]
 
 T = TypeVar("T")
+
+
+# ------------------------------------------------------------------ rules bound to fields
+
+
+@dataclass(frozen=True)
+class Unit:
+    """What a number field counts, so that YAML and overrides accept it in that unit:
+    :data:`Bytes` (``4MiB``, ``2GiB``) on an int, :data:`Seconds` (``500ms``, ``2min``)
+    on a float. A field without one is a plain count or number."""
+
+    word: str
+
+    def __repr__(self) -> str:
+        return self.word.capitalize()
+
+
+Bytes = Unit("bytes")
+"""An int field holding bytes: sizes such as ``4MiB`` are accepted."""
+Seconds = Unit("seconds")
+"""A float field holding seconds: durations such as ``500ms`` or ``2min`` are accepted."""
+
+ByteCount = Annotated[int, Bytes]
+Duration = Annotated[float, Seconds]
+
+
+class Rule:
+    """A check on one field's value, declared in the field's ``Annotated`` metadata."""
+
+    def check(self, value: Any) -> Optional[str]:
+        """None when ``value`` keeps the rule, else the rule's text for the error."""
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class Positive(Rule):
+    def check(self, value: Any) -> Optional[str]:
+        return None if value > 0 else "must be > 0"
+
+
+@dataclass(frozen=True)
+class NonNegative(Rule):
+    def check(self, value: Any) -> Optional[str]:
+        return None if value >= 0 else "must be >= 0"
+
+
+@dataclass(frozen=True)
+class AtLeast(Rule):
+    low: Any
+
+    def check(self, value: Any) -> Optional[str]:
+        return None if value >= self.low else f"must be >= {self.low}"
+
+
+@dataclass(frozen=True)
+class AtMost(Rule):
+    high: Any
+
+    def check(self, value: Any) -> Optional[str]:
+        return None if not value > self.high else f"must be <= {self.high}"
+
+
+@dataclass(frozen=True)
+class MultipleOf(Rule):
+    step: int
+
+    def check(self, value: Any) -> Optional[str]:
+        return None if not value % self.step else f"must be a multiple of {self.step}"
+
+
+@dataclass(frozen=True)
+class InRange(Rule):
+    """``lo <= value <= hi``, either end open (excluded) when asked: ``[0, 1)`` is
+    ``InRange(0, 1, hi_open=True)``."""
+
+    lo: Any
+    hi: Any
+    lo_open: bool = False
+    hi_open: bool = False
+
+    def check(self, value: Any) -> Optional[str]:
+        above = self.lo < value if self.lo_open else self.lo <= value
+        below = value < self.hi if self.hi_open else value <= self.hi
+        if above and below:
+            return None
+        return f"must be in {'(' if self.lo_open else '['}{self.lo}, {self.hi}{')' if self.hi_open else ']'}"
+
+
+@dataclass(frozen=True, init=False)
+class OneOf(Rule):
+    choices: Tuple[Any, ...]
+
+    def __init__(self, *choices: Any) -> None:
+        object.__setattr__(self, "choices", choices)
+
+    def check(self, value: Any) -> Optional[str]:
+        return None if value in self.choices else f"must be one of {list(self.choices)}"
+
+
+@dataclass(frozen=True, init=False)
+class Switch(OneOf):
+    """A string field that is ``on`` or ``off`` and also takes YAML booleans
+    (``true`` / ``false``, ``yes`` / ``no``, ``1`` / ``0``) and ``auto`` (``on``)."""
+
+    def __init__(self) -> None:
+        super().__init__("on", "off")
+
+    @staticmethod
+    def convert(value: Any) -> Any:
+        return _switch(value)
+
+
+_ON, _OFF = ("true", "yes", "1"), ("false", "no", "0")
+
+
+def _switch(value: Any) -> Any:
+    """Map ``True`` / ``"true"`` to ``"on"`` and ``False`` / ``"false"`` to ``"off"``;
+    ``"auto"`` (the old measured default) is ``"on"``: checksums are cheap enough to keep.
+    Anything else is returned as is for validation to judge."""
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    low = value.strip().lower() if isinstance(value, str) else None
+    if low in _ON:
+        return "on"
+    if low in _OFF:
+        return "off"
+    if low == "auto":
+        return "on"
+    return low if low in ("on", "off") else value
 
 
 class Placement(str, enum.Enum):
@@ -67,23 +224,25 @@ class Placement(str, enum.Enum):
 class IOConfig:
     """How bytes move between memory and the offload paths."""
 
-    engine: str = "auto"
+    engine: Annotated[str, OneOf("auto", "posix", "kvikio")] = "auto"
     """I/O backend: ``posix`` (O_DIRECT thread pool, every machine), ``kvikio``
     (GPUDirect Storage, needs CUDA and kvikio) or ``auto`` (kvikio when a GPU and kvikio
     are present, else posix)."""
 
-    threads: int = 2
+    # Each thread keeps one request in flight and runs two workers; past the deepest
+    # NVMe queues worth filling from one process, more threads only cost memory.
+    threads: Annotated[int, Positive(), AtMost(64)] = 2
     """Requests kept in flight on the offload paths (twice as many worker threads run
     blocks); at most 64."""
 
-    block_bytes: int = 4 * MiB
+    block_bytes: Annotated[ByteCount, Positive(), MultipleOf(4096)] = 4 * MiB
     """Request size: tensors are cut into blocks of this size, striped round-robin over
     the paths. Must be a positive multiple of 4096."""
 
-    max_inflight_bytes: int = 256 * MiB
+    max_inflight_bytes: Annotated[ByteCount, Positive()] = 256 * MiB
     """Bound on bytes queued for writing but not yet on disk (backpressure)."""
 
-    on_backpressure: str = "wait"
+    on_backpressure: Annotated[str, OneOf("wait", "keep")] = "wait"
     """When the write queue is full: ``wait`` blocks the forward pass until room frees,
     ``keep`` keeps that tensor in memory instead (SSDTrain's adaptive behaviour)."""
 
@@ -91,64 +250,63 @@ class IOConfig:
     """Open files with O_DIRECT so offloaded bytes bypass the page cache. Only turn off
     on filesystems that refuse O_DIRECT; the data then also sits in the page cache."""
 
-    layout: str = "extent"
+    layout: Annotated[str, OneOf("extent", "file")] = "extent"
     """On-disk layout: ``extent`` (one preallocated file per path, an extent allocator
     recycles space) or ``file`` (one file per offloaded tensor, unlinked on free)."""
 
-    file_grow_bytes: int = 256 * MiB
+    file_grow_bytes: Annotated[ByteCount, Positive(), MultipleOf(4096)] = 256 * MiB
     """``extent`` layout: how much a per-path file grows when its free space runs out.
     Must be a positive multiple of 4096."""
 
-    checksum: str = "on"
+    checksum: Annotated[str, Switch()] = "on"
     """Store a checksum (xxh3_64) of each offloaded block and verify it on read, so a
     corrupted byte on a drive is an error instead of a silent change to training: ``on``
     or ``off`` (not recommended: a warning says so). ``true`` / ``false`` mean on / off;
     ``auto``, the old default, means ``on``. It costs about 0.06 CPU-s per GB moved."""
 
-    stall_warning_s: float = 60.0
+    stall_warning_s: Annotated[Duration, NonNegative()] = 60.0
     """Seconds a read or write may go without progress before a WARNING names it (file,
     offset, bytes, seconds waited), repeated every ``stall_warning_s`` while it stays
     stuck: a stalled drive otherwise hangs training without a word. 0 turns it off."""
 
-    priority: str = "normal"
+    priority: Annotated[str, OneOf("normal", "low", "idle")] = "normal"
     """Scheduling priority of the I/O worker threads (Linux): ``normal``; ``low``
     (nice 19: compute threads win whenever both want a core); ``idle``
     (``SCHED_IDLE``: the workers run only on otherwise idle cores). Matters where compute
     keeps every core busy, as CPU training does; elsewhere ignored with a warning."""
 
     def __post_init__(self) -> None:
-        self.checksum = _switch(self.checksum)
-        validate(self)
+        _settle(self)
 
 
 @dataclass
 class PlannerConfig:
     """How layer placements (keep / offload / recompute) are chosen."""
 
-    mode: str = "auto"
+    mode: Annotated[str, OneOf("auto", "static", "keep", "offload", "recompute", "host")] = "auto"
     """``auto``: profile the first steps, then plan from the measured compute time and
     SSD bandwidth, and re-plan when they drift; ``static``: keep the last
     ``keep_last_layers`` layers and offload the rest, never re-plan; ``keep``,
     ``offload``, ``recompute``, ``host``: every layer placed alike (for comparisons;
     ``host`` needs ``offload.host_pool_bytes``)."""
 
-    warmup_steps: int = 1
+    warmup_steps: Annotated[int, NonNegative()] = 1
     """Steps run before profiling starts (allocator and page-cache warm-up)."""
 
-    profile_steps: int = 2
+    profile_steps: Annotated[int, NonNegative()] = 2
     """Steps measured before the first plan (``auto`` mode)."""
 
-    safety_margin: float = 0.1
+    safety_margin: Annotated[float, NonNegative(), InRange(0, 1, hi_open=True)] = 0.1
     """Fraction by which measured bandwidths are derated when planning."""
 
-    memory_budget: Optional[int] = None
+    memory_budget: Optional[Annotated[ByteCount, Positive()]] = None
     """Peak saved-activation bytes allowed per process; None plans for zero exposed I/O.
     Sizes such as ``2GiB`` are accepted."""
 
     allow_recompute: bool = True
     """Whether the planner may place layers RECOMPUTE to meet ``memory_budget``."""
 
-    activation_capacity_bytes: Optional[int] = None
+    activation_capacity_bytes: Optional[Annotated[ByteCount, Positive()]] = None
     """The most saved-activation bytes the device can hold: a hard limit on every plan,
     with or without ``memory_budget`` (a plan that offloads what hides but does not fit
     is replaced by one that fits, at the smallest predicted step time). None: on a CUDA
@@ -156,37 +314,41 @@ class PlannerConfig:
     allocated between steps: parameters, gradients, optimizer state); on a CPU, no limit.
     Sizes such as ``60GiB`` are accepted."""
 
-    capacity_reserve: float = 0.15
+    capacity_reserve: Annotated[float, InRange(0, 1, hi_open=True)] = 0.15
     """Fraction of a CUDA device's memory left out of the measured activation capacity,
     for temporaries, communication buffers and fragmentation; in [0, 1)."""
 
-    replan_threshold: float = 0.15
+    replan_threshold: Annotated[float, InRange(0, 1, lo_open=True, hi_open=True)] = 0.15
     """Relative drift of measured bandwidth or compute time that triggers a re-plan; in
     (0, 1)."""
 
-    drive_tbw_bytes: Optional[int] = None
+    drive_tbw_bytes: Optional[Annotated[ByteCount, Positive()]] = None
     """Rated write endurance of one offload drive, in bytes (TBW; DWPD x capacity x
     warranty days, e.g. ``7.0e15`` for a 3.84 TB drive at 1 DWPD over 5 years). Set, the
     planner never chooses more SSD writes than let the drives last
     ``drive_lifetime_years``, and ``train`` reports their projected lifetime. None: writes
     are not bounded by wear (NOTE [Wear model])."""
 
-    drive_lifetime_years: float = 3.0
+    drive_lifetime_years: Annotated[float, Positive()] = 3.0
     """Years the drives must last at this job's write rate (used with ``drive_tbw_bytes``)."""
 
-    drive_count: int = 0
+    drive_count: Annotated[int, NonNegative()] = 0
     """Drives behind the offload paths; 0: one per path (a RAID0 mount given as one path
     needs its drive count here)."""
 
-    drive_sharing: int = 1
+    drive_sharing: Annotated[int, AtLeast(1)] = 1
     """Processes writing to the same drives, each given an equal share of their endurance
     (e.g. 8 when a node's 8 GPUs share its array)."""
 
-    drive_duty_cycle: float = 1.0
+    drive_duty_cycle: Annotated[float, InRange(0, 1, lo_open=True)] = 1.0
     """Fraction of each day the drives are written at this rate, in (0, 1]."""
 
     def __post_init__(self) -> None:
-        validate(self)
+        _settle(self)
+
+    def _check(self) -> None:
+        if self.mode == "auto" and self.profile_steps < 1:
+            raise _broken(self, "profile_steps", "must be >= 1 when mode is auto")
 
 
 @dataclass
@@ -197,14 +359,14 @@ class OffloadConfig:
     """Offload directories, one per drive; blocks are striped across them. A private
     run directory per process is created under each."""
 
-    min_tensor_bytes: int = 64 * 1024
+    min_tensor_bytes: Annotated[ByteCount, NonNegative()] = 64 * 1024
     """Saved tensors smaller than this stay in memory (not worth a request)."""
 
-    keep_last_layers: int = 1
+    keep_last_layers: Annotated[int, NonNegative()] = 1
     """How many of the last registered layers stay in memory by default: their backward
     runs first, so a read could not be hidden."""
 
-    prefetch_layers: int = 1
+    prefetch_layers: Annotated[int, NonNegative()] = 1
     """How many layers ahead of the running backward layer to read back."""
 
     device: str = "auto"
@@ -217,7 +379,7 @@ class OffloadConfig:
     planner: PlannerConfig = field(default_factory=PlannerConfig)
     """Placement planner settings."""
 
-    min_free_bytes: int = 1 << 30
+    min_free_bytes: Annotated[ByteCount, NonNegative()] = 1 << 30
     """Free space each offload path must have when the tensor cache starts; 0 turns the
     check off. Sizes such as ``20GiB`` are accepted."""
 
@@ -228,36 +390,48 @@ class OffloadConfig:
     pages]). Without it freed activations stay resident and the process's RSS shows
     little of the saving. Ignored on CUDA and off glibc."""
 
-    host_pool_bytes: int = 0
+    host_pool_bytes: Annotated[ByteCount, NonNegative()] = 0
     """Host memory the ``host`` placement may hold at once, per process (pinned on a
     GPU); 0: no host tier. A tensor that would overflow it stays where it is (kept).
     Sizes such as ``16GiB`` are accepted; host RAM is shared by the node's GPUs."""
 
     def __post_init__(self) -> None:
-        validate(self)
+        _settle(self)
+
+    def _check(self) -> None:
+        if self.device not in ("auto", "cpu", "cuda") and not _CUDA_DEVICE.fullmatch(self.device):
+            raise _broken(self, "device", "must be auto, cpu, cuda or cuda:N")
+        if len(set(os.path.abspath(p) for p in self.paths)) != len(self.paths):
+            raise _broken(self, "paths", "must not name a directory twice")
+        if self.planner.mode == "host" and self.host_pool_bytes == 0:
+            raise _broken(self, "host_pool_bytes", "must be > 0 when planner.mode is host")
 
 
 @dataclass
 class ModelConfig:
     """The megatron-core GPT the ``train`` job builds (local layer spec)."""
 
-    num_layers: int = 4
+    num_layers: Annotated[int, Positive()] = 4
     """Transformer layers."""
-    hidden_size: int = 256
+    hidden_size: Annotated[int, Positive()] = 256
     """Hidden size."""
-    num_attention_heads: int = 8
+    num_attention_heads: Annotated[int, Positive()] = 8
     """Attention heads; must divide ``hidden_size``."""
     ffn_hidden_size: Optional[int] = None
     """MLP hidden size; 4 x ``hidden_size`` when null."""
-    seq_length: int = 256
+    seq_length: Annotated[int, Positive()] = 256
     """Tokens per sequence."""
-    vocab_size: int = 8192
+    vocab_size: Annotated[int, Positive()] = 8192
     """Vocabulary size (>= 256 when training on a text file: tokens are bytes)."""
-    params_dtype: str = "fp32"
+    params_dtype: Annotated[str, OneOf("fp32", "bf16", "fp16")] = "fp32"
     """Parameter and activation dtype: ``fp32``, ``bf16`` or ``fp16`` (GPU)."""
 
     def __post_init__(self) -> None:
-        validate(self)
+        _settle(self)
+
+    def _check(self) -> None:
+        if self.num_attention_heads > 0 and self.hidden_size % self.num_attention_heads:
+            raise _broken(self, "num_attention_heads", f"must divide hidden_size ({self.hidden_size})")
 
 
 @dataclass
@@ -267,15 +441,15 @@ class TrainConfig:
 
     model: ModelConfig = field(default_factory=ModelConfig)
     """The model."""
-    micro_batch_size: int = 4
+    micro_batch_size: Annotated[int, Positive()] = 4
     """Sequences per micro-batch."""
-    num_microbatches: int = 2
+    num_microbatches: Annotated[int, Positive()] = 2
     """Micro-batches per step (gradient accumulation)."""
-    steps: int = 30
+    steps: Annotated[int, Positive()] = 30
     """Training steps with offload."""
-    baseline_steps: int = 4
+    baseline_steps: Annotated[int, NonNegative()] = 4
     """Steps of the keep-everything comparison run before (0: none)."""
-    paired_steps: int = 0
+    paired_steps: Annotated[int, NonNegative()] = 0
     """After the offload steps, this many pairs of steps in the same process: one with
     every layer kept, one with the offload phase's final placement, alternating which
     goes first. Each pair's step-time ratio compares runs seconds apart, so the machine's
@@ -286,9 +460,10 @@ class TrainConfig:
     buffers included) above the step's start, measured at the allocators, independently
     of the tensor cache. That step is not timed, planned from, or counted in the losses
     (``megatron-ssd rok`` turns it on)."""
-    lr: float = 0.01
+    lr: Annotated[float, Positive()] = 0.01
     """SGD learning rate."""
-    seed: int = 1234
+    # torch, numpy and Megatron's seed offsets all accept up to 2**32 - 1.
+    seed: Annotated[int, NonNegative(), AtMost(2**32 - 1)] = 1234
     """Seed of the weights and the synthetic data; in [0, 2**32 - 1]."""
     data: str = "synthetic"
     """``synthetic`` (seeded random tokens) or the path of a local text file (byte tokens)."""
@@ -298,56 +473,18 @@ class TrainConfig:
     """Offload settings; with no ``paths``, a private temporary directory is used."""
 
     def __post_init__(self) -> None:
-        validate(self)
+        _settle(self)
+
+    def _check(self) -> None:
+        if self.data != "synthetic":
+            if not os.path.isfile(self.data):
+                raise _broken(self, "data", "must be 'synthetic' or an existing text file")
+            if self.model.vocab_size < 256:
+                raise _broken(self.model, "vocab_size", "must be >= 256 for byte tokens")
 
 
 # --------------------------------------------------------------------------- validation
 
-_POSITIVE = {
-    ("ModelConfig", "num_layers"),
-    ("ModelConfig", "hidden_size"),
-    ("ModelConfig", "num_attention_heads"),
-    ("ModelConfig", "seq_length"),
-    ("ModelConfig", "vocab_size"),
-    ("TrainConfig", "micro_batch_size"),
-    ("TrainConfig", "num_microbatches"),
-    ("TrainConfig", "steps"),
-    ("TrainConfig", "lr"),
-    ("IOConfig", "threads"),
-    ("IOConfig", "block_bytes"),
-    ("IOConfig", "max_inflight_bytes"),
-    ("IOConfig", "file_grow_bytes"),
-}
-_NON_NEGATIVE = {
-    ("TrainConfig", "baseline_steps"),
-    ("TrainConfig", "paired_steps"),
-    ("PlannerConfig", "warmup_steps"),
-    ("PlannerConfig", "profile_steps"),
-    ("PlannerConfig", "safety_margin"),
-    ("PlannerConfig", "drive_count"),
-    ("OffloadConfig", "min_tensor_bytes"),
-    ("OffloadConfig", "keep_last_layers"),
-    ("OffloadConfig", "prefetch_layers"),
-    ("OffloadConfig", "min_free_bytes"),
-    ("OffloadConfig", "host_pool_bytes"),
-    ("IOConfig", "stall_warning_s"),
-}
-_CHOICES = {
-    ("IOConfig", "engine"): ("auto", "posix", "kvikio"),
-    ("IOConfig", "priority"): ("normal", "low", "idle"),
-    ("IOConfig", "on_backpressure"): ("wait", "keep"),
-    ("IOConfig", "layout"): ("extent", "file"),
-    ("IOConfig", "checksum"): ("on", "off"),
-    ("PlannerConfig", "mode"): ("auto", "static", "keep", "offload", "recompute", "host"),
-    ("ModelConfig", "params_dtype"): ("fp32", "bf16", "fp16"),
-}
-_ALIGNED = {("IOConfig", "block_bytes"), ("IOConfig", "file_grow_bytes")}
-_AT_MOST = {
-    # Each thread keeps one request in flight and runs two workers; past the deepest
-    # NVMe queues worth filling from one process, more threads only cost memory.
-    ("IOConfig", "threads"): 64,
-    ("TrainConfig", "seed"): 2**32 - 1,  # torch, numpy and Megatron's seed offsets all accept it
-}
 _CUDA_DEVICE = re.compile(r"cuda:[0-9]+")
 
 
@@ -355,102 +492,111 @@ def _fail(cls_name: str, name: str, value: Any, rule: str) -> ConfigError:
     return ConfigError(f"{cls_name}.{name} = {value!r}: {rule}")
 
 
-_SWITCHES = {("IOConfig", "checksum")}
-"""String fields with ``on`` / ``off`` choices that also accept YAML booleans."""
-_ON, _OFF = ("true", "yes", "1"), ("false", "no", "0")
+def _broken(obj: Any, name: str, rule: str) -> ConfigError:
+    """The error for field ``name`` of ``obj``, its value read from ``obj`` (a ``_check``
+    naming a field that is gone fails loudly instead of passing)."""
+    return _fail(type(obj).__name__, name, getattr(obj, name), rule)
 
 
-def _switch(value: Any) -> Any:
-    """Map ``True`` / ``"true"`` to ``"on"`` and ``False`` / ``"false"`` to ``"off"``;
-    ``"auto"`` (the old measured default) is ``"on"``: checksums are cheap enough to keep.
-    Anything else is returned as is for validation to judge."""
-    if isinstance(value, bool):
-        return "on" if value else "off"
-    low = value.strip().lower() if isinstance(value, str) else None
-    if low in _ON:
-        return "on"
-    if low in _OFF:
-        return "off"
-    if low == "auto":
-        return "on"
-    return low if low in ("on", "off") else value
+@functools.lru_cache(maxsize=None)
+def _type_hints(cls: type) -> Dict[str, Any]:
+    """The resolved annotations of ``cls``, ``Annotated`` metadata kept (cached per class:
+    with ``from __future__ import annotations`` they are strings until resolved)."""
+    return typing.get_type_hints(cls, include_extras=True)
+
+
+@dataclass(frozen=True)
+class _Spec:
+    """A field's annotation taken apart: its type without ``Optional`` and ``Annotated``,
+    whether None is allowed, its unit and its rules (in the order declared)."""
+
+    base: Any
+    optional: bool
+    unit: Optional[Unit]
+    rules: Tuple[Rule, ...]
+
+
+def _spec(hint: Any) -> _Spec:
+    meta: List[Any] = []
+    optional = False
+    while True:
+        origin, args = typing.get_origin(hint), typing.get_args(hint)
+        if origin is Annotated:
+            hint, meta = args[0], meta + list(hint.__metadata__)
+        elif origin is typing.Union and type(None) in args:
+            hint, optional = next(a for a in args if a is not type(None)), True
+        else:
+            break
+    units = [m for m in meta if isinstance(m, Unit)]
+    return _Spec(hint, optional, units[0] if units else None, tuple(m for m in meta if isinstance(m, Rule)))
+
+
+@functools.lru_cache(maxsize=None)
+def _specs(cls: type) -> Dict[str, _Spec]:
+    hints = _type_hints(cls)
+    return {f.name: _spec(hints[f.name]) for f in dataclasses.fields(cls)}
+
+
+def is_size_field(cls: type, name: str) -> bool:
+    """Whether field ``name`` of ``cls`` is declared in :data:`Bytes` (so ``4MiB`` is
+    accepted); other integer fields are counts."""
+    return _specs(cls)[name].unit == Bytes
+
+
+def is_duration_field(cls: type, name: str) -> bool:
+    """Whether field ``name`` of ``cls`` is declared in :data:`Seconds` (so ``500ms`` or
+    ``2min`` is accepted)."""
+    return _specs(cls)[name].unit == Seconds
+
+
+def _settle(obj: Any) -> None:
+    """What every config's ``__post_init__`` does: normalise :class:`Switch` fields
+    (``true`` -> ``on``), then :func:`validate`."""
+    for name, spec in _specs(type(obj)).items():
+        for rule in spec.rules:
+            if isinstance(rule, Switch):
+                setattr(obj, name, rule.convert(getattr(obj, name)))
+    validate(obj)
 
 
 def validate(obj: Any) -> None:
-    """Check the rules of one config object (not its children); raise ConfigError."""
+    """Check the rules of one config object (not its children); raise ConfigError.
+
+    First each field's own rules, read from its ``Annotated`` metadata, in field order (a
+    None in an ``Optional`` field skips them; on an ``Optional`` field the rule's text
+    adds the unit and ``or null``: ``must be > 0 bytes or null``), then the class's
+    ``_check`` for rules that compare several fields."""
     cls_name = type(obj).__name__
+    specs = _specs(type(obj))
     for f in dataclasses.fields(obj):
         value = getattr(obj, f.name)
-        key = (cls_name, f.name)
         if isinstance(value, float) and not math.isfinite(value):
             raise _fail(cls_name, f.name, value, "must be a finite number")
-        if key in _POSITIVE and not value > 0:
-            raise _fail(cls_name, f.name, value, "must be > 0")
-        if key in _NON_NEGATIVE and not value >= 0:
-            raise _fail(cls_name, f.name, value, "must be >= 0")
-        if key in _CHOICES and value not in _CHOICES[key]:
-            raise _fail(cls_name, f.name, value, f"must be one of {list(_CHOICES[key])}")
-        if key in _ALIGNED and value % 4096:
-            raise _fail(cls_name, f.name, value, "must be a multiple of 4096")
-        if key in _AT_MOST and value > _AT_MOST[key]:
-            raise _fail(cls_name, f.name, value, f"must be <= {_AT_MOST[key]}")
-    if isinstance(obj, ModelConfig) and obj.num_attention_heads > 0 and obj.hidden_size % obj.num_attention_heads:
-        raise _fail(cls_name, "num_attention_heads", obj.num_attention_heads,
-                    f"must divide hidden_size ({obj.hidden_size})")
-    if isinstance(obj, TrainConfig) and obj.seed < 0:
-        raise _fail(cls_name, "seed", obj.seed, "must be >= 0")
-    if isinstance(obj, TrainConfig) and obj.data != "synthetic":
-        if not os.path.isfile(obj.data):
-            raise _fail(cls_name, "data", obj.data, "must be 'synthetic' or an existing text file")
-        if obj.model.vocab_size < 256:
-            raise _fail("ModelConfig", "vocab_size", obj.model.vocab_size, "must be >= 256 for byte tokens")
-    if isinstance(obj, PlannerConfig):
-        if obj.memory_budget is not None and obj.memory_budget <= 0:
-            raise _fail(cls_name, "memory_budget", obj.memory_budget, "must be > 0 bytes or null")
-        if not 0 <= obj.safety_margin < 1:
-            raise _fail(cls_name, "safety_margin", obj.safety_margin, "must be in [0, 1)")
-        if not 0 < obj.replan_threshold < 1:
-            raise _fail(cls_name, "replan_threshold", obj.replan_threshold, "must be in (0, 1)")
-        if obj.mode == "auto" and obj.profile_steps < 1:
-            raise _fail(cls_name, "profile_steps", obj.profile_steps, "must be >= 1 when mode is auto")
-        if obj.activation_capacity_bytes is not None and obj.activation_capacity_bytes <= 0:
-            raise _fail(cls_name, "activation_capacity_bytes", obj.activation_capacity_bytes,
-                        "must be > 0 bytes or null")
-        if not 0 <= obj.capacity_reserve < 1:
-            raise _fail(cls_name, "capacity_reserve", obj.capacity_reserve, "must be in [0, 1)")
-        if obj.drive_tbw_bytes is not None and obj.drive_tbw_bytes <= 0:
-            raise _fail(cls_name, "drive_tbw_bytes", obj.drive_tbw_bytes, "must be > 0 bytes or null")
-        if not obj.drive_lifetime_years > 0:
-            raise _fail(cls_name, "drive_lifetime_years", obj.drive_lifetime_years, "must be > 0")
-        if obj.drive_sharing < 1:
-            raise _fail(cls_name, "drive_sharing", obj.drive_sharing, "must be >= 1")
-        if not 0 < obj.drive_duty_cycle <= 1:
-            raise _fail(cls_name, "drive_duty_cycle", obj.drive_duty_cycle, "must be in (0, 1]")
-    if isinstance(obj, OffloadConfig):
-        if obj.device not in ("auto", "cpu", "cuda") and not _CUDA_DEVICE.fullmatch(obj.device):
-            raise _fail(cls_name, "device", obj.device, "must be auto, cpu, cuda or cuda:N")
-        if len(set(os.path.abspath(p) for p in obj.paths)) != len(obj.paths):
-            raise _fail(cls_name, "paths", obj.paths, "must not name a directory twice")
-        if obj.planner.mode == "host" and obj.host_pool_bytes == 0:
-            raise _fail(cls_name, "host_pool_bytes", 0, "must be > 0 when planner.mode is host")
+        spec = specs[f.name]
+        if value is None and spec.optional:
+            continue
+        for rule in spec.rules:
+            text = rule.check(value)
+            if text is not None:
+                if spec.optional:
+                    text = f"{text} {spec.unit.word} or null" if spec.unit else f"{text} or null"
+                raise _fail(cls_name, f.name, value, text)
+    check = getattr(obj, "_check", None)
+    if check is not None:
+        check()
 
 
 # ----------------------------------------------------------------- dict / YAML round trip
 
 
-def _type_hints(cls: type) -> Dict[str, Any]:
-    return typing.get_type_hints(cls)
-
-
 def _coerce(cls_name: str, name: str, hint: Any, value: Any) -> Any:
-    """Convert a YAML / command-line value to the field's declared type."""
-    origin = typing.get_origin(hint)
-    args = typing.get_args(hint)
-    if origin is typing.Union and type(None) in args:
-        if value is None or (isinstance(value, str) and value.lower() in ("none", "null")):
-            return None
-        hint = next(a for a in args if a is not type(None))
-        origin, args = typing.get_origin(hint), typing.get_args(hint)
+    """Convert a YAML / command-line value to the field's declared type; sizes, durations
+    and switches are recognised by the field's ``Annotated`` metadata."""
+    spec = _spec(hint)
+    if spec.optional and (value is None or (isinstance(value, str) and value.lower() in ("none", "null"))):
+        return None
+    hint = spec.base
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
     if dataclasses.is_dataclass(hint):
         if isinstance(value, hint):
             return value
@@ -492,14 +638,14 @@ def _coerce(cls_name: str, name: str, hint: Any, value: Any) -> Any:
         if isinstance(value, float) and value.is_integer():
             return int(value)
         if isinstance(value, str):
-            if is_size_field(name):
+            if spec.unit == Bytes:
                 return _parse_size(cls_name, name, value)
             return _parse_count(cls_name, name, value)
         raise _fail(cls_name, name, value, "must be an integer")
     if hint is float:
         if isinstance(value, bool):
             raise _fail(cls_name, name, value, "must be a number")
-        if isinstance(value, str) and is_duration_field(name):
+        if isinstance(value, str) and spec.unit == Seconds:
             return _parse_duration(cls_name, name, value)
         try:
             number = float(value)
@@ -509,8 +655,9 @@ def _coerce(cls_name: str, name: str, hint: Any, value: Any) -> Any:
             raise _fail(cls_name, name, value, "must be a finite number")
         return number
     if hint is str:
-        if (cls_name, name) in _SWITCHES:
-            value = _switch(value)
+        for rule in spec.rules:
+            if isinstance(rule, Switch):
+                value = rule.convert(value)
         if not isinstance(value, str):
             raise _fail(cls_name, name, value, "must be a string")
         return value
@@ -519,18 +666,6 @@ def _coerce(cls_name: str, name: str, hint: Any, value: Any) -> Any:
 
 _SUFFIXES = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 _DURATIONS = {"ms": 1e-3, "s": 1.0, "min": 60.0, "h": 3600.0}
-
-
-def is_size_field(name: str) -> bool:
-    """Whether an integer field holds bytes, so that ``4MiB`` is accepted (by its name:
-    ``*_bytes`` or ``memory_budget``); other integer fields are counts."""
-    return name.endswith("_bytes") or name == "memory_budget"
-
-
-def is_duration_field(name: str) -> bool:
-    """Whether a number field holds seconds, so that ``500ms`` or ``2min`` is accepted
-    (by its name: ``*_s``)."""
-    return name.endswith("_s")
 
 
 def _parse_count(cls_name: str, name: str, text: str) -> int:

@@ -24,12 +24,13 @@ _SECTIONS = [
 ]
 
 
-def _kind(name: str, hint) -> str:
-    """The type column: the type, and the unit of byte and second fields."""
+def _kind(cls: type, name: str, hint) -> str:
+    """The type column: the type, and the unit of byte and second fields (declared by
+    their ``Bytes`` / ``Seconds`` annotation)."""
     text = _type_name(hint)
-    if text.startswith("int") and is_size_field(name):
+    if is_size_field(cls, name):
         return f"{text} (bytes; sizes such as `4MiB`)"
-    if text.startswith("float") and is_duration_field(name):
+    if is_duration_field(cls, name):
         return f"{text} (seconds; durations such as `500ms`, `2min`)"
     return text
 
@@ -72,7 +73,7 @@ def configuration_reference() -> str:
                 continue
             default = defaults[f.name]
             lines.append(
-                f"| `{prefix}{f.name}` | {_kind(f.name, hints[f.name])} | `{default!r}` | {docs.get(f.name, '')} |"
+                f"| `{prefix}{f.name}` | {_kind(cls, f.name, hints[f.name])} | `{default!r}` | {docs.get(f.name, '')} |"
             )
         lines.append("")
     return "\n".join(lines)

@@ -3,9 +3,14 @@ answered with the full dotted key that was meant."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Annotated, Optional
+
 import pytest
 
-from megatron_ssd.config import OffloadConfig, TrainConfig, load_config
+from megatron_ssd.config import (Bytes, IOConfig, MultipleOf, NonNegative, OffloadConfig, OneOf, PlannerConfig,
+                                 Positive, Seconds, Switch, TrainConfig, _settle, from_dict, is_duration_field,
+                                 is_size_field, load_config)
 from megatron_ssd.errors import ConfigError
 
 
@@ -58,3 +63,146 @@ def test_unknown_key_in_a_yaml_section_names_its_dotted_key(tmp_path):
     with pytest.raises(ConfigError, match=r"IOConfig: unknown key 'offload.io.thread'; did you mean "
                                           r"'offload.io.threads'\?"):
         load_config(TrainConfig, str(f))
+
+
+# Every field-level rule, one bad value each: the rule stays bound to its field whatever
+# the field is called (a rule keyed by a string would vanish silently on a rename).
+@pytest.mark.parametrize("override, message", [
+    # > 0
+    ("model.num_layers=0", "ModelConfig.num_layers = 0: must be > 0"),
+    ("model.hidden_size=0", "ModelConfig.hidden_size = 0: must be > 0"),
+    ("model.num_attention_heads=0", "ModelConfig.num_attention_heads = 0: must be > 0"),
+    ("model.seq_length=-1", "ModelConfig.seq_length = -1: must be > 0"),
+    ("model.vocab_size=0", "ModelConfig.vocab_size = 0: must be > 0"),
+    ("micro_batch_size=0", "TrainConfig.micro_batch_size = 0: must be > 0"),
+    ("num_microbatches=0", "TrainConfig.num_microbatches = 0: must be > 0"),
+    ("steps=0", "TrainConfig.steps = 0: must be > 0"),
+    ("lr=0", "TrainConfig.lr = 0.0: must be > 0"),
+    ("offload.io.threads=0", "IOConfig.threads = 0: must be > 0"),
+    ("offload.io.block_bytes=0", "IOConfig.block_bytes = 0: must be > 0"),
+    ("offload.io.max_inflight_bytes=0", "IOConfig.max_inflight_bytes = 0: must be > 0"),
+    ("offload.io.file_grow_bytes=-4KiB", "IOConfig.file_grow_bytes = -4096: must be > 0"),
+    ("offload.planner.drive_lifetime_years=0", "PlannerConfig.drive_lifetime_years = 0.0: must be > 0"),
+    # >= 0
+    ("baseline_steps=-1", "TrainConfig.baseline_steps = -1: must be >= 0"),
+    ("paired_steps=-1", "TrainConfig.paired_steps = -1: must be >= 0"),
+    ("seed=-1", "TrainConfig.seed = -1: must be >= 0"),
+    ("offload.planner.warmup_steps=-1", "PlannerConfig.warmup_steps = -1: must be >= 0"),
+    ("offload.planner.profile_steps=-1", "PlannerConfig.profile_steps = -1: must be >= 0"),
+    ("offload.planner.safety_margin=-0.1", "PlannerConfig.safety_margin = -0.1: must be >= 0"),
+    ("offload.planner.drive_count=-1", "PlannerConfig.drive_count = -1: must be >= 0"),
+    ("offload.min_tensor_bytes=-1", "OffloadConfig.min_tensor_bytes = -1: must be >= 0"),
+    ("offload.keep_last_layers=-1", "OffloadConfig.keep_last_layers = -1: must be >= 0"),
+    ("offload.prefetch_layers=-1", "OffloadConfig.prefetch_layers = -1: must be >= 0"),
+    ("offload.min_free_bytes=-1GiB", "OffloadConfig.min_free_bytes = -1073741824: must be >= 0"),
+    ("offload.host_pool_bytes=-1", "OffloadConfig.host_pool_bytes = -1: must be >= 0"),
+    ("offload.io.stall_warning_s=-1s", "IOConfig.stall_warning_s = -1.0: must be >= 0"),
+    # >= 1
+    ("offload.planner.drive_sharing=0", "PlannerConfig.drive_sharing = 0: must be >= 1"),
+    # one of
+    ("offload.io.engine=gds", "IOConfig.engine = 'gds': must be one of ['auto', 'posix', 'kvikio']"),
+    ("offload.io.priority=high", "IOConfig.priority = 'high': must be one of ['normal', 'low', 'idle']"),
+    ("offload.io.on_backpressure=drop", "IOConfig.on_backpressure = 'drop': must be one of ['wait', 'keep']"),
+    ("offload.io.layout=raw", "IOConfig.layout = 'raw': must be one of ['extent', 'file']"),
+    ("offload.io.checksum=maybe", "IOConfig.checksum = 'maybe': must be one of ['on', 'off']"),
+    ("offload.planner.mode=fast", "PlannerConfig.mode = 'fast': must be one of ['auto', 'static', 'keep', "
+                                  "'offload', 'recompute', 'host']"),
+    ("model.params_dtype=fp8", "ModelConfig.params_dtype = 'fp8': must be one of ['fp32', 'bf16', 'fp16']"),
+    # multiple of 4096
+    ("offload.io.block_bytes=6000", "IOConfig.block_bytes = 6000: must be a multiple of 4096"),
+    ("offload.io.file_grow_bytes=4097", "IOConfig.file_grow_bytes = 4097: must be a multiple of 4096"),
+    # at most
+    ("offload.io.threads=65", "IOConfig.threads = 65: must be <= 64"),
+    ("seed=4294967296", "TrainConfig.seed = 4294967296: must be <= 4294967295"),
+    # ranges
+    ("offload.planner.safety_margin=1", "PlannerConfig.safety_margin = 1.0: must be in [0, 1)"),
+    ("offload.planner.replan_threshold=0", "PlannerConfig.replan_threshold = 0.0: must be in (0, 1)"),
+    ("offload.planner.replan_threshold=1", "PlannerConfig.replan_threshold = 1.0: must be in (0, 1)"),
+    ("offload.planner.capacity_reserve=1", "PlannerConfig.capacity_reserve = 1.0: must be in [0, 1)"),
+    ("offload.planner.capacity_reserve=-0.5", "PlannerConfig.capacity_reserve = -0.5: must be in [0, 1)"),
+    ("offload.planner.drive_duty_cycle=0", "PlannerConfig.drive_duty_cycle = 0.0: must be in (0, 1]"),
+    ("offload.planner.drive_duty_cycle=1.5", "PlannerConfig.drive_duty_cycle = 1.5: must be in (0, 1]"),
+    # optional sizes: > 0 or null
+    ("offload.planner.memory_budget=0", "PlannerConfig.memory_budget = 0: must be > 0 bytes or null"),
+    ("offload.planner.activation_capacity_bytes=-1GiB",
+     "PlannerConfig.activation_capacity_bytes = -1073741824: must be > 0 bytes or null"),
+    ("offload.planner.drive_tbw_bytes=0", "PlannerConfig.drive_tbw_bytes = 0: must be > 0 bytes or null"),
+    # finite
+    ("lr=inf", "TrainConfig.lr = 'inf': must be a finite number"),
+    # rules that compare fields
+    ("model.num_attention_heads=3", "ModelConfig.num_attention_heads = 3: must divide hidden_size (256)"),
+    ("offload.planner.profile_steps=0", "PlannerConfig.profile_steps = 0: must be >= 1 when mode is auto"),
+    ("data=/nonexistent/corpus.txt", "TrainConfig.data = '/nonexistent/corpus.txt': must be 'synthetic' or an "
+                                     "existing text file"),
+    ("offload.device=tpu", "OffloadConfig.device = 'tpu': must be auto, cpu, cuda or cuda:N"),
+    ("offload.paths=/tmp/a,/tmp/a/", "OffloadConfig.paths = ['/tmp/a', '/tmp/a/']: must not name a directory twice"),
+    ("offload.planner.mode=host", "OffloadConfig.host_pool_bytes = 0: must be > 0 when planner.mode is host"),
+])
+def test_every_rule_rejects_a_bad_value_with_its_message(override, message):
+    with pytest.raises(ConfigError) as info:
+        load_config(TrainConfig, None, [override])
+    assert str(info.value) == "megatron_ssd: " + message
+
+
+def test_byte_tokens_need_a_vocabulary_of_256(tmp_path):
+    text = tmp_path / "corpus.txt"
+    text.write_text("hello")
+    with pytest.raises(ConfigError) as info:
+        load_config(TrainConfig, None, [f"data={text}", "model.vocab_size=255"])
+    assert str(info.value) == "megatron_ssd: ModelConfig.vocab_size = 255: must be >= 256 for byte tokens"
+
+
+def test_direct_construction_runs_the_same_rules():
+    with pytest.raises(ConfigError) as info:
+        IOConfig(threads=0)
+    assert str(info.value) == "megatron_ssd: IOConfig.threads = 0: must be > 0"
+    with pytest.raises(ConfigError, match=r"PlannerConfig.memory_budget = -1: must be > 0 bytes or null"):
+        PlannerConfig(memory_budget=-1)
+    assert PlannerConfig(memory_budget=None).memory_budget is None
+    checksums = [IOConfig(checksum=v).checksum for v in (True, False, "auto", "OFF", "yes")]
+    assert checksums == ["on", "off", "on", "off", "on"]
+
+
+@dataclass
+class _Pool:
+    """A config made only of the rule metadata, with names that say nothing of units."""
+
+    capacity: Annotated[int, Bytes, Positive(), MultipleOf(4096)] = 4096
+    patience: Annotated[float, Seconds, NonNegative()] = 1.0
+    limit: Optional[Annotated[int, Bytes, Positive()]] = None
+    spare_bytes: int = 0
+    mode: Annotated[str, OneOf("fast", "slow")] = "fast"
+    verify: Annotated[str, Switch()] = "on"
+
+    def __post_init__(self) -> None:
+        _settle(self)
+
+
+def test_units_and_rules_are_bound_to_the_type_not_the_name():
+    pool = from_dict(_Pool, {"capacity": "4MiB", "patience": "500ms", "limit": "1GiB", "verify": "false"})
+    assert (pool.capacity, pool.patience, pool.limit, pool.verify) == (4 << 20, 0.5, 1 << 30, "off")
+    assert is_size_field(_Pool, "capacity") and is_duration_field(_Pool, "patience")
+    assert not is_size_field(_Pool, "spare_bytes")  # a name ending in _bytes is not a unit
+    with pytest.raises(ConfigError, match=r"_Pool.spare_bytes = '1KiB': must be an integer such as 24 "
+                                          r"\(a count, not a size\)"):
+        from_dict(_Pool, {"spare_bytes": "1KiB"})
+    for kwargs, message in [
+        ({"capacity": 0}, "_Pool.capacity = 0: must be > 0"),
+        ({"capacity": 4097}, "_Pool.capacity = 4097: must be a multiple of 4096"),
+        ({"patience": -1.0}, "_Pool.patience = -1.0: must be >= 0"),
+        ({"limit": 0}, "_Pool.limit = 0: must be > 0 bytes or null"),
+        ({"mode": "medium"}, "_Pool.mode = 'medium': must be one of ['fast', 'slow']"),
+        ({"verify": "maybe"}, "_Pool.verify = 'maybe': must be one of ['on', 'off']"),
+    ]:
+        with pytest.raises(ConfigError) as info:
+            _Pool(**kwargs)
+        assert str(info.value) == "megatron_ssd: " + message
+
+
+def test_sizes_and_durations_follow_the_shipped_annotations():
+    sizes = {name for cls in (IOConfig, PlannerConfig, OffloadConfig) for name in cls.__dataclass_fields__
+             if is_size_field(cls, name)}
+    assert sizes == {"block_bytes", "max_inflight_bytes", "file_grow_bytes", "memory_budget",
+                     "activation_capacity_bytes", "drive_tbw_bytes", "min_tensor_bytes", "min_free_bytes",
+                     "host_pool_bytes"}
+    assert [n for n in IOConfig.__dataclass_fields__ if is_duration_field(IOConfig, n)] == ["stall_warning_s"]

@@ -23,9 +23,9 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Any, Dict, Mapping, Optional, Sequence, Union
+from typing import Annotated, Any, Dict, Mapping, Optional, Sequence, Union
 
-from ..config import load_config, to_dict
+from ..config import Bytes, load_config, to_dict
 from ..errors import ConfigError
 from .plan import Plan, make_plan
 from .wear import SECONDS_PER_DAY, drive_lifetime_years, write_limit_bytes_per_s
@@ -80,7 +80,7 @@ class SimulationSpec:
     """Megatron sequence parallelism (splits the rest of the activations by t)."""
     flash_attention: bool = False
     """Fused attention that saves no s x s score tensors (drops the 5as/h term)."""
-    dtype_bytes: int = 2
+    dtype_bytes: Annotated[int, Bytes] = 2
     """Bytes per activation element (2 for fp16/bf16); the estimate scales linearly."""
     num_microbatches: int = 1
     """Micro-batches per iteration (gradient accumulation)."""
@@ -110,7 +110,7 @@ class SimulationSpec:
     target_lifetime_years: Optional[float] = None
     """Years the drives must last: the planner then writes no faster than their endurance
     allows (NOTE [Wear model]); ``None``: lifetime is reported, not constrained."""
-    memory_budget: Optional[int] = None
+    memory_budget: Optional[Annotated[int, Bytes]] = None
     """Activation budget for the planner (``None``: offload what hides behind compute)."""
     safety_margin: float = 0.1
     """Bandwidth derating while planning."""
