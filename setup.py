@@ -37,5 +37,5 @@ setup(
         # GPU-only backends; NVIDIA apex is detected at run time, never installed from PyPI.
         "gpu": ["kvikio-cu12>=25.0", "transformer-engine[pytorch]>=2.0"],
     },
-    entry_points={"console_scripts": ["megatron-ssd=megatron_ssd.cli:main"]},
+    entry_points={"console_scripts": ["megatron-ssd=megatron_ssd.commands.cli:main"]},
 )

@@ -39,7 +39,7 @@ def _train_point(name, path, mbs, mode, steps=8):
                  f"offload.planner.mode={mode}", "offload.prefetch_layers=2"]
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "p.json")
-        proc = subprocess.run([sys.executable, "-m", "megatron_ssd.cli", "train", *overrides, "--json", out],
+        proc = subprocess.run([sys.executable, "-m", "megatron_ssd.commands.cli", "train", *overrides, "--json", out],
                               cwd=REPO, capture_output=True, text=True)
         if proc.returncode != 0:
             oom = "out of memory" in (proc.stdout + proc.stderr).lower()
@@ -67,9 +67,9 @@ def _peer_child(kind, mbs, steps=8):
     import torch
 
     from megatron_ssd.config import ModelConfig, load_config
-    from megatron_ssd.megatron.harness import SGD, SyntheticData, gpt_forward_step
-    from megatron_ssd.megatron.models import build_gpt, tiny_transformer_config
-    from megatron_ssd.megatron.parallel import init_parallel
+    from megatron_ssd.workloads.harness import SGD, SyntheticData, gpt_forward_step
+    from megatron_ssd.workloads.models import build_gpt, tiny_transformer_config
+    from megatron_ssd.workloads.parallel import init_parallel
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     m = load_config(ModelConfig, None, [o.split(".", 1)[1] for o in MODEL])
@@ -157,7 +157,7 @@ def main():
         return 2
     if not args.path:
         parser.error("--path is required: an offload directory on the SSD under test")
-    from megatron_ssd.planner.commands import machine_info
+    from megatron_ssd.commands.rok import machine_info
 
     points = []
     for name, mode in (("keep", "keep"), ("recompute", "recompute"), ("offload-all", "offload"), ("planner", "auto")):

@@ -39,7 +39,7 @@ def _run_file(runs: str, mode: str, on: bool, rnd: int) -> str:
 
 
 def _train(path: str, mode: str, on: bool, steps: int) -> None:
-    cmd = [sys.executable, "-m", "megatron_ssd.cli", "train", "--config", os.path.join(REPO, "configs", "gpt-ref-cpu.yaml"),
+    cmd = [sys.executable, "-m", "megatron_ssd.commands.cli", "train", "--config", os.path.join(REPO, "configs", "gpt-ref-cpu.yaml"),
            "--no-baseline", f"steps={steps}", f"offload.planner.mode={mode}",
            f"offload.return_freed_pages={'on' if on else 'off'}", "--json", path]
     print(" ".join(cmd[2:]), flush=True)

@@ -20,7 +20,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_ssd.planner.commands import _point, _train_in_subprocess, machine_info  # noqa: E402
+from megatron_ssd.commands.rok import _point, _train_in_subprocess, machine_info  # noqa: E402
 
 from megatron_ssd.units import MiB  # noqa: E402
 BASE = ["model.hidden_size=256", "model.num_attention_heads=8", "model.seq_length=256", "model.vocab_size=4096",

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from megatron_ssd.cli import build_parser, main
+from megatron_ssd.commands.cli import build_parser, main
 from megatron_ssd.config import OffloadConfig, load_config
 
 
@@ -72,7 +72,7 @@ def test_bench_io_size_is_bounded_by_free_space(tmp_path, capsys, size, parts):
 def test_bench_io_size_just_over_the_free_space_is_refused(tmp_path, capsys, monkeypatch):
     import os
 
-    from megatron_ssd.io import bench
+    from megatron_ssd.commands import bench_io as bench
 
     free = os.statvfs(tmp_path).f_bavail * os.statvfs(tmp_path).f_frsize
     too_big = int(free * bench.MAX_SHARE_OF_FREE) + (64 << 20)
@@ -149,7 +149,7 @@ def test_simulate_knows_every_shipped_model_preset(capsys):
 
 
 def test_bench_io_suggests_overrides_and_flags_and_warns_on_tmpfs(tmp_path, capsys, monkeypatch):
-    from megatron_ssd.io import bench, rundir
+    from megatron_ssd.commands import bench_io as bench
 
     def fake_measure(path, total, threads, block):
         speed = threads * block  # the last setting is the fastest
@@ -157,7 +157,7 @@ def test_bench_io_suggests_overrides_and_flags_and_warns_on_tmpfs(tmp_path, caps
                 "write_bytes_per_s": float(speed), "read_bytes_per_s": float(speed)}
 
     monkeypatch.setattr(bench, "measure_path", fake_measure)
-    monkeypatch.setattr(rundir, "filesystem_type", lambda path: "tmpfs")
+    monkeypatch.setattr(bench, "filesystem_type", lambda path: "tmpfs")
     out = tmp_path / "b.json"
     assert main(["bench-io", str(tmp_path), "--size", "64MiB", "--json", str(out)]) == 0
     text = capsys.readouterr().out
@@ -182,7 +182,7 @@ def test_bench_io_suggests_overrides_and_flags_and_warns_on_tmpfs(tmp_path, caps
 def test_optional_dependency_warnings_become_one_line(capsys, monkeypatch):
     import warnings
 
-    from megatron_ssd import output
+    from megatron_ssd.commands import output
 
     shown = []
     monkeypatch.setattr(warnings, "showwarning", lambda message, *args, **kwargs: shown.append(str(message)))

@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from megatron_ssd.config import OffloadConfig, TrainConfig, load_config
-from megatron_ssd.docgen import configuration_reference
+from megatron_ssd.commands.docgen import configuration_reference
 from megatron_ssd.errors import ConfigError
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -19,7 +19,7 @@ PRESETS = sorted(f for f in os.listdir(os.path.join(REPO, "configs")) if f.endsw
 def test_configuration_reference_is_current():
     with open(os.path.join(REPO, "docs", "configuration.md"), encoding="utf-8") as fh:
         committed = fh.read()
-    assert committed == configuration_reference(), "run: python -m megatron_ssd.docgen > docs/configuration.md"
+    assert committed == configuration_reference(), "run: python -m megatron_ssd.commands.docgen > docs/configuration.md"
 
 
 @pytest.mark.parametrize("name", PRESETS)

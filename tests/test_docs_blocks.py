@@ -114,7 +114,7 @@ def _check_python(block: Block) -> None:
 
 
 def _check_megatron_ssd(block: Block, tokens: List[str]) -> None:
-    from megatron_ssd.cli import build_parser
+    from megatron_ssd.commands.cli import build_parser
     from megatron_ssd.config import TrainConfig, load_config
 
     tokens = [t for t in tokens if not t.startswith("<")]  # placeholders such as <pretrain_gpt.py arguments>
@@ -183,8 +183,8 @@ def _shape(line: str) -> str:
 
 
 def _train_lines() -> List[str]:
-    from megatron_ssd.steps import format_comparison, format_paired
-    from megatron_ssd.train import format_summary
+    from megatron_ssd.commands.steps import format_comparison, format_paired
+    from megatron_ssd.commands.train import format_summary
 
     def phase(name, peak):
         return {"name": name, "peak_activation_bytes": peak, "median_step_s": 1.0, "step_s": [1.0] * 8,
@@ -203,7 +203,7 @@ def test_output_samples_match_what_the_command_prints(block, capsys):
         "mark others <!-- not run: ... -->")
     shown = [line for line in block.text.splitlines() if line.strip() and line.strip() != "..."]
     if command[1] == "simulate":
-        from megatron_ssd.cli import main
+        from megatron_ssd.commands.cli import main
 
         assert main(command[1:]) == 0
         printed = capsys.readouterr().out.splitlines()

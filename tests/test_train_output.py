@@ -13,10 +13,10 @@ import sys
 import types
 
 
-from megatron_ssd.cli import main
+from megatron_ssd.commands.cli import main
 from megatron_ssd.config import PlannerConfig, TrainConfig, load_config
-from megatron_ssd.steps import FEW_STEPS, format_comparison, format_plans, short_run_problems, step_kinds
-from megatron_ssd.train import format_summary
+from megatron_ssd.commands.steps import FEW_STEPS, format_comparison, format_plans, short_run_problems, step_kinds
+from megatron_ssd.commands.train import format_summary
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = [  # overrides of configs/gpt-tiny.yaml: a model that trains in about a second per step
@@ -46,7 +46,7 @@ def test_short_runs_are_named_with_the_steps_they_need():
 
 
 def test_a_short_train_exits_non_zero_before_building_anything(monkeypatch, capsys):
-    from megatron_ssd.train import TrainRecipe
+    from megatron_ssd.commands.train import TrainRecipe
 
     def no_setup(self):
         raise AssertionError("setup() must not run")
@@ -141,7 +141,7 @@ def test_plans_are_printed_once_then_as_changes():
 
 
 def test_progress_is_plain_lines_off_a_terminal_and_a_bar_on_one():
-    from megatron_ssd.output import Progress
+    from megatron_ssd.commands.output import Progress
 
     plain = io.StringIO()
     p = Progress("offload (auto)", 2, plain)
@@ -206,7 +206,7 @@ def test_step_reporter_writes_through_megatrons_writers_at_its_iteration(monkeyp
 
 
 def _cli(tmp_path, *argv):
-    proc = subprocess.run([sys.executable, "-m", "megatron_ssd.cli", *argv], cwd=REPO, capture_output=True,
+    proc = subprocess.run([sys.executable, "-m", "megatron_ssd.commands.cli", *argv], cwd=REPO, capture_output=True,
                           text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     return proc.stdout

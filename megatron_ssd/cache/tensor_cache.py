@@ -35,6 +35,10 @@ from .record import Entry, EntryState, Packed, Record
 from .scopes import ScopeMixin, active_cache
 from .stats import Counters, LayerCounters
 from .transfers import MOVED, TransferMixin
+from ..io import create_engine
+from ..io.host import HostEngine
+from ..io.rundir import check_offload_paths
+from ..io.rundir import remove_run_dir
 
 __all__ = ["TensorCache", "active_cache", "resolve_device"]
 
@@ -76,17 +80,12 @@ class TensorCache(ScopeMixin, TransferMixin, StepAccountingMixin):
         self.config = config
         self.device = resolve_device(config.device)
         if engine is None:
-            from ..io import create_engine
-            from ..io.rundir import check_offload_paths
-
             check_offload_paths(config.paths, config.min_free_bytes)
             engine = create_engine(config, rank=rank)
         self.engine = engine
         self.host: Optional[Engine] = None
         """The host-memory tier (``Placement.HOST``), when ``config.host_pool_bytes`` > 0."""
         if config.host_pool_bytes:
-            from ..io.host import HostEngine
-
             self.host = HostEngine(config.host_pool_bytes)
         self._pid = os.getpid()
         self._lock = threading.RLock()
@@ -427,8 +426,6 @@ class TensorCache(ScopeMixin, TransferMixin, StepAccountingMixin):
     def _remove_files_now(self) -> None:
         """Delete the run directories at once, data before the marker: no waiting for
         I/O, no locks (NOTE [Exit cleanup], NOTE [Marker last])."""
-        from ..io.rundir import remove_run_dir
-
         if self._closed or os.getpid() != self._pid:
             return
         for run_dir in self.engine.paths:

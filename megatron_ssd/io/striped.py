@@ -35,6 +35,7 @@ from ..errors import CacheStateError, ConfigError, OffloadIOError
 from .base import Engine, EngineStats, Extent, IOFuture, SwapHandle, align_up
 from .layout import Fault, Layout, io_error, make_layout
 from .watchdog import StallWatchdog
+from .mapped import mapped_empty
 
 __all__ = ["Block", "BlobOp", "StripedEngine"]
 
@@ -308,8 +309,6 @@ class StripedEngine(Engine):
         return fut
 
     def alloc(self, nbytes: int, device: torch.device, handle: Optional[SwapHandle] = None) -> torch.Tensor:
-        from .mapped import mapped_empty
-
         device = torch.device(device)
         if device.type == "cpu":  # NOTE [Mapped read buffers]: unmapped, not kept by the heap, when freed
             skew = handle.extents[0].skew if handle is not None and handle.extents else 0

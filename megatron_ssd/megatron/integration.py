@@ -24,15 +24,16 @@ from __future__ import annotations
 import argparse
 import atexit
 import importlib
-import inspect
 import logging
 import sys
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
+from ..adaptive import AdaptivePlanner
 from ..cache import StepStats, TensorCache
 from ..config import OffloadConfig
+from ..metrics import ScalarWriter
 from ..ranks import process_ranks
 from . import compat
 from .args import add_ssd_offload_args, chain_args_providers, offload_config_from_args, validate_ssd_offload_args
@@ -254,8 +255,6 @@ class StepReporter:
     """
 
     def __init__(self, cache: TensorCache, planner: Any = None, interval: int = 1, rank: int = 0) -> None:
-        from ..metrics import ScalarWriter
-
         self.cache = cache
         self.planner = planner
         self.interval = max(1, int(interval or 1))
@@ -356,24 +355,9 @@ def _pipeline_position() -> Dict[str, int]:
     return {}
 
 
-def _attach_planner(cache: TensorCache, config: OffloadConfig) -> Any:
-    """The runtime planner for ``cache``, or None where ``megatron_ssd.planner.runtime`` is absent."""
-    try:
-        from ..planner.runtime import AdaptivePlanner
-    except ModuleNotFoundError as err:
-        if err.name != "megatron_ssd.planner.runtime":
-            raise
-        if config.planner.mode != "static":
-            logger.warning(
-                "megatron_ssd: planner.mode = %r needs megatron_ssd.planner.runtime, which this "
-                "install lacks; using the static placement (last %d layers kept, the rest offloaded)",
-                config.planner.mode,
-                config.keep_last_layers,
-            )
-        return None
-    accepted = inspect.signature(AdaptivePlanner).parameters
-    extra = {k: v for k, v in _pipeline_position().items() if k in accepted}
-    return AdaptivePlanner(cache, config.planner, **extra)
+def _attach_planner(cache: TensorCache, config: OffloadConfig) -> AdaptivePlanner:
+    """The runtime planner for ``cache``, told this stage's pipeline position."""
+    return AdaptivePlanner(cache, config.planner, **_pipeline_position())
 
 
 def install(args: Any) -> Optional[TensorCache]:

@@ -30,6 +30,7 @@ from ..errors import ConfigError
 from .plan import Plan, make_plan
 from .wear import SECONDS_PER_DAY, drive_lifetime_years, write_limit_bytes_per_s
 from .profile import IOProfile, LayerProfile, StageProfile
+from ..config import field_docs
 
 __all__ = [
     "MODEL_PRESETS",
@@ -193,8 +194,6 @@ other fields keep defaults."""
 def simulate_help() -> str:
     """The keys and models ``megatron-ssd simulate --help`` lists, from the code."""
     import textwrap
-
-    from ..config import field_docs
 
     lines = ["keys (key=value; memory_budget takes sizes such as 40GiB):"]
     defaults = {f.name: f.default for f in dataclasses.fields(SimulationSpec)}

@@ -15,15 +15,15 @@ from megatron.core.pipeline_parallel.schedules import forward_backward_no_pipeli
 import megatron_ssd.megatron.cpu_mode as cpu_mode_module
 from megatron_ssd.megatron.attention import CPUCoreAttention
 from megatron_ssd.megatron.cpu_mode import CPUDeviceMode, cpu_mode, cpu_mode_active
-from megatron_ssd.megatron.harness import (
+from megatron_ssd.workloads.harness import (
     SyntheticData,
     bert_forward_step,
     gpt_forward_step,
     run_steps,
     t5_forward_step,
 )
-from megatron_ssd.megatron.models import build_bert, build_gpt, build_t5, tiny_transformer_config
-from megatron_ssd.megatron.parallel import destroy_parallel, init_parallel
+from megatron_ssd.workloads.models import build_bert, build_gpt, build_t5, tiny_transformer_config
+from megatron_ssd.workloads.parallel import destroy_parallel, init_parallel
 
 pytestmark = pytest.mark.skipif(
     torch.cuda.is_available(), reason="CPU mode is a no-op where CUDA is available"

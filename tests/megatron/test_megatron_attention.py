@@ -22,8 +22,8 @@ from megatron_ssd.megatron.attention import (
     cpu_layer_spec,
     replace_core_attention,
 )
-from megatron_ssd.megatron.models import tiny_transformer_config
-from megatron_ssd.megatron.parallel import destroy_parallel, init_parallel
+from megatron_ssd.workloads.models import tiny_transformer_config
+from megatron_ssd.workloads.parallel import destroy_parallel, init_parallel
 
 SQ, B, HEADS, HN = 16, 2, 4, 16
 

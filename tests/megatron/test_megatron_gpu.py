@@ -16,7 +16,7 @@ VOCAB, SEQ, MBS, NMB = 256, 128, 2, 2
 
 
 def _gpt(spec, offload: bool, **config_kw):
-    from megatron_ssd.megatron.models import build_gpt, tiny_transformer_config
+    from megatron_ssd.workloads.models import build_gpt, tiny_transformer_config
 
     torch.manual_seed(3)
     config = tiny_transformer_config(3, 128, 4, **config_kw)
@@ -25,7 +25,7 @@ def _gpt(spec, offload: bool, **config_kw):
 
 
 def _train(model, cache=None):
-    from megatron_ssd.megatron.harness import SyntheticData, gpt_forward_step, run_steps
+    from megatron_ssd.workloads.harness import SyntheticData, gpt_forward_step, run_steps
 
     fb = get_forward_backward_func(cache=cache) if cache is not None else None
     data = SyntheticData("gpt", MBS, SEQ, VOCAB, seed=1)
@@ -34,7 +34,7 @@ def _train(model, cache=None):
 
 @pytest.fixture(scope="module")
 def world():
-    from megatron_ssd.megatron.parallel import destroy_parallel, init_parallel
+    from megatron_ssd.workloads.parallel import destroy_parallel, init_parallel
 
     init_parallel(seed=1234, backend="nccl")
     yield

@@ -29,7 +29,7 @@ from megatron_ssd.errors import ConfigError
 from megatron_ssd.megatron import compat, get_forward_backward_func
 from megatron_ssd.megatron.attention import cpu_layer_spec
 from megatron_ssd.megatron.cpu_mode import cpu_mode
-from megatron_ssd.megatron.harness import SyntheticData, gpt_forward_step, run_steps
+from megatron_ssd.workloads.harness import SyntheticData, gpt_forward_step, run_steps
 from megatron_ssd.megatron.layer import (
     OffloadHybridStack,
     OffloadMambaLayer,
@@ -38,9 +38,9 @@ from megatron_ssd.megatron.layer import (
     assign_layer_ids,
     offload_layer_spec,
 )
-from megatron_ssd.megatron.models import tiny_transformer_config
-from megatron_ssd.megatron.parallel import destroy_parallel, init_parallel
-from megatron_ssd.planner.runtime import AdaptivePlanner
+from megatron_ssd.workloads.models import tiny_transformer_config
+from megatron_ssd.workloads.parallel import destroy_parallel, init_parallel
+from megatron_ssd.adaptive import AdaptivePlanner
 
 HYBRID = compat.hybrid_stack_classes()
 pytestmark = pytest.mark.skipif(

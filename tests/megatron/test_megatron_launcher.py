@@ -185,19 +185,16 @@ def test_step_reporter_logs_every_interval_on_rank_0(capsys, caplog):
     assert capsys.readouterr().out == ""
 
 
-def test_planner_is_optional(offload_dir, monkeypatch, caplog):
+def test_the_planner_is_attached_with_the_stage_position(offload_dir):
+    from megatron_ssd.adaptive import AdaptivePlanner
     from megatron_ssd.cache import TensorCache
     from megatron_ssd.config import OffloadConfig
 
     config = OffloadConfig(paths=[offload_dir])
     with TensorCache(config) as cache:
-        monkeypatch.setitem(sys.modules, "megatron_ssd.planner.runtime", None)
-        with caplog.at_level("WARNING", logger="megatron_ssd"):
-            assert integration._attach_planner(cache, config) is None
-        assert "needs megatron_ssd.planner.runtime" in caplog.text
-        monkeypatch.delitem(sys.modules, "megatron_ssd.planner.runtime")
-        runtime = pytest.importorskip("megatron_ssd.planner.runtime")
-        assert isinstance(integration._attach_planner(cache, config), runtime.AdaptivePlanner)
+        planner = integration._attach_planner(cache, config)
+        assert isinstance(planner, AdaptivePlanner)
+        assert (planner.pipeline_rank, planner.pipeline_size) == (0, 1)  # no model parallelism set up
 
 
 # ------------------------------------------------------- the launcher on a fake checkout

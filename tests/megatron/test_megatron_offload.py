@@ -25,9 +25,9 @@ from megatron_ssd.megatron import (
     get_forward_backward_func,
     offload_layer_spec,
 )
-from megatron_ssd.megatron.harness import SyntheticData, bert_forward_step, gpt_forward_step, run_steps, t5_forward_step
+from megatron_ssd.workloads.harness import SyntheticData, bert_forward_step, gpt_forward_step, run_steps, t5_forward_step
 from megatron_ssd.megatron.launch import spawn
-from megatron_ssd.megatron.models import (
+from megatron_ssd.workloads.models import (
     build_bert,
     build_gpt,
     build_model_chunks,
@@ -35,7 +35,7 @@ from megatron_ssd.megatron.models import (
     single_stage_config,
     tiny_transformer_config,
 )
-from megatron_ssd.megatron.parallel import destroy_parallel, init_parallel
+from megatron_ssd.workloads.parallel import destroy_parallel, init_parallel
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU/gloo comparison")
 

@@ -26,15 +26,15 @@ import torch
 from megatron.core import parallel_state
 
 from megatron_ssd.errors import ConfigError, MegatronSSDError
-from megatron_ssd.megatron.harness import SyntheticData, gpt_forward_step, run_steps
+from megatron_ssd.workloads.harness import SyntheticData, gpt_forward_step, run_steps
 from megatron_ssd.megatron.launch import spawn
-from megatron_ssd.megatron.models import (
+from megatron_ssd.workloads.models import (
     build_gpt,
     build_model_chunks,
     single_stage_config,
     tiny_transformer_config,
 )
-from megatron_ssd.megatron.parallel import destroy_parallel, init_parallel
+from megatron_ssd.workloads.parallel import destroy_parallel, init_parallel
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="gloo/CPU layout test")
 

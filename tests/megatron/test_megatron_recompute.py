@@ -14,8 +14,8 @@ from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.spec_utils import build_module
 
 from megatron_ssd.megatron.attention import cpu_layer_spec
-from megatron_ssd.megatron.models import tiny_transformer_config
-from megatron_ssd.megatron.parallel import destroy_parallel, init_parallel
+from megatron_ssd.workloads.models import tiny_transformer_config
+from megatron_ssd.workloads.parallel import destroy_parallel, init_parallel
 from megatron_ssd.megatron.recompute import RNGReplay, checkpoint_layer, checkpoint_module
 
 

@@ -14,11 +14,11 @@ from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron_ssd import IOConfig, OffloadConfig, Placement, TensorCache
 from megatron_ssd.config import PlannerConfig
 from megatron_ssd.megatron import get_forward_backward_func, offload_layer_spec
-from megatron_ssd.megatron.harness import SyntheticData, gpt_forward_step, run_steps
-from megatron_ssd.megatron.models import build_gpt, tiny_transformer_config
-from megatron_ssd.megatron.parallel import destroy_parallel, init_parallel
+from megatron_ssd.workloads.harness import SyntheticData, gpt_forward_step, run_steps
+from megatron_ssd.workloads.models import build_gpt, tiny_transformer_config
+from megatron_ssd.workloads.parallel import destroy_parallel, init_parallel
 from megatron_ssd.planner import StageProfile
-from megatron_ssd.planner.runtime import AdaptivePlanner, stage_from_stats
+from megatron_ssd.adaptive import AdaptivePlanner, stage_from_stats
 
 VOCAB, SEQ, MBS, NMB, LAYERS = 128, 64, 4, 2, 4
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -128,7 +128,7 @@ def test_rok_json_schema(tmp_path):
     """``megatron-ssd rok`` on a very small model: one point per placement, each measured."""
     out = tmp_path / "rok.json"
     cmd = [
-        sys.executable, "-m", "megatron_ssd.cli", "rok", "--config", os.path.join(REPO, "configs", "gpt-tiny.yaml"),
+        sys.executable, "-m", "megatron_ssd.commands.cli", "rok", "--config", os.path.join(REPO, "configs", "gpt-tiny.yaml"),
         *TINY_CLI, "num_microbatches=1", "steps=4", "--paired", "2", "--json", str(out),
     ]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
@@ -164,7 +164,7 @@ def test_rok_json_schema(tmp_path):
 def _train_json(tmp_path, name, *overrides):
     out = tmp_path / f"{name}.json"
     cmd = [
-        sys.executable, "-m", "megatron_ssd.cli", "train", "--config", os.path.join(REPO, "configs", "gpt-tiny.yaml"),
+        sys.executable, "-m", "megatron_ssd.commands.cli", "train", "--config", os.path.join(REPO, "configs", "gpt-tiny.yaml"),
         "--no-baseline", *TINY_CLI, "steps=3", "offload.planner.mode=offload", "offload.keep_last_layers=0",
         *overrides, "--json", str(out),
     ]
@@ -237,7 +237,7 @@ def test_rok_rounds_pool_steps_and_count_io_cpu(tmp_path):
     something is written; ``--paired`` pairs are pooled over the rounds."""
     out = tmp_path / "rok.json"
     cmd = [
-        sys.executable, "-m", "megatron_ssd.cli", "rok", "--config", os.path.join(REPO, "configs", "gpt-tiny.yaml"),
+        sys.executable, "-m", "megatron_ssd.commands.cli", "rok", "--config", os.path.join(REPO, "configs", "gpt-tiny.yaml"),
         *TINY_CLI, "num_microbatches=1", "steps=4", "--rounds", "2", "--placements", "keep,offload-all,planner",
         "--paired", "1", "--json", str(out),
     ]
@@ -272,7 +272,7 @@ def test_ratio_interval_separates_a_real_slowdown_from_noise():
     makes the interval reproducible; no steps give nan."""
     import math
 
-    from megatron_ssd.planner.commands import ratio_ci95
+    from megatron_ssd.commands.rok import ratio_ci95
 
     rounds = [[5.0, 5.1, 4.9, 5.2, 4.8, 5.05, 4.95], [5.5, 5.4, 5.6, 5.3, 5.7, 5.45, 5.55]]
     lo, hi = ratio_ci95(rounds, rounds)
@@ -296,7 +296,7 @@ def test_ratio_interval_separates_a_real_slowdown_from_noise():
 ])
 def test_rok_rejects_bad_arguments_before_running(kwargs, match):
     from megatron_ssd.errors import ConfigError
-    from megatron_ssd.planner.commands import rok_points
+    from megatron_ssd.commands.rok import rok_points
 
     with pytest.raises(ConfigError, match=match):
         rok_points(None, kwargs.pop("overrides", []), **kwargs)

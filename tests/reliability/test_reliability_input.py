@@ -95,8 +95,8 @@ _BAD_FILES = [
 
 def _refused_before_setup(monkeypatch, capsys, argv):
     """``megatron-ssd ARGV`` exits 2 with one ``megatron_ssd:`` line, no model built."""
-    from megatron_ssd import cli
-    from megatron_ssd.train import TrainRecipe
+    from megatron_ssd.commands import cli
+    from megatron_ssd.commands.train import TrainRecipe
 
     def no_setup(self):
         raise AssertionError("a model was built before the input was checked")
@@ -164,7 +164,7 @@ def test_threads_bound_accepts_the_bound():
 
 
 def test_clean_of_a_missing_path_is_an_error(tmp_path, capsys):
-    from megatron_ssd import cli
+    from megatron_ssd.commands import cli
 
     (tmp_path / "file").write_text("x")
     assert cli.main(["clean", str(tmp_path), str(tmp_path / "nope")]) == 2

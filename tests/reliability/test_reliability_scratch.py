@@ -26,7 +26,7 @@ TINY = ["model.num_layers=2", "model.hidden_size=64", "model.num_attention_heads
 def _train(root, *extra):
     env = dict(os.environ, PYTHONPATH=REPO, MEGATRON_SSD_TMPDIR=str(root))
     return subprocess.Popen(
-        [sys.executable, "-m", "megatron_ssd.cli", "train", "--config", os.path.join(REPO, "configs", "gpt-tiny.yaml"),
+        [sys.executable, "-m", "megatron_ssd.commands.cli", "train", "--config", os.path.join(REPO, "configs", "gpt-tiny.yaml"),
          "--no-baseline", *TINY, "steps=100000", "offload.planner.mode=offload", "offload.keep_last_layers=0", *extra],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
 
@@ -55,7 +55,7 @@ def test_default_dir_is_cleaned_after_sigkill_and_emptied_after_sigterm(tmp_path
     killed.send_signal(signal.SIGKILL)
     killed.wait(timeout=60)
     assert os.path.isfile(os.path.join(run_dir, MARKER)), "SIGKILL cannot be caught: the run stays"
-    res = subprocess.run([sys.executable, "-m", "megatron_ssd.cli", "clean"], capture_output=True, text=True,
+    res = subprocess.run([sys.executable, "-m", "megatron_ssd.commands.cli", "clean"], capture_output=True, text=True,
                          env=env, timeout=120)
     assert res.returncode == 0 and f"removed {run_dir}" in res.stdout, res.stdout + res.stderr
     assert os.listdir(root) == [], "clean with no path removes the emptied default directory too"
@@ -67,7 +67,7 @@ def test_default_dir_is_cleaned_after_sigkill_and_emptied_after_sigterm(tmp_path
     # The run directory is gone; the fixed per-user directory stays for the user's other
     # runs (NOTE [Default offload directory]), empty, and clean removes it.
     assert os.listdir(root) == [os.path.basename(default)] and os.listdir(default) == []
-    res = subprocess.run([sys.executable, "-m", "megatron_ssd.cli", "clean"], capture_output=True, text=True,
+    res = subprocess.run([sys.executable, "-m", "megatron_ssd.commands.cli", "clean"], capture_output=True, text=True,
                          env=env, timeout=120)
     assert res.returncode == 0 and os.listdir(root) == []
 
@@ -77,7 +77,7 @@ def test_a_finished_run_leaves_the_shared_default_dir_for_a_concurrent_one(tmp_p
     under the other (which would fail with 'does not exist' before creating its run dir)."""
     import io
 
-    from megatron_ssd.train import TrainRecipe
+    from megatron_ssd.commands.train import TrainRecipe
 
     monkeypatch.setenv(scratch.SCRATCH_ENV, str(tmp_path))
     default = scratch.default_offload_dir()
@@ -111,7 +111,7 @@ def test_default_dir_in_the_working_directory_when_tmpdir_is_in_memory(memory_tm
 
 
 def test_planted_symlink_is_refused_before_any_model_is_built(memory_tmpdir):
-    from megatron_ssd.train import TrainRecipe
+    from megatron_ssd.commands.train import TrainRecipe
 
     victim = memory_tmpdir / "victim"
     victim.mkdir()

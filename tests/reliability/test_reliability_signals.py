@@ -126,7 +126,7 @@ def test_sigkill_leftovers_are_removed_at_the_next_start(tmp_path, offload_dir):
 def test_megatron_ssd_clean_removes_only_stale_runs(tmp_path, offload_dir):
     stale = _killed_run(tmp_path, offload_dir)
     keep = _neighbours(offload_dir)
-    res = subprocess.run([sys.executable, "-m", "megatron_ssd.cli", "clean", offload_dir],
+    res = subprocess.run([sys.executable, "-m", "megatron_ssd.commands.cli", "clean", offload_dir],
                          capture_output=True, text=True, env=ENV, timeout=120)
     assert res.returncode == 0, res.stderr
     assert f"removed {stale}" in res.stdout and "1 stale run directory removed" in res.stdout
@@ -183,7 +183,7 @@ def test_sigterm_with_a_hung_unlink_exits_anyway_and_clean_finishes(tmp_path, of
     assert "megatron_ssd: removing the offload files did not finish within 0.5 s; exiting anyway" in err, err
     assert MARKER not in log.read_text().split(), "the marker must not go before the data"
     assert os.path.isfile(os.path.join(run_dir, MARKER)) and "extents.bin" in os.listdir(run_dir)
-    res = subprocess.run([sys.executable, "-m", "megatron_ssd.cli", "clean", offload_dir],
+    res = subprocess.run([sys.executable, "-m", "megatron_ssd.commands.cli", "clean", offload_dir],
                          capture_output=True, text=True, env=ENV, timeout=120)
     assert res.returncode == 0 and f"removed {run_dir}" in res.stdout, res.stdout + res.stderr
     assert os.listdir(offload_dir) == []
@@ -250,15 +250,14 @@ def test_no_handlers_from_other_threads(offload_dir):
 BENCH_CHILD = textwrap.dedent(
     """
     import signal, sys, time
-    from megatron_ssd import io as msd_io
-    from megatron_ssd.io import bench
+    from megatron_ssd.commands import bench_io as bench
 
     path, mode = sys.argv[1], sys.argv[2]
     if mode == "sigterm":
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
     else:
         signal.signal(signal.SIGINT, signal.default_int_handler)
-    real_create, said = msd_io.create_engine, []
+    real_create, said = bench.create_engine, []
 
     def slow_reads(op, file, offset, nbytes):  # a slow drive, so the signal lands mid-measurement
         if op == "read":
@@ -267,7 +266,7 @@ BENCH_CHILD = textwrap.dedent(
                 print("READY", file, flush=True)
             time.sleep(0.2)
 
-    msd_io.create_engine = lambda config, rank=None, fault=None: real_create(config, rank, slow_reads)
+    bench.create_engine = lambda config, rank=None, fault=None: real_create(config, rank, slow_reads)
     bench.run_bench_io([path], "64MiB")
     """
 )

@@ -8,7 +8,7 @@ from typing import Dict, Iterator
 import numpy as np
 import torch
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 __all__ = ["TextFileData"]
 

@@ -9,16 +9,19 @@ Subcommands::
     megatron-ssd bench-io PATH [PATH ...]
     megatron-ssd clean [PATH ...]
     megatron-ssd pretrain-gpt --megatron-path DIR <pretrain_gpt.py args> --ssd-offload ...
+
+Each subcommand's module is imported only when it runs: ``--help``, ``--version`` and
+``clean`` answer without loading megatron-core, and ``pretrain-gpt`` must set up its
+environment before Megatron-LM's modules are first imported.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from typing import List, Optional
 
-from .errors import ConfigError, MegatronSSDError
+from ..errors import MegatronSSDError
 
 __all__ = ["main", "build_parser"]
 
@@ -31,8 +34,8 @@ def _add_config_args(p: argparse.ArgumentParser, default: Optional[str]) -> None
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the ``megatron-ssd`` command."""
-    from . import __version__
-    from .planner.simulate import simulate_help
+    from .. import __version__
+    from ..planner.simulate import simulate_help
 
     parser = argparse.ArgumentParser(prog="megatron-ssd", description="SSD activation offloading for Megatron-LM")
     parser.add_argument("--version", action="version", version=f"megatron-ssd {__version__}")
@@ -90,7 +93,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     collapse_optional_dependency_warnings()
     if argv and argv[0] == "pretrain-gpt":
-        from .megatron.launcher import main as launch
+        from ..megatron.launcher import main as launch
 
         return launch(argv[1:])
     args = build_parser().parse_args(argv)
@@ -101,44 +104,26 @@ def main(argv: Optional[List[str]] = None) -> int:
             return run_train(args.config, args.overrides, json_path=args.json, baseline=not args.no_baseline,
                              allow_short=args.allow_short, tensorboard_dir=args.tensorboard_dir)
         if args.command == "plan":
-            from .planner.commands import run_plan
+            from .plan import run_plan
 
             return run_plan(args.config, args.overrides, json_path=args.json)
         if args.command == "rok":
-            from .planner.commands import run_rok
+            from .rok import run_rok
 
             return run_rok(args.config, args.overrides, json_path=args.json, plot_path=args.plot,
                            rounds=args.rounds, placements=args.placements, paired=args.paired)
         if args.command == "simulate":
-            from .planner.commands import run_simulate
+            from .simulate import run_simulate
 
             return run_simulate(args.overrides, json_path=args.json)
         if args.command == "bench-io":
-            from .io.bench import run_bench_io
+            from .bench_io import run_bench_io
 
             return run_bench_io(args.paths, args.size, json_path=args.json)
         if args.command == "clean":
-            from .io import remove_stale_runs
-            from .io.scratch import default_offload_dir
+            from .clean import run_clean
 
-            paths = args.paths
-            if not paths:
-                scratch = default_offload_dir()
-                paths = [scratch] if os.path.isdir(scratch) and not os.path.islink(scratch) else []
-            for path in paths:  # check every path before removing anything
-                if not os.path.isdir(path):
-                    rule = "is not a directory" if os.path.exists(path) else "does not exist"
-                    raise ConfigError(f"clean: path {path!r} {rule}: must be an offload directory")
-            removed = [d for path in paths for d in remove_stale_runs(path)]
-            if not args.paths and paths:
-                try:
-                    os.rmdir(paths[0])  # the default directory, when no other run uses it
-                except OSError:
-                    pass
-            for d in removed:
-                print(f"removed {d}")
-            print(f"megatron-ssd clean: {len(removed)} stale run director{'y' if len(removed) == 1 else 'ies'} removed")
-            return 0
+            return run_clean(args.paths)
     except MegatronSSDError as err:
         print(err, file=sys.stderr)
         return 2

@@ -34,7 +34,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.utils import get_attr_wrapped_model, get_model_config
 
 from ..errors import ConfigError
-from .cpu_mode import cpu_mode
+from ..megatron.cpu_mode import cpu_mode
 from .models import global_named_parameters
 
 __all__ = [
@@ -47,6 +47,7 @@ __all__ = [
     "gpt_forward_step",
     "gpt_loss_func",
     "run_steps",
+    "train_step",
     "t5_forward_step",
     "t5_loss_func",
 ]
@@ -326,6 +327,48 @@ def _named_grads(model_chunks: Sequence[torch.nn.Module]) -> dict[str, torch.Ten
     return grads
 
 
+def train_step(
+    chunks: Sequence[torch.nn.Module],
+    forward_step_func: Callable[..., Any],
+    data_iterators: Sequence[Iterator[Any]],
+    step: int,
+    *,
+    num_microbatches: int,
+    seq_length: int,
+    micro_batch_size: int,
+    forward_backward_func: Callable[..., Any],
+    optimizer_step: Callable[[Sequence[torch.nn.Module], int], None],
+    decoder_seq_length: Optional[int] = None,
+    collect_grads: bool = False,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """One training step, the loop body of :func:`run_steps` and of ``megatron-ssd train``.
+
+    Sets every gradient to None, calls ``forward_backward_func`` inside :func:`cpu_mode`
+    with one data iterator per chunk, then ``optimizer_step(chunks, step)``.
+
+    Returns:
+        The ``"loss"`` of each micro-batch (empty on stages that are not the last), and,
+        with ``collect_grads``, every gradient before the update (cloned; else ``{}``).
+    """
+    for chunk in chunks:
+        chunk.zero_grad(set_to_none=True)
+    with cpu_mode():
+        store = forward_backward_func(
+            forward_step_func=forward_step_func,
+            data_iterator=list(data_iterators),
+            model=list(chunks),
+            num_microbatches=num_microbatches,
+            seq_length=seq_length,
+            micro_batch_size=micro_batch_size,
+            decoder_seq_length=decoder_seq_length,
+            forward_only=False,
+        )
+    losses = _collect_losses(store)
+    grads = _named_grads(chunks) if collect_grads else {}
+    optimizer_step(chunks, step)
+    return losses, grads
+
+
 def run_steps(
     model_chunks: Sequence[torch.nn.Module] | torch.nn.Module,
     forward_step_func: Callable[..., Any],
@@ -387,24 +430,15 @@ def run_steps(
     grads: dict[str, torch.Tensor] = {}
     try:
         for step in range(steps):
-            for chunk in chunks:
-                chunk.zero_grad(set_to_none=True)
-            iterators = [data_iterators_factory(step) for _ in chunks]
-            with cpu_mode():
-                store = forward_backward_func(
-                    forward_step_func=forward_step_func,
-                    data_iterator=iterators,
-                    model=chunks,
-                    num_microbatches=num_microbatches,
-                    seq_length=seq_length,
-                    micro_batch_size=micro_batch_size,
-                    decoder_seq_length=decoder_seq_length,
-                    forward_only=False,
-                )
-            losses.append(_collect_losses(store))
-            if step == steps - 1:
-                grads = _named_grads(chunks)
-            optimizer_step(chunks, step)
+            last = step == steps - 1
+            step_losses, step_grads = train_step(
+                chunks, forward_step_func, [data_iterators_factory(step) for _ in chunks], step,
+                num_microbatches=num_microbatches, seq_length=seq_length, micro_batch_size=micro_batch_size,
+                forward_backward_func=forward_backward_func, optimizer_step=optimizer_step,
+                decoder_seq_length=decoder_seq_length, collect_grads=last,
+            )
+            losses.append(step_losses)
+            grads = step_grads if last else grads
     finally:
         if installed:
             config.finalize_model_grads_func = None

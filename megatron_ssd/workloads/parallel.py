@@ -25,8 +25,8 @@ from megatron.core import parallel_state, tensor_parallel
 
 from ..errors import ConfigError, MegatronSSDError
 from ..ranks import env_int
-from .cpu_mode import cuda_usable
-from .launch import free_port
+from ..megatron.cpu_mode import cuda_usable
+from ..megatron.launch import free_port
 
 __all__ = ["ParallelInfo", "destroy_parallel", "init_parallel"]
 

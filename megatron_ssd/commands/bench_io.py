@@ -20,8 +20,12 @@ import torch
 
 from ..config import IOConfig, OffloadConfig, _parse_size
 from ..errors import ConfigError
-from ..output import write_json
+from .output import write_json
 from ..units import GiB, MiB
+from ..cache.exit_guard import EXIT_GUARD
+from ..io import create_engine
+from ..io.rundir import filesystem_type
+from ..io.rundir import remove_run_dir
 
 __all__ = ["measure_path", "run_bench_io", "check_size", "suggested_settings", "SETTINGS", "MAX_SHARE_OF_FREE"]
 
@@ -41,8 +45,6 @@ class _ExitGuarded:
         self._pid = os.getpid()
 
     def _remove_files_now(self) -> None:
-        from .rundir import remove_run_dir
-
         if os.getpid() == self._pid:
             for run_dir in self.engine.paths:
                 remove_run_dir(run_dir)
@@ -53,14 +55,10 @@ class _ExitGuarded:
 
 def measure_path(path: str, total_bytes: int, threads: int, block_bytes: int, blob_bytes: int = 64 * MiB) -> Dict[str, Any]:
     """Write then read ``total_bytes`` under ``path``; return bytes/s of each direction."""
-    from . import create_engine
-
     io = IOConfig(engine="posix", threads=threads, block_bytes=block_bytes, max_inflight_bytes=4 * blob_bytes)
     config = OffloadConfig(paths=[path], io=io, device="cpu")
     blob = torch.randint(0, 256, (blob_bytes,), dtype=torch.uint8)
     count = max(1, total_bytes // blob_bytes)
-    from ..cache.exit_guard import EXIT_GUARD
-
     engine = create_engine(config)
     guard = _ExitGuarded(engine)
     EXIT_GUARD.add(guard)
@@ -114,8 +112,6 @@ def run_bench_io(paths: Sequence[str], size: str, json_path: Optional[str] = Non
         if not os.path.isdir(path):
             raise ConfigError(f"bench-io path {path!r}: must be an existing directory")
         check_size(size, total, path)
-    from .rundir import filesystem_type
-
     memory = [p for p in paths if filesystem_type(p) in ("tmpfs", "ramfs")]
     for path in memory:
         print(f"WARNING: bench-io path {path!r} is on {filesystem_type(path)}: it measures memory, not an SSD",

@@ -1,6 +1,6 @@
-"""The planner's commands: ``megatron-ssd plan``, ``rok`` and ``simulate``.
+"""``megatron-ssd rok``: the recompute-offload-keep curve, measured.
 
-``rok`` measures the recompute-offload-keep curve: each placement trains the same model
+It measures the recompute-offload-keep curve: each placement trains the same model
 in a fresh process (``megatron-ssd train ... --json``), so peaks and allocator state do
 not leak from one placement into the next.
 """
@@ -9,69 +9,27 @@ from __future__ import annotations
 
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
 from typing import Any, Dict, List, Optional, Sequence
 
 from ..cache.stats import median_ci95, median_or_zero, ratio_ci95
-from ..config import TrainConfig, load_config, to_dict
-from ..output import write_json
-from ..train import TrainRecipe
+from ..config import Placement, TrainConfig, load_config, to_dict
+from .output import machine_info, write_json
 from ..errors import ConfigError, MegatronSSDError
+from ..planner.profile import StageProfile
+from ..planner.timeline import predict
+from .steps import short_run_problems
 from ..units import MiB
 
-__all__ = ["run_plan", "run_rok", "run_simulate", "rok_points", "machine_info", "PLACEMENTS"]
-
-
-
-def machine_info() -> Dict[str, Any]:
-    """What the measurements ran on."""
-    import torch
-
-    info = {
-        "hostname": platform.node(),
-        "cpu_count": os.cpu_count(),
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
-    }
-    try:
-        with open("/proc/meminfo", encoding="utf-8") as fh:
-            info["mem_total_kib"] = int(fh.readline().split()[1])
-    except OSError:
-        pass
-    return info
-
-
-def run_plan(config_path: Optional[str], overrides: Sequence[str], json_path: Optional[str] = None) -> int:
-    """Profile the configured model (``warmup_steps`` + ``profile_steps`` steps of the
-    planner in ``auto`` mode), print the plan it sets, optionally save it as JSON."""
-    from .plan import Plan
-
-    config = load_config(TrainConfig, config_path, overrides)
-    planner = config.offload.planner
-    planner.mode = "auto"
-    config.baseline_steps = 0
-    config.steps = planner.warmup_steps + planner.profile_steps
-    report = TrainRecipe(config, command="plan").run(print_summary=False)
-    events = [e for e in report["planner"]["events"] if e["plan"] is not None]
-    if not events:
-        raise MegatronSSDError("plan: the profile produced no plan (too few steps?)")
-    plan = events[-1]["plan"]
-    print(f"\nplan from {planner.warmup_steps} warm-up and {planner.profile_steps} profiling steps:")
-    print(Plan.from_dict(plan).table())
-    if json_path:
-        write_json(json_path, {**plan, "workload": to_dict(config), "machine": machine_info()})
-    return 0
+__all__ = ["run_rok", "rok_points", "PLACEMENTS"]
 
 
 def _train_in_subprocess(config_path: Optional[str], overrides: Sequence[str]) -> Dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="megatron-ssd-rok-") as tmp:
         out = os.path.join(tmp, "point.json")
-        cmd = [sys.executable, "-m", "megatron_ssd.cli", "train", *(["--config", config_path] if config_path else []),
+        cmd = [sys.executable, "-m", "megatron_ssd.commands.cli", "train", *(["--config", config_path] if config_path else []),
                *overrides, "baseline_steps=0", "allocator_timeline=true", "--json", out]
         print("$ " + " ".join(cmd), flush=True)
         proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -243,7 +201,6 @@ def rok_points(config_path: Optional[str], overrides: Sequence[str], budgets: Se
 
 def _check_measurable(config_path: Optional[str], overrides: Sequence[str], names: Sequence[str]) -> None:
     """Refuse, before any run, a placement whose run would measure no step (NOTE [Step kinds])."""
-    from ..train import short_run_problems
 
     for name in dict.fromkeys(names):
         config = load_config(TrainConfig, config_path, [*overrides, *PLACEMENTS[name], "baseline_steps=0"])
@@ -260,9 +217,6 @@ def add_predictions(points: List[Dict[str, Any]], reports: Dict[str, Dict[str, A
     be compared with the model (``predicted_exposed_s`` is per step: per micro-batch times
     micro-batches).
     """
-    from ..config import Placement
-    from .profile import StageProfile
-    from .timeline import predict
 
     profile = (reports.get("planner") or {}).get("planner", {}).get("profile")
     if not profile:
@@ -376,22 +330,4 @@ def run_rok(config_path: Optional[str], overrides: Sequence[str], json_path: Opt
                                "machine": machine_info()})
     if plot_path:
         plot_rok(points, plot_path, title=os.path.basename(config_path or "rok"))
-    return 0
-
-
-def run_simulate(overrides: Sequence[str], json_path: Optional[str] = None) -> int:
-    """``megatron-ssd simulate``: plan, overhead and drive lifetime for described hardware."""
-    from .simulate import simulate, spec_from_overrides
-
-    model = None
-    rest = []
-    for item in overrides:
-        if item.startswith("model="):
-            model = item.split("=", 1)[1]
-        else:
-            rest.append(item)
-    result = simulate(spec_from_overrides(rest, model=model))
-    print(result.summary())
-    if json_path:
-        write_json(json_path, result.to_dict())
     return 0

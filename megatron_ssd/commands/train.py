@@ -20,15 +20,25 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-from .cache import StepStats, TensorCache
-from .cache.stats import median_ci95, median_or_zero as med
-from .config import PlannerConfig, TrainConfig, load_config, to_dict
-from .data import TextFileData
-from .errors import ConfigError
+from ..adaptive import AdaptivePlanner
+from ..cache import StepStats, TensorCache
+from ..cache.stats import median_ci95, median_or_zero as med
+from ..config import OffloadConfig, Placement, PlannerConfig, TrainConfig, from_dict, load_config, to_dict
+from ..errors import ConfigError
+from ..io.scratch import default_offload_dir, make_private_dir
+from ..megatron import get_forward_backward_func, offload_layer_spec
+from ..memory import AllocatorTimeline, PhaseMemory
+from ..metrics import ScalarWriter, tensorboard_writer
+from ..planner.wear import lifetime_for
+from ..units import MiB
+from ..workloads.data import TextFileData
+from ..workloads.harness import SGD, SyntheticData, finalize_embedding_grads, gpt_forward_step, train_step
+from ..workloads.models import build_gpt, tiny_transformer_config
+from ..workloads.parallel import destroy_parallel, init_parallel
 from .output import Progress, write_json
 from .steps import format_comparison, format_paired, format_plans, short_run_problems, step_kinds, step_line
-from .units import MiB
 
 __all__ = ["TrainRecipe", "PhaseResult", "run_train", "format_summary"]
 
@@ -122,12 +132,6 @@ class TrainRecipe:
 
     def setup(self) -> None:
         """Initialise torch.distributed / Megatron state, build the model and the cache."""
-        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-
-        from .megatron import offload_layer_spec
-        from .megatron.models import build_gpt, tiny_transformer_config
-        from .megatron.parallel import init_parallel
-
         cfg = self.config
         if cfg.device == "cuda" and not torch.cuda.is_available():
             raise ConfigError("TrainConfig.device = 'cuda': no CUDA device is visible")
@@ -136,8 +140,6 @@ class TrainRecipe:
             raise ConfigError("ModelConfig.params_dtype = 'fp16': fp16 training needs a GPU; use fp32 or bf16 on CPU")
         offload = cfg.offload
         if not offload.paths:  # the fixed per-user directory that clean and the next start know
-            from .io.scratch import default_offload_dir, make_private_dir
-
             # NOTE [Default offload directory]
             # One fixed directory per user, shared by that user's concurrent runs, so it is
             # never removed by a run: between one run's mkdir and the creation of its run
@@ -159,8 +161,6 @@ class TrainRecipe:
         if self.device == "cuda":
             self.model.cuda()
         if cfg.data == "synthetic":
-            from .megatron.harness import SyntheticData
-
             self.data = SyntheticData("gpt", cfg.micro_batch_size, m.seq_length, m.vocab_size, seed=cfg.seed)
         else:
             self.data = TextFileData(cfg.data, cfg.micro_batch_size, m.seq_length)
@@ -174,12 +174,6 @@ class TrainRecipe:
     # ------------------------------------------------------------------ train
 
     def _phase(self, name: str, steps: int, planner_config: PlannerConfig, pairs: int = 0) -> PhaseResult:
-        from .megatron import get_forward_backward_func
-        from .megatron.cpu_mode import cpu_mode
-        from .megatron.harness import SGD, finalize_embedding_grads, gpt_forward_step
-        from .memory import PhaseMemory
-        from .planner.runtime import AdaptivePlanner
-
         cfg = self.config
         result = PhaseResult(name, kinds=step_kinds(planner_config, steps))
         metrics = self._metrics_writer() if planner_config is cfg.offload.planner else None
@@ -201,19 +195,12 @@ class TrainRecipe:
             config.finalize_model_grads_func = config.finalize_model_grads_func or finalize_embedding_grads
 
             def run_step(step: int) -> float:
-                self.model.zero_grad(set_to_none=True)
-                with cpu_mode():
-                    reports = schedule(
-                        forward_step_func=gpt_forward_step,
-                        data_iterator=[self.data(step)],
-                        model=[self.model],
-                        num_microbatches=cfg.num_microbatches,
-                        seq_length=cfg.model.seq_length,
-                        micro_batch_size=cfg.micro_batch_size,
-                        forward_only=False,
-                    )
-                optimizer([self.model], step)
-                return statistics.fmean(float(r["loss"]) for r in reports)
+                losses, _ = train_step(
+                    [self.model], gpt_forward_step, [self.data(step)], step,
+                    num_microbatches=cfg.num_microbatches, seq_length=cfg.model.seq_length,
+                    micro_batch_size=cfg.micro_batch_size, forward_backward_func=schedule, optimizer_step=optimizer,
+                )
+                return statistics.fmean(losses.tolist())
 
             memory.start()  # NOTE [Independent memory]: the level right before the first forward
             progress = Progress(name, steps, self.out)
@@ -251,8 +238,6 @@ class TrainRecipe:
         profiles. They continue training, so the model after them differs from the
         offload phase's (``final_loss`` stays the offload phase's).
         """
-        from .config import Placement
-
         plan, default = cache.plan(), cache.default_placement
         keep_s: List[float] = []
         offload_s: List[float] = []
@@ -278,8 +263,6 @@ class TrainRecipe:
 
     def _with_wear(self, summary: Dict[str, Any]) -> Dict[str, Any]:
         """Add the drives' projected lifetime at the phase's write rate (NOTE [Wear model])."""
-        from .planner.wear import lifetime_for
-
         rate = summary["bytes_written_per_step"] / summary["median_step_s"] if summary["median_step_s"] else 0.0
         years = lifetime_for(self.config.offload.planner, len(self.config.offload.paths), rate)
         summary["drive_lifetime_years"] = None if years is None or math.isinf(years) else years
@@ -324,8 +307,6 @@ class TrainRecipe:
 
     def cleanup(self) -> None:
         """Tear down Megatron's state (the caches removed their run directories)."""
-        from .megatron.parallel import destroy_parallel
-
         if self._initialized:
             destroy_parallel()
             self._initialized = False
@@ -347,8 +328,6 @@ class TrainRecipe:
         """The offload phase's TensorBoard scalars (``--tensorboard-dir``), or None."""
         if not self.tensorboard_dir:
             return None
-        from .metrics import ScalarWriter, tensorboard_writer
-
         return ScalarWriter(tensorboard=tensorboard_writer(self.tensorboard_dir))
 
 
@@ -371,16 +350,12 @@ def _closing(memory: Any) -> Iterator[Any]:
 
 def _profiled_step(run_step: Any, step: int) -> Tuple[Optional[int], Optional[int]]:
     """Run ``step`` under :class:`AllocatorTimeline`; (host peak, CUDA peak) in bytes."""
-    from .memory import AllocatorTimeline
-
     with AllocatorTimeline() as timeline:
         run_step(step)
     return timeline.peak_bytes, timeline.device_peak_bytes
 
 
 def _with_paths(offload: Any, paths: List[str]) -> Any:
-    from .config import OffloadConfig, from_dict
-
     data = to_dict(offload)
     data["paths"] = paths
     return from_dict(OffloadConfig, data)

@@ -19,12 +19,13 @@ from typing import Any, Dict, Hashable, List, Optional
 
 import torch
 
-from ..cache.stats import median_or_zero
-from ..config import Placement, PlannerConfig
-from .drift import DriftDetector
-from .plan import Plan, make_plan
-from .profile import IOProfile, LayerProfile, StageProfile
-from .wear import write_limit_for
+from .cache.stats import median_or_zero
+from .config import Placement, PlannerConfig
+from .planner.drift import DriftDetector
+from .planner.plan import Plan, make_plan
+from .planner.profile import IOProfile, LayerProfile, StageProfile
+from .planner.wear import write_limit_for
+from .io.rundir import check_space_for_plan
 
 __all__ = ["AdaptivePlanner", "PlanEvent", "stage_from_stats"]
 
@@ -263,8 +264,6 @@ class AdaptivePlanner:
         step can hold on disk at once (all of them, under gradient accumulation with
         1F1B the stage's in-flight count), plus the 4 KiB padding of each blob.
         """
-        from ..io.rundir import check_space_for_plan
-
         in_flight = max(plan.microbatches_in_flight, self._microbatches)
         planned = int(plan.offloaded_bytes * in_flight * 1.01)
         if planned > 0:

@@ -1,16 +1,18 @@
 """What ``megatron-ssd train`` says about its steps: their kinds, runs too short to
 measure, and the lines that compare phases, show plans and progress.
 
-NOTE [Step kinds] is here; :mod:`megatron_ssd.train` runs the phases and prints these.
+NOTE [Step kinds] is here; :mod:`megatron_ssd.commands.train` runs the phases and prints these.
 """
 
 from __future__ import annotations
 
 from typing import Any, Dict, List, Optional, Sequence
 
-from .cache import StepStats
-from .config import PlannerConfig, TrainConfig
-from .units import MiB
+from ..cache import StepStats
+from ..config import PlannerConfig, TrainConfig
+from ..units import MiB
+from ..cache.stats import ratio_ci95
+from ..planner import Plan
 
 __all__ = ["FEW_STEPS", "step_kinds", "short_run_problems", "step_line", "format_plans", "format_paired",
            "format_comparison"]
@@ -79,8 +81,6 @@ def _short_reason(reason: str) -> str:
 
 def format_plans(events: Sequence[Dict[str, Any]], steps: int) -> str:
     """The plans a phase set: the first as a table, each later one as its changes."""
-    from .planner import Plan
-
     lines: List[str] = []
     previous: Optional[Plan] = None
     for event in events:
@@ -108,8 +108,6 @@ def format_paired(paired: Dict[str, Any]) -> str:
 def format_comparison(keep: Dict[str, Any], off: Dict[str, Any]) -> str:
     """The last line: memory saved, and the step-time ratio with its 95% interval, or why
     there is none (NOTE [Step kinds]); a warning when either side has few steps."""
-    from .cache.stats import ratio_ci95
-
     saved = keep["peak_activation_bytes"] - off["peak_activation_bytes"]
     memory = (f"activation memory saved: {saved / MiB:.1f} MiB "
               f"({100 * saved / keep['peak_activation_bytes']:.0f}% of keep-everything)")

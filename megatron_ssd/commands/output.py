@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import json
 import os
+import platform
 import re
 import sys
 import warnings
-from typing import Any, Optional
+from typing import Any, Dict, Optional
 
-__all__ = ["write_json", "Progress", "collapse_optional_dependency_warnings", "OPTIONAL_DEPENDENCY_LINE"]
+__all__ = ["write_json", "machine_info", "Progress", "collapse_optional_dependency_warnings", "OPTIONAL_DEPENDENCY_LINE"]
 
 _OPTIONAL_DEPENDENCY = re.compile(
     r"Transformer Engine and Apex are not installed|Apex is not installed|absl\.logging is not installed")
@@ -18,6 +19,26 @@ _OPTIONAL_DEPENDENCY = re.compile(
 OPTIONAL_DEPENDENCY_LINE = (
     "megatron-core: Transformer Engine and Apex are not installed (optional); it uses its torch fallbacks "
     "(optimizers, norms, multi-tensor ops), and its further warnings about them are not shown")
+
+
+def machine_info() -> Dict[str, Any]:
+    """What the measurements ran on."""
+    import torch
+
+    info = {
+        "hostname": platform.node(),
+        "cpu_count": os.cpu_count(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+    }
+    try:
+        with open("/proc/meminfo", encoding="utf-8") as fh:
+            info["mem_total_kib"] = int(fh.readline().split()[1])
+    except OSError:
+        pass
+    return info
 
 
 def write_json(path: str, data: Any) -> None:

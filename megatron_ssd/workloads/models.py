@@ -33,8 +33,8 @@ from megatron.core.transformer.transformer_block import TransformerBlock
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from ..errors import ConfigError
-from .attention import CPUCoreAttention, cpu_block_spec
-from .cpu_mode import cpu_mode, cuda_usable
+from ..megatron.attention import CPUCoreAttention, cpu_block_spec
+from ..megatron.cpu_mode import cpu_mode, cuda_usable
 
 __all__ = [
     "CPUBertModel",

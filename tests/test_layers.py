@@ -1,0 +1,121 @@
+"""The package's dependencies point one way (README "Package layers").
+
+Every import of a ``megatron_ssd`` module, at the top of a file or inside a function,
+must go to the same package or to a lower layer; the planner imports nothing but the
+configuration, errors and units, and no third-party module at all (it is pure arithmetic
+over measurements). A new module must be given a layer here, so this test also fails
+for a module nobody placed.
+"""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1] / "megatron_ssd"
+
+LAYERS = {
+    # foundations: no megatron_ssd imports beyond each other
+    "megatron_ssd.errors": 0,
+    "megatron_ssd.units": 0,
+    "megatron_ssd.ranks": 1,
+    "megatron_ssd.config": 1,
+    # the pure planner: measurements in, plans out
+    "megatron_ssd.planner": 2,
+    # I/O, measurement and metrics writers
+    "megatron_ssd.io": 2,
+    "megatron_ssd.metrics": 2,
+    "megatron_ssd.memory": 3,
+    # the tensor cache, above I/O
+    "megatron_ssd.cache": 4,
+    # the adaptive planner: the cache's measurements into the pure planner
+    "megatron_ssd.adaptive": 5,
+    # the Megatron integration, then the CPU reference workloads built on it
+    "megatron_ssd.megatron": 6,
+    "megatron_ssd.workloads": 7,
+    # the commands, above everything
+    "megatron_ssd.commands": 8,
+}
+PLANNER_MAY_IMPORT = {"megatron_ssd.config", "megatron_ssd.errors", "megatron_ssd.units"}
+
+
+def _module_name(path: pathlib.Path) -> str:
+    parts = list(path.relative_to(ROOT.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _unit(module: str) -> str | None:
+    """The entry of LAYERS that ``module`` belongs to (its longest prefix)."""
+    best = None
+    for name in LAYERS:
+        if (module == name or module.startswith(name + ".")) and (best is None or len(name) > len(best)):
+            best = name
+    return best
+
+
+def _is_module(name: str) -> bool:
+    path = ROOT.parent / name.replace(".", "/")
+    return path.is_dir() or path.with_suffix(".py").is_file()
+
+
+def _imports(path: pathlib.Path):
+    module = _module_name(path)
+    package = module if path.name == "__init__.py" else module.rsplit(".", 1)[0]
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            names = [target] if node.module or not node.level else [
+                f"{target}.{a.name}" if _is_module(f"{target}.{a.name}") else target for a in node.names]
+            for name in names:
+                yield node.lineno, name
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                yield node.lineno, alias.name
+
+
+MODULES = sorted(p for p in ROOT.rglob("*.py") if p != ROOT / "__init__.py")
+
+
+@pytest.mark.parametrize("path", MODULES, ids=lambda p: str(p.relative_to(ROOT.parent)))
+def test_imports_point_down(path):
+    module = _module_name(path)
+    unit = _unit(module)
+    assert unit is not None, f"{module} is in no layer: add it to LAYERS in tests/test_layers.py"
+    wrong = []
+    for line, target in _imports(path):
+        if not target.startswith("megatron_ssd"):
+            continue
+        other = _unit(target)
+        if target == "megatron_ssd" or other == unit:
+            continue
+        if other is None or LAYERS[other] >= LAYERS[unit]:
+            wrong.append(f"line {line}: {target} (layer {LAYERS.get(other)}) from layer {LAYERS[unit]}")
+    assert not wrong, f"{module} imports upward or sideways: {wrong}"
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "planner").glob("*.py")), ids=lambda p: p.name)
+def test_planner_is_pure(path):
+    stdlib = set(sys.stdlib_module_names)
+    wrong = []
+    for line, target in _imports(path):
+        if target.startswith("megatron_ssd"):
+            if _unit(target) != "megatron_ssd.planner" and not any(
+                    target == m or target.startswith(m + ".") for m in PLANNER_MAY_IMPORT):
+                wrong.append(f"line {line}: {target}")
+        elif target.split(".")[0] not in stdlib and target != "__future__":
+            wrong.append(f"line {line}: {target} (third-party)")
+    assert not wrong, f"planner/{path.name} is not pure: {wrong}"
+
+
+def test_test_helpers_are_not_part_of_the_integration():
+    """The CPU reference workloads (models, seeded data, the step loop) live in
+    megatron_ssd.workloads, not beside the Megatron integration."""
+    integration = {p.stem for p in (ROOT / "megatron").glob("*.py")}
+    assert not integration & {"harness", "models", "parallel"}, integration
