@@ -235,10 +235,11 @@ class AdaptivePlanner:
             allow_recompute=self.config.allow_recompute,
             max_write_bytes_per_s=write_limit_for(self.config, len(self.cache.config.paths)),
             capacity_bytes=self.activation_capacity(),
+            read_ahead=self.config.read_ahead,
         )
         self._check_space(plan)
         self.plan = plan
-        self.cache.set_plan({lp.layer_id: lp.placement for lp in plan.layers})
+        self.cache.set_plan({lp.layer_id: lp.placement for lp in plan.layers}, plan.read_ahead_by_layer())
         self._drift.rebase(profile, plan)
         self.events.append(PlanEvent(step, reason, plan))
         logger.info("megatron_ssd: plan after step %d (%s):\n%s", step, reason, plan.table())

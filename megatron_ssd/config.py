@@ -322,6 +322,11 @@ class PlannerConfig:
     """Relative drift of measured bandwidth or compute time that triggers a re-plan; in
     (0, 1)."""
 
+    read_ahead: Annotated[str, OneOf("auto", "fixed")] = "auto"
+    """When each offloaded layer's read is issued during backward: ``auto``, as late as
+    the plan predicts it still arrives in time, chosen per layer (NOTE [Just-in-time
+    reads]); ``fixed``, ``prefetch_layers`` layers ahead for every layer."""
+
     drive_tbw_bytes: Optional[Annotated[ByteCount, Positive()]] = None
     """Rated write endurance of one offload drive, in bytes (TBW; DWPD x capacity x
     warranty days, e.g. ``7.0e15`` for a 3.84 TB drive at 1 DWPD over 5 years). Set, the

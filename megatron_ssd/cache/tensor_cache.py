@@ -92,6 +92,7 @@ class TensorCache(ScopeMixin, TransferMixin, StepAccountingMixin):
         self._tls = threading.local()
         self._layers: List[Hashable] = []
         self._plan: Dict[Hashable, Placement] = {}
+        self._read_ahead: Dict[Hashable, int] = {}
         self._param_storages: set = set()
         self._records: Dict[Hashable, Record] = {}
         self._keys = itertools.count()
@@ -145,8 +146,20 @@ class TensorCache(ScopeMixin, TransferMixin, StepAccountingMixin):
         for p in module.parameters():
             self._param_storages.add(p.untyped_storage()._cdata)
 
-    def set_plan(self, placements: Mapping[Hashable, Union[Placement, str]]) -> None:
-        """Set the placement of layers by id; unnamed layers keep the default."""
+    def set_plan(self, placements: Mapping[Hashable, Union[Placement, str]],
+                 read_ahead: Optional[Mapping[Hashable, int]] = None) -> None:
+        """Set the placement of layers by id; unnamed layers keep the default.
+
+        ``read_ahead`` gives a layer's read-issue point: its read is issued when the
+        backward of the layer that many layers later starts (NOTE [Write and read issue
+        points] in ``planner/timeline.py``); layers it does not name read
+        ``prefetch_layers`` ahead.
+        """
+        ahead: Dict[Hashable, int] = {}
+        for layer_id, depth in (read_ahead or {}).items():
+            if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
+                raise ConfigError(f"read_ahead[{layer_id!r}] = {depth!r}: must be an integer >= 1")
+            ahead[layer_id] = depth
         plan = {}
         for layer_id, placement in placements.items():
             try:
@@ -162,11 +175,17 @@ class TensorCache(ScopeMixin, TransferMixin, StepAccountingMixin):
                 )
         with self._lock:
             self._plan = plan
+            self._read_ahead = ahead
 
     def plan(self) -> Dict[Hashable, Placement]:
         """A copy of the placements set with :meth:`set_plan`."""
         with self._lock:
             return dict(self._plan)
+
+    def read_ahead(self) -> Dict[Hashable, int]:
+        """A copy of the read-aheads set with :meth:`set_plan`."""
+        with self._lock:
+            return dict(self._read_ahead)
 
     def placement(self, layer_id: Hashable) -> Placement:
         """Where the saved tensors of ``layer_id`` go: the plan's choice, else the default
@@ -331,8 +350,9 @@ class TensorCache(ScopeMixin, TransferMixin, StepAccountingMixin):
     def backward_started(self, record: Record, layer_id: Hashable) -> None:
         """The backward of ``layer_id`` in ``record`` begins: prefetch what comes next.
 
-        Issues reads for this layer (if not yet issued) and for the
-        ``prefetch_layers`` layers before it in forward order, nearest first.
+        Issues the reads due now, needed-first: this layer's (if not yet issued) and
+        those of the layers before it in forward order whose read-ahead (``set_plan``'s
+        ``read_ahead``, else ``prefetch_layers``) reaches this layer.
         """
         now = time.perf_counter()
         with self._lock:
@@ -341,8 +361,11 @@ class TensorCache(ScopeMixin, TransferMixin, StepAccountingMixin):
             if layer_id not in order:
                 return
             i = order.index(layer_id)
-            depth = self.config.prefetch_layers
-            for target in [layer_id] + order[max(0, i - depth) : i][::-1]:
+            default = self.config.prefetch_layers
+            for k in range(i, -1, -1):
+                target = order[k]
+                if k != i and k + self._read_ahead.get(target, default) < i:
+                    continue
                 if target not in record.prefetched:
                     record.prefetched.add(target)
                     self._prefetch(record, target)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import numbers
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Mapping, Optional
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from ..config import Placement, from_dict, to_dict
 from ..errors import ConfigError
@@ -32,6 +32,7 @@ __all__ = [
     "GOAL_MAX_OFFLOAD",
     "GOAL_MEMORY_BUDGET",
     "PLAN_SCHEMA",
+    "READ_AHEAD_MODES",
     "LayerPlan",
     "Plan",
     "PlanInfeasibleError",
@@ -47,6 +48,8 @@ GOAL_CAPACITY = "capacity"
 device's activation capacity at the smallest predicted step time."""
 PLAN_SCHEMA = "megatron_ssd.plan/1"
 """Value of the ``schema`` key of a plan's JSON form."""
+READ_AHEAD_MODES = ("fixed", "auto")
+"""``make_plan``'s ``read_ahead``: one depth for every layer, or each layer's chosen."""
 
 
 
@@ -73,6 +76,9 @@ class LayerPlan:
     """Predicted forward wall time (with slowdown from concurrent I/O)."""
     backward_s: float = 0.0
     """Predicted backward wall time without the wait (with recompute and slowdown)."""
+    read_ahead: int = 1
+    """Its read is issued when the backward of the layer this many layers later starts
+    (NOTE [Write and read issue points]); chosen per layer by ``read_ahead="auto"``."""
 
 
 @dataclass
@@ -102,7 +108,11 @@ class Plan:
     safety_margin: float = 0.1
     """Fraction the bandwidths were derated by while choosing placements."""
     prefetch_depth: int = 1
-    """How many layers ahead reads are issued."""
+    """How many layers ahead reads are issued by default (each layer's own is its
+    ``read_ahead``)."""
+    read_ahead: str = "fixed"
+    """``fixed``: every layer reads ``prefetch_depth`` ahead; ``auto``: the planner chose
+    each layer's read-issue point (NOTE [Just-in-time reads])."""
     pipeline_rank: int = 0
     """The stage planned."""
     pipeline_size: int = 1
@@ -144,6 +154,10 @@ class Plan:
     def layers_with(self, placement: Placement) -> List[LayerId]:
         """Ids of the layers with ``placement``, in forward order."""
         return [lp.layer_id for lp in self.layers if lp.placement is Placement(placement)]
+
+    def read_ahead_by_layer(self) -> Dict[LayerId, int]:
+        """Each OFFLOAD layer's read-ahead, for ``TensorCache.set_plan``."""
+        return {lp.layer_id: lp.read_ahead for lp in self.layers if lp.placement is Placement.OFFLOAD}
 
     @property
     def offloaded_bytes(self) -> int:
@@ -191,12 +205,14 @@ class Plan:
 
     def table(self) -> str:
         """A per-layer table and a summary line, for logs and the command line."""
-        rows = [f"{'layer':>8}  {'placement':<9}  {'MiB':>9}  {'write ms':>9}  {'read ms':>9}  {'exposed ms':>10}"]
+        rows = [f"{'layer':>8}  {'placement':<9}  {'MiB':>9}  {'write ms':>9}  {'read ms':>9}  {'exposed ms':>10}"
+                f"  {'read ahead':>10}"]
         for lp in self.layers:
             note = "  (forwarded)" if lp.forwarded else ""
+            ahead = f"{lp.read_ahead:>10}" if lp.placement is Placement.OFFLOAD else f"{'':>10}"
             rows.append(
                 f"{str(lp.layer_id):>8}  {lp.placement.value:<9}  {lp.bytes / MiB:9.1f}  {lp.write_s * 1e3:9.2f}"
-                f"  {lp.read_s * 1e3:9.2f}  {lp.exposed_s * 1e3:10.2f}{note}"
+                f"  {lp.read_s * 1e3:9.2f}  {lp.exposed_s * 1e3:10.2f}  {ahead}{note}"
             )
         peak_ratio = self.peak_activation_bytes / self.keep_peak_activation_bytes if self.keep_peak_activation_bytes else 1.0
         step_ratio = self.step_s / self.keep_step_s if self.keep_step_s else 1.0
@@ -232,6 +248,7 @@ def make_plan(
     allow_recompute: bool = True,
     max_write_bytes_per_s: Optional[float] = None,
     capacity_bytes: Optional[int] = None,
+    read_ahead: str = "fixed",
 ) -> Plan:
     """Choose a placement per layer of ``stage``.
 
@@ -256,6 +273,9 @@ def make_plan(
             under either goal. Without a budget, when the hidden offload's predicted
             peak exceeds it, the plan meets it as a budget instead (goal ``capacity``);
             a budget above it is lowered to it. None: no limit.
+        read_ahead: ``fixed``: every read is issued ``prefetch_depth`` layers ahead;
+            ``auto``: the read-issue point of each offloaded layer is chosen too, just in
+            time (NOTE [Just-in-time reads]).
 
     Returns:
         The :class:`Plan`, its predictions at the measured bandwidths.
@@ -282,22 +302,104 @@ def make_plan(
         if isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, numbers.Integral) or capacity_bytes < 0:
             raise ConfigError(f"capacity_bytes = {capacity_bytes!r}: must be None or an integer number of bytes >= 0")
         capacity_bytes = int(capacity_bytes)
-    search = PlacementSearch(stage, stage.io.derated(safety_margin), prefetch_depth, max_write_bytes_per_s)
-    if memory_budget is None:
-        placements, goal = search.max_offload(), GOAL_MAX_OFFLOAD
-        over = capacity_bytes is not None and search.check(placements).peak_bytes > capacity_bytes
+    if read_ahead not in READ_AHEAD_MODES:
+        raise ConfigError(f"read_ahead = {read_ahead!r}: must be one of {list(READ_AHEAD_MODES)}")
+
+    def choose(depth: int) -> Tuple[List[Placement], str, Timeline]:
+        search = PlacementSearch(stage, stage.io.derated(safety_margin), depth, max_write_bytes_per_s)
+        if memory_budget is None:
+            placements, goal = search.max_offload(), GOAL_MAX_OFFLOAD
+            over = capacity_bytes is not None and search.check(placements).peak_bytes > capacity_bytes
+        else:
+            over = capacity_bytes is not None and memory_budget > capacity_bytes
+            if not over:
+                placements, goal = search.meet_budget(memory_budget, allow_recompute), GOAL_MEMORY_BUDGET
+        if over:  # the device's capacity binds: meet it as the budget
+            placements, goal = search.meet_budget(capacity_bytes, allow_recompute, "capacity_bytes"), GOAL_CAPACITY
+        return placements, goal, predict(stage, placements, depth)
+
+    n = len(stage.layers)
+    if read_ahead == "fixed":
+        placements, goal, _ = choose(prefetch_depth)
+        depths = [prefetch_depth] * n
     else:
-        over = capacity_bytes is not None and memory_budget > capacity_bytes
-        if not over:
-            placements, goal = search.meet_budget(memory_budget, allow_recompute), GOAL_MEMORY_BUDGET
-    if over:  # the device's capacity binds: meet it as the budget
-        placements, goal = search.meet_budget(capacity_bytes, allow_recompute, "capacity_bytes"), GOAL_CAPACITY
-    tl = predict(stage, placements, prefetch_depth)
-    keep = predict(stage, [Placement.KEEP] * len(stage.layers), prefetch_depth)
-    plan = _build(stage, tl, keep, goal, memory_budget, safety_margin, prefetch_depth)
+        placements, goal, depths = _just_in_time(stage, choose, prefetch_depth, safety_margin)
+    tl = predict(stage, placements, depths)
+    keep = predict(stage, [Placement.KEEP] * n, prefetch_depth)
+    plan = _build(stage, tl, keep, goal, memory_budget, safety_margin, prefetch_depth, depths)
+    plan.read_ahead = read_ahead
     plan.max_write_bytes_per_s = max_write_bytes_per_s
     plan.capacity_bytes = capacity_bytes
     return plan
+
+
+# NOTE [Just-in-time reads]
+# With one read-ahead for every layer, a layer's read must fit in the backward of the
+# read-ahead layers after it, which at GPU speed is far less than a large layer's read
+# takes; with every read issued at the first backward, read buffers pile up early and
+# the peak grows. ``read_ahead="auto"`` chooses in two passes. (1) Placements are planned
+# at each depth of a geometric ladder (1, 2, 4, ... up to the layer count, and the
+# configured depth): the plan with the smallest predicted peak among those that hide
+# all I/O, or with no such plan (a budget or the device's capacity binds), the one with
+# the shortest predicted step, then the fewest bytes written (least drive wear), then
+# the smallest peak. (2) Each offloaded layer's read is then issued as late as it can be
+# (the smallest read-ahead, needed-first layer first) without a longer predicted step, a
+# stall, forwarding or a higher peak, at the derated and at the measured bandwidths: a
+# read buffer allocated later holds its bytes for less time. The cache issues each
+# layer's read at its read-ahead (``TensorCache.set_plan(..., read_ahead=...)``).
+
+
+def _depth_ladder(first: int, n: int) -> List[int]:
+    ladder, d = {min(first, max(n, 1))}, 1
+    while d < n:
+        ladder.add(d)
+        d *= 2
+    ladder.add(max(n, 1))
+    return sorted(ladder)
+
+
+def _just_in_time(
+    stage: StageProfile,
+    choose: Callable[[int], Tuple[List[Placement], str, Timeline]],
+    prefetch_depth: int,
+    safety_margin: float,
+) -> Tuple[List[Placement], str, List[int]]:
+    """Placements, goal and per-layer read-aheads; see NOTE [Just-in-time reads]."""
+    n = len(stage.layers)
+    candidates = []
+    failure: Optional[PlanInfeasibleError] = None
+    for depth in _depth_ladder(prefetch_depth, n):
+        try:
+            placements, goal, tl = choose(depth)
+        except PlanInfeasibleError as err:
+            if failure is None or err.smallest_peak < failure.smallest_peak:
+                failure = err
+            continue
+        written = sum(layer.saved_bytes for layer, p in zip(stage.layers, placements) if p is Placement.OFFLOAD)
+        candidates.append((placements, goal, tl, written, depth))
+    if not candidates:
+        assert failure is not None
+        raise failure
+    hidden = [c for c in candidates if c[1] == GOAL_MAX_OFFLOAD]
+    if hidden:
+        best = min(hidden, key=lambda c: (c[2].peak_bytes, c[3], c[4]))
+    else:
+        best = min(candidates, key=lambda c: (round(c[2].step_s, 12), c[3], c[2].peak_bytes, c[4]))
+    placements, goal, tl, _, depth = best
+    depths = [depth] * n
+    derated = stage.io.derated(safety_margin)
+    judged = [tl, predict(stage, placements, depths, io=derated)]
+    for i in range(n - 1, -1, -1):
+        if placements[i] is not Placement.OFFLOAD:
+            continue
+        for later in range(1, depths[i]):
+            trial = depths[:i] + [later] + depths[i + 1:]
+            trials = [predict(stage, placements, trial), predict(stage, placements, trial, io=derated)]
+            if all(not t.forwarded and t.exposed_s <= j.exposed_s + 1e-12 and t.step_s <= j.step_s + 1e-12
+                   and t.peak_bytes <= j.peak_bytes for t, j in zip(trials, judged)):
+                depths, judged = trial, trials
+                break
+    return placements, goal, depths
 
 
 def _build(
@@ -308,9 +410,10 @@ def _build(
     memory_budget: Optional[int],
     safety_margin: float,
     prefetch_depth: int,
+    depths: Sequence[int],
 ) -> Plan:
     layers = []
-    for layer, lt in zip(stage.layers, tl.layers):
+    for layer, lt, depth in zip(stage.layers, tl.layers, depths):
         write_s = 0.0 if lt.write_end is None else lt.write_end - lt.write_start
         read_s = 0.0 if lt.read_end is None else lt.read_end - lt.read_start
         layers.append(
@@ -324,6 +427,7 @@ def _build(
                 forwarded=lt.forwarded,
                 forward_s=lt.forward_s,
                 backward_s=lt.backward_s,
+                read_ahead=depth,
             )
         )
     return Plan(

@@ -109,7 +109,8 @@ class PlacementSearch:
         return not tl.forwarded and tl.exposed_s <= 1e-9 * tl.compute_s + 1e-12
 
     def max_offload(self) -> List[Placement]:
-        """The most OFFLOAD layers whose I/O the model hides completely."""
+        """The most OFFLOAD layers whose I/O the model hides completely, less those that
+        do not lower the predicted peak (:meth:`without_idle_writes`)."""
         # First fit in forward order: an earlier layer's write has the most forward
         # compute left to drain behind and its read is needed last, so for layers of
         # equal size and time the admitted set is the longest admissible prefix; with
@@ -122,11 +123,34 @@ class PlacementSearch:
             tl = self.judge(trial)
             if self.hidden(tl) and self.wears_ok(trial):
                 placements = trial
+        placements = self.without_idle_writes(placements)
         # Derating makes I/O slower, so the measured bandwidths normally agree; if
         # they do not (slowdown interplay), drop the latest admitted layers until they do.
         while not self.hidden(self.check(placements)):
             last = max(i for i, p in enumerate(placements) if p is Placement.OFFLOAD)
             placements[last] = Placement.KEEP
+        return placements
+
+    def without_idle_writes(self, placements: List[Placement]) -> List[Placement]:
+        """``placements`` less every OFFLOAD layer whose write buys no memory.
+
+        NOTE [Every offloaded byte buys memory]: a layer whose write completes after the
+        peak, or whose read buffer is allocated before it, costs bandwidth and drive
+        wear and lowers nothing. Last-admitted first, an OFFLOAD layer goes back to KEEP
+        when the predicted peak rises without it neither at the derated nor at the
+        measured bandwidths (the I/O still hidden), until every remaining one lowers it.
+        """
+        peaks = (self.judge(placements).peak_bytes, self.check(placements).peak_bytes)
+        changed = True
+        while changed:
+            changed = False
+            for i in range(self.n - 1, -1, -1):
+                if placements[i] is not Placement.OFFLOAD:
+                    continue
+                trial = placements[:i] + [Placement.KEEP] + placements[i + 1 :]
+                judged, checked = self.judge(trial), self.check(trial)
+                if judged.peak_bytes <= peaks[0] and checked.peak_bytes <= peaks[1] and self.hidden(judged):
+                    placements, peaks, changed = trial, (judged.peak_bytes, checked.peak_bytes), True
         return placements
 
     def fits(self, placements: Sequence[Placement], tl: Timeline, budget: int) -> bool:

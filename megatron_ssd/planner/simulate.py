@@ -77,24 +77,40 @@ class SimulationSpec:
     """Tensor-parallel size t."""
     pp: int = 1
     """Pipeline-parallel size; must divide the layer count."""
+    cp: int = 1
+    """Context-parallel size (Megatron's ``--context-parallel-size``): each GPU holds
+    ``seq_len / cp`` tokens of every sequence and its queries attend to all of them. Needs
+    ``flash_attention`` (Megatron runs context parallelism through fused attention) and a
+    ``seq_len`` that is a multiple of ``2 * cp``."""
+    dp: int = 1
+    """Data-parallel size. With ``distributed_optimizer`` the fp32 master weights and Adam
+    moments are sharded over the ``dp x cp`` GPUs of a replica group (NOTE [Simulated
+    capacity])."""
+    distributed_optimizer: bool = True
+    """Megatron's ``--use-distributed-optimizer`` (every current large run uses it)."""
     sequence_parallel: bool = False
     """Megatron sequence parallelism (splits the rest of the activations by t)."""
-    flash_attention: bool = False
-    """Fused attention that saves no s x s score tensors (drops the 5as/h term)."""
+    flash_attention: bool = True
+    """Fused attention (FlashAttention, cuDNN / Transformer Engine fused attention) that
+    saves no s x s score tensors (drops the 5as/h term); every current GPU run uses it."""
     dtype_bytes: Annotated[int, Bytes] = 2
     """Bytes per activation element (2 for fp16/bf16); the estimate scales linearly."""
     num_microbatches: int = 1
     """Micro-batches per iteration (gradient accumulation)."""
     pipeline_rank: int = 0
     """The stage to plan; stage 0 holds the most micro-batches under 1F1B."""
-    gpu_flops: float = 312e12
-    """Peak dense 16-bit FLOP/s of one GPU (A100: 312e12, H100 SXM: 989e12)."""
+    gpu_flops: float = 989e12
+    """Peak dense bf16 FLOP/s of one GPU (H100 SXM: 989e12, A100: 312e12, H200: 989e12)."""
     mfu: float = 0.45
     """Fraction of the peak that the layers achieve (model FLOPs utilization)."""
     ssd_count: int = 1
     """Drives in the RAID0 array."""
     gpus_per_array: int = 1
-    """GPUs sharing that array (each gets an equal share of its bandwidth)."""
+    """GPUs sharing that array (each gets an equal share of its bandwidth, capacity and
+    endurance; 8 for a node's 8 GPUs on the node's drives)."""
+    gpus_per_node: int = 8
+    """GPUs per node: the host RAM that Megatron's CPU-only activation offloading would
+    need for the same saving is reported per node."""
     ssd_write_bytes_per_s: float = 6.5e9
     """Sustained sequential write bandwidth of one drive."""
     ssd_read_bytes_per_s: float = 7.0e9
@@ -105,9 +121,9 @@ class SimulationSpec:
     """Capacity of one drive."""
     duty_cycle: float = 1.0
     """Fraction of each day the job trains (lifetime uses it)."""
-    gpu_memory_bytes: Optional[float] = None
-    """Memory of one GPU (H100 SXM: 80e9). Set, the plan must fit what remains for
-    activations (NOTE [Simulated capacity]); ``None``: no limit."""
+    gpu_memory_bytes: Optional[float] = 80e9
+    """Memory of one GPU (H100 SXM: 80e9, H200: 141e9, A100: 40e9 or 80e9): the plan must
+    fit what remains for activations (NOTE [Simulated capacity]); ``None``: no limit."""
     target_lifetime_years: Optional[float] = None
     """Years the drives must last: the planner then writes no faster than their endurance
     allows (NOTE [Wear model]); ``None``: lifetime is reported, not constrained."""
@@ -116,14 +132,19 @@ class SimulationSpec:
     safety_margin: float = 0.1
     """Bandwidth derating while planning."""
     prefetch_depth: int = 1
-    """Layers ahead that reads are issued."""
+    """Layers ahead that reads are issued (with ``read_ahead=fixed``; the first depth
+    tried with ``auto``)."""
+    read_ahead: str = "auto"
+    """``auto``: each offloaded layer's read is issued just in time, chosen by the
+    planner (NOTE [Just-in-time reads]); ``fixed``: ``prefetch_depth`` ahead for all."""
     allow_recompute: bool = True
     """Whether the planner may recompute to meet a budget."""
 
     def __post_init__(self) -> None:
         if self.arch not in _ARCHS:
             raise ConfigError(f"SimulationSpec.arch = {self.arch!r}: must be one of {list(_ARCHS)}")
-        positive = ["num_layers", "hidden", "heads", "seq_len", "micro_batch", "vocab", "tp", "pp",
+        positive = ["num_layers", "hidden", "heads", "seq_len", "micro_batch", "vocab", "tp", "pp", "cp", "dp",
+                    "gpus_per_node",
                     "dtype_bytes", "num_microbatches", "gpu_flops", "ssd_count", "gpus_per_array",
                     "ssd_write_bytes_per_s", "ssd_read_bytes_per_s", "ssd_tbw_bytes", "ssd_capacity_bytes"]
         for name in positive + ["decoder_num_layers", "ffn_hidden", "decoder_seq_len"]:
@@ -150,6 +171,18 @@ class SimulationSpec:
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and 0 < value <= 1):
                 raise ConfigError(f"SimulationSpec.{name} = {value!r}: must be in (0, 1]")
+        if self.read_ahead not in ("auto", "fixed"):
+            raise ConfigError(f"SimulationSpec.read_ahead = {self.read_ahead!r}: must be one of ['auto', 'fixed']")
+        if self.cp > 1:
+            if not self.flash_attention:
+                raise ConfigError(f"SimulationSpec.cp = {self.cp}: context parallelism needs flash_attention=true "
+                                  "(Megatron runs it through fused attention)")
+            if self.arch == "t5":
+                raise ConfigError(f"SimulationSpec.cp = {self.cp}: context parallelism is modelled for gpt and bert, "
+                                  "not t5")
+            if self.seq_len % (2 * self.cp):
+                raise ConfigError(f"SimulationSpec.seq_len = {self.seq_len}: must be a multiple of 2 x cp "
+                                  f"({2 * self.cp}) with context parallelism")
         if self.hidden % self.heads:
             raise ConfigError(f"SimulationSpec.hidden = {self.hidden}: must be a multiple of heads ({self.heads})")
         if self.total_layers % self.pp:
@@ -178,16 +211,25 @@ MODEL_PRESETS: Dict[str, Dict[str, Any]] = {
     "gpt-1.3b": dict(num_layers=24, hidden=2048, heads=16),
     "gpt-2.7b": dict(num_layers=32, hidden=2560, heads=32),
     "gpt-6.7b": dict(num_layers=32, hidden=4096, heads=32),
-    "gpt-7b": dict(num_layers=32, hidden=4096, heads=32, seq_len=4096),
-    "gpt-13b": dict(num_layers=40, hidden=5120, heads=40),
-    "gpt-70b": dict(num_layers=80, hidden=8192, heads=64, seq_len=4096),
+    # current runs, each with the layout of its configs/ preset on 8-GPU nodes (distributed
+    # optimizer over the data-parallel GPUs): sequence 4k, then long-context cases with
+    # context parallelism
+    "gpt-7b": dict(num_layers=32, hidden=4096, heads=32, seq_len=4096, tp=2, dp=4),
+    "gpt-13b": dict(num_layers=40, hidden=5120, heads=40, seq_len=4096, tp=4, dp=2),
+    "gpt-70b": dict(num_layers=80, hidden=8192, heads=64, seq_len=4096, tp=8, pp=4, num_microbatches=8),
+    "gpt-7b-32k": dict(num_layers=32, hidden=4096, heads=32, seq_len=32768, tp=2, cp=2, dp=2),
+    "gpt-13b-32k": dict(num_layers=40, hidden=5120, heads=40, seq_len=32768, tp=4, cp=2),
+    "gpt-70b-32k": dict(num_layers=80, hidden=8192, heads=64, seq_len=32768, tp=8, pp=4, cp=2, num_microbatches=8),
+    "gpt-7b-128k": dict(num_layers=32, hidden=4096, heads=32, seq_len=131072, tp=8, cp=8),
+    "gpt-7b-1m": dict(num_layers=32, hidden=4096, heads=32, seq_len=1048576, tp=8, cp=64),
     "gpt-175b": dict(num_layers=96, hidden=12288, heads=96),
     "bert-large": dict(arch="bert", num_layers=24, hidden=1024, heads=16, seq_len=512, vocab=30522),
     "t5-base": dict(arch="t5", num_layers=12, hidden=768, heads=12, seq_len=512, vocab=32128),
     "t5-large": dict(arch="t5", num_layers=24, hidden=1024, heads=16, seq_len=512, vocab=32128),
 }
-"""Model dimensions by name: every GPT, BERT and T5 preset of ``configs/`` (the CPU
-presets' compute rate still comes from ``gpu_flops``), the GPT-3 paper sizes, T5-large;
+"""Models by name: every GPT, BERT and T5 preset of ``configs/`` (the CPU presets' compute
+rate still comes from ``gpu_flops``), the GPT-3 paper sizes, T5-large, and the 7B / 13B /
+70B GPTs of current runs with their parallel layouts at 4k, 32k, 128k and 1M tokens;
 other fields keep defaults."""
 
 
@@ -225,24 +267,30 @@ def spec_from_overrides(overrides: Sequence[str] = (), model: Optional[str] = No
     return load_config(SimulationSpec, None, [*preset, *overrides])
 
 
-def _attention(spec: SimulationSpec, s_q: int, s_kv: int, cross: bool):
-    """(saved elements-bytes split by t, not split by t, forward FLOPs) of one attention block."""
+def _attention(spec: SimulationSpec, s_q: int, s_kv: int, cross: bool, s_attended: Optional[int] = None):
+    """(saved elements-bytes split by t, not split by t, forward FLOPs) of one attention block.
+
+    ``s_q`` and ``s_kv`` are this GPU's query and key/value tokens; ``s_attended`` the keys
+    each query attends to (the whole sequence under context parallelism, where K and V
+    chunks pass from GPU to GPU and only the local chunk is saved)."""
     b, h, a = spec.micro_batch, spec.hidden, spec.heads
+    s_attended = s_kv if s_attended is None else s_attended
     # 16-bit tensors: Q (2 s_q b h), K and V (2 s_kv b h each), output projection input (2 s_q b h).
     split = 2 * s_q * b * h + 4 * s_kv * b * h + 2 * s_q * b * h
     if not spec.flash_attention:
         split += 5 * a * s_q * s_kv * b  # softmax output 2, dropout mask 1, dropout output 2
     # Not split without sequence parallelism: the projection input(s) and the dropout mask.
     whole = 2 * s_q * b * h + (2 * s_kv * b * h if cross else 0) + s_q * b * h
-    flops = 2 * s_q * b * h * h + 4 * s_kv * b * h * h + 4 * b * s_q * s_kv * h + 2 * s_q * b * h * h
+    flops = 2 * s_q * b * h * h + 4 * s_kv * b * h * h + 4 * b * s_q * s_attended * h + 2 * s_q * b * h * h
     return split, whole, flops
 
 
 def _layer(spec: SimulationSpec, decoder: bool):
-    s = (spec.decoder_seq_len or spec.seq_len) if decoder else spec.seq_len
+    full = (spec.decoder_seq_len or spec.seq_len) if decoder else spec.seq_len
+    s = full // spec.cp  # this GPU's tokens (NOTE: cp > 1 only for gpt and bert)
     b, h = spec.micro_batch, spec.hidden
     f = spec.ffn_hidden or 4 * h
-    blocks = [_attention(spec, s, s, cross=False)]
+    blocks = [_attention(spec, s, s, cross=False, s_attended=full)]
     if decoder:
         blocks.append(_attention(spec, s, spec.seq_len, cross=True))
     norms = 2 * s * b * h * (len(blocks) + 1)  # one layernorm input per block and the MLP
@@ -253,7 +301,8 @@ def _layer(spec: SimulationSpec, decoder: bool):
 
 
 def layer_activation_bytes(spec: SimulationSpec, decoder: bool = False) -> int:
-    """Saved-activation bytes of one layer per micro-batch on one tensor-parallel rank."""
+    """Saved-activation bytes of one layer per micro-batch on one tensor- and
+    context-parallel rank."""
     split, whole, _, _ = _layer(spec, decoder)
     t = spec.tp
     total = (split + whole) / t if spec.sequence_parallel else split / t + whole
@@ -261,7 +310,7 @@ def layer_activation_bytes(spec: SimulationSpec, decoder: bool = False) -> int:
 
 
 def layer_forward_flops(spec: SimulationSpec, decoder: bool = False) -> float:
-    """Forward FLOPs of one layer per micro-batch on one tensor-parallel rank."""
+    """Forward FLOPs of one layer per micro-batch on one tensor- and context-parallel rank."""
     return _layer(spec, decoder)[2] / spec.tp
 
 
@@ -276,7 +325,7 @@ def stage_profile(spec: SimulationSpec) -> StageProfile:
     layers = []
     for index in range(first, first + per_stage):
         decoder = kinds[index]
-        s = (spec.decoder_seq_len or spec.seq_len) if decoder else spec.seq_len
+        s = ((spec.decoder_seq_len or spec.seq_len) if decoder else spec.seq_len) // spec.cp
         forward = layer_forward_flops(spec, decoder) / rate
         boundary = 2 * s * spec.micro_batch * spec.hidden * spec.dtype_bytes // 2
         if spec.sequence_parallel:
@@ -292,7 +341,7 @@ def stage_profile(spec: SimulationSpec) -> StageProfile:
         )
     other = 0.0
     if spec.pipeline_rank == spec.pp - 1:
-        s_out = (spec.decoder_seq_len or spec.seq_len) if spec.arch == "t5" else spec.seq_len
+        s_out = ((spec.decoder_seq_len or spec.seq_len) if spec.arch == "t5" else spec.seq_len) // spec.cp
         other = 6.0 * s_out * spec.micro_batch * spec.hidden * spec.vocab / spec.tp / rate
     io = IOProfile(
         write_bytes_per_s=spec.ssd_count * spec.ssd_write_bytes_per_s / spec.gpus_per_array,
@@ -335,6 +384,13 @@ class SimulationResult:
     """Drive TBW / bytes per day / 365 (infinite when nothing is written)."""
 
     @property
+    def cpu_offload_host_bytes_per_node(self) -> int:
+        """Host RAM that Megatron's own CPU-only activation offloading would hold on one
+        node for the same saving: every saved byte sits in host memory instead (pinned,
+        for the copies to overlap), for each of the node's GPUs."""
+        return self.memory_saved_bytes * self.spec.gpus_per_node
+
+    @property
     def memory_saved_bytes(self) -> int:
         """Keep-everything peak minus the planned peak."""
         return self.plan.keep_peak_activation_bytes - self.plan.peak_activation_bytes
@@ -365,6 +421,7 @@ class SimulationResult:
             "ssd_capacity_share_bytes": self.ssd_capacity_share_bytes,
             "drive_bytes_per_day": self.drive_bytes_per_day,
             "lifetime_years": None if math.isinf(self.lifetime_years) else self.lifetime_years,
+            "cpu_offload_host_bytes_per_node": self.cpu_offload_host_bytes_per_node,
         }
 
     def summary(self) -> str:
@@ -381,7 +438,7 @@ class SimulationResult:
                         f"{s.target_lifetime_years:g} years of drive life")
         lines = [
             f"{s.arch.upper()} {s.total_layers} layers, h={s.hidden}, s={s.seq_len}, b={s.micro_batch}, "
-            f"tp={s.tp}, pp={s.pp}: stage {s.pipeline_rank} with {len(p.layers)} layers, "
+            f"tp={s.tp}, pp={s.pp}{f', cp={s.cp}' if s.cp > 1 else ''}: stage {s.pipeline_rank} with {len(p.layers)} layers, "
             f"{p.microbatches_in_flight} micro-batch{'es' if p.microbatches_in_flight > 1 else ''} in flight",
             f"placements: {counts['keep']} keep, {counts['offload']} offload, {counts['recompute']} recompute",
             f"peak activations {p.peak_activation_bytes / gb:.2f} GB vs {p.keep_peak_activation_bytes / gb:.2f} GB "
@@ -393,6 +450,9 @@ class SimulationResult:
             f"each drive takes {self.drive_bytes_per_day / 1e12:.1f} TB/day: lifetime "
             f"{self.lifetime_years:.1f} years at {s.ssd_tbw_bytes / 1e15:.1f} PB TBW",
         ]
+        if self.memory_saved_bytes > 0:
+            lines.append(f"Megatron's CPU-only offloading would hold {self.cpu_offload_host_bytes_per_node / gb:.1f} GB "
+                         f"of host RAM per {s.gpus_per_node}-GPU node for the same saving")
         lines[1:1] = held  # what bounded the plan, after the model line
         return "\n".join(lines)
 
@@ -400,14 +460,23 @@ class SimulationResult:
 # NOTE [Simulated capacity]
 # What a GPU has for saved activations in the what-if model: its memory less the
 # ``CAPACITY_RESERVE`` share the runtime planner also leaves (temporaries, communication
-# buffers, fragmentation) and less the model state of the stage at ``STATE_BYTES_PER_PARAM``:
-# bf16 weights (2), fp32 gradients (4), fp32 master weights and two Adam moments (12),
-# Megatron's mixed-precision layout without the distributed optimizer (which divides the
-# last 12 by the data-parallel size; not modelled). Stage parameters: per layer
-# 4h^2 + 2h x ffn (attention and MLP weights) over t, plus the embedding (vocab x h / t)
-# on the first stage and the output layer on the last when they differ.
+# buffers, fragmentation) and less the model state of the stage. Megatron's mixed-precision
+# layout keeps, per parameter, bf16 weights (2 bytes) and fp32 gradients (4) on every GPU,
+# and fp32 master weights and two Adam moments (12); the distributed optimizer shards those
+# 12 over the dp x cp GPUs that hold the same weights (Megatron's data-parallel group with
+# context parallelism), so a stage holds 6 + 12 / (dp x cp) bytes per parameter with it and
+# 18 without. Stage parameters: per layer 4h^2 + 2h x ffn (attention and MLP weights) over
+# t, plus the embedding (vocab x h / t) on the first stage and the output layer on the last
+# when they differ.
 CAPACITY_RESERVE = 0.15
-STATE_BYTES_PER_PARAM = 18
+REPLICATED_BYTES_PER_PARAM = 6
+OPTIMIZER_BYTES_PER_PARAM = 12
+
+
+def state_bytes_per_param(spec: SimulationSpec) -> float:
+    """Model-state bytes one GPU holds per parameter of its stage (NOTE [Simulated capacity])."""
+    shards = spec.dp * spec.cp if spec.distributed_optimizer else 1
+    return REPLICATED_BYTES_PER_PARAM + OPTIMIZER_BYTES_PER_PARAM / shards
 
 
 def stage_parameters(spec: SimulationSpec) -> int:
@@ -431,13 +500,15 @@ def activation_capacity(spec: SimulationSpec) -> Optional[int]:
     """
     if spec.gpu_memory_bytes is None:
         return None
-    state = STATE_BYTES_PER_PARAM * stage_parameters(spec)
+    per_param = state_bytes_per_param(spec)
+    state = per_param * stage_parameters(spec)
     capacity = int(spec.gpu_memory_bytes * (1 - CAPACITY_RESERVE) - state)
     if capacity <= 0:
         raise ConfigError(
             f"SimulationSpec.gpu_memory_bytes = {spec.gpu_memory_bytes:.3g}: the stage's model state alone takes "
-            f"{state / 1e9:.1f} GB ({STATE_BYTES_PER_PARAM} bytes x {stage_parameters(spec)} parameters) of the "
-            f"{(1 - CAPACITY_RESERVE) * spec.gpu_memory_bytes / 1e9:.1f} GB usable; raise tp or pp"
+            f"{state / 1e9:.1f} GB ({per_param:g} bytes x {stage_parameters(spec)} parameters) of the "
+            f"{(1 - CAPACITY_RESERVE) * spec.gpu_memory_bytes / 1e9:.1f} GB usable; raise tp, pp or dp "
+            "(with distributed_optimizer), or set gpu_memory_bytes=null for no limit"
         )
     return capacity
 
@@ -455,7 +526,7 @@ def simulate(spec: SimulationSpec) -> SimulationResult:
         limit = write_limit_bytes_per_s(spec.ssd_tbw_bytes, spec.target_lifetime_years, spec.ssd_count,
                                         spec.gpus_per_array, spec.duty_cycle)
     plan = make_plan(stage, spec.memory_budget, spec.safety_margin, spec.prefetch_depth, spec.allow_recompute,
-                     max_write_bytes_per_s=limit, capacity_bytes=activation_capacity(spec))
+                     max_write_bytes_per_s=limit, capacity_bytes=activation_capacity(spec), read_ahead=spec.read_ahead)
     slots = spec.num_microbatches + spec.pp - 1
     iteration = slots * plan.step_s
     written = plan.offloaded_bytes * spec.num_microbatches
@@ -508,3 +579,70 @@ def prediction_error(
         return 0.0 if difference == 0 else math.inf
     return difference / denominator
 
+
+
+# --------------------------------------------------------------------- H100 sizing table
+
+SIZING_MODELS = ("gpt-7b", "gpt-13b", "gpt-70b", "gpt-7b-32k", "gpt-13b-32k", "gpt-70b-32k")
+"""The :data:`MODEL_PRESETS` of ``docs/planner.md``'s H100 table: 7B / 13B / 70B GPTs at
+4k and 32k tokens, each with its preset's parallel layout."""
+SIZING_DRIVES = (2, 4, 8)
+"""Drives per 8-GPU node in that table (all eight GPUs share them)."""
+
+
+def sizing_rows(models: Sequence[str] = SIZING_MODELS, drives: Sequence[int] = SIZING_DRIVES,
+                lifetime_years: float = 3.0) -> list:
+    """One row per model and drive count on H100 nodes (``simulate``'s defaults, the
+    node's 8 GPUs sharing its drives): the plan without a wear bound, and the plan held
+    to ``lifetime_years`` of the drives' endurance. Each row is a JSON-ready dict."""
+    rows = []
+    for model in models:
+        for count in drives:
+            base = [f"ssd_count={count}", "gpus_per_array=8"]
+            free = simulate(spec_from_overrides(base, model=model))
+            worn = simulate(spec_from_overrides([*base, f"target_lifetime_years={lifetime_years}"], model=model))
+            s = free.spec
+            layout = f"tp{s.tp}" + (f" pp{s.pp}" if s.pp > 1 else "") + (f" cp{s.cp}" if s.cp > 1 else "") + \
+                (f" dp{s.dp}" if s.dp > 1 else "")
+            rows.append({
+                "model": model, "seq_len": s.seq_len, "layout": layout, "drives_per_node": count,
+                "activation_capacity_bytes": free.plan.capacity_bytes,
+                "keep_peak_bytes": free.plan.keep_peak_activation_bytes,
+                "planned_peak_bytes": free.plan.peak_activation_bytes,
+                "memory_saved_bytes": free.memory_saved_bytes,
+                "offloaded_layers": len(free.plan.layers_with("offload")),
+                "recomputed_layers": len(free.plan.layers_with("recompute")),
+                "overhead_fraction": free.overhead_fraction,
+                "write_bytes_per_s_per_gpu": free.write_bytes_per_s_per_gpu,
+                "lifetime_years": None if math.isinf(free.lifetime_years) else free.lifetime_years,
+                "cpu_offload_host_bytes_per_node": free.cpu_offload_host_bytes_per_node,
+                "wear_bound_years": lifetime_years,
+                "wear_bound_memory_saved_bytes": worn.memory_saved_bytes,
+                "wear_bound_offloaded_layers": len(worn.plan.layers_with("offload")),
+                "wear_bound_overhead_fraction": worn.overhead_fraction,
+                "wear_bound_write_bytes_per_s_per_gpu": worn.write_bytes_per_s_per_gpu,
+            })
+    return rows
+
+
+def sizing_markdown(rows: Sequence[Mapping[str, Any]]) -> str:
+    """The table of :func:`sizing_rows` as Markdown (GB = 10^9 bytes)."""
+    gb = 1e9
+    out = [
+        "| model | layout | drives / node | kept peak | planned peak | saved | offload / recompute | step overhead "
+        "| SSD writes per GPU | drive life | host RAM for CPU offload, per node | saved at 3-year wear bound |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        life = "∞" if r["lifetime_years"] is None else (
+            f"{r['lifetime_years'] * 365:.0f} days" if r["lifetime_years"] < 1 else f"{r['lifetime_years']:.1f} years")
+        out.append(
+            f"| {r['model']} | {r['layout']} | {r['drives_per_node']} | {r['keep_peak_bytes'] / gb:.1f} GB "
+            f"| {r['planned_peak_bytes'] / gb:.1f} GB | {r['memory_saved_bytes'] / gb:.1f} GB "
+            f"({r['memory_saved_bytes'] / r['keep_peak_bytes']:.0%}) "
+            f"| {r['offloaded_layers']} / {r['recomputed_layers']} | {r['overhead_fraction']:+.1%} "
+            f"| {r['write_bytes_per_s_per_gpu'] / gb:.2f} GB/s | {life} "
+            f"| {r['cpu_offload_host_bytes_per_node'] / gb:.0f} GB "
+            f"| {r['wear_bound_memory_saved_bytes'] / gb:.1f} GB ({r['wear_bound_overhead_fraction']:+.1%}) |"
+        )
+    return "\n".join(out)

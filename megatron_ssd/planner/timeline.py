@@ -14,13 +14,13 @@ discusses their limits.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple, Union
 
 from ..config import Placement
 from ..errors import ConfigError
 from .profile import IOProfile, LayerId, LayerProfile, StageProfile
 
-__all__ = ["LayerTimeline", "Timeline", "predict"]
+__all__ = ["LayerTimeline", "Timeline", "predict", "read_ahead_list"]
 
 _EPS = 1e-12
 """Slack (seconds) when comparing event times, so float rounding cannot flip an order."""
@@ -39,10 +39,14 @@ _EPS = 1e-12
 # NOTE [Write and read issue points]
 # A layer's offloadable bytes enter the queue as one write when its forward ends (the
 # tensors are saved during the forward; the model moves them at the layer boundary). The
-# read of layer i is issued when the backward of layer i + prefetch_depth starts (its
-# backward pre-hook); layers with i + prefetch_depth past the last layer are issued when
-# the first backward starts, needed-first first. Backward of layer i starts when the
-# previous backward ended and its read completed; the wait is exposed I/O (stall).
+# read of layer i is issued when the backward of layer i + d_i starts (its backward
+# pre-hook), d_i being the layer's read-ahead (``prefetch_depth``: one depth for every
+# layer, or one per layer as the planner's just-in-time choice gives); at the start of
+# each backward every layer whose issue point has come and whose read is not yet issued
+# is issued, needed-first first, so layers with i + d_i past the last layer go when the
+# first backward starts. The cache issues reads by the same rule
+# (``TensorCache.backward_started``). Backward of layer i starts when the previous
+# backward ended and its read completed; the wait is exposed I/O (stall).
 
 # NOTE [Compute slowdown]
 # While any request is in flight, compute advances at 1 / (1 + compute_slowdown) of its
@@ -203,10 +207,27 @@ class _Compute:
         return t + work
 
 
+def read_ahead_list(prefetch_depth: Union[int, Sequence[int]], n: int) -> List[int]:
+    """One read-ahead (>= 1 layers) per layer from a depth or a per-layer sequence.
+
+    Raises:
+        ConfigError: a depth below 1, or a sequence whose length is not ``n``.
+    """
+    if isinstance(prefetch_depth, int) and not isinstance(prefetch_depth, bool):
+        depths = [prefetch_depth] * n
+    elif isinstance(prefetch_depth, (list, tuple)) and len(prefetch_depth) == n:
+        depths = list(prefetch_depth)
+    else:
+        raise ConfigError(f"prefetch_depth = {prefetch_depth!r}: must be an integer >= 1 or one per layer ({n})")
+    if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 1 for d in depths):
+        raise ConfigError(f"prefetch_depth = {prefetch_depth!r}: must be an integer >= 1 or one per layer ({n})")
+    return depths
+
+
 def predict(
     stage: StageProfile,
     placements: Sequence[Placement],
-    prefetch_depth: int = 1,
+    prefetch_depth: Union[int, Sequence[int]] = 1,
     io: Optional[IOProfile] = None,
 ) -> Timeline:
     """Replay one micro-batch of ``stage`` under ``placements``.
@@ -215,7 +236,8 @@ def predict(
         stage: The measured stage.
         placements: One placement per layer, in forward order.
         prefetch_depth: The read of layer i is issued when the backward of layer
-            ``i + prefetch_depth`` starts (>= 1).
+            ``i + prefetch_depth`` starts (>= 1); or one such read-ahead per layer
+            (NOTE [Write and read issue points]).
         io: Bandwidths to replay with; defaults to ``stage.io`` (the planner passes a
             derated copy).
 
@@ -230,8 +252,7 @@ def predict(
     if len(placements) != n:
         raise ConfigError(f"placements: {len(placements)} given for {n} layers; need one per layer")
     placements = [p if type(p) is Placement else Placement(p) for p in placements]
-    if not (isinstance(prefetch_depth, int) and prefetch_depth >= 1):
-        raise ConfigError(f"prefetch_depth = {prefetch_depth!r}: must be an integer >= 1")
+    depths = read_ahead_list(prefetch_depth, n)
     io = stage.io if io is None else io
 
     queue = _DeviceQueue()
@@ -270,12 +291,13 @@ def predict(
         read_busy += duration
 
     exposed = 0.0
+    pending = [i for i in range(n - 1, -1, -1) if placements[i] is Placement.OFFLOAD]  # needed-first
     for j in range(n - 1, -1, -1):
-        if j == n - 1:
-            for i in range(n - 1, max(n - 1 - prefetch_depth, 0) - 1, -1):
-                issue_read(i, t)
-        elif j - prefetch_depth >= 0:
-            issue_read(j - prefetch_depth, t)
+        due = [i for i in pending if i + depths[i] >= j]
+        for i in due:
+            issue_read(i, t)
+        if due:
+            pending = [i for i in pending if i + depths[i] < j]
         lt, layer = out[j], layers[j]
         if lt.read_end is not None and lt.read_end > t:
             lt.stall_s = lt.read_end - t

@@ -221,7 +221,7 @@ def test_plan_that_does_not_fit_the_free_space_is_refused(tmp_path, monkeypatch)
         io=IOProfile(write_bytes_per_s=1e9, read_bytes_per_s=1e9),
     )
     plan = make_plan(stage)
-    assert plan.offloaded_bytes >= 300 << 20
+    assert plan.offloaded_bytes >= 200 << 20  # layers 0 and 1; layer 2's read buffer lands on the peak
     monkeypatch.setattr(rundir, "check_free_space", lambda path, minimum: 10 << 20)  # 10 MiB free
     with pytest.raises(ConfigError, match=r"planned SSD footprint = \d+ bytes .* have 10485760 bytes free"):
         rundir.check_space_for_plan([str(tmp_path)], plan.offloaded_bytes)

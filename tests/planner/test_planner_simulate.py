@@ -26,16 +26,80 @@ SBH = 2048 * 1 * 2048
 
 
 def test_activation_bytes_follow_korthikanti():
-    spec = SimulationSpec(**GPT_1_3B)
+    unfused = dict(GPT_1_3B, flash_attention=False)  # the paper's counts, with the s x s scores
+    spec = SimulationSpec(**unfused)
     assert layer_activation_bytes(spec) == SBH * (34 + 5 * 16 * 2048 // 2048)  # 478,150,656
-    tp2 = SimulationSpec(**GPT_1_3B, tp=2)
+    tp2 = SimulationSpec(**unfused, tp=2)
     assert layer_activation_bytes(tp2) == SBH * (10 + 24 // 2 + 5 * 16 * 2048 // (2048 * 2))
-    sp2 = SimulationSpec(**GPT_1_3B, tp=2, sequence_parallel=True)
+    sp2 = SimulationSpec(**unfused, tp=2, sequence_parallel=True)
     assert layer_activation_bytes(sp2) == SBH * 114 // 2
-    flash = SimulationSpec(**GPT_1_3B, flash_attention=True)
+    flash = SimulationSpec(**GPT_1_3B)  # fused attention is the default
     assert layer_activation_bytes(flash) == SBH * 34
-    fp32 = SimulationSpec(**GPT_1_3B, dtype_bytes=4)
+    fp32 = SimulationSpec(**unfused, dtype_bytes=4)
     assert layer_activation_bytes(fp32) == 2 * SBH * 114
+
+
+def test_defaults_are_a_current_gpu_run():
+    spec = SimulationSpec()
+    assert spec.flash_attention and spec.dtype_bytes == 2 and spec.distributed_optimizer
+    assert spec.gpu_flops == 989e12 and spec.gpu_memory_bytes == 80e9  # H100 SXM
+
+
+def test_context_parallelism_splits_the_sequence():
+    """Each of cp GPUs saves the activations of s / cp tokens; its queries still attend to
+    all s keys, so only the score FLOPs keep the whole sequence."""
+    base = dict(GPT_1_3B, seq_len=32768)
+    one, four = SimulationSpec(**base), SimulationSpec(**base, cp=4)
+    assert layer_activation_bytes(four) == layer_activation_bytes(one) // 4
+    b, h, s = 1, 2048, 32768
+    dense = lambda tokens: 24 * b * tokens * h * h  # the projections and the MLP
+    scores = lambda queries: 4 * b * queries * s * h  # QK^T and attention x V over all s keys
+    assert layer_forward_flops(one) == pytest.approx(dense(s) + scores(s))
+    assert layer_forward_flops(four) == pytest.approx(dense(s // 4) + scores(s // 4))
+    profile = stage_profile(four)
+    assert profile.layers[0].boundary_bytes == 2 * (s // 4) * b * h
+
+
+@pytest.mark.parametrize("override, rule", [
+    (dict(cp=2, flash_attention=False), r"cp = 2: context parallelism needs flash_attention=true"),
+    (dict(cp=3), r"seq_len = 2048: must be a multiple of 2 x cp \(6\)"),
+    (dict(cp=0), r"cp = 0: must be a number > 0"),
+    (dict(dp=0), r"dp = 0: must be a number > 0"),
+])
+def test_context_and_data_parallel_rules(override, rule):
+    with pytest.raises(ConfigError, match=rule):
+        SimulationSpec(**{**GPT_1_3B, **override})
+
+
+def test_distributed_optimizer_shards_the_optimizer_state_over_dp_and_cp():
+    from megatron_ssd.planner.simulate import state_bytes_per_param
+
+    assert state_bytes_per_param(SimulationSpec(**GPT_1_3B)) == 18
+    assert state_bytes_per_param(SimulationSpec(**GPT_1_3B, dp=8)) == 6 + 12 / 8
+    assert state_bytes_per_param(SimulationSpec(**GPT_1_3B, dp=2, cp=2)) == 6 + 12 / 4
+    assert state_bytes_per_param(SimulationSpec(**GPT_1_3B, dp=8, distributed_optimizer=False)) == 18
+
+
+@pytest.mark.parametrize("seq_len, layout", [
+    (2048, dict(tp=2, dp=4)),
+    (32768, dict(tp=2, cp=2, dp=2)),
+    (131072, dict(tp=8, cp=8)),
+    (1048576, dict(tp=8, cp=64)),
+])
+def test_sequences_from_2k_to_1m_are_planned(seq_len, layout):
+    result = simulate(spec_from_overrides([f"seq_len={seq_len}", *(f"{k}={v}" for k, v in layout.items())],
+                                          model="gpt-7b"))
+    assert result.plan.peak_activation_bytes <= result.plan.capacity_bytes
+    assert result.keep_iteration_s > 0
+
+
+def test_megatron_cpu_offloading_would_hold_the_saving_in_host_ram_per_node():
+    spec = SimulationSpec(**GPT_1_3B, ssd_count=8, gpu_flops=312e12, gpu_memory_bytes=None, gpus_per_node=8)
+    result = simulate(spec)
+    assert result.memory_saved_bytes > 0
+    assert result.cpu_offload_host_bytes_per_node == 8 * result.memory_saved_bytes
+    assert result.to_dict()["cpu_offload_host_bytes_per_node"] == 8 * result.memory_saved_bytes
+    assert "host RAM per 8-GPU node" in result.summary()
 
 
 def test_forward_flops_follow_the_standard_count():
@@ -156,9 +220,9 @@ def test_gpu_memory_holds_the_plan_under_what_the_model_state_leaves():
     activations without a limit; with the GPU's memory the plan fits what remains."""
     spec = dict(num_layers=40, hidden=5120, heads=40, seq_len=32768, tp=8, flash_attention=True, gpu_flops=989e12,
                 ssd_count=4)
-    free = simulate(SimulationSpec(**spec))
-    assert free.plan.capacity_bytes is None and free.plan.peak_activation_bytes > 80e9
-    held = simulate(SimulationSpec(**spec, gpu_memory_bytes=80e9))
+    free = simulate(SimulationSpec(**spec, gpu_memory_bytes=None))
+    assert free.plan.capacity_bytes is None and free.plan.keep_peak_activation_bytes > 80e9
+    held = simulate(SimulationSpec(**spec))  # an 80 GB GPU by default
     params = stage_parameters(SimulationSpec(**spec))
     assert params == (40 * (4 + 8) * 5120**2 + 50304 * 5120) // 8
     assert held.plan.capacity_bytes == int(80e9 * 0.85 - 18 * params)
@@ -172,7 +236,7 @@ def test_model_state_that_alone_overflows_the_gpu_is_one_clear_error():
 
 
 def test_target_lifetime_bounds_the_write_rate():
-    spec = dict(num_layers=40, hidden=5120, heads=40, flash_attention=True, ssd_count=4)  # A100 rates
+    spec = dict(num_layers=40, hidden=5120, heads=40, ssd_count=4, gpu_flops=312e12, gpu_memory_bytes=None)  # A100
     free = simulate(SimulationSpec(**spec))
     assert free.lifetime_years < 0.2 and free.plan.offloaded_bytes > 0
     worn = simulate(SimulationSpec(**spec, target_lifetime_years=3))

@@ -1,0 +1,83 @@
+"""Just-in-time reads (NOTE [Just-in-time reads]) and no zero-benefit writes, on
+constructed profiles (the cache's side: tests/cache/test_read_ahead.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from megatron_ssd.config import Placement
+from megatron_ssd.errors import ConfigError
+from megatron_ssd.planner import IOProfile, LayerProfile, StageProfile, make_plan, predict, uniform_stage
+
+GB = 10**9
+K, O, R = Placement.KEEP, Placement.OFFLOAD, Placement.RECOMPUTE
+
+
+def gpu_like_stage() -> StageProfile:
+    """16 layers of 1 GB, 10 ms forward and 20 ms backward, on an array where a layer's
+    write or read takes 35 ms: a read needs about two layers' backward, so with one layer
+    of read-ahead nothing hides."""
+    return uniform_stage(16, 0.010, 0.020, GB, IOProfile(GB / 0.035, GB / 0.035))
+
+
+def test_per_layer_depths_replay_like_one_depth():
+    stage = gpu_like_stage()
+    placements = [O] * 4 + [K] * 12
+    for depth in (1, 2, 5):
+        assert predict(stage, placements, depth) == predict(stage, placements, [depth] * 16)
+    with pytest.raises(ConfigError, match=r"prefetch_depth = .*: must be an integer >= 1 or one per layer \(16\)"):
+        predict(stage, placements, [1] * 15)
+    with pytest.raises(ConfigError, match=r"must be an integer >= 1 or one per layer"):
+        predict(stage, placements, [0] * 16)
+
+
+def test_fixed_depth_one_offloads_nothing_and_auto_hides_reads_further_ahead():
+    stage = gpu_like_stage()
+    fixed = make_plan(stage, read_ahead="fixed")
+    assert fixed.layers_with(O) == []
+    auto = make_plan(stage, read_ahead="auto")
+    offloaded = auto.layers_with(O)
+    assert len(offloaded) >= 2
+    assert auto.exposed_s == 0.0 and auto.step_s == pytest.approx(auto.keep_step_s)
+    assert auto.peak_activation_bytes < fixed.peak_activation_bytes
+    assert all(auto.layers[i].read_ahead >= 2 for i in offloaded)
+    assert auto.read_ahead == "auto" and auto.read_ahead_by_layer() == {i: auto.layers[i].read_ahead for i in offloaded}
+    assert "read ahead" in auto.table()
+
+
+def test_auto_reads_are_issued_as_late_as_they_still_arrive_in_time():
+    stage = gpu_like_stage()
+    plan = make_plan(stage, read_ahead="auto")
+    depths = [lp.read_ahead for lp in plan.layers]
+    base = predict(stage, plan.placements, depths)
+    assert base.exposed_s == 0.0
+    for i in plan.layers_with(O):
+        if depths[i] == 1:
+            continue
+        earlier_issue = depths[:i] + [depths[i] - 1] + depths[i + 1:]
+        tl = predict(stage, plan.placements, earlier_issue)
+        derated = predict(stage, plan.placements, earlier_issue, io=stage.io.derated(plan.safety_margin))
+        assert (tl.exposed_s > 0 or tl.forwarded or tl.step_s > base.step_s or tl.peak_bytes > base.peak_bytes
+                or derated.exposed_s > 0 or derated.forwarded), i
+
+
+@pytest.mark.parametrize("read_ahead", ["fixed", "auto"])
+def test_every_offloaded_layer_lowers_the_peak(read_ahead):
+    """No zero-benefit writes: putting any offloaded layer back to KEEP raises the peak."""
+    for stage in (gpu_like_stage(), uniform_stage(8, 1.0, 2.0, GB, IOProfile(10 * GB, 10 * GB))):
+        plan = make_plan(stage, read_ahead=read_ahead)
+        depths = [lp.read_ahead for lp in plan.layers]
+        for i in plan.layers_with(O):
+            kept = plan.placements[:i] + [K] + plan.placements[i + 1:]
+            assert predict(stage, kept, depths).peak_bytes > plan.peak_activation_bytes, (read_ahead, i)
+
+
+def test_under_a_budget_equal_step_times_go_to_the_fewest_bytes_written():
+    """Two layers of equal cost, one offloadable in the window and one recomputable:
+    the budget is met at the same predicted step time by OFFLOAD or by a cheap RECOMPUTE;
+    among equal times the plan writes the least (drive wear)."""
+    layers = [LayerProfile(i, 0.010, 0.020, GB, recompute_s=0.0) for i in range(4)]
+    stage = StageProfile(layers=layers, io=IOProfile(GB / 0.035, GB / 0.035))
+    plan = make_plan(stage, memory_budget=3 * GB, read_ahead="auto")
+    assert plan.peak_activation_bytes <= 3 * GB
+    assert plan.offloaded_bytes == 0 and plan.layers_with(R)
