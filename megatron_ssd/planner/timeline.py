@@ -72,9 +72,15 @@ _EPS = 1e-12
 # One micro-batch is replayed. A pipeline stage running 1F1B holds up to m micro-batches
 # between their forward and backward; the other m - 1 wait "parked" with everything but
 # their drained writes resident (KEEP saved + kept, OFFLOAD kept, RECOMPUTE boundary).
-# The stage peak is taken as peak(one micro-batch) + (m - 1) * parked bytes. This
-# assumes the parked micro-batches' writes have drained and that their I/O does not
-# overlap the replayed one's; the time model ignores the interleaving of micro-batches.
+# The stage peak is taken as peak(one micro-batch) + (m - 1) * parked bytes.
+# In the steady state of 1F1B the replayed micro-batch's backward comes m - 1 slots
+# after its forward, a slot being one other micro-batch's forward and backward; the
+# replay inserts that gap between its forward and its backward. During each slot the
+# array also carries the other micro-batches' traffic, one micro-batch's writes (at the
+# slot's start) and one's reads (after its forward), so the gap lends the I/O time, not
+# free bandwidth. The gap is not part of the replayed micro-batch's step time (``step_s``
+# is its own forward and backward, stalls included): the other micro-batches' compute
+# fills it.
 
 
 @dataclass
@@ -276,6 +282,8 @@ def predict(
             write_busy += duration
         out.append(lt)
     t = compute.run(t, stage.other_s)
+    gap = _pipeline_gap(stage, placements, queue, t, io)
+    t += gap
 
     def issue_read(i: int, now: float) -> None:
         nonlocal read_busy
@@ -320,7 +328,7 @@ def predict(
     )
     return Timeline(
         layers=out,
-        step_s=t,
+        step_s=t - gap,
         compute_s=compute_s,
         exposed_s=exposed,
         slowdown_s=max(0.0, t - compute_s - exposed),
@@ -332,6 +340,26 @@ def predict(
         io_end_s=queue.free_at,
         memory=memory,
     )
+
+
+def _pipeline_gap(stage: StageProfile, placements: Sequence[Placement], queue: "_DeviceQueue", now: float,
+                  io: IOProfile) -> float:
+    """The 1F1B wait between the replayed micro-batch's forward and its backward, with
+    the other micro-batches' I/O queued in it (NOTE [Pipeline micro-batches])."""
+    m = stage.microbatches_in_flight or 1
+    if m <= 1:
+        return 0.0
+    forward = sum(layer.forward_s for layer in stage.layers)
+    slot = forward + sum(
+        layer.backward_s + (layer.recompute_time if p is Placement.RECOMPUTE else 0.0)
+        for layer, p in zip(stage.layers, placements)
+    ) + stage.other_s
+    offloaded = sum(layer.saved_bytes for layer, p in zip(stage.layers, placements) if p is Placement.OFFLOAD)
+    if offloaded:
+        for k in range(m - 1):
+            queue.submit(now + k * slot, offloaded / io.write_bytes_per_s)
+            queue.submit(now + k * slot + forward, offloaded / io.read_bytes_per_s)
+    return (m - 1) * slot
 
 
 def _account(layer: LayerProfile, lt: LayerTimeline, hold: Callable[[float, float, int], None]) -> None:

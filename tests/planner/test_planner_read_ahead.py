@@ -81,3 +81,19 @@ def test_under_a_budget_equal_step_times_go_to_the_fewest_bytes_written():
     plan = make_plan(stage, memory_budget=3 * GB, read_ahead="auto")
     assert plan.peak_activation_bytes <= 3 * GB
     assert plan.offloaded_bytes == 0 and plan.layers_with(R)
+
+
+def test_pipeline_wait_lends_time_to_the_io_but_not_to_the_step():
+    """NOTE [Pipeline micro-batches]: with two micro-batches in flight the replayed one's
+    backward comes one slot (12 s) after its forward, while another micro-batch's write
+    and read use the array; a 5 s write + 5 s read that no read-ahead hides in a lone
+    micro-batch hides there, and the step time is still the micro-batch's own 12 s."""
+    layers = dict(num_layers=4, forward_s=1.0, backward_s=2.0, saved_bytes=GB, io=IOProfile(GB / 5, GB / 5))
+    alone = uniform_stage(**layers)
+    piped = uniform_stage(**layers, microbatches_in_flight=2)
+    offload_first = [O, K, K, K]
+    assert all(predict(alone, offload_first, d).exposed_s > 0 or predict(alone, offload_first, d).forwarded
+               for d in (1, 2, 3, 4))
+    tl = predict(piped, offload_first, 3)
+    assert tl.exposed_s == 0.0 and not tl.forwarded
+    assert tl.step_s == predict(piped, [K] * 4).step_s == 12.0
