@@ -103,10 +103,15 @@ def stage_from_stats(
                 kept_bytes=int(m["small"]),
             )
         )
-    # Bytes saved outside the layers stay resident for the whole step; the first layer's
-    # kept bytes span nearly the same interval in the timeline, so they are added there.
+    # Bytes saved outside the layers: on the last stage mostly the output layer's and the
+    # loss's (the logits), saved after the layers and freed before their backward, so the
+    # profile's head_bytes; on earlier stages the embedding's, resident for the whole step,
+    # which the first layer's kept bytes span in the timeline.
     outside = [_per_mb(s.layers[None].small_bytes, s.microbatches) for s in source if None in s.layers]
-    if layers and outside:
+    head = 0
+    if layers and outside and pipeline_rank == pipeline_size - 1:
+        head = int(statistics.median(outside))
+    elif layers and outside:
         first = layers[0]
         layers[0] = LayerProfile(
             layer_id=first.layer_id, forward_s=first.forward_s, backward_s=first.backward_s,
@@ -116,7 +121,8 @@ def stage_from_stats(
     mbs = max(1, source[-1].microbatches)
     layer_s = sum(l.forward_s + l.backward_s for l in layers)
     other = max(0.0, statistics.median(s.wall_s for s in source) / mbs - layer_s)
-    return StageProfile(layers=layers, io=io, pipeline_rank=pipeline_rank, pipeline_size=pipeline_size, other_s=other)
+    return StageProfile(layers=layers, io=io, pipeline_rank=pipeline_rank, pipeline_size=pipeline_size, other_s=other,
+                        head_bytes=head)
 
 
 def _io_profile(offload_steps: List[Any], layer_ids: List[Hashable], clean_compute: Optional[float]) -> IOProfile:

@@ -414,7 +414,7 @@ def _build(
 ) -> Plan:
     layers = []
     for layer, lt, depth in zip(stage.layers, tl.layers, depths):
-        write_s = 0.0 if lt.write_end is None else lt.write_end - lt.write_start
+        write_s = 0.0 if lt.write_end is None else layer.saved_bytes / stage.io.write_bytes_per_s
         read_s = 0.0 if lt.read_end is None else lt.read_end - lt.read_start
         layers.append(
             LayerPlan(

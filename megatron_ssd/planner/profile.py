@@ -171,6 +171,13 @@ class StageProfile:
     """Compute per micro-batch outside the layers (embedding, output layer, loss), in
     seconds. Modelled as running between the last layer's forward and its backward."""
 
+    head_bytes: int = 0
+    """Saved bytes of the output layer and loss (logits: ``s x b x vocab`` elements, the
+    largest tensors of a GPT's last stage), per micro-batch. Modelled as resident from the
+    last layer's forward end until the first layer backward starts, the span of
+    ``other_s``: they are saved after the layers run and freed before the layers'
+    backward."""
+
     def __post_init__(self) -> None:
         _check("StageProfile", "layers", self.layers, len(self.layers) > 0, "must hold at least one layer")
         bad = [type(layer).__name__ for layer in self.layers if not isinstance(layer, LayerProfile)]
@@ -203,6 +210,9 @@ class StageProfile:
             "must be an integer >= 1",
         )
         _check("StageProfile", "other_s", self.other_s, _is_number(self.other_s) and self.other_s >= 0, "must be a number >= 0")
+        _check("StageProfile", "head_bytes", self.head_bytes,
+               isinstance(self.head_bytes, int) and not isinstance(self.head_bytes, bool) and self.head_bytes >= 0,
+               "must be an integer >= 0")
 
     @property
     def layer_ids(self) -> List[LayerId]:

@@ -340,9 +340,13 @@ def stage_profile(spec: SimulationSpec) -> StageProfile:
             )
         )
     other = 0.0
+    head = 0
     if spec.pipeline_rank == spec.pp - 1:
         s_out = ((spec.decoder_seq_len or spec.seq_len) if spec.arch == "t5" else spec.seq_len) // spec.cp
         other = 6.0 * s_out * spec.micro_batch * spec.hidden * spec.vocab / spec.tp / rate
+        # the loss keeps the vocab-parallel logits' softmax in fp32 (Megatron's
+        # vocab_parallel_cross_entropy): s x b x vocab / t elements of 4 bytes
+        head = 4 * s_out * spec.micro_batch * spec.vocab // spec.tp
     io = IOProfile(
         write_bytes_per_s=spec.ssd_count * spec.ssd_write_bytes_per_s / spec.gpus_per_array,
         read_bytes_per_s=spec.ssd_count * spec.ssd_read_bytes_per_s / spec.gpus_per_array,
@@ -355,6 +359,7 @@ def stage_profile(spec: SimulationSpec) -> StageProfile:
         pipeline_size=spec.pp,
         microbatches_in_flight=in_flight,
         other_s=other,
+        head_bytes=head,
     )
 
 

@@ -37,8 +37,9 @@ _EPS = 1e-12
 # could overlap them is replayed.
 
 # NOTE [Write and read issue points]
-# A layer's offloadable bytes enter the queue as one write when its forward ends (the
-# tensors are saved during the forward; the model moves them at the layer boundary). The
+# A layer's offloadable bytes enter the queue as one write when its forward starts: the
+# cache writes each tensor as it is saved, so the layer's write streams behind its
+# forward; it cannot end before the forward does (the last tensor is saved then). The
 # read of layer i is issued when the backward of layer i + d_i starts (its backward
 # pre-hook), d_i being the layer's read-ahead (``prefetch_depth``: one depth for every
 # layer, or one per layer as the planner's just-in-time choice gives); at the start of
@@ -167,6 +168,14 @@ class _DeviceQueue:
         self.free_at = 0.0
         self.busy: List[Tuple[float, float]] = []
 
+    def extend_to(self, end: float) -> float:
+        """The last request cannot end before ``end`` (a layer's last tensor is saved
+        when its forward ends); returns when it ends."""
+        self.free_at = max(self.free_at, end)
+        if self.busy:
+            self.busy[-1] = (self.busy[-1][0], self.free_at)
+        return self.free_at
+
     def submit(self, issue: float, duration: float) -> Tuple[float, float]:
         start = max(issue, self.free_at)
         end = start + duration
@@ -266,7 +275,7 @@ def predict(
     events: List[Tuple[float, int, int]] = []  # (time, 0 = release / 1 = allocate, delta)
 
     def hold(start: float, end: float, nbytes: int) -> None:
-        if nbytes:
+        if nbytes and end > start:
             events.append((start, 1, nbytes))
             events.append((end, 0, -nbytes))
 
@@ -274,14 +283,19 @@ def predict(
     write_busy = read_busy = 0.0
     t = 0.0
     for layer, placement in zip(layers, placements):
-        start, t = t, compute.run(t, layer.forward_s)
-        lt = LayerTimeline(layer.layer_id, placement, start, t, 0.0, 0.0)
+        start = t
+        streamed = None
         if placement is Placement.OFFLOAD and layer.saved_bytes:
             duration = layer.saved_bytes / io.write_bytes_per_s
-            lt.write_start, lt.write_end = queue.submit(t, duration)
+            streamed = queue.submit(start, duration)  # NOTE [Write and read issue points]
             write_busy += duration
+        t = compute.run(start, layer.forward_s)
+        lt = LayerTimeline(layer.layer_id, placement, start, t, 0.0, 0.0)
+        if streamed is not None:
+            lt.write_start, lt.write_end = streamed[0], queue.extend_to(t)
         out.append(lt)
-    t = compute.run(t, stage.other_s)
+    head_start, t = t, compute.run(t, stage.other_s)
+    hold(head_start, t, stage.head_bytes)  # the output layer's and loss's saved tensors
     gap = _pipeline_gap(stage, placements, queue, t, io)
     t += gap
 

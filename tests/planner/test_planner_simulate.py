@@ -132,7 +132,7 @@ def test_gpt_1_3b_simulation_is_plausible():
     offloaded = plan.layers_with("offload")
     assert 0 < len(offloaded) < 24
     assert offloaded == list(range(len(offloaded)))
-    assert plan.keep_peak_activation_bytes == 24 * SBH * 34
+    assert plan.keep_peak_activation_bytes == 24 * SBH * 34 + 4 * 2048 * 50304  # layers + fp32 softmax of the logits
     assert 0.2 < result.memory_saved_fraction < 1.0
     assert abs(result.overhead_fraction) < 1e-9 and plan.exposed_s == 0.0
     # a step of ~0.13 s and writes bounded by the array's 52 GB/s

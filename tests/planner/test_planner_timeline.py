@@ -28,18 +28,26 @@ def test_keep_everything_is_plain_compute():
 
 
 def test_offload_hidden_write_then_read():
-    # write of layer 0: 1 -> 2 (100 B at 100 B/s); read issued when backward of layer 1
-    # starts at 2, done at 2.5; backward of layer 0 starts at 4 without waiting.
+    # write of layer 0 streams behind its forward: 0 -> 1 (100 B at 100 B/s), done when
+    # the forward ends, so its bytes never wait in memory; read issued when backward of
+    # layer 1 starts at 2, done at 2.5; backward of layer 0 starts at 4 without waiting.
     tl = predict(two_layers(), [O, K])
     lt = tl.layers[0]
-    assert (lt.write_start, lt.write_end) == (1.0, 2.0)
+    assert (lt.write_start, lt.write_end) == (0.0, 1.0)
     assert (lt.read_issue, lt.read_start, lt.read_end) == (2.0, 2.0, 2.5)
     assert (lt.backward_start, lt.backward_end) == (4.0, 6.0)
     assert tl.step_s == 6.0 and tl.exposed_s == 0.0
     assert tl.write_busy_s == 1.0 and tl.read_busy_s == 0.5 and tl.io_end_s == 2.5
-    # the read buffer is allocated at 2 when the write frees the bytes: peak stays 200
-    assert tl.memory == [(0.0, 0), (1.0, 100), (2.0, 200), (4.0, 100), (6.0, 0)]
+    # layer 1 (kept) from 2 and layer 0's read buffer from 2: peak 200
+    assert tl.memory == [(0.0, 0), (2.0, 200), (4.0, 100), (6.0, 0)]
     assert tl.peak_bytes == 200
+
+
+def test_a_write_cannot_end_before_its_forward():
+    # 100 B at 1000 B/s takes 0.1 s, but the last tensor is saved when the forward ends
+    tl = predict(two_layers(write_bw=1000.0), [O, K])
+    assert (tl.layers[0].write_start, tl.layers[0].write_end) == (0.0, 1.0)
+    assert tl.write_busy_s == pytest.approx(0.1)
 
 
 def test_late_read_is_exposed():
@@ -65,12 +73,12 @@ def test_compute_slowdown_while_io_in_flight():
 
 
 def test_write_late_forwards_from_memory():
-    # write 1 -> 3 (100 B at 50 B/s) but the read is due at 2: served from memory
-    tl = predict(two_layers(write_bw=50.0), [O, K])
+    # write 0 -> 2.5 (100 B at 40 B/s) but the read is due at 2: served from memory
+    tl = predict(two_layers(write_bw=40.0), [O, K])
     assert tl.forwarded == [0]
     lt = tl.layers[0]
     assert lt.read_issue is None and lt.read_end is None
-    assert tl.read_busy_s == 0.0 and tl.write_busy_s == 2.0 and tl.io_end_s == 3.0
+    assert tl.read_busy_s == 0.0 and tl.write_busy_s == 2.5 and tl.io_end_s == 2.5
     assert tl.step_s == 6.0 and tl.peak_bytes == 200
     assert tl.memory == [(0.0, 0), (1.0, 100), (2.0, 200), (4.0, 100), (6.0, 0)]
 
@@ -90,14 +98,14 @@ def test_recompute_holds_boundary_then_materializes():
 
 
 def test_reads_queue_behind_writes_on_one_device():
-    # layer 1 (400 B) writes 2 -> 6 and is forwarded at 3; the read of layer 0, issued at
+    # layer 1 (500 B) writes 1 -> 6 and is forwarded at 3; the read of layer 0, issued at
     # 5, waits for the array until 6 and takes 2 s: backward 0 waits from 7 to 8.
-    layers = [LayerProfile(0, 1.0, 2.0, 100), LayerProfile(1, 1.0, 2.0, 400), LayerProfile(2, 1.0, 2.0, 100)]
+    layers = [LayerProfile(0, 1.0, 2.0, 100), LayerProfile(1, 1.0, 2.0, 500), LayerProfile(2, 1.0, 2.0, 100)]
     tl = predict(StageProfile(layers, IOProfile(100.0, 50.0)), [O, O, K])
     assert tl.forwarded == [1]
     assert (tl.layers[0].read_issue, tl.layers[0].read_start, tl.layers[0].read_end) == (5.0, 6.0, 8.0)
     assert tl.exposed_s == 1.0 and tl.step_s == 10.0
-    assert tl.peak_bytes == 500
+    assert tl.peak_bytes == 600  # layers 1 and 2 from 3 to 5, then layer 1 and layer 0's read buffer
 
 
 def test_prefetch_depth_moves_read_issue_earlier():
@@ -134,3 +142,11 @@ def test_bad_placements_rejected():
         predict(two_layers(), [K, K], prefetch_depth=0)
     with pytest.raises(ValueError):
         predict(two_layers(), ["sideways", "keep"])
+
+
+def test_head_bytes_are_resident_between_the_last_forward_and_the_first_backward():
+    """The output layer's and loss's saved tensors (``head_bytes``) exist while
+    ``other_s`` runs, on top of every kept layer."""
+    tl = predict(two_layers(other_s=0.5, head_bytes=50), [K, K])
+    assert tl.peak_bytes == 250
+    assert tl.memory == [(0.0, 0), (1.0, 100), (2.0, 250), (2.5, 200), (4.5, 100), (6.5, 0)]
