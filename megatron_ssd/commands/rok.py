@@ -47,8 +47,11 @@ PLACEMENTS: Dict[str, List[str]] = {
     "recompute": ["offload.planner.mode=recompute"],
     "offload-all": ["offload.planner.mode=offload"],
     "planner": ["offload.planner.mode=auto"],
+    "keep-last": ["offload.planner.mode=static"],
 }
-"""The fixed ``rok`` placements and the overrides that select them."""
+"""The fixed ``rok`` placements and the overrides that select them; ``keep-last`` keeps
+the last ``offload.keep_last_layers`` layers and offloads the others (SSDTrain's static
+choice)."""
 
 BUDGET = "budget"
 """The ``rok`` placement that runs the planner with memory budgets (fractions of keep's
@@ -212,8 +215,8 @@ def _check_measurable(config_path: Optional[str], overrides: Sequence[str], name
 def add_predictions(points: List[Dict[str, Any]], reports: Dict[str, Dict[str, Any]]) -> None:
     """Predict each fixed placement's exposed I/O and peak from the planner run's profile.
 
-    The planner point already carries its own prediction; keep, recompute and offload-all
-    get the timeline model's prediction for their placement, so every measured point can
+    The planner point already carries its own prediction; keep, recompute, offload-all and
+    keep-last get the timeline model's prediction for their placement, so every measured point can
     be compared with the model (``predicted_exposed_s`` is per step: per micro-batch times
     micro-batches).
     """
@@ -231,6 +234,9 @@ def add_predictions(points: List[Dict[str, Any]], reports: Dict[str, Dict[str, A
             continue
         mbs = report["config"]["num_microbatches"]
         depth = report["config"]["offload"]["prefetch_layers"]
+        if p["placement"] == "keep-last":
+            kept = min(report["config"]["offload"]["keep_last_layers"], n)
+            fixed["keep-last"] = [Placement.OFFLOAD] * (n - kept) + [Placement.KEEP] * kept
         if p["placement"] in fixed:
             t = predict(stage, fixed[p["placement"]], prefetch_depth=depth)
             p["predicted_exposed_s"] = t.exposed_s

@@ -139,9 +139,9 @@ def test_rok_json_schema(tmp_path):
     data = json.loads(out.read_text())
     assert set(data) >= {"points", "workload", "machine"}
     names = [p["placement"] for p in data["points"]]
-    assert names[:4] == ["keep", "recompute", "offload-all", "planner"]
-    assert names[4].startswith("budget-")
-    for p in data["points"][:4]:
+    assert names[:5] == ["keep", "recompute", "offload-all", "planner", "keep-last"]
+    assert names[5].startswith("budget-")
+    for p in data["points"][:5]:
         assert {"placement", "peak_activation_bytes", "peak_rss_bytes", "median_step_s", "bytes_written"} <= set(p)
         assert p["median_step_s"] > 0 and p["peak_rss_bytes"] > 0
         # NOTE [Independent memory]: measured beside the cache's count, for every placement
@@ -151,6 +151,10 @@ def test_rok_json_schema(tmp_path):
     assert by["keep"]["bytes_written"] == 0 and by["offload-all"]["bytes_written"] > 0
     assert by["offload-all"]["peak_activation_bytes"] < by["keep"]["peak_activation_bytes"]
     assert by["recompute"]["peak_activation_bytes"] < by["keep"]["peak_activation_bytes"]
+    # keep-last: the last keep_last_layers (1 of 2) kept, the other offloaded, predicted like the others
+    assert 0 < by["keep-last"]["bytes_written"] < by["offload-all"]["bytes_written"]
+    # offloading the last layer too buys nothing: its read is due when the first backward starts
+    assert by["keep-last"]["predicted_peak_activation_bytes"] == by["offload-all"]["predicted_peak_activation_bytes"]
     # every saved tensor is a storage allocated in the step; recompute rebuilds what it does not count
     assert by["keep"]["allocator_peak_bytes"] >= by["keep"]["peak_activation_bytes"]
     assert by["recompute"]["allocator_peak_bytes"] > by["recompute"]["peak_activation_bytes"]
