@@ -4,7 +4,7 @@ Subcommands::
 
     megatron-ssd train --config configs/gpt-tiny.yaml [key=value ...] [--json PATH] [--allow-short] [--tensorboard-dir DIR]
     megatron-ssd plan --config configs/gpt-ref-cpu.yaml [--json PATH]
-    megatron-ssd rok --config configs/gpt-ref-cpu.yaml [--json PATH] [--plot PATH] [--rounds N] [--placements A,B] [--paired N]
+    megatron-ssd rok --config configs/gpt-ref-cpu.yaml [--json PATH] [--plot PATH] [--rounds N] [--placements A,B] [--paired N] [--throttle RATE]
     megatron-ssd simulate model=gpt-1.3b ssd_count=4 [key=value ...]
     megatron-ssd bench-io PATH [PATH ...]
     megatron-ssd clean [PATH ...]
@@ -59,10 +59,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rounds", type=int, default=1, metavar="N",
                    help="run every placement N times, interleaved, and pool the steps (default 1)")
     p.add_argument("--placements", metavar="A,B", type=lambda v: [x for x in v.split(",") if x],
-                   help="only these placements (keep,recompute,offload-all,planner,budget); default all. "
-                        "budget is the planner with half of keep's peak as its memory budget, and needs keep")
+                   help="only these placements (keep,recompute,offload-all,planner,keep-last,budget); default "
+                        "all. budget is the planner with half of keep's peak as its memory budget, and needs keep")
     p.add_argument("--paired", type=int, default=0, metavar="N",
                    help="add N pairs of back-to-back keep / planner steps to each planner run (default 0)")
+    p.add_argument("--throttle", metavar="RATE",
+                   help="limit the offload disk's reads and writes to RATE (e.g. 250MiB, per second) with a "
+                        "cgroup-v1 blkio group while rok runs, to reproduce a GPU's compute/I-O ratio on a CPU "
+                        "machine; needs root and /sys/fs/cgroup/blkio (docs/io.md)")
 
     p = sub.add_parser("simulate", help="what-if: plan, overhead and SSD lifetime for hardware you describe",
                        epilog=simulate_help(), formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -111,7 +115,8 @@ def main(argv: Optional[List[str]] = None) -> int:
             from .rok import run_rok
 
             return run_rok(args.config, args.overrides, json_path=args.json, plot_path=args.plot,
-                           rounds=args.rounds, placements=args.placements, paired=args.paired)
+                           rounds=args.rounds, placements=args.placements, paired=args.paired,
+                           throttle=args.throttle)
         if args.command == "simulate":
             from .simulate import run_simulate
 

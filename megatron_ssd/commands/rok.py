@@ -18,6 +18,9 @@ from ..cache.stats import median_ci95, median_or_zero, ratio_ci95
 from ..config import Placement, TrainConfig, load_config, to_dict
 from .output import machine_info, write_json
 from ..errors import ConfigError, MegatronSSDError
+from ..config import _parse_size
+from ..io.scratch import default_offload_dir, make_private_dir
+from ..io.throttle import BlkioThrottle, blkio_available
 from ..planner.profile import StageProfile
 from ..planner.timeline import predict
 from .steps import short_run_problems
@@ -247,6 +250,19 @@ def add_predictions(points: List[Dict[str, Any]], reports: Dict[str, Dict[str, A
             p["measured_exposed_s_per_step"] = p["stall_s"] + p["write_wait_s"]
 
 
+def _throttle_for(config: TrainConfig, rate: str) -> BlkioThrottle:
+    """The blkio throttle of the disk holding the first offload path (or the default
+    offload directory); one ConfigError naming the reason when it cannot be set."""
+    reason = blkio_available()
+    if reason is not None:
+        raise ConfigError(f"rok: --throttle {rate}: {reason}")
+    path = config.offload.paths[0] if config.offload.paths else make_private_dir(default_offload_dir())
+    nbytes = _parse_size("rok", "throttle", rate)
+    if nbytes <= 0:
+        raise ConfigError(f"rok: --throttle {rate!r}: must be a rate > 0 such as 250MiB")
+    return BlkioThrottle(path, nbytes, nbytes)
+
+
 def plot_rok(points: Sequence[Dict[str, Any]], path: str, title: str = "") -> None:
     """A PNG of measured peak memory against median step time, one marker per placement.
 
@@ -321,10 +337,21 @@ def _mib(n: Optional[int]) -> str:
 
 def run_rok(config_path: Optional[str], overrides: Sequence[str], json_path: Optional[str] = None,
             plot_path: Optional[str] = None, rounds: int = 1, placements: Optional[Sequence[str]] = None,
-            paired: int = 0) -> int:
-    """``megatron-ssd rok``: the measured recompute-offload-keep curve."""
+            paired: int = 0, throttle: Optional[str] = None) -> int:
+    """``megatron-ssd rok``: the measured recompute-offload-keep curve; with ``throttle``
+    (a rate such as ``250MiB``), every placement runs with the offload disk throttled to
+    it (NOTE [blkio throttle])."""
     config = load_config(TrainConfig, config_path, overrides)  # validate before spending minutes
-    points = rok_points(config_path, overrides, rounds=rounds, placements=placements, paired=paired)
+    limit = None
+    if throttle is not None:
+        limit = _throttle_for(config, throttle)
+        limit.create()
+        limit.add(os.getpid())  # every placement's process inherits the group
+    try:
+        points = rok_points(config_path, overrides, rounds=rounds, placements=placements, paired=paired)
+    finally:
+        if limit is not None:
+            limit.remove()
     print(format_rok(points))
     for p in points:
         if "paired_x_keep" in p:
@@ -333,7 +360,8 @@ def run_rok(config_path: Optional[str], overrides: Sequence[str], json_path: Opt
                   f"(median of {len(p['paired_ratios'])} pairs; 95% interval {lo:.3f}-{hi:.3f})")
     if json_path:
         write_json(json_path, {"points": points, "rounds": rounds, "workload": to_dict(config),
-                               "machine": machine_info()})
+                               "machine": machine_info(),
+                               "throttle_bytes_per_s": None if limit is None else limit.write_bps})
     if plot_path:
         plot_rok(points, plot_path, title=os.path.basename(config_path or "rok"))
     return 0

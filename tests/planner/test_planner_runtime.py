@@ -306,3 +306,35 @@ def test_rok_rejects_bad_arguments_before_running(kwargs, match):
 
     with pytest.raises(ConfigError, match=match):
         rok_points(None, kwargs.pop("overrides", []), **kwargs)
+
+
+def test_rok_throttle_unavailable_is_one_error_before_anything_runs(monkeypatch, tmp_path):
+    from megatron_ssd.commands import rok
+    from megatron_ssd.errors import ConfigError
+
+    monkeypatch.setattr(rok, "blkio_available", lambda: "no cgroup-v1 blkio hierarchy with throttling at /x")
+    monkeypatch.setattr(rok, "rok_points", lambda *a, **k: pytest.fail("rok ran without its throttle"))
+    config = os.path.join(REPO, "configs", "gpt-tiny.yaml")
+    with pytest.raises(ConfigError, match=r"rok: --throttle 64MiB: no cgroup-v1 blkio hierarchy with throttling"):
+        rok.run_rok(config, TINY_CLI, throttle="64MiB")
+    monkeypatch.setattr(rok, "blkio_available", lambda: None)
+    with pytest.raises(ConfigError, match=r"rok: --throttle '0': must be a rate > 0"):
+        rok.run_rok(config, [*TINY_CLI, f"offload.paths={tmp_path}"], throttle="0")
+
+
+@pytest.mark.skipif(__import__("megatron_ssd.io.throttle", fromlist=["x"]).blkio_available() is not None,
+                    reason="needs root and the cgroup-v1 blkio hierarchy (blkio throttling)")
+def test_rok_runs_every_placement_throttled_and_removes_its_group(tmp_path):
+    from megatron_ssd.io.throttle import BLKIO_ROOT
+
+    before = {d for d in os.listdir(BLKIO_ROOT) if d.startswith("megatron-ssd-")}
+    out = tmp_path / "rok.json"
+    cmd = [sys.executable, "-m", "megatron_ssd.commands.cli", "rok", "--config", os.path.join(REPO, "configs", "gpt-tiny.yaml"),
+           *TINY_CLI, "num_microbatches=1", "steps=4", f"offload.paths={tmp_path}", "--placements", "keep,offload-all",
+           "--throttle", "64MiB", "--json", str(out)]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    data = json.loads(out.read_text())
+    assert data["throttle_bytes_per_s"] == 64 << 20
+    assert [p["placement"] for p in data["points"]] == ["keep", "offload-all"]
+    assert {d for d in os.listdir(BLKIO_ROOT) if d.startswith("megatron-ssd-")} == before
