@@ -24,6 +24,7 @@ Example::
 
 from __future__ import annotations
 
+import abc
 import ast
 import dataclasses
 import difflib
@@ -100,12 +101,12 @@ ByteCount = Annotated[int, Bytes]
 Duration = Annotated[float, Seconds]
 
 
-class Rule:
+class Rule(abc.ABC):
     """A check on one field's value, declared in the field's ``Annotated`` metadata."""
 
+    @abc.abstractmethod
     def check(self, value: Any) -> Optional[str]:
         """None when ``value`` keeps the rule, else the rule's text for the error."""
-        raise NotImplementedError
 
 
 @dataclass(frozen=True)
