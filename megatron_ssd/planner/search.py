@@ -123,13 +123,12 @@ class PlacementSearch:
             tl = self.judge(trial)
             if self.hidden(tl) and self.wears_ok(trial):
                 placements = trial
-        placements = self.without_idle_writes(placements)
         # Derating makes I/O slower, so the measured bandwidths normally agree; if
         # they do not (slowdown interplay), drop the latest admitted layers until they do.
         while not self.hidden(self.check(placements)):
             last = max(i for i, p in enumerate(placements) if p is Placement.OFFLOAD)
             placements[last] = Placement.KEEP
-        return placements
+        return self.without_idle_writes(placements)
 
     def without_idle_writes(self, placements: List[Placement]) -> List[Placement]:
         """``placements`` less every OFFLOAD layer whose write buys no memory.
