@@ -1,12 +1,12 @@
 """``megatron-ssd rok``: the recompute-offload-keep curve, measured.
 
-It measures the recompute-offload-keep curve: each placement trains the same model
-in a fresh process (``megatron-ssd train ... --json``), so peaks and allocator state do
+Each placement trains the same model in a fresh process (``megatron-ssd train ... --json``), so peaks and allocator state do
 not leak from one placement into the next.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -16,15 +16,14 @@ from typing import Any, Dict, List, Optional, Sequence
 
 from ..cache.stats import median_ci95, median_or_zero, ratio_ci95
 from ..config import Placement, TrainConfig, load_config, to_dict
-from .output import machine_info, write_json
 from ..errors import ConfigError, MegatronSSDError
-from ..config import _parse_size
 from ..io.scratch import default_offload_dir, make_private_dir
-from ..io.throttle import BlkioThrottle, blkio_available
+from ..io.throttle import BlkioThrottle, blkio_available, parse_rate
 from ..planner.profile import StageProfile
 from ..planner.timeline import predict
-from .steps import short_run_problems
 from ..units import MiB
+from .output import machine_info, write_json
+from .steps import short_run_problems
 
 __all__ = ["run_rok", "rok_points", "PLACEMENTS"]
 
@@ -257,7 +256,7 @@ def _throttle_for(config: TrainConfig, rate: str) -> BlkioThrottle:
     if reason is not None:
         raise ConfigError(f"rok: --throttle {rate}: {reason}")
     path = config.offload.paths[0] if config.offload.paths else make_private_dir(default_offload_dir())
-    nbytes = _parse_size("rok", "throttle", rate)
+    nbytes = parse_rate("rok", "throttle", rate)
     if nbytes <= 0:
         raise ConfigError(f"rok: --throttle {rate!r}: must be a rate > 0 such as 250MiB")
     return BlkioThrottle(path, nbytes, nbytes)
@@ -342,16 +341,9 @@ def run_rok(config_path: Optional[str], overrides: Sequence[str], json_path: Opt
     (a rate such as ``250MiB``), every placement runs with the offload disk throttled to
     it (NOTE [blkio throttle])."""
     config = load_config(TrainConfig, config_path, overrides)  # validate before spending minutes
-    limit = None
-    if throttle is not None:
-        limit = _throttle_for(config, throttle)
-        limit.create()
-        limit.add(os.getpid())  # every placement's process inherits the group
-    try:
+    limit = None if throttle is None else _throttle_for(config, throttle)
+    with limit.applied() if limit is not None else contextlib.nullcontext():  # placements inherit the group
         points = rok_points(config_path, overrides, rounds=rounds, placements=placements, paired=paired)
-    finally:
-        if limit is not None:
-            limit.remove()
     print(format_rok(points))
     for p in points:
         if "paired_x_keep" in p:

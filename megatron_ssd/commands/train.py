@@ -246,7 +246,7 @@ class TrainRecipe:
         progress = Progress("paired keep/offload", pairs, self.out)
         for i in range(pairs):
             for keep in ((True, False) if i % 2 == 0 else (False, True)):
-                cache.set_plan({}) if keep else cache.set_plan(plan, read_ahead)
+                cache.set_plan({} if keep else plan, None if keep else read_ahead)
                 cache.default_placement = Placement.KEEP if keep else default
                 loss = run_step(step)
                 step += 1

@@ -25,16 +25,18 @@ came from and removes the group (rmdir of an empty cgroup), also on SIGINT/SIGTE
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
 import subprocess
 import sys
-from typing import List, Optional, Sequence, Tuple
+from typing import Iterator, List, Optional, Sequence, Tuple
 
 from ..config import _parse_size
 from ..errors import ConfigError
 
-__all__ = ["BLKIO_ROOT", "BlkioThrottle", "blkio_available", "disk_of", "main", "own_blkio_group", "run_throttled"]
+__all__ = ["BLKIO_ROOT", "BlkioThrottle", "blkio_available", "disk_of", "main", "own_blkio_group", "parse_rate",
+           "run_throttled"]
 
 BLKIO_ROOT = "/sys/fs/cgroup/blkio"
 """Mount point of the cgroup-v1 blkio hierarchy."""
@@ -135,24 +137,45 @@ class BlkioThrottle:
             print(f"megatron_ssd: could not remove {self.group}: {err.strerror}", file=sys.stderr)
 
 
+    @contextlib.contextmanager
+    def applied(self) -> Iterator["BlkioThrottle"]:
+        """This process, and every process it starts meanwhile, in the group while the
+        block runs; then back in its own group and the group removed, also when SIGINT
+        or SIGTERM ends the block (SIGTERM exits with status 143 once cleaned up)."""
+        self.create()
+        previous = signal.getsignal(signal.SIGTERM)
+        signal.signal(signal.SIGTERM, _exit_on_signal)
+        try:
+            self.add(os.getpid())  # children inherit the group from their parent at fork
+            yield self
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+            self.remove()
+
+
+def _exit_on_signal(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
 def run_throttled(throttle: BlkioThrottle, command: Sequence[str]) -> int:
-    """Run ``command`` in the throttle's group; return its exit status."""
-    throttle.create()
-    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        throttle.add(os.getpid())  # the child inherits the group from its parent at fork
-        child = subprocess.Popen(list(command))
-        for sig in previous:
-            signal.signal(sig, lambda signum, frame: child.send_signal(signum))
-        return child.wait()
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-        throttle.remove()
+    """Run ``command`` in the throttle's group; return its exit status. SIGINT and
+    SIGTERM are passed on to the command, which decides when to end."""
+    with throttle.applied():
+        previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            child = subprocess.Popen(list(command))
+            for sig in previous:
+                signal.signal(sig, lambda signum, frame: child.send_signal(signum))
+            return child.wait()
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
 
 
-def _rate(flag: str, text: Optional[str]) -> Optional[int]:
-    return None if text is None else _parse_size("throttle", flag, text)
+def parse_rate(owner: str, flag: str, text: Optional[str]) -> Optional[int]:
+    """Bytes per second from ``50MiB`` or ``1.5e8``; None for no text. A ConfigError
+    names ``owner.flag`` and the text when it is not a size."""
+    return None if text is None else _parse_size(owner, flag, text)
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -175,7 +198,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         reason = blkio_available()
         if reason is not None:
             raise ConfigError(f"throttle: {reason}")
-        throttle = BlkioThrottle(args.path, _rate("--write", args.write), _rate("--read", args.read))
+        throttle = BlkioThrottle(args.path, parse_rate("throttle", "--write", args.write),
+                                 parse_rate("throttle", "--read", args.read))
     except ConfigError as err:
         print(err, file=sys.stderr)
         return 2
