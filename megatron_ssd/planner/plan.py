@@ -23,7 +23,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 from ..config import Placement, from_dict, to_dict
 from ..errors import ConfigError
 from .profile import IOProfile, LayerId, StageProfile
-from .search import PlacementSearch, PlanInfeasibleError
+from .search import Choice, PlacementSearch, PlanInfeasibleError
 from .timeline import Timeline, predict
 from ..units import MiB
 
@@ -64,6 +64,13 @@ class LayerPlan:
     bytes: int
     """Offloadable saved bytes of the layer for one micro-batch (moved when OFFLOAD,
     not saved when RECOMPUTE)."""
+    offload_sites: Optional[int] = None
+    """OFFLOAD only: how many of the layer's sites, a prefix in save order, are
+    offloaded, the others kept (NOTE [Sites]); None: all of them."""
+    site_count: int = 1
+    """How many sites the layer has (offloadable tensors it saves)."""
+    offloaded: int = 0
+    """Bytes written to the SSDs and read back per micro-batch (OFFLOAD only)."""
     write_s: float = 0.0
     """Predicted time the array spends writing the layer."""
     read_s: float = 0.0
@@ -79,6 +86,14 @@ class LayerPlan:
     read_ahead: int = 1
     """Its read is issued when the backward of the layer this many layers later starts
     (NOTE [Write and read issue points]); chosen per layer by ``read_ahead="auto"``."""
+
+    @property
+    def placement_text(self) -> str:
+        """``keep``, ``offload``, ``recompute``, or ``offload 3/7`` for a layer offloading
+        3 of its 7 sites."""
+        if self.placement is Placement.OFFLOAD and self.offload_sites is not None:
+            return f"offload {self.offload_sites}/{self.site_count}"
+        return self.placement.value
 
 
 @dataclass
@@ -159,10 +174,21 @@ class Plan:
         """Each OFFLOAD layer's read-ahead, for ``TensorCache.set_plan``."""
         return {lp.layer_id: lp.read_ahead for lp in self.layers if lp.placement is Placement.OFFLOAD}
 
+    def sites_by_layer(self) -> Dict[LayerId, int]:
+        """Each OFFLOAD layer that offloads only some of its sites: how many, for
+        ``TensorCache.set_plan(..., sites=...)`` (NOTE [Sites])."""
+        return {lp.layer_id: lp.offload_sites for lp in self.layers
+                if lp.placement is Placement.OFFLOAD and lp.offload_sites is not None}
+
+    @property
+    def sites(self) -> List[Optional[int]]:
+        """Per layer in forward order, the site count for :func:`predict` (None: all)."""
+        return [lp.offload_sites if lp.placement is Placement.OFFLOAD else None for lp in self.layers]
+
     @property
     def offloaded_bytes(self) -> int:
         """Bytes written to the SSD array per micro-batch."""
-        return sum(lp.bytes for lp in self.layers if lp.placement is Placement.OFFLOAD)
+        return sum(lp.offloaded for lp in self.layers)
 
     # ------------------------------------------------------------------ JSON
 
@@ -195,23 +221,24 @@ class Plan:
     def changes_from(self, old: "Plan") -> List[str]:
         """Each layer whose placement differs from ``old``'s, as ``layer 3: offload -> keep``
         (empty when the placement is the same): what a re-plan prints instead of the table."""
-        before = {str(lp.layer_id): lp.placement for lp in old.layers}
-        return [
-            f"layer {lp.layer_id}: {before[str(lp.layer_id)].value if str(lp.layer_id) in before else 'new'} "
-            f"-> {lp.placement.value}"
-            for lp in self.layers
-            if before.get(str(lp.layer_id)) != lp.placement
-        ]
+        before = {str(lp.layer_id): lp for lp in old.layers}
+        out = []
+        for lp in self.layers:
+            was = before.get(str(lp.layer_id))
+            if was is None or (was.placement, was.offload_sites) != (lp.placement, lp.offload_sites):
+                out.append(f"layer {lp.layer_id}: {was.placement_text if was is not None else 'new'} "
+                           f"-> {lp.placement_text}")
+        return out
 
     def table(self) -> str:
         """A per-layer table and a summary line, for logs and the command line."""
-        rows = [f"{'layer':>8}  {'placement':<9}  {'MiB':>9}  {'write ms':>9}  {'read ms':>9}  {'exposed ms':>10}"
+        rows = [f"{'layer':>8}  {'placement':<13}  {'MiB':>9}  {'write ms':>9}  {'read ms':>9}  {'exposed ms':>10}"
                 f"  {'read ahead':>10}"]
         for lp in self.layers:
             note = "  (forwarded)" if lp.forwarded else ""
             ahead = f"{lp.read_ahead:>10}" if lp.placement is Placement.OFFLOAD else f"{'':>10}"
             rows.append(
-                f"{str(lp.layer_id):>8}  {lp.placement.value:<9}  {lp.bytes / MiB:9.1f}  {lp.write_s * 1e3:9.2f}"
+                f"{str(lp.layer_id):>8}  {lp.placement_text:<13}  {lp.bytes / MiB:9.1f}  {lp.write_s * 1e3:9.2f}"
                 f"  {lp.read_s * 1e3:9.2f}  {lp.exposed_s * 1e3:10.2f}  {ahead}{note}"
             )
         peak_ratio = self.peak_activation_bytes / self.keep_peak_activation_bytes if self.keep_peak_activation_bytes else 1.0
@@ -305,28 +332,28 @@ def make_plan(
     if read_ahead not in READ_AHEAD_MODES:
         raise ConfigError(f"read_ahead = {read_ahead!r}: must be one of {list(READ_AHEAD_MODES)}")
 
-    def choose(depth: int) -> Tuple[List[Placement], str, Timeline]:
+    def choose(depth: int) -> Tuple[Choice, str, Timeline]:
         search = PlacementSearch(stage, stage.io.derated(safety_margin), depth, max_write_bytes_per_s)
         if memory_budget is None:
-            placements, goal = search.max_offload(), GOAL_MAX_OFFLOAD
-            over = capacity_bytes is not None and search.check(placements).peak_bytes > capacity_bytes
+            choice, goal = search.max_offload(), GOAL_MAX_OFFLOAD
+            over = capacity_bytes is not None and search.check(*choice).peak_bytes > capacity_bytes
         else:
             over = capacity_bytes is not None and memory_budget > capacity_bytes
             if not over:
-                placements, goal = search.meet_budget(memory_budget, allow_recompute), GOAL_MEMORY_BUDGET
+                choice, goal = search.meet_budget(memory_budget, allow_recompute), GOAL_MEMORY_BUDGET
         if over:  # the device's capacity binds: meet it as the budget
-            placements, goal = search.meet_budget(capacity_bytes, allow_recompute, "capacity_bytes"), GOAL_CAPACITY
-        return placements, goal, predict(stage, placements, depth)
+            choice, goal = search.meet_budget(capacity_bytes, allow_recompute, "capacity_bytes"), GOAL_CAPACITY
+        return choice, goal, predict(stage, choice.placements, depth, sites=choice.sites)
 
     n = len(stage.layers)
     if read_ahead == "fixed":
-        placements, goal, _ = choose(prefetch_depth)
+        choice, goal, _ = choose(prefetch_depth)
         depths = [prefetch_depth] * n
     else:
-        placements, goal, depths = _just_in_time(stage, choose, prefetch_depth, safety_margin)
-    tl = predict(stage, placements, depths)
+        choice, goal, depths = _just_in_time(stage, choose, prefetch_depth, safety_margin)
+    tl = predict(stage, choice.placements, depths, sites=choice.sites)
     keep = predict(stage, [Placement.KEEP] * n, prefetch_depth)
-    plan = _build(stage, tl, keep, goal, memory_budget, safety_margin, prefetch_depth, depths)
+    plan = _build(stage, tl, keep, goal, memory_budget, safety_margin, prefetch_depth, depths, choice.sites)
     plan.read_ahead = read_ahead
     plan.max_write_bytes_per_s = max_write_bytes_per_s
     plan.capacity_bytes = capacity_bytes
@@ -360,23 +387,23 @@ def _depth_ladder(first: int, n: int) -> List[int]:
 
 def _just_in_time(
     stage: StageProfile,
-    choose: Callable[[int], Tuple[List[Placement], str, Timeline]],
+    choose: Callable[[int], Tuple[Choice, str, Timeline]],
     prefetch_depth: int,
     safety_margin: float,
-) -> Tuple[List[Placement], str, List[int]]:
+) -> Tuple[Choice, str, List[int]]:
     """Placements, goal and per-layer read-aheads; see NOTE [Just-in-time reads]."""
     n = len(stage.layers)
     candidates = []
     failure: Optional[PlanInfeasibleError] = None
     for depth in _depth_ladder(prefetch_depth, n):
         try:
-            placements, goal, tl = choose(depth)
+            choice, goal, tl = choose(depth)
         except PlanInfeasibleError as err:
             if failure is None or err.smallest_peak < failure.smallest_peak:
                 failure = err
             continue
-        written = sum(layer.saved_bytes for layer, p in zip(stage.layers, placements) if p is Placement.OFFLOAD)
-        candidates.append((placements, goal, tl, written, depth))
+        written = sum(lt.offloaded_bytes for lt in tl.layers)
+        candidates.append((choice, goal, tl, written, depth))
     if not candidates:
         assert failure is not None
         raise failure
@@ -385,21 +412,23 @@ def _just_in_time(
         best = min(hidden, key=lambda c: (c[2].peak_bytes, c[3], c[4]))
     else:
         best = min(candidates, key=lambda c: (round(c[2].step_s, 12), c[3], c[2].peak_bytes, c[4]))
-    placements, goal, tl, _, depth = best
+    choice, goal, tl, _, depth = best
+    placements, sites = choice
     depths = [depth] * n
     derated = stage.io.derated(safety_margin)
-    judged = [tl, predict(stage, placements, depths, io=derated)]
+    judged = [tl, predict(stage, placements, depths, io=derated, sites=sites)]
     for i in range(n - 1, -1, -1):
         if placements[i] is not Placement.OFFLOAD:
             continue
         for later in range(1, depths[i]):
             trial = depths[:i] + [later] + depths[i + 1:]
-            trials = [predict(stage, placements, trial), predict(stage, placements, trial, io=derated)]
+            trials = [predict(stage, placements, trial, sites=sites),
+                      predict(stage, placements, trial, io=derated, sites=sites)]
             if all(not t.forwarded and t.exposed_s <= j.exposed_s + 1e-12 and t.step_s <= j.step_s + 1e-12
                    and t.peak_bytes <= j.peak_bytes for t, j in zip(trials, judged)):
                 depths, judged = trial, trials
                 break
-    return placements, goal, depths
+    return choice, goal, depths
 
 
 def _build(
@@ -411,16 +440,20 @@ def _build(
     safety_margin: float,
     prefetch_depth: int,
     depths: Sequence[int],
+    sites: Sequence[Optional[int]],
 ) -> Plan:
     layers = []
-    for layer, lt, depth in zip(stage.layers, tl.layers, depths):
-        write_s = 0.0 if lt.write_end is None else layer.saved_bytes / stage.io.write_bytes_per_s
+    for layer, lt, depth, k in zip(stage.layers, tl.layers, depths, sites):
+        write_s = 0.0 if lt.write_end is None else lt.offloaded_bytes / stage.io.write_bytes_per_s
         read_s = 0.0 if lt.read_end is None else lt.read_end - lt.read_start
         layers.append(
             LayerPlan(
                 layer_id=layer.layer_id,
                 placement=lt.placement,
                 bytes=layer.saved_bytes,
+                offload_sites=k if lt.placement is Placement.OFFLOAD else None,
+                site_count=len(layer.sites),
+                offloaded=lt.offloaded_bytes,
                 write_s=write_s,
                 read_s=read_s,
                 exposed_s=lt.stall_s,

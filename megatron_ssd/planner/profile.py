@@ -39,6 +39,22 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
+# NOTE [Sites]
+# A site is one saved tensor's place in a layer: its layer and its position among the
+# distinct offloadable storages that layer's forward saves (after dedup, at least
+# ``min_tensor_bytes``), counted from 0 in save order. The same code path saves the same
+# tensors in the same order every micro-batch, so a site names "the attention softmax
+# output of layer 5" from one step to the next. Placement is per layer, refined by a
+# site count: an OFFLOAD layer with ``offload_sites = k`` offloads its first k sites and
+# keeps the rest. The prefix is the right share to move: the first-saved tensors are
+# written earliest (the most forward compute left to hide their write) and used last in
+# the layer's backward, which consumes its saved tensors roughly in reverse order, so
+# their reads have the most time too. RECOMPUTE stays a whole-layer choice. The cache
+# numbers sites the same way (``Entry.site``), reports their bytes per layer
+# (``LayerCounters.site_bytes``) and applies a plan's site counts
+# (``TensorCache.set_plan(..., sites=...)``).
+
+
 @dataclass
 class LayerProfile:
     """Measured (or estimated) cost of one transformer layer for one micro-batch."""
@@ -70,6 +86,11 @@ class LayerProfile:
     """Bytes a RECOMPUTE layer still holds between forward and backward: its input.
     0 when the previous layer keeps that tensor anyway (its output is saved there)."""
 
+    site_bytes: Optional[List[int]] = None
+    """The layer's offloadable saved tensors one by one, in the order its forward saves
+    them (its *sites*, NOTE [Sites]); they sum to ``saved_bytes``. A plan may offload a
+    prefix of them and keep the rest. ``None``: one site of ``saved_bytes``."""
+
     def __post_init__(self) -> None:
         owner = f"LayerProfile(layer_id={self.layer_id!r})"
         _check(
@@ -99,6 +120,29 @@ class LayerProfile:
                 isinstance(value, int) and not isinstance(value, bool) and value >= 0,
                 "must be an integer >= 0",
             )
+        if self.site_bytes is not None:
+            _check(
+                owner, "site_bytes", self.site_bytes,
+                isinstance(self.site_bytes, list)
+                and all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in self.site_bytes),
+                "must be None or a list of integers > 0",
+            )
+            _check(owner, "site_bytes", self.site_bytes, sum(self.site_bytes) == self.saved_bytes,
+                   f"must sum to saved_bytes = {self.saved_bytes}")
+
+    @property
+    def sites(self) -> List[int]:
+        """The bytes of each site in save order (``site_bytes``, else one site of
+        ``saved_bytes``; none when the layer saves nothing offloadable)."""
+        if self.site_bytes is not None:
+            return list(self.site_bytes)
+        return [self.saved_bytes] if self.saved_bytes else []
+
+    def offloaded_bytes(self, sites: Optional[int] = None) -> int:
+        """Bytes moved when the first ``sites`` sites are offloaded (None: all)."""
+        if sites is None:
+            return self.saved_bytes
+        return sum(self.sites[:sites])
 
     @property
     def recompute_time(self) -> float:

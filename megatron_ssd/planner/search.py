@@ -5,10 +5,15 @@
 safety margin to choose, and with the measured ones to check. Two searches:
 
 - :meth:`PlacementSearch.max_offload`: first fit in forward order, OFFLOAD only, no
-  stall and no forwarding allowed;
+  stall and no forwarding allowed; a layer whose sites do not all fit offloads the
+  longest prefix of them that does (NOTE [Sites]);
 - :meth:`PlacementSearch.meet_budget`: greedy single-layer moves (KEEP -> OFFLOAD,
   KEEP -> RECOMPUTE, OFFLOAD -> RECOMPUTE) by memory benefit per second of step time,
-  until the predicted peak fits, then undoing the moves the budget does not need.
+  until the predicted peak fits, then undoing the moves the budget does not need and
+  trimming each OFFLOAD layer to the fewest sites that still meet it (less wear).
+
+Both return a :class:`Choice`: a placement and, per OFFLOAD layer, how many of its sites
+it offloads.
 
 Exhaustive search (3^n placements) is out of reach beyond a handful of layers, and the
 placement that matters is structured: the earliest layers have the most time on both
@@ -18,7 +23,7 @@ sides of their I/O, so greedy moves find it for the layer counts of real stages.
 from __future__ import annotations
 
 import heapq
-from typing import List, Optional, Sequence, Tuple
+from typing import Callable, List, NamedTuple, Optional, Sequence, Tuple
 
 from ..config import Placement
 from ..errors import MegatronSSDError
@@ -26,7 +31,7 @@ from .profile import IOProfile, StageProfile
 from .timeline import Timeline, predict
 from ..units import GiB
 
-__all__ = ["PlanInfeasibleError", "PlacementSearch"]
+__all__ = ["Choice", "PlanInfeasibleError", "PlacementSearch"]
 
 _TOP = (-1, 0.0, 0.0, -1, -1)
 """Heap key of a move never evaluated: ahead of every evaluated one."""
@@ -34,6 +39,39 @@ _NO_BENEFIT = 2
 """First element of the heap key of a move that lowers neither peak nor byte-seconds."""
 _EAGER_LAYERS = 32
 """Up to this many layers per stage the budget search re-scores every move after each step."""
+
+
+class Choice(NamedTuple):
+    """What a search chose: one placement per layer and one site count per layer (None:
+    all its sites; only OFFLOAD layers use it, NOTE [Sites])."""
+
+    placements: List[Placement]
+    sites: List[Optional[int]]
+
+
+def _largest(lo: int, hi: int, ok: Callable[[int], bool]) -> Optional[int]:
+    """The largest k in [lo, hi] with ``ok(k)``, assuming ok holds up to some k and not
+    beyond (None when not even ``lo``)."""
+    best = None
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        if ok(mid):
+            best, lo = mid, mid + 1
+        else:
+            hi = mid - 1
+    return best
+
+
+def _smallest(lo: int, hi: int, ok: Callable[[int], bool]) -> int:
+    """The smallest k in [lo, hi] with ``ok(k)``, assuming ok holds from some k on and
+    ``ok(hi)``."""
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if ok(mid):
+            hi = mid
+        else:
+            lo = mid + 1
+    return hi
 
 
 class PlanInfeasibleError(MegatronSSDError):
@@ -80,77 +118,105 @@ class PlacementSearch:
             predict(stage, [Placement.KEEP] * self.n, depth).step_s if max_write_bytes_per_s is not None else 0.0
         )
 
-    def wears_ok(self, placements: Sequence[Placement]) -> bool:
+    def wears_ok(self, placements: Sequence[Placement], sites: Optional[Sequence[Optional[int]]] = None) -> bool:
         """The offloaded bytes per micro-batch stay within ``max_write_bytes_per_s``
         (NOTE [Wear model]) over keep-everything's step time at the measured bandwidths:
         offload and recompute only lengthen a step, so the bound holds for the plan's
         own step time whatever bandwidth judged it. Always true without a limit."""
         if self.max_write_bytes_per_s is None:
             return True
-        written = sum(layer.saved_bytes for layer, p in zip(self.stage.layers, placements) if p is Placement.OFFLOAD)
+        sites = sites or [None] * self.n
+        written = sum(layer.offloaded_bytes(k)
+                      for layer, p, k in zip(self.stage.layers, placements, sites) if p is Placement.OFFLOAD)
         return written <= self.max_write_bytes_per_s * self._shortest_step_s * (1 + 1e-9)
 
-    def judge(self, placements: Sequence[Placement]) -> Timeline:
+    def judge(self, placements: Sequence[Placement], sites: Optional[Sequence[Optional[int]]] = None) -> Timeline:
         """Replay with derated bandwidths; remembers the smallest peak seen."""
-        tl = predict(self.stage, placements, self.depth, io=self.derated)
-        if not tl.forwarded and self.wears_ok(placements) and (
+        tl = predict(self.stage, placements, self.depth, io=self.derated, sites=sites)
+        if not tl.forwarded and self.wears_ok(placements, sites) and (
             self.smallest_peak is None or tl.peak_bytes < self.smallest_peak
         ):
             self.smallest_peak = tl.peak_bytes
         return tl
 
-    def check(self, placements: Sequence[Placement]) -> Timeline:
+    def check(self, placements: Sequence[Placement], sites: Optional[Sequence[Optional[int]]] = None) -> Timeline:
         """Replay with the measured bandwidths."""
-        return predict(self.stage, placements, self.depth)
+        return predict(self.stage, placements, self.depth, sites=sites)
 
     @staticmethod
     def hidden(tl: Timeline) -> bool:
         """No stall (beyond float noise) and no forwarded layer."""
         return not tl.forwarded and tl.exposed_s <= 1e-9 * tl.compute_s + 1e-12
 
-    def max_offload(self) -> List[Placement]:
-        """The most OFFLOAD layers whose I/O the model hides completely, less those that
+    def max_offload(self) -> Choice:
+        """The most OFFLOAD bytes whose I/O the model hides completely, less those that
         do not lower the predicted peak (:meth:`without_idle_writes`)."""
         # First fit in forward order: an earlier layer's write has the most forward
         # compute left to drain behind and its read is needed last, so for layers of
         # equal size and time the admitted set is the longest admissible prefix; with
         # unequal layers a layer that does not fit is skipped and later ones still tried.
-        placements = [Placement.KEEP] * self.n
+        # A layer that does not fit whole offloads the longest prefix of its sites that
+        # does (NOTE [Sites]): hiding shrinks as a layer's bytes grow, so it is found by
+        # bisection.
+        placements: List[Placement] = [Placement.KEEP] * self.n
+        sites: List[Optional[int]] = [None] * self.n
         for i, layer in enumerate(self.stage.layers):
             if layer.saved_bytes == 0:
                 continue
-            trial = placements[:i] + [Placement.OFFLOAD] + placements[i + 1 :]
-            tl = self.judge(trial)
-            if self.hidden(tl) and self.wears_ok(trial):
-                placements = trial
+            m = len(layer.sites)
+
+            def fits_with(k: int) -> bool:
+                trial = _with(placements, i, Placement.OFFLOAD)
+                counts = _with(sites, i, None if k == m else k)
+                return self.hidden(self.judge(trial, counts)) and self.wears_ok(trial, counts)
+
+            k = m if fits_with(m) else _largest(1, m - 1, fits_with)
+            if k:
+                placements[i], sites[i] = Placement.OFFLOAD, None if k == m else k
         # Derating makes I/O slower, so the measured bandwidths normally agree; if
         # they do not (slowdown interplay), drop the latest admitted layers until they do.
-        while not self.hidden(self.check(placements)):
+        while not self.hidden(self.check(placements, sites)):
             last = max(i for i, p in enumerate(placements) if p is Placement.OFFLOAD)
-            placements[last] = Placement.KEEP
-        return self.without_idle_writes(placements)
+            placements[last], sites[last] = Placement.KEEP, None
+        return self.without_idle_writes(placements, sites)
 
-    def without_idle_writes(self, placements: List[Placement]) -> List[Placement]:
-        """``placements`` less every OFFLOAD layer whose write buys no memory.
+    def without_idle_writes(self, placements: List[Placement], sites: Optional[List[Optional[int]]] = None) -> Choice:
+        """``placements`` less every offloaded site whose write buys no memory.
 
         NOTE [Every offloaded byte buys memory]: a layer whose write completes after the
         peak, or whose read buffer is allocated before it, costs bandwidth and drive
-        wear and lowers nothing. Last-admitted first, an OFFLOAD layer goes back to KEEP
-        when the predicted peak rises without it neither at the derated nor at the
-        measured bandwidths (the I/O still hidden), until every remaining one lowers it.
+        wear and lowers nothing. Last-admitted first, each OFFLOAD layer is cut to the
+        fewest sites (none: back to KEEP) with which the predicted peak rises neither at
+        the derated nor at the measured bandwidths (the I/O still hidden), until every
+        remaining offloaded site lowers it.
         """
-        peaks = (self.judge(placements).peak_bytes, self.check(placements).peak_bytes)
+        placements = list(placements)
+        sites = list(sites) if sites is not None else [None] * self.n
+        peaks = (self.judge(placements, sites).peak_bytes, self.check(placements, sites).peak_bytes)
+
+        def trial(i: int, k: int) -> Tuple[List[Placement], List[Optional[int]]]:
+            if k == 0:
+                return _with(placements, i, Placement.KEEP), _with(sites, i, None)
+            return placements, _with(sites, i, None if k == len(self.stage.layers[i].sites) else k)
+
+        def no_higher(i: int, k: int) -> bool:
+            p, c = trial(i, k)
+            judged, checked = self.judge(p, c), self.check(p, c)
+            return judged.peak_bytes <= peaks[0] and checked.peak_bytes <= peaks[1] and self.hidden(judged)
+
         changed = True
         while changed:
             changed = False
             for i in range(self.n - 1, -1, -1):
                 if placements[i] is not Placement.OFFLOAD:
                     continue
-                trial = placements[:i] + [Placement.KEEP] + placements[i + 1 :]
-                judged, checked = self.judge(trial), self.check(trial)
-                if judged.peak_bytes <= peaks[0] and checked.peak_bytes <= peaks[1] and self.hidden(judged):
-                    placements, peaks, changed = trial, (judged.peak_bytes, checked.peak_bytes), True
-        return placements
+                current = self.stage.layers[i].sites[: sites[i]] if sites[i] is not None else self.stage.layers[i].sites
+                k = _smallest(0, len(current), lambda k: no_higher(i, k))
+                if k < len(current):
+                    placements, sites = trial(i, k)
+                    peaks = (self.judge(placements, sites).peak_bytes, self.check(placements, sites).peak_bytes)
+                    changed = True
+        return Choice(placements, sites)
 
     def fits(self, placements: Sequence[Placement], tl: Timeline, budget: int) -> bool:
         """Peak within budget at derated (``tl``) and at measured bandwidths."""
@@ -220,7 +286,8 @@ class PlacementSearch:
                     self.judge([Placement.RECOMPUTE] * self.n)
                 raise PlanInfeasibleError(budget, int(self.smallest_peak or keep_peak), self.stage, keep_peak,
                                           self.max_write_bytes_per_s, limit_name)
-        return self._relax(placements, tl, budget, eps)
+        placements = self._relax(placements, tl, budget, eps)
+        return self._trim(placements, budget, eps)
 
     def _score(
         self, tl: Timeline, area: float, trial: List[Placement], eps: float, i: int, rank: int
@@ -258,6 +325,34 @@ class PlacementSearch:
                     placements, tl, changed = trial, ttl, True
                     break
         return placements
+
+    def _trim(self, placements: List[Placement], budget: int, eps: float) -> Choice:
+        """Each OFFLOAD layer cut to the fewest sites (a prefix, NOTE [Sites]) with which
+        the budget is still met at no longer a predicted step: fewer bytes written for
+        the same time and memory, so less drive wear. Last layer first."""
+        sites: List[Optional[int]] = [None] * self.n
+        step = self.judge(placements, sites).step_s
+        for i in range(self.n - 1, -1, -1):
+            m = len(self.stage.layers[i].sites)
+            if placements[i] is not Placement.OFFLOAD or m < 2:
+                continue
+
+            def ok(k: int) -> bool:
+                counts = _with(sites, i, None if k == m else k)
+                ttl = self.judge(placements, counts)
+                return (not ttl.forwarded and ttl.step_s <= step + eps
+                        and ttl.peak_bytes <= budget and self.check(placements, counts).peak_bytes <= budget)
+
+            k = _smallest(1, m, ok)
+            if k < m:
+                sites[i] = k
+                step = self.judge(placements, sites).step_s
+        return Choice(placements, sites)
+
+
+def _with(values: List, i: int, value) -> List:
+    """A copy of ``values`` with entry ``i`` replaced."""
+    return values[:i] + [value] + values[i + 1 :]
 
 
 def _stronger(current: Placement, saved_bytes: int, allow_recompute: bool) -> List[Placement]:

@@ -20,7 +20,7 @@ from ..config import Placement
 from ..errors import ConfigError
 from .profile import IOProfile, LayerId, LayerProfile, StageProfile
 
-__all__ = ["LayerTimeline", "Timeline", "predict", "read_ahead_list"]
+__all__ = ["LayerTimeline", "Timeline", "predict", "read_ahead_list", "site_list"]
 
 _EPS = 1e-12
 """Slack (seconds) when comparing event times, so float rounding cannot flip an order."""
@@ -63,8 +63,9 @@ _EPS = 1e-12
 
 # NOTE [Memory accounting]
 # Bytes appear when a layer's forward ends and leave when its backward ends: KEEP holds
-# saved + kept bytes; OFFLOAD holds kept bytes throughout and saved bytes until its write
-# completes, then again from its read issue (the read buffer) to its backward end;
+# saved + kept bytes; OFFLOAD holds kept bytes (and the sites it does not offload,
+# NOTE [Sites]) throughout and its offloaded bytes until its write completes, then again
+# from its read issue (the read buffer) to its backward end;
 # RECOMPUTE holds boundary bytes, plus saved + kept bytes during its backward (the rerun
 # forward materializes them). Events at the same instant release before they allocate.
 # Bytes inside a running layer that are not saved for backward are not counted.
@@ -114,6 +115,9 @@ class LayerTimeline:
     """The read completes."""
     forwarded: bool = False
     """The write had not completed when the read was due: served from memory."""
+    offloaded_bytes: int = 0
+    """Bytes written and read back (OFFLOAD: all its sites, or the prefix the plan
+    names, NOTE [Sites])."""
 
     @property
     def forward_s(self) -> float:
@@ -239,11 +243,35 @@ def read_ahead_list(prefetch_depth: Union[int, Sequence[int]], n: int) -> List[i
     return depths
 
 
+def site_list(sites: Optional[Sequence[Optional[int]]], layers: Sequence[LayerProfile]) -> List[Optional[int]]:
+    """One site count per layer (None: all its sites) from ``sites`` (None: all, everywhere).
+
+    Raises:
+        ConfigError: a sequence whose length is not the layer count, or a count outside
+            [0, the layer's number of sites].
+    """
+    n = len(layers)
+    if sites is None:
+        return [None] * n
+    if not isinstance(sites, (list, tuple)) or len(sites) != n:
+        raise ConfigError(f"sites = {sites!r}: must be None or one entry per layer ({n})")
+    out: List[Optional[int]] = []
+    for layer, k in zip(layers, sites):
+        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= len(layer.sites)):
+            raise ConfigError(
+                f"sites[{layer.layer_id!r}] = {k!r}: must be None or an integer in [0, {len(layer.sites)}] "
+                "(the layer's site count)"
+            )
+        out.append(k)
+    return out
+
+
 def predict(
     stage: StageProfile,
     placements: Sequence[Placement],
     prefetch_depth: Union[int, Sequence[int]] = 1,
     io: Optional[IOProfile] = None,
+    sites: Optional[Sequence[Optional[int]]] = None,
 ) -> Timeline:
     """Replay one micro-batch of ``stage`` under ``placements``.
 
@@ -255,6 +283,9 @@ def predict(
             (NOTE [Write and read issue points]).
         io: Bandwidths to replay with; defaults to ``stage.io`` (the planner passes a
             derated copy).
+        sites: Per layer, how many of an OFFLOAD layer's sites (a prefix in save order)
+            it offloads, the rest held like KEEP (NOTE [Sites]); None (the default, or
+            for one layer): all of them.
 
     Returns:
         The predicted :class:`Timeline`.
@@ -268,6 +299,9 @@ def predict(
         raise ConfigError(f"placements: {len(placements)} given for {n} layers; need one per layer")
     placements = [p if type(p) is Placement else Placement(p) for p in placements]
     depths = read_ahead_list(prefetch_depth, n)
+    counts = site_list(sites, layers)
+    moved = [layer.offloaded_bytes(k) if p is Placement.OFFLOAD else 0
+             for layer, p, k in zip(layers, placements, counts)]
     io = stage.io if io is None else io
 
     queue = _DeviceQueue()
@@ -282,32 +316,32 @@ def predict(
     out: List[LayerTimeline] = []
     write_busy = read_busy = 0.0
     t = 0.0
-    for layer, placement in zip(layers, placements):
+    for layer, placement, nbytes in zip(layers, placements, moved):
         start = t
         streamed = None
-        if placement is Placement.OFFLOAD and layer.saved_bytes:
-            duration = layer.saved_bytes / io.write_bytes_per_s
+        if nbytes:
+            duration = nbytes / io.write_bytes_per_s
             streamed = queue.submit(start, duration)  # NOTE [Write and read issue points]
             write_busy += duration
         t = compute.run(start, layer.forward_s)
-        lt = LayerTimeline(layer.layer_id, placement, start, t, 0.0, 0.0)
+        lt = LayerTimeline(layer.layer_id, placement, start, t, 0.0, 0.0, offloaded_bytes=nbytes)
         if streamed is not None:
             lt.write_start, lt.write_end = streamed[0], queue.extend_to(t)
         out.append(lt)
     head_start, t = t, compute.run(t, stage.other_s)
     hold(head_start, t, stage.head_bytes)  # the output layer's and loss's saved tensors
-    gap = _pipeline_gap(stage, placements, queue, t, io)
+    gap = _pipeline_gap(stage, placements, sum(moved), queue, t, io)
     t += gap
 
     def issue_read(i: int, now: float) -> None:
         nonlocal read_busy
-        layer, lt = layers[i], out[i]
+        lt = out[i]
         if lt.placement is not Placement.OFFLOAD or lt.write_end is None:
             return
         if lt.write_end > now + _EPS:
             lt.forwarded = True  # NOTE [Forwarding]
             return
-        duration = layer.saved_bytes / io.read_bytes_per_s
+        duration = lt.offloaded_bytes / io.read_bytes_per_s
         lt.read_issue = now
         lt.read_start, lt.read_end = queue.submit(now, duration)
         read_busy += duration
@@ -333,7 +367,7 @@ def predict(
         _account(layer, lt, hold)
 
     microbatch_peak, memory = _peak(events)
-    parked = sum(_parked_bytes(layer, p) for layer, p in zip(layers, placements))
+    parked = sum(_parked_bytes(layer, lt) for layer, lt in zip(layers, out))
     in_flight = stage.microbatches_in_flight or 1
     compute_s = (
         sum(layer.forward_s + layer.backward_s for layer in layers)
@@ -356,8 +390,8 @@ def predict(
     )
 
 
-def _pipeline_gap(stage: StageProfile, placements: Sequence[Placement], queue: "_DeviceQueue", now: float,
-                  io: IOProfile) -> float:
+def _pipeline_gap(stage: StageProfile, placements: Sequence[Placement], offloaded: int, queue: "_DeviceQueue",
+                  now: float, io: IOProfile) -> float:
     """The 1F1B wait between the replayed micro-batch's forward and its backward, with
     the other micro-batches' I/O queued in it (NOTE [Pipeline micro-batches])."""
     m = stage.microbatches_in_flight or 1
@@ -368,7 +402,6 @@ def _pipeline_gap(stage: StageProfile, placements: Sequence[Placement], queue: "
         layer.backward_s + (layer.recompute_time if p is Placement.RECOMPUTE else 0.0)
         for layer, p in zip(stage.layers, placements)
     ) + stage.other_s
-    offloaded = sum(layer.saved_bytes for layer, p in zip(stage.layers, placements) if p is Placement.OFFLOAD)
     if offloaded:
         for k in range(m - 1):
             queue.submit(now + k * slot, offloaded / io.write_bytes_per_s)
@@ -384,21 +417,22 @@ def _account(layer: LayerProfile, lt: LayerTimeline, hold: Callable[[float, floa
         hold(lt.forward_end, lt.backward_end, layer.boundary_bytes)
         hold(lt.backward_start, lt.backward_end, layer.saved_bytes + layer.kept_bytes)
     else:
-        hold(lt.forward_end, lt.backward_end, layer.kept_bytes)
+        moved = lt.offloaded_bytes
+        hold(lt.forward_end, lt.backward_end, layer.kept_bytes + layer.saved_bytes - moved)
         if lt.write_end is None or lt.forwarded:
-            hold(lt.forward_end, lt.backward_end, layer.saved_bytes)
+            hold(lt.forward_end, lt.backward_end, moved)
         else:
-            hold(lt.forward_end, lt.write_end, layer.saved_bytes)
-            hold(lt.read_issue, lt.backward_end, layer.saved_bytes)
+            hold(lt.forward_end, lt.write_end, moved)
+            hold(lt.read_issue, lt.backward_end, moved)
 
 
-def _parked_bytes(layer: LayerProfile, placement: Placement) -> int:
+def _parked_bytes(layer: LayerProfile, lt: LayerTimeline) -> int:
     """Bytes a micro-batch waiting between forward and backward holds for ``layer``."""
-    if placement is Placement.KEEP:
+    if lt.placement is Placement.KEEP:
         return layer.saved_bytes + layer.kept_bytes
-    if placement is Placement.RECOMPUTE:
+    if lt.placement is Placement.RECOMPUTE:
         return layer.boundary_bytes
-    return layer.kept_bytes
+    return layer.kept_bytes + layer.saved_bytes - lt.offloaded_bytes
 
 
 def _peak(events: List[Tuple[float, int, int]]) -> Tuple[int, List[Tuple[float, int]]]:
