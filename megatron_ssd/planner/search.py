@@ -218,91 +218,125 @@ class PlacementSearch:
                     changed = True
         return Choice(placements, sites)
 
-    def fits(self, placements: Sequence[Placement], tl: Timeline, budget: int) -> bool:
-        """Peak within budget at derated (``tl``) and at measured bandwidths."""
-        return tl.peak_bytes <= budget and self.check(placements).peak_bytes <= budget
-
-    def meet_budget(self, budget: int, allow_recompute: bool, limit_name: str = "memory_budget") -> List[Placement]:
+    def meet_budget(self, budget: int, allow_recompute: bool, limit_name: str = "memory_budget") -> Choice:
         """Greedy moves until the predicted peak fits ``budget``; see the module docstring.
 
-        Each step takes the single-layer move with the best score (:meth:`_score`)
-        against the current placements. Up to ``_EAGER_LAYERS`` layers every move is
-        scored again after each step: O(n) timeline replays per step, O(n^3) work in
-        all. Beyond, scoring is lazy (as in lazy greedy submodular maximization): a move
-        keeps the score it had when last evaluated, the best stored one is scored again
-        and taken if it still beats every other stored score, and when no stored move
-        helps all are scored afresh once. On 200 random stages of 8-32 layers the lazy
-        search chose the same plan as the eager one in 97% of cases and was never more
-        than 8% slower in predicted step time, at a seventh of the planning time.
+        A layer's moves (:func:`_moves`): to OFFLOAD whole, to OFFLOAD the longest
+        prefix of its sites that adds no predicted step time (``part``, NOTE [Sites];
+        the share of the layer its window carries, and under a wear bound the share the
+        drives can take), and to RECOMPUTE. Each step takes the move with the best score
+        (:meth:`_score`) against the current placement. Up to ``_EAGER_LAYERS`` layers
+        every move is scored again after each step: O(n) timeline replays per step,
+        O(n^3) work in all. Beyond, scoring is lazy (as in lazy greedy submodular
+        maximization): a move keeps the score it had when last evaluated, the best
+        stored one is scored again and taken if it still beats every other stored score,
+        and when no stored move helps all are scored afresh once. On 200 random stages
+        of 8-32 layers the lazy search chose the same plan as the eager one in 97% of
+        cases and was never more than 8% slower in predicted step time, at a seventh of
+        the planning time.
         """
-        placements = [Placement.KEEP] * self.n
-        tl = self.judge(placements)
+        placements: List[Placement] = [Placement.KEEP] * self.n
+        sites: List[Optional[int]] = [None] * self.n
+        tl = self.judge(placements, sites)
         keep_peak = tl.peak_bytes
         eps = 1e-9 * tl.compute_s + 1e-12
         area = _byte_seconds(tl, self.stage)
-        heap: List[Tuple[Tuple[int, float, float, int, int], int, int, Placement]] = []
+        heap: List[Tuple[Tuple[int, float, float, int, int], int, int, int, str, Optional[int]]] = []
         version = 0
 
+        def moves(i: int) -> List[str]:
+            return _moves(placements[i], sites[i], len(self.stage.layers[i].sites), allow_recompute)
+
         def push_moves(i: int) -> None:
-            for rank, target in enumerate(_stronger(placements[i], self.stage.layers[i].saved_bytes, allow_recompute)):
-                heapq.heappush(heap, (_TOP, -1, i, rank, target))
+            for rank, move in enumerate(moves(i)):
+                heapq.heappush(heap, (_TOP, -1, i, rank, move, None))
+
+        def rescore_all() -> None:
+            heap[:] = [(_TOP, -1, e[2], e[3], e[4], None) for e in heap]
+            heapq.heapify(heap)
 
         for i in range(self.n):
             push_moves(i)
         refreshed = -1
-        while not self.fits(placements, tl, budget):
+        while not self.fits(placements, tl, budget, sites):
             taken = False
             while heap:
-                key, seen, i, rank, target = heapq.heappop(heap)
-                if target not in _stronger(placements[i], self.stage.layers[i].saved_bytes, allow_recompute):
+                key, seen, i, rank, move, k = heapq.heappop(heap)
+                if move not in moves(i):
                     continue  # the layer moved since this entry was stored
                 if seen != version:
-                    trial = placements[:i] + [target] + placements[i + 1 :]
-                    key = self._score(tl, area, trial, eps, i, rank)
-                    heapq.heappush(heap, (key, version, i, rank, target))
+                    target = self._resolve(placements, sites, tl, eps, i, move)
+                    key = self._score(tl, area, placements, sites, target, eps, i, rank)
+                    heapq.heappush(heap, (key, version, i, rank, move, target[1] if target else None))
                     continue
-                heapq.heappush(heap, (key, seen, i, rank, target))
                 if key[0] < _NO_BENEFIT:
-                    heapq.heappop(heap)
-                    placements[i] = target
-                    tl = self.judge(placements)
+                    placements, sites = _with(placements, i, _target_placement(move)), _with(sites, i, k)
+                    tl = self.judge(placements, sites)
                     area = _byte_seconds(tl, self.stage)
                     version += 1
                     push_moves(i)
                     taken = True
                     if self.n <= _EAGER_LAYERS:
-                        heap = [(_TOP, -1, e[2], e[3], e[4]) for e in heap]
-                        heapq.heapify(heap)
+                        rescore_all()
                 elif refreshed != version:
                     # the best fresh move does not help: stored scores may be stale
                     # the other way, so score every move against the current placements
+                    heapq.heappush(heap, (key, seen, i, rank, move, k))
                     refreshed = version
-                    heap = [(_TOP, -1, e[2], e[3], e[4]) for e in heap]
-                    heapq.heapify(heap)
+                    rescore_all()
                     continue
+                else:
+                    heapq.heappush(heap, (key, seen, i, rank, move, k))
                 break
             if not taken:
                 if allow_recompute:
                     self.judge([Placement.RECOMPUTE] * self.n)
                 raise PlanInfeasibleError(budget, int(self.smallest_peak or keep_peak), self.stage, keep_peak,
                                           self.max_write_bytes_per_s, limit_name)
-        placements = self._relax(placements, tl, budget, eps)
-        return self._trim(placements, budget, eps)
+        placements, sites = self._relax(placements, sites, tl, budget, eps)
+        return self._trim(placements, sites, budget, eps)
+
+    def fits(self, placements: Sequence[Placement], tl: Timeline, budget: int,
+             sites: Optional[Sequence[Optional[int]]] = None) -> bool:
+        """Peak within budget at derated (``tl``) and at measured bandwidths."""
+        return tl.peak_bytes <= budget and self.check(placements, sites).peak_bytes <= budget
+
+    def _resolve(self, placements: List[Placement], sites: List[Optional[int]], tl: Timeline, eps: float,
+                 i: int, move: str) -> Optional[Tuple[Placement, Optional[int]]]:
+        """The placement and site count a move gives layer ``i`` (None: a ``part`` move
+        with no admissible prefix)."""
+        if move != "part":
+            return _target_placement(move), None
+        m = len(self.stage.layers[i].sites)
+        current = sites[i] if placements[i] is Placement.OFFLOAD and sites[i] is not None else 0
+
+        def free(k: int) -> bool:
+            trial, counts = _with(placements, i, Placement.OFFLOAD), _with(sites, i, k)
+            ttl = self.judge(trial, counts)
+            return not ttl.forwarded and ttl.step_s <= tl.step_s + eps and self.wears_ok(trial, counts)
+
+        k = _largest(current + 1, m - 1, free)
+        return None if k is None else (Placement.OFFLOAD, k)
 
     def _score(
-        self, tl: Timeline, area: float, trial: List[Placement], eps: float, i: int, rank: int
+        self, tl: Timeline, area: float, placements: List[Placement], sites: List[Optional[int]],
+        target: Optional[Tuple[Placement, Optional[int]]], eps: float, i: int, rank: int,
     ) -> Tuple[int, float, float, int, int]:
         """Heap key of a move (smallest is best): its benefit per second of cost.
 
         Benefit is the drop of the predicted peak; when a move does not lower it (two
         equal peaks), the drop of resident byte-seconds, so the next move can. Cost is
-        the rise of the step time. Ties go to the earlier layer, then to OFFLOAD.
+        the rise of the step time. Ties go to the earlier layer, then to the move listed
+        first by :func:`_moves`.
         """
-        ttl = self.judge(trial)
+        if target is None:
+            return (_NO_BENEFIT, 0.0, 0.0, i, rank)
+        trial, counts = _with(placements, i, target[0]), _with(sites, i, target[1])
+        ttl = self.judge(trial, counts)
         cost = max(ttl.step_s - tl.step_s, 0.0) + eps
         peak_drop = tl.peak_bytes - ttl.peak_bytes
         area_drop = area - _byte_seconds(ttl, self.stage)
-        if ttl.forwarded or not self.wears_ok(trial):
+        if ttl.forwarded or not self.wears_ok(trial, counts):
             return (_NO_BENEFIT, 0.0, 0.0, i, rank)
         if peak_drop > 0:
             return (0, -peak_drop / cost, -float(peak_drop), i, rank)
@@ -310,32 +344,34 @@ class PlacementSearch:
             return (1, -area_drop / cost, -area_drop, i, rank)
         return (_NO_BENEFIT, 0.0, 0.0, i, rank)
 
-    def _relax(self, placements: List[Placement], tl: Timeline, budget: int, eps: float) -> List[Placement]:
+    def _relax(self, placements: List[Placement], sites: List[Optional[int]], tl: Timeline, budget: int,
+               eps: float) -> Choice:
         """Undo changes the budget does not need, when that does not slow the step."""
         changed = True
         while changed:
             changed = False
             for i in range(self.n - 1, -1, -1):
                 for target in _weaker(placements[i]):
-                    trial = placements[:i] + [target] + placements[i + 1 :]
-                    ttl = self.judge(trial)
-                    if (ttl.forwarded or ttl.step_s > tl.step_s + eps or not self.fits(trial, ttl, budget)
-                            or not self.wears_ok(trial)):
+                    trial, counts = _with(placements, i, target), _with(sites, i, None)
+                    ttl = self.judge(trial, counts)
+                    if (ttl.forwarded or ttl.step_s > tl.step_s + eps or not self.fits(trial, ttl, budget, counts)
+                            or not self.wears_ok(trial, counts)):
                         continue
-                    placements, tl, changed = trial, ttl, True
+                    placements, sites, tl, changed = trial, counts, ttl, True
                     break
-        return placements
+        return Choice(placements, sites)
 
-    def _trim(self, placements: List[Placement], budget: int, eps: float) -> Choice:
+    def _trim(self, placements: List[Placement], sites: List[Optional[int]], budget: int, eps: float) -> Choice:
         """Each OFFLOAD layer cut to the fewest sites (a prefix, NOTE [Sites]) with which
         the budget is still met at no longer a predicted step: fewer bytes written for
         the same time and memory, so less drive wear. Last layer first."""
-        sites: List[Optional[int]] = [None] * self.n
+        sites = list(sites)
         step = self.judge(placements, sites).step_s
         for i in range(self.n - 1, -1, -1):
             m = len(self.stage.layers[i].sites)
             if placements[i] is not Placement.OFFLOAD or m < 2:
                 continue
+            current = m if sites[i] is None else sites[i]
 
             def ok(k: int) -> bool:
                 counts = _with(sites, i, None if k == m else k)
@@ -343,9 +379,9 @@ class PlacementSearch:
                 return (not ttl.forwarded and ttl.step_s <= step + eps
                         and ttl.peak_bytes <= budget and self.check(placements, counts).peak_bytes <= budget)
 
-            k = _smallest(1, m, ok)
-            if k < m:
-                sites[i] = k
+            k = _smallest(1, current, ok)
+            if k < current:
+                sites[i] = None if k == m else k
                 step = self.judge(placements, sites).step_s
         return Choice(placements, sites)
 
@@ -355,14 +391,22 @@ def _with(values: List, i: int, value) -> List:
     return values[:i] + [value] + values[i + 1 :]
 
 
-def _stronger(current: Placement, saved_bytes: int, allow_recompute: bool) -> List[Placement]:
-    """Placements that hold fewer bytes than ``current``, OFFLOAD first."""
+def _moves(current: Placement, sites: Optional[int], site_count: int, allow_recompute: bool) -> List[str]:
+    """The moves that make a layer hold fewer bytes, OFFLOAD whole first: ``offload``,
+    ``part`` (offload a longer prefix of its sites, NOTE [Sites]) and ``recompute``."""
     out = []
-    if current is Placement.KEEP and saved_bytes:
-        out.append(Placement.OFFLOAD)
+    partial = current is Placement.OFFLOAD and sites is not None
+    if site_count and (current is Placement.KEEP or partial):
+        out.append("offload")
+        if site_count >= 2 and (sites or 0) < site_count - 1:
+            out.append("part")
     if allow_recompute and current is not Placement.RECOMPUTE:
-        out.append(Placement.RECOMPUTE)
+        out.append("recompute")
     return out
+
+
+def _target_placement(move: str) -> Placement:
+    return Placement.RECOMPUTE if move == "recompute" else Placement.OFFLOAD
 
 
 def _weaker(current: Placement) -> List[Placement]:

@@ -23,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Annotated, Any, Dict, Mapping, Optional, Sequence, Union
+from typing import Annotated, Any, Dict, List, Mapping, Optional, Sequence, Union
 
 from ..config import Bytes, load_config, to_dict
 from ..errors import ConfigError
@@ -124,9 +124,9 @@ class SimulationSpec:
     gpu_memory_bytes: Optional[float] = 80e9
     """Memory of one GPU (H100 SXM: 80e9, H200: 141e9, A100: 40e9 or 80e9): the plan must
     fit what remains for activations (NOTE [Simulated capacity]); ``None``: no limit."""
-    target_lifetime_years: Optional[float] = None
-    """Years the drives must last: the planner then writes no faster than their endurance
-    allows (NOTE [Wear model]); ``None``: lifetime is reported, not constrained."""
+    target_lifetime_years: Optional[float] = 3.0
+    """Years the drives must last: the planner writes no faster than their endurance
+    allows (NOTE [Wear model]); ``null``: lifetime is reported, not constrained."""
     memory_budget: Optional[Annotated[int, Bytes]] = None
     """Activation budget for the planner (``None``: offload what hides behind compute)."""
     safety_margin: float = 0.1
@@ -268,24 +268,31 @@ def spec_from_overrides(overrides: Sequence[str] = (), model: Optional[str] = No
 
 
 def _attention(spec: SimulationSpec, s_q: int, s_kv: int, cross: bool, s_attended: Optional[int] = None):
-    """(saved elements-bytes split by t, not split by t, forward FLOPs) of one attention block.
+    """(saved tensors, forward FLOPs) of one attention block.
 
-    ``s_q`` and ``s_kv`` are this GPU's query and key/value tokens; ``s_attended`` the keys
-    each query attends to (the whole sequence under context parallelism, where K and V
-    chunks pass from GPU to GPU and only the local chunk is saved)."""
+    The tensors are ``(elements-bytes, split by t)`` pairs in the order the block saves
+    them; ``s_q`` and ``s_kv`` are this GPU's query and key/value tokens; ``s_attended``
+    the keys each query attends to (the whole sequence under context parallelism, where
+    K and V chunks pass from GPU to GPU and only the local chunk is saved)."""
     b, h, a = spec.micro_batch, spec.hidden, spec.heads
     s_attended = s_kv if s_attended is None else s_attended
-    # 16-bit tensors: Q (2 s_q b h), K and V (2 s_kv b h each), output projection input (2 s_q b h).
-    split = 2 * s_q * b * h + 4 * s_kv * b * h + 2 * s_q * b * h
+    # 16-bit tensors: the projection input(s), not split without sequence parallelism;
+    # Q (2 s_q b h), K and V (2 s_kv b h each); the output projection input (2 s_q b h);
+    # without fused attention the softmax output (2), its dropout mask (1) and the
+    # dropout output (2) per score; the block's dropout mask (s_q b h, not split).
+    saved = [(2 * s_q * b * h, False)]
+    if cross:
+        saved.append((2 * s_kv * b * h, False))
+    saved += [(2 * s_q * b * h, True), (2 * s_kv * b * h, True), (2 * s_kv * b * h, True)]
     if not spec.flash_attention:
-        split += 5 * a * s_q * s_kv * b  # softmax output 2, dropout mask 1, dropout output 2
-    # Not split without sequence parallelism: the projection input(s) and the dropout mask.
-    whole = 2 * s_q * b * h + (2 * s_kv * b * h if cross else 0) + s_q * b * h
+        saved += [(2 * a * s_q * s_kv * b, True), (a * s_q * s_kv * b, True), (2 * a * s_q * s_kv * b, True)]
+    saved += [(2 * s_q * b * h, True), (s_q * b * h, False)]
     flops = 2 * s_q * b * h * h + 4 * s_kv * b * h * h + 4 * b * s_q * s_attended * h + 2 * s_q * b * h * h
-    return split, whole, flops
+    return saved, flops
 
 
 def _layer(spec: SimulationSpec, decoder: bool):
+    """(saved tensors in save order as (elements-bytes, split by t), forward FLOPs, tokens)."""
     full = (spec.decoder_seq_len or spec.seq_len) if decoder else spec.seq_len
     s = full // spec.cp  # this GPU's tokens (NOTE: cp > 1 only for gpt and bert)
     b, h = spec.micro_batch, spec.hidden
@@ -293,25 +300,37 @@ def _layer(spec: SimulationSpec, decoder: bool):
     blocks = [_attention(spec, s, s, cross=False, s_attended=full)]
     if decoder:
         blocks.append(_attention(spec, s, spec.seq_len, cross=True))
-    norms = 2 * s * b * h * (len(blocks) + 1)  # one layernorm input per block and the MLP
-    split = sum(x[0] for x in blocks) + 4 * s * b * f  # MLP: GeLU input 2sbf, second linear input 2sbf
-    whole = sum(x[1] for x in blocks) + norms + 3 * s * b * h  # MLP input 2sbh, dropout mask sbh
-    flops = sum(x[2] for x in blocks) + 4 * s * b * h * f
-    return split, whole, flops, s
+    saved = []
+    for block, _ in blocks:
+        saved.append((2 * s * b * h, False))  # the block's layernorm input
+        saved += block
+    # the MLP: layernorm input, fc1 input, GeLU input, fc2 input, dropout mask
+    saved += [(2 * s * b * h, False), (2 * s * b * h, False), (2 * s * b * f, True), (2 * s * b * f, True),
+              (s * b * h, False)]
+    flops = sum(x[1] for x in blocks) + 4 * s * b * h * f
+    return saved, flops, s
+
+
+def layer_site_bytes(spec: SimulationSpec, decoder: bool = False) -> List[int]:
+    """Bytes of each tensor one layer saves for backward, in save order, per micro-batch
+    on one tensor- and context-parallel rank (the layer's sites, NOTE [Sites])."""
+    t = spec.tp
+    sites = []
+    for elements, split in _layer(spec, decoder)[0]:
+        shard = elements / t if split or spec.sequence_parallel else elements
+        sites.append(int(round(shard * spec.dtype_bytes / 2)))
+    return [b for b in sites if b > 0]
 
 
 def layer_activation_bytes(spec: SimulationSpec, decoder: bool = False) -> int:
     """Saved-activation bytes of one layer per micro-batch on one tensor- and
     context-parallel rank."""
-    split, whole, _, _ = _layer(spec, decoder)
-    t = spec.tp
-    total = (split + whole) / t if spec.sequence_parallel else split / t + whole
-    return int(round(total * spec.dtype_bytes / 2))
+    return sum(layer_site_bytes(spec, decoder))
 
 
 def layer_forward_flops(spec: SimulationSpec, decoder: bool = False) -> float:
     """Forward FLOPs of one layer per micro-batch on one tensor- and context-parallel rank."""
-    return _layer(spec, decoder)[2] / spec.tp
+    return _layer(spec, decoder)[1] / spec.tp
 
 
 def stage_profile(spec: SimulationSpec) -> StageProfile:
@@ -327,6 +346,7 @@ def stage_profile(spec: SimulationSpec) -> StageProfile:
         decoder = kinds[index]
         s = ((spec.decoder_seq_len or spec.seq_len) if decoder else spec.seq_len) // spec.cp
         forward = layer_forward_flops(spec, decoder) / rate
+        sites = layer_site_bytes(spec, decoder)
         boundary = 2 * s * spec.micro_batch * spec.hidden * spec.dtype_bytes // 2
         if spec.sequence_parallel:
             boundary //= spec.tp
@@ -335,7 +355,8 @@ def stage_profile(spec: SimulationSpec) -> StageProfile:
                 layer_id=index,
                 forward_s=forward,
                 backward_s=2 * forward,
-                saved_bytes=layer_activation_bytes(spec, decoder),
+                saved_bytes=sum(sites),
+                site_bytes=sites,
                 boundary_bytes=boundary,
             )
         )
@@ -429,6 +450,15 @@ class SimulationResult:
             "cpu_offload_host_bytes_per_node": self.cpu_offload_host_bytes_per_node,
         }
 
+    def _partial_note(self) -> str:
+        """`` (3 in part: 41% of their bytes)`` when some OFFLOAD layers offload only a
+        prefix of their sites (NOTE [Sites])."""
+        part = [lp for lp in self.plan.layers if lp.placement.value == "offload" and lp.offload_sites is not None]
+        if not part:
+            return ""
+        share = sum(lp.offloaded for lp in part) / max(1, sum(lp.bytes for lp in part))
+        return f" ({len(part)} in part: {share:.0%} of their bytes)"
+
     def summary(self) -> str:
         """A few lines for a terminal."""
         s, p, gb = self.spec, self.plan, 1e9
@@ -445,7 +475,8 @@ class SimulationResult:
             f"{s.arch.upper()} {s.total_layers} layers, h={s.hidden}, s={s.seq_len}, b={s.micro_batch}, "
             f"tp={s.tp}, pp={s.pp}{f', cp={s.cp}' if s.cp > 1 else ''}: stage {s.pipeline_rank} with {len(p.layers)} layers, "
             f"{p.microbatches_in_flight} micro-batch{'es' if p.microbatches_in_flight > 1 else ''} in flight",
-            f"placements: {counts['keep']} keep, {counts['offload']} offload, {counts['recompute']} recompute",
+            f"placements: {counts['keep']} keep, {counts['offload']} offload{self._partial_note()}, "
+            f"{counts['recompute']} recompute",
             f"peak activations {p.peak_activation_bytes / gb:.2f} GB vs {p.keep_peak_activation_bytes / gb:.2f} GB "
             f"kept: {self.memory_saved_bytes / gb:.2f} GB saved ({self.memory_saved_fraction:.0%})",
             f"iteration {self.iteration_s * 1e3:.1f} ms vs {self.keep_iteration_s * 1e3:.1f} ms kept "
@@ -604,7 +635,7 @@ def sizing_rows(models: Sequence[str] = SIZING_MODELS, drives: Sequence[int] = S
     for model in models:
         for count in drives:
             base = [f"ssd_count={count}", "gpus_per_array=8"]
-            free = simulate(spec_from_overrides(base, model=model))
+            free = simulate(spec_from_overrides([*base, "target_lifetime_years=null"], model=model))
             worn = simulate(spec_from_overrides([*base, f"target_lifetime_years={lifetime_years}"], model=model))
             s = free.spec
             layout = f"tp{s.tp}" + (f" pp{s.pp}" if s.pp > 1 else "") + (f" cp{s.cp}" if s.cp > 1 else "") + \
@@ -616,6 +647,7 @@ def sizing_rows(models: Sequence[str] = SIZING_MODELS, drives: Sequence[int] = S
                 "planned_peak_bytes": free.plan.peak_activation_bytes,
                 "memory_saved_bytes": free.memory_saved_bytes,
                 "offloaded_layers": len(free.plan.layers_with("offload")),
+                "partly_offloaded_layers": len(free.plan.sites_by_layer()),
                 "recomputed_layers": len(free.plan.layers_with("recompute")),
                 "overhead_fraction": free.overhead_fraction,
                 "write_bytes_per_s_per_gpu": free.write_bytes_per_s_per_gpu,
@@ -624,6 +656,7 @@ def sizing_rows(models: Sequence[str] = SIZING_MODELS, drives: Sequence[int] = S
                 "wear_bound_years": lifetime_years,
                 "wear_bound_memory_saved_bytes": worn.memory_saved_bytes,
                 "wear_bound_offloaded_layers": len(worn.plan.layers_with("offload")),
+                "wear_bound_partly_offloaded_layers": len(worn.plan.sites_by_layer()),
                 "wear_bound_overhead_fraction": worn.overhead_fraction,
                 "wear_bound_write_bytes_per_s_per_gpu": worn.write_bytes_per_s_per_gpu,
             })

@@ -126,7 +126,8 @@ def test_stage_profile_from_dimensions():
 
 
 def test_gpt_1_3b_simulation_is_plausible():
-    spec = SimulationSpec(**GPT_1_3B, flash_attention=True, ssd_count=8, gpu_flops=312e12, mfu=0.45)
+    spec = SimulationSpec(**GPT_1_3B, flash_attention=True, ssd_count=8, gpu_flops=312e12, mfu=0.45,
+                          target_lifetime_years=None)
     result = simulate(spec)
     plan = result.plan
     offloaded = plan.layers_with("offload")
@@ -208,7 +209,7 @@ def test_spec_from_presets_and_overrides():
 
 
 def test_result_json_form():
-    result = simulate(SimulationSpec(**GPT_1_3B))  # nothing hides at prefetch depth 1 on 1 drive
+    result = simulate(SimulationSpec(**GPT_1_3B))  # the default 3-year wear bound of 1 drive allows no write
     data = json.loads(json.dumps(result.to_dict()))
     assert data["lifetime_years"] is None and data["write_bytes_per_s_per_gpu"] == 0.0
     assert data["plan"]["schema"] == "megatron_ssd.plan/1"
@@ -237,7 +238,7 @@ def test_model_state_that_alone_overflows_the_gpu_is_one_clear_error():
 
 def test_target_lifetime_bounds_the_write_rate():
     spec = dict(num_layers=40, hidden=5120, heads=40, ssd_count=4, gpu_flops=312e12, gpu_memory_bytes=None)  # A100
-    free = simulate(SimulationSpec(**spec))
+    free = simulate(SimulationSpec(**spec, target_lifetime_years=None))
     assert free.lifetime_years < 0.2 and free.plan.offloaded_bytes > 0
     worn = simulate(SimulationSpec(**spec, target_lifetime_years=3))
     assert worn.plan.write_bytes_per_s <= worn.plan.max_write_bytes_per_s

@@ -1,0 +1,121 @@
+"""Site granularity in the planner (NOTE [Sites]): a layer offloads the prefix of its saved
+tensors that its window carries, on constructed profiles (the cache's side:
+tests/cache/test_sites.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from megatron_ssd.config import Placement
+from megatron_ssd.errors import ConfigError
+from megatron_ssd.planner import IOProfile, LayerProfile, Plan, StageProfile, make_plan, predict
+
+GB = 10**9
+K, O, R = Placement.KEEP, Placement.OFFLOAD, Placement.RECOMPUTE
+
+
+def split_stage(n: int = 8, sites: int = 4, io: IOProfile = IOProfile(GB / 0.035, GB / 0.035)) -> StageProfile:
+    """n layers of 1 GB in ``sites`` equal tensors, 10 ms forward and 20 ms backward; a
+    whole layer's write or read takes 35 ms, more than one layer's backward."""
+    q = GB // sites
+    return StageProfile(layers=[LayerProfile(i, 0.010, 0.020, q * sites, site_bytes=[q] * sites) for i in range(n)],
+                        io=io)
+
+
+def test_site_bytes_must_be_positive_and_sum_to_saved_bytes():
+    with pytest.raises(ConfigError, match=r"LayerProfile\(layer_id=0\)\.site_bytes = \[1, 2\]: must sum to saved_bytes = 4"):
+        LayerProfile(0, 0.1, 0.2, 4, site_bytes=[1, 2])
+    with pytest.raises(ConfigError, match=r"site_bytes = \[0, 4\]: must be None or a list of integers > 0"):
+        LayerProfile(0, 0.1, 0.2, 4, site_bytes=[0, 4])
+    assert LayerProfile(0, 0.1, 0.2, 4).sites == [4] and LayerProfile(0, 0.1, 0.2, 0).sites == []
+    layer = LayerProfile(0, 0.1, 0.2, 6, site_bytes=[1, 2, 3])
+    assert [layer.offloaded_bytes(k) for k in (0, 1, 2, 3, None)] == [0, 1, 3, 6, 6]
+    stage = StageProfile(layers=[layer], io=IOProfile(1.0, 1.0))
+    assert StageProfile.from_json(stage.to_json()) == stage
+
+
+def test_a_partly_offloaded_layer_holds_the_sites_it_keeps():
+    stage = split_stage(n=1)
+    with pytest.raises(ConfigError, match=r"sites\[0\] = 5: must be None or an integer in \[0, 4\]"):
+        predict(stage, [O], sites=[5])
+    whole, half, none = (predict(stage, [O], sites=[k]) for k in (None, 2, 0))
+    assert [lt.offloaded_bytes for lt in (whole.layers[0], half.layers[0], none.layers[0])] == [GB, GB // 2, 0]
+    assert half.write_busy_s == pytest.approx(whole.write_busy_s / 2)
+    # the half it keeps stays resident from the forward's end to the backward's end
+    assert (half.parked_bytes, none.parked_bytes, whole.parked_bytes) == (GB // 2, GB, 0)
+    assert none.peak_bytes == predict(stage, [K]).peak_bytes and none.write_busy_s == 0.0
+
+
+def test_max_offload_moves_the_longest_prefix_each_window_carries():
+    """Whole layers take 35 ms to read back against 20 ms of backward: with one layer of
+    read-ahead none hides, so whole-layer planning offloads nothing; with sites, each of
+    the first layers offloads the two tensors (17.5 ms) that fit."""
+    stage = split_stage()
+    whole = StageProfile(layers=[LayerProfile(i, 0.010, 0.020, GB) for i in range(8)], io=stage.io)
+    assert make_plan(whole, read_ahead="fixed").layers_with(O) == []
+    plan = make_plan(stage, read_ahead="fixed")
+    assert [lp.placement_text for lp in plan.layers] == ["offload 2/4"] * 4 + ["keep"] * 4
+    assert plan.sites_by_layer() == {0: 2, 1: 2, 2: 2, 3: 2} and plan.sites == [2, 2, 2, 2, None, None, None, None]
+    assert plan.offloaded_bytes == 4 * GB // 2 and plan.exposed_s == 0.0
+    assert plan.step_s == pytest.approx(plan.keep_step_s)
+    assert plan.peak_activation_bytes == plan.keep_peak_activation_bytes - 2 * GB
+    # one more site in any offloaded layer would stall or buy nothing
+    derated = stage.io.derated(plan.safety_margin)
+    for i in plan.layers_with(O):
+        more = plan.sites[:i] + [3] + plan.sites[i + 1:]
+        tl = predict(stage, plan.placements, 1, io=derated, sites=more)
+        assert tl.exposed_s > 0 or tl.peak_bytes >= plan.peak_activation_bytes
+    assert "offload 2/4" in plan.table()
+
+
+def test_a_site_whose_write_ends_after_the_peak_is_not_offloaded():
+    """NOTE [Every offloaded byte buys memory], per site: at the bandwidths the planner
+    judges by (derated by the safety margin) even one tensor of the fifth layer would be
+    written after the forward ends, past the peak; no share of it is offloaded."""
+    stage = split_stage()
+    plan = make_plan(stage, read_ahead="fixed")
+    assert plan.placement(4) is K
+    derated = stage.io.derated(plan.safety_margin)
+    tl = predict(stage, plan.placements[:4] + [O] + [K] * 3, 1, io=derated, sites=plan.sites[:4] + [1] + [None] * 3)
+    assert tl.layers[4].write_end > tl.layers[4].forward_end
+    assert tl.peak_bytes == predict(stage, plan.placements, 1, io=derated, sites=plan.sites).peak_bytes
+
+
+def test_under_a_wear_bound_a_budget_is_met_with_the_share_the_drives_can_take():
+    """The drives allow 0.6 GB per step: no whole layer fits, so whole-layer planning
+    recomputes two layers to reach 6.5 GB; with sites the first layer offloads two of its
+    four tensors (0.5 GB) and one layer fewer is recomputed. At 7.5 GB sites avoid
+    recompute altogether."""
+    stage = split_stage(io=IOProfile(GB / 0.010, GB / 0.010))
+    limit = 0.6 * GB / 0.240  # bytes per second over keep-everything's 240 ms step
+    budget = int(6.5 * GB)
+    whole = StageProfile(layers=[LayerProfile(i, 0.010, 0.020, GB) for i in range(8)], io=stage.io)
+    by_layer = make_plan(whole, memory_budget=budget, max_write_bytes_per_s=limit, read_ahead="fixed")
+    by_site = make_plan(stage, memory_budget=budget, max_write_bytes_per_s=limit, read_ahead="fixed")
+    assert by_layer.offloaded_bytes == 0 and len(by_layer.layers_with(R)) == 2
+    assert by_site.sites_by_layer() == {0: 2} and by_site.offloaded_bytes == GB // 2
+    assert len(by_site.layers_with(R)) == 1
+    assert by_site.step_s < by_layer.step_s and by_site.peak_activation_bytes <= budget
+    loose = make_plan(stage, memory_budget=int(7.5 * GB), max_write_bytes_per_s=limit, read_ahead="fixed")
+    assert [lp.placement_text for lp in loose.layers] == ["offload 2/4"] + ["keep"] * 7
+    assert loose.step_s == pytest.approx(loose.keep_step_s)
+
+
+def test_a_budget_plan_writes_no_site_it_does_not_need():
+    """With fast drives the greedy offloads whole layers; a 6.5 GB budget needs only half
+    of the second one, so the plan writes 1.5 GB, not 2 GB."""
+    stage = split_stage(io=IOProfile(GB / 0.005, GB / 0.005))
+    plan = make_plan(stage, memory_budget=int(6.5 * GB), read_ahead="fixed", allow_recompute=False)
+    assert plan.peak_activation_bytes <= 6.5 * GB
+    assert plan.offloaded_bytes == int(1.5 * GB)
+    assert plan.step_s == pytest.approx(plan.keep_step_s)
+
+
+def test_plans_with_sites_round_trip_and_report_site_changes():
+    plan = make_plan(split_stage(), read_ahead="fixed")
+    again = Plan.from_json(plan.to_json())
+    assert again.sites_by_layer() == plan.sites_by_layer() and again.layers[0].offload_sites == 2
+    assert again.layers[0].site_count == 4 and again.layers[0].offloaded == GB // 2
+    whole = Plan.from_json(plan.to_json())
+    whole.layers[0].offload_sites = None
+    assert plan.changes_from(whole) == ["layer 0: offload -> offload 2/4"]
