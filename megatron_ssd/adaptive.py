@@ -12,6 +12,7 @@ default placement (last ``keep_last_layers`` kept, the rest offloaded); ``keep``
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import statistics
 from dataclasses import dataclass
@@ -75,8 +76,8 @@ def stage_from_stats(
         raise ValueError("megatron_ssd: stage_from_stats needs at least one measured step")
     layer_ids: List[Hashable] = [k for k in source[-1].layers if k is not None]
 
-    def per_layer(steps: List[Any], layer_id: Hashable) -> Dict[str, float]:
-        fwd, bwd, saved, small = [], [], [], []
+    def per_layer(steps: List[Any], layer_id: Hashable) -> Dict[str, Any]:
+        fwd, bwd, saved, small, sites = [], [], [], [], []
         for s in steps:
             lc = s.layers.get(layer_id)
             if lc is None or not lc.microbatches:
@@ -86,8 +87,9 @@ def stage_from_stats(
             bwd.append(_per_mb(max(lc.backward_s - lc.stall_s, 0.0), n))
             saved.append(_per_mb(lc.saved_bytes, n))
             small.append(_per_mb(lc.small_bytes, n))
+            sites.append([int(_per_mb(b, n)) for b in lc.site_bytes])
         return {"fwd": median_or_zero(fwd), "bwd": median_or_zero(bwd), "saved": median_or_zero(saved),
-                "small": median_or_zero(small)}
+                "small": median_or_zero(small), "sites": _site_medians(sites)}
 
     layers = []
     clean_compute = 0.0
@@ -99,8 +101,9 @@ def stage_from_stats(
                 layer_id=layer_id,
                 forward_s=m["fwd"],
                 backward_s=m["bwd"],
-                saved_bytes=int(m["saved"]),
+                saved_bytes=sum(m["sites"]) if m["sites"] else int(m["saved"]),
                 kept_bytes=int(m["small"]),
+                site_bytes=m["sites"],
             )
         )
     # Bytes saved outside the layers: on the last stage mostly the output layer's and the
@@ -113,16 +116,23 @@ def stage_from_stats(
         head = int(statistics.median(outside))
     elif layers and outside:
         first = layers[0]
-        layers[0] = LayerProfile(
-            layer_id=first.layer_id, forward_s=first.forward_s, backward_s=first.backward_s,
-            saved_bytes=first.saved_bytes, kept_bytes=first.kept_bytes + int(statistics.median(outside)),
-        )
+        layers[0] = dataclasses.replace(first, kept_bytes=first.kept_bytes + int(statistics.median(outside)))
     io = _io_profile(offload_steps, layer_ids, clean_compute if keep_steps else None)
     mbs = max(1, source[-1].microbatches)
     layer_s = sum(l.forward_s + l.backward_s for l in layers)
     other = max(0.0, statistics.median(s.wall_s for s in source) / mbs - layer_s)
     return StageProfile(layers=layers, io=io, pipeline_rank=pipeline_rank, pipeline_size=pipeline_size, other_s=other,
                         head_bytes=head)
+
+
+def _site_medians(per_step: List[List[int]]) -> Optional[List[int]]:
+    """Per site, the median over steps of its bytes per micro-batch (NOTE [Sites]); None
+    when the steps disagree on the site count or a site has no bytes, so the layer is
+    planned whole."""
+    if not per_step or any(len(sites) != len(per_step[0]) for sites in per_step) or not per_step[0]:
+        return None
+    medians = [int(statistics.median(column)) for column in zip(*per_step)]
+    return medians if all(b > 0 for b in medians) else None
 
 
 def _io_profile(offload_steps: List[Any], layer_ids: List[Hashable], clean_compute: Optional[float]) -> IOProfile:
@@ -245,7 +255,8 @@ class AdaptivePlanner:
         )
         self._check_space(plan)
         self.plan = plan
-        self.cache.set_plan({lp.layer_id: lp.placement for lp in plan.layers}, plan.read_ahead_by_layer())
+        self.cache.set_plan({lp.layer_id: lp.placement for lp in plan.layers}, plan.read_ahead_by_layer(),
+                            plan.sites_by_layer())
         self._drift.rebase(profile, plan)
         self.events.append(PlanEvent(step, reason, plan))
         logger.info("megatron_ssd: plan after step %d (%s):\n%s", step, reason, plan.table())

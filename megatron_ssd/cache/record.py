@@ -87,6 +87,10 @@ class Entry:
     """Its pages may be given back when its write completes (NOTE [Returning freed pages])."""
     also_layers: List[Hashable] = field(default_factory=list)
     """Later layers that saved the same storage (their backward needs it first)."""
+    site: Optional[int] = None
+    """Its position among the offloadable storages its layer saved in this record, from 0
+    in save order (NOTE [Sites] in ``planner/profile.py``); None: under
+    ``min_tensor_bytes`` or saved outside any layer."""
 
 
 @dataclass(eq=False)
@@ -101,6 +105,8 @@ class Record:
     """Entries to prefetch when each layer's backward approaches."""
     prefetched: set = field(default_factory=set)
     """Layers whose reads were already issued."""
+    sites: Dict[Hashable, int] = field(default_factory=dict)
+    """Sites numbered so far per layer (the next entry's ``site``)."""
     forward_done: bool = False
     live: int = 0
     """Entries not yet released."""

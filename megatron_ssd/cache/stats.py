@@ -70,6 +70,9 @@ class LayerCounters:
     """Unique offloadable bytes the layer's forward saved for backward (after dedup)."""
     small_bytes: int = 0
     """Unique saved bytes below ``min_tensor_bytes``: always kept in memory."""
+    site_bytes: List[int] = field(default_factory=list)
+    """``saved_bytes`` tensor by tensor: entry i is the bytes of the layer's site i (its
+    i-th offloadable storage in save order, NOTE [Sites]), summed over micro-batches."""
     offloaded_bytes: int = 0
     """Of those, bytes queued for writing to the SSDs."""
     hosted_bytes: int = 0

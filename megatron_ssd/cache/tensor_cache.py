@@ -93,6 +93,7 @@ class TensorCache(ScopeMixin, TransferMixin, StepAccountingMixin):
         self._layers: List[Hashable] = []
         self._plan: Dict[Hashable, Placement] = {}
         self._read_ahead: Dict[Hashable, int] = {}
+        self._sites: Dict[Hashable, int] = {}
         self._param_storages: set = set()
         self._records: Dict[Hashable, Record] = {}
         self._keys = itertools.count()
@@ -147,19 +148,27 @@ class TensorCache(ScopeMixin, TransferMixin, StepAccountingMixin):
             self._param_storages.add(p.untyped_storage()._cdata)
 
     def set_plan(self, placements: Mapping[Hashable, Union[Placement, str]],
-                 read_ahead: Optional[Mapping[Hashable, int]] = None) -> None:
+                 read_ahead: Optional[Mapping[Hashable, int]] = None,
+                 sites: Optional[Mapping[Hashable, int]] = None) -> None:
         """Set the placement of layers by id; unnamed layers keep the default.
 
         ``read_ahead`` gives a layer's read-issue point: its read is issued when the
         backward of the layer that many layers later starts (NOTE [Write and read issue
         points] in ``planner/timeline.py``); layers it does not name read
-        ``prefetch_layers`` ahead.
+        ``prefetch_layers`` ahead. ``sites`` limits an OFFLOAD or HOST layer to its first
+        k sites (offloadable tensors in save order, NOTE [Sites] in
+        ``planner/profile.py``); the rest are kept. Layers it does not name move all.
         """
         ahead: Dict[Hashable, int] = {}
         for layer_id, depth in (read_ahead or {}).items():
             if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
                 raise ConfigError(f"read_ahead[{layer_id!r}] = {depth!r}: must be an integer >= 1")
             ahead[layer_id] = depth
+        limits: Dict[Hashable, int] = {}
+        for layer_id, count in (sites or {}).items():
+            if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+                raise ConfigError(f"sites[{layer_id!r}] = {count!r}: must be an integer >= 0 (sites to move)")
+            limits[layer_id] = count
         plan = {}
         for layer_id, placement in placements.items():
             try:
@@ -176,6 +185,7 @@ class TensorCache(ScopeMixin, TransferMixin, StepAccountingMixin):
         with self._lock:
             self._plan = plan
             self._read_ahead = ahead
+            self._sites = limits
 
     def plan(self) -> Dict[Hashable, Placement]:
         """A copy of the placements set with :meth:`set_plan`."""
@@ -186,6 +196,11 @@ class TensorCache(ScopeMixin, TransferMixin, StepAccountingMixin):
         """A copy of the read-aheads set with :meth:`set_plan`."""
         with self._lock:
             return dict(self._read_ahead)
+
+    def sites(self) -> Dict[Hashable, int]:
+        """A copy of the per-layer site limits set with :meth:`set_plan`."""
+        with self._lock:
+            return dict(self._sites)
 
     def placement(self, layer_id: Hashable) -> Placement:
         """Where the saved tensors of ``layer_id`` go: the plan's choice, else the default
@@ -270,10 +285,14 @@ class TensorCache(ScopeMixin, TransferMixin, StepAccountingMixin):
         data = storage_bytes(t)
         nbytes = data.numel()
         placement = self.placement(layer_id)
-        if (placement not in MOVED or nbytes < self.config.min_tensor_bytes
+        site = None
+        if layer_id is not None and nbytes >= self.config.min_tensor_bytes:
+            site = record.sites.get(layer_id, 0)  # NOTE [Sites] in planner/profile.py
+            record.sites[layer_id] = site + 1
+        if (placement not in MOVED or site is None or site >= self._sites.get(layer_id, site + 1)
                 or (placement is Placement.HOST and self.host is None)):  # a default placement of host, no pool
             placement = Placement.KEEP
-        entry = Entry(key, nbytes, t.device, layer_id, placement, record, weak=storage_weakref(t), refs=1)
+        entry = Entry(key, nbytes, t.device, layer_id, placement, record, weak=storage_weakref(t), refs=1, site=site)
         entry.releasable = self._return_pages and placement is Placement.OFFLOAD and allocator_owned(t)
         self._set_data(entry, data)
         record.entries[key] = entry
@@ -281,10 +300,14 @@ class TensorCache(ScopeMixin, TransferMixin, StepAccountingMixin):
         record.add_layer_entry(layer_id, entry)
         # Tensors saved outside any layer (embedding, loss) are counted under ``None``.
         lc = self._counters.layers.setdefault(layer_id, LayerCounters())
-        if nbytes < self.config.min_tensor_bytes or layer_id is None:
+        if site is None:
             lc.small_bytes += nbytes
         else:
             lc.saved_bytes += nbytes
+            if site < len(lc.site_bytes):
+                lc.site_bytes[site] += nbytes
+            else:
+                lc.site_bytes.append(nbytes)
         if placement is Placement.KEEP:
             self._counters.bytes_kept += nbytes
         return entry

@@ -139,7 +139,9 @@ class TransferMixin:
             entry.handle = None
 
     def _prefetch(self, record: Record, layer_id: Hashable) -> None:
-        for entry in record.layer_entries.get(layer_id, ()):
+        # Last saved first: a layer's backward uses its saved tensors roughly in reverse
+        # save order, so the engine's queue gets them in the order they are needed.
+        for entry in reversed(record.layer_entries.get(layer_id, ())):
             if entry.state is EntryState.ON_DISK:
                 self._submit_read(entry)
             elif entry.state in (EntryState.WRITING, EntryState.LOADED):

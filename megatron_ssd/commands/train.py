@@ -238,7 +238,7 @@ class TrainRecipe:
         profiles. They continue training, so the model after them differs from the
         offload phase's (``final_loss`` stays the offload phase's).
         """
-        plan, read_ahead, default = cache.plan(), cache.read_ahead(), cache.default_placement
+        plan, read_ahead, sites, default = cache.plan(), cache.read_ahead(), cache.sites(), cache.default_placement
         keep_s: List[float] = []
         offload_s: List[float] = []
         written = {True: 0, False: 0}
@@ -246,7 +246,7 @@ class TrainRecipe:
         progress = Progress("paired keep/offload", pairs, self.out)
         for i in range(pairs):
             for keep in ((True, False) if i % 2 == 0 else (False, True)):
-                cache.set_plan({} if keep else plan, None if keep else read_ahead)
+                cache.set_plan({} if keep else plan, None if keep else read_ahead, None if keep else sites)
                 cache.default_placement = Placement.KEEP if keep else default
                 loss = run_step(step)
                 step += 1
@@ -254,7 +254,7 @@ class TrainRecipe:
                 written[keep] += sink[-1].bytes_offloaded
             progress.step(step_line("pair", loss, sink[-1]))
         progress.close()
-        cache.set_plan(plan, read_ahead)
+        cache.set_plan(plan, read_ahead, sites)
         cache.default_placement = default
         ratios = [o / k for o, k in zip(offload_s, keep_s)]
         return {"pairs": pairs, "keep_step_s": keep_s, "offload_step_s": offload_s, "ratios": ratios,

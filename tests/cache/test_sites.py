@@ -1,0 +1,101 @@
+"""Sites in the cache (NOTE [Sites] in planner/profile.py): the cache numbers each layer's
+offloadable tensors in save order, reports their bytes, moves only the prefix a plan
+names, reads a layer's tensors back last-saved first, and training stays bit-identical
+(the planner's side: tests/planner/test_planner_sites.py)."""
+
+import copy
+
+import pytest
+import torch
+
+from megatron_ssd import OffloadConfig, TensorCache
+from megatron_ssd.adaptive import stage_from_stats
+from megatron_ssd.config import Placement
+from megatron_ssd.errors import ConfigError
+
+from tiny_model import TinyGPT, make_batches
+
+
+def run(cache, model, batches):
+    stats = []
+    for microbatches in batches:
+        for batch in microbatches:
+            with cache.microbatch():
+                loss = model(batch)
+            loss.backward()
+        stats.append(cache.finish_step())
+    return stats
+
+
+def test_sites_are_numbered_stably_and_a_plan_moves_only_its_prefix(offload_dir):
+    torch.manual_seed(0)
+    model = TinyGPT(layers=4, hidden=64, seq=64)
+    reference = copy.deepcopy(model)
+    batches = make_batches(steps=2, microbatches=2, batch=4, seq=64, vocab=256)
+    config = OffloadConfig(paths=[offload_dir], min_tensor_bytes=4096, prefetch_layers=1)
+    with TensorCache(config) as cache:
+        cache.register_layers(model.layers)
+        cache.set_plan({i: "keep" for i in range(4)})
+        keep = run(cache, model, batches[:1])[0]
+        sites = {i: keep.layers[i].site_bytes for i in range(4)}
+        assert all(len(s) >= 3 for s in sites.values())
+        for i in range(4):
+            assert sum(sites[i]) == keep.layers[i].saved_bytes
+        # layer 1 moves its first two tensors, layer 2 all of them, layer 3 none (0 sites)
+        cache.set_plan({0: "keep", 1: "offload", 2: "offload", 3: "offload"}, sites={1: 2, 3: 0})
+        assert cache.sites() == {1: 2, 3: 0}
+        split = run(cache, model, batches[1:])[0]
+        with pytest.raises(ConfigError, match=r"sites\[1\] = -1: must be an integer >= 0"):
+            cache.set_plan({}, sites={1: -1})
+    assert {i: split.layers[i].site_bytes for i in range(4)} == sites  # the same numbering next step
+    moved = {i: split.layers[i].offloaded_bytes for i in range(4)}
+    assert moved == {0: 0, 1: sum(sites[1][:2]), 2: sum(sites[2]), 3: 0}
+    assert split.bytes_offloaded == moved[1] + moved[2]
+    assert split.bytes_reloaded + split.bytes_forwarded == split.bytes_offloaded  # read back, or still in memory
+    for microbatches in batches:
+        for batch in microbatches:
+            reference(batch).backward()
+    for a, b in zip(model.parameters(), reference.parameters()):
+        assert torch.equal(a.grad, b.grad)
+
+
+def test_a_layer_is_read_back_last_saved_first(offload_dir):
+    torch.manual_seed(0)
+    model = TinyGPT(layers=2, hidden=64, seq=64)
+    batch = make_batches(steps=1, microbatches=1, batch=4, seq=64, vocab=256)[0][0]
+    config = OffloadConfig(paths=[offload_dir], min_tensor_bytes=4096)
+    with TensorCache(config) as cache:
+        cache.register_layers(model.layers)
+        cache.set_plan({0: "offload", 1: "keep"})
+        order = []
+        real = cache._submit_read
+
+        def submit(entry):
+            order.append(entry.site)
+            return real(entry)
+
+        cache._submit_read = submit
+        with cache.microbatch():
+            loss = model(batch)
+        cache.drain()
+        loss.backward()
+        cache.finish_step()
+    assert order and order == sorted(order, reverse=True)
+
+
+def test_the_profile_carries_the_measured_sites(offload_dir):
+    torch.manual_seed(0)
+    model = TinyGPT(layers=3, hidden=64, seq=64)
+    batches = make_batches(steps=2, microbatches=2, batch=4, seq=64, vocab=256)
+    config = OffloadConfig(paths=[offload_dir], min_tensor_bytes=4096)
+    with TensorCache(config) as cache:
+        cache.register_layers(model.layers)
+        cache.default_placement = Placement.KEEP
+        keep = run(cache, model, batches[:1])
+        cache.default_placement = Placement.OFFLOAD
+        offload = run(cache, model, batches[1:])
+    stage = stage_from_stats(keep, offload)
+    for layer in stage.layers:
+        measured = keep[0].layers[layer.layer_id]
+        assert layer.site_bytes == [b // 2 for b in measured.site_bytes]  # per micro-batch
+        assert layer.saved_bytes == sum(layer.site_bytes)
