@@ -24,7 +24,7 @@ from ..config import Placement, from_dict, to_dict
 from ..errors import ConfigError
 from .profile import IOProfile, LayerId, StageProfile
 from .search import Choice, PlacementSearch, PlanInfeasibleError
-from .timeline import Timeline, predict
+from .timeline import MOVED, Timeline, predict
 from ..units import MiB
 
 __all__ = [
@@ -65,12 +65,13 @@ class LayerPlan:
     """Offloadable saved bytes of the layer for one micro-batch (moved when OFFLOAD,
     not saved when RECOMPUTE)."""
     offload_sites: Optional[int] = None
-    """OFFLOAD only: how many of the layer's sites, a prefix in save order, are
-    offloaded, the others kept (NOTE [Sites]); None: all of them."""
+    """OFFLOAD or HOST only: how many of the layer's sites, a prefix in save order, are
+    moved, the others kept (NOTE [Sites]); None: all of them."""
     site_count: int = 1
     """How many sites the layer has (offloadable tensors it saves)."""
     offloaded: int = 0
-    """Bytes written to the SSDs and read back per micro-batch (OFFLOAD only)."""
+    """Bytes moved off the device and back per micro-batch: to the SSDs (OFFLOAD) or to
+    the host pool (HOST)."""
     write_s: float = 0.0
     """Predicted time the array spends writing the layer."""
     read_s: float = 0.0
@@ -89,9 +90,9 @@ class LayerPlan:
 
     @property
     def placement_text(self) -> str:
-        """``keep``, ``offload``, ``recompute``, or ``offload 3/7`` for a layer offloading
-        3 of its 7 sites."""
-        if self.placement is Placement.OFFLOAD and self.offload_sites is not None:
+        """``keep``, ``offload``, ``host``, ``recompute``, or ``offload 3/7`` for a layer
+        offloading 3 of its 7 sites (``host 3/7`` alike)."""
+        if self.placement in MOVED and self.offload_sites is not None:
             return f"offload {self.offload_sites}/{self.site_count}"
         return self.placement.value
 
@@ -139,6 +140,9 @@ class Plan:
     no limit."""
     capacity_bytes: Optional[int] = None
     """The device's activation capacity the plan was held under; None: no limit."""
+    host_budget_bytes: Optional[int] = None
+    """The host-pool bytes the plan could use for HOST layers (all micro-batches in
+    flight); None: no host tier."""
     write_busy_s: float = 0.0
     """Predicted array write time per micro-batch."""
     read_busy_s: float = 0.0
@@ -171,24 +175,35 @@ class Plan:
         return [lp.layer_id for lp in self.layers if lp.placement is Placement(placement)]
 
     def read_ahead_by_layer(self) -> Dict[LayerId, int]:
-        """Each OFFLOAD layer's read-ahead, for ``TensorCache.set_plan``."""
-        return {lp.layer_id: lp.read_ahead for lp in self.layers if lp.placement is Placement.OFFLOAD}
+        """Each OFFLOAD or HOST layer's read-ahead, for ``TensorCache.set_plan``."""
+        return {lp.layer_id: lp.read_ahead for lp in self.layers if lp.placement in MOVED}
 
     def sites_by_layer(self) -> Dict[LayerId, int]:
-        """Each OFFLOAD layer that offloads only some of its sites: how many, for
+        """Each OFFLOAD or HOST layer that moves only some of its sites: how many, for
         ``TensorCache.set_plan(..., sites=...)`` (NOTE [Sites])."""
         return {lp.layer_id: lp.offload_sites for lp in self.layers
-                if lp.placement is Placement.OFFLOAD and lp.offload_sites is not None}
+                if lp.placement in MOVED and lp.offload_sites is not None}
 
     @property
     def sites(self) -> List[Optional[int]]:
         """Per layer in forward order, the site count for :func:`predict` (None: all)."""
-        return [lp.offload_sites if lp.placement is Placement.OFFLOAD else None for lp in self.layers]
+        return [lp.offload_sites if lp.placement in MOVED else None for lp in self.layers]
 
     @property
     def offloaded_bytes(self) -> int:
         """Bytes written to the SSD array per micro-batch."""
-        return sum(lp.offloaded for lp in self.layers)
+        return sum(lp.offloaded for lp in self.layers if lp.placement is Placement.OFFLOAD)
+
+    @property
+    def hosted_bytes(self) -> int:
+        """Bytes copied into the host pool per micro-batch (HOST layers)."""
+        return sum(lp.offloaded for lp in self.layers if lp.placement is Placement.HOST)
+
+    @property
+    def host_pool_bytes(self) -> int:
+        """Host-pool bytes the plan holds at its peak: one micro-batch's hosted bytes for
+        each micro-batch in flight."""
+        return self.hosted_bytes * self.microbatches_in_flight
 
     # ------------------------------------------------------------------ JSON
 
@@ -236,7 +251,7 @@ class Plan:
                 f"  {'read ahead':>10}"]
         for lp in self.layers:
             note = "  (forwarded)" if lp.forwarded else ""
-            ahead = f"{lp.read_ahead:>10}" if lp.placement is Placement.OFFLOAD else f"{'':>10}"
+            ahead = f"{lp.read_ahead:>10}" if lp.placement in MOVED else f"{'':>10}"
             rows.append(
                 f"{str(lp.layer_id):>8}  {lp.placement_text:<13}  {lp.bytes / MiB:9.1f}  {lp.write_s * 1e3:9.2f}"
                 f"  {lp.read_s * 1e3:9.2f}  {lp.exposed_s * 1e3:10.2f}  {ahead}{note}"
@@ -256,6 +271,9 @@ class Plan:
             f"({step_ratio:.3f}x keep-everything); exposed I/O {self.exposed_s * 1e3:.2f} ms; "
             f"I/O slowdown {self.slowdown_s * 1e3:.2f} ms"
         )
+        if self.hosted_bytes:
+            rows.append(f"host pool {self.host_pool_bytes / MiB:.1f} MiB of "
+                        f"{(self.host_budget_bytes or 0) / MiB:.1f} MiB ({self.hosted_bytes / MiB:.1f} MiB per micro-batch)")
         if self.max_write_bytes_per_s is not None:
             rows.append(
                 f"SSD writes {self.write_bytes_per_s / 1e6:.1f} MB/s of the {self.max_write_bytes_per_s / 1e6:.1f} MB/s "
@@ -276,6 +294,7 @@ def make_plan(
     max_write_bytes_per_s: Optional[float] = None,
     capacity_bytes: Optional[int] = None,
     read_ahead: str = "fixed",
+    host_budget_bytes: Optional[int] = None,
 ) -> Plan:
     """Choose a placement per layer of ``stage``.
 
@@ -303,6 +322,9 @@ def make_plan(
         read_ahead: ``fixed``: every read is issued ``prefetch_depth`` layers ahead;
             ``auto``: the read-issue point of each offloaded layer is chosen too, just in
             time (NOTE [Just-in-time reads]).
+        host_budget_bytes: Bytes of the host pool this stage may fill with HOST layers,
+            over all its micro-batches in flight (NOTE [Host tier]); needs
+            ``stage.io.host_bytes_per_s``. None or 0: no HOST placement.
 
     Returns:
         The :class:`Plan`, its predictions at the measured bandwidths.
@@ -331,9 +353,18 @@ def make_plan(
         capacity_bytes = int(capacity_bytes)
     if read_ahead not in READ_AHEAD_MODES:
         raise ConfigError(f"read_ahead = {read_ahead!r}: must be one of {list(READ_AHEAD_MODES)}")
+    if host_budget_bytes is not None:
+        if isinstance(host_budget_bytes, bool) or not isinstance(host_budget_bytes, numbers.Integral) \
+                or host_budget_bytes < 0:
+            raise ConfigError(f"host_budget_bytes = {host_budget_bytes!r}: must be None or an integer number of bytes >= 0")
+        if host_budget_bytes and stage.io.host_bytes_per_s is None:
+            raise ConfigError(f"host_budget_bytes = {host_budget_bytes}: needs IOProfile.host_bytes_per_s, the host "
+                              "tier's copy bandwidth")
+        host_budget_bytes = int(host_budget_bytes)
 
     def choose(depth: int) -> Tuple[Choice, str, Timeline]:
-        search = PlacementSearch(stage, stage.io.derated(safety_margin), depth, max_write_bytes_per_s)
+        search = PlacementSearch(stage, stage.io.derated(safety_margin), depth, max_write_bytes_per_s,
+                                 host_budget_bytes or 0)
         if memory_budget is None:
             choice, goal = search.max_offload(), GOAL_MAX_OFFLOAD
             over = capacity_bytes is not None and search.check(*choice).peak_bytes > capacity_bytes
@@ -357,6 +388,7 @@ def make_plan(
     plan.read_ahead = read_ahead
     plan.max_write_bytes_per_s = max_write_bytes_per_s
     plan.capacity_bytes = capacity_bytes
+    plan.host_budget_bytes = host_budget_bytes or None
     return plan
 
 
@@ -402,7 +434,7 @@ def _just_in_time(
             if failure is None or err.smallest_peak < failure.smallest_peak:
                 failure = err
             continue
-        written = sum(lt.offloaded_bytes for lt in tl.layers)
+        written = tl.offloaded_bytes
         candidates.append((choice, goal, tl, written, depth))
     if not candidates:
         assert failure is not None
@@ -418,7 +450,7 @@ def _just_in_time(
     derated = stage.io.derated(safety_margin)
     judged = [tl, predict(stage, placements, depths, io=derated, sites=sites)]
     for i in range(n - 1, -1, -1):
-        if placements[i] is not Placement.OFFLOAD:
+        if placements[i] not in MOVED:
             continue
         for later in range(1, depths[i]):
             trial = depths[:i] + [later] + depths[i + 1:]
@@ -444,14 +476,15 @@ def _build(
 ) -> Plan:
     layers = []
     for layer, lt, depth, k in zip(stage.layers, tl.layers, depths, sites):
-        write_s = 0.0 if lt.write_end is None else lt.offloaded_bytes / stage.io.write_bytes_per_s
+        bandwidth = stage.io.host_bytes_per_s if lt.placement is Placement.HOST else stage.io.write_bytes_per_s
+        write_s = 0.0 if lt.write_end is None else lt.offloaded_bytes / bandwidth  # type: ignore[operator]
         read_s = 0.0 if lt.read_end is None else lt.read_end - lt.read_start
         layers.append(
             LayerPlan(
                 layer_id=layer.layer_id,
                 placement=lt.placement,
                 bytes=layer.saved_bytes,
-                offload_sites=k if lt.placement is Placement.OFFLOAD else None,
+                offload_sites=k if lt.placement in MOVED else None,
                 site_count=len(layer.sites),
                 offloaded=lt.offloaded_bytes,
                 write_s=write_s,

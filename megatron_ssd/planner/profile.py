@@ -167,10 +167,19 @@ class IOProfile:
     without a concurrent transfer; about 0 on a GPU with GPUDirect Storage, large on a
     CPU with few cores where the I/O threads compete for cycles."""
 
+    host_bytes_per_s: Optional[float] = None
+    """Copy bandwidth between the compute device and the host-memory pool, in bytes per
+    second each way (a GPU's PCIe link to pinned memory: about 25e9 on PCIe 4 x16, 50e9
+    on PCIe 5 x16). ``None``: no host tier to plan with (``Placement.HOST``). Host copies
+    have their own queue and do not slow compute (a GPU's copy engines run them)."""
+
     def __post_init__(self) -> None:
         for name in ("write_bytes_per_s", "read_bytes_per_s"):
             value = getattr(self, name)
             _check("IOProfile", name, value, _is_number(value) and value > 0, "must be a number > 0")
+        if self.host_bytes_per_s is not None:
+            _check("IOProfile", "host_bytes_per_s", self.host_bytes_per_s,
+                   _is_number(self.host_bytes_per_s) and self.host_bytes_per_s > 0, "must be None or a number > 0")
         _check(
             "IOProfile",
             "compute_slowdown",
@@ -180,13 +189,14 @@ class IOProfile:
         )
 
     def derated(self, margin: float) -> "IOProfile":
-        """This profile with both bandwidths multiplied by ``1 - margin``."""
+        """This profile with every bandwidth multiplied by ``1 - margin``."""
         if not (_is_number(margin) and 0 <= margin < 1):
             raise ConfigError(f"safety_margin = {margin!r}: must be a number in [0, 1)")
         return dataclasses.replace(
             self,
             write_bytes_per_s=self.write_bytes_per_s * (1 - margin),
             read_bytes_per_s=self.read_bytes_per_s * (1 - margin),
+            host_bytes_per_s=None if self.host_bytes_per_s is None else self.host_bytes_per_s * (1 - margin),
         )
 
 

@@ -28,7 +28,7 @@ from typing import Callable, List, NamedTuple, Optional, Sequence, Tuple
 from ..config import Placement
 from ..errors import MegatronSSDError
 from .profile import IOProfile, StageProfile
-from .timeline import Timeline, predict
+from .timeline import MOVED, Timeline, predict
 from ..units import GiB
 
 __all__ = ["Choice", "PlanInfeasibleError", "PlacementSearch"]
@@ -105,12 +105,15 @@ class PlacementSearch:
     """Placement search over the timeline model (derated I/O judges, measured I/O checks)."""
 
     def __init__(
-        self, stage: StageProfile, derated: IOProfile, depth: int, max_write_bytes_per_s: Optional[float] = None
+        self, stage: StageProfile, derated: IOProfile, depth: int, max_write_bytes_per_s: Optional[float] = None,
+        host_budget_bytes: int = 0,
     ) -> None:
         self.stage = stage
         self.derated = derated
         self.depth = depth
         self.max_write_bytes_per_s = max_write_bytes_per_s
+        self.host_budget_bytes = host_budget_bytes if stage.io.host_bytes_per_s is not None else 0
+        """Bytes the host pool may hold for this stage (0: no HOST placement)."""
         self.n = len(stage.layers)
         self.smallest_peak: Optional[int] = None
         # See wears_ok: no placement's step is shorter than keeping everything.
@@ -130,10 +133,19 @@ class PlacementSearch:
                       for layer, p, k in zip(self.stage.layers, placements, sites) if p is Placement.OFFLOAD)
         return written <= self.max_write_bytes_per_s * self._shortest_step_s * (1 + 1e-9)
 
+    def hosts_ok(self, tl: Timeline) -> bool:
+        """The host pool holds what ``tl`` hosts for every micro-batch in flight (NOTE
+        [Host tier])."""
+        return tl.hosted_bytes * (self.stage.microbatches_in_flight or 1) <= self.host_budget_bytes
+
+    def allowed(self, placements: Sequence[Placement], sites: Optional[Sequence[Optional[int]]], tl: Timeline) -> bool:
+        """Within the drive-wear limit and the host pool, and nothing forwarded."""
+        return not tl.forwarded and self.wears_ok(placements, sites) and self.hosts_ok(tl)
+
     def judge(self, placements: Sequence[Placement], sites: Optional[Sequence[Optional[int]]] = None) -> Timeline:
         """Replay with derated bandwidths; remembers the smallest peak seen."""
         tl = predict(self.stage, placements, self.depth, io=self.derated, sites=sites)
-        if not tl.forwarded and self.wears_ok(placements, sites) and (
+        if self.allowed(placements, sites, tl) and (
             self.smallest_peak is None or tl.peak_bytes < self.smallest_peak
         ):
             self.smallest_peak = tl.peak_bytes
@@ -149,8 +161,9 @@ class PlacementSearch:
         return not tl.forwarded and tl.exposed_s <= 1e-9 * tl.compute_s + 1e-12
 
     def max_offload(self) -> Choice:
-        """The most OFFLOAD bytes whose I/O the model hides completely, less those that
-        do not lower the predicted peak (:meth:`without_idle_writes`)."""
+        """The most OFFLOAD bytes whose I/O the model hides completely, then with a host
+        pool the most HOST bytes among the layers left (NOTE [Host tier]), less those
+        that do not lower the predicted peak (:meth:`without_idle_writes`)."""
         # First fit in forward order: an earlier layer's write has the most forward
         # compute left to drain behind and its read is needed last, so for layers of
         # equal size and time the admitted set is the longest admissible prefix; with
@@ -160,25 +173,36 @@ class PlacementSearch:
         # bisection.
         placements: List[Placement] = [Placement.KEEP] * self.n
         sites: List[Optional[int]] = [None] * self.n
-        for i, layer in enumerate(self.stage.layers):
-            if layer.saved_bytes == 0:
-                continue
-            m = len(layer.sites)
-
-            def fits_with(k: int) -> bool:
-                trial = _with(placements, i, Placement.OFFLOAD)
-                counts = _with(sites, i, None if k == m else k)
-                return self.hidden(self.judge(trial, counts)) and self.wears_ok(trial, counts)
-
-            k = m if fits_with(m) else _largest(1, m - 1, fits_with)
-            if k:
-                placements[i], sites[i] = Placement.OFFLOAD, None if k == m else k
+        self._first_fit(placements, sites, Placement.OFFLOAD)
         # Derating makes I/O slower, so the measured bandwidths normally agree; if
         # they do not (slowdown interplay), drop the latest admitted layers until they do.
         while not self.hidden(self.check(placements, sites)):
             last = max(i for i, p in enumerate(placements) if p is Placement.OFFLOAD)
             placements[last], sites[last] = Placement.KEEP, None
+        if self.host_budget_bytes:  # what the SSDs could not take goes to the host pool
+            self._first_fit(placements, sites, Placement.HOST)
+            while not self.hidden(self.check(placements, sites)):
+                last = max(i for i, p in enumerate(placements) if p is Placement.HOST)
+                placements[last], sites[last] = Placement.KEEP, None
         return self.without_idle_writes(placements, sites)
+
+    def _first_fit(self, placements: List[Placement], sites: List[Optional[int]], target: Placement) -> None:
+        """Move KEEP layers to ``target`` in forward order, each whole or the longest prefix
+        of its sites that hides within the limits (in place)."""
+        for i, layer in enumerate(self.stage.layers):
+            if layer.saved_bytes == 0 or placements[i] is not Placement.KEEP:
+                continue
+            m = len(layer.sites)
+
+            def fits_with(k: int) -> bool:
+                trial = _with(placements, i, target)
+                counts = _with(sites, i, None if k == m else k)
+                tl = self.judge(trial, counts)
+                return self.hidden(tl) and self.allowed(trial, counts, tl)
+
+            k = m if fits_with(m) else _largest(1, m - 1, fits_with)
+            if k:
+                placements[i], sites[i] = target, None if k == m else k
 
     def without_idle_writes(self, placements: List[Placement], sites: Optional[List[Optional[int]]] = None) -> Choice:
         """``placements`` less every offloaded site whose write buys no memory.
@@ -208,7 +232,7 @@ class PlacementSearch:
         while changed:
             changed = False
             for i in range(self.n - 1, -1, -1):
-                if placements[i] is not Placement.OFFLOAD:
+                if placements[i] not in MOVED:
                     continue
                 current = self.stage.layers[i].sites[: sites[i]] if sites[i] is not None else self.stage.layers[i].sites
                 k = _smallest(0, len(current), lambda k: no_higher(i, k))
@@ -245,7 +269,8 @@ class PlacementSearch:
         version = 0
 
         def moves(i: int) -> List[str]:
-            return _moves(placements[i], sites[i], len(self.stage.layers[i].sites), allow_recompute)
+            return _moves(placements[i], sites[i], len(self.stage.layers[i].sites), allow_recompute,
+                          self.host_budget_bytes > 0)
 
         def push_moves(i: int) -> None:
             for rank, move in enumerate(moves(i)):
@@ -303,20 +328,21 @@ class PlacementSearch:
 
     def _resolve(self, placements: List[Placement], sites: List[Optional[int]], tl: Timeline, eps: float,
                  i: int, move: str) -> Optional[Tuple[Placement, Optional[int]]]:
-        """The placement and site count a move gives layer ``i`` (None: a ``part`` move
-        with no admissible prefix)."""
-        if move != "part":
-            return _target_placement(move), None
+        """The placement and site count a move gives layer ``i`` (None: a part move with
+        no admissible prefix)."""
+        target = _target_placement(move)
+        if not move.endswith("-part"):
+            return target, None
         m = len(self.stage.layers[i].sites)
-        current = sites[i] if placements[i] is Placement.OFFLOAD and sites[i] is not None else 0
+        current = sites[i] if placements[i] is target and sites[i] is not None else 0
 
         def free(k: int) -> bool:
-            trial, counts = _with(placements, i, Placement.OFFLOAD), _with(sites, i, k)
+            trial, counts = _with(placements, i, target), _with(sites, i, k)
             ttl = self.judge(trial, counts)
-            return not ttl.forwarded and ttl.step_s <= tl.step_s + eps and self.wears_ok(trial, counts)
+            return self.allowed(trial, counts, ttl) and ttl.step_s <= tl.step_s + eps
 
         k = _largest(current + 1, m - 1, free)
-        return None if k is None else (Placement.OFFLOAD, k)
+        return None if k is None else (target, k)
 
     def _score(
         self, tl: Timeline, area: float, placements: List[Placement], sites: List[Optional[int]],
@@ -336,7 +362,7 @@ class PlacementSearch:
         cost = max(ttl.step_s - tl.step_s, 0.0) + eps
         peak_drop = tl.peak_bytes - ttl.peak_bytes
         area_drop = area - _byte_seconds(ttl, self.stage)
-        if ttl.forwarded or not self.wears_ok(trial, counts):
+        if not self.allowed(trial, counts, ttl):
             return (_NO_BENEFIT, 0.0, 0.0, i, rank)
         if peak_drop > 0:
             return (0, -peak_drop / cost, -float(peak_drop), i, rank)
@@ -354,8 +380,8 @@ class PlacementSearch:
                 for target in _weaker(placements[i]):
                     trial, counts = _with(placements, i, target), _with(sites, i, None)
                     ttl = self.judge(trial, counts)
-                    if (ttl.forwarded or ttl.step_s > tl.step_s + eps or not self.fits(trial, ttl, budget, counts)
-                            or not self.wears_ok(trial, counts)):
+                    if (ttl.step_s > tl.step_s + eps or not self.fits(trial, ttl, budget, counts)
+                            or not self.allowed(trial, counts, ttl)):
                         continue
                     placements, sites, tl, changed = trial, counts, ttl, True
                     break
@@ -369,7 +395,7 @@ class PlacementSearch:
         step = self.judge(placements, sites).step_s
         for i in range(self.n - 1, -1, -1):
             m = len(self.stage.layers[i].sites)
-            if placements[i] is not Placement.OFFLOAD or m < 2:
+            if placements[i] not in MOVED or m < 2:
                 continue
             current = m if sites[i] is None else sites[i]
 
@@ -391,29 +417,34 @@ def _with(values: List, i: int, value) -> List:
     return values[:i] + [value] + values[i + 1 :]
 
 
-def _moves(current: Placement, sites: Optional[int], site_count: int, allow_recompute: bool) -> List[str]:
+def _moves(current: Placement, sites: Optional[int], site_count: int, allow_recompute: bool,
+           allow_host: bool) -> List[str]:
     """The moves that make a layer hold fewer bytes, OFFLOAD whole first: ``offload``,
-    ``part`` (offload a longer prefix of its sites, NOTE [Sites]) and ``recompute``."""
+    ``offload-part`` (offload a longer prefix of its sites, NOTE [Sites]), ``host`` and
+    ``host-part`` (the same into the host pool, NOTE [Host tier]) and ``recompute``."""
     out = []
-    partial = current is Placement.OFFLOAD and sites is not None
-    if site_count and (current is Placement.KEEP or partial):
-        out.append("offload")
-        if site_count >= 2 and (sites or 0) < site_count - 1:
-            out.append("part")
+    for target in (Placement.OFFLOAD, Placement.HOST):
+        if target is Placement.HOST and not allow_host:
+            continue
+        partial = current is target and sites is not None
+        if site_count and (current is Placement.KEEP or partial):
+            out.append(target.value)
+            if site_count >= 2 and (sites if partial else 0) < site_count - 1:
+                out.append(target.value + "-part")
     if allow_recompute and current is not Placement.RECOMPUTE:
         out.append("recompute")
     return out
 
 
 def _target_placement(move: str) -> Placement:
-    return Placement.RECOMPUTE if move == "recompute" else Placement.OFFLOAD
+    return Placement(move.split("-")[0])
 
 
 def _weaker(current: Placement) -> List[Placement]:
     """Placements that hold more bytes than ``current``, KEEP first."""
     if current is Placement.RECOMPUTE:
         return [Placement.KEEP, Placement.OFFLOAD]
-    if current is Placement.OFFLOAD:
+    if current in MOVED:
         return [Placement.KEEP]
     return []
 

@@ -672,13 +672,14 @@ def sizing_markdown(rows: Sequence[Mapping[str, Any]]) -> str:
         "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
+        part = f" ({r['partly_offloaded_layers']} in part)" if r["partly_offloaded_layers"] else ""
         life = "∞" if r["lifetime_years"] is None else (
             f"{r['lifetime_years'] * 365:.0f} days" if r["lifetime_years"] < 1 else f"{r['lifetime_years']:.1f} years")
         out.append(
             f"| {r['model']} | {r['layout']} | {r['drives_per_node']} | {r['keep_peak_bytes'] / gb:.1f} GB "
             f"| {r['planned_peak_bytes'] / gb:.1f} GB | {r['memory_saved_bytes'] / gb:.1f} GB "
             f"({r['memory_saved_bytes'] / r['keep_peak_bytes']:.0%}) "
-            f"| {r['offloaded_layers']} / {r['recomputed_layers']} | {r['overhead_fraction']:+.1%} "
+            f"| {r['offloaded_layers']}{part} / {r['recomputed_layers']} | {r['overhead_fraction']:+.1%} "
             f"| {r['write_bytes_per_s_per_gpu'] / gb:.2f} GB/s | {life} "
             f"| {r['cpu_offload_host_bytes_per_node'] / gb:.0f} GB "
             f"| {r['wear_bound_memory_saved_bytes'] / gb:.1f} GB ({r['wear_bound_overhead_fraction']:+.1%}) |"

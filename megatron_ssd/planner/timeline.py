@@ -25,6 +25,9 @@ __all__ = ["LayerTimeline", "Timeline", "predict", "read_ahead_list", "site_list
 _EPS = 1e-12
 """Slack (seconds) when comparing event times, so float rounding cannot flip an order."""
 
+MOVED = (Placement.OFFLOAD, Placement.HOST)
+"""Placements whose bytes leave the compute device between forward and backward."""
+
 # NOTE [One device queue]
 # Reads and writes share one FIFO queue in front of the SSD array: a request starts when
 # the array finished the previous one, writes run at write bandwidth and reads at read
@@ -48,6 +51,15 @@ _EPS = 1e-12
 # first backward starts. The cache issues reads by the same rule
 # (``TensorCache.backward_started``). Backward of layer i starts when the previous
 # backward ended and its read completed; the wait is exposed I/O (stall).
+
+# NOTE [Host tier]
+# HOST layers are OFFLOAD layers whose bytes go to a bounded pool of host memory over the
+# device's host link instead of to the SSD array: same issue points, same memory
+# accounting, same forwarding rule, but their own FIFO queue at ``host_bytes_per_s``
+# each way, which the SSD queue does not wait for (a GPU copies to pinned memory on a
+# copy engine while GPUDirect Storage or the SSD engine's staging runs). Host copies do
+# not slow compute. The pool's bound is a planning constraint (the bytes one micro-batch
+# hosts times the micro-batches in flight), checked by the search, not by the replay.
 
 # NOTE [Compute slowdown]
 # While any request is in flight, compute advances at 1 / (1 + compute_slowdown) of its
@@ -156,13 +168,25 @@ class Timeline:
     """Time the array spent reading."""
     io_end_s: float
     """When the last request completes (after ``step_s`` if I/O spills over)."""
+    host_busy_s: float = 0.0
+    """Time the host link spent copying (``Placement.HOST``, both ways)."""
     memory: List[Tuple[float, int]] = field(default_factory=list)
     """(time, resident bytes of the micro-batch) after each change, for plots."""
 
     @property
     def forwarded(self) -> List[LayerId]:
-        """Ids of OFFLOAD layers served from memory because their write was late."""
+        """Ids of OFFLOAD or HOST layers served from memory because their write was late."""
         return [lt.layer_id for lt in self.layers if lt.forwarded]
+
+    @property
+    def offloaded_bytes(self) -> int:
+        """Bytes written to the SSD array per micro-batch."""
+        return sum(lt.offloaded_bytes for lt in self.layers if lt.placement is Placement.OFFLOAD)
+
+    @property
+    def hosted_bytes(self) -> int:
+        """Bytes copied into the host pool per micro-batch."""
+        return sum(lt.offloaded_bytes for lt in self.layers if lt.placement is Placement.HOST)
 
 
 class _DeviceQueue:
@@ -300,12 +324,20 @@ def predict(
     placements = [p if type(p) is Placement else Placement(p) for p in placements]
     depths = read_ahead_list(prefetch_depth, n)
     counts = site_list(sites, layers)
-    moved = [layer.offloaded_bytes(k) if p is Placement.OFFLOAD else 0
-             for layer, p, k in zip(layers, placements, counts)]
+    moved = [layer.offloaded_bytes(k) if p in MOVED else 0 for layer, p, k in zip(layers, placements, counts)]
     io = stage.io if io is None else io
+    if io.host_bytes_per_s is None and Placement.HOST in placements:
+        raise ConfigError("placements: 'host' needs IOProfile.host_bytes_per_s (the host tier's copy bandwidth)")
 
     queue = _DeviceQueue()
+    link = _DeviceQueue()  # NOTE [Host tier]
     compute = _Compute(queue, io.compute_slowdown)
+
+    def channel(placement: Placement) -> Tuple[_DeviceQueue, float, float]:
+        """The queue and the write and read bandwidths of a moved placement."""
+        if placement is Placement.HOST:
+            return link, io.host_bytes_per_s, io.host_bytes_per_s  # type: ignore[return-value]
+        return queue, io.write_bytes_per_s, io.read_bytes_per_s
     events: List[Tuple[float, int, int]] = []  # (time, 0 = release / 1 = allocate, delta)
 
     def hold(start: float, end: float, nbytes: int) -> None:
@@ -314,40 +346,48 @@ def predict(
             events.append((end, 0, -nbytes))
 
     out: List[LayerTimeline] = []
-    write_busy = read_busy = 0.0
+    write_busy = read_busy = host_busy = 0.0
     t = 0.0
     for layer, placement, nbytes in zip(layers, placements, moved):
         start = t
         streamed = None
         if nbytes:
-            duration = nbytes / io.write_bytes_per_s
-            streamed = queue.submit(start, duration)  # NOTE [Write and read issue points]
-            write_busy += duration
+            q, write_bw, _ = channel(placement)
+            duration = nbytes / write_bw
+            streamed = q.submit(start, duration)  # NOTE [Write and read issue points]
+            if q is queue:
+                write_busy += duration
+            else:
+                host_busy += duration
         t = compute.run(start, layer.forward_s)
         lt = LayerTimeline(layer.layer_id, placement, start, t, 0.0, 0.0, offloaded_bytes=nbytes)
         if streamed is not None:
-            lt.write_start, lt.write_end = streamed[0], queue.extend_to(t)
+            lt.write_start, lt.write_end = streamed[0], q.extend_to(t)
         out.append(lt)
     head_start, t = t, compute.run(t, stage.other_s)
     hold(head_start, t, stage.head_bytes)  # the output layer's and loss's saved tensors
-    gap = _pipeline_gap(stage, placements, sum(moved), queue, t, io)
+    gap = _pipeline_gap(stage, placements, moved, queue, link, t, io)
     t += gap
 
     def issue_read(i: int, now: float) -> None:
-        nonlocal read_busy
+        nonlocal read_busy, host_busy
         lt = out[i]
-        if lt.placement is not Placement.OFFLOAD or lt.write_end is None:
+        if lt.placement not in MOVED or lt.write_end is None:
             return
         if lt.write_end > now + _EPS:
             lt.forwarded = True  # NOTE [Forwarding]
             return
-        duration = lt.offloaded_bytes / io.read_bytes_per_s
+        q, _, read_bw = channel(lt.placement)
+        duration = lt.offloaded_bytes / read_bw
         lt.read_issue = now
-        lt.read_start, lt.read_end = queue.submit(now, duration)
-        read_busy += duration
+        lt.read_start, lt.read_end = q.submit(now, duration)
+        if q is queue:
+            read_busy += duration
+        else:
+            host_busy += duration
 
     exposed = 0.0
-    pending = [i for i in range(n - 1, -1, -1) if placements[i] is Placement.OFFLOAD]  # needed-first
+    pending = [i for i in range(n - 1, -1, -1) if placements[i] in MOVED]  # needed-first
     for j in range(n - 1, -1, -1):
         due = [i for i in pending if i + depths[i] >= j]
         for i in due:
@@ -385,13 +425,14 @@ def predict(
         parked_bytes=parked,
         write_busy_s=write_busy,
         read_busy_s=read_busy,
-        io_end_s=queue.free_at,
+        io_end_s=max(queue.free_at, link.free_at),
+        host_busy_s=host_busy,
         memory=memory,
     )
 
 
-def _pipeline_gap(stage: StageProfile, placements: Sequence[Placement], offloaded: int, queue: "_DeviceQueue",
-                  now: float, io: IOProfile) -> float:
+def _pipeline_gap(stage: StageProfile, placements: Sequence[Placement], moved: Sequence[int],
+                  queue: "_DeviceQueue", link: "_DeviceQueue", now: float, io: IOProfile) -> float:
     """The 1F1B wait between the replayed micro-batch's forward and its backward, with
     the other micro-batches' I/O queued in it (NOTE [Pipeline micro-batches])."""
     m = stage.microbatches_in_flight or 1
@@ -402,10 +443,15 @@ def _pipeline_gap(stage: StageProfile, placements: Sequence[Placement], offloade
         layer.backward_s + (layer.recompute_time if p is Placement.RECOMPUTE else 0.0)
         for layer, p in zip(stage.layers, placements)
     ) + stage.other_s
-    if offloaded:
-        for k in range(m - 1):
+    offloaded = sum(b for b, p in zip(moved, placements) if p is Placement.OFFLOAD)
+    hosted = sum(b for b, p in zip(moved, placements) if p is Placement.HOST)
+    for k in range(m - 1):
+        if offloaded:
             queue.submit(now + k * slot, offloaded / io.write_bytes_per_s)
             queue.submit(now + k * slot + forward, offloaded / io.read_bytes_per_s)
+        if hosted:
+            link.submit(now + k * slot, hosted / io.host_bytes_per_s)  # type: ignore[operator]
+            link.submit(now + k * slot + forward, hosted / io.host_bytes_per_s)  # type: ignore[operator]
     return (m - 1) * slot
 
 
@@ -432,7 +478,7 @@ def _parked_bytes(layer: LayerProfile, lt: LayerTimeline) -> int:
         return layer.saved_bytes + layer.kept_bytes
     if lt.placement is Placement.RECOMPUTE:
         return layer.boundary_bytes
-    return layer.kept_bytes + layer.saved_bytes - lt.offloaded_bytes
+    return layer.kept_bytes + layer.saved_bytes - lt.offloaded_bytes  # OFFLOAD, HOST
 
 
 def _peak(events: List[Tuple[float, int, int]]) -> Tuple[int, List[Tuple[float, int]]]:

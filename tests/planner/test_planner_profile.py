@@ -33,11 +33,13 @@ def test_json_round_trip(tmp_path):
         LayerProfile(0, 1.0, 2.0, 100, kept_bytes=3, recompute_s=0.9, boundary_bytes=8),
         LayerProfile("decoder.layers.1", 1.5, 2.5, 200),
     ]
-    stage = StageProfile(layers, IOProfile(1e9, 2e9, 0.3), pipeline_rank=1, pipeline_size=2, other_s=0.25)
+    stage = StageProfile(layers, IOProfile(1e9, 2e9, 0.3, host_bytes_per_s=25e9), pipeline_rank=1, pipeline_size=2,
+                         other_s=0.25)
     assert StageProfile.from_json(stage.to_json()) == stage
     data = json.loads(stage.to_json())
     assert data["layers"][1]["layer_id"] == "decoder.layers.1"
-    assert data["io"] == {"write_bytes_per_s": 1e9, "read_bytes_per_s": 2e9, "compute_slowdown": 0.3}
+    assert data["io"] == {"write_bytes_per_s": 1e9, "read_bytes_per_s": 2e9, "compute_slowdown": 0.3,
+                          "host_bytes_per_s": 25e9}
     path = tmp_path / "profile.json"
     stage.save(str(path))
     assert StageProfile.load(str(path)) == stage
