@@ -22,6 +22,7 @@ import torch
 
 from .cache.stats import median_or_zero
 from .config import Placement, PlannerConfig
+from .errors import ConfigError
 from .planner.drift import DriftDetector
 from .planner.plan import Plan, make_plan
 from .planner.profile import IOProfile, LayerProfile, StageProfile
@@ -154,6 +155,30 @@ def _io_profile(offload_steps: List[Any], layer_ids: List[Hashable], clean_compu
     return IOProfile(write_bytes_per_s=write_bw, read_bytes_per_s=read_bw, compute_slowdown=slowdown)
 
 
+def measure_host_bandwidth(device: torch.device, nbytes: int = 256 << 20, repeats: int = 3) -> float:
+    """Bytes per second of a copy between ``device`` and pinned host memory: the slower
+    direction's best of ``repeats`` copies of ``nbytes`` (the host tier's link, NOTE
+    [Host tier]). CUDA only.
+
+    Raises:
+        ConfigError: ``device`` is not a CUDA device.
+    """
+    if device.type != "cuda":
+        raise ConfigError(f"measure_host_bandwidth: device = {device}: the host tier is measured on a CUDA device")
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    best = {"d2h": float("inf"), "h2d": float("inf")}
+    for _ in range(repeats):
+        for name, (dst, origin) in (("d2h", (host, src)), ("h2d", (src, host))):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            dst.copy_(origin, non_blocking=True)
+            end.record()
+            end.synchronize()
+            best[name] = min(best[name], start.elapsed_time(end) / 1e3)
+    return nbytes / max(best.values())
+
+
 class AdaptivePlanner:
     """Chooses and updates the cache's per-layer placement from what each step measured.
 
@@ -187,6 +212,7 @@ class AdaptivePlanner:
         self._drift = DriftDetector(threshold=config.replan_threshold)
         self._steps_seen = 0
         self._microbatches = 1
+        self._host_bw: Optional[float] = None
         self._profiling = config.mode == "auto"
         self._next_profile_keep = config.profile_steps >= 2
         if config.mode in ("keep", "offload", "recompute", "host"):
@@ -242,6 +268,9 @@ class AdaptivePlanner:
     def _make_plan(self, step: int, reason: str, profile: Optional[StageProfile] = None) -> None:
         if profile is None:
             profile = stage_from_stats(self._keep_steps, self._offload_steps, self.pipeline_rank, self.pipeline_size)
+        host_budget = self.host_budget()
+        if host_budget and profile.io.host_bytes_per_s is None:
+            profile = profile.with_io(dataclasses.replace(profile.io, host_bytes_per_s=self.host_bandwidth()))
         self.profile = profile
         plan = make_plan(  # PlanInfeasibleError propagates: the budget cannot be met
             profile,
@@ -252,6 +281,7 @@ class AdaptivePlanner:
             max_write_bytes_per_s=write_limit_for(self.config, len(self.cache.config.paths)),
             capacity_bytes=self.activation_capacity(),
             read_ahead=self.config.read_ahead,
+            host_budget_bytes=host_budget,
         )
         self._check_space(plan)
         self.plan = plan
@@ -274,6 +304,21 @@ class AdaptivePlanner:
         total = torch.cuda.get_device_properties(device).total_memory
         usable = int(total * (1.0 - self.config.capacity_reserve)) - torch.cuda.memory_allocated(device)
         return max(usable, 0)
+
+    def host_budget(self) -> Optional[int]:
+        """Bytes of the cache's host pool the plan may use (NOTE [Host tier]): the pool's
+        size on a CUDA device; None on a CPU, where the host tier saves nothing (the
+        compute device's memory is host memory), and without a pool."""
+        if self.cache.host is None or self.cache.device.type != "cuda":
+            return None
+        return self.cache.host.capacity_bytes
+
+    def host_bandwidth(self) -> float:
+        """The copy bandwidth between the device and pinned host memory, measured once
+        (:func:`measure_host_bandwidth`)."""
+        if self._host_bw is None:
+            self._host_bw = measure_host_bandwidth(self.cache.device)
+        return self._host_bw
 
     def _check_space(self, plan: Plan) -> None:
         """Refuse a plan whose SSD footprint does not fit the offload paths' free space.

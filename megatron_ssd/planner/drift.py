@@ -33,7 +33,7 @@ from typing import Any, Deque, Dict, List, Mapping, Optional, Sequence, Union
 
 from ..errors import ConfigError
 from .plan import Plan
-from .profile import IOProfile, LayerId, StageProfile
+from .profile import LayerId, StageProfile
 from ..units import MiB
 
 __all__ = ["DriftDecision", "DriftDetector"]
@@ -247,7 +247,8 @@ class DriftDetector:
         write = base.io.write_bytes_per_s * ratios.get("write_bw", 1.0)
         if fell_behind:
             write = min(write, base.io.write_bytes_per_s * (1.0 - self.threshold))
-        io = IOProfile(write, base.io.read_bytes_per_s * ratios.get("read_bw", 1.0), base.io.compute_slowdown)
+        io = dataclasses.replace(base.io, write_bytes_per_s=write,
+                                 read_bytes_per_s=base.io.read_bytes_per_s * ratios.get("read_bw", 1.0))
         layers = []
         for layer in base.layers:
             f = ratios.get(f"forward:{layer.layer_id!r}", 1.0)

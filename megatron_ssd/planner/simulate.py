@@ -121,6 +121,13 @@ class SimulationSpec:
     """Capacity of one drive."""
     duty_cycle: float = 1.0
     """Fraction of each day the job trains (lifetime uses it)."""
+    host_ram_bytes_per_node: float = 0.0
+    """Host RAM a node lends the host tier (``Placement.HOST``, pinned buffers), shared
+    equally by its ``gpus_per_node`` GPUs; 0: no host tier (NOTE [Host tier])."""
+    host_bytes_per_s: float = 25e9
+    """Copy bandwidth between one GPU and pinned host memory, each way (PCIe 4.0 x16 is
+    32 GB/s raw, PCIe 5.0 x16 64 GB/s; 25e9 leaves headroom for the node's GPUs and
+    NICs sharing the host's links)."""
     gpu_memory_bytes: Optional[float] = 80e9
     """Memory of one GPU (H100 SXM: 80e9, H200: 141e9, A100: 40e9 or 80e9): the plan must
     fit what remains for activations (NOTE [Simulated capacity]); ``None``: no limit."""
@@ -146,7 +153,8 @@ class SimulationSpec:
         positive = ["num_layers", "hidden", "heads", "seq_len", "micro_batch", "vocab", "tp", "pp", "cp", "dp",
                     "gpus_per_node",
                     "dtype_bytes", "num_microbatches", "gpu_flops", "ssd_count", "gpus_per_array",
-                    "ssd_write_bytes_per_s", "ssd_read_bytes_per_s", "ssd_tbw_bytes", "ssd_capacity_bytes"]
+                    "ssd_write_bytes_per_s", "ssd_read_bytes_per_s", "ssd_tbw_bytes", "ssd_capacity_bytes",
+                    "host_bytes_per_s"]
         for name in positive + ["decoder_num_layers", "ffn_hidden", "decoder_seq_len"]:
             value = getattr(self, name)
             if value is None and name not in positive:
@@ -171,6 +179,9 @@ class SimulationSpec:
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and 0 < value <= 1):
                 raise ConfigError(f"SimulationSpec.{name} = {value!r}: must be in (0, 1]")
+        ram = self.host_ram_bytes_per_node
+        if isinstance(ram, bool) or not isinstance(ram, (int, float)) or not ram >= 0:
+            raise ConfigError(f"SimulationSpec.host_ram_bytes_per_node = {ram!r}: must be a number >= 0")
         if self.read_ahead not in ("auto", "fixed"):
             raise ConfigError(f"SimulationSpec.read_ahead = {self.read_ahead!r}: must be one of ['auto', 'fixed']")
         if self.cp > 1:
@@ -371,6 +382,7 @@ def stage_profile(spec: SimulationSpec) -> StageProfile:
     io = IOProfile(
         write_bytes_per_s=spec.ssd_count * spec.ssd_write_bytes_per_s / spec.gpus_per_array,
         read_bytes_per_s=spec.ssd_count * spec.ssd_read_bytes_per_s / spec.gpus_per_array,
+        host_bytes_per_s=spec.host_bytes_per_s if spec.host_ram_bytes_per_node > 0 else None,
     )
     in_flight = min(spec.pp - spec.pipeline_rank, spec.num_microbatches)
     return StageProfile(
@@ -448,6 +460,7 @@ class SimulationResult:
             "drive_bytes_per_day": self.drive_bytes_per_day,
             "lifetime_years": None if math.isinf(self.lifetime_years) else self.lifetime_years,
             "cpu_offload_host_bytes_per_node": self.cpu_offload_host_bytes_per_node,
+            "host_pool_bytes_per_gpu": self.plan.host_pool_bytes,
         }
 
     def _partial_note(self) -> str:
@@ -462,7 +475,8 @@ class SimulationResult:
     def summary(self) -> str:
         """A few lines for a terminal."""
         s, p, gb = self.spec, self.plan, 1e9
-        counts = {pl: len(p.layers_with(pl)) for pl in ("keep", "offload", "recompute")}
+        counts = {pl: len(p.layers_with(pl)) for pl in ("keep", "offload", "host", "recompute")}
+        host = f"{counts['host']} host, " if p.host_budget_bytes else ""
         fits = "fits" if self.ssd_footprint_bytes <= self.ssd_capacity_share_bytes else "DOES NOT FIT"
         held = []
         if p.capacity_bytes is not None:
@@ -476,7 +490,7 @@ class SimulationResult:
             f"tp={s.tp}, pp={s.pp}{f', cp={s.cp}' if s.cp > 1 else ''}: stage {s.pipeline_rank} with {len(p.layers)} layers, "
             f"{p.microbatches_in_flight} micro-batch{'es' if p.microbatches_in_flight > 1 else ''} in flight",
             f"placements: {counts['keep']} keep, {counts['offload']} offload{self._partial_note()}, "
-            f"{counts['recompute']} recompute",
+            f"{host}{counts['recompute']} recompute",
             f"peak activations {p.peak_activation_bytes / gb:.2f} GB vs {p.keep_peak_activation_bytes / gb:.2f} GB "
             f"kept: {self.memory_saved_bytes / gb:.2f} GB saved ({self.memory_saved_fraction:.0%})",
             f"iteration {self.iteration_s * 1e3:.1f} ms vs {self.keep_iteration_s * 1e3:.1f} ms kept "
@@ -486,6 +500,10 @@ class SimulationResult:
             f"each drive takes {self.drive_bytes_per_day / 1e12:.1f} TB/day: lifetime "
             f"{self.lifetime_years:.1f} years at {s.ssd_tbw_bytes / 1e15:.1f} PB TBW",
         ]
+        if p.host_budget_bytes:
+            lines.append(f"host pool {p.host_pool_bytes / gb:.1f} GB of the GPU's {p.host_budget_bytes / gb:.1f} GB "
+                         f"({s.host_ram_bytes_per_node / gb:.0f} GB per {s.gpus_per_node}-GPU node) at "
+                         f"{s.host_bytes_per_s / gb:.0f} GB/s")
         if self.memory_saved_bytes > 0:
             lines.append(f"Megatron's CPU-only offloading would hold {self.cpu_offload_host_bytes_per_node / gb:.1f} GB "
                          f"of host RAM per {s.gpus_per_node}-GPU node for the same saving")
@@ -549,6 +567,13 @@ def activation_capacity(spec: SimulationSpec) -> Optional[int]:
     return capacity
 
 
+def host_budget(spec: SimulationSpec) -> Optional[int]:
+    """One GPU's share of the node's host RAM for the host tier; None without one."""
+    if spec.host_ram_bytes_per_node <= 0:
+        return None
+    return int(spec.host_ram_bytes_per_node / spec.gpus_per_node)
+
+
 def simulate(spec: SimulationSpec) -> SimulationResult:
     """Estimate, plan and report one pipeline stage of ``spec``.
 
@@ -562,7 +587,8 @@ def simulate(spec: SimulationSpec) -> SimulationResult:
         limit = write_limit_bytes_per_s(spec.ssd_tbw_bytes, spec.target_lifetime_years, spec.ssd_count,
                                         spec.gpus_per_array, spec.duty_cycle)
     plan = make_plan(stage, spec.memory_budget, spec.safety_margin, spec.prefetch_depth, spec.allow_recompute,
-                     max_write_bytes_per_s=limit, capacity_bytes=activation_capacity(spec), read_ahead=spec.read_ahead)
+                     max_write_bytes_per_s=limit, capacity_bytes=activation_capacity(spec), read_ahead=spec.read_ahead,
+                     host_budget_bytes=host_budget(spec))
     slots = spec.num_microbatches + spec.pp - 1
     iteration = slots * plan.step_s
     written = plan.offloaded_bytes * spec.num_microbatches
@@ -626,17 +652,24 @@ SIZING_DRIVES = (2, 4, 8)
 """Drives per 8-GPU node in that table (all eight GPUs share them)."""
 
 
+SIZING_HOST_RAM = 256e9
+"""Host RAM per node lent to the host tier in that table's last column."""
+
+
 def sizing_rows(models: Sequence[str] = SIZING_MODELS, drives: Sequence[int] = SIZING_DRIVES,
-                lifetime_years: float = 3.0) -> list:
+                lifetime_years: float = 3.0, host_ram: float = SIZING_HOST_RAM) -> list:
     """One row per model and drive count on H100 nodes (``simulate``'s defaults, the
-    node's 8 GPUs sharing its drives): the plan without a wear bound, and the plan held
-    to ``lifetime_years`` of the drives' endurance. Each row is a JSON-ready dict."""
+    node's 8 GPUs sharing its drives): the plan without a wear bound, the plan held to
+    ``lifetime_years`` of the drives' endurance, and that plan with ``host_ram`` bytes of
+    each node's RAM for the host tier. Each row is a JSON-ready dict."""
     rows = []
     for model in models:
         for count in drives:
             base = [f"ssd_count={count}", "gpus_per_array=8"]
             free = simulate(spec_from_overrides([*base, "target_lifetime_years=null"], model=model))
             worn = simulate(spec_from_overrides([*base, f"target_lifetime_years={lifetime_years}"], model=model))
+            hosted = simulate(spec_from_overrides([*base, f"target_lifetime_years={lifetime_years}",
+                                                   f"host_ram_bytes_per_node={host_ram}"], model=model))
             s = free.spec
             layout = f"tp{s.tp}" + (f" pp{s.pp}" if s.pp > 1 else "") + (f" cp{s.cp}" if s.cp > 1 else "") + \
                 (f" dp{s.dp}" if s.dp > 1 else "")
@@ -659,6 +692,12 @@ def sizing_rows(models: Sequence[str] = SIZING_MODELS, drives: Sequence[int] = S
                 "wear_bound_partly_offloaded_layers": len(worn.plan.sites_by_layer()),
                 "wear_bound_overhead_fraction": worn.overhead_fraction,
                 "wear_bound_write_bytes_per_s_per_gpu": worn.write_bytes_per_s_per_gpu,
+                "host_ram_bytes_per_node": host_ram,
+                "host_tier_memory_saved_bytes": hosted.memory_saved_bytes,
+                "host_tier_overhead_fraction": hosted.overhead_fraction,
+                "host_tier_hosted_layers": len(hosted.plan.layers_with("host")),
+                "host_tier_recomputed_layers": len(hosted.plan.layers_with("recompute")),
+                "host_tier_pool_bytes_per_node": hosted.plan.host_pool_bytes * hosted.spec.gpus_per_node,
             })
     return rows
 
@@ -668,8 +707,9 @@ def sizing_markdown(rows: Sequence[Mapping[str, Any]]) -> str:
     gb = 1e9
     out = [
         "| model | layout | drives / node | kept peak | planned peak | saved | offload / recompute | step overhead "
-        "| SSD writes per GPU | drive life | host RAM for CPU offload, per node | saved at 3-year wear bound |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| SSD writes per GPU | drive life | host RAM for CPU offload, per node | saved at 3-year wear bound "
+        "| same + host tier: saved, host / recompute, pool per node |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         part = f" ({r['partly_offloaded_layers']} in part)" if r["partly_offloaded_layers"] else ""
@@ -682,6 +722,9 @@ def sizing_markdown(rows: Sequence[Mapping[str, Any]]) -> str:
             f"| {r['offloaded_layers']}{part} / {r['recomputed_layers']} | {r['overhead_fraction']:+.1%} "
             f"| {r['write_bytes_per_s_per_gpu'] / gb:.2f} GB/s | {life} "
             f"| {r['cpu_offload_host_bytes_per_node'] / gb:.0f} GB "
-            f"| {r['wear_bound_memory_saved_bytes'] / gb:.1f} GB ({r['wear_bound_overhead_fraction']:+.1%}) |"
+            f"| {r['wear_bound_memory_saved_bytes'] / gb:.1f} GB ({r['wear_bound_overhead_fraction']:+.1%}) "
+            f"| {r['host_tier_memory_saved_bytes'] / gb:.1f} GB ({r['host_tier_overhead_fraction']:+.1%}), "
+            f"{r['host_tier_hosted_layers']} / {r['host_tier_recomputed_layers']}, "
+            f"{r['host_tier_pool_bytes_per_node'] / gb:.0f} GB |"
         )
     return "\n".join(out)

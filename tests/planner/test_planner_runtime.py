@@ -338,3 +338,44 @@ def test_rok_runs_every_placement_throttled_and_removes_its_group(tmp_path):
     assert data["throttle_bytes_per_s"] == 64 << 20
     assert [p["placement"] for p in data["points"]] == ["keep", "offload-all"]
     assert {d for d in os.listdir(BLKIO_ROOT) if d.startswith("megatron-ssd-")} == before
+
+
+def test_the_host_tier_is_planned_on_a_gpu_only_and_runs_bit_identical(world, tmp_path, monkeypatch):
+    """On a CPU the host pool saves nothing, so the runtime planner gives it no budget.
+    With the budget a GPU would give (the pool's size, at a fixed link speed standing in
+    for the measured one), the plan hosts layers and training stays bit-identical."""
+    stock, _, _ = _run(steps=4)
+    cfg = OffloadConfig(paths=[str(tmp_path)], min_tensor_bytes=4096, host_pool_bytes=64 << 20,
+                        io=IOConfig(max_inflight_bytes=1 << 20))
+    auto = PlannerConfig(mode="auto", warmup_steps=1, profile_steps=2)
+    with TensorCache(cfg) as cache:
+        _, _, cpu = _run(cache, auto, steps=4)
+        assert cpu.host_budget() is None and cpu.plan.host_budget_bytes is None and not cpu.plan.layers_with("host")
+    monkeypatch.setattr(AdaptivePlanner, "host_budget", lambda self: self.cache.host.capacity_bytes)
+    monkeypatch.setattr(AdaptivePlanner, "host_bandwidth", lambda self: 1e12)
+    with TensorCache(cfg) as cache:
+        # the SSDs take nothing here (a budget of 0 bytes per second of writes), so what moves goes to the host
+        wear = PlannerConfig(**{**auto.__dict__, "drive_tbw_bytes": 1, "drive_lifetime_years": 3.0})
+        planned, stats, gpu = _run(cache, wear, steps=4)
+        assert gpu.plan.host_budget_bytes == 64 << 20 and gpu.profile.io.host_bytes_per_s == 1e12
+        hosted = gpu.plan.layers_with("host")
+        assert hosted and gpu.plan.offloaded_bytes == 0
+        assert {cache.placement(l) for l in hosted} == {Placement.HOST}
+        assert stats[-1].bytes_to_host > 0 and stats[-1].bytes_offloaded == 0
+    assert all(torch.equal(a, b) for a, b in zip(stock.losses, planned.losses, strict=True))
+
+
+@pytest.mark.gpu
+def test_host_link_bandwidth_is_measured_on_the_gpu():
+    from megatron_ssd.adaptive import measure_host_bandwidth
+
+    bw = measure_host_bandwidth(torch.device("cuda", torch.cuda.current_device()), nbytes=64 << 20)
+    assert 1e9 < bw < 1e12  # PCIe or NVLink-C2C: between 1 GB/s and 1 TB/s
+
+
+def test_host_link_bandwidth_needs_a_cuda_device():
+    from megatron_ssd.adaptive import measure_host_bandwidth
+    from megatron_ssd.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="device = cpu: the host tier is measured on a CUDA device"):
+        measure_host_bandwidth(torch.device("cpu"))
