@@ -4,7 +4,7 @@ Subcommands::
 
     megatron-ssd train --config configs/gpt-tiny.yaml [key=value ...] [--json PATH] [--allow-short] [--tensorboard-dir DIR]
     megatron-ssd plan --config configs/gpt-ref-cpu.yaml [--json PATH]
-    megatron-ssd rok --config configs/gpt-ref-cpu.yaml [--json PATH] [--plot PATH] [--rounds N] [--placements A,B] [--paired N] [--throttle RATE]
+    megatron-ssd rok --config configs/gpt-ref-cpu.yaml [--json PATH] [--plot PATH] [--rounds N] [--placements A,B] [--budgets F,F] [--paired N] [--throttle RATE]
     megatron-ssd simulate model=gpt-1.3b ssd_count=4 [key=value ...]
     megatron-ssd bench-io PATH [PATH ...]
     megatron-ssd clean [PATH ...]
@@ -60,7 +60,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run every placement N times, interleaved, and pool the steps (default 1)")
     p.add_argument("--placements", metavar="A,B", type=lambda v: [x for x in v.split(",") if x],
                    help="only these placements (keep,recompute,offload-all,planner,keep-last,budget); default "
-                        "all. budget is the planner with half of keep's peak as its memory budget, and needs keep")
+                        "all. budget is the planner with a memory budget, a fraction of keep's peak (--budgets), "
+                        "and needs keep")
+    p.add_argument("--budgets", metavar="F,F", type=lambda v: [float(x) for x in v.split(",") if x], default=[0.5],
+                   help="the budget placement's fractions of keep's peak, one point each (default 0.5)")
     p.add_argument("--paired", type=int, default=0, metavar="N",
                    help="add N pairs of back-to-back keep / planner steps to each planner run (default 0)")
     p.add_argument("--throttle", metavar="RATE",
@@ -116,7 +119,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 
             return run_rok(args.config, args.overrides, json_path=args.json, plot_path=args.plot,
                            rounds=args.rounds, placements=args.placements, paired=args.paired,
-                           throttle=args.throttle)
+                           throttle=args.throttle, budgets=args.budgets)
         if args.command == "simulate":
             from .simulate import run_simulate
 

@@ -161,6 +161,9 @@ def rok_points(config_path: Optional[str], overrides: Sequence[str], budgets: Se
         raise ConfigError(f"rok: placements = {unknown}: each must be one of {sorted([*PLACEMENTS, BUDGET])}")
     if BUDGET in names and "keep" not in names:
         raise ConfigError(f"rok: placements = {names}: {BUDGET!r} needs 'keep' (the budgets are fractions of its peak)")
+    bad = [f for f in budgets if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 < f <= 1]
+    if bad:
+        raise ConfigError(f"rok: budgets = {list(budgets)}: each must be a fraction of keep's peak in (0, 1]")
     if BUDGET not in names or not budgets:
         budgets = ()
     names = [n for n in names if n != BUDGET]
@@ -336,14 +339,15 @@ def _mib(n: Optional[int]) -> str:
 
 def run_rok(config_path: Optional[str], overrides: Sequence[str], json_path: Optional[str] = None,
             plot_path: Optional[str] = None, rounds: int = 1, placements: Optional[Sequence[str]] = None,
-            paired: int = 0, throttle: Optional[str] = None) -> int:
+            paired: int = 0, throttle: Optional[str] = None, budgets: Sequence[float] = (0.5,)) -> int:
     """``megatron-ssd rok``: the measured recompute-offload-keep curve; with ``throttle``
     (a rate such as ``250MiB``), every placement runs with the offload disk throttled to
     it (NOTE [blkio throttle])."""
     config = load_config(TrainConfig, config_path, overrides)  # validate before spending minutes
     limit = None if throttle is None else _throttle_for(config, throttle)
     with limit.applied() if limit is not None else contextlib.nullcontext():  # placements inherit the group
-        points = rok_points(config_path, overrides, rounds=rounds, placements=placements, paired=paired)
+        points = rok_points(config_path, overrides, budgets=budgets, rounds=rounds, placements=placements,
+                            paired=paired)
     print(format_rok(points))
     for p in points:
         if "paired_x_keep" in p:

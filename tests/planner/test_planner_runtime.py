@@ -293,6 +293,7 @@ def test_ratio_interval_separates_a_real_slowdown_from_noise():
 @pytest.mark.parametrize("kwargs, match", [
     ({"placements": ["keep", "offlaod-all"]}, r"rok: placements = \['offlaod-all'\]: each must be one of"),
     ({"rounds": 0}, r"rok: rounds = 0: must be >= 1"),
+    ({"budgets": [0.3, 1.5]}, r"rok: budgets = \[0.3, 1.5\]: each must be a fraction of keep's peak in \(0, 1\]"),
     ({"paired": 2, "placements": ["keep", "offload-all"]}, r"rok: paired = 2: must be >= 0, and > 0 only with"),
     ({"paired": -1}, r"rok: paired = -1: must be >= 0"),
     ({"placements": ["planner", "budget"]}, r"rok: placements = \['planner', 'budget'\]: 'budget' needs 'keep'"),
