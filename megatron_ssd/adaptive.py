@@ -78,7 +78,7 @@ def stage_from_stats(
     layer_ids: List[Hashable] = [k for k in source[-1].layers if k is not None]
 
     def per_layer(steps: List[Any], layer_id: Hashable) -> Dict[str, Any]:
-        fwd, bwd, saved, small, sites = [], [], [], [], []
+        fwd, bwd, saved, small, sites, inputs = [], [], [], [], [], []
         for s in steps:
             lc = s.layers.get(layer_id)
             if lc is None or not lc.microbatches:
@@ -89,8 +89,9 @@ def stage_from_stats(
             saved.append(_per_mb(lc.saved_bytes, n))
             small.append(_per_mb(lc.small_bytes, n))
             sites.append([int(_per_mb(b, n)) for b in lc.site_bytes])
+            inputs.append(_per_mb(lc.input_bytes, n))
         return {"fwd": median_or_zero(fwd), "bwd": median_or_zero(bwd), "saved": median_or_zero(saved),
-                "small": median_or_zero(small), "sites": _site_medians(sites)}
+                "small": median_or_zero(small), "sites": _site_medians(sites), "input": median_or_zero(inputs)}
 
     layers = []
     clean_compute = 0.0
@@ -105,6 +106,7 @@ def stage_from_stats(
                 saved_bytes=sum(m["sites"]) if m["sites"] else int(m["saved"]),
                 kept_bytes=int(m["small"]),
                 site_bytes=m["sites"],
+                boundary_bytes=int(m["input"]),
             )
         )
     # Bytes saved outside the layers: on the last stage mostly the output layer's and the

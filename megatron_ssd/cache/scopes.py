@@ -84,13 +84,22 @@ class ScopeMixin:
         """The record of the micro-batch forward running on this thread, if any."""
         return getattr(self._tls, "record", None)
 
-    def enter_layer(self, layer_id: Hashable) -> None:
-        """Start ``layer_id``'s forward scope on this thread."""
+    def enter_layer(self, layer_id: Hashable, inputs: Any = None) -> None:
+        """Start ``layer_id``'s forward scope on this thread.
+
+        ``inputs`` (the layer's arguments) give the size of its input, its first tensor:
+        what the layer holds between forward and backward under RECOMPUTE
+        (``LayerCounters.input_bytes``)."""
         record = self.current_record()
         stack = self._tls.__dict__.setdefault("layers", [])
         stack.append((layer_id, time.perf_counter()))
         if record is not None and layer_id not in record.layer_order:
             record.layer_order.append(layer_id)
+        first = next((t for t in _flatten(inputs) if isinstance(t, torch.Tensor)), None)
+        if record is not None and first is not None and torch.is_grad_enabled():
+            with self._lock:
+                lc = self._counters.layers.setdefault(layer_id, LayerCounters())
+                lc.input_bytes += first.numel() * first.element_size()
 
     def exit_layer(self, layer_id: Hashable, outputs: Any = None) -> None:
         """End ``layer_id``'s forward scope; watch ``outputs`` for the start of its backward."""
@@ -118,7 +127,7 @@ class ScopeMixin:
         self.backward_started(record, layer_id)
 
     def _pre_hook(self, layer_id: Hashable, module: torch.nn.Module, args: Any) -> None:
-        self.enter_layer(layer_id)
+        self.enter_layer(layer_id, args)
 
     def _post_hook(self, layer_id: Hashable, module: torch.nn.Module, args: Any, output: Any) -> None:
         self.exit_layer(layer_id, output)

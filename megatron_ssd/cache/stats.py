@@ -70,6 +70,9 @@ class LayerCounters:
     """Unique offloadable bytes the layer's forward saved for backward (after dedup)."""
     small_bytes: int = 0
     """Unique saved bytes below ``min_tensor_bytes``: always kept in memory."""
+    input_bytes: int = 0
+    """Bytes of the layer's input (its first tensor argument), summed over micro-batches:
+    what the layer holds between forward and backward under RECOMPUTE (its checkpoint)."""
     site_bytes: List[int] = field(default_factory=list)
     """``saved_bytes`` tensor by tensor: entry i is the bytes of the layer's site i (its
     i-th offloadable storage in save order, NOTE [Sites]), summed over micro-batches."""

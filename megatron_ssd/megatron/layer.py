@@ -70,7 +70,7 @@ class OffloadLayerMixin:
         if cache is None:
             return super().forward(*args, **kwargs)  # type: ignore[misc]
         layer_id = self.layer_id
-        cache.enter_layer(layer_id)
+        cache.enter_layer(layer_id, (args, kwargs.get("hidden_states")))
         outputs = None
         try:
             if cache.placement(layer_id) is Placement.RECOMPUTE and torch.is_grad_enabled():

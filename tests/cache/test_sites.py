@@ -99,3 +99,5 @@ def test_the_profile_carries_the_measured_sites(offload_dir):
         measured = keep[0].layers[layer.layer_id]
         assert layer.site_bytes == [b // 2 for b in measured.site_bytes]  # per micro-batch
         assert layer.saved_bytes == sum(layer.site_bytes)
+        # what a recompute layer would keep: its input, 4 x 64 x 64 fp32 per micro-batch
+        assert measured.input_bytes == 2 * 4 * 64 * 64 * 4 and layer.boundary_bytes == 4 * 64 * 64 * 4
