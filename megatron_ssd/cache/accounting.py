@@ -2,14 +2,16 @@
 
 Split from :mod:`megatron_ssd.cache.tensor_cache`. :class:`StepAccountingMixin` is mixed
 into :class:`~megatron_ssd.cache.TensorCache`, which provides ``engine``, ``config``,
-``_lock``, ``_counters``, ``_engine_base``, ``_resident``, ``_ssd_bytes``, ``_step``,
-``_step_started``, ``_cpu_started``, ``_check_open`` and ``drain``.
+``stores``, ``_lock``, ``_counters``, ``_engine_base``, ``_resident``, ``_step``,
+``_step_started``, ``_cpu_started``, ``_check_open`` and ``drain``. The bytes moved and
+held come from the blob stores (NOTE [Blob stores]).
 """
 
 from __future__ import annotations
 
 import time
 
+from ..io.store import StoreStep
 from .stats import Counters, StepStats
 
 __all__ = ["StepAccountingMixin"]
@@ -26,6 +28,8 @@ class StepAccountingMixin:
         self._check_open()
         self.drain()
         es = self.engine.stats()
+        ssd = self.ssd.take_step()
+        host = self.host_store.take_step() if self.host_store is not None else StoreStep(0, 0, 0)
         with self._lock:
             c, base = self._counters, self._engine_base
             wbytes, rbytes = es.bytes_written - base.bytes_written, es.bytes_read - base.bytes_read
@@ -37,8 +41,8 @@ class StepAccountingMixin:
                 microbatches=c.microbatches,
                 cpu_s=cpu_now - self._cpu_started,
                 io_cpu_s=es.cpu_s - base.cpu_s,
-                bytes_offloaded=c.bytes_offloaded,
-                bytes_reloaded=c.bytes_reloaded,
+                bytes_offloaded=ssd.put_bytes,
+                bytes_reloaded=ssd.got_bytes,
                 bytes_deduplicated=c.bytes_deduplicated,
                 bytes_forwarded=c.bytes_forwarded,
                 bytes_kept=c.bytes_kept,
@@ -55,17 +59,16 @@ class StepAccountingMixin:
                 stall_s=c.stall_s,
                 backpressure_wait_s=es.backpressure_wait_s - base.backpressure_wait_s,
                 peak_resident_bytes=c.peak_resident_bytes,
-                peak_ssd_bytes=c.peak_ssd_bytes,
+                peak_ssd_bytes=ssd.peak_bytes,
                 ssd_bytes=es.disk_bytes,
                 layers=c.layers,
-                bytes_to_host=c.bytes_to_host,
-                bytes_from_host=c.bytes_from_host,
-                peak_host_bytes=c.peak_host_bytes,
+                bytes_to_host=host.put_bytes,
+                bytes_from_host=host.got_bytes,
+                peak_host_bytes=host.peak_bytes,
                 bytes_returned=c.bytes_returned,
                 heap_trim_s=c.heap_trim_s,
             )
-            self._counters = Counters(peak_resident_bytes=self._resident, peak_ssd_bytes=self._ssd_bytes,
-                                      peak_host_bytes=self._host_bytes)
+            self._counters = Counters(peak_resident_bytes=self._resident)
             self._engine_base = es
             self._step += 1
             self._step_started, self._cpu_started = now, cpu_now

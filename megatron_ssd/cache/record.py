@@ -75,7 +75,8 @@ class Entry:
     state: EntryState = EntryState.RESIDENT
     handle: Optional[SwapHandle] = None
     store: Any = None
-    """The engine holding ``handle``: the SSD engine, or the host pool (``Placement.HOST``)."""
+    """The :class:`~megatron_ssd.io.store.BlobStore` holding ``handle``: the SSD engine's,
+    or the host pool's (``Placement.HOST``)."""
     write_future: Optional[IOFuture] = None
     read_future: Optional[IOFuture] = None
     refs: int = 0

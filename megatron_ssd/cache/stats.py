@@ -92,13 +92,18 @@ class LayerCounters:
     write_wait_s: float = 0.0
     """Time the layer's forward waited for room in the write queue (in ``forward_s``)."""
 
+    def add_queued(self, kind: str, nbytes: int) -> None:
+        """Count ``nbytes`` queued to the blob store of ``kind`` (``ssd`` or ``host``)."""
+        if kind == "host":
+            self.hosted_bytes += nbytes
+        else:
+            self.offloaded_bytes += nbytes
+
 
 @dataclass
 class Counters:
     """Mutable counters the cache accumulates during a step (guarded by its lock)."""
 
-    bytes_offloaded: int = 0
-    bytes_reloaded: int = 0
     bytes_deduplicated: int = 0
     bytes_forwarded: int = 0
     bytes_kept: int = 0
@@ -110,10 +115,6 @@ class Counters:
     late_reads: int = 0
     stall_s: float = 0.0
     peak_resident_bytes: int = 0
-    peak_ssd_bytes: int = 0
-    bytes_to_host: int = 0
-    bytes_from_host: int = 0
-    peak_host_bytes: int = 0
     bytes_returned: int = 0
     heap_trim_s: float = 0.0
     microbatches: int = 0

@@ -34,11 +34,12 @@ from .pages import allocator_owned
 from .record import Entry, EntryState, Packed, Record
 from .scopes import ScopeMixin, active_cache
 from .stats import Counters, LayerCounters
-from .transfers import MOVED, TransferMixin
+from .policy import MOVED, PlacementPolicy
+from .transfers import TransferMixin
 from ..io import create_engine
 from ..io.host import HostEngine
+from ..io.store import BlobStore
 from ..io.rundir import check_offload_paths
-from ..io.rundir import remove_run_dir
 
 __all__ = ["TensorCache", "active_cache", "resolve_device"]
 
@@ -83,17 +84,24 @@ class TensorCache(ScopeMixin, TransferMixin, StepAccountingMixin):
             check_offload_paths(config.paths, config.min_free_bytes)
             engine = create_engine(config, rank=rank)
         self.engine = engine
+        self.ssd = BlobStore(engine, "ssd")
+        """The SSD engine's blobs (``Placement.OFFLOAD``)."""
         self.host: Optional[Engine] = None
-        """The host-memory tier (``Placement.HOST``), when ``config.host_pool_bytes`` > 0."""
+        """The host-memory tier's engine (``Placement.HOST``), when ``config.host_pool_bytes`` > 0."""
+        self.host_store: Optional[BlobStore] = None
+        """Its blobs."""
         if config.host_pool_bytes:
             self.host = HostEngine(config.host_pool_bytes)
+            self.host_store = BlobStore(self.host, "host")
+        self.stores: Dict[Placement, BlobStore] = {Placement.OFFLOAD: self.ssd}
+        """The store each moved placement's tensors go to (NOTE [Blob stores])."""
+        if self.host_store is not None:
+            self.stores[Placement.HOST] = self.host_store
         self._pid = os.getpid()
         self._lock = threading.RLock()
         self._tls = threading.local()
-        self._layers: List[Hashable] = []
-        self._plan: Dict[Hashable, Placement] = {}
-        self._read_ahead: Dict[Hashable, int] = {}
-        self._sites: Dict[Hashable, int] = {}
+        self.policy = PlacementPolicy(config, host_available=self.host is not None)
+        """Decides every placement (NOTE [One placement policy])."""
         self._param_storages: set = set()
         self._records: Dict[Hashable, Record] = {}
         self._keys = itertools.count()
@@ -105,11 +113,7 @@ class TensorCache(ScopeMixin, TransferMixin, StepAccountingMixin):
         self._closed = False
         self._bwd_clock: Dict[int, Tuple[Hashable, float]] = {}
         self._writes: set = set()
-        self._ssd_bytes = 0
-        self._host_bytes = 0
         self._return_pages = config.return_freed_pages and self.device.type == "cpu"
-        self.default_placement: Optional[Placement] = None
-        """Placement of layers the plan does not name; None: the ``keep_last_layers`` rule."""
         self._step_started = time.perf_counter()
         self._cpu_started = time.process_time()
         EXIT_GUARD.add(self)
@@ -129,13 +133,14 @@ class TensorCache(ScopeMixin, TransferMixin, StepAccountingMixin):
             The layer ids (``ids``, or 0, 1, ... in order).
         """
         layers = list(layers)
-        ids = list(range(len(self._layers), len(self._layers) + len(layers))) if ids is None else list(ids)
+        known = self.policy.layers
+        ids = list(range(len(known), len(known) + len(layers))) if ids is None else list(ids)
         if len(ids) != len(layers):
             raise ConfigError(f"register_layers: ids has {len(ids)} entries for {len(layers)} layers; must match")
         for layer_id, module in zip(ids, layers):
-            if layer_id in self._layers:
+            if layer_id in known:
                 raise ConfigError(f"register_layers: layer id {layer_id!r} registered twice; ids must be unique")
-            self._layers.append(layer_id)
+            known.append(layer_id)
             self.register_parameters(module)
             if install_hooks:
                 self._hook_handles.append(module.register_forward_pre_hook(partial(self._pre_hook, layer_id)))
@@ -158,68 +163,44 @@ class TensorCache(ScopeMixin, TransferMixin, StepAccountingMixin):
         ``prefetch_layers`` ahead. ``sites`` limits an OFFLOAD or HOST layer to its first
         k sites (offloadable tensors in save order, NOTE [Sites] in
         ``planner/profile.py``); the rest are kept. Layers it does not name move all.
+        The plan applies from the next tensor saved; set it between steps.
+
+        Raises:
+            ConfigError: an unknown placement, ``host`` without a host pool, a read-ahead
+                below 1 or a negative site count.
         """
-        ahead: Dict[Hashable, int] = {}
-        for layer_id, depth in (read_ahead or {}).items():
-            if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
-                raise ConfigError(f"read_ahead[{layer_id!r}] = {depth!r}: must be an integer >= 1")
-            ahead[layer_id] = depth
-        limits: Dict[Hashable, int] = {}
-        for layer_id, count in (sites or {}).items():
-            if isinstance(count, bool) or not isinstance(count, int) or count < 0:
-                raise ConfigError(f"sites[{layer_id!r}] = {count!r}: must be an integer >= 0 (sites to move)")
-            limits[layer_id] = count
-        plan = {}
-        for layer_id, placement in placements.items():
-            try:
-                plan[layer_id] = Placement(placement)
-            except ValueError:
-                raise ConfigError(
-                    f"plan[{layer_id!r}] = {placement!r}: must be one of {[p.value for p in Placement]}"
-                ) from None
-            if plan[layer_id] is Placement.HOST and self.host is None:
-                raise ConfigError(
-                    f"plan[{layer_id!r}] = 'host': OffloadConfig.host_pool_bytes = 0; the host placement needs a "
-                    "host pool (e.g. offload.host_pool_bytes=8GiB)"
-                )
-        with self._lock:
-            self._plan = plan
-            self._read_ahead = ahead
-            self._sites = limits
+        self.policy.set_plan(placements, read_ahead, sites)
 
     def plan(self) -> Dict[Hashable, Placement]:
         """A copy of the placements set with :meth:`set_plan`."""
-        with self._lock:
-            return dict(self._plan)
+        return dict(self.policy.state.placements)
 
     def read_ahead(self) -> Dict[Hashable, int]:
         """A copy of the read-aheads set with :meth:`set_plan`."""
-        with self._lock:
-            return dict(self._read_ahead)
+        return dict(self.policy.state.read_ahead)
 
     def sites(self) -> Dict[Hashable, int]:
         """A copy of the per-layer site limits set with :meth:`set_plan`."""
-        with self._lock:
-            return dict(self._sites)
+        return dict(self.policy.state.sites)
+
+    @property
+    def default_placement(self) -> Optional[Placement]:
+        """Placement of layers the plan does not name; None: the ``keep_last_layers`` rule."""
+        return self.policy.default
+
+    @default_placement.setter
+    def default_placement(self, placement: Optional[Placement]) -> None:
+        self.policy.default = None if placement is None else Placement(placement)
 
     def placement(self, layer_id: Hashable) -> Placement:
         """Where the saved tensors of ``layer_id`` go: the plan's choice, else the default
         (the last ``keep_last_layers`` registered layers KEEP, the others OFFLOAD)."""
-        if layer_id in self._plan:
-            return self._plan[layer_id]
-        if layer_id is None:
-            return Placement.KEEP
-        if self.default_placement is not None:
-            return self.default_placement
-        keep = self.config.keep_last_layers
-        if keep and layer_id in self._layers[len(self._layers) - keep :]:
-            return Placement.KEEP
-        return Placement.OFFLOAD
+        return self.policy.layer(layer_id)
 
     @property
     def layer_ids(self) -> List[Hashable]:
         """Registered layer ids in forward order."""
-        return list(self._layers)
+        return list(self.policy.layers)
 
     # ------------------------------------------------------------------ pack / unpack
 
@@ -278,20 +259,17 @@ class TensorCache(ScopeMixin, TransferMixin, StepAccountingMixin):
         if layer_id != entry.layer and layer_id not in entry.also_layers:
             entry.also_layers.append(layer_id)
             entry.record.add_layer_entry(layer_id, entry)
-            if self.placement(layer_id) not in MOVED:
+            if self.policy.layer(layer_id) not in MOVED:
                 entry.pinned = True
 
     def _new_entry(self, record: Record, key: Any, t: torch.Tensor, layer_id: Hashable) -> Entry:
         data = storage_bytes(t)
         nbytes = data.numel()
-        placement = self.placement(layer_id)
         site = None
         if layer_id is not None and nbytes >= self.config.min_tensor_bytes:
             site = record.sites.get(layer_id, 0)  # NOTE [Sites] in planner/profile.py
             record.sites[layer_id] = site + 1
-        if (placement not in MOVED or site is None or site >= self._sites.get(layer_id, site + 1)
-                or (placement is Placement.HOST and self.host is None)):  # a default placement of host, no pool
-            placement = Placement.KEEP
+        placement = self.policy.tensor(layer_id, site)  # NOTE [One placement policy]
         entry = Entry(key, nbytes, t.device, layer_id, placement, record, weak=storage_weakref(t), refs=1, site=site)
         entry.releasable = self._return_pages and placement is Placement.OFFLOAD and allocator_owned(t)
         self._set_data(entry, data)
@@ -384,10 +362,9 @@ class TensorCache(ScopeMixin, TransferMixin, StepAccountingMixin):
             if layer_id not in order:
                 return
             i = order.index(layer_id)
-            default = self.config.prefetch_layers
             for k in range(i, -1, -1):
                 target = order[k]
-                if k != i and k + self._read_ahead.get(target, default) < i:
+                if k != i and k + self.policy.read_ahead(target) < i:
                     continue
                 if target not in record.prefetched:
                     record.prefetched.add(target)
@@ -461,9 +438,8 @@ class TensorCache(ScopeMixin, TransferMixin, StepAccountingMixin):
         for handle in self._hook_handles:
             handle.remove()
         self._hook_handles.clear()
-        self.engine.close()
-        if self.host is not None:
-            self.host.close()
+        for store in self.stores.values():
+            store.close()
         with self._lock:
             self._closed = True
             self._records.clear()
@@ -474,8 +450,8 @@ class TensorCache(ScopeMixin, TransferMixin, StepAccountingMixin):
         I/O, no locks (NOTE [Exit cleanup], NOTE [Marker last])."""
         if self._closed or os.getpid() != self._pid:
             return
-        for run_dir in self.engine.paths:
-            remove_run_dir(run_dir)
+        for store in self.stores.values():
+            store.remove_files_now()
 
     def __enter__(self) -> "TensorCache":
         return self

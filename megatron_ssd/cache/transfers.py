@@ -2,10 +2,11 @@
 
 Split from :mod:`megatron_ssd.cache.tensor_cache` so the state machine of
 NOTE [Entry lifetime] (``record.py``) reads in one place. :class:`TransferMixin` is mixed
-into :class:`~megatron_ssd.cache.TensorCache`, which provides ``engine``, ``config``,
-``host``, ``_return_pages``, ``_lock``, ``_counters``, ``_writes``, ``_ssd_bytes``, ``_host_bytes`` and
-``_set_data``. Entries placed ``host`` go to the host pool (``host``), the others to the
-SSD engine; an entry remembers which in ``entry.store``.
+into :class:`~megatron_ssd.cache.TensorCache`, which provides ``config``, ``stores``,
+``_return_pages``, ``_lock``, ``_counters``, ``_writes`` and ``_set_data``. An entry goes
+to the :class:`~megatron_ssd.io.store.BlobStore` its placement names (``stores``: the SSD
+engine's for ``offload``, the host pool's for ``host``) and remembers it in
+``entry.store``; the store counts the bytes (NOTE [Blob stores]).
 """
 
 from __future__ import annotations
@@ -18,12 +19,10 @@ from typing import Hashable
 from ..config import Placement
 from ..io.base import IOFuture
 from .pages import release_pages
+from .policy import MOVED
 from .record import Entry, EntryState, Record
 
-__all__ = ["MOVED", "TransferMixin"]
-
-MOVED = (Placement.OFFLOAD, Placement.HOST)
-"""Placements whose tensors leave compute-device memory between forward and backward."""
+__all__ = ["TransferMixin"]
 
 logger = logging.getLogger("megatron_ssd")
 
@@ -34,10 +33,10 @@ class TransferMixin:
     def _submit_write(self, entry: Entry) -> None:
         # Called without the lock: a blocking write waits for engine threads whose
         # completion callbacks take the lock.
-        store = self.host if entry.placement is Placement.HOST else self.engine
+        store = self.stores[entry.placement]
         block = self.config.io.on_backpressure == "wait"
         started = time.perf_counter()
-        future = store.write(entry.data, block=block)  # the host pool never blocks (NOTE [Host pool bound])
+        future = store.put(entry.data, block=block)  # the host pool never blocks (NOTE [Host pool bound])
         waited = time.perf_counter() - started
         with self._lock:
             lc = self._counters.layers.get(entry.layer)
@@ -50,10 +49,7 @@ class TransferMixin:
                 return
             lc = self._counters.layers.get(entry.layer)
             if lc is not None:
-                if store is self.engine:
-                    lc.offloaded_bytes += entry.nbytes
-                else:
-                    lc.hosted_bytes += entry.nbytes
+                lc.add_queued(store.kind, entry.nbytes)
             entry.store = store
             entry.state = EntryState.WRITING
             entry.write_future = future
@@ -78,15 +74,8 @@ class TransferMixin:
                     entry.placement = Placement.KEEP
                 return
             entry.handle = future.get()
+            entry.store.stored(entry.handle)
             c = self._counters
-            if entry.store is self.engine:
-                c.bytes_offloaded += entry.nbytes
-                self._ssd_bytes += entry.handle.disk_bytes
-                c.peak_ssd_bytes = max(c.peak_ssd_bytes, self._ssd_bytes)
-            else:
-                c.bytes_to_host += entry.nbytes
-                self._host_bytes += entry.nbytes
-                c.peak_host_bytes = max(c.peak_host_bytes, self._host_bytes)
             if entry.state is EntryState.RELEASED:
                 self._free_disk(entry)
             elif entry.pinned or entry.wanted:
@@ -100,20 +89,16 @@ class TransferMixin:
 
     def _submit_read(self, entry: Entry) -> None:
         # Caller holds the lock.
-        dst = entry.store.alloc(entry.nbytes, entry.device, entry.handle)
-        self._set_data(entry, dst[: entry.nbytes])
+        dst, entry.read_future = entry.store.get(entry.handle, entry.device)
+        self._set_data(entry, dst)
         entry.state = EntryState.READING
         entry.reloaded = True
-        entry.read_future = entry.store.read(entry.handle, dst)
         entry.read_future.add_done_callback(partial(self._read_done, entry))
 
     def _read_done(self, entry: Entry, future: IOFuture) -> None:
         with self._lock:
             if future.error() is None:
-                if entry.store is self.engine:
-                    self._counters.bytes_reloaded += entry.nbytes
-                else:
-                    self._counters.bytes_from_host += entry.nbytes
+                entry.store.fetched(entry.handle)
             if entry.state is EntryState.RELEASED:
                 self._free_disk(entry)
                 self._set_data(entry, None)
@@ -131,11 +116,7 @@ class TransferMixin:
 
     def _free_disk(self, entry: Entry) -> None:
         if entry.handle is not None:
-            if entry.store is self.engine:
-                self._ssd_bytes -= entry.handle.disk_bytes
-            else:
-                self._host_bytes -= entry.handle.nbytes
-            entry.store.free(entry.handle)
+            entry.store.discard(entry.handle)
             entry.handle = None
 
     def _prefetch(self, record: Record, layer_id: Hashable) -> None:

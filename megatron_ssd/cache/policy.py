@@ -1,0 +1,130 @@
+"""Where a saved tensor goes: the cache's one placement policy.
+
+:class:`PlacementPolicy` holds the plan the cache runs (a placement per layer, a
+read-ahead per layer, a site count per layer) and the rules for what the plan does not
+name, and it answers the two questions the cache asks:
+
+- :meth:`PlacementPolicy.layer`: the placement of a layer (``OffloadTransformerLayer``
+  asks it whether to recompute; the cache asks it when a later layer saves a tensor
+  again);
+- :meth:`PlacementPolicy.tensor`: the placement of one new saved tensor, from its layer,
+  its site (NOTE [Sites] in ``planner/profile.py``) and its size.
+
+NOTE [One placement policy]: a placement is decided here and nowhere else. Two outcomes
+change an entry's placement later, and both are events, not decisions: a write the
+engine refuses (backpressure) or fails keeps the tensor where it is, and a tensor that a
+KEEP layer saves again is pinned in memory after its write (``transfers.py``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, Hashable, List, Mapping, Optional, Union
+
+from ..config import OffloadConfig, Placement
+from ..errors import ConfigError
+
+__all__ = ["MOVED", "PlacementPolicy", "PlanState"]
+
+MOVED = (Placement.OFFLOAD, Placement.HOST)
+"""Placements whose tensors leave compute-device memory between forward and backward."""
+
+
+@dataclass(frozen=True)
+class PlanState:
+    """One plan, swapped whole by :meth:`PlacementPolicy.set_plan` (readers on other
+    threads see the old plan or the new one, never a mix)."""
+
+    placements: Dict[Hashable, Placement] = field(default_factory=dict)
+    """Placement per layer id; layers not named take the default."""
+    read_ahead: Dict[Hashable, int] = field(default_factory=dict)
+    """Read-issue point per layer (NOTE [Write and read issue points]); others use
+    ``prefetch_layers``."""
+    sites: Dict[Hashable, int] = field(default_factory=dict)
+    """Per OFFLOAD / HOST layer, how many of its sites (a prefix) move; others: all."""
+
+
+class PlacementPolicy:
+    """The plan the cache runs and the rules for everything it does not name.
+
+    Args:
+        config: ``keep_last_layers`` and ``prefetch_layers``.
+        host_available: whether a host pool exists (``Placement.HOST`` needs one).
+    """
+
+    def __init__(self, config: OffloadConfig, host_available: bool) -> None:
+        self.config = config
+        self.host_available = host_available
+        self.state = PlanState()
+        self.layers: List[Hashable] = []
+        """Registered layer ids in forward order (for the ``keep_last_layers`` rule)."""
+        self.default: Optional[Placement] = None
+        """Placement of layers the plan does not name; None: the ``keep_last_layers`` rule."""
+
+    def set_plan(self, placements: Mapping[Hashable, Union[Placement, str]],
+                 read_ahead: Optional[Mapping[Hashable, int]] = None,
+                 sites: Optional[Mapping[Hashable, int]] = None) -> None:
+        """Validate and swap in a plan (see ``TensorCache.set_plan``).
+
+        Raises:
+            ConfigError: an unknown placement, ``host`` without a host pool, a read-ahead
+                below 1 or a negative site count, naming the layer and the value.
+        """
+        ahead: Dict[Hashable, int] = {}
+        for layer_id, depth in (read_ahead or {}).items():
+            if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
+                raise ConfigError(f"read_ahead[{layer_id!r}] = {depth!r}: must be an integer >= 1")
+            ahead[layer_id] = depth
+        limits: Dict[Hashable, int] = {}
+        for layer_id, count in (sites or {}).items():
+            if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+                raise ConfigError(f"sites[{layer_id!r}] = {count!r}: must be an integer >= 0 (sites to move)")
+            limits[layer_id] = count
+        plan: Dict[Hashable, Placement] = {}
+        for layer_id, placement in placements.items():
+            try:
+                plan[layer_id] = Placement(placement)
+            except ValueError:
+                raise ConfigError(
+                    f"plan[{layer_id!r}] = {placement!r}: must be one of {[p.value for p in Placement]}"
+                ) from None
+            if plan[layer_id] is Placement.HOST and not self.host_available:
+                raise ConfigError(
+                    f"plan[{layer_id!r}] = 'host': OffloadConfig.host_pool_bytes = 0; the host placement needs a "
+                    "host pool (e.g. offload.host_pool_bytes=8GiB)"
+                )
+        self.state = PlanState(plan, ahead, limits)
+
+    def layer(self, layer_id: Hashable) -> Placement:
+        """The plan's placement of ``layer_id``, else the default (the last
+        ``keep_last_layers`` registered layers KEEP, the others OFFLOAD); tensors saved
+        outside any layer (``None``) KEEP."""
+        plan = self.state.placements
+        if layer_id in plan:
+            return plan[layer_id]
+        if layer_id is None:
+            return Placement.KEEP
+        if self.default is not None:
+            return self.default
+        keep = self.config.keep_last_layers
+        if keep and layer_id in self.layers[len(self.layers) - keep:]:
+            return Placement.KEEP
+        return Placement.OFFLOAD
+
+    def tensor(self, layer_id: Hashable, site: Optional[int]) -> Placement:
+        """Where a new saved tensor of ``layer_id`` goes: its layer's placement when that
+        moves it, the tensor has a site (it is offloadable: inside a layer, at least
+        ``min_tensor_bytes``), the site is within the plan's count for the layer, and
+        for HOST a pool exists; else KEEP."""
+        placement = self.layer(layer_id)
+        if placement not in MOVED or site is None:
+            return Placement.KEEP
+        if site >= self.state.sites.get(layer_id, site + 1):
+            return Placement.KEEP
+        if placement is Placement.HOST and not self.host_available:  # a default placement of host, no pool
+            return Placement.KEEP
+        return placement
+
+    def read_ahead(self, layer_id: Hashable) -> int:
+        """Layers ahead that ``layer_id``'s read is issued."""
+        return self.state.read_ahead.get(layer_id, self.config.prefetch_layers)

@@ -1,0 +1,208 @@
+"""The cache's entry state machine (NOTE [Entry lifetime]) driven by a scripted store:
+I/O completes when the test says, in the order it chooses, never by timing."""
+
+import copy
+import errno
+from typing import List, Optional, Tuple
+
+import pytest
+import torch
+
+from megatron_ssd import OffloadConfig, TensorCache
+from megatron_ssd.cache.record import EntryState
+from megatron_ssd.errors import OffloadIOError
+from megatron_ssd.io.base import Engine, EngineStats, Extent, IOFuture, SwapHandle
+
+
+class ScriptedEngine(Engine):
+    """Holds blobs in memory. Writes complete only when :meth:`complete_writes` (or
+    :meth:`fail_writes`) runs; reads complete at once unless ``fail_reads`` is set, in
+    which case they fail with EIO. ``refuse`` makes every write return None
+    (backpressure)."""
+
+    def __init__(self) -> None:
+        self.blobs = {}
+        self.pending: List[Tuple[IOFuture, SwapHandle, torch.Tensor]] = []
+        self.fail_reads = False
+        self.refuse = False
+        self.freed = 0
+        self.reads = 0
+        self._next = 0
+
+    @property
+    def paths(self):
+        return ()
+
+    def write(self, src: torch.Tensor, block: bool = True) -> Optional[IOFuture]:
+        if self.refuse:
+            return None
+        self._next += 1
+        handle = SwapHandle(src.numel(), (Extent(0, self._next, src.numel(), 0),))
+        fut: IOFuture = IOFuture(src.numel())
+        self.pending.append((fut, handle, src.clone()))
+        return fut
+
+    def complete_writes(self) -> int:
+        done, self.pending = self.pending, []
+        for fut, handle, data in done:
+            self.blobs[handle.extents[0].offset] = data
+            fut.set_result(handle)
+        return len(done)
+
+    def fail_writes(self) -> None:
+        done, self.pending = self.pending, []
+        for fut, _, _ in done:
+            fut.set_error(io_error("scripted write failure", errno.ENOSPC))
+
+    def read(self, handle: SwapHandle, dst: torch.Tensor) -> IOFuture:
+        self.reads += 1
+        fut: IOFuture = IOFuture(handle.nbytes)
+        if self.fail_reads:
+            fut.set_error(io_error("scripted read failure", errno.EIO))
+        else:
+            dst[: handle.nbytes].copy_(self.blobs[handle.extents[0].offset])
+            fut.set_result(dst)
+        return fut
+
+    def alloc(self, nbytes: int, device: torch.device, handle: Optional[SwapHandle] = None) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8, device=device)
+
+    def free(self, handle: SwapHandle) -> None:
+        self.blobs.pop(handle.extents[0].offset, None)
+        self.freed += 1
+
+    def stats(self) -> EngineStats:
+        return EngineStats()
+
+    def close(self) -> None:
+        pass
+
+
+def model_and_batch(layers: int = 3):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU()) for _ in range(layers)])
+    return model, torch.randn(32, 64)
+
+
+def reference_grads(model, batch):
+    ref = copy.deepcopy(model)
+    ref(batch).square().mean().backward()
+    return [p.grad for p in ref.parameters()]
+
+
+def make_cache(engine: ScriptedEngine, model) -> TensorCache:
+    cache = TensorCache(OffloadConfig(paths=["/unused"], min_tensor_bytes=1024, return_freed_pages=False),
+                        engine=engine)
+    cache.register_layers(model)
+    cache.set_plan({i: "offload" for i in range(len(model))})
+    return cache
+
+
+def entries(record):
+    """The record's entries saved inside layers (the loss's, outside any layer, are kept)."""
+    return [e for layer, entries in record.layer_entries.items() if layer is not None for e in entries]
+
+
+def io_error(message: str, code: int) -> OffloadIOError:
+    err = OffloadIOError(message)
+    err.errno = code
+    return err
+
+
+def test_write_then_read_back_in_order():
+    """Writes complete in forward; backward reads every tensor back; all blobs freed."""
+    engine = ScriptedEngine()
+    model, batch = model_and_batch()
+    expected = reference_grads(model, batch)
+    with make_cache(engine, model) as cache:
+        with cache.microbatch() as record:
+            loss = model(batch).square().mean()
+        moved = entries(record)
+        assert moved and all(e.state is EntryState.WRITING for e in moved)
+        assert engine.complete_writes() == len(moved)
+        assert all(e.state is EntryState.ON_DISK and e.data is None for e in moved)
+        assert cache.ssd.held_bytes == sum(e.handle.disk_bytes for e in moved)
+        loss.backward()
+        stats = cache.finish_step()
+    assert engine.reads == len(moved) and engine.freed == len(moved) and not engine.blobs
+    assert stats.bytes_offloaded == stats.bytes_reloaded == sum(e.nbytes for e in moved)
+    assert stats.bytes_forwarded == 0 and stats.peak_ssd_bytes > 0 and cache.ssd.held_bytes == 0
+    assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), expected))
+
+
+def test_a_write_still_in_flight_when_backward_needs_it_is_served_from_memory():
+    """Late write: backward runs before any write completed; nothing is read, every
+    tensor is forwarded, and the blobs are freed as their writes complete."""
+    engine = ScriptedEngine()
+    model, batch = model_and_batch()
+    expected = reference_grads(model, batch)
+    with make_cache(engine, model) as cache:
+        with cache.microbatch() as record:
+            loss = model(batch).square().mean()
+        moved = entries(record)
+        loss.backward()
+        assert engine.reads == 0
+        assert all(e.state is EntryState.RELEASED for e in moved)
+        engine.complete_writes()  # the writes land after their tensors were released
+        stats = cache.finish_step()
+    assert engine.freed == len(moved) and not engine.blobs and cache.ssd.held_bytes == 0
+    assert stats.bytes_forwarded == sum(e.nbytes for e in moved) and stats.bytes_reloaded == 0
+    assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), expected))
+
+
+def test_a_failed_read_raises_naming_the_layer():
+    engine = ScriptedEngine()
+    model, batch = model_and_batch()
+    with make_cache(engine, model) as cache:
+        with cache.microbatch():
+            loss = model(batch).square().mean()
+        engine.complete_writes()
+        engine.fail_reads = True
+        with pytest.raises(OffloadIOError, match=r"scripted read failure .*layer 2"):
+            loss.backward()
+
+
+def test_a_failed_write_keeps_the_tensor_and_training_is_unchanged():
+    engine = ScriptedEngine()
+    model, batch = model_and_batch()
+    expected = reference_grads(model, batch)
+    with make_cache(engine, model) as cache:
+        with cache.microbatch() as record:
+            loss = model(batch).square().mean()
+        moved = entries(record)
+        engine.fail_writes()
+        assert all(e.state is EntryState.RESIDENT for e in moved)
+        loss.backward()
+        stats = cache.finish_step()
+    assert stats.write_fallbacks == len(moved) and stats.bytes_offloaded == 0 and engine.reads == 0
+    assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), expected))
+
+
+def test_a_refused_write_keeps_the_tensor():
+    engine = ScriptedEngine()
+    engine.refuse = True
+    model, batch = model_and_batch()
+    expected = reference_grads(model, batch)
+    with make_cache(engine, model) as cache:
+        with cache.microbatch() as record:
+            loss = model(batch).square().mean()
+        assert all(e.placement.value == "keep" for e in entries(record))
+        loss.backward()
+        stats = cache.finish_step()
+    assert stats.backpressure_keeps > 0 and stats.bytes_offloaded == 0
+    assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), expected))
+
+
+def test_a_graph_dropped_before_its_writes_land_frees_every_blob():
+    """Released during the write: the blob is discarded when the write completes."""
+    engine = ScriptedEngine()
+    model, batch = model_and_batch()
+    with make_cache(engine, model) as cache:
+        with cache.microbatch() as record:
+            loss = model(batch).square().mean()
+        moved = entries(record)
+        del loss  # no backward: autograd frees the saved tensors
+        assert all(e.state is EntryState.RELEASED for e in moved)
+        engine.complete_writes()
+        assert engine.freed == len(moved) and cache.ssd.held_bytes == 0
+        assert cache.open_records == []
