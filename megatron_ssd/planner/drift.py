@@ -73,6 +73,25 @@ def _with_unit(key: str, value: float) -> str:
     return f"{value * 1e3:.2f} ms"
 
 
+# NOTE [Short I/O samples]
+# A bandwidth measured over little busy time is a burst, not the sustained rate a plan
+# depends on: a throttled disk lets a burst through at several times its limit, a drive's
+# write cache absorbs one. On the reference CPU workload throttled to 250 MiB/s, a budget
+# plan that wrote 20 MiB per step measured 924 MiB/s of writes; the re-plan it caused
+# wrote 532 MiB per step, which the disk took at 255 MiB/s, and held 392 MiB against a
+# 252 MiB budget before the next re-plan undid it. So a step whose writes (or reads)
+# kept the array busy for less than MIN_BUSY_FRACTION of its wall time gives no sample
+# for that direction.
+MIN_BUSY_FRACTION = 0.1
+
+
+def _sustained(bandwidth: Optional[float], busy_s: Optional[float], wall_s: Optional[float]) -> Optional[float]:
+    """``bandwidth``, or None when it was measured over too little busy time."""
+    if busy_s is None or not wall_s:
+        return bandwidth
+    return bandwidth if busy_s >= MIN_BUSY_FRACTION * wall_s else None
+
+
 class DriftDetector:
     """Compare measured steps with the profile (and plan) in use.
 
@@ -175,6 +194,9 @@ class DriftDetector:
         ``layers[id].forward_s / backward_s / microbatches`` (times summed over
         micro-batches, divided here, less ``write_wait_s`` / ``stall_s`` when present; the
         ``None`` key, tensors saved outside any layer, is skipped). Counts ``backpressure_keeps`` as fell-behind events.
+        A direction busy for less than ``MIN_BUSY_FRACTION`` of the step (``write_busy_s``
+        / ``read_busy_s`` against ``wall_s``, when present) gives no bandwidth sample
+        (NOTE [Short I/O samples]).
         """
         for _ in range(int(getattr(stats, "backpressure_keeps", 0) or 0)):
             self.report_fell_behind()
@@ -189,7 +211,10 @@ class DriftDetector:
             wait_b = getattr(counters, "stall_s", 0.0) or 0.0
             forward[layer_id] = max(counters.forward_s - wait_f, 0.0) / count
             backward[layer_id] = max(counters.backward_s - wait_b, 0.0) / count
-        return self.observe(stats.write_bytes_per_s, stats.read_bytes_per_s, forward or None, backward or None)
+        wall = getattr(stats, "wall_s", None)
+        write = _sustained(stats.write_bytes_per_s, getattr(stats, "write_busy_s", None), wall)
+        read = _sustained(stats.read_bytes_per_s, getattr(stats, "read_busy_s", None), wall)
+        return self.observe(write, read, forward or None, backward or None)
 
     # ------------------------------------------------------------------ internals
 

@@ -123,3 +123,19 @@ def test_bad_use_is_named():
         detector().observe(GB, GB, {"x": 1.0})
     with pytest.raises(ConfigError, match="one per layer"):
         detector().observe(GB, GB, [1.0])
+
+
+def test_bandwidth_from_a_short_burst_is_no_sample():
+    """NOTE [Short I/O samples]: writes busy for 1% of a step measure a burst; they do not
+    move the expected bandwidth, while the same rate over 50% of the step does."""
+    layers = {i: SimpleNamespace(forward_s=2.0, backward_s=4.0, microbatches=2) for i in range(4)}
+
+    def stats(busy_s):
+        return SimpleNamespace(write_bytes_per_s=4 * GB, read_bytes_per_s=4 * GB, write_busy_s=busy_s,
+                               read_busy_s=busy_s, wall_s=10.0, backpressure_keeps=0, layers=layers)
+
+    burst, sustained = detector(), detector()
+    for _ in range(3):
+        short, long = burst.observe_step_stats(stats(0.1)), sustained.observe_step_stats(stats(5.0))
+    assert not short.replan
+    assert long.replan and any("write_bw" in r for r in long.reasons)
