@@ -10,10 +10,10 @@ safety margin to choose, and with the measured ones to check. Two searches:
 - :meth:`PlacementSearch.meet_budget`: greedy single-layer moves (KEEP -> OFFLOAD,
   KEEP -> RECOMPUTE, OFFLOAD -> RECOMPUTE) by memory benefit per second of step time,
   until the predicted peak fits, then undoing the moves the budget does not need and
-  trimming each OFFLOAD layer to the fewest sites that still meet it (less wear).
+  trimming each OFFLOAD or HOST layer to the fewest sites that still meet it (less wear).
 
-Both return a :class:`Choice`: a placement and, per OFFLOAD layer, how many of its sites
-it offloads.
+Both return a :class:`Choice`: a placement and, per OFFLOAD or HOST layer, how many of its
+sites it moves. With a host pool both also place layers HOST (NOTE [Host tier]).
 
 Exhaustive search (3^n placements) is out of reach beyond a handful of layers, and the
 placement that matters is structured: the earliest layers have the most time on both
@@ -43,7 +43,7 @@ _EAGER_LAYERS = 32
 
 class Choice(NamedTuple):
     """What a search chose: one placement per layer and one site count per layer (None:
-    all its sites; only OFFLOAD layers use it, NOTE [Sites])."""
+    all its sites; only OFFLOAD and HOST layers use it, NOTE [Sites])."""
 
     placements: List[Placement]
     sites: List[Optional[int]]
