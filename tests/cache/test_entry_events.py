@@ -103,6 +103,13 @@ def entries(record):
     return [e for layer, entries in record.layer_entries.items() if layer is not None for e in entries]
 
 
+def forward(cache, model, batch):
+    """One micro-batch's forward: its loss and the entries its layers saved."""
+    with cache.microbatch() as record:
+        loss = model(batch).square().mean()
+    return loss, entries(record)
+
+
 def io_error(message: str, code: int) -> OffloadIOError:
     err = OffloadIOError(message)
     err.errno = code
@@ -115,9 +122,7 @@ def test_write_then_read_back_in_order():
     model, batch = model_and_batch()
     expected = reference_grads(model, batch)
     with make_cache(engine, model) as cache:
-        with cache.microbatch() as record:
-            loss = model(batch).square().mean()
-        moved = entries(record)
+        loss, moved = forward(cache, model, batch)
         assert moved and all(e.state is EntryState.WRITING for e in moved)
         assert engine.complete_writes() == len(moved)
         assert all(e.state is EntryState.ON_DISK and e.data is None for e in moved)
@@ -137,9 +142,7 @@ def test_a_write_still_in_flight_when_backward_needs_it_is_served_from_memory():
     model, batch = model_and_batch()
     expected = reference_grads(model, batch)
     with make_cache(engine, model) as cache:
-        with cache.microbatch() as record:
-            loss = model(batch).square().mean()
-        moved = entries(record)
+        loss, moved = forward(cache, model, batch)
         loss.backward()
         assert engine.reads == 0
         assert all(e.state is EntryState.RELEASED for e in moved)
@@ -154,8 +157,7 @@ def test_a_failed_read_raises_naming_the_layer():
     engine = ScriptedEngine()
     model, batch = model_and_batch()
     with make_cache(engine, model) as cache:
-        with cache.microbatch():
-            loss = model(batch).square().mean()
+        loss, _ = forward(cache, model, batch)
         engine.complete_writes()
         engine.fail_reads = True
         with pytest.raises(OffloadIOError, match=r"scripted read failure .*layer 2"):
@@ -167,9 +169,7 @@ def test_a_failed_write_keeps_the_tensor_and_training_is_unchanged():
     model, batch = model_and_batch()
     expected = reference_grads(model, batch)
     with make_cache(engine, model) as cache:
-        with cache.microbatch() as record:
-            loss = model(batch).square().mean()
-        moved = entries(record)
+        loss, moved = forward(cache, model, batch)
         engine.fail_writes()
         assert all(e.state is EntryState.RESIDENT for e in moved)
         loss.backward()
@@ -184,9 +184,8 @@ def test_a_refused_write_keeps_the_tensor():
     model, batch = model_and_batch()
     expected = reference_grads(model, batch)
     with make_cache(engine, model) as cache:
-        with cache.microbatch() as record:
-            loss = model(batch).square().mean()
-        assert all(e.placement.value == "keep" for e in entries(record))
+        loss, saved = forward(cache, model, batch)
+        assert all(e.placement.value == "keep" for e in saved)
         loss.backward()
         stats = cache.finish_step()
     assert stats.backpressure_keeps > 0 and stats.bytes_offloaded == 0
@@ -198,9 +197,7 @@ def test_a_graph_dropped_before_its_writes_land_frees_every_blob():
     engine = ScriptedEngine()
     model, batch = model_and_batch()
     with make_cache(engine, model) as cache:
-        with cache.microbatch() as record:
-            loss = model(batch).square().mean()
-        moved = entries(record)
+        loss, moved = forward(cache, model, batch)
         del loss  # no backward: autograd frees the saved tensors
         assert all(e.state is EntryState.RELEASED for e in moved)
         engine.complete_writes()
