@@ -44,6 +44,7 @@ from .units import MiB
 
 __all__ = [
     "Placement",
+    "MOVED",
     "IOConfig",
     "ModelConfig",
     "OffloadConfig",
@@ -219,6 +220,10 @@ class Placement(str, enum.Enum):
     """Copied into a bounded pool of host memory during forward (pinned on a GPU), copied
     back before backward: no SSD bandwidth or wear. On a CPU it saves nothing (the device
     already is host memory); ``offload.host_pool_bytes`` must be set to use it."""
+
+
+MOVED = (Placement.OFFLOAD, Placement.HOST)
+"""Placements whose tensors leave compute-device memory between forward and backward."""
 
 
 @dataclass

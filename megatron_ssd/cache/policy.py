@@ -21,13 +21,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Dict, Hashable, List, Mapping, Optional, Union
 
-from ..config import OffloadConfig, Placement
+from ..config import MOVED, OffloadConfig, Placement
 from ..errors import ConfigError
 
-__all__ = ["MOVED", "PlacementPolicy", "PlanState"]
-
-MOVED = (Placement.OFFLOAD, Placement.HOST)
-"""Placements whose tensors leave compute-device memory between forward and backward."""
+__all__ = ["PlacementPolicy", "PlanState"]
 
 
 @dataclass(frozen=True)

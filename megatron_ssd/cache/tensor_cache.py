@@ -24,7 +24,7 @@ from typing import Any, Dict, Hashable, Iterable, List, Mapping, Optional, Seque
 
 import torch
 
-from ..config import OffloadConfig, Placement
+from ..config import MOVED, OffloadConfig, Placement
 from ..errors import CacheStateError, ConfigError, OffloadIOError
 from ..io.base import Engine, EngineStats, IOFuture
 from .accounting import StepAccountingMixin
@@ -34,7 +34,7 @@ from .pages import allocator_owned
 from .record import Entry, EntryState, Packed, Record
 from .scopes import ScopeMixin, active_cache
 from .stats import Counters, LayerCounters
-from .policy import MOVED, PlacementPolicy
+from .policy import PlacementPolicy
 from .transfers import TransferMixin
 from ..io import create_engine
 from ..io.host import HostEngine

@@ -16,10 +16,9 @@ import time
 from functools import partial
 from typing import Hashable
 
-from ..config import Placement
+from ..config import MOVED, Placement
 from ..io.base import IOFuture
 from .pages import release_pages
-from .policy import MOVED
 from .record import Entry, EntryState, Record
 
 __all__ = ["TransferMixin"]

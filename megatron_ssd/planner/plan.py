@@ -20,11 +20,11 @@ import numbers
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
-from ..config import Placement, from_dict, to_dict
+from ..config import MOVED, Placement, from_dict, to_dict
 from ..errors import ConfigError
 from .profile import IOProfile, LayerId, StageProfile
 from .search import Choice, PlacementSearch, PlanInfeasibleError
-from .timeline import MOVED, Timeline, predict
+from .timeline import Timeline, predict
 from ..units import MiB
 
 __all__ = [

@@ -25,10 +25,10 @@ from __future__ import annotations
 import heapq
 from typing import Callable, List, NamedTuple, Optional, Sequence, Tuple
 
-from ..config import Placement
+from ..config import MOVED, Placement
 from ..errors import MegatronSSDError
 from .profile import IOProfile, StageProfile
-from .timeline import MOVED, Timeline, predict
+from .timeline import Timeline, predict
 from ..units import GiB
 
 __all__ = ["Choice", "PlanInfeasibleError", "PlacementSearch"]
@@ -174,21 +174,14 @@ class PlacementSearch:
         placements: List[Placement] = [Placement.KEEP] * self.n
         sites: List[Optional[int]] = [None] * self.n
         self._first_fit(placements, sites, Placement.OFFLOAD)
-        # Derating makes I/O slower, so the measured bandwidths normally agree; if
-        # they do not (slowdown interplay), drop the latest admitted layers until they do.
-        while not self.hidden(self.check(placements, sites)):
-            last = max(i for i, p in enumerate(placements) if p is Placement.OFFLOAD)
-            placements[last], sites[last] = Placement.KEEP, None
         if self.host_budget_bytes:  # what the SSDs could not take goes to the host pool
             self._first_fit(placements, sites, Placement.HOST)
-            while not self.hidden(self.check(placements, sites)):
-                last = max(i for i, p in enumerate(placements) if p is Placement.HOST)
-                placements[last], sites[last] = Placement.KEEP, None
         return self.without_idle_writes(placements, sites)
 
     def _first_fit(self, placements: List[Placement], sites: List[Optional[int]], target: Placement) -> None:
         """Move KEEP layers to ``target`` in forward order, each whole or the longest prefix
-        of its sites that hides within the limits (in place)."""
+        of its sites that hides within the limits, then drop the latest moved until the
+        measured bandwidths hide them too (in place)."""
         for i, layer in enumerate(self.stage.layers):
             if layer.saved_bytes == 0 or placements[i] is not Placement.KEEP:
                 continue
@@ -203,6 +196,11 @@ class PlacementSearch:
             k = m if fits_with(m) else _largest(1, m - 1, fits_with)
             if k:
                 placements[i], sites[i] = target, None if k == m else k
+        # Derating makes I/O slower, so the measured bandwidths normally agree; if
+        # they do not (slowdown interplay), drop the latest admitted layers until they do.
+        while not self.hidden(self.check(placements, sites)):
+            last = max(i for i, p in enumerate(placements) if p is target)
+            placements[last], sites[last] = Placement.KEEP, None
 
     def without_idle_writes(self, placements: List[Placement], sites: Optional[List[Optional[int]]] = None) -> Choice:
         """``placements`` less every offloaded site whose write buys no memory.

@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, List, Optional, Sequence, Tuple, Union
 
-from ..config import Placement
+from ..config import MOVED, Placement
 from ..errors import ConfigError
 from .profile import IOProfile, LayerId, LayerProfile, StageProfile
 
@@ -25,8 +25,6 @@ __all__ = ["LayerTimeline", "Timeline", "predict", "read_ahead_list", "site_list
 _EPS = 1e-12
 """Slack (seconds) when comparing event times, so float rounding cannot flip an order."""
 
-MOVED = (Placement.OFFLOAD, Placement.HOST)
-"""Placements whose bytes leave the compute device between forward and backward."""
 
 # NOTE [One device queue]
 # Reads and writes share one FIFO queue in front of the SSD array: a request starts when
