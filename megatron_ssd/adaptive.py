@@ -21,7 +21,7 @@ from typing import Any, Dict, Hashable, List, Optional
 import torch
 
 from .cache.stats import median_or_zero
-from .config import Placement, PlannerConfig
+from .config import EMBEDDING, HEAD, OUTSIDE, Placement, PlannerConfig
 from .errors import ConfigError
 from .planner.drift import DriftDetector
 from .planner.plan import Plan, make_plan
@@ -75,7 +75,12 @@ def stage_from_stats(
     source = keep_steps or offload_steps
     if not source:
         raise ValueError("megatron_ssd: stage_from_stats needs at least one measured step")
-    layer_ids: List[Hashable] = [k for k in source[-1].layers if k is not None]
+    measured = list(source[-1].layers)
+    # NOTE [Sites outside the layers]: the embedding's tensors plan as a layer before
+    # layer 0 that cannot be recomputed; the head's, used first by backward, as
+    # ``head_bytes``.
+    layer_ids: List[Hashable] = ([EMBEDDING] if EMBEDDING in measured else []) + [
+        k for k in measured if k is not None and k not in OUTSIDE]
 
     def per_layer(steps: List[Any], layer_id: Hashable) -> Dict[str, Any]:
         fwd, bwd, saved, small, sites, inputs = [], [], [], [], [], []
@@ -107,19 +112,12 @@ def stage_from_stats(
                 kept_bytes=int(m["small"]),
                 site_bytes=m["sites"],
                 boundary_bytes=int(m["input"]),
+                recomputable=layer_id != EMBEDDING,
             )
         )
-    # Bytes saved outside the layers: on the last stage mostly the output layer's and the
-    # loss's (the logits), saved after the layers and freed before their backward, so the
-    # profile's head_bytes; on earlier stages the embedding's, resident for the whole step,
-    # which the first layer's kept bytes span in the timeline.
-    outside = [_per_mb(s.layers[None].small_bytes, s.microbatches) for s in source if None in s.layers]
-    head = 0
-    if layers and outside and pipeline_rank == pipeline_size - 1:
-        head = int(statistics.median(outside))
-    elif layers and outside:
-        first = layers[0]
-        layers[0] = dataclasses.replace(first, kept_bytes=first.kept_bytes + int(statistics.median(outside)))
+    heads = [_per_mb(s.layers[HEAD].saved_bytes + s.layers[HEAD].small_bytes, s.layers[HEAD].microbatches)
+             for s in source if HEAD in s.layers and s.layers[HEAD].microbatches]
+    head = int(statistics.median(heads)) if heads else 0
     io = _io_profile(offload_steps, layer_ids, clean_compute if keep_steps else None)
     mbs = max(1, source[-1].microbatches)
     layer_s = sum(l.forward_s + l.backward_s for l in layers)

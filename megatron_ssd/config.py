@@ -45,6 +45,9 @@ from .units import MiB
 __all__ = [
     "Placement",
     "MOVED",
+    "EMBEDDING",
+    "HEAD",
+    "OUTSIDE",
     "IOConfig",
     "ModelConfig",
     "OffloadConfig",
@@ -224,6 +227,18 @@ class Placement(str, enum.Enum):
 
 MOVED = (Placement.OFFLOAD, Placement.HOST)
 """Placements whose tensors leave compute-device memory between forward and backward."""
+
+EMBEDDING = "embedding"
+"""Layer id of the tensors a micro-batch saves before its first layer (a GPT's embedding
+side; NOTE [Sites outside the layers] in ``cache/tensor_cache.py``)."""
+
+HEAD = "head"
+"""Layer id of the tensors a micro-batch saves after a layer, outside any layer (a GPT's
+final norm, output layer and loss)."""
+
+OUTSIDE = (EMBEDDING, HEAD)
+"""The layer ids of tensors saved outside the layers: never RECOMPUTE, KEEP unless a
+plan names them."""
 
 
 @dataclass

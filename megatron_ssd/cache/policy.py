@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Dict, Hashable, List, Mapping, Optional, Union
 
-from ..config import MOVED, OffloadConfig, Placement
+from ..config import MOVED, OUTSIDE, OffloadConfig, Placement
 from ..errors import ConfigError
 
 __all__ = ["PlacementPolicy", "PlanState"]
@@ -85,6 +85,11 @@ class PlacementPolicy:
                 raise ConfigError(
                     f"plan[{layer_id!r}] = {placement!r}: must be one of {[p.value for p in Placement]}"
                 ) from None
+            if plan[layer_id] is Placement.RECOMPUTE and layer_id in OUTSIDE:
+                raise ConfigError(
+                    f"plan[{layer_id!r}] = 'recompute': the tensors saved outside the layers cannot be recomputed "
+                    "(NOTE [Sites outside the layers]); use keep, offload or host"
+                )
             if plan[layer_id] is Placement.HOST and not self.host_available:
                 raise ConfigError(
                     f"plan[{layer_id!r}] = 'host': OffloadConfig.host_pool_bytes = 0; the host placement needs a "
@@ -95,11 +100,12 @@ class PlacementPolicy:
     def layer(self, layer_id: Hashable) -> Placement:
         """The plan's placement of ``layer_id``, else the default (the last
         ``keep_last_layers`` registered layers KEEP, the others OFFLOAD); tensors saved
-        outside any layer (``None``) KEEP."""
+        outside the layers (``embedding``, ``head``, NOTE [Sites outside the layers]) KEEP
+        unless the plan names them."""
         plan = self.state.placements
         if layer_id in plan:
             return plan[layer_id]
-        if layer_id is None:
+        if layer_id is None or layer_id in OUTSIDE:
             return Placement.KEEP
         if self.default is not None:
             return self.default
@@ -110,8 +116,7 @@ class PlacementPolicy:
 
     def tensor(self, layer_id: Hashable, site: Optional[int]) -> Placement:
         """Where a new saved tensor of ``layer_id`` goes: its layer's placement when that
-        moves it, the tensor has a site (it is offloadable: inside a layer, at least
-        ``min_tensor_bytes``), the site is within the plan's count for the layer, and
+        moves it, the tensor has a site (it is offloadable: at least ``min_tensor_bytes``), the site is within the plan's count for the layer, and
         for HOST a pool exists; else KEEP."""
         placement = self.layer(layer_id)
         if placement not in MOVED or site is None:

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Hashable, Iterator, Optional
 
 import torch
 
-from ..config import Placement
+from ..config import OUTSIDE, Placement
 from ..errors import CacheStateError
 from .hooks import OffloadHooks
 from .pages import trim_heap
@@ -65,6 +65,9 @@ class ScopeMixin:
             self._tls.record = previous
             with self._lock:
                 record.forward_done = True
+                for outside in OUTSIDE:  # NOTE [Sites outside the layers]
+                    if outside in record.layer_entries:
+                        self._counters.layers.setdefault(outside, LayerCounters()).microbatches += 1
                 self._maybe_retire(record)
             if self._return_pages:  # NOTE [Returning freed pages]
                 trimmed = trim_heap()

@@ -24,7 +24,7 @@ from typing import Any, Dict, Hashable, Iterable, List, Mapping, Optional, Seque
 
 import torch
 
-from ..config import MOVED, OffloadConfig, Placement
+from ..config import EMBEDDING, HEAD, MOVED, OUTSIDE, OffloadConfig, Placement
 from ..errors import CacheStateError, ConfigError, OffloadIOError
 from ..io.base import Engine, EngineStats, IOFuture
 from .accounting import StepAccountingMixin
@@ -138,6 +138,9 @@ class TensorCache(ScopeMixin, TransferMixin, StepAccountingMixin):
         if len(ids) != len(layers):
             raise ConfigError(f"register_layers: ids has {len(ids)} entries for {len(layers)} layers; must match")
         for layer_id, module in zip(ids, layers):
+            if layer_id in OUTSIDE or layer_id is None:
+                raise ConfigError(f"register_layers: layer id {layer_id!r} is reserved for the tensors saved "
+                                  "outside the layers (NOTE [Sites outside the layers]); choose another id")
             if layer_id in known:
                 raise ConfigError(f"register_layers: layer id {layer_id!r} registered twice; ids must be unique")
             known.append(layer_id)
@@ -208,6 +211,29 @@ class TensorCache(ScopeMixin, TransferMixin, StepAccountingMixin):
         stack = self._tls.__dict__.get("layers")
         return stack[-1][0] if stack else None
 
+    # NOTE [Sites outside the layers]: a tensor saved while no layer scope is open
+    # belongs to one of two pseudo-layers of its micro-batch. Before the record's first
+    # layer it is ``embedding``'s (a GPT's embedding dropout mask, token and position
+    # ids): it is saved first and used last, so it has the longest window of any site,
+    # and its id goes first in ``record.layer_order``, where read-ahead treats it like a
+    # layer before layer 0. After a layer it is ``head``'s (final norm, output layer,
+    # loss; on a T5 also the decoder's embedding): backward uses it first, so there is no
+    # window, and it never enters ``layer_order`` (a moved head tensor is read when
+    # backward unpacks it). Both number their sites like a layer (NOTE [Sites]), keep
+    # unless a plan names them, and cannot be recomputed.
+
+    def _site_layer(self, record: Record) -> Hashable:
+        """The layer a tensor saved now belongs to (NOTE [Sites outside the layers])."""
+        layer_id = self._current_layer()
+        if layer_id is not None:
+            return layer_id
+        order = record.layer_order
+        if order and order[-1] != EMBEDDING:
+            return HEAD
+        if not order:
+            order.append(EMBEDDING)
+        return EMBEDDING
+
     def _skippable(self, t: torch.Tensor) -> bool:
         if not is_plain(t) or t.device.type != self.device.type:
             return True
@@ -227,11 +253,11 @@ class TensorCache(ScopeMixin, TransferMixin, StepAccountingMixin):
                 self._counters.tensors_skipped += 1
                 self._counters.tensors_packed += 1
             return t
-        layer_id = self._current_layer()
         key = storage_key(t)
         meta = view_meta(t)
         source = weakref.ref(t)
         with self._lock:
+            layer_id = self._site_layer(record)
             self._counters.tensors_packed += 1
             entry = self._lookup(record, key)
             if entry is not None:
@@ -266,7 +292,7 @@ class TensorCache(ScopeMixin, TransferMixin, StepAccountingMixin):
         data = storage_bytes(t)
         nbytes = data.numel()
         site = None
-        if layer_id is not None and nbytes >= self.config.min_tensor_bytes:
+        if nbytes >= self.config.min_tensor_bytes:
             site = record.sites.get(layer_id, 0)  # NOTE [Sites] in planner/profile.py
             record.sites[layer_id] = site + 1
         placement = self.policy.tensor(layer_id, site)  # NOTE [One placement policy]
@@ -276,7 +302,6 @@ class TensorCache(ScopeMixin, TransferMixin, StepAccountingMixin):
         record.entries[key] = entry
         record.live += 1
         record.add_layer_entry(layer_id, entry)
-        # Tensors saved outside any layer (embedding, loss) are counted under ``None``.
         lc = self._counters.layers.setdefault(layer_id, LayerCounters())
         if site is None:
             lc.small_bytes += nbytes

@@ -230,9 +230,8 @@ def add_predictions(points: List[Dict[str, Any]], reports: Dict[str, Dict[str, A
     if not profile:
         return
     stage = StageProfile.from_dict(profile)
-    n = len(stage.layers)
-    fixed = {"keep": [Placement.KEEP] * n, "recompute": [Placement.RECOMPUTE] * n,
-             "offload-all": [Placement.OFFLOAD] * n}
+    fixed = {"keep": stage.fixed(Placement.KEEP), "recompute": stage.fixed(Placement.RECOMPUTE),
+             "offload-all": stage.fixed(Placement.OFFLOAD)}
     for p in points:
         report = reports.get(p["placement"])
         if report is None:
@@ -240,8 +239,7 @@ def add_predictions(points: List[Dict[str, Any]], reports: Dict[str, Dict[str, A
         mbs = report["config"]["num_microbatches"]
         depth = report["config"]["offload"]["prefetch_layers"]
         if p["placement"] == "keep-last":
-            kept = min(report["config"]["offload"]["keep_last_layers"], n)
-            fixed["keep-last"] = [Placement.OFFLOAD] * (n - kept) + [Placement.KEEP] * kept
+            fixed["keep-last"] = stage.fixed(Placement.OFFLOAD, report["config"]["offload"]["keep_last_layers"])
         if p["placement"] in fixed:
             t = predict(stage, fixed[p["placement"]], prefetch_depth=depth)
             p["predicted_exposed_s"] = t.exposed_s

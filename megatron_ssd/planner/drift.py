@@ -31,6 +31,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Deque, Dict, List, Mapping, Optional, Sequence, Union
 
+from ..config import OUTSIDE
 from ..errors import ConfigError
 from .plan import Plan
 from .profile import LayerId, StageProfile
@@ -193,7 +194,7 @@ class DriftDetector:
         Reads ``write_bytes_per_s``, ``read_bytes_per_s``, ``backpressure_keeps`` and
         ``layers[id].forward_s / backward_s / microbatches`` (times summed over
         micro-batches, divided here, less ``write_wait_s`` / ``stall_s`` when present; the
-        ``None`` key, tensors saved outside any layer, is skipped). Counts ``backpressure_keeps`` as fell-behind events.
+        ``embedding`` and ``head`` keys, tensors saved outside the layers, are skipped). Counts ``backpressure_keeps`` as fell-behind events.
         A direction busy for less than ``MIN_BUSY_FRACTION`` of the step (``write_busy_s``
         / ``read_busy_s`` against ``wall_s``, when present) gives no bandwidth sample
         (NOTE [Short I/O samples]).
@@ -203,7 +204,7 @@ class DriftDetector:
         forward: Dict[LayerId, float] = {}
         backward: Dict[LayerId, float] = {}
         for layer_id, counters in (getattr(stats, "layers", None) or {}).items():
-            if layer_id is None:  # tensors saved outside any layer: no compute time
+            if layer_id is None or layer_id in OUTSIDE:  # saved outside the layers: no compute time measured
                 continue
             count = max(int(getattr(counters, "microbatches", 1) or 1), 1)
             # Compute only: time spent waiting for I/O is exposed I/O, not compute drift.

@@ -21,7 +21,7 @@ import json
 from dataclasses import dataclass
 from typing import Any, Dict, List, Mapping, Optional, Union
 
-from ..config import from_dict, to_dict
+from ..config import Placement, from_dict, to_dict
 from ..errors import ConfigError
 
 __all__ = ["LayerId", "LayerProfile", "IOProfile", "StageProfile", "uniform_stage"]
@@ -91,6 +91,11 @@ class LayerProfile:
     them (its *sites*, NOTE [Sites]); they sum to ``saved_bytes``. A plan may offload a
     prefix of them and keep the rest. ``None``: one site of ``saved_bytes``."""
 
+    recomputable: bool = True
+    """Whether RECOMPUTE may be chosen. False for the tensors a micro-batch saves before
+    its first layer (layer id ``embedding``, NOTE [Sites outside the layers]): nothing
+    runs their forward again."""
+
     def __post_init__(self) -> None:
         owner = f"LayerProfile(layer_id={self.layer_id!r})"
         _check(
@@ -120,6 +125,7 @@ class LayerProfile:
                 isinstance(value, int) and not isinstance(value, bool) and value >= 0,
                 "must be an integer >= 0",
             )
+        _check(owner, "recomputable", self.recomputable, isinstance(self.recomputable, bool), "must be true or false")
         if self.site_bytes is not None:
             _check(
                 owner, "site_bytes", self.site_bytes,
@@ -272,6 +278,15 @@ class StageProfile:
     def layer_ids(self) -> List[LayerId]:
         """The layer ids in forward order."""
         return [layer.layer_id for layer in self.layers]
+
+    def fixed(self, placement: Placement, keep_last: int = 0) -> List[Placement]:
+        """The placements of a fixed mode, as the cache's policy applies it: ``placement``
+        for every transformer layer but the last ``keep_last`` (KEEP), and KEEP for the
+        tensors outside the layers (layers not ``recomputable``, NOTE [Sites outside the
+        layers])."""
+        inside = [i for i, layer in enumerate(self.layers) if layer.recomputable]
+        moved = set(inside[: max(len(inside) - keep_last, 0)])
+        return [placement if i in moved else Placement.KEEP for i in range(len(self.layers))]
 
     @property
     def saved_bytes(self) -> int:

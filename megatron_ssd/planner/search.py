@@ -267,7 +267,8 @@ class PlacementSearch:
         version = 0
 
         def moves(i: int) -> List[str]:
-            return _moves(placements[i], sites[i], len(self.stage.layers[i].sites), allow_recompute,
+            layer = self.stage.layers[i]
+            return _moves(placements[i], sites[i], len(layer.sites), allow_recompute and layer.recomputable,
                           self.host_budget_bytes > 0)
 
         def push_moves(i: int) -> None:
@@ -313,7 +314,8 @@ class PlacementSearch:
                 break
             if not taken:
                 if allow_recompute:
-                    self.judge([Placement.RECOMPUTE] * self.n)
+                    self.judge([Placement.RECOMPUTE if layer.recomputable else Placement.KEEP
+                                for layer in self.stage.layers])
                 raise PlanInfeasibleError(budget, int(self.smallest_peak or keep_peak), self.stage, keep_peak,
                                           self.max_write_bytes_per_s, limit_name)
         placements, sites = self._relax(placements, sites, tl, budget, eps)

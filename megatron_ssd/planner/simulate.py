@@ -25,7 +25,7 @@ import math
 from dataclasses import dataclass
 from typing import Annotated, Any, Dict, List, Mapping, Optional, Sequence, Union
 
-from ..config import Bytes, load_config, to_dict
+from ..config import EMBEDDING, OUTSIDE, Bytes, load_config, to_dict
 from ..errors import ConfigError
 from .plan import Plan, make_plan
 from .wear import SECONDS_PER_DAY, drive_lifetime_years, write_limit_bytes_per_s
@@ -353,6 +353,14 @@ def stage_profile(spec: SimulationSpec) -> StageProfile:
     per_stage = len(kinds) // spec.pp
     first = spec.pipeline_rank * per_stage
     layers = []
+    if spec.pipeline_rank == 0:
+        # NOTE [Sites outside the layers]: before layer 0 the embedding saves its dropout
+        # mask (s b h bytes, split by t under sequence parallelism) and the token ids
+        # (8 s b bytes, kept).
+        s0, b = spec.seq_len // spec.cp, spec.micro_batch
+        mask = s0 * b * spec.hidden // (spec.tp if spec.sequence_parallel else 1)
+        layers.append(LayerProfile(layer_id=EMBEDDING, forward_s=0.0, backward_s=0.0, saved_bytes=mask,
+                                   kept_bytes=8 * s0 * b, site_bytes=[mask], recomputable=False))
     for index in range(first, first + per_stage):
         decoder = kinds[index]
         s = ((spec.decoder_seq_len or spec.seq_len) if decoder else spec.seq_len) // spec.cp
@@ -475,7 +483,7 @@ class SimulationResult:
     def summary(self) -> str:
         """A few lines for a terminal."""
         s, p, gb = self.spec, self.plan, 1e9
-        counts = {pl: len(p.layers_with(pl)) for pl in ("keep", "offload", "host", "recompute")}
+        counts = {pl: _count(p, pl) for pl in ("keep", "offload", "host", "recompute")}
         host = f"{counts['host']} host, " if p.host_budget_bytes else ""
         fits = "fits" if self.ssd_footprint_bytes <= self.ssd_capacity_share_bytes else "DOES NOT FIT"
         held = []
@@ -487,10 +495,10 @@ class SimulationResult:
                         f"{s.target_lifetime_years:g} years of drive life")
         lines = [
             f"{s.arch.upper()} {s.total_layers} layers, h={s.hidden}, s={s.seq_len}, b={s.micro_batch}, "
-            f"tp={s.tp}, pp={s.pp}{f', cp={s.cp}' if s.cp > 1 else ''}: stage {s.pipeline_rank} with {len(p.layers)} layers, "
+            f"tp={s.tp}, pp={s.pp}{f', cp={s.cp}' if s.cp > 1 else ''}: stage {s.pipeline_rank} with {sum(1 for lp in p.layers if lp.layer_id not in OUTSIDE)} layers, "
             f"{p.microbatches_in_flight} micro-batch{'es' if p.microbatches_in_flight > 1 else ''} in flight",
             f"placements: {counts['keep']} keep, {counts['offload']} offload{self._partial_note()}, "
-            f"{host}{counts['recompute']} recompute",
+            f"{host}{counts['recompute']} recompute{_outside_note(p)}",
             f"peak activations {p.peak_activation_bytes / gb:.2f} GB vs {p.keep_peak_activation_bytes / gb:.2f} GB "
             f"kept: {self.memory_saved_bytes / gb:.2f} GB saved ({self.memory_saved_fraction:.0%})",
             f"iteration {self.iteration_s * 1e3:.1f} ms vs {self.keep_iteration_s * 1e3:.1f} ms kept "
@@ -509,6 +517,29 @@ class SimulationResult:
                          f"of host RAM per {s.gpus_per_node}-GPU node for the same saving")
         lines[1:1] = held  # what bounded the plan, after the model line
         return "\n".join(lines)
+
+
+def _count(plan: Plan, placement: str) -> int:
+    """Transformer layers of ``plan`` with ``placement`` (not the embedding's tensors)."""
+    return sum(1 for lp in plan.layers if lp.placement.value == placement and lp.layer_id not in OUTSIDE)
+
+
+def _partly(plan: Plan) -> int:
+    """Transformer layers of ``plan`` that move only a prefix of their sites."""
+    return sum(1 for layer_id in plan.sites_by_layer() if layer_id not in OUTSIDE)
+
+
+def _placement_of(plan: Plan, layer_id: Any) -> Optional[str]:
+    """The placement text of ``layer_id`` in ``plan`` (None: not on this stage)."""
+    return next((lp.placement_text for lp in plan.layers if lp.layer_id == layer_id), None)
+
+
+def _outside_note(plan: Plan) -> str:
+    """``; embedding: offload`` when the plan moves the tensors saved before the first
+    layer (NOTE [Sites outside the layers])."""
+    moved = [f"{lp.layer_id}: {lp.placement_text}" for lp in plan.layers
+             if lp.layer_id in OUTSIDE and lp.placement.value != "keep"]
+    return "".join("; " + m for m in moved)
 
 
 # NOTE [Simulated capacity]
@@ -679,24 +710,26 @@ def sizing_rows(models: Sequence[str] = SIZING_MODELS, drives: Sequence[int] = S
                 "keep_peak_bytes": free.plan.keep_peak_activation_bytes,
                 "planned_peak_bytes": free.plan.peak_activation_bytes,
                 "memory_saved_bytes": free.memory_saved_bytes,
-                "offloaded_layers": len(free.plan.layers_with("offload")),
-                "partly_offloaded_layers": len(free.plan.sites_by_layer()),
-                "recomputed_layers": len(free.plan.layers_with("recompute")),
+                "offloaded_layers": _count(free.plan, "offload"),
+                "partly_offloaded_layers": _partly(free.plan),
+                "recomputed_layers": _count(free.plan, "recompute"),
+                "embedding_placement": _placement_of(free.plan, EMBEDDING),
+                "wear_bound_embedding_placement": _placement_of(worn.plan, EMBEDDING),
                 "overhead_fraction": free.overhead_fraction,
                 "write_bytes_per_s_per_gpu": free.write_bytes_per_s_per_gpu,
                 "lifetime_years": None if math.isinf(free.lifetime_years) else free.lifetime_years,
                 "cpu_offload_host_bytes_per_node": free.cpu_offload_host_bytes_per_node,
                 "wear_bound_years": lifetime_years,
                 "wear_bound_memory_saved_bytes": worn.memory_saved_bytes,
-                "wear_bound_offloaded_layers": len(worn.plan.layers_with("offload")),
-                "wear_bound_partly_offloaded_layers": len(worn.plan.sites_by_layer()),
+                "wear_bound_offloaded_layers": _count(worn.plan, "offload"),
+                "wear_bound_partly_offloaded_layers": _partly(worn.plan),
                 "wear_bound_overhead_fraction": worn.overhead_fraction,
                 "wear_bound_write_bytes_per_s_per_gpu": worn.write_bytes_per_s_per_gpu,
                 "host_ram_bytes_per_node": host_ram,
                 "host_tier_memory_saved_bytes": hosted.memory_saved_bytes,
                 "host_tier_overhead_fraction": hosted.overhead_fraction,
-                "host_tier_hosted_layers": len(hosted.plan.layers_with("host")),
-                "host_tier_recomputed_layers": len(hosted.plan.layers_with("recompute")),
+                "host_tier_hosted_layers": _count(hosted.plan, "host"),
+                "host_tier_recomputed_layers": _count(hosted.plan, "recompute"),
                 "host_tier_pool_bytes_per_node": hosted.plan.host_pool_bytes * hosted.spec.gpus_per_node,
             })
     return rows

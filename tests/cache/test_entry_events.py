@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from megatron_ssd import OffloadConfig, TensorCache
+from megatron_ssd.config import OUTSIDE
 from megatron_ssd.cache.record import EntryState
 from megatron_ssd.errors import OffloadIOError
 from megatron_ssd.io.base import Engine, EngineStats, Extent, IOFuture, SwapHandle
@@ -99,8 +100,8 @@ def make_cache(engine: ScriptedEngine, model) -> TensorCache:
 
 
 def entries(record):
-    """The record's entries saved inside layers (the loss's, outside any layer, are kept)."""
-    return [e for layer, entries in record.layer_entries.items() if layer is not None for e in entries]
+    """The record's entries saved inside layers (the loss's, the ``head`` pseudo-layer's, are kept)."""
+    return [e for layer, entries in record.layer_entries.items() if layer not in OUTSIDE for e in entries]
 
 
 def forward(cache, model, batch):

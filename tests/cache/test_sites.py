@@ -95,7 +95,11 @@ def test_the_profile_carries_the_measured_sites(offload_dir):
         cache.default_placement = Placement.OFFLOAD
         offload = run(cache, model, batches[1:])
     stage = stage_from_stats(keep, offload)
-    for layer in stage.layers:
+    # the token ids (4 x 64 int64, under min_tensor_bytes) are saved before layer 0
+    embedding = stage.layers[0]
+    assert (embedding.layer_id, embedding.recomputable, embedding.kept_bytes, embedding.sites) == (
+        "embedding", False, 4 * 64 * 8, [])
+    for layer in stage.layers[1:]:
         measured = keep[0].layers[layer.layer_id]
         assert layer.site_bytes == [b // 2 for b in measured.site_bytes]  # per micro-batch
         assert layer.saved_bytes == sum(layer.site_bytes)

@@ -66,12 +66,14 @@ def test_planned_run_is_bit_identical_and_sets_a_plan(world, tmp_path):
     assert stats[1].bytes_offloaded == 0 and stats[2].bytes_offloaded > 0
     assert [e.reason for e in planner.events][:1] == ["profile"]
     plan = planner.plan
-    assert [lp.layer_id for lp in plan.layers] == [1, 2, 3, 4]
-    assert placements == {lp.layer_id: lp.placement for lp in plan.layers}
+    # the tensors saved before the first layer plan as pseudo-layer "embedding" (kept here)
+    assert [lp.layer_id for lp in plan.layers] == ["embedding", 1, 2, 3, 4]
+    assert plan.layers[0].placement is Placement.KEEP
+    assert placements == {lp.layer_id: lp.placement for lp in plan.layers[1:]}
     assert plan.layers[-1].placement is Placement.KEEP, "the layer backward needs first stays"
     profile = planner.profile
     assert isinstance(profile, StageProfile)
-    assert all(l.saved_bytes > 0 and l.forward_s > 0 and l.backward_s > 0 for l in profile.layers)
+    assert all(l.saved_bytes > 0 and l.forward_s > 0 and l.backward_s > 0 for l in profile.layers[1:])
     assert profile.io.write_bytes_per_s > 0 and profile.io.read_bytes_per_s > 0
     # Bytes saved outside the layers (the logits above all) are the last stage's head bytes,
     # resident between the last layer's forward and the first layer's backward.
