@@ -57,7 +57,9 @@ def test_context_parallelism_splits_the_sequence():
     assert layer_forward_flops(one) == pytest.approx(dense(s) + scores(s))
     assert layer_forward_flops(four) == pytest.approx(dense(s // 4) + scores(s // 4))
     profile = stage_profile(four)
-    assert profile.layers[0].boundary_bytes == 2 * (s // 4) * b * h
+    # first the embedding's dropout mask for this GPU's tokens (1 byte each), then layer 0
+    assert profile.layers[0].site_bytes == [(s // 4) * b * h] and not profile.layers[0].recomputable
+    assert profile.layers[1].boundary_bytes == 2 * (s // 4) * b * h
 
 
 @pytest.mark.parametrize("override, rule", [
@@ -112,17 +114,18 @@ def test_forward_flops_follow_the_standard_count():
 def test_stage_profile_from_dimensions():
     spec = SimulationSpec(**GPT_1_3B, pp=4, num_microbatches=8, gpu_flops=312e12, mfu=0.5)
     first = stage_profile(spec)
-    assert [layer.layer_id for layer in first.layers] == list(range(6))
+    # the first stage starts with the embedding's tensors (NOTE [Sites outside the layers])
+    assert [layer.layer_id for layer in first.layers] == ["embedding", *range(6)]
     assert first.microbatches_in_flight == 4 and first.other_s == 0.0
     forward = 24 * 2048**3 * (1 + 1 / 6) / 156e12
-    assert first.layers[0].forward_s == pytest.approx(forward)
-    assert first.layers[0].backward_s == pytest.approx(2 * forward)
+    assert first.layers[1].forward_s == pytest.approx(forward)
+    assert first.layers[1].backward_s == pytest.approx(2 * forward)
     last = stage_profile(SimulationSpec(**GPT_1_3B, pp=4, num_microbatches=8, pipeline_rank=3))
     assert last.layers[0].layer_id == 18 and last.microbatches_in_flight == 1
     assert last.other_s > 0  # output layer and loss
     t5 = stage_profile(SimulationSpec(arch="t5", num_layers=2, hidden=512, heads=8, seq_len=256, micro_batch=2))
-    assert len(t5.layers) == 4
-    assert t5.layers[2].saved_bytes > t5.layers[1].saved_bytes  # decoder adds cross-attention
+    assert len(t5.layers) == 5  # the encoder's embedding, 2 encoder and 2 decoder layers
+    assert t5.layers[3].saved_bytes > t5.layers[2].saved_bytes  # decoder adds cross-attention
 
 
 def test_gpt_1_3b_simulation_is_plausible():
@@ -132,8 +135,10 @@ def test_gpt_1_3b_simulation_is_plausible():
     plan = result.plan
     offloaded = plan.layers_with("offload")
     assert 0 < len(offloaded) < 24
-    assert offloaded == list(range(len(offloaded)))
-    assert plan.keep_peak_activation_bytes == 24 * SBH * 34 + 4 * 2048 * 50304  # layers + fp32 softmax of the logits
+    # the embedding's mask first (the longest window), then layers in forward order
+    assert offloaded == ["embedding", *range(len(offloaded) - 1)]
+    # layers + the embedding's mask and token ids + fp32 softmax of the logits
+    assert plan.keep_peak_activation_bytes == 24 * SBH * 34 + SBH + 8 * 2048 + 4 * 2048 * 50304
     assert 0.2 < result.memory_saved_fraction < 1.0
     assert abs(result.overhead_fraction) < 1e-9 and plan.exposed_s == 0.0
     # a step of ~0.13 s and writes bounded by the array's 52 GB/s
