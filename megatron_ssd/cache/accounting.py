@@ -1,10 +1,9 @@
 """The tensor cache's per-step accounting.
 
-Split from :mod:`megatron_ssd.cache.tensor_cache`. :class:`StepAccountingMixin` is mixed
-into :class:`~megatron_ssd.cache.TensorCache`, which provides ``engine``, ``config``,
-``stores``, ``_lock``, ``_counters``, ``_engine_base``, ``_resident``, ``_step``,
-``_step_started``, ``_cpu_started``, ``_check_open`` and ``drain``. The bytes moved and
-held come from the blob stores (NOTE [Blob stores]).
+:class:`StepAccountingMixin` is mixed into :class:`~megatron_ssd.cache.TensorCache`,
+which provides ``engine``, ``ssd``, ``host_store``, ``entries`` (the step's counters),
+``_engine_base``, ``_step``, ``_step_started``, ``_cpu_started``, ``_check_open`` and
+``drain``. The bytes moved and held come from the blob stores (NOTE [Blob stores]).
 """
 
 from __future__ import annotations
@@ -12,7 +11,7 @@ from __future__ import annotations
 import time
 
 from ..io.store import StoreStep
-from .stats import Counters, StepStats
+from .stats import StepStats
 
 __all__ = ["StepAccountingMixin"]
 
@@ -30,8 +29,8 @@ class StepAccountingMixin:
         es = self.engine.stats()
         ssd = self.ssd.take_step()
         host = self.host_store.take_step() if self.host_store is not None else StoreStep(0, 0, 0)
-        with self._lock:
-            c, base = self._counters, self._engine_base
+        with self.entries.lock:
+            c, base = self.entries.take_step(), self._engine_base
             wbytes, rbytes = es.bytes_written - base.bytes_written, es.bytes_read - base.bytes_read
             wbusy, rbusy = es.write_busy_s - base.write_busy_s, es.read_busy_s - base.read_busy_s
             now, cpu_now = time.perf_counter(), time.process_time()
@@ -68,7 +67,6 @@ class StepAccountingMixin:
                 bytes_returned=c.bytes_returned,
                 heap_trim_s=c.heap_trim_s,
             )
-            self._counters = Counters(peak_resident_bytes=self._resident)
             self._engine_base = es
             self._step += 1
             self._step_started, self._cpu_started = now, cpu_now

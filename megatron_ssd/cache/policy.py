@@ -13,7 +13,7 @@ name, and it answers the two questions the cache asks:
 NOTE [One placement policy]: a placement is decided here and nowhere else. Two outcomes
 change an entry's placement later, and both are events, not decisions: a write the
 engine refuses (backpressure) or fails keeps the tensor where it is, and a tensor that a
-KEEP layer saves again is pinned in memory after its write (``transfers.py``).
+KEEP layer saves again is pinned in memory after its write (``entries.py``).
 """
 
 from __future__ import annotations

@@ -42,7 +42,7 @@ class EntryState(enum.Enum):
 #   * ``data`` is a fresh aligned buffer from the moment a read is issued.
 # Disk space (``handle``) is freed when the entry is released, or as soon as the bytes
 # are resident again for good (pinned after the write, or forwarded), never while a read
-# or write of it is in flight. Every transition happens under ``TensorCache._lock``;
+# or write of it is in flight. Every transition happens under ``EntryTable.lock`` (``entries.py``);
 # I/O completion callbacks run on engine threads.
 
 # NOTE [No reference cycles]

@@ -1,9 +1,10 @@
 """The tensor cache's scopes: micro-batch forward, layer forward, start of a layer's backward.
 
-Split from :mod:`megatron_ssd.cache.tensor_cache`. :class:`ScopeMixin` is mixed into
-:class:`~megatron_ssd.cache.TensorCache`, which provides ``_lock``, ``_return_pages``, ``_tls``, ``_keys``,
-``_records``, ``_counters``, ``_check_open``, ``_maybe_retire``, ``placement`` and
-``backward_started``.
+:class:`ScopeMixin` is mixed into :class:`~megatron_ssd.cache.TensorCache`, which
+provides ``entries`` (the :class:`~megatron_ssd.cache.entries.EntryTable`: records,
+counters, lock), ``_return_pages``, ``_tls``, ``_keys``, ``_check_open``, ``placement``
+and ``backward_started``. The scopes say which record and layer a saved tensor belongs
+to; the entry table holds the rest.
 """
 
 from __future__ import annotations
@@ -16,12 +17,11 @@ from typing import TYPE_CHECKING, Any, Hashable, Iterator, Optional
 
 import torch
 
-from ..config import OUTSIDE, Placement
+from ..config import Placement
 from ..errors import CacheStateError
 from .hooks import OffloadHooks
 from .pages import trim_heap
 from .record import Record
-from .stats import LayerCounters
 
 if TYPE_CHECKING:
     from .tensor_cache import TensorCache
@@ -47,12 +47,7 @@ class ScopeMixin:
     def microbatch(self, key: Optional[Hashable] = None) -> Iterator[Record]:
         """Run one micro-batch's forward with its saved tensors going to a new record."""
         self._check_open()
-        record = Record(key if key is not None else next(self._keys))
-        with self._lock:
-            self._counters.microbatches += 1
-            if record.key in self._records:
-                raise CacheStateError(f"microbatch key {record.key!r} is already open; keys must be unique in flight")
-            self._records[record.key] = record
+        record = self.entries.open(key if key is not None else next(self._keys))
         previous = getattr(self._tls, "record", None)
         self._tls.record = record
         active = _ACTIVE.__dict__.setdefault("stack", [])
@@ -63,16 +58,11 @@ class ScopeMixin:
         finally:
             active.pop()
             self._tls.record = previous
-            with self._lock:
-                record.forward_done = True
-                for outside in OUTSIDE:  # NOTE [Sites outside the layers]
-                    if outside in record.layer_entries:
-                        self._counters.layers.setdefault(outside, LayerCounters()).microbatches += 1
-                self._maybe_retire(record)
+            self.entries.forward_ended(record)
             if self._return_pages:  # NOTE [Returning freed pages]
                 trimmed = trim_heap()
-                with self._lock:
-                    self._counters.heap_trim_s += trimmed
+                with self.entries.lock:
+                    self.entries.counters.heap_trim_s += trimmed
 
     @contextlib.contextmanager
     def layer(self, layer_id: Hashable) -> Iterator[Placement]:
@@ -100,9 +90,8 @@ class ScopeMixin:
             record.layer_order.append(layer_id)
         first = next((t for t in _flatten(inputs) if isinstance(t, torch.Tensor)), None)
         if record is not None and first is not None and torch.is_grad_enabled():
-            with self._lock:
-                lc = self._counters.layers.setdefault(layer_id, LayerCounters())
-                lc.input_bytes += first.numel() * first.element_size()
+            with self.entries.lock:
+                self.entries.layer(layer_id).input_bytes += first.numel() * first.element_size()
 
     def exit_layer(self, layer_id: Hashable, outputs: Any = None) -> None:
         """End ``layer_id``'s forward scope; watch ``outputs`` for the start of its backward."""
@@ -113,8 +102,8 @@ class ScopeMixin:
         record = self.current_record()
         if record is None:
             return
-        with self._lock:
-            lc = self._counters.layers.setdefault(layer_id, LayerCounters())
+        with self.entries.lock:
+            lc = self.entries.layer(layer_id)
             lc.forward_s += time.perf_counter() - started
             lc.microbatches += 1
         if outputs is not None and torch.is_grad_enabled():

@@ -20,22 +20,20 @@ import threading
 import time
 import weakref
 from functools import partial
-from typing import Any, Dict, Hashable, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Dict, Hashable, Iterable, List, Mapping, Optional, Sequence, Union
 
 import torch
 
-from ..config import EMBEDDING, HEAD, MOVED, OUTSIDE, OffloadConfig, Placement
-from ..errors import CacheStateError, ConfigError, OffloadIOError
-from ..io.base import Engine, EngineStats, IOFuture
+from ..config import EMBEDDING, HEAD, OUTSIDE, OffloadConfig, Placement
+from ..errors import CacheStateError, ConfigError
+from ..io.base import Engine, EngineStats
 from .accounting import StepAccountingMixin
+from .entries import EntryTable
 from .exit_guard import EXIT_GUARD
-from .identity import is_plain, restore, storage_bytes, storage_key, storage_weakref, view_meta
-from .pages import allocator_owned
-from .record import Entry, EntryState, Packed, Record
+from .identity import is_plain, restore, storage_key, view_meta
+from .record import Packed, Record
 from .scopes import ScopeMixin, active_cache
-from .stats import Counters, LayerCounters
 from .policy import PlacementPolicy
-from .transfers import TransferMixin
 from ..io import create_engine
 from ..io.host import HostEngine
 from ..io.store import BlobStore
@@ -56,7 +54,7 @@ def resolve_device(name: str) -> torch.device:
     return dev
 
 
-class TensorCache(ScopeMixin, TransferMixin, StepAccountingMixin):
+class TensorCache(ScopeMixin, StepAccountingMixin):
     """Routes the tensors autograd saves for backward to an SSD array and back.
 
     Its files are removed when it closes, at interpreter exit, and on SIGTERM / SIGINT
@@ -98,22 +96,18 @@ class TensorCache(ScopeMixin, TransferMixin, StepAccountingMixin):
         if self.host_store is not None:
             self.stores[Placement.HOST] = self.host_store
         self._pid = os.getpid()
-        self._lock = threading.RLock()
         self._tls = threading.local()
         self.policy = PlacementPolicy(config, host_available=self.host is not None)
         """Decides every placement (NOTE [One placement policy])."""
+        self._return_pages = config.return_freed_pages and self.device.type == "cpu"
+        self.entries = EntryTable(config, self.policy, self.stores, self._return_pages)
+        """The saved tensors' state machine, its lock and the step's counters."""
         self._param_storages: set = set()
-        self._records: Dict[Hashable, Record] = {}
         self._keys = itertools.count()
-        self._counters = Counters()
-        self._resident = 0
         self._step = 0
         self._engine_base: EngineStats = engine.stats()
         self._hook_handles: list = []
         self._closed = False
-        self._bwd_clock: Dict[int, Tuple[Hashable, float]] = {}
-        self._writes: set = set()
-        self._return_pages = config.return_freed_pages and self.device.type == "cpu"
         self._step_started = time.perf_counter()
         self._cpu_started = time.process_time()
         EXIT_GUARD.add(self)
@@ -249,79 +243,16 @@ class TensorCache(ScopeMixin, TransferMixin, StepAccountingMixin):
     def pack(self, record: Record, t: torch.Tensor) -> Union[torch.Tensor, Packed]:
         """Take a tensor autograd saves; return what autograd should hold instead."""
         if self._skippable(t):
-            with self._lock:
-                self._counters.tensors_skipped += 1
-                self._counters.tensors_packed += 1
+            self.entries.skipped()
             return t
         key = storage_key(t)
         meta = view_meta(t)
         source = weakref.ref(t)
-        with self._lock:
-            layer_id = self._site_layer(record)
-            self._counters.tensors_packed += 1
-            entry = self._lookup(record, key)
-            if entry is not None:
-                self._add_use(entry, layer_id)
-                return Packed(entry, meta, self, t._version, source)
-            entry = self._new_entry(record, key, t, layer_id)
-            packed = Packed(entry, meta, self, t._version, source)
-        if entry.placement in MOVED:
-            self._submit_write(entry)
-        return packed
-
-    def _lookup(self, record: Record, key: Any) -> Optional[Entry]:
-        # See NOTE [Dedup identity].
-        entry = record.entries.get(key)
-        if entry is None or entry.state is EntryState.RELEASED:
-            return None
-        if entry.weak is not None and entry.weak.expired():
-            del record.entries[key]
-            return None
-        return entry
-
-    def _add_use(self, entry: Entry, layer_id: Hashable) -> None:
-        entry.refs += 1
-        self._counters.bytes_deduplicated += entry.nbytes
-        if layer_id != entry.layer and layer_id not in entry.also_layers:
-            entry.also_layers.append(layer_id)
-            entry.record.add_layer_entry(layer_id, entry)
-            if self.policy.layer(layer_id) not in MOVED:
-                entry.pinned = True
-
-    def _new_entry(self, record: Record, key: Any, t: torch.Tensor, layer_id: Hashable) -> Entry:
-        data = storage_bytes(t)
-        nbytes = data.numel()
-        site = None
-        if nbytes >= self.config.min_tensor_bytes:
-            site = record.sites.get(layer_id, 0)  # NOTE [Sites] in planner/profile.py
-            record.sites[layer_id] = site + 1
-        placement = self.policy.tensor(layer_id, site)  # NOTE [One placement policy]
-        entry = Entry(key, nbytes, t.device, layer_id, placement, record, weak=storage_weakref(t), refs=1, site=site)
-        entry.releasable = self._return_pages and placement is Placement.OFFLOAD and allocator_owned(t)
-        self._set_data(entry, data)
-        record.entries[key] = entry
-        record.live += 1
-        record.add_layer_entry(layer_id, entry)
-        lc = self._counters.layers.setdefault(layer_id, LayerCounters())
-        if site is None:
-            lc.small_bytes += nbytes
-        else:
-            lc.saved_bytes += nbytes
-            if site < len(lc.site_bytes):
-                lc.site_bytes[site] += nbytes
-            else:
-                lc.site_bytes.append(nbytes)
-        if placement is Placement.KEEP:
-            self._counters.bytes_kept += nbytes
-        return entry
-
-    def _set_data(self, entry: Entry, data: Optional[torch.Tensor]) -> None:
-        old = entry.nbytes if entry.data is not None else 0
-        new = entry.nbytes if data is not None else 0
-        entry.data = data
-        self._resident += new - old
-        if self._resident > self._counters.peak_resident_bytes:
-            self._counters.peak_resident_bytes = self._resident
+        with self.entries.lock:
+            entry, moves = self.entries.saved(record, key, t, self._site_layer(record))
+        if moves:
+            self.entries.write(entry)
+        return Packed(entry, meta, self, t._version, source)
 
     def unpack(self, packed: Packed) -> torch.Tensor:
         """Return the tensor ``packed`` stands for, waiting for its read if needed.
@@ -338,37 +269,7 @@ class TensorCache(ScopeMixin, TransferMixin, StepAccountingMixin):
                 f"version {packed.version} at save, {original._version} now"
             )
         entry = packed.entry
-        future: Optional[IOFuture] = None
-        with self._lock:
-            if self._closed:
-                raise CacheStateError("unpack after close(): the cache's files are gone")
-            if entry.state is EntryState.ON_DISK:
-                self._counters.late_reads += 1
-                self._submit_read(entry)
-            if entry.state is EntryState.READING:
-                future = entry.read_future
-            else:
-                self._note_forwarded(entry)
-                data = entry.data
-        if future is not None:
-            started = time.perf_counter()
-            try:
-                future.get()
-            except OffloadIOError as err:
-                named = type(err)(f"{err} (tensor {packed.meta.size} {packed.meta.dtype}, layer {entry.layer!r})")
-                named.errno = err.errno
-                raise named from err
-            finally:
-                with self._lock:
-                    waited = time.perf_counter() - started
-                    self._counters.stall_s += waited
-                    running = self._bwd_clock.get(id(entry.record))
-                    lc = self._counters.layers.get(running[0] if running else entry.layer)
-                    if lc is not None:
-                        lc.stall_s += waited
-            data = entry.data
-        if data is None:
-            raise CacheStateError(f"saved tensor of layer {entry.layer!r} has no data (state {entry.state.value})")
+        data = self.entries.needed(entry, f"tensor {packed.meta.size} {packed.meta.dtype}, layer {entry.layer!r}")
         return restore(data, packed.meta)
 
     # ------------------------------------------------------------------ backward
@@ -380,77 +281,29 @@ class TensorCache(ScopeMixin, TransferMixin, StepAccountingMixin):
         those of the layers before it in forward order whose read-ahead (``set_plan``'s
         ``read_ahead``, else ``prefetch_layers``) reaches this layer.
         """
-        now = time.perf_counter()
-        with self._lock:
-            self._clock_backward(record, layer_id, now)
-            order = record.layer_order
-            if layer_id not in order:
-                return
-            i = order.index(layer_id)
-            for k in range(i, -1, -1):
-                target = order[k]
-                if k != i and k + self.policy.read_ahead(target) < i:
-                    continue
-                if target not in record.prefetched:
-                    record.prefetched.add(target)
-                    self._prefetch(record, target)
+        self.entries.backward_started(record, layer_id)
 
-    def _clock_backward(self, record: Record, layer_id: Hashable, now: float) -> None:
-        last = self._bwd_clock.get(id(record))
-        if last is not None:
-            lc = self._counters.layers.get(last[0])
-            if lc is not None:
-                lc.backward_s += now - last[1]
-        self._bwd_clock[id(record)] = (layer_id, now)
+    def _unref(self, entry) -> None:
+        """A ``Packed`` of ``entry`` was dropped (NOTE [Entry lifetime])."""
+        if not self._closed:
+            self.entries.released(entry)
 
-    # ------------------------------------------------------------------ release
-
-    def _unref(self, entry: Entry) -> None:
-        if self._closed:
-            return
-        with self._lock:
-            entry.refs -= 1
-            if entry.refs > 0 or entry.state is EntryState.RELEASED:
-                return
-            reading = entry.state is EntryState.READING
-            entry.state = EntryState.RELEASED
-            entry.weak = None  # NOTE [No reference cycles]: frees the storage's C++ object now
-            # See NOTE [Entry lifetime]: a read in flight still fills ``data`` (its
-            # callback drops it); a write in flight keeps its own reference to the
-            # source and its callback frees the disk copy.
-            if not reading:
-                self._set_data(entry, None)
-                if entry.write_future is None:
-                    self._free_disk(entry)
-            record = entry.record
-            if record.entries.get(entry.key) is entry:
-                del record.entries[entry.key]
-            record.live -= 1
-            self._maybe_retire(record)
-
-    def _maybe_retire(self, record: Record) -> None:
-        if record.forward_done and record.live <= 0 and self._records.get(record.key) is record:
-            del self._records[record.key]
-            # NOTE [No reference cycles]: entries point back at the record.
-            record.entries.clear()
-            record.layer_entries.clear()
-            record.prefetched.clear()
-            last = self._bwd_clock.pop(id(record), None)
-            if last is not None and last[0] in self._counters.layers:
-                self._counters.layers[last[0]].backward_s += time.perf_counter() - last[1]
+    def drain(self) -> None:
+        """Wait until every queued write has completed (or failed)."""
+        self.entries.drain()
 
     # ------------------------------------------------------------------ step / close
 
     @property
     def resident_bytes(self) -> int:
         """Bytes of saved activations the cache holds in memory right now."""
-        return self._resident
+        return self.entries.resident
 
     @property
     def open_records(self) -> List[Hashable]:
         """Keys of records whose forward or backward is not finished."""
-        with self._lock:
-            return list(self._records)
+        with self.entries.lock:
+            return list(self.entries.records)
 
     def _check_open(self) -> None:
         if self._closed:
@@ -465,9 +318,8 @@ class TensorCache(ScopeMixin, TransferMixin, StepAccountingMixin):
         self._hook_handles.clear()
         for store in self.stores.values():
             store.close()
-        with self._lock:
-            self._closed = True
-            self._records.clear()
+        self.entries.close()
+        self._closed = True
         EXIT_GUARD.discard(self)
 
     def _remove_files_now(self) -> None:

@@ -2,8 +2,6 @@
 I/O completes when the test says, in the order it chooses, never by timing."""
 
 import copy
-import errno
-from typing import List, Optional, Tuple
 
 import pytest
 import torch
@@ -12,71 +10,8 @@ from megatron_ssd import OffloadConfig, TensorCache
 from megatron_ssd.config import OUTSIDE
 from megatron_ssd.cache.record import EntryState
 from megatron_ssd.errors import OffloadIOError
-from megatron_ssd.io.base import Engine, EngineStats, Extent, IOFuture, SwapHandle
 
-
-class ScriptedEngine(Engine):
-    """Holds blobs in memory. Writes complete only when :meth:`complete_writes` (or
-    :meth:`fail_writes`) runs; reads complete at once unless ``fail_reads`` is set, in
-    which case they fail with EIO. ``refuse`` makes every write return None
-    (backpressure)."""
-
-    def __init__(self) -> None:
-        self.blobs = {}
-        self.pending: List[Tuple[IOFuture, SwapHandle, torch.Tensor]] = []
-        self.fail_reads = False
-        self.refuse = False
-        self.freed = 0
-        self.reads = 0
-        self._next = 0
-
-    @property
-    def paths(self):
-        return ()
-
-    def write(self, src: torch.Tensor, block: bool = True) -> Optional[IOFuture]:
-        if self.refuse:
-            return None
-        self._next += 1
-        handle = SwapHandle(src.numel(), (Extent(0, self._next, src.numel(), 0),))
-        fut: IOFuture = IOFuture(src.numel())
-        self.pending.append((fut, handle, src.clone()))
-        return fut
-
-    def complete_writes(self) -> int:
-        done, self.pending = self.pending, []
-        for fut, handle, data in done:
-            self.blobs[handle.extents[0].offset] = data
-            fut.set_result(handle)
-        return len(done)
-
-    def fail_writes(self) -> None:
-        done, self.pending = self.pending, []
-        for fut, _, _ in done:
-            fut.set_error(io_error("scripted write failure", errno.ENOSPC))
-
-    def read(self, handle: SwapHandle, dst: torch.Tensor) -> IOFuture:
-        self.reads += 1
-        fut: IOFuture = IOFuture(handle.nbytes)
-        if self.fail_reads:
-            fut.set_error(io_error("scripted read failure", errno.EIO))
-        else:
-            dst[: handle.nbytes].copy_(self.blobs[handle.extents[0].offset])
-            fut.set_result(dst)
-        return fut
-
-    def alloc(self, nbytes: int, device: torch.device, handle: Optional[SwapHandle] = None) -> torch.Tensor:
-        return torch.empty(nbytes, dtype=torch.uint8, device=device)
-
-    def free(self, handle: SwapHandle) -> None:
-        self.blobs.pop(handle.extents[0].offset, None)
-        self.freed += 1
-
-    def stats(self) -> EngineStats:
-        return EngineStats()
-
-    def close(self) -> None:
-        pass
+from scripted import ScriptedEngine
 
 
 def model_and_batch(layers: int = 3):
@@ -109,12 +44,6 @@ def forward(cache, model, batch):
     with cache.microbatch() as record:
         loss = model(batch).square().mean()
     return loss, entries(record)
-
-
-def io_error(message: str, code: int) -> OffloadIOError:
-    err = OffloadIOError(message)
-    err.errno = code
-    return err
 
 
 def test_write_then_read_back_in_order():

@@ -23,20 +23,20 @@ def test_the_cache_issues_each_read_at_its_read_ahead(offload_dir):
         cache.set_plan({i: "offload" for i in range(6)}, read_ahead={0: 4, 2: 3})
         assert cache.read_ahead() == {0: 4, 2: 3}
         issued = []
-        real = cache._prefetch
+        real = cache.entries._prefetch
         running = []
 
         def record_prefetch(record, layer_id):
             issued.append((running[-1], layer_id))
             return real(record, layer_id)
 
-        real_started = cache.backward_started
+        real_started = cache.entries.backward_started
 
         def started(record, layer_id):
             running.append(layer_id)
             return real_started(record, layer_id)
 
-        cache._prefetch, cache.backward_started = record_prefetch, started
+        cache.entries._prefetch, cache.entries.backward_started = record_prefetch, started
         with cache.microbatch():
             loss = model(batch)
         loss.backward()

@@ -1,0 +1,427 @@
+"""The entry table: the state machine of the tensor cache's saved tensors.
+
+:class:`EntryTable` owns every entry and record, the lock all their transitions happen
+under, the step's counters and the count of resident bytes. It has one method per
+event of NOTE [Entry lifetime] (``record.py``):
+
+=====================  ==================================================================
+event                  method
+=====================  ==================================================================
+micro-batch opens      :meth:`EntryTable.open`
+tensor saved           :meth:`EntryTable.saved` (then :meth:`EntryTable.write` outside the
+                       lock, when the entry moves)
+write done             ``_write_done`` (an engine thread)
+layer backward starts  :meth:`EntryTable.backward_started` (issues the reads due)
+tensor needed          :meth:`EntryTable.needed` (backward unpacks it)
+read done              ``_read_done`` (an engine thread)
+tensor released        :meth:`EntryTable.released` (autograd dropped its last use)
+forward ends           :meth:`EntryTable.forward_ended`
+step ends              :meth:`EntryTable.take_step`
+=====================  ==================================================================
+
+It decides no placement: :class:`~megatron_ssd.cache.policy.PlacementPolicy` does
+(NOTE [One placement policy]). It moves no bytes itself: each moved entry goes to the
+:class:`~megatron_ssd.io.store.BlobStore` its placement names (NOTE [Blob stores]).
+``tests/cache/test_entry_events.py`` drives it through a scripted store that completes
+I/O in chosen orders.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from functools import partial
+from typing import Any, Dict, Hashable, Mapping, Optional, Set, Tuple
+
+import torch
+
+from ..config import MOVED, OUTSIDE, OffloadConfig, Placement
+from ..errors import CacheStateError, OffloadIOError
+from ..io.base import IOFuture
+from ..io.store import BlobStore
+from .identity import StorageKey, storage_bytes, storage_weakref
+from .pages import allocator_owned, release_pages
+from .policy import PlacementPolicy
+from .record import Entry, EntryState, Record
+from .stats import Counters, LayerCounters
+
+__all__ = ["EntryTable"]
+
+logger = logging.getLogger("megatron_ssd")
+
+
+class EntryTable:
+    """Entries and records of the micro-batches in flight, and their transitions.
+
+    Args:
+        config: ``min_tensor_bytes`` (what has a site) and ``io.on_backpressure``.
+        policy: decides each new entry's placement and read-aheads.
+        stores: the blob store of each moved placement.
+        return_pages: give a written entry's pages back to the system (NOTE [Returning
+            freed pages]).
+    """
+
+    def __init__(self, config: OffloadConfig, policy: PlacementPolicy, stores: Mapping[Placement, BlobStore],
+                 return_pages: bool) -> None:
+        self.config = config
+        self.policy = policy
+        self.stores = stores
+        self.return_pages = return_pages
+        self.lock = threading.RLock()
+        """Guards every field below and every entry and record."""
+        self.counters = Counters()
+        """The step's counters, swapped by :meth:`take_step`."""
+        self.resident = 0
+        """Bytes of saved tensors held in memory now."""
+        self.records: Dict[Hashable, Record] = {}
+        """Records whose forward or backward is not finished, by key."""
+        self.closed = False
+        self._writes: Set[IOFuture] = set()
+        self._bwd_clock: Dict[int, Tuple[Hashable, float]] = {}
+
+    # ------------------------------------------------------------------ records
+
+    def open(self, key: Hashable) -> Record:
+        """A micro-batch forward starts: its new record.
+
+        Raises:
+            CacheStateError: a record with ``key`` is still open.
+        """
+        record = Record(key)
+        with self.lock:
+            self.counters.microbatches += 1
+            if key in self.records:
+                raise CacheStateError(f"microbatch key {key!r} is already open; keys must be unique in flight")
+            self.records[key] = record
+        return record
+
+    def forward_ended(self, record: Record) -> None:
+        """The record's forward is over; it retires when its last entry is released."""
+        with self.lock:
+            record.forward_done = True
+            for outside in OUTSIDE:  # NOTE [Sites outside the layers] in tensor_cache.py
+                if outside in record.layer_entries:
+                    self.layer(outside).microbatches += 1
+            self._maybe_retire(record)
+
+    def layer(self, layer_id: Hashable) -> LayerCounters:
+        """The step's counters of ``layer_id`` (created on first use). Caller holds the lock."""
+        lc = self.counters.layers.get(layer_id)
+        if lc is None:
+            lc = self.counters.layers[layer_id] = LayerCounters()
+        return lc
+
+    # ------------------------------------------------------------------ saved
+
+    def saved(self, record: Record, key: StorageKey, t: torch.Tensor, layer_id: Hashable) -> Tuple[Entry, bool]:
+        """``t`` is saved for backward in ``layer_id``: its entry, and whether it is new
+        and moves (then call :meth:`write` outside the lock). A storage the record holds
+        already gains a use (NOTE [Dedup identity])."""
+        with self.lock:
+            self.counters.tensors_packed += 1
+            entry = self._lookup(record, key)
+            if entry is not None:
+                self._add_use(entry, layer_id)
+                return entry, False
+            entry = self._new_entry(record, key, t, layer_id)
+            return entry, entry.placement in MOVED
+
+    def skipped(self) -> None:
+        """A saved tensor the cache leaves alone (a parameter, another device)."""
+        with self.lock:
+            self.counters.tensors_skipped += 1
+            self.counters.tensors_packed += 1
+
+    def _lookup(self, record: Record, key: Any) -> Optional[Entry]:
+        # See NOTE [Dedup identity].
+        entry = record.entries.get(key)
+        if entry is None or entry.state is EntryState.RELEASED:
+            return None
+        if entry.weak is not None and entry.weak.expired():
+            del record.entries[key]
+            return None
+        return entry
+
+    def _add_use(self, entry: Entry, layer_id: Hashable) -> None:
+        entry.refs += 1
+        self.counters.bytes_deduplicated += entry.nbytes
+        if layer_id != entry.layer and layer_id not in entry.also_layers:
+            entry.also_layers.append(layer_id)
+            entry.record.add_layer_entry(layer_id, entry)
+            if self.policy.layer(layer_id) not in MOVED:
+                entry.pinned = True
+
+    def _new_entry(self, record: Record, key: Any, t: torch.Tensor, layer_id: Hashable) -> Entry:
+        data = storage_bytes(t)
+        nbytes = data.numel()
+        site = None
+        if nbytes >= self.config.min_tensor_bytes:
+            site = record.sites.get(layer_id, 0)  # NOTE [Sites] in planner/profile.py
+            record.sites[layer_id] = site + 1
+        placement = self.policy.tensor(layer_id, site)  # NOTE [One placement policy]
+        entry = Entry(key, nbytes, t.device, layer_id, placement, record, weak=storage_weakref(t), refs=1, site=site)
+        entry.releasable = self.return_pages and placement is Placement.OFFLOAD and allocator_owned(t)
+        self._set_data(entry, data)
+        record.entries[key] = entry
+        record.live += 1
+        record.add_layer_entry(layer_id, entry)
+        lc = self.layer(layer_id)
+        if site is None:
+            lc.small_bytes += nbytes
+        else:
+            lc.saved_bytes += nbytes
+            if site < len(lc.site_bytes):
+                lc.site_bytes[site] += nbytes
+            else:
+                lc.site_bytes.append(nbytes)
+        if placement is Placement.KEEP:
+            self.counters.bytes_kept += nbytes
+        return entry
+
+    def _set_data(self, entry: Entry, data: Optional[torch.Tensor]) -> None:
+        old = entry.nbytes if entry.data is not None else 0
+        new = entry.nbytes if data is not None else 0
+        entry.data = data
+        self.resident += new - old
+        if self.resident > self.counters.peak_resident_bytes:
+            self.counters.peak_resident_bytes = self.resident
+
+    # ------------------------------------------------------------------ writes
+
+    def write(self, entry: Entry) -> None:
+        """Queue a new moved entry's write to its placement's store.
+
+        Called without the lock: a blocking write waits for engine threads whose
+        completion callbacks take it. A write the store refuses (backpressure) keeps the
+        entry in memory.
+        """
+        store = self.stores[entry.placement]
+        block = self.config.io.on_backpressure == "wait"
+        started = time.perf_counter()
+        future = store.put(entry.data, block=block)  # the host pool never blocks (NOTE [Host pool bound])
+        waited = time.perf_counter() - started
+        with self.lock:
+            lc = self.layer(entry.layer)
+            lc.write_wait_s += waited
+            if future is None:
+                entry.placement = Placement.KEEP
+                self.counters.backpressure_keeps += 1
+                self.counters.bytes_kept += entry.nbytes
+                return
+            lc.add_queued(store.kind, entry.nbytes)
+            entry.store = store
+            entry.state = EntryState.WRITING
+            entry.write_future = future
+            self._writes.add(future)
+        future.add_done_callback(partial(self._write_done, entry))
+
+    def _write_done(self, entry: Entry, future: IOFuture) -> None:
+        # See NOTE [Entry lifetime]. Runs on an engine thread.
+        error = future.error()
+        with self.lock:
+            entry.write_future = None
+            self._writes.discard(future)
+            if error is not None:
+                self.counters.write_fallbacks += 1
+                self.counters.bytes_fallen_back += entry.nbytes
+                logger.warning(
+                    "megatron_ssd: write of %d bytes (layer %r) failed, kept in memory instead: %s",
+                    entry.nbytes, entry.layer, error,
+                )
+                if entry.state is not EntryState.RELEASED:
+                    entry.state = EntryState.RESIDENT
+                    entry.placement = Placement.KEEP
+                return
+            entry.handle = future.get()
+            entry.store.stored(entry.handle)
+            if entry.state is EntryState.RELEASED:
+                self._free_disk(entry)
+            elif entry.pinned or entry.wanted:
+                entry.state = EntryState.LOADED
+                self._free_disk(entry)
+            else:
+                entry.state = EntryState.ON_DISK
+                if entry.releasable:  # NOTE [Returning freed pages]
+                    self.counters.bytes_returned += release_pages(entry.data)
+                self._set_data(entry, None)
+
+    def drain(self) -> None:
+        """Wait until every queued write has completed (or failed)."""
+        with self.lock:
+            pending = list(self._writes)
+        for future in pending:
+            _wait(future)
+
+    # ------------------------------------------------------------------ reads
+
+    def backward_started(self, record: Record, layer_id: Hashable) -> None:
+        """``layer_id``'s backward begins in ``record``: issue the reads due now,
+        needed-first (this layer's, then those of earlier layers whose read-ahead reaches
+        it, NOTE [Write and read issue points] in ``planner/timeline.py``)."""
+        now = time.perf_counter()
+        with self.lock:
+            self._clock_backward(record, layer_id, now)
+            order = record.layer_order
+            if layer_id not in order:
+                return
+            i = order.index(layer_id)
+            for k in range(i, -1, -1):
+                target = order[k]
+                if k != i and k + self.policy.read_ahead(target) < i:
+                    continue
+                if target not in record.prefetched:
+                    record.prefetched.add(target)
+                    self._prefetch(record, target)
+
+    def _clock_backward(self, record: Record, layer_id: Hashable, now: float) -> None:
+        last = self._bwd_clock.get(id(record))
+        if last is not None:
+            lc = self.counters.layers.get(last[0])
+            if lc is not None:
+                lc.backward_s += now - last[1]
+        self._bwd_clock[id(record)] = (layer_id, now)
+
+    def _prefetch(self, record: Record, layer_id: Hashable) -> None:
+        # Last saved first: a layer's backward uses its saved tensors roughly in reverse
+        # save order, so the engine's queue gets them in the order they are needed.
+        for entry in reversed(record.layer_entries.get(layer_id, ())):
+            if entry.state is EntryState.ON_DISK:
+                self._submit_read(entry)
+            elif entry.state in (EntryState.WRITING, EntryState.LOADED):
+                self._note_forwarded(entry)
+
+    def _submit_read(self, entry: Entry) -> None:
+        # Caller holds the lock.
+        dst, entry.read_future = entry.store.get(entry.handle, entry.device)
+        self._set_data(entry, dst)
+        entry.state = EntryState.READING
+        entry.reloaded = True
+        entry.read_future.add_done_callback(partial(self._read_done, entry))
+
+    def _read_done(self, entry: Entry, future: IOFuture) -> None:
+        with self.lock:
+            if future.error() is None:
+                entry.store.fetched(entry.handle)
+            if entry.state is EntryState.RELEASED:
+                self._free_disk(entry)
+                self._set_data(entry, None)
+                return
+            if future.error() is None:
+                entry.state = EntryState.LOADED
+                entry.read_future = None
+                self._free_disk(entry)
+
+    def _note_forwarded(self, entry: Entry) -> None:
+        if entry.placement in MOVED and not entry.wanted:
+            entry.wanted = True
+            if entry.state in (EntryState.WRITING, EntryState.LOADED) and not entry.reloaded:
+                self.counters.bytes_forwarded += entry.nbytes
+
+    def needed(self, entry: Entry, name: str = "") -> torch.Tensor:
+        """Backward unpacks ``entry``: its bytes, after waiting for its read (issued
+        now when none was: a late read).
+
+        Raises:
+            CacheStateError: the cache is closed, or the entry has no data.
+            OffloadIOError: the read failed (named with ``name``, else the entry's layer).
+        """
+        future: Optional[IOFuture] = None
+        with self.lock:
+            if self.closed:
+                raise CacheStateError("unpack after close(): the cache's files are gone")
+            if entry.state is EntryState.ON_DISK:
+                self.counters.late_reads += 1
+                self._submit_read(entry)
+            if entry.state is EntryState.READING:
+                future = entry.read_future
+            else:
+                self._note_forwarded(entry)
+                data = entry.data
+        if future is not None:
+            started = time.perf_counter()
+            try:
+                future.get()
+            except OffloadIOError as err:
+                named = type(err)(f"{err} ({name or f'layer {entry.layer!r}'})")
+                named.errno = err.errno
+                raise named from err
+            finally:
+                with self.lock:
+                    waited = time.perf_counter() - started
+                    self.counters.stall_s += waited
+                    running = self._bwd_clock.get(id(entry.record))
+                    lc = self.counters.layers.get(running[0] if running else entry.layer)
+                    if lc is not None:
+                        lc.stall_s += waited
+            data = entry.data
+        if data is None:
+            raise CacheStateError(f"saved tensor of layer {entry.layer!r} has no data (state {entry.state.value})")
+        return data
+
+    # ------------------------------------------------------------------ release
+
+    def released(self, entry: Entry) -> None:
+        """One use of ``entry`` is gone (autograd dropped a ``Packed``); the last frees
+        its memory and disk copy (NOTE [Entry lifetime])."""
+        if self.closed:
+            return
+        with self.lock:
+            entry.refs -= 1
+            if entry.refs > 0 or entry.state is EntryState.RELEASED:
+                return
+            reading = entry.state is EntryState.READING
+            entry.state = EntryState.RELEASED
+            entry.weak = None  # NOTE [No reference cycles]: frees the storage's C++ object now
+            # See NOTE [Entry lifetime]: a read in flight still fills ``data`` (its
+            # callback drops it); a write in flight keeps its own reference to the
+            # source and its callback frees the disk copy.
+            if not reading:
+                self._set_data(entry, None)
+                if entry.write_future is None:
+                    self._free_disk(entry)
+            record = entry.record
+            if record.entries.get(entry.key) is entry:
+                del record.entries[entry.key]
+            record.live -= 1
+            self._maybe_retire(record)
+
+    def _free_disk(self, entry: Entry) -> None:
+        if entry.handle is not None:
+            entry.store.discard(entry.handle)
+            entry.handle = None
+
+    def _maybe_retire(self, record: Record) -> None:
+        if record.forward_done and record.live <= 0 and self.records.get(record.key) is record:
+            del self.records[record.key]
+            # NOTE [No reference cycles]: entries point back at the record.
+            record.entries.clear()
+            record.layer_entries.clear()
+            record.prefetched.clear()
+            last = self._bwd_clock.pop(id(record), None)
+            if last is not None and last[0] in self.counters.layers:
+                self.counters.layers[last[0]].backward_s += time.perf_counter() - last[1]
+
+    # ------------------------------------------------------------------ step / close
+
+    def take_step(self) -> Counters:
+        """The step's counters; new ones start, their peak at what is resident now.
+        Caller holds the lock."""
+        counters = self.counters
+        self.counters = Counters(peak_resident_bytes=self.resident)
+        return counters
+
+    def close(self) -> None:
+        """Forget every record; later events are ignored (the stores are closed by the
+        cache)."""
+        with self.lock:
+            self.closed = True
+            self.records.clear()
+
+
+def _wait(future: IOFuture) -> None:
+    """Wait for ``future`` without raising its error (callbacks handle errors)."""
+    try:
+        future.get()
+    except Exception:  # noqa: BLE001 - the write callback already recorded the failure
+        pass

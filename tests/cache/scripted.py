@@ -1,0 +1,97 @@
+"""A scripted I/O engine for the entry state machine's tests: I/O completes when the
+test says, in the order it chooses, never by timing."""
+
+import errno
+from typing import List, Optional, Tuple
+
+import torch
+
+from megatron_ssd.errors import OffloadIOError
+from megatron_ssd.io.base import Engine, EngineStats, Extent, IOFuture, SwapHandle
+
+__all__ = ["ScriptedEngine", "io_error"]
+
+
+def io_error(message: str, code: int) -> OffloadIOError:
+    err = OffloadIOError(message)
+    err.errno = code
+    return err
+
+
+class ScriptedEngine(Engine):
+    """Holds blobs in memory. Writes complete only when :meth:`complete_writes` (or
+    :meth:`fail_writes`) runs; reads complete at once unless ``fail_reads`` is set, in
+    which case they fail with EIO, or ``hold_reads``, in which case they complete when
+    :meth:`complete_reads` runs. ``refuse`` makes every write return None
+    (backpressure)."""
+
+    def __init__(self) -> None:
+        self.blobs = {}
+        self.pending: List[Tuple[IOFuture, SwapHandle, torch.Tensor]] = []
+        self.fail_reads = False
+        self.hold_reads = False
+        self.held: List[Tuple[IOFuture, SwapHandle, torch.Tensor]] = []
+        self.refuse = False
+        self.freed = 0
+        self.reads = 0
+        self._next = 0
+
+    @property
+    def paths(self):
+        return ()
+
+    def write(self, src: torch.Tensor, block: bool = True) -> Optional[IOFuture]:
+        if self.refuse:
+            return None
+        self._next += 1
+        handle = SwapHandle(src.numel(), (Extent(0, self._next, src.numel(), 0),))
+        fut: IOFuture = IOFuture(src.numel())
+        self.pending.append((fut, handle, src.clone()))
+        return fut
+
+    def complete_writes(self) -> int:
+        done, self.pending = self.pending, []
+        for fut, handle, data in done:
+            self.blobs[handle.extents[0].offset] = data
+            fut.set_result(handle)
+        return len(done)
+
+    def fail_writes(self) -> None:
+        done, self.pending = self.pending, []
+        for fut, _, _ in done:
+            fut.set_error(io_error("scripted write failure", errno.ENOSPC))
+
+    def read(self, handle: SwapHandle, dst: torch.Tensor) -> IOFuture:
+        self.reads += 1
+        fut: IOFuture = IOFuture(handle.nbytes)
+        if self.hold_reads:
+            self.held.append((fut, handle, dst))
+        else:
+            self._finish_read(fut, handle, dst)
+        return fut
+
+    def complete_reads(self) -> int:
+        done, self.held = self.held, []
+        for fut, handle, dst in done:
+            self._finish_read(fut, handle, dst)
+        return len(done)
+
+    def _finish_read(self, fut: IOFuture, handle: SwapHandle, dst: torch.Tensor) -> None:
+        if self.fail_reads:
+            fut.set_error(io_error("scripted read failure", errno.EIO))
+        else:
+            dst[: handle.nbytes].copy_(self.blobs[handle.extents[0].offset])
+            fut.set_result(dst)
+
+    def alloc(self, nbytes: int, device: torch.device, handle: Optional[SwapHandle] = None) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8, device=device)
+
+    def free(self, handle: SwapHandle) -> None:
+        self.blobs.pop(handle.extents[0].offset, None)
+        self.freed += 1
+
+    def stats(self) -> EngineStats:
+        return EngineStats()
+
+    def close(self) -> None:
+        pass
