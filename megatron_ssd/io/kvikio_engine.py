@@ -1,10 +1,10 @@
 """The kvikio engine: GPUDirect Storage reads and writes straight from CUDA memory.
 
-Same layout, striping, backpressure and checksums as :class:`PosixEngine` (it is one,
-with the CUDA block path replaced): a CUDA block is moved by ``kvikio.CuFile.pwrite`` /
-``pread`` between device memory and the file, with no host staging when GDS is active
-(kvikio falls back to its own bounce buffers in compatibility mode). CPU tensors take
-the POSIX path.
+Same layout, striping, backpressure and checksums as :class:`PosixEngine`: both are a
+:class:`~megatron_ssd.io.striped.StripedEngine` with a peer backend (NOTE [Block
+backends]). A CUDA block is moved by ``kvikio.CuFile.pwrite`` / ``pread`` between device
+memory and the file, with no host staging when GDS is active (kvikio falls back to its
+own bounce buffers in compatibility mode). CPU tensors take the POSIX backend's path.
 
 kvikio loads ``libcuda.so.1`` on every file operation, even for host memory, so this
 engine needs a GPU. Importing this module never imports kvikio; constructing the engine
@@ -21,6 +21,7 @@ import importlib
 import importlib.util
 import threading
 import time
+from functools import partial
 from typing import Any, Dict, Optional
 
 import torch
@@ -28,11 +29,12 @@ import torch
 from ..config import OffloadConfig
 from ..errors import ConfigError, OffloadIOError
 from .checksum import digest
+from .backend import BlockBackend
 from .layout import ExtentLayout, Fault, io_error
-from .posix import PosixEngine
-from .striped import BlobOp, Block
+from .posix import PosixBackend
+from .striped import BlobOp, Block, StripedEngine
 
-__all__ = ["KvikioEngine", "kvikio_available"]
+__all__ = ["KvikioBackend", "KvikioEngine", "kvikio_available"]
 
 
 def kvikio_available() -> bool:
@@ -57,21 +59,39 @@ def _import_kvikio() -> Any:
         raise ConfigError(f"IOConfig.engine = 'kvikio': importing kvikio failed: {e!r}") from e
 
 
-class KvikioEngine(PosixEngine):
-    """GPUDirect Storage engine for CUDA tensors; see the module docstring.
+class KvikioEngine(StripedEngine):
+    """GPUDirect Storage engine for CUDA tensors: a :class:`StripedEngine` whose blocks
+    move with :class:`KvikioBackend`; see the module docstring.
 
     Args:
         config: Offload settings (``paths`` and ``io``).
         rank: Rank used in run directory names.
-        fault: Optional fault-injection hook (see :class:`PosixEngine`).
+        fault: Optional fault-injection hook (see :class:`~megatron_ssd.io.posix.PosixEngine`).
 
     Raises:
         ConfigError: kvikio is not installed, CUDA is not available, or a path is bad.
     """
 
     def __init__(self, config: OffloadConfig, rank: Optional[int] = None, fault: Optional[Fault] = None) -> None:
-        self._kvikio = _import_kvikio()
-        super().__init__(config, rank, fault)
+        kvikio = _import_kvikio()
+        super().__init__(config, partial(KvikioBackend, kvikio=kvikio), rank, fault)
+
+
+class KvikioBackend(BlockBackend):
+    """Moves CUDA blocks with ``kvikio.CuFile`` and host blocks with a
+    :class:`~megatron_ssd.io.posix.PosixBackend` of its own, whose staging pool and side
+    streams also serve the device checksums (NOTE [Block backends]).
+
+    Args:
+        engine: the engine it serves.
+        kvikio: the imported kvikio module.
+    """
+
+    def __init__(self, engine: StripedEngine, kvikio: Any) -> None:
+        super().__init__(engine)
+        self.kvikio = kvikio
+        self.host = PosixBackend(engine)
+        """The POSIX path: host tensors, staging buffers, CUDA ordering events."""
         self._cufiles: Dict[str, Any] = {}
         self._cufiles_lock = threading.Lock()
 
@@ -82,8 +102,8 @@ class KvikioEngine(PosixEngine):
     # block only.
 
     def _with_cufile(self, file: str, fn: Any) -> Any:
-        if not isinstance(self._layout, ExtentLayout):
-            f = self._kvikio.CuFile(file, "r+")
+        if not isinstance(self.engine.layout, ExtentLayout):
+            f = self.kvikio.CuFile(file, "r+")
             try:
                 return fn(f)
             finally:
@@ -91,20 +111,21 @@ class KvikioEngine(PosixEngine):
         with self._cufiles_lock:
             f = self._cufiles.get(file)
             if f is None:
-                f = self._cufiles[file] = self._kvikio.CuFile(file, "r+")
+                f = self._cufiles[file] = self.kvikio.CuFile(file, "r+")
         return fn(f)
 
     def _gds(self, op_name: str, block: Block, part: torch.Tensor) -> None:
         """One cuFile pwrite / pread of the block's payload; errors become OffloadIOError."""
-        token = self._watch(op_name, block.file, block.offset, block.nbytes)
+        engine = self.engine
+        token = engine.watch(op_name, block.file, block.offset, block.nbytes)
         try:
-            if self.fault is not None:
-                err = self.fault(op_name, block.file, block.offset, block.nbytes)
+            if engine.fault is not None:
+                err = engine.fault(op_name, block.file, block.offset, block.nbytes)
                 if err is not None:
                     raise err
             call = (lambda f: f.pwrite(part, block.nbytes, block.offset)) if op_name == "write" else (
                 lambda f: f.pread(part, block.nbytes, block.offset))
-            with self._io_slots:  # NOTE [I/O slots]
+            with engine.io_slots:  # NOTE [I/O slots]
                 moved = self._with_cufile(block.file, lambda f: call(f).get())
         except OffloadIOError:
             raise
@@ -113,27 +134,33 @@ class KvikioEngine(PosixEngine):
         except Exception as e:  # kvikio reports failures as RuntimeError
             raise io_error(op_name, block.file, block.offset, block.nbytes, OSError(errno.EIO, repr(e))) from e
         finally:
-            self._watch_end(token)
+            engine.watch_end(token)
         if moved != block.nbytes:
             short = OSError(errno.EIO, f"short {op_name} ({moved} of {block.nbytes} bytes)")
             raise io_error(op_name, block.file, block.offset, block.nbytes, short)
 
     def _device_digest(self, part: torch.Tensor) -> int:
         """Checksum of CUDA bytes, through a pinned staging buffer (checksums cost a D2H copy)."""
-        buf = self._pool.acquire()
+        buf = self.host.pool.acquire()
         try:
             started = time.perf_counter()
-            self._cuda_copy(buf[: part.numel()], part, part.device, None)
+            self.host.cuda_copy(buf[: part.numel()], part, part.device, None)
             value = digest(buf[: part.numel()].numpy())
-            self._count("checksum_s", time.perf_counter() - started)
+            self.engine.count("checksum_s", time.perf_counter() - started)
             return value
         finally:
-            self._pool.release(buf)
+            self.host.pool.release(buf)
 
-    def _write_block(self, op: BlobOp, block: Block) -> None:
+    def prepare(self, op: BlobOp) -> None:
+        self.host.prepare(op)  # the CUDA event both paths order on (NOTE [CUDA ordering])
+
+    def skew(self, src: torch.Tensor) -> int:
+        return self.host.skew(src)
+
+    def write_block(self, op: BlobOp, block: Block) -> None:
         src = op.tensor
         if not src.is_cuda:
-            return super()._write_block(op, block)
+            return self.host.write_block(op, block)
         # cuFile reads device memory outside stream order: wait on the host until the
         # kernels queued before write() produced the bytes (NOTE [CUDA ordering]).
         op.ready.synchronize()
@@ -142,18 +169,18 @@ class KvikioEngine(PosixEngine):
         if op.checksum:
             block.checksum = self._device_digest(part)
 
-    def _read_block(self, op: BlobOp, block: Block) -> None:
+    def read_block(self, op: BlobOp, block: Block) -> None:
         dst = op.tensor
         if not dst.is_cuda:
-            return super()._read_block(op, block)
+            return self.host.read_block(op, block)
         op.ready.synchronize()
         part = dst[block.blob_offset : block.blob_offset + block.nbytes]
         self._gds("read", block, part)
         if block.expected is not None:
-            self._verify(block, self._device_digest(part))
+            PosixBackend.verify(block, self._device_digest(part))
 
     def close(self) -> None:
-        super().close()
+        self.host.close()
         with self._cufiles_lock:
             files, self._cufiles = self._cufiles, {}
         for f in files.values():

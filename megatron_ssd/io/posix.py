@@ -36,13 +36,15 @@ from .base import ALIGN, align_up
 from .buffers import BufferPool, tensor_buffer
 from .checksum import ALGORITHM, Digest, format_digest
 from .layout import Fault, io_error
+from .backend import BlockBackend
 from .striped import BlobOp, Block, StripedEngine
 
-__all__ = ["PosixEngine"]
+__all__ = ["PosixBackend", "PosixEngine"]
 
 
 class PosixEngine(StripedEngine):
-    """O_DIRECT thread-pool engine; see the module docstring.
+    """O_DIRECT thread-pool engine: a :class:`StripedEngine` whose blocks move with
+    :class:`PosixBackend`; see the module docstring.
 
     Args:
         config: Offload settings (``paths`` and ``io``).
@@ -57,13 +59,30 @@ class PosixEngine(StripedEngine):
     """
 
     def __init__(self, config: OffloadConfig, rank: Optional[int] = None, fault: Optional[Fault] = None) -> None:
-        super().__init__(config, rank, fault)
-        try:
-            self._pool = BufferPool.from_config(config.io, pin=torch.cuda.is_available())
-        except BaseException:
-            self.close()
-            raise
-        self._mem_align = max(d.dio_mem_align for d in self._layout.run_dirs)
+        super().__init__(config, PosixBackend, rank, fault)
+
+
+class PosixBackend(BlockBackend):
+    """Moves blocks with ``pwrite`` / ``preadv`` (NOTE [Block backends]): host memory in
+    place where it is aligned as the device needs, the rest and CUDA memory through
+    pinned staging buffers.
+
+    Args:
+        engine: the engine it serves (its ``io`` settings, layout, slots and watchdog).
+    """
+
+    SKEW_MIN_BYTES = 1 << 20
+    """Blobs smaller than this are staged whole rather than skewed: below it one copy
+    costs less than the two extra page-sized requests for the head and the tail (256 KiB
+    blobs ran at 55% of ``dd`` staged and 27-29% skewed on the reference machine's
+    virtual disk)."""
+
+    def __init__(self, engine: StripedEngine) -> None:
+        super().__init__(engine)
+        self.pool = BufferPool.from_config(engine.io, pin=torch.cuda.is_available())
+        """Block-sized staging buffers, one per worker (NOTE [Staging buffers])."""
+        self.mem_align = max(d.dio_mem_align for d in engine.layout.run_dirs)
+        """The memory alignment O_DIRECT needs on these paths (``statx``)."""
         self._streams: Dict[int, "torch.cuda.Stream"] = {}
         self._streams_lock = threading.Lock()
 
@@ -74,20 +93,20 @@ class PosixEngine(StripedEngine):
     # a pending DMA. The skew before the payload (NOTE [Skewed blocks]) and the padding
     # after it, up to ALIGN, are zeroed so no stale memory reaches the disk.
 
-    # NOTE [CUDA ordering]: at submit time ``_prepare`` records an event on the caller's
+    # NOTE [CUDA ordering]: at submit time ``prepare`` records an event on the caller's
     # current stream. Side-stream copies wait on it: a write reads the tensor only
     # after the kernels that produced it, a read fills the destination only after the
     # work queued on its memory before the read was asked for. Every copy is
     # synchronized on the worker before the block is done, so a completed future means
     # the bytes are in place and no side-stream work still touches the tensor.
 
-    def _prepare(self, op: BlobOp) -> None:
+    def prepare(self, op: BlobOp) -> None:
         t = op.tensor
         if t is not None and t.is_cuda:
             op.ready = torch.cuda.Event()
             op.ready.record(torch.cuda.current_stream(t.device))
 
-    def _side_stream(self, device: torch.device) -> "torch.cuda.Stream":
+    def side_stream(self, device: torch.device) -> "torch.cuda.Stream":
         index = device.index if device.index is not None else torch.cuda.current_device()
         with self._streams_lock:
             stream = self._streams.get(index)
@@ -95,9 +114,9 @@ class PosixEngine(StripedEngine):
                 stream = self._streams[index] = torch.cuda.Stream(device=index)
             return stream
 
-    def _cuda_copy(self, dst: torch.Tensor, src: torch.Tensor, device: torch.device, ready: object) -> None:
+    def cuda_copy(self, dst: torch.Tensor, src: torch.Tensor, device: torch.device, ready: object) -> None:
         """``dst.copy_(src)`` on the side stream after event ``ready`` (if any); waits for it."""
-        stream = self._side_stream(device)
+        stream = self.side_stream(device)
         with torch.cuda.device(device), torch.cuda.stream(stream):
             if ready is not None:
                 stream.wait_event(ready)
@@ -108,17 +127,18 @@ class PosixEngine(StripedEngine):
 
     # ------------------------------------------------------------------------ syscalls
 
-    def _transfer(self, op_name: str, fd: int, view: memoryview, file: str, offset: int) -> None:
+    def transfer(self, op_name: str, fd: int, view: memoryview, file: str, offset: int) -> None:
         """Move all of ``view`` with pwrite / preadv, retrying short transfers."""
         done, total = 0, len(view)
-        token = self._watch(op_name, file, offset, total)
+        engine = self.engine
+        token = engine.watch(op_name, file, offset, total)
         try:
             while done < total:
-                if self.fault is not None:
-                    err = self.fault(op_name, file, offset + done, total - done)
+                if engine.fault is not None:
+                    err = engine.fault(op_name, file, offset + done, total - done)
                     if err is not None:
                         raise err
-                with self._io_slots:  # NOTE [I/O slots]
+                with engine.io_slots:  # NOTE [I/O slots]
                     if op_name == "write":
                         n = os.pwrite(fd, view[done:], offset + done)
                     else:
@@ -126,13 +146,13 @@ class PosixEngine(StripedEngine):
                 if n <= 0:
                     raise OSError(errno.EIO, f"short {op_name} ({done} of {total} bytes)")
                 done += n
-                self._watch_progress(token, offset + done, total - done)
+                engine.watch_progress(token, offset + done, total - done)
         except OffloadIOError:
             raise
         except OSError as e:
             raise io_error(op_name, file, offset + done, total - done, e) from e
         finally:
-            self._watch_end(token)
+            engine.watch_end(token)
 
     # NOTE [Skewed blocks]: PyTorch's CPU allocator aligns tensors to 64 bytes, and
     # O_DIRECT needs the memory aligned as the device asks (``statx`` STATX_DIOALIGN:
@@ -149,14 +169,8 @@ class PosixEngine(StripedEngine):
     # payload, like the padding after it, are written from the staging buffer: no byte
     # of memory outside the tensor ever reaches the disk.
 
-    SKEW_MIN_BYTES = 1 << 20
-    """Blobs smaller than this are staged whole rather than skewed: below it one copy
-    costs less than the two extra page-sized requests for the head and the tail (256 KiB
-    blobs ran at 55% of ``dd`` staged and 27-29% skewed on the reference machine's
-    virtual disk)."""
-
-    def _skew(self, src: torch.Tensor) -> int:
-        if src.numel() < self.SKEW_MIN_BYTES or src.is_cuda or src.data_ptr() % self._mem_align == 0:
+    def skew(self, src: torch.Tensor) -> int:
+        if src.numel() < self.SKEW_MIN_BYTES or src.is_cuda or src.data_ptr() % self.mem_align == 0:
             return 0
         return src.data_ptr() % ALIGN
 
@@ -173,7 +187,7 @@ class PosixEngine(StripedEngine):
         pieces = [(0, head, block.offset, skew, False)] if head else []
         disk = block.offset + (ALIGN if head else 0)
         body = (nb - head) - (nb - head) % ALIGN
-        if body and not t.is_cuda and (t.data_ptr() + block.blob_offset + head) % self._mem_align == 0:
+        if body and not t.is_cuda and (t.data_ptr() + block.blob_offset + head) % self.mem_align == 0:
             pieces.append((head, head + body, disk, 0, True))
             if head + body < nb:
                 pieces.append((head + body, nb, disk + body, 0, False))
@@ -187,9 +201,9 @@ class PosixEngine(StripedEngine):
         """``d.update(view)``, its time added to the ``checksum_s`` counter."""
         started = time.perf_counter()
         d.update(view)
-        self._count("checksum_s", time.perf_counter() - started)
+        self.engine.count("checksum_s", time.perf_counter() - started)
 
-    def _write_block(self, op: BlobOp, block: Block) -> None:
+    def write_block(self, op: BlobOp, block: Block) -> None:
         src = op.tensor
         fd = block.fd
         d = Digest() if op.checksum else None
@@ -199,14 +213,14 @@ class PosixEngine(StripedEngine):
                 view = tensor_buffer(src, block.blob_offset + lo, n)
                 if d is not None:
                     self._digest(d, view)
-                self._transfer("write", fd, view, block.file, disk)
-                self._count("zero_copy_bytes", n)
+                self.transfer("write", fd, view, block.file, disk)
+                self.engine.count("zero_copy_bytes", n)
                 continue
-            buf = self._pool.acquire()  # NOTE [Staging buffers]
+            buf = self.pool.acquire()  # NOTE [Staging buffers]
             try:
                 part = src[block.blob_offset + lo : block.blob_offset + hi]
                 if src.is_cuda:
-                    self._cuda_copy(buf[lead : lead + n], part, src.device, op.ready)
+                    self.cuda_copy(buf[lead : lead + n], part, src.device, op.ready)
                 else:
                     np.copyto(buf[lead : lead + n].numpy(), part.numpy())  # faster than copy_ for bytes
                 padded = align_up(lead + n)
@@ -215,14 +229,14 @@ class PosixEngine(StripedEngine):
                 view = tensor_buffer(buf, 0, padded)
                 if d is not None:
                     self._digest(d, view[lead : lead + n])
-                self._transfer("write", fd, view, block.file, disk)
+                self.transfer("write", fd, view, block.file, disk)
             finally:
-                self._pool.release(buf)
-            self._count("staged_bytes", n)
+                self.pool.release(buf)
+            self.engine.count("staged_bytes", n)
         if d is not None:
             block.checksum = d.value()
 
-    def _read_block(self, op: BlobOp, block: Block) -> None:
+    def read_block(self, op: BlobOp, block: Block) -> None:
         dst = op.tensor
         fd = block.fd
         d = Digest() if block.expected is not None else None
@@ -231,29 +245,29 @@ class PosixEngine(StripedEngine):
             part = dst[block.blob_offset + lo : block.blob_offset + hi]
             if in_place:
                 view = tensor_buffer(dst, block.blob_offset + lo, n)
-                self._transfer("read", fd, view, block.file, disk)
+                self.transfer("read", fd, view, block.file, disk)
                 if d is not None:
                     self._digest(d, view)
-                self._count("zero_copy_bytes", n)
+                self.engine.count("zero_copy_bytes", n)
                 continue
-            buf = self._pool.acquire()  # NOTE [Staging buffers]
+            buf = self.pool.acquire()  # NOTE [Staging buffers]
             try:
                 view = tensor_buffer(buf, 0, align_up(lead + n))
-                self._transfer("read", fd, view, block.file, disk)
+                self.transfer("read", fd, view, block.file, disk)
                 if d is not None:
                     self._digest(d, view[lead : lead + n])
                 if dst.is_cuda:
-                    self._cuda_copy(part, buf[lead : lead + n], dst.device, op.ready)
+                    self.cuda_copy(part, buf[lead : lead + n], dst.device, op.ready)
                 else:
                     np.copyto(part.numpy(), buf[lead : lead + n].numpy())
             finally:
-                self._pool.release(buf)
-            self._count("staged_bytes", n)
+                self.pool.release(buf)
+            self.engine.count("staged_bytes", n)
         if d is not None:
-            self._verify(block, d.value())
+            self.verify(block, d.value())
 
     @staticmethod
-    def _verify(block: Block, value: int) -> None:
+    def verify(block: Block, value: int) -> None:
         if value != block.expected:
             raise ChecksumError(
                 f"checksum mismatch reading {block.file} at offset {block.offset} "

@@ -8,13 +8,11 @@ the blob's future completes when the last is done. Reads overtake queued writes:
 prefetch must not wait behind the forward pass's offload traffic.
 A path whose write fails is dropped from the rotation while another path remains
 (NOTE [Failed paths]).
-Subclasses only say how one block is written or read (:meth:`_write_block`,
-:meth:`_read_block`).
+How one block is written or read is a :class:`~megatron_ssd.io.backend.BlockBackend`'s
+job (NOTE [Block backends]); the POSIX and kvikio backends are peers under this class.
 """
 
 from __future__ import annotations
-
-import abc
 
 import copy
 import errno
@@ -26,7 +24,7 @@ import threading
 import time
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -36,6 +34,9 @@ from .base import Engine, EngineStats, Extent, IOFuture, SwapHandle, align_up
 from .layout import Fault, Layout, io_error, make_layout
 from .watchdog import StallWatchdog
 from .mapped import mapped_empty
+
+if TYPE_CHECKING:
+    from .backend import BlockBackend
 
 __all__ = ["Block", "BlobOp", "StripedEngine"]
 
@@ -175,15 +176,19 @@ def check_read_target(handle: SwapHandle, dst: torch.Tensor) -> None:
 
 
 class StripedEngine(Engine):
-    """Block striping over a :class:`~megatron_ssd.io.layout.Layout` with a worker pool.
+    """Block striping over a :class:`~megatron_ssd.io.layout.Layout` with a worker pool,
+    blocks moved by a backend (NOTE [Block backends]).
 
     Args:
         config: Offload settings; ``config.paths`` and ``config.io`` are used.
+        backend: builds the :class:`~megatron_ssd.io.backend.BlockBackend` from the
+            engine, once its layout and workers run.
         rank: Rank for run directory names (default: see ``resolve_rank``).
         fault: Optional fault-injection hook, see :data:`~megatron_ssd.io.layout.Fault`.
     """
 
-    def __init__(self, config: OffloadConfig, rank: Optional[int] = None, fault: Optional[Fault] = None) -> None:
+    def __init__(self, config: OffloadConfig, backend: Callable[["StripedEngine"], "BlockBackend"],
+                 rank: Optional[int] = None, fault: Optional[Fault] = None) -> None:
         if not config.paths:
             raise ConfigError("OffloadConfig.paths = []: must name at least one offload directory")
         self.config = config
@@ -194,7 +199,8 @@ class StripedEngine(Engine):
         # disk. Twice as many workers run blocks, and a worker holds one of io.threads
         # slots only inside a syscall, so staging copies and checksums of the next
         # blocks overlap the transfers instead of leaving the disk idle between them.
-        self._io_slots = threading.BoundedSemaphore(config.io.threads)
+        self.io_slots = threading.BoundedSemaphore(config.io.threads)
+        """Held by a backend around each transfer: ``io.threads`` requests on the disks."""
         self._watchdog: Optional[StallWatchdog] = None
         try:
             self._workers = _Workers(2 * config.io.threads, "megatron_ssd-io", config.io.priority)
@@ -228,19 +234,12 @@ class StripedEngine(Engine):
             )
         self._failed: Dict[int, str] = {}  # path index -> why it left the rotation
         self._fd_warned = False
-
-    # ------------------------------------------------------------------ subclass hooks
-
-    def _prepare(self, op: BlobOp) -> None:
-        """Called on the submitting thread before any block of ``op`` is queued."""
-
-    @abc.abstractmethod
-    def _write_block(self, op: BlobOp, block: Block) -> None:
-        """Move one block of a write to disk (runs on a worker thread)."""
-
-    @abc.abstractmethod
-    def _read_block(self, op: BlobOp, block: Block) -> None:
-        """Fill one block of a read from disk (runs on a worker thread)."""
+        try:
+            self.backend = backend(self)
+            """Moves the blocks (NOTE [Block backends])."""
+        except BaseException:
+            self.close()
+            raise
 
     # ----------------------------------------------------------------------- interface
 
@@ -266,7 +265,7 @@ class StripedEngine(Engine):
             healthy = [i for i in range(len(self._layout.run_dirs)) if i not in self._failed]
             start, self._next_path = self._next_path, self._next_path + 1
             checksum = self._checksum
-        skew = self._skew(src)  # NOTE [Skewed blocks]: only the first block is skewed
+        skew = self.backend.skew(src)  # NOTE [Skewed blocks]: only the first block is skewed
         starts = [0, *range(bb - skew, n, bb)] if skew else list(range(0, n, bb))
         ends = [*starts[1:], n]
         plan = [(off, end - off, healthy[(start + i) % len(healthy)]) for i, (off, end) in enumerate(zip(starts, ends))]
@@ -349,9 +348,13 @@ class StripedEngine(Engine):
 
     def close(self) -> None:
         with self._cv:
+            already = self._closed
             self._closed = True
             self._cv.notify_all()
         self._finalizer()
+        backend = getattr(self, "backend", None)
+        if backend is not None and not already:
+            backend.close()
 
     # ------------------------------------------------------------------ implementation
 
@@ -405,7 +408,7 @@ class StripedEngine(Engine):
         with self._cv:
             self._busy_change(op.kind, +1)
         try:
-            self._prepare(op)
+            self.backend.prepare(op)
         except BaseException as e:
             op.error = e
             op.remaining = 1
@@ -449,9 +452,9 @@ class StripedEngine(Engine):
                 block.fd = self._acquire_fd(op, block)  # NOTE [Descriptors]
                 try:
                     if op.kind == "write":
-                        self._write_block(op, block)
+                        self.backend.write_block(op, block)
                     else:
-                        self._read_block(op, block)
+                        self.backend.read_block(op, block)
                 finally:
                     self._layout.release(block.file)
                     block.fd = -1
@@ -463,7 +466,7 @@ class StripedEngine(Engine):
         self._block_done(op)
         # every worker task is a block: its CPU time, completion callbacks included,
         # is the engine's cpu_s (EngineStats), split by direction
-        self._count(f"{op.kind}_cpu_s", time.thread_time() - started)
+        self.count(f"{op.kind}_cpu_s", time.thread_time() - started)
 
     def _block_done(self, op: BlobOp) -> None:
         with op.lock:
@@ -545,23 +548,24 @@ class StripedEngine(Engine):
     def _extent(b: Block) -> Extent:
         return Extent(b.path_index, b.offset, b.length, b.blob_offset, b.file, b.checksum, b.skew)
 
-    def _skew(self, src: torch.Tensor) -> int:
-        """Skew of the blocks of a blob written from ``src``: 0 here (no skew); see
-        :meth:`PosixEngine._skew`."""
-        return 0
+    # ------------------------------------------------------------------ for backends
 
-    def _watch(self, op: str, file: str, offset: int, nbytes: int) -> Optional[int]:
-        """Register a disk request with the stall watchdog (``io.stall_warning_s``)."""
+    def watch(self, op: str, file: str, offset: int, nbytes: int) -> Optional[int]:
+        """Register a disk request with the stall watchdog (``io.stall_warning_s``); the
+        token for :meth:`watch_progress` and :meth:`watch_end`."""
         return None if self._watchdog is None else self._watchdog.begin(op, file, offset, nbytes)
 
-    def _watch_progress(self, token: Optional[int], offset: int, nbytes: int) -> None:
+    def watch_progress(self, token: Optional[int], offset: int, nbytes: int) -> None:
+        """The request ``token`` moved on: ``nbytes`` left from ``offset``."""
         if token is not None:
             self._watchdog.progress(token, offset, nbytes)  # type: ignore[union-attr]
 
-    def _watch_end(self, token: Optional[int]) -> None:
+    def watch_end(self, token: Optional[int]) -> None:
+        """The request ``token`` ended."""
         if token is not None:
             self._watchdog.end(token)  # type: ignore[union-attr]
 
-    def _count(self, name: str, nbytes: int) -> None:
+    def count(self, name: str, nbytes: int) -> None:
+        """Add ``nbytes`` (or seconds) to the extra stat ``name``."""
         with self._cv:
             self._stats.extra[name] = self._stats.extra.get(name, 0) + nbytes

@@ -114,7 +114,7 @@ def test_aligned_memory_moves_in_place_and_other_memory_is_staged(offload_dir):
         odd.copy_(src)
         before = engine.stats().extra["staged_bytes"]
         h2 = engine.write(odd).get()
-        assert engine.stats().extra["staged_bytes"] - before == (n if engine._mem_align > 64 else 100)
+        assert engine.stats().extra["staged_bytes"] - before == (n if engine.backend.mem_align > 64 else 100)
         assert all(e.skew == 0 for e in h2.extents)
         assert torch.equal(engine.read(h2, torch.empty(n, dtype=torch.uint8)).get(), src)
 
@@ -125,7 +125,7 @@ def test_large_unaligned_blob_is_skewed_so_only_its_end_pages_are_staged(offload
     on the way out and on the way back into an ``alloc(..., handle)`` destination."""
     n = 3 * MiB + 100
     with _engine([offload_dir], checksum=True) as engine:
-        if engine._mem_align <= 64:
+        if engine.backend.mem_align <= 64:
             pytest.skip("this device accepts 64-byte aligned memory: nothing to skew")
         raw = torch.empty(n + ALIGN, dtype=torch.uint8)
         odd = raw[(64 - raw.data_ptr()) % ALIGN :][:n]

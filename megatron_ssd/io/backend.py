@@ -1,0 +1,60 @@
+"""Block backends: how one block of a blob moves between memory and a file.
+
+NOTE [Block backends]: :class:`~megatron_ssd.io.striped.StripedEngine` owns everything the
+ways of moving bytes share: the layout and its file descriptors, striping, the worker
+pool and its I/O slots (NOTE [I/O slots]), backpressure, blob completion, failed paths,
+checksum bookkeeping, the stall watchdog and the stats. A backend moves one block, on a
+worker thread, with what the engine lends it: ``io_slots`` (held only around the
+transfer itself), ``fault`` (the fault-injection hook, consulted before each transfer),
+``watch`` / ``watch_progress`` / ``watch_end`` (the stall watchdog) and ``count`` (an
+extra stat). :class:`~megatron_ssd.io.posix.PosixBackend` (O_DIRECT ``pwrite`` /
+``preadv``) and :class:`~megatron_ssd.io.kvikio_engine.KvikioBackend` (cuFile for CUDA
+memory, a POSIX backend of its own for host memory) are peers under it; another
+mechanism (io_uring, say) is a third subclass of :class:`BlockBackend` and reuses the
+rest unchanged.
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from .striped import BlobOp, Block, StripedEngine
+
+__all__ = ["BlockBackend"]
+
+
+class BlockBackend(abc.ABC):
+    """Moves single blocks for a :class:`~megatron_ssd.io.striped.StripedEngine`.
+
+    Args:
+        engine: the engine it serves; built by the engine once its layout and workers run.
+    """
+
+    def __init__(self, engine: "StripedEngine") -> None:
+        self.engine = engine
+
+    def prepare(self, op: "BlobOp") -> None:
+        """Called on the submitting thread before any block of ``op`` is queued (e.g. to
+        record the caller's CUDA stream position)."""
+
+    def skew(self, src: torch.Tensor) -> int:
+        """Bytes the first block of a blob written from ``src`` starts into its first
+        disk page (NOTE [Skewed blocks] in ``posix.py``); 0: none."""
+        return 0
+
+    @abc.abstractmethod
+    def write_block(self, op: "BlobOp", block: "Block") -> None:
+        """Move one block of ``op.tensor`` to ``block.fd`` at ``block.offset``; set
+        ``block.checksum`` when ``op.checksum``. Runs on a worker thread."""
+
+    @abc.abstractmethod
+    def read_block(self, op: "BlobOp", block: "Block") -> None:
+        """Fill one block of ``op.tensor`` from disk; verify ``block.expected`` when set.
+        Runs on a worker thread."""
+
+    def close(self) -> None:
+        """Release what the backend holds; called once, after the workers stopped."""
