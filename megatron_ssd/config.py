@@ -340,8 +340,9 @@ class PlannerConfig:
     for temporaries, communication buffers and fragmentation; in [0, 1)."""
 
     replan_threshold: Annotated[float, InRange(0, 1, lo_open=True, hi_open=True)] = 0.15
-    """Relative drift of measured bandwidth or compute time that triggers a re-plan; in
-    (0, 1)."""
+    """Relative drift of measured bandwidth, or of the stage's summed forward or backward
+    time, that triggers a re-plan; in (0, 1). One layer's time re-plans at three times
+    this (NOTE [Compute drift by stage])."""
 
     read_ahead: Annotated[str, OneOf("auto", "fixed")] = "auto"
     """When each offloaded layer's read is issued during backward: ``auto``, as late as

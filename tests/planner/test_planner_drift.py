@@ -59,6 +59,25 @@ def test_layer_compute_change_replans_with_scaled_profile():
     assert decision.profile.layers[1].forward_s == pytest.approx(1.0)
 
 
+def test_layers_that_scatter_around_the_plan_do_not_replan():
+    """NOTE [Compute drift by stage]: +20% on two layers and -20% on the other two leave
+    the stage's time where the plan put it."""
+    d = detector()
+    for _ in range(5):
+        decision = d.observe(2 * GB, 4 * GB, [1.2, 1.2, 0.8, 0.8], [2.4, 1.6, 2.4, 1.6])
+        assert not decision.replan, decision.reasons
+
+
+def test_the_whole_stage_slowing_down_replans_with_every_layer_scaled():
+    d = detector()
+    for _ in range(3):
+        decision = d.observe(2 * GB, 4 * GB, [1.2] * 4, [2.0] * 4)
+    assert decision.replan
+    assert decision.reasons == ["forward of the stage: median 4800.00 ms vs expected 4000.00 ms (+20.0%)"]
+    assert [layer.forward_s for layer in decision.profile.layers] == pytest.approx([1.2] * 4)
+    assert [layer.backward_s for layer in decision.profile.layers] == pytest.approx([2.0] * 4)
+
+
 def test_expected_times_come_from_the_plan():
     # with a compute slowdown the plan predicts layers slower than the profile's pure
     # compute; measuring exactly the plan's prediction is no drift
