@@ -16,7 +16,6 @@ import argparse
 import json
 import os
 import platform
-import re
 import shlex
 import subprocess
 import sys
@@ -26,13 +25,10 @@ import time
 import torch
 
 from megatron_ssd.megatron import compat
+from megatron_ssd.megatron.integration import ITERATION_LINE as ITERATION, STEP_LINE as OFFLOADED
 
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 OFFLOAD = "--ssd-offload --ssd-offload-planner offload --ssd-offload-keep-last-layers 0 --ssd-offload-override min_tensor_bytes=0"
-ITERATION = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?lm loss: (\S+) \|.*?grad norm: (\S+) \|")
-OFFLOADED = re.compile(
-    r"\[megatron-ssd\] rank 0 step (\d+): offloaded ([\d.]+) MiB .*?reloaded ([\d.]+) MiB .*?forwarded ([\d.]+) MiB"
-)
 
 
 def docs_gpt_flags() -> list:

@@ -250,9 +250,10 @@ class TensorCache(ScopeMixin, StepAccountingMixin):
         source = weakref.ref(t)
         with self.entries.lock:
             entry, moves = self.entries.saved(record, key, t, self._site_layer(record))
+        packed = Packed(entry, meta, self, t._version, source)  # before the write: its release runs if it raises
         if moves:
             self.entries.write(entry)
-        return Packed(entry, meta, self, t._version, source)
+        return packed
 
     def unpack(self, packed: Packed) -> torch.Tensor:
         """Return the tensor ``packed`` stands for, waiting for its read if needed.

@@ -25,6 +25,7 @@ import argparse
 import atexit
 import importlib
 import logging
+import re
 import sys
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -44,7 +45,18 @@ from .patching import patch as _patch
 from .patching import restore as _restore_patches
 from .schedules import get_forward_backward_func, set_default_cache
 
-__all__ = ["ModelSpecFactory", "patch_model_classes", "StepReporter", "install", "installed_cache", "prepare_pretrain", "uninstall"]
+
+STEP_LINE = re.compile(
+    r"\[megatron-ssd\] rank 0 step (\d+): offloaded ([\d.]+) MiB .*?reloaded ([\d.]+) MiB .*?forwarded ([\d.]+) MiB"
+)
+"""Parses the line rank 0 prints after each step (``[megatron-ssd] rank 0`` and
+``StepStats.summary()``): step, MiB offloaded, reloaded and forwarded. For log readers."""
+
+ITERATION_LINE = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?lm loss: (\S+) \|.*?grad norm: (\S+) \|")
+"""Parses Megatron-LM's training log line: iteration, lm loss and grad norm."""
+
+__all__ = ["ITERATION_LINE", "ModelSpecFactory", "STEP_LINE", "patch_model_classes", "StepReporter", "install", "installed_cache",
+           "prepare_pretrain", "uninstall"]
 
 logger = logging.getLogger("megatron_ssd")
 

@@ -133,3 +133,20 @@ def test_a_graph_dropped_before_its_writes_land_frees_every_blob():
         engine.complete_writes()
         assert engine.freed == len(moved) and cache.ssd.held_bytes == 0
         assert cache.open_records == []
+
+
+def test_a_write_that_raises_leaves_no_record_open():
+    """A store whose ``put`` raises (not a refused or failed write: an exception) fails the
+    forward, and the entry it was for is released with its ``Packed``: no record stays
+    open and nothing stays resident."""
+    engine = ScriptedEngine()
+    model, batch = model_and_batch()
+
+    def broken(src, block=True):
+        raise OffloadIOError("the I/O engine is closed")
+
+    engine.write = broken
+    with make_cache(engine, model) as cache:
+        with pytest.raises(OffloadIOError, match="the I/O engine is closed"):
+            forward(cache, model, batch)
+        assert cache.open_records == [] and cache.resident_bytes == 0

@@ -20,6 +20,7 @@ import sys
 import pytest
 
 from megatron_ssd.megatron import compat
+from megatron_ssd.megatron.integration import ITERATION_LINE, STEP_LINE
 
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 CHECKOUT = os.environ.get("MEGATRON_LM_PATH", "")
@@ -53,10 +54,6 @@ def test_the_documented_cpu_command_is_the_tested_one():
 OFFLOAD = "--ssd-offload --ssd-offload-planner offload --ssd-offload-keep-last-layers 0 --ssd-offload-override min_tensor_bytes=0".split()
 """Every layer offloaded, small tensors included, so every step writes and reads real files."""
 
-_ITERATION = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?lm loss: (\S+) \|.*?grad norm: (\S+) \|")
-_OFFLOADED = re.compile(
-    r"\[megatron-ssd\] rank 0 step (\d+): offloaded ([\d.]+) MiB .*?reloaded ([\d.]+) MiB .*?forwarded ([\d.]+) MiB"
-)
 
 
 def _env() -> dict:
@@ -78,7 +75,7 @@ def pretrain_gpt(checkout: str, *argv: str, nproc: int = 1) -> subprocess.Comple
 
 def _losses(run: subprocess.CompletedProcess) -> list:
     assert run.returncode == 0, (run.stdout[-3000:], run.stderr[-3000:])
-    return _ITERATION.findall(run.stdout)
+    return ITERATION_LINE.findall(run.stdout)
 
 
 def _files_under(path) -> list:
@@ -96,7 +93,7 @@ def test_pretrain_gpt_with_ssd_offload_trains_as_without(pp, tmp_path):
     run = pretrain_gpt(CHECKOUT, *GPT, *layout, *OFFLOAD, "--ssd-offload-paths", str(offload_dir / "rank{rank}"), nproc=pp)
     offloaded = _losses(run)
     assert len(plain) == 3 and offloaded == plain
-    steps = _OFFLOADED.findall(run.stdout)
+    steps = STEP_LINE.findall(run.stdout)
     assert [s[0] for s in steps] == ["0", "1", "2"]
     # Every offloaded byte comes back: read from its file, or served from memory when backward
     # needs it before its write is done (forwarded; more of it on a loaded machine).
@@ -161,7 +158,7 @@ def test_patched_pretrain_gpt_knows_the_flags_and_trains(tmp_path):
     offload_dir = tmp_path / "offload"
     offload_dir.mkdir()
     run = pretrain_gpt(patched, *GPT, *OFFLOAD, "--ssd-offload-paths", str(offload_dir))
-    assert len(_losses(run)) == 3 and len(_OFFLOADED.findall(run.stdout)) == 3
+    assert len(_losses(run)) == 3 and len(STEP_LINE.findall(run.stdout)) == 3
     assert _files_under(offload_dir) == []
 
 
@@ -184,5 +181,5 @@ def test_offload_metrics_go_to_megatrons_tensorboard_writer(tmp_path):
     assert {"megatron-ssd/" + name for name in SCALARS} <= tags and "lm loss" in tags
     offloaded = acc.Scalars("megatron-ssd/offloaded_bytes")
     assert [e.step for e in offloaded] == [e.step for e in acc.Scalars("lm loss")] == [1, 2, 3]
-    logged = [float(mib) for _, mib, _, _ in _OFFLOADED.findall(run.stdout)]
+    logged = [float(mib) for _, mib, _, _ in STEP_LINE.findall(run.stdout)]
     assert [round(e.value / (1 << 20), 1) for e in offloaded] == logged and all(v > 0 for v in logged)
