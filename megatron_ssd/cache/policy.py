@@ -116,7 +116,8 @@ class PlacementPolicy:
 
     def tensor(self, layer_id: Hashable, site: Optional[int]) -> Placement:
         """Where a new saved tensor of ``layer_id`` goes: its layer's placement when that
-        moves it, the tensor has a site (it is offloadable: at least ``min_tensor_bytes``), the site is within the plan's count for the layer, and
+        moves it, the tensor has a site (it is offloadable: at least
+        ``min_tensor_bytes``), the site is within the plan's count for the layer, and
         for HOST a pool exists; else KEEP."""
         placement = self.layer(layer_id)
         if placement not in MOVED or site is None:

@@ -261,6 +261,7 @@ class DriftDetector:
         exp = self._expected
         reasons: List[str] = []
         ratios: Dict[str, float] = {}
+        medians: Dict[str, float] = {}
         checks = [("write_bw", exp.write_bw, self.threshold), ("read_bw", exp.read_bw, self.threshold)]
         layer_threshold = LAYER_FACTOR * self.threshold  # NOTE [Compute drift by stage]
         checks += [(f"forward:{k!r}", v, layer_threshold) for k, v in exp.forward_s.items()]
@@ -270,12 +271,12 @@ class DriftDetector:
             if median is None or expected <= 0:
                 continue
             ratio = median / expected
-            ratios[key] = ratio
+            ratios[key], medians[key] = ratio, median
             if abs(ratio - 1.0) > threshold:
                 reasons.append(f"{key}: median {_with_unit(key, median)} vs expected {_with_unit(key, expected)} "
                                f"({ratio - 1.0:+.1%})")
         for kind, expected_by_layer in (("forward", exp.forward_s), ("backward", exp.backward_s)):
-            pairs = [(self._median(f"{kind}:{k!r}"), v) for k, v in expected_by_layer.items() if v > 0]
+            pairs = [(medians.get(f"{kind}:{k!r}"), v) for k, v in expected_by_layer.items() if v > 0]
             if not pairs or any(m is None for m, _ in pairs):
                 continue
             measured, expected = sum(m for m, _ in pairs), sum(v for _, v in pairs)

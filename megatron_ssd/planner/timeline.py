@@ -320,9 +320,10 @@ def predict(
     if len(placements) != n:
         raise ConfigError(f"placements: {len(placements)} given for {n} layers; need one per layer")
     placements = [p if type(p) is Placement else Placement(p) for p in placements]
-    fixed = [layer.layer_id for layer, p in zip(layers, placements) if p is Placement.RECOMPUTE and not layer.recomputable]
-    if fixed:
-        raise ConfigError(f"placements: 'recompute' for layers {fixed}: they are not recomputable "
+    refused = [layer.layer_id for layer, p in zip(layers, placements)
+               if p is Placement.RECOMPUTE and not layer.recomputable]
+    if refused:
+        raise ConfigError(f"placements: 'recompute' for layers {refused}: they are not recomputable "
                           "(LayerProfile.recomputable = False)")
     depths = read_ahead_list(prefetch_depth, n)
     counts = site_list(sites, layers)
