@@ -54,6 +54,19 @@ def _is_number(value: Any) -> bool:
 # (``LayerCounters.site_bytes``) and applies a plan's site counts
 # (``TensorCache.set_plan(..., sites=...)``).
 
+# NOTE [Site use times]
+# A layer's backward does not need all its saved tensors at once: it runs its ops in
+# reverse, so the MLP's tensors are unpacked first and the attention's a share of the
+# layer's backward later. ``LayerProfile.site_use`` gives, per site, the share of the
+# layer's backward that has run when backward first unpacks it. The cache measures it
+# (``LayerCounters.site_use_s``: seconds from the layer's backward start to the site's
+# first unpack, kept layers included) and the profile divides by the layer's backward
+# time; ``simulate`` estimates it from the FLOPs of the blocks backward runs first. The
+# timeline lets a layer's backward run up to a site's use point before it waits for
+# that site's read, and the planner issues each site's read as late as that allows
+# (NOTE [Just-in-time reads] in ``plan.py``), down to the start of the layer's own
+# backward.
+
 
 @dataclass
 class LayerProfile:
@@ -90,6 +103,12 @@ class LayerProfile:
     """The layer's offloadable saved tensors one by one, in the order its forward saves
     them (its *sites*, NOTE [Sites]); they sum to ``saved_bytes``. A plan may offload a
     prefix of them and keep the rest. ``None``: one site of ``saved_bytes``."""
+
+    site_use: Optional[List[float]] = None
+    """Per site (as ``site_bytes``), the share of the layer's backward, from 0 to 1,
+    that has run when backward first unpacks it (NOTE [Site use times]): a site read
+    need only be complete by then. ``None``: every site is needed when the layer's
+    backward starts."""
 
     recomputable: bool = True
     """Whether RECOMPUTE may be chosen. False for the tensors a micro-batch saves before
@@ -135,6 +154,12 @@ class LayerProfile:
             )
             _check(owner, "site_bytes", self.site_bytes, sum(self.site_bytes) == self.saved_bytes,
                    f"must sum to saved_bytes = {self.saved_bytes}")
+        if self.site_use is not None:
+            _check(owner, "site_use", self.site_use,
+                   isinstance(self.site_use, list) and all(_is_number(u) and 0 <= u <= 1 for u in self.site_use),
+                   "must be None or a list of numbers in [0, 1]")
+            _check(owner, "site_use", self.site_use, len(self.site_use) == len(self.sites),
+                   f"must have one entry per site ({len(self.sites)})")
 
     @property
     def sites(self) -> List[int]:
@@ -143,6 +168,11 @@ class LayerProfile:
         if self.site_bytes is not None:
             return list(self.site_bytes)
         return [self.saved_bytes] if self.saved_bytes else []
+
+    def use_at(self, site: int) -> float:
+        """The share of the layer's backward run when ``site`` is first needed
+        (``site_use``, else 0)."""
+        return 0.0 if self.site_use is None else float(self.site_use[site])
 
     def offloaded_bytes(self, sites: Optional[int] = None) -> int:
         """Bytes moved when the first ``sites`` sites are offloaded (None: all)."""

@@ -20,7 +20,12 @@ from ..config import MOVED, Placement
 from ..errors import ConfigError
 from .profile import IOProfile, LayerId, LayerProfile, StageProfile
 
-__all__ = ["LayerTimeline", "Timeline", "predict", "read_ahead_list", "site_list"]
+__all__ = ["LayerTimeline", "ReadAhead", "SiteRead", "Timeline", "predict", "read_ahead_list", "site_depths",
+           "site_list"]
+
+ReadAhead = Union[int, Sequence[int]]
+"""One layer's read-issue point: a read-ahead in layers (>= 1) for all its sites, or one
+per site (>= 0; NOTE [Write and read issue points])."""
 
 _EPS = 1e-12
 """Slack (seconds) when comparing event times, so float rounding cannot flip an order."""
@@ -40,15 +45,19 @@ _EPS = 1e-12
 # NOTE [Write and read issue points]
 # A layer's offloadable bytes enter the queue as one write when its forward starts: the
 # cache writes each tensor as it is saved, so the layer's write streams behind its
-# forward; it cannot end before the forward does (the last tensor is saved then). The
-# read of layer i is issued when the backward of layer i + d_i starts (its backward
-# pre-hook), d_i being the layer's read-ahead (``prefetch_depth``: one depth for every
-# layer, or one per layer as the planner's just-in-time choice gives); at the start of
-# each backward every layer whose issue point has come and whose read is not yet issued
-# is issued, needed-first first, so layers with i + d_i past the last layer go when the
-# first backward starts. The cache issues reads by the same rule
-# (``TensorCache.backward_started``). Backward of layer i starts when the previous
-# backward ended and its read completed; the wait is exposed I/O (stall).
+# forward; it cannot end before the forward does (the last tensor is saved then). Each
+# moved site is read on its own: site s of layer i is read when the backward of layer
+# i + d_(i,s) starts (its backward hook), d_(i,s) being the site's read-ahead
+# (``prefetch_depth``: one depth for every layer, one per layer, or one per site as the
+# planner's just-in-time choice gives; a site's read-ahead may be 0, issued when its own
+# layer's backward starts). At the start of each backward every site whose issue point
+# has come and whose read is not yet issued is issued, needed-first: later layers first,
+# and within a layer in the order its backward uses them (NOTE [Site use times] in
+# ``profile.py``), so sites with i + d past the last layer go when the first backward
+# starts. The cache issues reads by the same rule (``EntryTable.backward_started``).
+# Backward of layer i may start when the previous backward ended; it runs up to each
+# site's use point and waits there for the site's read; the waits are exposed I/O
+# (stall).
 
 # NOTE [Host tier]
 # HOST layers are OFFLOAD layers whose bytes go to a bounded pool of host memory over the
@@ -65,8 +74,9 @@ _EPS = 1e-12
 # speed does not depend on compute. The layers' profiled times are their no-I/O times.
 
 # NOTE [Forwarding]
-# When a read would be issued but the layer's write has not completed, the bytes are
-# still in memory: the read is skipped and the layer is served from memory ("forwarded").
+# When a layer's first site read would be issued but the layer's write has not
+# completed, the bytes are still in memory: the reads are skipped and the layer is
+# served from memory ("forwarded").
 # Its memory is then never freed between forward and backward, and its write, already
 # queued, still runs (requests are not cancelled). A plan with forwarded layers offloads
 # bytes for nothing; the planner rejects such plans.
@@ -74,8 +84,8 @@ _EPS = 1e-12
 # NOTE [Memory accounting]
 # Bytes appear when a layer's forward ends and leave when its backward ends: KEEP holds
 # saved + kept bytes; OFFLOAD holds kept bytes (and the sites it does not offload,
-# NOTE [Sites]) throughout and its offloaded bytes until its write completes, then again
-# from its read issue (the read buffer) to its backward end;
+# NOTE [Sites]) throughout and its offloaded bytes until its write completes, then each
+# site's bytes again from its read issue (the read buffer) to the layer's backward end;
 # RECOMPUTE holds boundary bytes, plus saved + kept bytes during its backward (the rerun
 # forward materializes them). Events at the same instant release before they allocate.
 # Bytes inside a running layer that are not saved for backward are not counted.
@@ -96,6 +106,22 @@ _EPS = 1e-12
 
 
 @dataclass
+class SiteRead:
+    """One moved site's read (seconds from the micro-batch's start)."""
+
+    site: int
+    """The site's index in the layer (save order)."""
+    nbytes: int
+    """Its bytes."""
+    issue: float
+    """The read is issued and its buffer allocated."""
+    start: float
+    """The read reaches its queue."""
+    end: float
+    """The read completes."""
+
+
+@dataclass
 class LayerTimeline:
     """When one layer's compute and I/O happen (seconds from the micro-batch's start)."""
 
@@ -108,21 +134,23 @@ class LayerTimeline:
     forward_end: float
     """Forward compute ends (saved tensors complete, write issued)."""
     backward_start: float
-    """Backward compute begins (after any stall)."""
+    """The previous backward ended: this one may begin (before any wait for reads)."""
     backward_end: float
     """Backward compute ends (the layer's saved bytes are released)."""
     stall_s: float = 0.0
-    """Time its backward waited for its read (exposed I/O)."""
+    """Time its backward waited for its reads (exposed I/O)."""
     write_start: Optional[float] = None
     """The write reaches the array (OFFLOAD only)."""
     write_end: Optional[float] = None
     """The write completes and the bytes leave memory (OFFLOAD only)."""
     read_issue: Optional[float] = None
-    """The prefetch is issued and the read buffer allocated (OFFLOAD, not forwarded)."""
+    """Its first site read is issued (OFFLOAD or HOST, not forwarded)."""
     read_start: Optional[float] = None
-    """The read reaches the array."""
+    """Its first site read reaches the queue."""
     read_end: Optional[float] = None
-    """The read completes."""
+    """Its last site read completes."""
+    reads: List[SiteRead] = field(default_factory=list)
+    """Each moved site's read, in issue order (NOTE [Write and read issue points])."""
     forwarded: bool = False
     """The write had not completed when the read was due: served from memory."""
     offloaded_bytes: int = 0
@@ -137,7 +165,7 @@ class LayerTimeline:
     @property
     def backward_s(self) -> float:
         """Backward wall time without the stall (includes recompute and slowdown)."""
-        return self.backward_end - self.backward_start
+        return self.backward_end - self.backward_start - self.stall_s
 
 
 @dataclass
@@ -248,21 +276,46 @@ class _Compute:
         return t + work
 
 
-def read_ahead_list(prefetch_depth: Union[int, Sequence[int]], n: int) -> List[int]:
-    """One read-ahead (>= 1 layers) per layer from a depth or a per-layer sequence.
+def _is_int(value: object, low: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= low
+
+
+def read_ahead_list(prefetch_depth: Union[int, Sequence[ReadAhead]], n: int) -> List[ReadAhead]:
+    """One read-ahead per layer (:data:`ReadAhead`) from a depth or a per-layer sequence.
 
     Raises:
-        ConfigError: a depth below 1, or a sequence whose length is not ``n``.
+        ConfigError: a depth below 1, a per-site depth below 0, or a sequence whose
+            length is not ``n``.
     """
-    if isinstance(prefetch_depth, int) and not isinstance(prefetch_depth, bool):
-        depths = [prefetch_depth] * n
-    elif isinstance(prefetch_depth, (list, tuple)) and len(prefetch_depth) == n:
-        depths = list(prefetch_depth)
-    else:
-        raise ConfigError(f"prefetch_depth = {prefetch_depth!r}: must be an integer >= 1 or one per layer ({n})")
-    if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 1 for d in depths):
-        raise ConfigError(f"prefetch_depth = {prefetch_depth!r}: must be an integer >= 1 or one per layer ({n})")
-    return depths
+    rule = f"must be an integer >= 1, or one per layer ({n}), each an integer >= 1 or a list of integers >= 0"
+    if _is_int(prefetch_depth, 1):
+        return [prefetch_depth] * n  # type: ignore[list-item]
+    if not isinstance(prefetch_depth, (list, tuple)) or len(prefetch_depth) != n:
+        raise ConfigError(f"prefetch_depth = {prefetch_depth!r}: {rule}")
+    out: List[ReadAhead] = []
+    for d in prefetch_depth:
+        if _is_int(d, 1):
+            out.append(d)
+        elif isinstance(d, (list, tuple)) and all(_is_int(x, 0) for x in d):
+            out.append(list(d))
+        else:
+            raise ConfigError(f"prefetch_depth = {prefetch_depth!r}: {rule}")
+    return out
+
+
+def site_depths(depth: ReadAhead, layer: LayerProfile) -> List[int]:
+    """Each site's read-ahead from a layer's :data:`ReadAhead`.
+
+    Raises:
+        ConfigError: a per-site list whose length is not the layer's site count.
+    """
+    m = len(layer.sites)
+    if isinstance(depth, int):
+        return [depth] * m
+    if len(depth) != m:
+        raise ConfigError(f"prefetch_depth[{layer.layer_id!r}] = {list(depth)!r}: must have one read-ahead per "
+                          f"site ({m})")
+    return list(depth)
 
 
 def site_list(sites: Optional[Sequence[Optional[int]]], layers: Sequence[LayerProfile]) -> List[Optional[int]]:
@@ -301,8 +354,8 @@ def predict(
         stage: The measured stage.
         placements: One placement per layer, in forward order.
         prefetch_depth: The read of layer i is issued when the backward of layer
-            ``i + prefetch_depth`` starts (>= 1); or one such read-ahead per layer
-            (NOTE [Write and read issue points]).
+            ``i + prefetch_depth`` starts (>= 1); or one such read-ahead per layer, or
+            per layer one per site (>= 0, NOTE [Write and read issue points]).
         io: Bandwidths to replay with; defaults to ``stage.io`` (the planner passes a
             derated copy).
         sites: Per layer, how many of an OFFLOAD layer's sites (a prefix in save order)
@@ -325,8 +378,8 @@ def predict(
     if refused:
         raise ConfigError(f"placements: 'recompute' for layers {refused}: they are not recomputable "
                           "(LayerProfile.recomputable = False)")
-    depths = read_ahead_list(prefetch_depth, n)
     counts = site_list(sites, layers)
+    depths = [site_depths(d, layer) for d, layer in zip(read_ahead_list(prefetch_depth, n), layers)]
     moved = [layer.offloaded_bytes(k) if p in MOVED else 0 for layer, p, k in zip(layers, placements, counts)]
     io = stage.io if io is None else io
     if io.host_bytes_per_s is None and Placement.HOST in placements:
@@ -372,41 +425,52 @@ def predict(
     gap = _pipeline_gap(stage, placements, moved, queue, link, t, io)
     t += gap
 
-    def issue_read(i: int, now: float) -> None:
+    def issue_read(i: int, s: int, now: float) -> None:
         nonlocal read_busy, host_busy
         lt = out[i]
-        if lt.placement not in MOVED or lt.write_end is None:
+        if lt.write_end is None or lt.forwarded:
             return
-        if lt.write_end > now + _EPS:
+        if not lt.reads and lt.write_end > now + _EPS:
             lt.forwarded = True  # NOTE [Forwarding]
             return
         q, _, read_bw = channel(lt.placement)
-        duration = lt.offloaded_bytes / read_bw
-        lt.read_issue = now
-        lt.read_start, lt.read_end = q.submit(now, duration)
+        nbytes = layers[i].sites[s]
+        duration = nbytes / read_bw
+        start, end = q.submit(now, duration)
+        lt.reads.append(SiteRead(s, nbytes, now, start, end))
+        if lt.read_issue is None:
+            lt.read_issue, lt.read_start = now, start
+        lt.read_end = end
         if q is queue:
             read_busy += duration
         else:
             host_busy += duration
 
     exposed = 0.0
-    pending = [i for i in range(n - 1, -1, -1) if placements[i] in MOVED]  # needed-first
+    # every moved site, needed-first: later layers first, then in use order
+    pending = [(i, s) for i in range(n - 1, -1, -1) if placements[i] in MOVED
+               for s in _use_order(layers[i], counts[i])]
     for j in range(n - 1, -1, -1):
-        due = [i for i in pending if i + depths[i] >= j]
-        for i in due:
-            issue_read(i, t)
+        due = [(i, s) for i, s in pending if i + depths[i][s] >= j]
+        for i, s in due:
+            issue_read(i, s, t)
         if due:
-            pending = [i for i in pending if i + depths[i] < j]
+            pending = [(i, s) for i, s in pending if i + depths[i][s] < j]
         lt, layer = out[j], layers[j]
-        if lt.read_end is not None and lt.read_end > t:
-            lt.stall_s = lt.read_end - t
-            exposed += lt.stall_s
-            t = lt.read_end
         work = layer.backward_s
         if lt.placement is Placement.RECOMPUTE:
             work += layer.recompute_time
-        lt.backward_start, lt.backward_end = t, compute.run(t, work)
-        t = lt.backward_end
+        lt.backward_start = t
+        done = 0.0
+        for read in sorted(lt.reads, key=lambda r: layer.use_at(r.site)):  # NOTE [Site use times]
+            use = layer.use_at(read.site)
+            t = compute.run(t, (use - done) * work)
+            done = use
+            if read.end > t:
+                lt.stall_s += read.end - t
+                t = read.end
+        exposed += lt.stall_s
+        lt.backward_end = t = compute.run(t, (1.0 - done) * work)
         _account(layer, lt, hold)
 
     microbatch_peak, memory = _peak(events)
@@ -458,6 +522,13 @@ def _pipeline_gap(stage: StageProfile, placements: Sequence[Placement], moved: S
     return (m - 1) * slot
 
 
+def _use_order(layer: LayerProfile, count: Optional[int]) -> List[int]:
+    """The first ``count`` (None: all) sites of ``layer`` in the order its backward uses
+    them: by use point (NOTE [Site use times]), ties last saved first."""
+    moved = range(len(layer.sites) if count is None else count)
+    return sorted(moved, key=lambda s: (layer.use_at(s), -s))
+
+
 def _account(layer: LayerProfile, lt: LayerTimeline, hold: Callable[[float, float, int], None]) -> None:
     """Record the layer's resident intervals; see NOTE [Memory accounting]."""
     if lt.placement is Placement.KEEP:
@@ -472,7 +543,8 @@ def _account(layer: LayerProfile, lt: LayerTimeline, hold: Callable[[float, floa
             hold(lt.forward_end, lt.backward_end, moved)
         else:
             hold(lt.forward_end, lt.write_end, moved)
-            hold(lt.read_issue, lt.backward_end, moved)
+            for read in lt.reads:
+                hold(read.issue, lt.backward_end, read.nbytes)
 
 
 def _parked_bytes(layer: LayerProfile, lt: LayerTimeline) -> int:

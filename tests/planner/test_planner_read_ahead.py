@@ -25,9 +25,9 @@ def test_per_layer_depths_replay_like_one_depth():
     placements = [O] * 4 + [K] * 12
     for depth in (1, 2, 5):
         assert predict(stage, placements, depth) == predict(stage, placements, [depth] * 16)
-    with pytest.raises(ConfigError, match=r"prefetch_depth = .*: must be an integer >= 1 or one per layer \(16\)"):
+    with pytest.raises(ConfigError, match=r"prefetch_depth = .*: must be an integer >= 1, or one per layer \(16\)"):
         predict(stage, placements, [1] * 15)
-    with pytest.raises(ConfigError, match=r"must be an integer >= 1 or one per layer"):
+    with pytest.raises(ConfigError, match=r"must be an integer >= 1, or one per layer \(16\), each an integer >= 1 or a list of integers >= 0"):
         predict(stage, placements, [0] * 16)
 
 
