@@ -83,7 +83,7 @@ def stage_from_stats(
         k for k in measured if k is not None and k not in OUTSIDE]
 
     def per_layer(steps: List[Any], layer_id: Hashable) -> Dict[str, Any]:
-        fwd, bwd, saved, small, sites, inputs = [], [], [], [], [], []
+        fwd, bwd, saved, small, sites, inputs, uses = [], [], [], [], [], [], []
         for s in steps:
             lc = s.layers.get(layer_id)
             if lc is None or not lc.microbatches:
@@ -95,8 +95,11 @@ def stage_from_stats(
             small.append(_per_mb(lc.small_bytes, n))
             sites.append([int(_per_mb(b, n)) for b in lc.site_bytes])
             inputs.append(_per_mb(lc.input_bytes, n))
+            uses.append(_use_shares(lc, bwd[-1]))
+        site_bytes = _site_medians(sites)
         return {"fwd": median_or_zero(fwd), "bwd": median_or_zero(bwd), "saved": median_or_zero(saved),
-                "small": median_or_zero(small), "sites": _site_medians(sites), "input": median_or_zero(inputs)}
+                "small": median_or_zero(small), "sites": site_bytes, "input": median_or_zero(inputs),
+                "use": _use_medians(uses, len(site_bytes) if site_bytes else (1 if median_or_zero(saved) else 0))}
 
     layers = []
     clean_compute = 0.0
@@ -111,6 +114,7 @@ def stage_from_stats(
                 saved_bytes=sum(m["sites"]) if m["sites"] else int(m["saved"]),
                 kept_bytes=int(m["small"]),
                 site_bytes=m["sites"],
+                site_use=m["use"],
                 boundary_bytes=int(m["input"]),
                 recomputable=layer_id != EMBEDDING,
             )
@@ -124,6 +128,25 @@ def stage_from_stats(
     other = max(0.0, statistics.median(s.wall_s for s in source) / mbs - layer_s)
     return StageProfile(layers=layers, io=io, pipeline_rank=pipeline_rank, pipeline_size=pipeline_size, other_s=other,
                         head_bytes=head)
+
+
+def _use_shares(lc: Any, backward_s: float) -> Optional[List[float]]:
+    """One step's site use points as shares of the layer's backward (NOTE [Site use
+    times] in ``planner/profile.py``); None when no site was timed. A site never timed
+    in its own layer's backward (a storage a later layer saved again, whose backward
+    unpacked it first) counts as needed when the layer's backward starts (0)."""
+    if not any(lc.site_uses) or backward_s <= 0:
+        return None
+    timed = [min(1.0, s / k / backward_s) if k else 0.0 for s, k in zip(lc.site_use_s, lc.site_uses)]
+    return timed + [0.0] * (len(lc.site_bytes) - len(timed))
+
+
+def _use_medians(per_step: List[Optional[List[float]]], site_count: int) -> Optional[List[float]]:
+    """Per site, the median over steps of its use point; None (every site needed when
+    the layer's backward starts) unless every step timed all ``site_count`` sites."""
+    if not per_step or site_count == 0 or any(u is None or len(u) != site_count for u in per_step):
+        return None
+    return [round(statistics.median(column), 6) for column in zip(*per_step)]  # type: ignore[arg-type]
 
 
 def _site_medians(per_step: List[List[int]]) -> Optional[List[int]]:

@@ -257,8 +257,8 @@ class EntryTable:
 
     def backward_started(self, record: Record, layer_id: Hashable) -> None:
         """``layer_id``'s backward begins in ``record``: issue the reads due now,
-        needed-first (this layer's, then those of earlier layers whose read-ahead reaches
-        it, NOTE [Write and read issue points] in ``planner/timeline.py``)."""
+        needed-first (this layer's, then those of earlier layers whose sites' read-aheads
+        reach it, NOTE [Write and read issue points] in ``planner/timeline.py``)."""
         now = time.perf_counter()
         with self.lock:
             self._clock_backward(record, layer_id, now)
@@ -268,11 +268,10 @@ class EntryTable:
             i = order.index(layer_id)
             for k in range(i, -1, -1):
                 target = order[k]
-                if k != i and k + self.policy.read_ahead(target) < i:
+                if target in record.prefetched or (k != i and k + self.policy.read_ahead(target) < i):
                     continue
-                if target not in record.prefetched:
+                if self._prefetch(record, target, i - k):
                     record.prefetched.add(target)
-                    self._prefetch(record, target)
 
     def _clock_backward(self, record: Record, layer_id: Hashable, now: float) -> None:
         last = self._bwd_clock.get(id(record))
@@ -282,14 +281,24 @@ class EntryTable:
                 lc.backward_s += now - last[1]
         self._bwd_clock[id(record)] = (layer_id, now)
 
-    def _prefetch(self, record: Record, layer_id: Hashable) -> None:
-        # Last saved first: a layer's backward uses its saved tensors roughly in reverse
-        # save order, so the engine's queue gets them in the order they are needed.
+    def _prefetch(self, record: Record, layer_id: Hashable, distance: int) -> bool:
+        """Issue the reads of ``layer_id``'s entries whose read-ahead reaches
+        ``distance`` layers (0: its own backward starts: all); True when none is left.
+
+        Last saved first: a layer's backward uses its saved tensors roughly in reverse
+        save order, so the engine's queue gets them in the order they are needed. Issuing
+        is idempotent per entry (a read in flight or a forwarded entry is left alone), so
+        an entry due earlier is skipped when its layer is visited again."""
+        done = True
         for entry in reversed(record.layer_entries.get(layer_id, ())):
+            if distance and self.policy.read_ahead(layer_id, entry.site if entry.layer == layer_id else None) < distance:
+                done = False
+                continue
             if entry.state is EntryState.ON_DISK:
                 self._submit_read(entry)
             elif entry.state in (EntryState.WRITING, EntryState.LOADED):
                 self._note_forwarded(entry)
+        return done
 
     def _submit_read(self, entry: Entry) -> None:
         # Caller holds the lock.
@@ -312,6 +321,19 @@ class EntryTable:
                 entry.read_future = None
                 self._free_disk(entry)
 
+    def _time_use(self, entry: Entry) -> None:
+        """Time the first unpack of a site from its layer's backward start (NOTE [Site use
+        times] in ``planner/profile.py``). Caller holds the lock."""
+        running = self._bwd_clock.get(id(entry.record))
+        if entry.site is None or running is None or running[0] != entry.layer:
+            return
+        lc = self.layer(entry.layer)
+        while len(lc.site_use_s) <= entry.site:
+            lc.site_use_s.append(0.0)
+            lc.site_uses.append(0)
+        lc.site_use_s[entry.site] += time.perf_counter() - running[1]
+        lc.site_uses[entry.site] += 1
+
     def _note_forwarded(self, entry: Entry) -> None:
         if entry.placement in MOVED and not entry.wanted:
             entry.wanted = True
@@ -330,6 +352,9 @@ class EntryTable:
         with self.lock:
             if self.closed:
                 raise CacheStateError("unpack after close(): the cache's files are gone")
+            if not entry.used:
+                entry.used = True
+                self._time_use(entry)
             if entry.state is EntryState.ON_DISK:
                 self.counters.late_reads += 1
                 self._submit_read(entry)

@@ -19,7 +19,7 @@ KEEP layer saves again is pinned in memory after its write (``entries.py``).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, Hashable, List, Mapping, Optional, Union
+from typing import Dict, Hashable, List, Mapping, Optional, Sequence, Tuple, Union
 
 from ..config import MOVED, OUTSIDE, OffloadConfig, Placement
 from ..errors import ConfigError
@@ -34,9 +34,9 @@ class PlanState:
 
     placements: Dict[Hashable, Placement] = field(default_factory=dict)
     """Placement per layer id; layers not named take the default."""
-    read_ahead: Dict[Hashable, int] = field(default_factory=dict)
-    """Read-issue point per layer (NOTE [Write and read issue points]); others use
-    ``prefetch_layers``."""
+    read_ahead: Dict[Hashable, Union[int, Tuple[int, ...]]] = field(default_factory=dict)
+    """Read-issue point per layer (NOTE [Write and read issue points]): layers ahead, or
+    one per site in save order; others use ``prefetch_layers``."""
     sites: Dict[Hashable, int] = field(default_factory=dict)
     """Per OFFLOAD / HOST layer, how many of its sites (a prefix) move; others: all."""
 
@@ -59,19 +59,25 @@ class PlacementPolicy:
         """Placement of layers the plan does not name; None: the ``keep_last_layers`` rule."""
 
     def set_plan(self, placements: Mapping[Hashable, Union[Placement, str]],
-                 read_ahead: Optional[Mapping[Hashable, int]] = None,
+                 read_ahead: Optional[Mapping[Hashable, Union[int, Sequence[int]]]] = None,
                  sites: Optional[Mapping[Hashable, int]] = None) -> None:
         """Validate and swap in a plan (see ``TensorCache.set_plan``).
 
         Raises:
             ConfigError: an unknown placement, ``host`` without a host pool, a read-ahead
-                below 1 or a negative site count, naming the layer and the value.
+                below 1 (below 0 in a per-site list) or a negative site count, naming the
+                layer and the value.
         """
-        ahead: Dict[Hashable, int] = {}
+        ahead: Dict[Hashable, Union[int, Tuple[int, ...]]] = {}
         for layer_id, depth in (read_ahead or {}).items():
-            if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
-                raise ConfigError(f"read_ahead[{layer_id!r}] = {depth!r}: must be an integer >= 1")
-            ahead[layer_id] = depth
+            if _is_int(depth, 1):
+                ahead[layer_id] = depth  # type: ignore[assignment]
+            elif isinstance(depth, (list, tuple)) and depth and all(_is_int(d, 0) for d in depth):
+                ahead[layer_id] = tuple(depth)
+            else:
+                raise ConfigError(f"read_ahead[{layer_id!r}] = {depth!r}: must be an integer >= 1 or a non-empty list "
+                                  "of integers >= 0, one per site")
+
         limits: Dict[Hashable, int] = {}
         for layer_id, count in (sites or {}).items():
             if isinstance(count, bool) or not isinstance(count, int) or count < 0:
@@ -128,6 +134,16 @@ class PlacementPolicy:
             return Placement.KEEP
         return placement
 
-    def read_ahead(self, layer_id: Hashable) -> int:
-        """Layers ahead that ``layer_id``'s read is issued."""
-        return self.state.read_ahead.get(layer_id, self.config.prefetch_layers)
+    def read_ahead(self, layer_id: Hashable, site: Optional[int] = None) -> int:
+        """Layers ahead that the read of ``layer_id``'s ``site`` is issued (NOTE [Write
+        and read issue points]); with no site (a tensor under ``min_tensor_bytes``, or
+        one a later layer saved again), or a site past a per-site list, the layer's
+        earliest."""
+        depth = self.state.read_ahead.get(layer_id, self.config.prefetch_layers)
+        if isinstance(depth, int):
+            return depth
+        return depth[site] if site is not None and site < len(depth) else max(depth)
+
+
+def _is_int(value: object, low: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= low

@@ -84,6 +84,9 @@ class Entry:
     wanted: bool = False
     reloaded: bool = False
     """A read of this entry was issued (so it was not served from memory)."""
+    used: bool = False
+    """Backward unpacked it at least once (its first use is timed, NOTE [Site use times]
+    in ``planner/profile.py``)."""
     releasable: bool = False
     """Its pages may be given back when its write completes (NOTE [Returning freed pages])."""
     also_layers: List[Hashable] = field(default_factory=list)

@@ -76,6 +76,11 @@ class LayerCounters:
     site_bytes: List[int] = field(default_factory=list)
     """``saved_bytes`` tensor by tensor: entry i is the bytes of the layer's site i (its
     i-th offloadable storage in save order, NOTE [Sites]), summed over micro-batches."""
+    site_use_s: List[float] = field(default_factory=list)
+    """Per site, seconds from the start of the layer's backward to backward's first
+    unpack of the site, summed over micro-batches (NOTE [Site use times])."""
+    site_uses: List[int] = field(default_factory=list)
+    """Per site, how many micro-batches ``site_use_s`` sums."""
     offloaded_bytes: int = 0
     """Of those, bytes queued for writing to the SSDs."""
     hosted_bytes: int = 0

@@ -24,7 +24,7 @@ from ..config import MOVED, Placement, from_dict, to_dict
 from ..errors import ConfigError
 from .profile import IOProfile, LayerId, StageProfile
 from .search import Choice, PlacementSearch, PlanInfeasibleError
-from .timeline import Timeline, predict
+from .timeline import ReadAhead, Timeline, predict
 from ..units import MiB
 
 __all__ = [
@@ -86,7 +86,28 @@ class LayerPlan:
     """Predicted backward wall time without the wait (with recompute and slowdown)."""
     read_ahead: int = 1
     """Its read is issued when the backward of the layer this many layers later starts
-    (NOTE [Write and read issue points]); chosen per layer by ``read_ahead="auto"``."""
+    (NOTE [Write and read issue points]); chosen per layer by ``read_ahead="auto"``.
+    With ``site_read_ahead``, the earliest of its sites' (at least 1)."""
+    site_read_ahead: Optional[List[int]] = None
+    """Per site in save order, the read-ahead of that site's read when the planner chose
+    them one by one (``read_ahead="auto"``, NOTE [Just-in-time reads]): 0 issues it
+    when the layer's own backward starts, to be done by the site's use point (NOTE
+    [Site use times]). Sites the layer keeps carry ``read_ahead``. None: every site at
+    ``read_ahead``."""
+
+    @property
+    def read_ahead_text(self) -> str:
+        """``3``, or ``0..3`` when its sites' read-aheads differ."""
+        if self.site_read_ahead is None:
+            return str(self.read_ahead)
+        lo, hi = min(self.site_read_ahead), max(self.site_read_ahead)
+        return str(hi) if lo == hi else f"{lo}..{hi}"
+
+    @property
+    def issue_points(self) -> ReadAhead:
+        """Its read-ahead as :func:`~megatron_ssd.planner.timeline.predict` and
+        ``TensorCache.set_plan`` take it: the per-site list, else ``read_ahead``."""
+        return list(self.site_read_ahead) if self.site_read_ahead is not None else self.read_ahead
 
     @property
     def placement_text(self) -> str:
@@ -174,9 +195,15 @@ class Plan:
         """Ids of the layers with ``placement``, in forward order."""
         return [lp.layer_id for lp in self.layers if lp.placement is Placement(placement)]
 
-    def read_ahead_by_layer(self) -> Dict[LayerId, int]:
-        """Each OFFLOAD or HOST layer's read-ahead, for ``TensorCache.set_plan``."""
-        return {lp.layer_id: lp.read_ahead for lp in self.layers if lp.placement in MOVED}
+    def read_ahead_by_layer(self) -> Dict[LayerId, ReadAhead]:
+        """Each OFFLOAD or HOST layer's read-ahead (a per-site list where the plan chose
+        one), for ``TensorCache.set_plan``."""
+        return {lp.layer_id: lp.issue_points for lp in self.layers if lp.placement in MOVED}
+
+    @property
+    def read_aheads(self) -> List[ReadAhead]:
+        """Per layer in forward order, its read-ahead for :func:`predict`."""
+        return [lp.issue_points for lp in self.layers]
 
     def sites_by_layer(self) -> Dict[LayerId, int]:
         """Each OFFLOAD or HOST layer that moves only some of its sites: how many, for
@@ -251,7 +278,7 @@ class Plan:
                 f"  {'read ahead':>10}"]
         for lp in self.layers:
             note = "  (forwarded)" if lp.forwarded else ""
-            ahead = f"{lp.read_ahead:>10}" if lp.placement in MOVED else f"{'':>10}"
+            ahead = f"{lp.read_ahead_text:>10}" if lp.placement in MOVED else f"{'':>10}"
             rows.append(
                 f"{str(lp.layer_id):>8}  {lp.placement_text:<13}  {lp.bytes / MiB:9.1f}  {lp.write_s * 1e3:9.2f}"
                 f"  {lp.read_s * 1e3:9.2f}  {lp.exposed_s * 1e3:10.2f}  {ahead}{note}"
@@ -381,7 +408,9 @@ def make_plan(
         choice, goal, _ = choose(prefetch_depth)
         depths = [prefetch_depth] * n
     else:
-        choice, goal, depths = _just_in_time(stage, choose, prefetch_depth, safety_margin)
+        limits = PlacementSearch(stage, stage.io.derated(safety_margin), prefetch_depth, max_write_bytes_per_s,
+                                 host_budget_bytes or 0)
+        choice, goal, depths = _just_in_time(stage, choose, prefetch_depth, safety_margin, limits.allowed)
     tl = predict(stage, choice.placements, depths, sites=choice.sites)
     keep = predict(stage, [Placement.KEEP] * n, prefetch_depth)
     plan = _build(stage, tl, keep, goal, memory_budget, safety_margin, prefetch_depth, depths, choice.sites)
@@ -396,7 +425,7 @@ def make_plan(
 # With one read-ahead for every layer, a layer's read must fit in the backward of the
 # read-ahead layers after it, which at GPU speed is far less than a large layer's read
 # takes; with every read issued at the first backward, read buffers pile up early and
-# the peak grows. ``read_ahead="auto"`` chooses in two passes. (1) Placements are planned
+# the peak grows. ``read_ahead="auto"`` chooses in three passes. (1) Placements are planned
 # at each depth of a geometric ladder (1, 2, 4, ... up to the layer count, and the
 # configured depth): the plan with the smallest predicted peak among those that hide
 # all I/O, or with no such plan (a budget or the device's capacity binds), the one with
@@ -404,8 +433,17 @@ def make_plan(
 # the smallest peak. (2) Each offloaded layer's read is then issued as late as it can be
 # (the smallest read-ahead, needed-first layer first) without a longer predicted step, a
 # stall, forwarding or a higher peak, at the derated and at the measured bandwidths: a
-# read buffer allocated later holds its bytes for less time. The cache issues each
-# layer's read at its read-ahead (``TensorCache.set_plan(..., read_ahead=...)``).
+# read buffer allocated later holds its bytes for less time. (3) Then each moved site of
+# those layers, needed-first layer first and within a layer in the order backward uses
+# them (NOTE [Site use times] in ``profile.py``), gets the smallest read-ahead below its
+# layer's, down to 0 (issued when its own layer's backward starts), that passes the
+# same test: a small site or one used late in its layer's backward need not be read as
+# early as the layer's largest (``LayerPlan.site_read_ahead``). Under the max_offload
+# goal, a layer the search cut to a prefix of its sites (its next site lowered no peak
+# when read with the layer) then gets its next sites back, one at a time at the
+# smallest read-ahead that passes, while each lowers the predicted peak. The cache
+# issues each site's read at its read-ahead (``TensorCache.set_plan(...,
+# read_ahead=...)``).
 
 
 def _depth_ladder(first: int, n: int) -> List[int]:
@@ -422,7 +460,8 @@ def _just_in_time(
     choose: Callable[[int], Tuple[Choice, str, Timeline]],
     prefetch_depth: int,
     safety_margin: float,
-) -> Tuple[Choice, str, List[int]]:
+    allowed: Callable[[List[Placement], List[Optional[int]], Timeline], bool],
+) -> Tuple[Choice, str, List[ReadAhead]]:
     """Placements, goal and per-layer read-aheads; see NOTE [Just-in-time reads]."""
     n = len(stage.layers)
     candidates = []
@@ -446,21 +485,65 @@ def _just_in_time(
         best = min(candidates, key=lambda c: (round(c[2].step_s, 12), c[3], c[2].peak_bytes, c[4]))
     choice, goal, tl, _, depth = best
     placements, sites = choice
-    depths = [depth] * n
+    depths: List[ReadAhead] = [depth] * n
     derated = stage.io.derated(safety_margin)
     judged = [tl, predict(stage, placements, depths, io=derated, sites=sites)]
-    for i in range(n - 1, -1, -1):
+
+    def no_worse(trial: List[ReadAhead], counts: Optional[List[Optional[int]]] = None, lower: bool = False) -> bool:
+        """Whether ``trial`` (and ``counts``) adds no stall, forwarding or step time and
+        no peak (``lower``: lowers it) at both bandwidths, within ``allowed``; then it is
+        the new reference."""
+        nonlocal judged
+        counts = sites if counts is None else counts
+        trials = [predict(stage, placements, trial, sites=counts),
+                  predict(stage, placements, trial, io=derated, sites=counts)]
+        if all(not t.forwarded and t.exposed_s <= j.exposed_s + 1e-12 and t.step_s <= j.step_s + 1e-12
+               and (t.peak_bytes < j.peak_bytes if lower else t.peak_bytes <= j.peak_bytes)
+               for t, j in zip(trials, judged)) and allowed(placements, counts, trials[1]):
+            judged = trials
+            return True
+        return False
+
+    for i in range(n - 1, -1, -1):  # whole layers
         if placements[i] not in MOVED:
             continue
-        for later in range(1, depths[i]):
+        for later in range(1, depth):
             trial = depths[:i] + [later] + depths[i + 1:]
-            trials = [predict(stage, placements, trial, sites=sites),
-                      predict(stage, placements, trial, io=derated, sites=sites)]
-            if all(not t.forwarded and t.exposed_s <= j.exposed_s + 1e-12 and t.step_s <= j.step_s + 1e-12
-                   and t.peak_bytes <= j.peak_bytes for t, j in zip(trials, judged)):
-                depths, judged = trial, trials
+            if no_worse(trial):
+                depths = trial
                 break
-    return choice, goal, depths
+    for i in range(n - 1, -1, -1):  # then site by site, in the order backward uses them
+        layer = stage.layers[i]
+        if placements[i] not in MOVED or not layer.sites:
+            continue
+        whole = depths[i]
+        assert isinstance(whole, int)
+        m = len(layer.sites)
+        per_site = [whole] * m
+        moved = m if sites[i] is None else sites[i]
+        for s in sorted(range(moved), key=lambda s: (layer.use_at(s), -s)):
+            for later in range(0, whole):
+                trial_sites = per_site[:s] + [later] + per_site[s + 1:]
+                trial = depths[:i] + [trial_sites] + depths[i + 1:]
+                if no_worse(trial):
+                    per_site, depths = trial_sites, trial
+                    break
+        # a site the placement search cut because, read a whole layer's read-ahead early,
+        # it lowered no peak, may lower it read later: move it back if it now does (only
+        # when the goal is the lowest peak; under a budget fewer bytes written wins)
+        while goal == GOAL_MAX_OFFLOAD and moved < m:
+            counts = sites[:i] + [None if moved + 1 == m else moved + 1] + sites[i + 1:]
+            for later in range(0, whole + 1):
+                trial_sites = per_site[:moved] + [later] + per_site[moved + 1:]
+                trial = depths[:i] + [trial_sites] + depths[i + 1:]
+                if no_worse(trial, counts, lower=True):
+                    per_site, depths, sites, moved = trial_sites, trial, counts, moved + 1
+                    break
+            else:
+                break
+        if len(set(per_site)) == 1 and per_site[0] >= 1:
+            depths[i] = per_site[0]  # one read-ahead for all its sites after all
+    return Choice(placements, sites), goal, depths
 
 
 def _build(
@@ -471,7 +554,7 @@ def _build(
     memory_budget: Optional[int],
     safety_margin: float,
     prefetch_depth: int,
-    depths: Sequence[int],
+    depths: Sequence[ReadAhead],
     sites: Sequence[Optional[int]],
 ) -> Plan:
     layers = []
@@ -493,7 +576,8 @@ def _build(
                 forwarded=lt.forwarded,
                 forward_s=lt.forward_s,
                 backward_s=lt.backward_s,
-                read_ahead=depth,
+                read_ahead=depth if isinstance(depth, int) else max(1, max(depth)),
+                site_read_ahead=None if isinstance(depth, int) else list(depth),
             )
         )
     return Plan(

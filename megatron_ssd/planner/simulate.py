@@ -23,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Annotated, Any, Dict, List, Mapping, Optional, Sequence, Union
+from typing import Annotated, Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 from ..config import EMBEDDING, OUTSIDE, Bytes, load_config, to_dict
 from ..errors import ConfigError
@@ -303,7 +303,8 @@ def _attention(spec: SimulationSpec, s_q: int, s_kv: int, cross: bool, s_attende
 
 
 def _layer(spec: SimulationSpec, decoder: bool):
-    """(saved tensors in save order as (elements-bytes, split by t), forward FLOPs, tokens)."""
+    """(saved tensors in save order as (elements-bytes, split by t), forward FLOPs, tokens,
+    each tensor's use point as a share of the layer's backward)."""
     full = (spec.decoder_seq_len or spec.seq_len) if decoder else spec.seq_len
     s = full // spec.cp  # this GPU's tokens (NOTE: cp > 1 only for gpt and bert)
     b, h = spec.micro_batch, spec.hidden
@@ -311,26 +312,46 @@ def _layer(spec: SimulationSpec, decoder: bool):
     blocks = [_attention(spec, s, s, cross=False, s_attended=full)]
     if decoder:
         blocks.append(_attention(spec, s, spec.seq_len, cross=True))
-    saved = []
-    for block, _ in blocks:
-        saved.append((2 * s * b * h, False))  # the block's layernorm input
-        saved += block
+    mlp_flops = 4 * s * b * h * f
+    flops = sum(x[1] for x in blocks) + mlp_flops
+    # NOTE [Site use times] in profile.py: backward runs the MLP, then the attention
+    # blocks last first; a block's tensors are taken as needed when its backward starts,
+    # the share of the layer's FLOPs of the blocks after it.
+    saved, uses = [], []
+    after = mlp_flops
+    for block, block_flops in reversed(blocks):
+        use = after / flops
+        saved[:0] = [(2 * s * b * h, False)] + block  # the block's layernorm input, then its own
+        uses[:0] = [use] * (1 + len(block))
+        after += block_flops
     # the MLP: layernorm input, fc1 input, GeLU input, fc2 input, dropout mask
     saved += [(2 * s * b * h, False), (2 * s * b * h, False), (2 * s * b * f, True), (2 * s * b * f, True),
               (s * b * h, False)]
-    flops = sum(x[1] for x in blocks) + 4 * s * b * h * f
-    return saved, flops, s
+    uses += [0.0] * 5
+    return saved, flops, s, uses
 
 
 def layer_site_bytes(spec: SimulationSpec, decoder: bool = False) -> List[int]:
     """Bytes of each tensor one layer saves for backward, in save order, per micro-batch
     on one tensor- and context-parallel rank (the layer's sites, NOTE [Sites])."""
-    t = spec.tp
-    sites = []
-    for elements, split in _layer(spec, decoder)[0]:
-        shard = elements / t if split or spec.sequence_parallel else elements
-        sites.append(int(round(shard * spec.dtype_bytes / 2)))
-    return [b for b in sites if b > 0]
+    return [b for b, _ in _sites(spec, decoder)]
+
+
+def layer_site_use(spec: SimulationSpec, decoder: bool = False) -> List[float]:
+    """Per site of :func:`layer_site_bytes`, the share of the layer's backward run when
+    backward first needs it (NOTE [Site use times] in ``profile.py``)."""
+    return [u for _, u in _sites(spec, decoder)]
+
+
+def _sites(spec: SimulationSpec, decoder: bool) -> List[Tuple[int, float]]:
+    saved, _, _, uses = _layer(spec, decoder)
+    out = []
+    for (elements, split), use in zip(saved, uses):
+        shard = elements / spec.tp if split or spec.sequence_parallel else elements
+        nbytes = int(round(shard * spec.dtype_bytes / 2))
+        if nbytes > 0:
+            out.append((nbytes, round(use, 6)))
+    return out
 
 
 def layer_activation_bytes(spec: SimulationSpec, decoder: bool = False) -> int:
@@ -376,6 +397,7 @@ def stage_profile(spec: SimulationSpec) -> StageProfile:
                 backward_s=2 * forward,
                 saved_bytes=sum(sites),
                 site_bytes=sites,
+                site_use=layer_site_use(spec, decoder),
                 boundary_bytes=boundary,
             )
         )

@@ -26,9 +26,9 @@ def test_the_cache_issues_each_read_at_its_read_ahead(offload_dir):
         real = cache.entries._prefetch
         running = []
 
-        def record_prefetch(record, layer_id):
+        def record_prefetch(record, layer_id, distance):
             issued.append((running[-1], layer_id))
-            return real(record, layer_id)
+            return real(record, layer_id, distance)
 
         real_started = cache.entries.backward_started
 
@@ -41,7 +41,7 @@ def test_the_cache_issues_each_read_at_its_read_ahead(offload_dir):
             loss = model(batch)
         loss.backward()
         cache.finish_step()
-        with pytest.raises(ConfigError, match=r"read_ahead\[1\] = 0: must be an integer >= 1"):
+        with pytest.raises(ConfigError, match=r"read_ahead\[1\] = 0: must be an integer >= 1 or a non-empty list of integers >= 0, one per site"):
             cache.set_plan({}, read_ahead={1: 0})
     reference(batch).backward()
     for a, b in zip(model.parameters(), reference.parameters()):

@@ -1,0 +1,107 @@
+"""Reads site by site: each moved site's read at its own read-ahead, waited for at its use
+point in the layer's backward (NOTE [Write and read issue points], NOTE [Site use
+times]), on constructed profiles."""
+
+from __future__ import annotations
+
+import pytest
+
+from megatron_ssd.config import Placement
+from megatron_ssd.errors import ConfigError
+from megatron_ssd.planner import IOProfile, LayerProfile, Plan, StageProfile, make_plan, predict
+from megatron_ssd.planner.simulate import spec_from_overrides, stage_profile
+
+K, O = Placement.KEEP, Placement.OFFLOAD
+
+
+def three_layers(site_use=(0.5, 0.0)) -> StageProfile:
+    """Layer 0 saves two 100-byte sites, the first used halfway through its 2 s backward,
+    the second at its start; layers 1 and 2 keep 100 bytes each. Forward 1 s, backward
+    2 s per layer; the array writes and reads 200 B/s."""
+    first = LayerProfile(0, 1.0, 2.0, 200, site_bytes=[100, 100],
+                         site_use=None if site_use is None else list(site_use))
+    rest = [LayerProfile(i, 1.0, 2.0, 0, kept_bytes=100) for i in (1, 2)]
+    return StageProfile([first, *rest], IOProfile(200.0, 200.0))
+
+
+def test_a_site_used_late_is_read_when_its_own_layer_backward_starts():
+    stage = three_layers()
+    # forward 0-3; layer 0's write 0-1; backward of layer 2 3-5, of layer 1 5-7, of layer 0 7-9
+    whole = predict(stage, [O, K, K], 1)
+    reads = [(r.site, r.issue, r.start, r.end) for r in whole.layers[0].reads]
+    assert reads == [(1, 5.0, 5.0, 5.5), (0, 5.0, 5.5, 6.0)]  # needed first
+    assert whole.step_s == 9.0 and whole.exposed_s == 0.0
+    assert whole.peak_bytes == 300  # from 5: layer 1's 100 and both read buffers
+    split = predict(stage, [O, K, K], [[0, 1], 1, 1])
+    reads = [(r.site, r.issue, r.start, r.end) for r in split.layers[0].reads]
+    # site 0 is read from 7, when layer 0's backward starts, and needed at 7 + 0.5 * 2
+    assert reads == [(1, 5.0, 5.0, 5.5), (0, 7.0, 7.0, 7.5)]
+    assert split.step_s == 9.0 and split.exposed_s == 0.0
+    assert split.peak_bytes == 200
+    assert (split.layers[0].read_issue, split.layers[0].read_start, split.layers[0].read_end) == (5.0, 5.0, 7.5)
+
+
+def test_without_use_points_every_site_is_needed_when_the_backward_starts():
+    tl = predict(three_layers(site_use=None), [O, K, K], [[0, 1], 1, 1])
+    lt = tl.layers[0]
+    assert lt.stall_s == pytest.approx(0.5) and tl.exposed_s == pytest.approx(0.5)
+    assert (lt.backward_start, lt.backward_end, lt.backward_s) == (7.0, 9.5, 2.0)
+    assert tl.step_s == 9.5
+
+
+def test_a_stall_at_a_use_point_waits_mid_backward():
+    # read at 100 B/s: site 0 read 7-8, needed at 8: no wait; at 50 B/s: 7-9, waits 1 s at 8
+    stage = three_layers()
+    slow = stage.with_io(IOProfile(200.0, 50.0))
+    tl = predict(slow, [O, K, K], [[0, 2], 1, 1])
+    lt = tl.layers[0]
+    assert [(r.site, r.issue, r.end) for r in lt.reads] == [(1, 3.0, 5.0), (0, 7.0, 9.0)]
+    assert lt.stall_s == pytest.approx(1.0)
+    assert (lt.backward_start, lt.backward_end) == (7.0, 10.0)
+
+
+def test_auto_plan_reads_a_late_used_site_late():
+    plan = make_plan(three_layers(), read_ahead="auto")
+    assert plan.placements == [O, K, K]
+    lp = plan.layers[0]
+    assert (lp.read_ahead, lp.site_read_ahead, lp.read_ahead_text) == (1, [0, 1], "0..1")
+    assert plan.read_ahead_by_layer() == {0: [0, 1]}
+    assert plan.peak_activation_bytes == 200 and plan.exposed_s == 0.0 and plan.step_s == 9.0
+    assert "0..1" in plan.table()
+    again = Plan.from_json(plan.to_json())
+    assert again.layers[0].site_read_ahead == [0, 1]
+    assert predict(three_layers(), again.placements, again.read_aheads, sites=again.sites).peak_bytes == 200
+    # the fixed mode reads every site prefetch_depth ahead
+    fixed = make_plan(three_layers(), read_ahead="fixed")
+    assert fixed.layers[0].site_read_ahead is None and fixed.peak_activation_bytes == 300
+
+
+def test_auto_plan_without_use_points_keeps_one_read_ahead_per_layer():
+    plan = make_plan(three_layers(site_use=None), read_ahead="auto")
+    assert plan.placements == [O, K, K]
+    assert plan.layers[0].site_read_ahead is None and plan.layers[0].read_ahead == 1
+    assert plan.peak_activation_bytes == 300
+
+
+def test_per_site_read_aheads_are_validated():
+    stage = three_layers()
+    with pytest.raises(ConfigError, match=r"prefetch_depth\[0\] = \[0\]: must have one read-ahead per site \(2\)"):
+        predict(stage, [O, K, K], [[0], 1, 1])
+    with pytest.raises(ConfigError, match=r"each an integer >= 1 or a list of integers >= 0"):
+        predict(stage, [O, K, K], [[0, -1], 1, 1])
+    with pytest.raises(ConfigError, match=r"site_use = \[0.5\]: must have one entry per site \(2\)"):
+        LayerProfile(0, 1.0, 2.0, 200, site_bytes=[100, 100], site_use=[0.5])
+    with pytest.raises(ConfigError, match=r"site_use = \[0.5, 1.5\]: must be None or a list of numbers in \[0, 1\]"):
+        LayerProfile(0, 1.0, 2.0, 200, site_bytes=[100, 100], site_use=[0.5, 1.5])
+
+
+def test_simulate_takes_attention_sites_as_used_after_the_mlp():
+    # gpt-13b at 4k, fused attention: the MLP is 16 s b h^2 of forward FLOPs, the
+    # attention 8 s b h^2 + 4 b s^2 h, so attention's tensors are needed after
+    # 16 h / (24 h + 4 s) of the layer's backward
+    spec = spec_from_overrides([], "gpt-13b")
+    layer = stage_profile(spec).layers[1]
+    h, s = spec.hidden, spec.seq_len
+    share = round(16 * h / (24 * h + 4 * s), 6)
+    assert layer.site_use == [share] * (len(layer.sites) - 5) + [0.0] * 5
+    assert share == pytest.approx(0.588235)
