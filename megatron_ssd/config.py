@@ -346,8 +346,9 @@ class PlannerConfig:
 
     read_ahead: Annotated[str, OneOf("auto", "fixed")] = "auto"
     """When each offloaded layer's read is issued during backward: ``auto``, as late as
-    the plan predicts it still arrives in time, chosen per layer (NOTE [Just-in-time
-    reads]); ``fixed``, ``prefetch_layers`` layers ahead for every layer."""
+    the plan predicts it still arrives in time, chosen per layer and then per site, a
+    site's read due by when backward first uses it (NOTE [Just-in-time reads]);
+    ``fixed``, ``prefetch_layers`` layers ahead for every layer."""
 
     drive_tbw_bytes: Optional[Annotated[ByteCount, Positive()]] = None
     """Rated write endurance of one offload drive, in bytes (TBW; DWPD x capacity x
