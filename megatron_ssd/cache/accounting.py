@@ -22,7 +22,7 @@ class StepAccountingMixin:
     def finish_step(self) -> StepStats:
         """Close the step's accounting and return its numbers; counters start again.
 
-        Waits for writes still in flight first, so each step's bytes are its own.
+        Waits for writes and reads still in flight first, so each step's bytes are its own.
         """
         self._check_open()
         self.drain()

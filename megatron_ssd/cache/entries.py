@@ -78,6 +78,7 @@ class EntryTable:
         """Records whose forward or backward is not finished, by key."""
         self.closed = False
         self._writes: Set[IOFuture] = set()
+        self._reads: Set[IOFuture] = set()
         self._bwd_clock: Dict[int, Tuple[Hashable, float]] = {}
 
     # ------------------------------------------------------------------ records
@@ -247,9 +248,12 @@ class EntryTable:
                 self._set_data(entry, None)
 
     def drain(self) -> None:
-        """Wait until every queued write has completed (or failed)."""
+        """Wait until every queued write, and every read in flight, has completed (or
+        failed). At a step's end the reads left are those of tensors autograd released
+        unneeded; their blobs are freed when they complete, so the step's disk bytes are
+        counted after them."""
         with self.lock:
-            pending = list(self._writes)
+            pending = list(self._writes) + list(self._reads)
         for future in pending:
             _wait(future)
 
@@ -306,10 +310,12 @@ class EntryTable:
         self._set_data(entry, dst)
         entry.state = EntryState.READING
         entry.reloaded = True
+        self._reads.add(entry.read_future)
         entry.read_future.add_done_callback(partial(self._read_done, entry))
 
     def _read_done(self, entry: Entry, future: IOFuture) -> None:
         with self.lock:
+            self._reads.discard(future)
             if future.error() is None:
                 entry.store.fetched(entry.handle)
             if entry.state is EntryState.RELEASED:

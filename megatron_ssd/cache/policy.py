@@ -77,7 +77,6 @@ class PlacementPolicy:
             else:
                 raise ConfigError(f"read_ahead[{layer_id!r}] = {depth!r}: must be an integer >= 1 or a non-empty list "
                                   "of integers >= 0, one per site")
-
         limits: Dict[Hashable, int] = {}
         for layer_id, count in (sites or {}).items():
             if isinstance(count, bool) or not isinstance(count, int) or count < 0:

@@ -290,7 +290,8 @@ class TensorCache(ScopeMixin, StepAccountingMixin):
             self.entries.released(entry)
 
     def drain(self) -> None:
-        """Wait until every queued write has completed (or failed)."""
+        """Wait until every queued write, and every read in flight, has completed (or
+        failed)."""
         self.entries.drain()
 
     # ------------------------------------------------------------------ step / close

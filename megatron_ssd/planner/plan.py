@@ -24,7 +24,7 @@ from ..config import MOVED, Placement, from_dict, to_dict
 from ..errors import ConfigError
 from .profile import IOProfile, LayerId, StageProfile
 from .search import Choice, PlacementSearch, PlanInfeasibleError
-from .timeline import ReadAhead, Timeline, predict
+from .timeline import ReadAhead, Timeline, predict, use_order
 from ..units import MiB
 
 __all__ = [
@@ -521,7 +521,7 @@ def _just_in_time(
         m = len(layer.sites)
         per_site = [whole] * m
         moved = m if sites[i] is None else sites[i]
-        for s in sorted(range(moved), key=lambda s: (layer.use_at(s), -s)):
+        for s in use_order(layer, moved):
             for later in range(0, whole):
                 trial_sites = per_site[:s] + [later] + per_site[s + 1:]
                 trial = depths[:i] + [trial_sites] + depths[i + 1:]

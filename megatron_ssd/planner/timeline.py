@@ -21,7 +21,7 @@ from ..errors import ConfigError
 from .profile import IOProfile, LayerId, LayerProfile, StageProfile
 
 __all__ = ["LayerTimeline", "ReadAhead", "SiteRead", "Timeline", "predict", "read_ahead_list", "site_depths",
-           "site_list"]
+           "site_list", "use_order"]
 
 ReadAhead = Union[int, Sequence[int]]
 """One layer's read-issue point: a read-ahead in layers (>= 1) for all its sites, or one
@@ -449,7 +449,7 @@ def predict(
     exposed = 0.0
     # every moved site, needed-first: later layers first, then in use order
     pending = [(i, s) for i in range(n - 1, -1, -1) if placements[i] in MOVED
-               for s in _use_order(layers[i], counts[i])]
+               for s in use_order(layers[i], counts[i])]
     for j in range(n - 1, -1, -1):
         due = [(i, s) for i, s in pending if i + depths[i][s] >= j]
         for i, s in due:
@@ -522,7 +522,7 @@ def _pipeline_gap(stage: StageProfile, placements: Sequence[Placement], moved: S
     return (m - 1) * slot
 
 
-def _use_order(layer: LayerProfile, count: Optional[int]) -> List[int]:
+def use_order(layer: LayerProfile, count: Optional[int]) -> List[int]:
     """The first ``count`` (None: all) sites of ``layer`` in the order its backward uses
     them: by use point (NOTE [Site use times]), ties last saved first."""
     moved = range(len(layer.sites) if count is None else count)
