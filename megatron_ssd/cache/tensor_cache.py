@@ -31,6 +31,7 @@ from .accounting import StepAccountingMixin
 from .entries import EntryTable
 from .exit_guard import EXIT_GUARD
 from .identity import is_plain, restore, storage_key, view_meta
+from .pages import trim_heap
 from .record import Packed, Record
 from .scopes import ScopeMixin, active_cache
 from .policy import PlacementPolicy
@@ -283,6 +284,13 @@ class TensorCache(ScopeMixin, StepAccountingMixin):
         ``read_ahead``, else ``prefetch_layers``) reaches this layer.
         """
         self.entries.backward_started(record, layer_id)
+        if self._return_pages:  # NOTE [Returning freed pages]: after a recomputed layer
+            order = record.layer_order
+            i = order.index(layer_id) if layer_id in order else -1
+            if 0 <= i < len(order) - 1 and self.policy.layer(order[i + 1]) is Placement.RECOMPUTE:
+                trimmed = trim_heap()
+                with self.entries.lock:
+                    self.entries.counters.heap_trim_s += trimmed
 
     def _unref(self, entry) -> None:
         """A ``Packed`` of ``entry`` was dropped (NOTE [Entry lifetime])."""

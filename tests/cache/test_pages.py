@@ -109,3 +109,34 @@ def test_return_freed_pages_false_turns_both_calls_off(offload_dir):
         loss.backward()
         stats = cache.finish_step()
     assert stats.bytes_offloaded > 0 and stats.bytes_returned == 0 and stats.heap_trim_s == 0
+
+
+
+def test_the_heap_is_trimmed_after_each_recomputed_layer(offload_dir, monkeypatch):
+    # NOTE [Returning freed pages]: a recomputed layer's backward frees its rerun
+    # forward's activations; the heap is trimmed when the next layer's backward starts.
+    from megatron_ssd.cache import tensor_cache
+    from tiny_model import TinyGPT, make_batches
+
+    torch.manual_seed(0)
+    model = TinyGPT(layers=4, hidden=32, seq=32)
+    (batch,) = make_batches(steps=1, microbatches=1, batch=2, seq=32, vocab=256)[0]
+    trims, running = [], []
+    monkeypatch.setattr(tensor_cache, "trim_heap", lambda: trims.append(running[-1]) or 0.0)
+    for returning, expected in ((True, [2, 0]), (False, [])):
+        trims.clear()
+        with TensorCache(OffloadConfig(paths=[offload_dir], return_freed_pages=returning)) as cache:
+            cache.register_layers(model.layers)
+            cache.set_plan({0: "keep", 1: "recompute", 2: "keep", 3: "recompute"})
+            real = cache.entries.backward_started
+
+            def started(record, layer_id, real=real):
+                running.append(layer_id)
+                return real(record, layer_id)
+
+            cache.entries.backward_started = started
+            with cache.microbatch():
+                loss = model(batch)
+            loss.backward()
+            cache.finish_step()
+        assert trims == expected
