@@ -20,7 +20,7 @@ import threading
 import time
 import weakref
 from functools import partial
-from typing import Dict, Hashable, Iterable, List, Mapping, Optional, Sequence, Union
+from typing import Dict, Hashable, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -151,21 +151,22 @@ class TensorCache(ScopeMixin, StepAccountingMixin):
             self._param_storages.add(p.untyped_storage()._cdata)
 
     def set_plan(self, placements: Mapping[Hashable, Union[Placement, str]],
-                 read_ahead: Optional[Mapping[Hashable, int]] = None,
+                 read_ahead: Optional[Mapping[Hashable, Union[int, Sequence[int]]]] = None,
                  sites: Optional[Mapping[Hashable, int]] = None) -> None:
         """Set the placement of layers by id; unnamed layers keep the default.
 
         ``read_ahead`` gives a layer's read-issue point: its read is issued when the
         backward of the layer that many layers later starts (NOTE [Write and read issue
-        points] in ``planner/timeline.py``); layers it does not name read
-        ``prefetch_layers`` ahead. ``sites`` limits an OFFLOAD or HOST layer to its first
+        points] in ``planner/timeline.py``); or one such point per site in save order,
+        where 0 issues the site's read when its own layer's backward starts. Layers it
+        does not name read ``prefetch_layers`` ahead. ``sites`` limits an OFFLOAD or HOST layer to its first
         k sites (offloadable tensors in save order, NOTE [Sites] in
         ``planner/profile.py``); the rest are kept. Layers it does not name move all.
         The plan applies from the next tensor saved; set it between steps.
 
         Raises:
             ConfigError: an unknown placement, ``host`` without a host pool, a read-ahead
-                below 1 or a negative site count.
+                below 1 (below 0 in a per-site list) or a negative site count.
         """
         self.policy.set_plan(placements, read_ahead, sites)
 
@@ -173,8 +174,8 @@ class TensorCache(ScopeMixin, StepAccountingMixin):
         """A copy of the placements set with :meth:`set_plan`."""
         return dict(self.policy.state.placements)
 
-    def read_ahead(self) -> Dict[Hashable, int]:
-        """A copy of the read-aheads set with :meth:`set_plan`."""
+    def read_ahead(self) -> Dict[Hashable, Union[int, Tuple[int, ...]]]:
+        """A copy of the read-aheads set with :meth:`set_plan` (per-site ones as tuples)."""
         return dict(self.policy.state.read_ahead)
 
     def sites(self) -> Dict[Hashable, int]:
@@ -281,7 +282,9 @@ class TensorCache(ScopeMixin, StepAccountingMixin):
 
         Issues the reads due now, needed-first: this layer's (if not yet issued) and
         those of the layers before it in forward order whose read-ahead (``set_plan``'s
-        ``read_ahead``, else ``prefetch_layers``) reaches this layer.
+        ``read_ahead``, per layer or per site, else ``prefetch_layers``) reaches this
+        layer. After a recomputed layer's backward, trims the heap (NOTE [Returning
+        freed pages]).
         """
         self.entries.backward_started(record, layer_id)
         if self._return_pages:  # NOTE [Returning freed pages]: after a recomputed layer
