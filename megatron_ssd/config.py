@@ -45,6 +45,7 @@ from .units import MiB
 __all__ = [
     "Placement",
     "MOVED",
+    "is_int",
     "EMBEDDING",
     "HEAD",
     "OUTSIDE",
@@ -208,6 +209,11 @@ def _switch(value: Any) -> Any:
     if low == "auto":
         return "on"
     return low if low in ("on", "off") else value
+
+
+def is_int(value: Any, low: int) -> bool:
+    """Whether ``value`` is an integer (not a bool) of at least ``low``."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= low
 
 
 class Placement(str, enum.Enum):

@@ -259,16 +259,19 @@ class EntryTable:
 
     # ------------------------------------------------------------------ reads
 
-    def backward_started(self, record: Record, layer_id: Hashable) -> None:
+    def backward_started(self, record: Record, layer_id: Hashable) -> Optional[Hashable]:
         """``layer_id``'s backward begins in ``record``: issue the reads due now,
         needed-first (this layer's, then those of earlier layers whose sites' read-aheads
-        reach it, NOTE [Write and read issue points] in ``planner/timeline.py``)."""
+        reach it, NOTE [Write and read issue points] in ``planner/timeline.py``).
+
+        Returns:
+            The layer whose backward just ended in ``record`` (None: the first)."""
         now = time.perf_counter()
         with self.lock:
-            self._clock_backward(record, layer_id, now)
+            finished = self._clock_backward(record, layer_id, now)
             order = record.layer_order
             if layer_id not in order:
-                return
+                return finished
             i = order.index(layer_id)
             for k in range(i, -1, -1):
                 target = order[k]
@@ -276,14 +279,18 @@ class EntryTable:
                     continue
                 if self._prefetch(record, target, i - k):
                     record.prefetched.add(target)
+            return finished
 
-    def _clock_backward(self, record: Record, layer_id: Hashable, now: float) -> None:
+    def _clock_backward(self, record: Record, layer_id: Hashable, now: float) -> Optional[Hashable]:
+        """Close the running layer's backward time, start ``layer_id``'s; the layer whose
+        backward ended (None: none ran yet)."""
         last = self._bwd_clock.get(id(record))
         if last is not None:
             lc = self.counters.layers.get(last[0])
             if lc is not None:
                 lc.backward_s += now - last[1]
         self._bwd_clock[id(record)] = (layer_id, now)
+        return None if last is None else last[0]
 
     def _prefetch(self, record: Record, layer_id: Hashable, distance: int) -> bool:
         """Issue the reads of ``layer_id``'s entries whose read-ahead reaches

@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Dict, Hashable, List, Mapping, Optional, Sequence, Tuple, Union
 
-from ..config import MOVED, OUTSIDE, OffloadConfig, Placement
+from ..config import MOVED, OUTSIDE, OffloadConfig, Placement, is_int
 from ..errors import ConfigError
 
 __all__ = ["PlacementPolicy", "PlanState"]
@@ -70,16 +70,16 @@ class PlacementPolicy:
         """
         ahead: Dict[Hashable, Union[int, Tuple[int, ...]]] = {}
         for layer_id, depth in (read_ahead or {}).items():
-            if _is_int(depth, 1):
+            if is_int(depth, 1):
                 ahead[layer_id] = depth  # type: ignore[assignment]
-            elif isinstance(depth, (list, tuple)) and depth and all(_is_int(d, 0) for d in depth):
+            elif isinstance(depth, (list, tuple)) and depth and all(is_int(d, 0) for d in depth):
                 ahead[layer_id] = tuple(depth)
             else:
                 raise ConfigError(f"read_ahead[{layer_id!r}] = {depth!r}: must be an integer >= 1 or a non-empty list "
                                   "of integers >= 0, one per site")
         limits: Dict[Hashable, int] = {}
         for layer_id, count in (sites or {}).items():
-            if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+            if not is_int(count, 0):
                 raise ConfigError(f"sites[{layer_id!r}] = {count!r}: must be an integer >= 0 (sites to move)")
             limits[layer_id] = count
         plan: Dict[Hashable, Placement] = {}
@@ -142,7 +142,3 @@ class PlacementPolicy:
         if isinstance(depth, int):
             return depth
         return depth[site] if site is not None and site < len(depth) else max(depth)
-
-
-def _is_int(value: object, low: int) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= low

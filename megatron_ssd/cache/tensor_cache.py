@@ -286,14 +286,12 @@ class TensorCache(ScopeMixin, StepAccountingMixin):
         layer. After a recomputed layer's backward, trims the heap (NOTE [Returning
         freed pages]).
         """
-        self.entries.backward_started(record, layer_id)
-        if self._return_pages:  # NOTE [Returning freed pages]: after a recomputed layer
-            order = record.layer_order
-            i = order.index(layer_id) if layer_id in order else -1
-            if 0 <= i < len(order) - 1 and self.policy.layer(order[i + 1]) is Placement.RECOMPUTE:
-                trimmed = trim_heap()
-                with self.entries.lock:
-                    self.entries.counters.heap_trim_s += trimmed
+        finished = self.entries.backward_started(record, layer_id)
+        # NOTE [Returning freed pages]: after a recomputed layer's backward
+        if self._return_pages and finished is not None and self.policy.layer(finished) is Placement.RECOMPUTE:
+            trimmed = trim_heap()
+            with self.entries.lock:
+                self.entries.counters.heap_trim_s += trimmed
 
     def _unref(self, entry) -> None:
         """A ``Packed`` of ``entry`` was dropped (NOTE [Entry lifetime])."""

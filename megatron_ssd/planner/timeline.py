@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, List, Optional, Sequence, Tuple, Union
 
-from ..config import MOVED, Placement
+from ..config import MOVED, Placement, is_int
 from ..errors import ConfigError
 from .profile import IOProfile, LayerId, LayerProfile, StageProfile
 
@@ -276,10 +276,6 @@ class _Compute:
         return t + work
 
 
-def _is_int(value: object, low: int) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= low
-
-
 def read_ahead_list(prefetch_depth: Union[int, Sequence[ReadAhead]], n: int) -> List[ReadAhead]:
     """One read-ahead per layer (:data:`ReadAhead`) from a depth or a per-layer sequence.
 
@@ -288,15 +284,15 @@ def read_ahead_list(prefetch_depth: Union[int, Sequence[ReadAhead]], n: int) -> 
             length is not ``n``.
     """
     rule = f"must be an integer >= 1, or one per layer ({n}), each an integer >= 1 or a list of integers >= 0"
-    if _is_int(prefetch_depth, 1):
+    if is_int(prefetch_depth, 1):
         return [prefetch_depth] * n  # type: ignore[list-item]
     if not isinstance(prefetch_depth, (list, tuple)) or len(prefetch_depth) != n:
         raise ConfigError(f"prefetch_depth = {prefetch_depth!r}: {rule}")
     out: List[ReadAhead] = []
     for d in prefetch_depth:
-        if _is_int(d, 1):
+        if is_int(d, 1):
             out.append(d)
-        elif isinstance(d, (list, tuple)) and all(_is_int(x, 0) for x in d):
+        elif isinstance(d, (list, tuple)) and all(is_int(x, 0) for x in d):
             out.append(list(d))
         else:
             raise ConfigError(f"prefetch_depth = {prefetch_depth!r}: {rule}")
@@ -332,7 +328,7 @@ def site_list(sites: Optional[Sequence[Optional[int]]], layers: Sequence[LayerPr
         raise ConfigError(f"sites = {sites!r}: must be None or one entry per layer ({n})")
     out: List[Optional[int]] = []
     for layer, k in zip(layers, sites):
-        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= len(layer.sites)):
+        if k is not None and not (is_int(k, 0) and k <= len(layer.sites)):
             raise ConfigError(
                 f"sites[{layer.layer_id!r}] = {k!r}: must be None or an integer in [0, {len(layer.sites)}] "
                 "(the layer's site count)"
