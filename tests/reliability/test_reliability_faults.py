@@ -288,24 +288,31 @@ def test_stalled_write_is_named_repeatedly_and_training_ends_bit_identical(offlo
     ref_losses, _ = _train(reference, batches)
     stall = Stall()
     caplog.set_level(logging.WARNING, logger="megatron_ssd")
+
+    def stuck_warnings():
+        # Other writes may also pass 0.05 s on a loaded machine and be named too (rightly);
+        # what must hold is that the stuck one is named, and named again while it stays stuck.
+        if not stall.stuck:
+            return []
+        path, offset, nbytes = stall.stuck[0]
+        prefix = f"megatron_ssd: write of {nbytes} bytes at offset {offset} of {path} has made no progress for "
+        return [m for m in _stall_warnings(caplog) if m.startswith(prefix)]
+
     with _cache([offload_dir], stall, stall_warning_s=0.05) as cache:
         cache.register_layers(model.layers)
         result = {}
         trainer = threading.Thread(target=lambda: result.update(zip(("losses", "stats"), _train(model, batches, cache))))
         trainer.start()
         deadline = time.time() + 60
-        while len(_stall_warnings(caplog)) < 2 and time.time() < deadline:
+        while len(stuck_warnings()) < 2 and time.time() < deadline:
             time.sleep(0.01)
-        warnings = _stall_warnings(caplog)
+        warnings = stuck_warnings()
         stall.release.set()  # the drive answers again
         trainer.join(timeout=120)
         assert not trainer.is_alive()
     assert len(warnings) >= 2, "the warning repeats while the request stays stuck"
-    path, offset, nbytes = stall.stuck[0]
-    for msg in warnings:
-        assert msg.startswith(f"megatron_ssd: write of {nbytes} bytes at offset {offset} of {path} has made no "
-                              "progress for "), msg
-        assert " s (io.stall_warning_s = 0.05): the drive may be stalled" in msg
+    for msg in _stall_warnings(caplog):
+        assert " s (io.stall_warning_s = 0.05): the drive may be stalled; training waits for it" in msg, msg
     assert all(torch.equal(a, b) for a, b in zip(result["losses"], ref_losses))
     assert len(result["losses"]) == len(ref_losses)
     assert sum(s.write_fallbacks for s in result["stats"]) == 0
