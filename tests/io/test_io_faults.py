@@ -173,8 +173,11 @@ def test_reads_overtake_queued_writes(offload_dir):
 
 
 def test_busy_time_is_the_union_of_intervals(offload_dir):
+    both = threading.Barrier(2, timeout=30)
+
     def slow(op, path, offset, nbytes):
         if op == "write":
+            both.wait()  # both writes are in flight together, however late a worker starts
             time.sleep(0.2)
 
     with _engine(offload_dir, slow, threads=2) as engine:
