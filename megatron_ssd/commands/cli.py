@@ -65,7 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--budgets", metavar="F,F", type=lambda v: [float(x) for x in v.split(",") if x], default=[0.5],
                    help="the budget placement's fractions of keep's peak, one point each (default 0.5)")
     p.add_argument("--paired", type=int, default=0, metavar="N",
-                   help="add N pairs of back-to-back keep / planner steps to each planner run (default 0)")
+                   help="add N pairs of back-to-back keep / placement steps to the run of every placement but "
+                        "keep, budgets included: step-time ratios that the machine's drift cancels out of "
+                        "(default 0)")
     p.add_argument("--throttle", metavar="RATE",
                    help="limit the offload disk's reads and writes to RATE (e.g. 250MiB, per second) with a "
                         "cgroup-v1 blkio group while rok runs, to reproduce a GPU's compute/I-O ratio on a CPU "

@@ -152,8 +152,9 @@ def rok_points(config_path: Optional[str], overrides: Sequence[str], budgets: Se
     With ``rounds > 1`` the whole sequence runs that many times, interleaved (keep,
     recompute, ..., keep, recompute, ...), and each point pools its rounds
     (NOTE [Pooled rounds]). ``placements`` restricts the fixed placements (default: all);
-    budgets need ``keep`` among them. ``paired`` adds that many pairs of steps to each
-    planner run (NOTE [Paired steps]), pooled over rounds into ``paired_x_keep``.
+    budgets need ``keep`` among them. ``paired`` adds that many pairs of steps to the run
+    of every placement but keep, budgets included (NOTE [Paired steps]), pooled over
+    rounds into each point's ``paired_x_keep``.
     """
     names = list(placements or [*PLACEMENTS, BUDGET])
     unknown = [n for n in names if n not in PLACEMENTS and n != BUDGET]
@@ -169,9 +170,11 @@ def rok_points(config_path: Optional[str], overrides: Sequence[str], budgets: Se
     names = [n for n in names if n != BUDGET]
     if rounds < 1:
         raise ConfigError(f"rok: rounds = {rounds}: must be >= 1")
-    if paired < 0 or (paired and "planner" not in names):
-        raise ConfigError(f"rok: paired = {paired}: must be >= 0, and > 0 only with the planner placement")
-    per_placement = {"planner": [f"paired_steps={paired}"] if paired else []}
+    if paired < 0 or (paired and names == ["keep"] and not budgets):
+        raise ConfigError(f"rok: paired = {paired}: must be >= 0, and > 0 only with a placement other than keep "
+                          "(pairs compare it with keep)")
+    pairs = [f"paired_steps={paired}"] if paired else []
+    per_placement = {name: pairs for name in names if name != "keep"}
     _check_measurable(config_path, overrides, [*names, *(["planner"] if budgets else [])])
     runs: Dict[str, List[Dict[str, Any]]] = {}
     infeasible: Dict[str, str] = {}
@@ -186,7 +189,7 @@ def rok_points(config_path: Optional[str], overrides: Sequence[str], budgets: Se
             for fraction in budgets:
                 budget = int(keep_peak * fraction)
                 extra_runs.append((f"budget-{budget}", ["offload.planner.mode=auto",
-                                                        f"offload.planner.memory_budget={budget}"]))
+                                                        f"offload.planner.memory_budget={budget}", *pairs]))
         for name, extra in extra_runs:
             if name in infeasible:  # refused once: the budget is below what can be reached
                 continue

@@ -162,11 +162,13 @@ def test_rok_json_schema(tmp_path):
     assert by["recompute"]["allocator_peak_bytes"] > by["recompute"]["peak_activation_bytes"]
     assert all(pl in ("keep", "offload", "recompute") for pl in by["planner"]["plan"])
     assert data["workload"]["model"]["num_layers"] == 2
-    planner = by["planner"]
-    assert len(planner["paired_ratios"]) == 2
-    lo, hi = planner["paired_x_keep_ci95"]
-    assert lo <= planner["paired_x_keep"] <= hi
-    assert all("paired_ratios" not in p for p in data["points"] if p["placement"] != "planner")
+    # --paired: every placement but keep gets its pairs, budgets included (NOTE [Paired steps])
+    assert "paired_ratios" not in by["keep"]
+    for p in data["points"][1:]:
+        assert len(p["paired_ratios"]) == 2, p["placement"]
+        lo, hi = p["paired_x_keep_ci95"]
+        assert lo <= p["paired_x_keep"] <= hi
+        assert f"{p['placement']}: paired steps " in proc.stdout
 
 
 def _train_json(tmp_path, name, *overrides):
@@ -296,7 +298,8 @@ def test_ratio_interval_separates_a_real_slowdown_from_noise():
     ({"placements": ["keep", "offlaod-all"]}, r"rok: placements = \['offlaod-all'\]: each must be one of"),
     ({"rounds": 0}, r"rok: rounds = 0: must be >= 1"),
     ({"budgets": [0.3, 1.5]}, r"rok: budgets = \[0.3, 1.5\]: each must be a fraction of keep's peak in \(0, 1\]"),
-    ({"paired": 2, "placements": ["keep", "offload-all"]}, r"rok: paired = 2: must be >= 0, and > 0 only with"),
+    ({"paired": 2, "placements": ["keep"]}, r"rok: paired = 2: must be >= 0, and > 0 only with a placement other "
+                                            r"than keep \(pairs compare it with keep\)"),
     ({"paired": -1}, r"rok: paired = -1: must be >= 0"),
     ({"placements": ["planner", "budget"]}, r"rok: placements = \['planner', 'budget'\]: 'budget' needs 'keep'"),
     ({"placements": ["keep", "planner"], "overrides": ["steps=3"]},
