@@ -486,7 +486,8 @@ class TrainConfig:
     paired_steps: Annotated[int, NonNegative()] = 0
     """After the offload steps, this many pairs of steps in the same process: one with
     every layer kept, one with the offload phase's final placement, alternating which
-    goes first. Each pair's step-time ratio compares runs seconds apart, so the machine's
+    goes first, each timed after one untimed step of its own kind (so a pair runs four
+    steps). Each pair's step-time ratio compares runs seconds apart, so the machine's
     drift cancels out of it (0: none)."""
     allocator_timeline: bool = False
     """After each phase's steps, run one more step under the PyTorch profiler's memory

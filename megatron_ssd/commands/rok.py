@@ -115,6 +115,8 @@ def _point(placement: str, reports: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
         point["paired_ratios"] = ratios
         point["paired_x_keep"] = median_or_zero(ratios)
         point["paired_x_keep_ci95"] = median_ci95(ratios)
+        point["paired_keep_step_s"] = median_or_zero([t for p in paired for t in p["keep_step_s"]])
+        point["paired_step_s"] = median_or_zero([t for p in paired for t in p["offload_step_s"]])
     return point
 
 

@@ -43,6 +43,8 @@ from .steps import format_comparison, format_paired, format_plans, short_run_pro
 __all__ = ["TrainRecipe", "PhaseResult", "run_train", "format_summary"]
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+SETTLE_STEPS = 1
+"""Untimed steps before each timed step of a pair, of the same kind (NOTE [Paired steps])."""
 
 
 @dataclass
@@ -234,8 +236,15 @@ class TrainRecipe:
         their ratio; which step goes first alternates (keep first in even pairs), so a
         drift within a pair cancels over two pairs. The keep step sets every layer to
         KEEP; the other restores the plan and the default placement the offload phase
-        ended with. The planner sees none of these steps: it neither re-plans nor
-        profiles. They continue training, so the model after them differs from the
+        ended with. Each timed step follows SETTLE_STEPS untimed steps of its own kind:
+        a step right after a switch inherits the other kind's memory state. Measured
+        under the 250 MiB/s throttle with a 294 MiB budget plan (four layers recomputed):
+        its steps right after keep steps took 2.59 s (median of 8) against 2.92 s in a
+        row, since keep's backward leaves glibc's heap full of resident free pages that
+        the plan's trims would otherwise have given back and faulted in again; and keep
+        steps right after it took 2.10 s against 1.94 s. The unsettled ratio was 1.27x,
+        the steady one 1.50x. The planner sees none of these steps: it neither re-plans
+        nor profiles. They continue training, so the model after them differs from the
         offload phase's (``final_loss`` stays the offload phase's).
         """
         plan, read_ahead, sites, default = cache.plan(), cache.read_ahead(), cache.sites(), cache.default_placement
@@ -248,8 +257,9 @@ class TrainRecipe:
             for keep in ((True, False) if i % 2 == 0 else (False, True)):
                 cache.set_plan({} if keep else plan, None if keep else read_ahead, None if keep else sites)
                 cache.default_placement = Placement.KEEP if keep else default
-                loss = run_step(step)
-                step += 1
+                for _ in range(SETTLE_STEPS + 1):  # the last one is timed
+                    loss = run_step(step)
+                    step += 1
                 (keep_s if keep else offload_s).append(sink[-1].wall_s)
                 written[keep] += sink[-1].bytes_offloaded
             progress.step(step_line("pair", loss, sink[-1]))

@@ -168,6 +168,7 @@ def test_rok_json_schema(tmp_path):
         assert len(p["paired_ratios"]) == 2, p["placement"]
         lo, hi = p["paired_x_keep_ci95"]
         assert lo <= p["paired_x_keep"] <= hi
+        assert p["paired_keep_step_s"] > 0 and p["paired_step_s"] > 0
         assert f"{p['placement']}: paired steps " in proc.stdout
 
 
