@@ -29,7 +29,7 @@ from .planner.profile import IOProfile, LayerProfile, StageProfile
 from .planner.wear import write_limit_for
 from .io.rundir import check_space_for_plan
 
-__all__ = ["AdaptivePlanner", "PlanEvent", "stage_from_stats"]
+__all__ = ["AdaptivePlanner", "PlanEvent", "ProfileStep", "profile_schedule", "stage_from_stats"]
 
 logger = logging.getLogger("megatron_ssd")
 
@@ -50,10 +50,41 @@ class PlanEvent:
 # ``auto`` measures two kinds of steps after warm-up: KEEP steps give each layer's compute
 # time with no I/O running and its saved bytes; OFFLOAD steps (the default placement) give
 # the bandwidth the engine achieves while the model computes, and how much the I/O slows
-# compute down (on a CPU both share the cores; on a GPU the factor comes out near 0). The
-# profile alternates them, starting with KEEP, so ``profile_steps = 2`` measures one of each.
+# compute down (on a CPU both share the cores; on a GPU the factor comes out near 0).
+# The kinds run in two blocks, KEEP first (``profile_steps = 2`` measures one of each;
+# an odd count gives KEEP the extra step), and every measured step follows a step of its
+# own kind: the warm-up steps run the first block's placement, and ``settle_steps``
+# untimed OFFLOAD steps run between the blocks. A step right after a switch inherits the
+# other kind's heap: on the CPU reference run a KEEP step measured right after an OFFLOAD
+# step took 2.24 s against 1.94 s after a KEEP step, and an OFFLOAD step after a KEEP
+# step skips the page faults its own steady state pays, so alternating made offloading
+# look 7.8% slower than keeping where it was 30% slower (docs/planner.md).
 # A KEEP step holds every activation: on a GPU where keep-everything does not fit, set
 # ``profile_steps = 1`` with a memory budget, which profiles under OFFLOAD only.
+
+
+@dataclass(frozen=True)
+class ProfileStep:
+    """One step of the profiling phase (NOTE [Profiling steps])."""
+
+    placement: Optional[Placement]
+    """KEEP for every layer, or None for the cache's default placement (offload)."""
+    measured: bool
+    """Whether the profile uses the step; warm-up and settle steps are not."""
+
+
+def profile_schedule(config: PlannerConfig) -> List[ProfileStep]:
+    """The steps an ``auto`` planner runs before its first plan, in order (NOTE
+    [Profiling steps]); empty for the other modes."""
+    if config.mode != "auto":
+        return []
+    keep = (config.profile_steps + 1) // 2 if config.profile_steps >= 2 else 0
+    offload = config.profile_steps - keep
+    first = Placement.KEEP if keep else None
+    schedule = [ProfileStep(first, False)] * config.warmup_steps + [ProfileStep(Placement.KEEP, True)] * keep
+    if keep and offload:
+        schedule += [ProfileStep(None, False)] * config.settle_steps
+    return schedule + [ProfileStep(None, True)] * offload
 
 
 def _per_mb(total: float, n: int) -> float:
@@ -166,16 +197,36 @@ def _io_profile(offload_steps: List[Any], layer_ids: List[Hashable], clean_compu
     read_bw = statistics.median(reads) if reads else write_bw
     slowdown = 0.0
     if clean_compute and offload_steps:
-        busy = []
-        for s in offload_steps:
-            total = 0.0
-            for layer_id in layer_ids:
-                lc = s.layers.get(layer_id)
-                if lc is not None and lc.microbatches:
-                    total += (lc.forward_s - lc.write_wait_s + max(lc.backward_s - lc.stall_s, 0.0)) / lc.microbatches
-            busy.append(total)
-        slowdown = max(0.0, statistics.median(busy) / clean_compute - 1.0)
+        slowdown = statistics.median(_slowdown_in_flight(s, layer_ids, clean_compute) for s in offload_steps)
     return IOProfile(write_bytes_per_s=write_bw, read_bytes_per_s=read_bw, compute_slowdown=slowdown)
+
+
+def _slowdown_in_flight(stats: Any, layer_ids: List[Hashable], clean_compute: float) -> float:
+    """One OFFLOAD step's ``compute_slowdown``: the factor by which compute ran slower
+    while I/O was in flight (NOTE [Compute slowdown] in ``planner/timeline.py``).
+
+    NOTE [Slowdown while in flight]: the layers' compute per micro-batch took ``busy``
+    against ``clean_compute`` in KEEP steps; the timeline model charges the extra only
+    to compute that overlaps I/O, so it is spread over that time, not over the whole
+    step. With ``w`` the in-flight time per micro-batch (writes' plus reads' busy time,
+    at most ``busy``), compute that took ``w`` would have taken ``w - extra`` alone, so
+    ``slowdown = extra / (w - extra)``. Spread over the whole step instead, the CPU
+    reference run's 0.23 s of extra in 0.86 s of in-flight time gave 0.08 where the
+    replay needs 0.37, and the plan saw a third of the cost. Where ``w`` is too short to
+    hold the extra, the denominator is held at a tenth of ``w``.
+    """
+    busy = 0.0
+    for layer_id in layer_ids:
+        lc = stats.layers.get(layer_id)
+        if lc is not None and lc.microbatches:
+            busy += (lc.forward_s - lc.write_wait_s + max(lc.backward_s - lc.stall_s, 0.0)) / lc.microbatches
+    extra = busy - clean_compute
+    if extra <= 0:
+        return 0.0
+    in_flight = min((stats.write_busy_s + stats.read_busy_s) / max(1, stats.microbatches), busy)
+    if in_flight <= 0:
+        return extra / clean_compute
+    return extra / max(in_flight - extra, 0.1 * in_flight)
 
 
 def measure_host_bandwidth(device: torch.device, nbytes: int = 256 << 20, repeats: int = 3) -> float:
@@ -236,8 +287,7 @@ class AdaptivePlanner:
         self._steps_seen = 0
         self._microbatches = 1
         self._host_bw: Optional[float] = None
-        self._profiling = config.mode == "auto"
-        self._next_profile_keep = config.profile_steps >= 2
+        self._schedule = profile_schedule(config)
         if config.mode in ("keep", "offload", "recompute", "host"):
             self._fixed = Placement(config.mode)
         else:
@@ -248,8 +298,8 @@ class AdaptivePlanner:
         """Set the placement for the coming step (called by the constructor and on_step)."""
         if self._fixed is not None:
             self._place_all(self._fixed)
-        elif self._profiling and self._steps_seen >= self.config.warmup_steps:
-            self._place_all(Placement.KEEP if self._next_profile_keep else None)
+        elif self._steps_seen < len(self._schedule):
+            self._place_all(self._schedule[self._steps_seen].placement)
 
     def _place_all(self, placement: Optional[Placement]) -> None:
         """Place every layer alike; None restores the cache's ``keep_last_layers`` rule."""
@@ -266,18 +316,14 @@ class AdaptivePlanner:
             if not self.events:
                 self.events.append(PlanEvent(step, self.config.mode))
             return
-        if self._profiling:
-            if step >= self.config.warmup_steps:
-                if self._next_profile_keep:
-                    self._keep_steps.append(stats)
-                else:
-                    self._offload_steps.append(stats)
-                self._next_profile_keep = not self._next_profile_keep and self.config.profile_steps >= 2
-                if len(self._keep_steps) + len(self._offload_steps) >= self.config.profile_steps:
-                    self._profiling = False
-                    self.cache.default_placement = None
-                    self._make_plan(step, "profile")
-                    return
+        if step < len(self._schedule):  # NOTE [Profiling steps]
+            planned = self._schedule[step]
+            if planned.measured:
+                (self._keep_steps if planned.placement is Placement.KEEP else self._offload_steps).append(stats)
+            if step == len(self._schedule) - 1:
+                self.cache.default_placement = None
+                self._make_plan(step, "profile")
+                return
             self.before_step()
             return
         if self.plan is None:
@@ -305,6 +351,7 @@ class AdaptivePlanner:
             capacity_bytes=self.activation_capacity(),
             read_ahead=self.config.read_ahead,
             host_budget_bytes=host_budget,
+            max_slowdown=self.config.max_slowdown,
         )
         self._check_space(plan)
         self.plan = plan

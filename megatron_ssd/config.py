@@ -318,10 +318,18 @@ class PlannerConfig:
     ``host`` needs ``offload.host_pool_bytes``)."""
 
     warmup_steps: Annotated[int, NonNegative()] = 1
-    """Steps run before profiling starts (allocator and page-cache warm-up)."""
+    """Steps run before profiling starts (allocator and page-cache warm-up), with the
+    placement of the first profiling step."""
 
     profile_steps: Annotated[int, NonNegative()] = 2
-    """Steps measured before the first plan (``auto`` mode)."""
+    """Steps measured before the first plan (``auto`` mode): the first half (rounded up)
+    with every layer kept, the rest with the default placement (offload)."""
+
+    settle_steps: Annotated[int, NonNegative()] = 1
+    """Untimed offload steps run between the kept and the offloaded profiling steps, so
+    the first offloaded step measured does not inherit keep-everything's heap (NOTE
+    [Profiling steps] in ``adaptive.py``). The warm-up steps run with every layer kept
+    when there are kept profiling steps."""
 
     safety_margin: Annotated[float, NonNegative(), InRange(0, 1, hi_open=True)] = 0.1
     """Fraction by which measured bandwidths are derated when planning."""
@@ -329,6 +337,14 @@ class PlannerConfig:
     memory_budget: Optional[Annotated[ByteCount, Positive()]] = None
     """Peak saved-activation bytes allowed per process; None plans for zero exposed I/O.
     Sizes such as ``2GiB`` are accepted."""
+
+    max_slowdown: Optional[Annotated[float, NonNegative()]] = 0.05
+    """With no ``memory_budget``, the most the plan's predicted step may exceed
+    keep-everything's, as a fraction (0.05: 5% longer). Hidden I/O still costs compute
+    time where the I/O engine shares the cores with compute (a CPU run: the measured
+    ``compute_slowdown``); on a GPU that cost is near 0 and the bound does not bind.
+    None: offload everything whose I/O hides, whatever it costs (NOTE [Slowdown bound]
+    in ``planner/search.py``)."""
 
     allow_recompute: bool = True
     """Whether the planner may place layers RECOMPUTE to meet ``memory_budget``."""

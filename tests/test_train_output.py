@@ -27,20 +27,21 @@ TINY = [  # overrides of configs/gpt-tiny.yaml: a model that trains in about a s
 
 def test_step_kinds_label_warm_up_profiling_and_measured_steps():
     auto = PlannerConfig(mode="auto", warmup_steps=1, profile_steps=2)
-    assert step_kinds(auto, 5) == ["warm-up", "profile", "profile", "measured", "measured"]
-    assert step_kinds(auto, 3) == ["warm-up", "profile", "profile"]
+    assert step_kinds(auto, 6) == ["warm-up", "profile", "profile", "profile", "measured", "measured"]
+    assert step_kinds(auto, 4) == ["warm-up", "profile", "profile", "profile"]
     assert step_kinds(PlannerConfig(mode="offload"), 3) == ["warm-up", "measured", "measured"]
     assert step_kinds(PlannerConfig(mode="keep"), 1) == ["warm-up"]
 
 
 def test_short_runs_are_named_with_the_steps_they_need():
-    assert short_run_problems(load_config(TrainConfig, None, ["steps=4"])) == []
-    assert short_run_problems(load_config(TrainConfig, None, ["steps=3", "baseline_steps=1"])) == [
+    assert short_run_problems(load_config(TrainConfig, None, ["steps=5"])) == []
+    assert short_run_problems(load_config(TrainConfig, None, ["steps=4", "baseline_steps=1"])) == [
         "TrainConfig.baseline_steps = 1: its one step is the warm-up step, so keep-everything would be measured "
         "from it; must be 0 or >= 2",
-        "TrainConfig.steps = 3: the planner uses 1 warm-up + 2 profiling steps, so no step would run its plan; "
-        "must be >= 4 to measure the planner's placement",
+        "TrainConfig.steps = 4: the planner uses 1 warm-up + 3 profiling steps (2 measured, 1 settling), so no step "
+        "would run its plan; must be >= 5 to measure the planner's placement",
     ]
+    assert short_run_problems(load_config(TrainConfig, None, ["steps=4", "offload.planner.settle_steps=0"])) == []
     assert short_run_problems(load_config(TrainConfig, None, ["steps=1", "offload.planner.mode=static"])) == [
         "TrainConfig.steps = 1: its one step is the warm-up step; must be >= 2"]
 
@@ -52,9 +53,9 @@ def test_a_short_train_exits_non_zero_before_building_anything(monkeypatch, caps
         raise AssertionError("setup() must not run")
 
     monkeypatch.setattr(TrainRecipe, "setup", no_setup)
-    assert main(["train", "--config", "configs/gpt-tiny.yaml", "steps=3"]) == 2
+    assert main(["train", "--config", "configs/gpt-tiny.yaml", "steps=4"]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("megatron_ssd: TrainConfig.steps = 3: the planner uses 1 warm-up + 2 profiling steps")
+    assert err.startswith("megatron_ssd: TrainConfig.steps = 4: the planner uses 1 warm-up + 3 profiling steps")
     assert "(or pass --allow-short to run anyway" in err
     assert main(["train", "--config", "configs/gpt-tiny.yaml", "steps=2", "--no-baseline"]) == 2
 
@@ -216,17 +217,17 @@ def test_train_labels_its_steps_and_writes_tensorboard_scalars(tmp_path):
     from tensorboard.backend.event_processing import event_accumulator
 
     out, tb = tmp_path / "t.json", tmp_path / "tb"
-    stdout = _cli(tmp_path, "train", "--config", "configs/gpt-tiny.yaml", *TINY, "steps=5", "baseline_steps=2",
+    stdout = _cli(tmp_path, "train", "--config", "configs/gpt-tiny.yaml", *TINY, "steps=6", "baseline_steps=2",
                   "--tensorboard-dir", str(tb), "--json", str(out))
     data = json.loads(out.read_text())
-    assert [s["kind"] for s in data["steps"]] == ["warm-up", "profile", "profile", "measured", "measured"]
+    assert [s["kind"] for s in data["steps"]] == ["warm-up", "profile", "profile", "profile", "measured", "measured"]
     keep, off = data["phases"]
     assert (keep["name"], keep["warmup_steps"], keep["measured_steps"]) == ("keep-everything", 1, 1)
     assert (off["name"], off["warmup_steps"], off["profile_steps"], off["measured_steps"]) == \
-        ("offload (auto)", 1, 2, 2)
+        ("offload (auto)", 1, 3, 2)
     assert len(off["step_s"]) == 2 and off["measured_kind"] == "measured"
-    assert "offload (auto) 2/5: profile, loss " in stdout and "offload (auto) 4/5: measured, loss " in stdout
-    assert "plan set after step 3 (profile):" in stdout
+    assert "offload (auto) 2/6: profile, loss " in stdout and "offload (auto) 5/6: measured, loss " in stdout
+    assert "plan set after step 4 (profile):" in stdout
     assert "WARNING: from 2 and 1 measured steps, too few" in stdout
 
     acc = event_accumulator.EventAccumulator(str(tb))
@@ -235,7 +236,7 @@ def test_train_labels_its_steps_and_writes_tensorboard_scalars(tmp_path):
 
     assert sorted(acc.Tags()["scalars"]) == sorted("megatron-ssd/" + name for name in SCALARS)
     written = acc.Scalars("megatron-ssd/offloaded_bytes")
-    assert [e.step for e in written] == [1, 2, 3, 4, 5]
+    assert [e.step for e in written] == [1, 2, 3, 4, 5, 6]
     assert [e.value for e in written] == [float(s["bytes_offloaded"]) for s in data["steps"]]
     peaks = [e.value for e in acc.Scalars("megatron-ssd/peak_resident_bytes")]
     assert peaks == [float(s["peak_resident_bytes"]) for s in data["steps"]]
@@ -244,6 +245,6 @@ def test_train_labels_its_steps_and_writes_tensorboard_scalars(tmp_path):
 def test_plan_prints_the_plan_and_not_a_training_table(tmp_path):
     stdout = _cli(tmp_path, "plan", "--config", "configs/gpt-tiny.yaml", *TINY)
     assert "megatron-ssd plan: GPT 2 layers" in stdout
-    assert "plan from 1 warm-up and 2 profiling steps:" in stdout
+    assert "plan from 1 warm-up, 2 profiling and 1 settle steps:" in stdout
     assert "   layer  placement" in stdout and "goal max_offload" in stdout
     assert "peak activation memory (MiB)" not in stdout and "megatron-ssd train" not in stdout

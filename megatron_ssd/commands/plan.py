@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
+from ..adaptive import profile_schedule
 from ..config import TrainConfig, load_config, to_dict
 from ..errors import MegatronSSDError
 from ..planner.plan import Plan
@@ -14,19 +15,21 @@ __all__ = ["run_plan"]
 
 
 def run_plan(config_path: Optional[str], overrides: Sequence[str], json_path: Optional[str] = None) -> int:
-    """Profile the configured model (``warmup_steps`` + ``profile_steps`` steps of the
-    planner in ``auto`` mode), print the plan it sets, optionally save it as JSON."""
+    """Profile the configured model (the ``auto`` planner's warm-up, profiling and settle
+    steps, NOTE [Profiling steps]), print the plan it sets, optionally save it as JSON."""
     config = load_config(TrainConfig, config_path, overrides)
     planner = config.offload.planner
     planner.mode = "auto"
     config.baseline_steps = 0
-    config.steps = planner.warmup_steps + planner.profile_steps
+    schedule = profile_schedule(planner)
+    config.steps = len(schedule)
     report = TrainRecipe(config, command="plan").run(print_summary=False)
     events = [e for e in report["planner"]["events"] if e["plan"] is not None]
     if not events:
         raise MegatronSSDError("plan: the profile produced no plan (too few steps?)")
     plan = events[-1]["plan"]
-    print(f"\nplan from {planner.warmup_steps} warm-up and {planner.profile_steps} profiling steps:")
+    settle = len(schedule) - planner.warmup_steps - planner.profile_steps
+    print(f"\nplan from {planner.warmup_steps} warm-up, {planner.profile_steps} profiling and {settle} settle steps:")
     print(Plan.from_dict(plan).table())
     if json_path:
         write_json(json_path, {**plan, "workload": to_dict(config), "machine": machine_info()})

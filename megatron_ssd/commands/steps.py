@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Optional, Sequence
 
+from ..adaptive import profile_schedule
 from ..cache import StepStats
 from ..config import PlannerConfig, TrainConfig
 from ..units import MiB
@@ -25,14 +26,16 @@ warning next to its interval: a handful of steps cannot separate a few percent f
 def step_kinds(config: PlannerConfig, steps: int) -> List[str]:
     """What each step of a phase is: ``warm-up``, ``profile`` or ``measured``.
 
-    NOTE [Step kinds]: an ``auto`` phase runs ``warmup_steps`` warm-up steps, then
-    ``profile_steps`` profiling steps (alternately every layer kept and the default
-    placement), and only the steps after those run the planner's placement; every other
-    phase's first step warms up the allocator and the page cache. Only ``measured``
-    steps enter the summary; a phase with none is short (:func:`short_run_problems`).
+    NOTE [Step kinds]: an ``auto`` phase runs ``warmup_steps`` warm-up steps, then its
+    profiling steps (``profile_steps`` measured ones, every layer kept and then the
+    default placement, with ``settle_steps`` untimed ones between: NOTE [Profiling steps]
+    in ``adaptive.py``), and only the steps after those run the planner's placement;
+    every other phase's first step warms up the allocator and the page cache. Only
+    ``measured`` steps enter the summary; a phase with none is short
+    (:func:`short_run_problems`).
     """
     if config.mode == "auto":
-        head = ["warm-up"] * config.warmup_steps + ["profile"] * config.profile_steps
+        head = ["warm-up"] * config.warmup_steps + ["profile"] * (len(profile_schedule(config)) - config.warmup_steps)
     else:
         head = ["warm-up"]
     return (head + ["measured"] * steps)[:steps]
@@ -48,11 +51,12 @@ def short_run_problems(config: TrainConfig) -> List[str]:
     planner = config.offload.planner
     if "measured" not in step_kinds(planner, config.steps):
         if planner.mode == "auto":
-            need = planner.warmup_steps + planner.profile_steps + 1
+            profiling = len(profile_schedule(planner)) - planner.warmup_steps
             problems.append(
                 f"TrainConfig.steps = {config.steps}: the planner uses {planner.warmup_steps} warm-up + "
-                f"{planner.profile_steps} profiling steps, so no step would run its plan; must be >= {need} "
-                "to measure the planner's placement")
+                f"{profiling} profiling steps ({planner.profile_steps} measured, "
+                f"{profiling - planner.profile_steps} settling), so no step would run its plan; must be >= "
+                f"{planner.warmup_steps + profiling + 1} to measure the planner's placement")
         else:
             problems.append(f"TrainConfig.steps = {config.steps}: its one step is the warm-up step; must be >= 2")
     return problems

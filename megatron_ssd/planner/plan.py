@@ -164,6 +164,9 @@ class Plan:
     host_budget_bytes: Optional[int] = None
     """The host-pool bytes the plan could use for HOST layers (all micro-batches in
     flight); None: no host tier."""
+    max_slowdown: Optional[float] = None
+    """The bound on the predicted step's excess over keep-everything's that the
+    ``max_offload`` goal was chosen under (NOTE [Slowdown bound]); None: no bound."""
     write_busy_s: float = 0.0
     """Predicted array write time per micro-batch."""
     read_busy_s: float = 0.0
@@ -288,6 +291,8 @@ class Plan:
         budget = f", budget {self.memory_budget / MiB:.1f} MiB" if self.memory_budget is not None else ""
         if self.capacity_bytes is not None:
             budget += f", device capacity {self.capacity_bytes / MiB:.1f} MiB"
+        if self.max_slowdown is not None and self.goal == GOAL_MAX_OFFLOAD:
+            budget += f", step at most {1 + self.max_slowdown:.3f}x keep-everything"
         rows.append(
             f"goal {self.goal}{budget}; stage {self.pipeline_rank}/{self.pipeline_size} "
             f"x{self.microbatches_in_flight} micro-batch{'es' if self.microbatches_in_flight > 1 else ''}"
@@ -322,13 +327,15 @@ def make_plan(
     capacity_bytes: Optional[int] = None,
     read_ahead: str = "fixed",
     host_budget_bytes: Optional[int] = None,
+    max_slowdown: Optional[float] = None,
 ) -> Plan:
     """Choose a placement per layer of ``stage``.
 
     Without a budget (goal ``max_offload``) layers are offloaded, first layer first, as
-    long as the timeline model predicts no stall and no forwarding with the bandwidths
-    derated by ``safety_margin``; the last layers, whose tensors backward needs first,
-    stay resident. With a budget (goal ``memory_budget``) placements are changed one
+    long as the timeline model predicts no stall, no forwarding and (with
+    ``max_slowdown``) a step within that fraction of keep-everything's, with the
+    bandwidths derated by ``safety_margin``; the last layers, whose tensors backward
+    needs first, stay resident. With a budget (goal ``memory_budget``) placements are changed one
     layer at a time, best peak reduction per second of predicted step time first, until
     the predicted peak fits, then any change the budget does not need is undone.
 
@@ -352,6 +359,9 @@ def make_plan(
         host_budget_bytes: Bytes of the host pool this stage may fill with HOST layers,
             over all its micro-batches in flight (NOTE [Host tier]); needs
             ``stage.io.host_bytes_per_s``. None or 0: no HOST placement.
+        max_slowdown: Under the ``max_offload`` goal, the most the predicted step may
+            exceed keep-everything's, as a fraction (0.05: 5% longer; NOTE [Slowdown
+            bound] in ``search.py``). None: no bound.
 
     Returns:
         The :class:`Plan`, its predictions at the measured bandwidths.
@@ -389,9 +399,14 @@ def make_plan(
                               "tier's copy bandwidth")
         host_budget_bytes = int(host_budget_bytes)
 
+    if max_slowdown is not None and (
+        isinstance(max_slowdown, bool) or not isinstance(max_slowdown, numbers.Real) or not max_slowdown >= 0
+    ):
+        raise ConfigError(f"max_slowdown = {max_slowdown!r}: must be None or a number >= 0")
+
     def choose(depth: int) -> Tuple[Choice, str, Timeline]:
         search = PlacementSearch(stage, stage.io.derated(safety_margin), depth, max_write_bytes_per_s,
-                                 host_budget_bytes or 0)
+                                 host_budget_bytes or 0, max_slowdown)
         if memory_budget is None:
             choice, goal = search.max_offload(), GOAL_MAX_OFFLOAD
             over = capacity_bytes is not None and search.check(*choice).peak_bytes > capacity_bytes
@@ -418,6 +433,7 @@ def make_plan(
     plan.max_write_bytes_per_s = max_write_bytes_per_s
     plan.capacity_bytes = capacity_bytes
     plan.host_budget_bytes = host_budget_bytes or None
+    plan.max_slowdown = max_slowdown
     return plan
 
 

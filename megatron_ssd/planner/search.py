@@ -5,8 +5,9 @@
 safety margin to choose, and with the measured ones to check. Two searches:
 
 - :meth:`PlacementSearch.max_offload`: first fit in forward order, OFFLOAD only, no
-  stall and no forwarding allowed; a layer whose sites do not all fit offloads the
-  longest prefix of them that does (NOTE [Sites]);
+  stall, no forwarding and no more predicted step time than ``max_slowdown`` allows
+  (NOTE [Slowdown bound]); a layer whose sites do not all fit offloads the longest
+  prefix of them that does (NOTE [Sites]);
 - :meth:`PlacementSearch.meet_budget`: greedy single-layer moves (KEEP -> OFFLOAD,
   KEEP -> RECOMPUTE, OFFLOAD -> RECOMPUTE) by memory benefit per second of step time,
   until the predicted peak fits, then undoing the moves the budget does not need and
@@ -106,19 +107,23 @@ class PlacementSearch:
 
     def __init__(
         self, stage: StageProfile, derated: IOProfile, depth: int, max_write_bytes_per_s: Optional[float] = None,
-        host_budget_bytes: int = 0,
+        host_budget_bytes: int = 0, max_slowdown: Optional[float] = None,
     ) -> None:
         self.stage = stage
         self.derated = derated
         self.depth = depth
         self.max_write_bytes_per_s = max_write_bytes_per_s
+        self.max_slowdown = max_slowdown
+        """How much longer than keep-everything's the predicted step may be under
+        :meth:`max_offload` (NOTE [Slowdown bound]); None: no bound."""
         self.host_budget_bytes = host_budget_bytes if stage.io.host_bytes_per_s is not None else 0
         """Bytes the host pool may hold for this stage (0: no HOST placement)."""
         self.n = len(stage.layers)
         self.smallest_peak: Optional[int] = None
         # See wears_ok: no placement's step is shorter than keeping everything.
         self._shortest_step_s = (
-            predict(stage, [Placement.KEEP] * self.n, depth).step_s if max_write_bytes_per_s is not None else 0.0
+            predict(stage, [Placement.KEEP] * self.n, depth).step_s
+            if max_write_bytes_per_s is not None or max_slowdown is not None else 0.0
         )
 
     def wears_ok(self, placements: Sequence[Placement], sites: Optional[Sequence[Optional[int]]] = None) -> bool:
@@ -160,8 +165,28 @@ class PlacementSearch:
         """No stall (beyond float noise) and no forwarded layer."""
         return not tl.forwarded and tl.exposed_s <= 1e-9 * tl.compute_s + 1e-12
 
+    # NOTE [Slowdown bound]
+    # "Hidden" I/O never stalls backward, but on a machine where the I/O engine shares
+    # the cores with compute (a CPU run) it still slows compute while it is in flight
+    # (``IOProfile.compute_slowdown``): on the 2-core reference machine offloading 656
+    # MiB a step made a 1.9 s step 30% longer without a single stall. So the hidden
+    # offload is also held to a predicted step at most ``1 + max_slowdown`` times
+    # keep-everything's, at the derated and at the measured bandwidths; layers are
+    # admitted first fit in forward order as before, so the bound keeps the earliest
+    # layers' sites, whose bytes are held longest. On a GPU the measured slowdown is near
+    # 0 and the bound never binds. It applies to the ``max_offload`` goal only: a
+    # memory budget or the device's capacity is met whatever it costs.
+
+    def within_bound(self, tl: Timeline) -> bool:
+        """Hidden (:meth:`hidden`) and, with ``max_slowdown``, a predicted step within it
+        of keep-everything's (NOTE [Slowdown bound])."""
+        if not self.hidden(tl):
+            return False
+        return self.max_slowdown is None or tl.step_s <= self._shortest_step_s * (1 + self.max_slowdown) + 1e-12
+
     def max_offload(self) -> Choice:
-        """The most OFFLOAD bytes whose I/O the model hides completely, then with a host
+        """The most OFFLOAD bytes whose I/O the model hides completely (within
+        ``max_slowdown``, NOTE [Slowdown bound]), then with a host
         pool the most HOST bytes among the layers left (NOTE [Host tier]), less those
         that do not lower the predicted peak (:meth:`without_idle_writes`)."""
         # First fit in forward order: an earlier layer's write has the most forward
@@ -191,14 +216,14 @@ class PlacementSearch:
                 trial = _with(placements, i, target)
                 counts = _with(sites, i, None if k == m else k)
                 tl = self.judge(trial, counts)
-                return self.hidden(tl) and self.allowed(trial, counts, tl)
+                return self.within_bound(tl) and self.allowed(trial, counts, tl)
 
             k = m if fits_with(m) else _largest(1, m - 1, fits_with)
             if k:
                 placements[i], sites[i] = target, None if k == m else k
         # Derating makes I/O slower, so the measured bandwidths normally agree; if
         # they do not (slowdown interplay), drop the latest admitted layers until they do.
-        while not self.hidden(self.check(placements, sites)):
+        while not self.within_bound(self.check(placements, sites)) and target in placements:
             last = max(i for i, p in enumerate(placements) if p is target)
             placements[last], sites[last] = Placement.KEEP, None
 
@@ -224,7 +249,7 @@ class PlacementSearch:
         def no_higher(i: int, k: int) -> bool:
             p, c = trial(i, k)
             judged, checked = self.judge(p, c), self.check(p, c)
-            return judged.peak_bytes <= peaks[0] and checked.peak_bytes <= peaks[1] and self.hidden(judged)
+            return judged.peak_bytes <= peaks[0] and checked.peak_bytes <= peaks[1] and self.within_bound(judged)
 
         changed = True
         while changed:

@@ -73,6 +73,25 @@ def test_compute_slowdown_is_reported_not_hidden():
     assert plan.step_s == pytest.approx(plan.keep_step_s + plan.slowdown_s)
 
 
+def test_slowdown_bound_holds_the_hidden_offload_to_a_step_time():
+    """NOTE [Slowdown bound]: every write and read hides, but compute runs 50% slower
+    while I/O is in flight. Unbounded, six layers are offloaded (as with no slowdown);
+    bounded at 1%, the first layers up to the bound; at 0, none. A memory budget is
+    met whatever the bound."""
+    stage = uniform_stage(8, 1.0, 2.0, GB, IOProfile(10 * GB, 10 * GB, compute_slowdown=0.5))
+    assert make_plan(stage).placements == [O] * 6 + [K] * 2
+    bounded = make_plan(stage, max_slowdown=0.01)
+    assert bounded.placements == [O] * 3 + [K] * 5
+    assert bounded.step_s <= 1.01 * bounded.keep_step_s < predict(stage, [O] * 4 + [K] * 4).step_s
+    assert bounded.max_slowdown == 0.01 and "step at most 1.010x keep-everything" in bounded.table()
+    assert Plan.from_dict(bounded.to_dict()).max_slowdown == 0.01
+    assert make_plan(stage, max_slowdown=0.0).placements == [K] * 8
+    budget = make_plan(stage, memory_budget=3 * GB, max_slowdown=0.0)
+    assert budget.goal == GOAL_MEMORY_BUDGET and budget.peak_activation_bytes <= 3 * GB
+    with pytest.raises(ConfigError, match=r"max_slowdown = -0.1: must be None or a number >= 0"):
+        make_plan(stage, max_slowdown=-0.1)
+
+
 def test_budget_met_with_offload_and_recompute():
     stage = slow_stage()
     budget = 3 * GB

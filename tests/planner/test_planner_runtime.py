@@ -62,8 +62,9 @@ def test_planned_run_is_bit_identical_and_sets_a_plan(world, tmp_path):
         placements = {layer: cache.placement(layer) for layer in cache.layer_ids}
     assert all(torch.equal(a, b) for a, b in zip(stock.losses, planned.losses, strict=True))
     assert [n for n in stock.grads if not torch.equal(stock.grads[n], planned.grads[n])] == []
-    # Warm-up (default placement), KEEP profile step, OFFLOAD profile step, then the plan.
-    assert stats[1].bytes_offloaded == 0 and stats[2].bytes_offloaded > 0
+    # NOTE [Profiling steps]: warm-up and profile step with every layer kept, one
+    # settle step and one profile step with the default placement, then the plan.
+    assert [s.bytes_offloaded > 0 for s in stats[:4]] == [False, False, True, True]
     assert [e.reason for e in planner.events][:1] == ["profile"]
     plan = planner.plan
     # the tensors saved before the first layer plan as pseudo-layer "embedding" (kept here)
@@ -84,12 +85,12 @@ def test_planned_run_is_bit_identical_and_sets_a_plan(world, tmp_path):
 def test_runtime_plan_honours_the_drive_wear_limit(world, tmp_path):
     """The measured plan under a drive endurance too small for any write: nothing is
     offloaded, the plan carries the limit, and training stays bit-identical."""
-    stock, _, _ = _run(steps=4)
+    stock, _, _ = _run(steps=5)
     cfg = OffloadConfig(paths=[str(tmp_path)], min_tensor_bytes=4096, io=IOConfig(max_inflight_bytes=1 << 20))
     # 1 MB of endurance to last 3 years: ~1e-8 B/s, below any layer's write rate.
     worn = PlannerConfig(mode="auto", warmup_steps=1, profile_steps=2, drive_tbw_bytes=10**6)
     with TensorCache(cfg) as cache:
-        planned, stats, planner = _run(cache, worn, steps=4)
+        planned, stats, planner = _run(cache, worn, steps=5)
     assert all(torch.equal(a, b) for a, b in zip(stock.losses, planned.losses, strict=True))
     plan = planner.plan
     assert plan.max_write_bytes_per_s == pytest.approx(1e6 / (3 * 365 * 86400))
@@ -128,12 +129,50 @@ def test_stage_from_stats_needs_a_step():
         stage_from_stats([], [])
 
 
+def test_profile_schedule_settles_each_kind_before_measuring_it():
+    """NOTE [Profiling steps]: warm-up steps run the first measured kind, KEEP steps come
+    first, and settle steps of the default placement run between the kinds."""
+    from megatron_ssd.adaptive import ProfileStep, profile_schedule
+
+    K, D = Placement.KEEP, None
+    def kinds(**kw):
+        return [(p.placement, p.measured) for p in profile_schedule(PlannerConfig(**kw))]
+    assert kinds() == [(K, False), (K, True), (D, False), (D, True)]
+    assert kinds(warmup_steps=2, profile_steps=3, settle_steps=2) == [
+        (K, False), (K, False), (K, True), (K, True), (D, False), (D, False), (D, True)]
+    assert kinds(profile_steps=1) == [(D, False), (D, True)]  # OFFLOAD only: nothing to settle
+    assert kinds(settle_steps=0, warmup_steps=0) == [(K, True), (D, True)]
+    assert profile_schedule(PlannerConfig(mode="static")) == []
+    assert ProfileStep(K, True).measured
+
+
+def test_slowdown_is_spread_over_the_time_io_is_in_flight():
+    """NOTE [Slowdown while in flight]: 0.3 s of extra compute per micro-batch while I/O
+    was in flight for 0.9 s means compute ran 0.5 slower then (0.3 / (0.9 - 0.3)), not
+    0.15 slower over the whole 2 s."""
+    from types import SimpleNamespace
+
+    from megatron_ssd.adaptive import _slowdown_in_flight
+
+    def step(forward, backward, write_busy, read_busy, microbatches=1):
+        layer = SimpleNamespace(forward_s=forward * microbatches, write_wait_s=0.0, backward_s=backward * microbatches,
+                                stall_s=0.0, microbatches=microbatches)
+        return SimpleNamespace(layers={1: layer}, write_busy_s=write_busy, read_busy_s=read_busy,
+                               microbatches=microbatches)
+
+    assert _slowdown_in_flight(step(0.8, 1.5, 0.4, 0.5), [1], 2.0) == pytest.approx(0.5)
+    assert _slowdown_in_flight(step(0.8, 1.5, 0.8, 1.0, microbatches=2), [1], 2.0) == pytest.approx(0.5)
+    assert _slowdown_in_flight(step(0.6, 1.3, 0.4, 0.5), [1], 2.0) == 0.0  # faster than KEEP: no slowdown
+    assert _slowdown_in_flight(step(0.8, 1.5, 0.0, 0.0), [1], 2.0) == pytest.approx(0.15)  # nothing in flight
+    assert _slowdown_in_flight(step(0.8, 1.5, 0.1, 0.1), [1], 2.0) == pytest.approx(0.3 / 0.02)  # held at w / 10
+
+
 def test_rok_json_schema(tmp_path):
     """``megatron-ssd rok`` on a very small model: one point per placement, each measured."""
     out = tmp_path / "rok.json"
     cmd = [
         sys.executable, "-m", "megatron_ssd.commands.cli", "rok", "--config", os.path.join(REPO, "configs", "gpt-tiny.yaml"),
-        *TINY_CLI, "num_microbatches=1", "steps=4", "--paired", "2", "--json", str(out),
+        *TINY_CLI, "num_microbatches=1", "steps=5", "--paired", "2", "--json", str(out),
     ]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
@@ -249,7 +288,7 @@ def test_rok_rounds_pool_steps_and_count_io_cpu(tmp_path):
     out = tmp_path / "rok.json"
     cmd = [
         sys.executable, "-m", "megatron_ssd.commands.cli", "rok", "--config", os.path.join(REPO, "configs", "gpt-tiny.yaml"),
-        *TINY_CLI, "num_microbatches=1", "steps=4", "--rounds", "2", "--placements", "keep,offload-all,planner",
+        *TINY_CLI, "num_microbatches=1", "steps=5", "--rounds", "2", "--placements", "keep,offload-all,planner",
         "--paired", "1", "--json", str(out),
     ]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
@@ -263,13 +302,13 @@ def test_rok_rounds_pool_steps_and_count_io_cpu(tmp_path):
     assert len(planner["paired_ratios"]) == 2  # one pair per round, pooled
     for p in (keep, off):
         assert p["rounds"] == 2 and len(p["round_median_step_s"]) == 2
-        assert p["measured_steps"] == 2 * 3  # steps=4: one warm-up step, three measured, per round
+        assert p["measured_steps"] == 2 * 4  # steps=5: one warm-up step, four measured, per round
         assert p["final_loss_same_every_round"] is True
         assert "plan" not in p  # fixed placements set no plan
         assert p["cpu_s_per_step"] > 0
     assert keep["round_ratios"] == [1.0, 1.0] and keep["x_keep"] == 1.0 and keep["x_keep_ci95"] == [1.0, 1.0]
-    assert [len(r) for r in off["round_step_s"]] == [3, 3]
-    assert planner["measured_steps"] == 2 * 1  # 1 warm-up + 2 profiling steps, then one with the plan
+    assert [len(r) for r in off["round_step_s"]] == [4, 4]
+    assert planner["measured_steps"] == 2 * 1  # 1 warm-up + 3 profiling steps, then one with the plan
     lo, hi = off["x_keep_ci95"]
     assert lo <= off["x_keep"] <= hi
     assert keep["io_cpu_s_per_step"] == 0.0
@@ -303,9 +342,9 @@ def test_ratio_interval_separates_a_real_slowdown_from_noise():
                                             r"than keep \(pairs compare it with keep\)"),
     ({"paired": -1}, r"rok: paired = -1: must be >= 0"),
     ({"placements": ["planner", "budget"]}, r"rok: placements = \['planner', 'budget'\]: 'budget' needs 'keep'"),
-    ({"placements": ["keep", "planner"], "overrides": ["steps=3"]},
-     r"rok: placement 'planner': TrainConfig.steps = 3: the planner uses 1 warm-up \+ 2 profiling steps, so no "
-     r"step would run its plan; must be >= 4"),
+    ({"placements": ["keep", "planner"], "overrides": ["steps=4"]},
+     r"rok: placement 'planner': TrainConfig.steps = 4: the planner uses 1 warm-up \+ 3 profiling steps \(2 "
+     r"measured, 1 settling\), so no step would run its plan; must be >= 5"),
 ])
 def test_rok_rejects_bad_arguments_before_running(kwargs, match):
     from megatron_ssd.errors import ConfigError
@@ -351,19 +390,19 @@ def test_the_host_tier_is_planned_on_a_gpu_only_and_runs_bit_identical(world, tm
     """On a CPU the host pool saves nothing, so the runtime planner gives it no budget.
     With the budget a GPU would give (the pool's size, at a fixed link speed standing in
     for the measured one), the plan hosts layers and training stays bit-identical."""
-    stock, _, _ = _run(steps=4)
+    stock, _, _ = _run(steps=5)
     cfg = OffloadConfig(paths=[str(tmp_path)], min_tensor_bytes=4096, host_pool_bytes=64 << 20,
                         io=IOConfig(max_inflight_bytes=1 << 20))
     auto = PlannerConfig(mode="auto", warmup_steps=1, profile_steps=2)
     with TensorCache(cfg) as cache:
-        _, _, cpu = _run(cache, auto, steps=4)
+        _, _, cpu = _run(cache, auto, steps=5)
         assert cpu.host_budget() is None and cpu.plan.host_budget_bytes is None and not cpu.plan.layers_with("host")
     monkeypatch.setattr(AdaptivePlanner, "host_budget", lambda self: self.cache.host.capacity_bytes)
     monkeypatch.setattr(AdaptivePlanner, "host_bandwidth", lambda self: 1e12)
     with TensorCache(cfg) as cache:
         # the SSDs take nothing here (a budget of 0 bytes per second of writes), so what moves goes to the host
         wear = PlannerConfig(**{**auto.__dict__, "drive_tbw_bytes": 1, "drive_lifetime_years": 3.0})
-        planned, stats, gpu = _run(cache, wear, steps=4)
+        planned, stats, gpu = _run(cache, wear, steps=5)
         assert gpu.plan.host_budget_bytes == 64 << 20 and gpu.profile.io.host_bytes_per_s == 1e12
         hosted = gpu.plan.layers_with("host")
         assert hosted and gpu.plan.offloaded_bytes == 0
