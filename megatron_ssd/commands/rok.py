@@ -109,6 +109,9 @@ def _point(placement: str, reports: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
         point["predicted_exposed_s"] = plan["exposed_s"]
         point["predicted_step_s"] = plan["step_s"]
         point["predicted_peak_activation_bytes"] = plan["peak_activation_bytes"]
+        point["plan_offloaded_bytes"] = sum(l["offloaded"] for l in plan["layers"])
+        point["plan_io"] = plan["io"]  # the measured profile it was made from: bandwidths, compute_slowdown
+        point["plan_keep_step_s"] = plan["keep_step_s"]
     paired = [r["paired"] for r in reports if r.get("paired")]
     if paired:  # NOTE [Paired steps]: every round's pairs pooled
         ratios = [x for p in paired for x in p["ratios"]]

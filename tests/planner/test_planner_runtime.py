@@ -200,6 +200,9 @@ def test_rok_json_schema(tmp_path):
     assert by["keep"]["allocator_peak_bytes"] >= by["keep"]["peak_activation_bytes"]
     assert by["recompute"]["allocator_peak_bytes"] > by["recompute"]["peak_activation_bytes"]
     assert all(pl in ("keep", "offload", "recompute") for pl in by["planner"]["plan"])
+    planned = by["planner"]
+    assert planned["plan_io"]["compute_slowdown"] >= 0 and planned["plan_io"]["write_bytes_per_s"] > 0
+    assert planned["plan_keep_step_s"] > 0 and planned["plan_offloaded_bytes"] >= 0
     assert data["workload"]["model"]["num_layers"] == 2
     # --paired: every placement but keep gets its pairs, budgets included (NOTE [Paired steps])
     assert "paired_ratios" not in by["keep"]
