@@ -43,8 +43,6 @@ from .steps import format_comparison, format_paired, format_plans, short_run_pro
 __all__ = ["TrainRecipe", "PhaseResult", "run_train", "format_summary"]
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-SETTLE_STEPS = 1
-"""Untimed steps before each timed step of a pair, of the same kind (NOTE [Paired steps])."""
 
 
 @dataclass
@@ -236,7 +234,8 @@ class TrainRecipe:
         their ratio; which step goes first alternates (keep first in even pairs), so a
         drift within a pair cancels over two pairs. The keep step sets every layer to
         KEEP; the other restores the plan and the default placement the offload phase
-        ended with. Each timed step follows SETTLE_STEPS untimed steps of its own kind:
+        ended with. Each timed step follows ``paired_settle_steps`` (default 1) untimed
+        steps of its own kind:
         a step right after a switch inherits the other kind's memory state. Measured
         under the 250 MiB/s throttle with a 294 MiB budget plan (four layers recomputed):
         its steps right after keep steps took 2.59 s (median of 8) against 2.92 s in a
@@ -253,11 +252,12 @@ class TrainRecipe:
         written = {True: 0, False: 0}
         step = first_step
         progress = Progress("paired keep/offload", pairs, self.out)
+        settle, recorded = self.config.paired_settle_steps, len(sink)
         for i in range(pairs):
             for keep in ((True, False) if i % 2 == 0 else (False, True)):
                 cache.set_plan({} if keep else plan, None if keep else read_ahead, None if keep else sites)
                 cache.default_placement = Placement.KEEP if keep else default
-                for _ in range(SETTLE_STEPS + 1):  # the last one is timed
+                for _ in range(settle + 1):  # the last one is timed
                     loss = run_step(step)
                     step += 1
                 (keep_s if keep else offload_s).append(sink[-1].wall_s)
@@ -267,7 +267,8 @@ class TrainRecipe:
         cache.set_plan(plan, read_ahead, sites)
         cache.default_placement = default
         ratios = [o / k for o, k in zip(offload_s, keep_s)]
-        return {"pairs": pairs, "keep_step_s": keep_s, "offload_step_s": offload_s, "ratios": ratios,
+        return {"pairs": pairs, "settle_steps": settle, "steps_run": len(sink) - recorded,
+                "keep_step_s": keep_s, "offload_step_s": offload_s, "ratios": ratios,
                 "median_ratio": statistics.median(ratios), "ratio_ci95": median_ci95(ratios),
                 "keep_bytes_written": written[True], "offload_bytes_written_per_step": written[False] / pairs}
 

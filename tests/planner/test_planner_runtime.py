@@ -240,7 +240,11 @@ def test_paired_steps_alternate_keep_and_offload_and_leave_the_phase_alone(tmp_p
     lo, hi = paired["ratio_ci95"]
     assert lo <= paired["median_ratio"] <= hi
     assert "paired steps: offload " in stdout and "(median of 3 pairs; 95% interval " in stdout
+    assert (paired["settle_steps"], paired["steps_run"]) == (1, 3 * 2 * 2)  # each timed step after one settle step
     assert plain["paired"] is None
+    _, settled = _train_json(tmp_path, "settled", "paired_steps=1", "paired_settle_steps=2")
+    assert (settled["paired"]["settle_steps"], settled["paired"]["steps_run"]) == (2, 1 * 2 * 3)
+    assert settled["phases"][-1]["final_loss"] == plain["phases"][-1]["final_loss"]
     assert data["phases"][-1]["final_loss"] == plain["phases"][-1]["final_loss"]
     assert len(data["steps"]) == len(plain["steps"]) == 3
     assert data["planner"]["events"] == plain["planner"]["events"]
