@@ -503,12 +503,13 @@ class TrainConfig:
     """After the offload steps, this many pairs of steps in the same process: one with
     every layer kept, one with the offload phase's final placement, alternating which
     goes first, each timed after ``paired_settle_steps`` untimed steps of its own kind
-    (so a pair runs four steps by default). Each pair's step-time ratio compares runs
+    (so a pair runs six steps by default). Each pair's step-time ratio compares runs
     seconds apart, so the machine's drift cancels out of it (0: none)."""
-    paired_settle_steps: Annotated[int, NonNegative()] = 1
+    paired_settle_steps: Annotated[int, NonNegative()] = 2
     """Untimed steps of the same kind before each timed step of a pair (NOTE [Paired
     steps] in ``commands/train.py``): a step right after a switch inherits the other
-    kind's heap. 0 times the step right after the switch."""
+    kind's heap, and a plan that both recomputes and offloads needed two steps to shed
+    it. 0 times the step right after the switch."""
     allocator_timeline: bool = False
     """After each phase's steps, run one more step under the PyTorch profiler's memory
     events and report ``allocator_peak_bytes``: the peak of live tensor bytes (read-back

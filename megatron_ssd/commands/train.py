@@ -234,7 +234,7 @@ class TrainRecipe:
         their ratio; which step goes first alternates (keep first in even pairs), so a
         drift within a pair cancels over two pairs. The keep step sets every layer to
         KEEP; the other restores the plan and the default placement the offload phase
-        ended with. Each timed step follows ``paired_settle_steps`` (default 1) untimed
+        ended with. Each timed step follows ``paired_settle_steps`` (default 2) untimed
         steps of its own kind:
         a step right after a switch inherits the other kind's memory state. Measured
         under the 250 MiB/s throttle with a 294 MiB budget plan (four layers recomputed):
@@ -242,7 +242,10 @@ class TrainRecipe:
         row, since keep's backward leaves glibc's heap full of resident free pages that
         the plan's trims would otherwise have given back and faulted in again; and keep
         steps right after it took 2.10 s against 1.94 s. The unsettled ratio was 1.27x,
-        the steady one 1.50x. The planner sees none of these steps: it neither re-plans
+        the steady one 1.50x. One settle step is not always enough: a 378 MiB budget
+        plan that offloads three layers and recomputes two ran 4.239 s inside pairs with
+        one settle step against 3.960 s in its own fresh run (+7%), and 3.920 against
+        3.911 s with two; keep-last stayed within 2.5% either way. The planner sees none of these steps: it neither re-plans
         nor profiles. They continue training, so the model after them differs from the
         offload phase's (``final_loss`` stays the offload phase's).
         """

@@ -240,10 +240,10 @@ def test_paired_steps_alternate_keep_and_offload_and_leave_the_phase_alone(tmp_p
     lo, hi = paired["ratio_ci95"]
     assert lo <= paired["median_ratio"] <= hi
     assert "paired steps: offload " in stdout and "(median of 3 pairs; 95% interval " in stdout
-    assert (paired["settle_steps"], paired["steps_run"]) == (1, 3 * 2 * 2)  # each timed step after one settle step
+    assert (paired["settle_steps"], paired["steps_run"]) == (2, 3 * 2 * 3)  # each timed step after two settle steps
     assert plain["paired"] is None
-    _, settled = _train_json(tmp_path, "settled", "paired_steps=1", "paired_settle_steps=2")
-    assert (settled["paired"]["settle_steps"], settled["paired"]["steps_run"]) == (2, 1 * 2 * 3)
+    _, settled = _train_json(tmp_path, "settled", "paired_steps=1", "paired_settle_steps=0")
+    assert (settled["paired"]["settle_steps"], settled["paired"]["steps_run"]) == (0, 1 * 2 * 1)
     assert settled["phases"][-1]["final_loss"] == plain["phases"][-1]["final_loss"]
     assert data["phases"][-1]["final_loss"] == plain["phases"][-1]["final_loss"]
     assert len(data["steps"]) == len(plain["steps"]) == 3
