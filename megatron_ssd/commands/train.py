@@ -235,8 +235,8 @@ class TrainRecipe:
         drift within a pair cancels over two pairs. The keep step sets every layer to
         KEEP; the other restores the plan and the default placement the offload phase
         ended with. Each timed step follows ``paired_settle_steps`` (default 2) untimed
-        steps of its own kind:
-        a step right after a switch inherits the other kind's memory state. Measured
+        steps of its own kind: a step right after a switch inherits the other kind's
+        memory state. Measured
         under the 250 MiB/s throttle with a 294 MiB budget plan (four layers recomputed):
         its steps right after keep steps took 2.59 s (median of 8) against 2.92 s in a
         row, since keep's backward leaves glibc's heap full of resident free pages that
@@ -245,8 +245,8 @@ class TrainRecipe:
         the steady one 1.50x. One settle step is not always enough: a 378 MiB budget
         plan that offloads three layers and recomputes two ran 4.239 s inside pairs with
         one settle step against 3.960 s in its own fresh run (+7%), and 3.920 against
-        3.911 s with two; keep-last stayed within 2.5% either way. The planner sees none of these steps: it neither re-plans
-        nor profiles. They continue training, so the model after them differs from the
+        3.911 s with two; keep-last stayed within 2.5% either way. The planner sees none
+        of these steps: it neither re-plans nor profiles. They continue training, so the model after them differs from the
         offload phase's (``final_loss`` stays the offload phase's).
         """
         plan, read_ahead, sites, default = cache.plan(), cache.read_ahead(), cache.sites(), cache.default_placement

@@ -120,11 +120,8 @@ class PlacementSearch:
         """Bytes the host pool may hold for this stage (0: no HOST placement)."""
         self.n = len(stage.layers)
         self.smallest_peak: Optional[int] = None
-        # See wears_ok: no placement's step is shorter than keeping everything.
-        self._shortest_step_s = (
-            predict(stage, [Placement.KEEP] * self.n, depth).step_s
-            if max_write_bytes_per_s is not None or max_slowdown is not None else 0.0
-        )
+        # See wears_ok and within_bound: no placement's step is shorter than keeping everything.
+        self._shortest_step_s = predict(stage, [Placement.KEEP] * self.n, depth).step_s
 
     def wears_ok(self, placements: Sequence[Placement], sites: Optional[Sequence[Optional[int]]] = None) -> bool:
         """The offloaded bytes per micro-batch stay within ``max_write_bytes_per_s``
