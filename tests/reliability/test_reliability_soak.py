@@ -120,6 +120,10 @@ def test_soak_rss_stays_flat_at_user_shapes(offload_dir, shape):
             for _ in range(MICROBATCHES):
                 with cache.microbatch():
                     loss = model(torch.randint(0, 256, (batch, seq), generator=g))
+                # Every write lands before backward, so every read-back goes through a
+                # mapping: on a loaded machine backward could otherwise reach all tensors
+                # while still in memory and forward them (NOTE [Forwarding]), reloading 0.
+                cache.drain()
                 (loss / MICROBATCHES).backward()
             opt.step()
             stats = cache.finish_step()
