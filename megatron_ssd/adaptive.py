@@ -61,6 +61,26 @@ class PlanEvent:
 # look 7.8% slower than keeping where it was 30% slower (docs/planner.md).
 # A KEEP step holds every activation: on a GPU where keep-everything does not fit, set
 # ``profile_steps = 1`` with a memory budget, which profiles under OFFLOAD only.
+# When RECOMPUTE may be chosen (``recompute_profile_steps``), a RECOMPUTE block runs
+# between the two, after its own settle steps (NOTE [Pricing recompute]).
+
+# NOTE [Pricing recompute]
+# The timeline charges a RECOMPUTE layer ``recompute_s`` more backward, by default its
+# forward time. On the CPU reference run that was short: recompute-everything took 1.51x
+# keep's step where one more forward per layer predicts about 1.3x, and a budget plan
+# recomputing 2 layers ran 3.85 s against 3.55 s predicted, so the planner chose
+# recompute over offloads that cost less. The rebuilt activations are fresh allocations
+# (page faults on a CPU), and backward runs a second autograd graph. So when RECOMPUTE
+# may be chosen, the profile measures it: in RECOMPUTE steps the cache clocks each
+# layer's forward and its backward, which includes the re-run. Summed over the layers,
+# that less their kept forward and backward is what recomputing them all costs; over
+# their summed forward it is a factor, and each layer's ``recompute_s`` is the factor
+# times its forward (at least 0). The sum, not each layer's own difference: one step's
+# differences scatter between layers of equal size (0 to 0.73 s on the CPU reference
+# run, 0.28 s each on average), as the clocks split work at layer boundaries, while the
+# sum matched the step (2.20 s of 2.30 s extra; factor 2.3). With no KEEP steps to
+# compare against, the offload steps' compute (stalls and write waits taken out)
+# stands in.
 
 
 @dataclass(frozen=True)
@@ -68,7 +88,8 @@ class ProfileStep:
     """One step of the profiling phase (NOTE [Profiling steps])."""
 
     placement: Optional[Placement]
-    """KEEP for every layer, or None for the cache's default placement (offload)."""
+    """KEEP or RECOMPUTE for every layer, or None for the cache's default placement
+    (offload)."""
     measured: bool
     """Whether the profile uses the step; warm-up and settle steps are not."""
 
@@ -79,12 +100,15 @@ def profile_schedule(config: PlannerConfig) -> List[ProfileStep]:
     if config.mode != "auto":
         return []
     keep = (config.profile_steps + 1) // 2 if config.profile_steps >= 2 else 0
-    offload = config.profile_steps - keep
-    first = Placement.KEEP if keep else None
-    schedule = [ProfileStep(first, False)] * config.warmup_steps + [ProfileStep(Placement.KEEP, True)] * keep
-    if keep and offload:
-        schedule += [ProfileStep(None, False)] * config.settle_steps
-    return schedule + [ProfileStep(None, True)] * offload
+    blocks = [(Placement.KEEP, keep), (Placement.RECOMPUTE, config.recompute_profiling),
+              (None, config.profile_steps - keep)]
+    blocks = [(placement, n) for placement, n in blocks if n]
+    schedule = [ProfileStep(blocks[0][0], False)] * config.warmup_steps
+    for i, (placement, n) in enumerate(blocks):
+        if i:
+            schedule += [ProfileStep(placement, False)] * config.settle_steps
+        schedule += [ProfileStep(placement, True)] * n
+    return schedule
 
 
 def _per_mb(total: float, n: int) -> float:
@@ -96,12 +120,14 @@ def stage_from_stats(
     offload_steps: List[Any],
     pipeline_rank: int = 0,
     pipeline_size: int = 1,
+    recompute_steps: Optional[List[Any]] = None,
 ) -> StageProfile:
     """Build the planner's :class:`StageProfile` from cache :class:`StepStats`.
 
     Compute times come from ``keep_steps`` when there are any (no I/O interference),
     else from ``offload_steps`` with read stalls and write waits subtracted. Bandwidth and
-    compute slowdown come from ``offload_steps``.
+    compute slowdown come from ``offload_steps``; each recomputable layer's
+    ``recompute_s`` from ``recompute_steps`` when given (NOTE [Pricing recompute]).
     """
     source = keep_steps or offload_steps
     if not source:
@@ -150,6 +176,9 @@ def stage_from_stats(
                 recomputable=layer_id != EMBEDDING,
             )
         )
+    factor = _recompute_factor(recompute_steps or [], layers, per_layer)
+    if factor is not None:
+        layers = [dataclasses.replace(l, recompute_s=factor * l.forward_s) if l.recomputable else l for l in layers]
     heads = [_per_mb(s.layers[HEAD].saved_bytes + s.layers[HEAD].small_bytes, s.layers[HEAD].microbatches)
              for s in source if HEAD in s.layers and s.layers[HEAD].microbatches]
     head = int(statistics.median(heads)) if heads else 0
@@ -159,6 +188,23 @@ def stage_from_stats(
     other = max(0.0, statistics.median(s.wall_s for s in source) / mbs - layer_s)
     return StageProfile(layers=layers, io=io, pipeline_rank=pipeline_rank, pipeline_size=pipeline_size, other_s=other,
                         head_bytes=head)
+
+
+def _recompute_factor(recompute_steps: List[Any], layers: List[LayerProfile], per_layer: Any) -> Optional[float]:
+    """What RECOMPUTE costs per second of forward, from RECOMPUTE steps (NOTE [Pricing
+    recompute]): over the recomputable layers, their forward plus backward in those
+    steps less the same in ``layers``' profile, over their profiled forward; None without
+    such steps or forward time."""
+    extra = forward = 0.0
+    for layer in layers:
+        if not layer.recomputable:
+            continue
+        r = per_layer(recompute_steps, layer.layer_id) if recompute_steps else None
+        if r is None or not (r["fwd"] or r["bwd"]):
+            continue
+        extra += r["fwd"] + r["bwd"] - layer.forward_s - layer.backward_s
+        forward += layer.forward_s
+    return max(0.0, extra / forward) if forward > 0 else None
 
 
 def _use_shares(lc: Any, backward_s: float) -> Optional[List[float]]:
@@ -282,6 +328,7 @@ class AdaptivePlanner:
         self.replans = 0
         self.fell_behind = 0
         self._keep_steps: List[Any] = []
+        self._recompute_steps: List[Any] = []
         self._offload_steps: List[Any] = []
         self._drift = DriftDetector(threshold=config.replan_threshold)
         self._steps_seen = 0
@@ -319,7 +366,8 @@ class AdaptivePlanner:
         if step < len(self._schedule):  # NOTE [Profiling steps]
             planned = self._schedule[step]
             if planned.measured:
-                (self._keep_steps if planned.placement is Placement.KEEP else self._offload_steps).append(stats)
+                measured = {Placement.KEEP: self._keep_steps, Placement.RECOMPUTE: self._recompute_steps}
+                measured.get(planned.placement, self._offload_steps).append(stats)
             if step == len(self._schedule) - 1:
                 self.cache.default_placement = None
                 self._make_plan(step, "profile")
@@ -336,7 +384,8 @@ class AdaptivePlanner:
 
     def _make_plan(self, step: int, reason: str, profile: Optional[StageProfile] = None) -> None:
         if profile is None:
-            profile = stage_from_stats(self._keep_steps, self._offload_steps, self.pipeline_rank, self.pipeline_size)
+            profile = stage_from_stats(self._keep_steps, self._offload_steps, self.pipeline_rank, self.pipeline_size,
+                                       self._recompute_steps)
         host_budget = self.host_budget()
         if host_budget and profile.io.host_bytes_per_s is None:
             profile = profile.with_io(dataclasses.replace(profile.io, host_bytes_per_s=self.host_bandwidth()))

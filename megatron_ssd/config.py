@@ -331,6 +331,18 @@ class PlannerConfig:
     [Profiling steps] in ``adaptive.py``). The warm-up steps run with every layer kept
     when there are kept profiling steps."""
 
+    recompute_profile_steps: Optional[Annotated[int, NonNegative()]] = None
+    """Measured steps with every layer placed RECOMPUTE (``auto`` mode), run between the
+    kept and the offloaded profiling steps after ``settle_steps`` untimed ones; from them
+    the profile prices RECOMPUTE per layer (``recompute_s``: the layer's forward plus
+    backward under RECOMPUTE less its kept ones) instead of as one more forward, which
+    the CPU reference run measured 15% short over a whole step (NOTE [Pricing
+    recompute] in ``adaptive.py``). None: 1 when the planner may choose RECOMPUTE to
+    meet a limit (``allow_recompute`` with ``memory_budget`` or
+    ``activation_capacity_bytes`` set), else 0. On a CUDA device with no limit set the
+    measured capacity can still call for RECOMPUTE, priced as one forward unless this
+    is set."""
+
     safety_margin: Annotated[float, NonNegative(), InRange(0, 1, hi_open=True)] = 0.1
     """Fraction by which measured bandwidths are derated when planning."""
 
@@ -399,6 +411,15 @@ class PlannerConfig:
     def _check(self) -> None:
         if self.mode == "auto" and self.profile_steps < 1:
             raise _broken(self, "profile_steps", "must be >= 1 when mode is auto")
+
+    @property
+    def recompute_profiling(self) -> int:
+        """The measured RECOMPUTE profiling steps ``auto`` runs: ``recompute_profile_steps``,
+        or when None, 1 if RECOMPUTE may be chosen to meet a set limit, else 0."""
+        if self.recompute_profile_steps is not None:
+            return self.recompute_profile_steps
+        limited = self.memory_budget is not None or self.activation_capacity_bytes is not None
+        return 1 if self.allow_recompute and limited else 0
 
 
 @dataclass

@@ -28,8 +28,9 @@ def run_plan(config_path: Optional[str], overrides: Sequence[str], json_path: Op
     if not events:
         raise MegatronSSDError("plan: the profile produced no plan (too few steps?)")
     plan = events[-1]["plan"]
-    settle = len(schedule) - planner.warmup_steps - planner.profile_steps
-    print(f"\nplan from {planner.warmup_steps} warm-up, {planner.profile_steps} profiling and {settle} settle steps:")
+    measured = sum(step.measured for step in schedule)
+    settle = len(schedule) - planner.warmup_steps - measured
+    print(f"\nplan from {planner.warmup_steps} warm-up, {measured} profiling and {settle} settle steps:")
     print(Plan.from_dict(plan).table())
     if json_path:
         write_json(json_path, {**plan, "workload": to_dict(config), "machine": machine_info()})

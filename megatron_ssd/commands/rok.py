@@ -180,7 +180,7 @@ def rok_points(config_path: Optional[str], overrides: Sequence[str], budgets: Se
                           "(pairs compare it with keep)")
     pairs = [f"paired_steps={paired}"] if paired else []
     per_placement = {name: pairs for name in names if name != "keep"}
-    _check_measurable(config_path, overrides, [*names, *(["planner"] if budgets else [])])
+    _check_measurable(config_path, overrides, [*(n for n in names if n != BUDGET), *([BUDGET] if budgets else [])])
     runs: Dict[str, List[Dict[str, Any]]] = {}
     infeasible: Dict[str, str] = {}
     extra_runs: List[tuple] = []
@@ -219,7 +219,9 @@ def _check_measurable(config_path: Optional[str], overrides: Sequence[str], name
     """Refuse, before any run, a placement whose run would measure no step (NOTE [Step kinds])."""
 
     for name in dict.fromkeys(names):
-        config = load_config(TrainConfig, config_path, [*overrides, *PLACEMENTS[name], "baseline_steps=0"])
+        # a budget's run profiles RECOMPUTE too (NOTE [Pricing recompute]); any budget selects it
+        selected = PLACEMENTS.get(name, ["offload.planner.mode=auto", "offload.planner.memory_budget=1"])
+        config = load_config(TrainConfig, config_path, [*overrides, *selected, "baseline_steps=0"])
         problems = short_run_problems(config)
         if problems:
             raise ConfigError(f"rok: placement {name!r}: {'; '.join(problems)}")

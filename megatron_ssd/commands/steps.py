@@ -28,8 +28,9 @@ def step_kinds(config: PlannerConfig, steps: int) -> List[str]:
 
     NOTE [Step kinds]: an ``auto`` phase runs ``warmup_steps`` warm-up steps, then its
     profiling steps (``profile_steps`` measured ones, every layer kept and then the
-    default placement, with ``settle_steps`` untimed ones between: NOTE [Profiling steps]
-    in ``adaptive.py``), and only the steps after those run the planner's placement;
+    default placement, with ``settle_steps`` untimed ones between, and a RECOMPUTE block
+    between those when ``recompute_profile_steps`` asks: NOTE [Profiling steps] in
+    ``adaptive.py``), and only the steps after those run the planner's placement;
     every other phase's first step warms up the allocator and the page cache. Only
     ``measured`` steps enter the summary; a phase with none is short
     (:func:`short_run_problems`).
@@ -51,11 +52,13 @@ def short_run_problems(config: TrainConfig) -> List[str]:
     planner = config.offload.planner
     if "measured" not in step_kinds(planner, config.steps):
         if planner.mode == "auto":
-            profiling = len(profile_schedule(planner)) - planner.warmup_steps
+            schedule = profile_schedule(planner)
+            profiling = len(schedule) - planner.warmup_steps
+            measured = sum(step.measured for step in schedule)
             problems.append(
                 f"TrainConfig.steps = {config.steps}: the planner uses {planner.warmup_steps} warm-up + "
-                f"{profiling} profiling steps ({planner.profile_steps} measured, "
-                f"{profiling - planner.profile_steps} settling), so no step would run its plan; must be >= "
+                f"{profiling} profiling steps ({measured} measured, "
+                f"{profiling - measured} settling), so no step would run its plan; must be >= "
                 f"{planner.warmup_steps + profiling + 1} to measure the planner's placement")
         else:
             problems.append(f"TrainConfig.steps = {config.steps}: its one step is the warm-up step; must be >= 2")

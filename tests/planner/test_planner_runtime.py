@@ -101,18 +101,77 @@ def test_runtime_plan_honours_the_drive_wear_limit(world, tmp_path):
 def test_runtime_plan_fits_the_activation_capacity(world, tmp_path):
     """A CPU has no measured capacity; a configured one holds the measured plan under it
     (here half of keep-everything's predicted peak), bit-identical."""
-    stock, _, _ = _run(steps=4)
+    stock, _, _ = _run(steps=6)
     cfg = OffloadConfig(paths=[str(tmp_path)], min_tensor_bytes=4096, io=IOConfig(max_inflight_bytes=1 << 20))
     auto = PlannerConfig(mode="auto", warmup_steps=1, profile_steps=2)
     with TensorCache(cfg) as cache:
         _, _, free = _run(cache, auto, steps=4)
         assert free.activation_capacity() is None and free.plan.capacity_bytes is None
     capacity = free.plan.keep_peak_activation_bytes // 2
-    with TensorCache(cfg) as cache:
-        planned, _, held = _run(cache, PlannerConfig(**{**auto.__dict__, "activation_capacity_bytes": capacity}), steps=4)
+    with TensorCache(cfg) as cache:  # a capacity profiles RECOMPUTE too: 6 steps before the plan
+        planned, _, held = _run(cache, PlannerConfig(**{**auto.__dict__, "activation_capacity_bytes": capacity}), steps=6)
     assert all(torch.equal(a, b) for a, b in zip(stock.losses, planned.losses, strict=True))
     assert held.plan.capacity_bytes == capacity
     assert held.plan.peak_activation_bytes <= capacity
+
+
+def test_budget_run_profiles_recompute_and_prices_it_from_the_steps(world, tmp_path):
+    """NOTE [Pricing recompute]: with a memory budget the profile adds a RECOMPUTE block
+    (a settle step, then a measured one) between KEEP and OFFLOAD; each recomputable
+    layer's ``recompute_s`` is one stage-wide factor times its forward, the factor being
+    what the RECOMPUTE step's layers took beyond the KEEP step's, over their forward.
+    Training stays bit-identical through every kind of step."""
+    stock, _, _ = _run(steps=7)
+    cfg = OffloadConfig(paths=[str(tmp_path)], min_tensor_bytes=4096, io=IOConfig(max_inflight_bytes=1 << 20))
+    with TensorCache(cfg) as cache:
+        _, kept, _ = _run(cache, PlannerConfig(mode="keep"), steps=2)
+    with TensorCache(cfg) as cache:
+        budget = PlannerConfig(mode="auto", memory_budget=kept[-1].peak_resident_bytes // 2)
+        planned, stats, planner = _run(cache, budget, steps=7)
+    assert all(torch.equal(a, b) for a, b in zip(stock.losses, planned.losses, strict=True))
+    assert [n for n in stock.grads if not torch.equal(stock.grads[n], planned.grads[n])] == []
+    keep_peak = stats[1].peak_resident_bytes
+    # warm-up, KEEP; settle, RECOMPUTE (a fraction of the memory, nothing written); settle, OFFLOAD
+    assert [s.bytes_offloaded > 0 for s in stats[:6]] == [False, False, False, False, True, True]
+    assert [s.peak_resident_bytes < keep_peak // 2 for s in stats[:4]] == [False, False, True, True]
+    keep, recompute = stats[1], stats[3]
+    layers = planner.profile.layers
+    assert layers[0].layer_id == "embedding" and layers[0].recompute_s is None
+    inside = [l for l in layers if l.recomputable]
+    extra = sum((recompute.layers[l.layer_id].forward_s + recompute.layers[l.layer_id].backward_s)
+                / recompute.layers[l.layer_id].microbatches for l in inside) - sum(l.forward_s + l.backward_s
+                                                                                for l in inside)
+    factor = max(0.0, extra / sum(l.forward_s for l in inside))
+    assert keep.layers[1].forward_s / keep.layers[1].microbatches == pytest.approx(layers[1].forward_s)
+    for l in inside:
+        assert l.recompute_s == pytest.approx(factor * l.forward_s)
+    assert planner.plan.memory_budget == budget.memory_budget
+
+
+def test_recompute_factor_from_constructed_steps():
+    """The factor is the summed extra over the summed forward, not a per-layer ratio;
+    layers' clocks may split recompute work unevenly, the sum is what the step took."""
+    from types import SimpleNamespace
+
+    from megatron_ssd.adaptive import _recompute_factor
+    from megatron_ssd.planner import LayerProfile
+
+    def counters(times, microbatches=2):
+        return SimpleNamespace(layers={i: SimpleNamespace(forward_s=f * microbatches, backward_s=b * microbatches,
+                                                         write_wait_s=0.0, stall_s=0.0, microbatches=microbatches)
+                                       for i, (f, b) in times.items()})
+
+    def per_layer(steps, layer_id):
+        lc = steps[-1].layers.get(layer_id)
+        return None if lc is None else {"fwd": lc.forward_s / lc.microbatches, "bwd": lc.backward_s / lc.microbatches}
+
+    layers = [LayerProfile("embedding", 0.0, 0.0, 10, recomputable=False),
+              LayerProfile(1, 0.1, 0.2, 10), LayerProfile(2, 0.1, 0.2, 10)]
+    # layer 1 took 0.5 s more, layer 2 0.1 s more: 0.6 s over 0.2 s of forward, 3x each
+    steps = [counters({1: (0.1, 0.7), 2: (0.1, 0.3)})]
+    assert _recompute_factor(steps, layers, per_layer) == pytest.approx(3.0)
+    assert _recompute_factor([counters({1: (0.1, 0.15), 2: (0.1, 0.2)})], layers, per_layer) == 0.0  # never below 0
+    assert _recompute_factor([], layers, per_layer) is None
 
 
 def test_fixed_modes_place_every_layer(world, tmp_path):
@@ -142,6 +201,14 @@ def test_profile_schedule_settles_each_kind_before_measuring_it():
         (K, False), (K, False), (K, True), (K, True), (D, False), (D, False), (D, True)]
     assert kinds(profile_steps=1) == [(D, False), (D, True)]  # OFFLOAD only: nothing to settle
     assert kinds(settle_steps=0, warmup_steps=0) == [(K, True), (D, True)]
+    # NOTE [Pricing recompute]: a limit RECOMPUTE may meet adds a settled RECOMPUTE block
+    R = Placement.RECOMPUTE
+    assert kinds(memory_budget=1 << 30) == [(K, False), (K, True), (R, False), (R, True), (D, False), (D, True)]
+    assert kinds(activation_capacity_bytes=1 << 30) == kinds(memory_budget=1 << 30)
+    assert kinds(memory_budget=1 << 30, allow_recompute=False) == kinds()
+    assert kinds(memory_budget=1 << 30, recompute_profile_steps=0) == kinds()
+    assert kinds(recompute_profile_steps=2, settle_steps=0) == [(K, False), (K, True), (R, True), (R, True), (D, True)]
+    assert kinds(memory_budget=1 << 30, profile_steps=1) == [(R, False), (R, True), (D, False), (D, True)]
     assert profile_schedule(PlannerConfig(mode="static")) == []
     assert ProfileStep(K, True).measured
 
@@ -172,7 +239,7 @@ def test_rok_json_schema(tmp_path):
     out = tmp_path / "rok.json"
     cmd = [
         sys.executable, "-m", "megatron_ssd.commands.cli", "rok", "--config", os.path.join(REPO, "configs", "gpt-tiny.yaml"),
-        *TINY_CLI, "num_microbatches=1", "steps=5", "--paired", "2", "--json", str(out),
+        *TINY_CLI, "num_microbatches=1", "steps=7", "--paired", "2", "--json", str(out),
     ]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
