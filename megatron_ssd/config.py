@@ -334,8 +334,9 @@ class PlannerConfig:
     recompute_profile_steps: Optional[Annotated[int, NonNegative()]] = None
     """Measured steps with every layer placed RECOMPUTE (``auto`` mode), run between the
     kept and the offloaded profiling steps after ``settle_steps`` untimed ones; from them
-    the profile prices RECOMPUTE per layer (``recompute_s``: the layer's forward plus
-    backward under RECOMPUTE less its kept ones) instead of as one more forward, which
+    the profile prices RECOMPUTE per layer (``recompute_s``: one stage-wide factor, the
+    layers' forward plus backward under RECOMPUTE less their kept ones over their kept
+    forward, times the layer's forward) instead of as one more forward, which
     the CPU reference run measured 15% short over a whole step (NOTE [Pricing
     recompute] in ``adaptive.py``). None: 1 when the planner may choose RECOMPUTE to
     meet a limit (``allow_recompute`` with ``memory_budget`` or
