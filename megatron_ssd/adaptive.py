@@ -29,7 +29,8 @@ from .planner.profile import IOProfile, LayerProfile, StageProfile
 from .planner.wear import write_limit_for
 from .io.rundir import check_space_for_plan
 
-__all__ = ["AdaptivePlanner", "PlanEvent", "ProfileStep", "profile_schedule", "stage_from_stats"]
+__all__ = ["AdaptivePlanner", "PlanEvent", "ProfileCounts", "ProfileStep", "profile_counts", "profile_schedule",
+           "stage_from_stats"]
 
 logger = logging.getLogger("megatron_ssd")
 
@@ -109,6 +110,31 @@ def profile_schedule(config: PlannerConfig) -> List[ProfileStep]:
             schedule += [ProfileStep(placement, False)] * config.settle_steps
         schedule += [ProfileStep(placement, True)] * n
     return schedule
+
+
+@dataclass(frozen=True)
+class ProfileCounts:
+    """How many steps of each kind :func:`profile_schedule` runs."""
+
+    warmup: int
+    """Warm-up steps (not used)."""
+    measured: int
+    """Steps the profile measures."""
+    settle: int
+    """Settle steps before each kind's measured block but the first (not used)."""
+
+    @property
+    def total(self) -> int:
+        """Every step of the profile; a run needs one more to run its plan."""
+        return self.warmup + self.measured + self.settle
+
+
+def profile_counts(config: PlannerConfig) -> ProfileCounts:
+    """The step counts of ``profile_schedule(config)`` by kind."""
+    schedule = profile_schedule(config)
+    measured = sum(step.measured for step in schedule)
+    warmup = config.warmup_steps if schedule else 0
+    return ProfileCounts(warmup, measured, len(schedule) - warmup - measured)
 
 
 def _per_mb(total: float, n: int) -> float:

@@ -11,6 +11,7 @@ __all__ = [
     "ConfigError",
     "OffloadIOError",
     "ChecksumError",
+    "WriteCancelled",
     "CacheStateError",
 ]
 
@@ -38,6 +39,11 @@ class OffloadIOError(MegatronSSDError, OSError):
 
 class ChecksumError(OffloadIOError):
     """Data read back from an offload path does not match what was written."""
+
+
+class WriteCancelled(OffloadIOError):
+    """A write was cancelled before all its bytes reached the disk (NOTE [Cancelled
+    writes] in ``io/striped.py``); nothing of it stays allocated."""
 
 
 class CacheStateError(MegatronSSDError, RuntimeError):

@@ -19,6 +19,7 @@ SCALARS: Dict[str, str] = {
     "offloaded_bytes": "bytes_offloaded",
     "reloaded_bytes": "bytes_reloaded",
     "served_from_memory_bytes": "bytes_forwarded",
+    "cancelled_write_bytes": "bytes_write_cancelled",
     "write_bytes_per_s": "write_bytes_per_s",
     "read_bytes_per_s": "read_bytes_per_s",
     "read_stall_s": "stall_s",

@@ -165,7 +165,7 @@ def test_progress_is_plain_lines_off_a_terminal_and_a_bar_on_one():
 
 
 class _Stats:
-    bytes_offloaded, bytes_reloaded, bytes_forwarded = 3 << 20, 2 << 20, 1 << 20
+    bytes_offloaded, bytes_reloaded, bytes_forwarded, bytes_write_cancelled = 3 << 20, 2 << 20, 1 << 20, 1 << 19
     write_bytes_per_s, read_bytes_per_s = 1e9, 2e9
     stall_s, backpressure_wait_s = 0.25, 0.5
     peak_resident_bytes, peak_ssd_bytes, write_fallbacks = 7 << 20, 9 << 20, 0

@@ -66,6 +66,7 @@ class StepAccountingMixin:
                 peak_host_bytes=host.peak_bytes,
                 bytes_returned=c.bytes_returned,
                 heap_trim_s=c.heap_trim_s,
+                bytes_write_cancelled=c.bytes_write_cancelled,
             )
             self._engine_base = es
             self._step += 1

@@ -37,7 +37,7 @@ from typing import Any, Dict, Hashable, Mapping, Optional, Set, Tuple
 import torch
 
 from ..config import MOVED, OUTSIDE, OffloadConfig, Placement
-from ..errors import CacheStateError, OffloadIOError
+from ..errors import CacheStateError, OffloadIOError, WriteCancelled
 from ..io.base import IOFuture
 from ..io.store import BlobStore
 from .identity import StorageKey, storage_bytes, storage_weakref
@@ -152,6 +152,7 @@ class EntryTable:
             entry.record.add_layer_entry(layer_id, entry)
             if self.policy.layer(layer_id) not in MOVED:
                 entry.pinned = True
+                self._cancel_write(entry)
 
     def _new_entry(self, record: Record, key: Any, t: torch.Tensor, layer_id: Hashable) -> Entry:
         data = storage_bytes(t)
@@ -223,6 +224,11 @@ class EntryTable:
         with self.lock:
             entry.write_future = None
             self._writes.discard(future)
+            if isinstance(error, WriteCancelled):  # NOTE [Cancelled writes] in io/striped.py
+                self.counters.bytes_write_cancelled += entry.nbytes
+                if entry.state is not EntryState.RELEASED:
+                    entry.state = EntryState.LOADED  # wanted or pinned: its data stays in memory
+                return
             if error is not None:
                 self.counters.write_fallbacks += 1
                 self.counters.bytes_fallen_back += entry.nbytes
@@ -247,6 +253,13 @@ class EntryTable:
                     self.counters.bytes_returned += release_pages(entry.data)
                 self._set_data(entry, None)
 
+    def _cancel_write(self, entry: Entry) -> None:
+        """``entry``'s write in flight is no longer worth finishing: its bytes stay in
+        memory until released, or nobody needs them (NOTE [Cancelled writes] in
+        ``io/striped.py``). Caller holds the lock; the write's callback completes it."""
+        if entry.write_future is not None:
+            entry.write_future.cancel()
+
     def drain(self) -> None:
         """Wait until every queued write, and every read in flight, has completed (or
         failed). At a step's end the reads left are those of tensors autograd released
@@ -255,7 +268,7 @@ class EntryTable:
         with self.lock:
             pending = list(self._writes) + list(self._reads)
         for future in pending:
-            _wait(future)
+            future.wait_settled()  # its callback records a failure and frees what it leaves
 
     # ------------------------------------------------------------------ reads
 
@@ -352,6 +365,7 @@ class EntryTable:
             entry.wanted = True
             if entry.state in (EntryState.WRITING, EntryState.LOADED) and not entry.reloaded:
                 self.counters.bytes_forwarded += entry.nbytes
+            self._cancel_write(entry)
 
     def needed(self, entry: Entry, name: str = "") -> torch.Tensor:
         """Backward unpacks ``entry``: its bytes, after waiting for its read (issued
@@ -418,6 +432,8 @@ class EntryTable:
                 self._set_data(entry, None)
                 if entry.write_future is None:
                     self._free_disk(entry)
+                else:
+                    self._cancel_write(entry)
             record = entry.record
             if record.entries.get(entry.key) is entry:
                 del record.entries[entry.key]
@@ -456,10 +472,3 @@ class EntryTable:
             self.closed = True
             self.records.clear()
 
-
-def _wait(future: IOFuture) -> None:
-    """Wait for ``future`` without raising its error (callbacks handle errors)."""
-    try:
-        future.get()
-    except Exception:  # noqa: BLE001 - the write callback already recorded the failure
-        pass

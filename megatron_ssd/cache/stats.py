@@ -122,6 +122,7 @@ class Counters:
     peak_resident_bytes: int = 0
     bytes_returned: int = 0
     heap_trim_s: float = 0.0
+    bytes_write_cancelled: int = 0
     microbatches: int = 0
     layers: Dict[Any, LayerCounters] = field(default_factory=dict)
 
@@ -198,6 +199,10 @@ class StepStats:
     their write completed (NOTE [Returning freed pages])."""
     heap_trim_s: float = 0.0
     """Time spent returning glibc's free pages at the end of micro-batch forwards."""
+    bytes_write_cancelled: int = 0
+    """Bytes of offloaded tensors whose write was cancelled before it completed, because
+    backward used them from memory or autograd released them first (NOTE [Cancelled
+    writes] in ``io/striped.py``); not in ``bytes_offloaded``."""
 
     def to_dict(self) -> Dict[str, Any]:
         """A JSON-ready dict (layer ids become strings)."""

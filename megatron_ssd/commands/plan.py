@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
-from ..adaptive import profile_schedule
+from ..adaptive import profile_counts
 from ..config import TrainConfig, load_config, to_dict
 from ..errors import MegatronSSDError
 from ..planner.plan import Plan
@@ -21,16 +21,14 @@ def run_plan(config_path: Optional[str], overrides: Sequence[str], json_path: Op
     planner = config.offload.planner
     planner.mode = "auto"
     config.baseline_steps = 0
-    schedule = profile_schedule(planner)
-    config.steps = len(schedule)
+    counts = profile_counts(planner)
+    config.steps = counts.total
     report = TrainRecipe(config, command="plan").run(print_summary=False)
     events = [e for e in report["planner"]["events"] if e["plan"] is not None]
     if not events:
         raise MegatronSSDError("plan: the profile produced no plan (too few steps?)")
     plan = events[-1]["plan"]
-    measured = sum(step.measured for step in schedule)
-    settle = len(schedule) - planner.warmup_steps - measured
-    print(f"\nplan from {planner.warmup_steps} warm-up, {measured} profiling and {settle} settle steps:")
+    print(f"\nplan from {counts.warmup} warm-up, {counts.measured} profiling and {counts.settle} settle steps:")
     print(Plan.from_dict(plan).table())
     if json_path:
         write_json(json_path, {**plan, "workload": to_dict(config), "machine": machine_info()})

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Optional, Sequence
 
-from ..adaptive import profile_schedule
+from ..adaptive import profile_counts, profile_schedule
 from ..cache import StepStats
 from ..config import PlannerConfig, TrainConfig
 from ..units import MiB
@@ -52,14 +52,12 @@ def short_run_problems(config: TrainConfig) -> List[str]:
     planner = config.offload.planner
     if "measured" not in step_kinds(planner, config.steps):
         if planner.mode == "auto":
-            schedule = profile_schedule(planner)
-            profiling = len(schedule) - planner.warmup_steps
-            measured = sum(step.measured for step in schedule)
+            counts = profile_counts(planner)
             problems.append(
-                f"TrainConfig.steps = {config.steps}: the planner uses {planner.warmup_steps} warm-up + "
-                f"{profiling} profiling steps ({measured} measured, "
-                f"{profiling - measured} settling), so no step would run its plan; must be >= "
-                f"{planner.warmup_steps + profiling + 1} to measure the planner's placement")
+                f"TrainConfig.steps = {config.steps}: the planner uses {counts.warmup} warm-up + "
+                f"{counts.measured + counts.settle} profiling steps ({counts.measured} measured, "
+                f"{counts.settle} settling), so no step would run its plan; must be >= "
+                f"{counts.total + 1} to measure the planner's placement")
         else:
             problems.append(f"TrainConfig.steps = {config.steps}: its one step is the warm-up step; must be >= 2")
     return problems

@@ -85,14 +85,17 @@ class IOFuture(Generic[R]):
     completes the future (or immediately, if it is already done).
     """
 
-    __slots__ = ("_event", "_result", "_error", "_callbacks", "_lock", "nbytes", "started", "finished")
+    __slots__ = ("_event", "_settled", "_result", "_error", "_callbacks", "_lock", "_cancel", "nbytes", "started",
+                 "finished")
 
     def __init__(self, nbytes: int = 0) -> None:
         self._event = threading.Event()
+        self._settled = threading.Event()
         self._result: Optional[R] = None
         self._error: Optional[BaseException] = None
         self._callbacks: List[Callable[["IOFuture[R]"], None]] = []
         self._lock = threading.Lock()
+        self._cancel: Optional[Callable[[], None]] = None
         self.nbytes = nbytes
         self.started = time.perf_counter()
         self.finished: Optional[float] = None
@@ -112,6 +115,22 @@ class IOFuture(Generic[R]):
     def error(self) -> Optional[BaseException]:
         """The error of a finished future, or None."""
         return self._error
+
+    def cancel(self) -> bool:
+        """Ask the engine to drop the parts of this I/O not started yet (NOTE [Cancelled
+        writes] in ``io/striped.py``). The future still completes through the engine: with
+        :class:`~megatron_ssd.errors.WriteCancelled` when a part was dropped, as usual when
+        every part had started. Never blocks and never runs callbacks itself. Returns
+        False when the future is done or its engine cannot cancel."""
+        hook = self._cancel
+        if hook is None or self.done():
+            return False
+        hook()
+        return True
+
+    def on_cancel(self, hook: Callable[[], None]) -> None:
+        """Engine side: what :meth:`cancel` calls (it must not block or complete the future)."""
+        self._cancel = hook
 
     def add_done_callback(self, fn: Callable[["IOFuture[R]"], None]) -> None:
         """Run ``fn(self)`` when the future completes."""
@@ -137,8 +156,18 @@ class IOFuture(Generic[R]):
             self.finished = time.perf_counter()
             self._event.set()
             callbacks, self._callbacks = self._callbacks, []
-        for fn in callbacks:
-            fn(self)
+            self._cancel = None  # the engine's op is done: nothing left to cancel, no reference kept
+        try:
+            for fn in callbacks:
+                fn(self)
+        finally:
+            self._settled.set()
+
+    def wait_settled(self, timeout: Optional[float] = None) -> bool:
+        """Wait until the future is done and the callbacks it had then have run (``get()``
+        may return before them: they run after the result is set, on the completing
+        thread). True unless ``timeout`` passed first."""
+        return self._settled.wait(timeout)
 
     @classmethod
     def completed(cls, result: R, nbytes: int = 0) -> "IOFuture[R]":
@@ -153,7 +182,8 @@ class EngineStats:
     """Counters an engine keeps since its creation (monotonic; diff two snapshots)."""
 
     bytes_written: int = 0
-    """Payload bytes written successfully."""
+    """Payload bytes written successfully (a cancelled write's blocks that ran included,
+    NOTE [Cancelled writes])."""
     bytes_read: int = 0
     """Payload bytes read successfully."""
     write_busy_s: float = 0.0

@@ -6,7 +6,7 @@ from typing import List, Optional, Tuple
 
 import torch
 
-from megatron_ssd.errors import OffloadIOError
+from megatron_ssd.errors import OffloadIOError, WriteCancelled
 from megatron_ssd.io.base import Engine, EngineStats, Extent, IOFuture, SwapHandle
 
 __all__ = ["ScriptedEngine", "io_error"]
@@ -23,7 +23,9 @@ class ScriptedEngine(Engine):
     :meth:`fail_writes`) runs; reads complete at once unless ``fail_reads`` is set, in
     which case they fail with EIO, or ``hold_reads``, in which case they complete when
     :meth:`complete_reads` runs. ``refuse`` makes every write return None
-    (backpressure)."""
+    (backpressure). With ``cancellable`` a write can be cancelled until it completes, as
+    a blob none of whose blocks started (NOTE [Cancelled writes]): :meth:`complete_writes`
+    then completes it with :class:`WriteCancelled` and stores nothing."""
 
     def __init__(self) -> None:
         self.blobs = {}
@@ -32,6 +34,8 @@ class ScriptedEngine(Engine):
         self.hold_reads = False
         self.held: List[Tuple[IOFuture, SwapHandle, torch.Tensor]] = []
         self.refuse = False
+        self.cancellable = False
+        self.cancelled = set()  # ids of the pending writes' futures cancelled
         self.freed = 0
         self.reads = 0
         self._next = 0
@@ -46,12 +50,18 @@ class ScriptedEngine(Engine):
         self._next += 1
         handle = SwapHandle(src.numel(), (Extent(0, self._next, src.numel(), 0),))
         fut: IOFuture = IOFuture(src.numel())
+        if self.cancellable:
+            fut.on_cancel(lambda: self.cancelled.add(id(fut)))
         self.pending.append((fut, handle, src.clone()))
         return fut
 
     def complete_writes(self) -> int:
         done, self.pending = self.pending, []
         for fut, handle, data in done:
+            if id(fut) in self.cancelled:
+                self.cancelled.discard(id(fut))
+                fut.set_error(WriteCancelled("scripted write cancelled"))
+                continue
             self.blobs[handle.extents[0].offset] = data
             fut.set_result(handle)
         return len(done)

@@ -150,3 +150,62 @@ def test_a_write_that_raises_leaves_no_record_open():
         with pytest.raises(OffloadIOError, match="the I/O engine is closed"):
             forward(cache, model, batch)
         assert cache.open_records == [] and cache.resident_bytes == 0
+
+
+def test_a_write_still_in_flight_when_backward_needs_it_is_cancelled():
+    """NOTE [Cancelled writes]: backward runs before any write completed, so every write
+    is cancelled: nothing reaches the store, no write counts as failed, the tensors are
+    served from memory and the gradients are unchanged."""
+    engine = ScriptedEngine()
+    engine.cancellable = True
+    model, batch = model_and_batch()
+    expected = reference_grads(model, batch)
+    with make_cache(engine, model) as cache:
+        loss, moved = forward(cache, model, batch)
+        loss.backward()
+        assert len(engine.cancelled) == len(moved)
+        engine.complete_writes()
+        stats = cache.finish_step()
+    assert not engine.blobs and engine.reads == 0 and engine.freed == 0 and cache.ssd.held_bytes == 0
+    assert stats.bytes_write_cancelled == stats.bytes_forwarded == sum(e.nbytes for e in moved)
+    assert stats.bytes_offloaded == 0 and stats.write_fallbacks == 0
+    assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), expected))
+
+
+def test_a_cancelled_write_leaves_a_needed_tensor_in_memory_until_released():
+    """Early need: backward asks for one tensor before its write completed; its write is
+    cancelled and it stays in memory (LOADED) until backward releases it, while the other
+    tensors' writes land and are read back."""
+    engine = ScriptedEngine()
+    engine.cancellable = True
+    model, batch = model_and_batch()
+    expected = reference_grads(model, batch)
+    with make_cache(engine, model) as cache:
+        loss, moved = forward(cache, model, batch)
+        first = moved[0]
+        data = cache.entries.needed(first)
+        assert len(engine.cancelled) == 1
+        engine.complete_writes()
+        assert first.state is EntryState.LOADED and first.data is data and first.handle is None
+        assert all(e.state is EntryState.ON_DISK for e in moved[1:])
+        loss.backward()
+        stats = cache.finish_step()
+    assert engine.reads == len(moved) - 1 and not engine.blobs and cache.ssd.held_bytes == 0
+    assert stats.bytes_write_cancelled == first.nbytes and stats.write_fallbacks == 0
+    assert stats.bytes_offloaded == stats.bytes_reloaded == sum(e.nbytes for e in moved[1:])
+    assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), expected))
+
+
+def test_a_graph_dropped_before_its_writes_land_cancels_them():
+    engine = ScriptedEngine()
+    engine.cancellable = True
+    model, batch = model_and_batch()
+    with make_cache(engine, model) as cache:
+        loss, moved = forward(cache, model, batch)
+        del loss
+        assert len(engine.cancelled) == len(moved)
+        engine.complete_writes()
+        stats = cache.finish_step()
+        assert cache.open_records == [] and cache.resident_bytes == 0
+    assert not engine.blobs and engine.freed == 0
+    assert stats.bytes_write_cancelled == sum(e.nbytes for e in moved) and stats.bytes_offloaded == 0
