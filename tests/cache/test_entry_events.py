@@ -26,6 +26,16 @@ def reference_grads(model, batch):
     return [p.grad for p in ref.parameters()]
 
 
+def scripted(**flags):
+    """A scripted engine with ``flags`` set, a model, its batch and the gradients of
+    training it without the cache."""
+    engine = ScriptedEngine()
+    for name, value in flags.items():
+        setattr(engine, name, value)
+    model, batch = model_and_batch()
+    return engine, model, batch, reference_grads(model, batch)
+
+
 def make_cache(engine: ScriptedEngine, model) -> TensorCache:
     cache = TensorCache(OffloadConfig(paths=["/unused"], min_tensor_bytes=1024, return_freed_pages=False),
                         engine=engine)
@@ -48,9 +58,7 @@ def forward(cache, model, batch):
 
 def test_write_then_read_back_in_order():
     """Writes complete in forward; backward reads every tensor back; all blobs freed."""
-    engine = ScriptedEngine()
-    model, batch = model_and_batch()
-    expected = reference_grads(model, batch)
+    engine, model, batch, expected = scripted()
     with make_cache(engine, model) as cache:
         loss, moved = forward(cache, model, batch)
         assert moved and all(e.state is EntryState.WRITING for e in moved)
@@ -68,9 +76,7 @@ def test_write_then_read_back_in_order():
 def test_a_write_still_in_flight_when_backward_needs_it_is_served_from_memory():
     """Late write: backward runs before any write completed; nothing is read, every
     tensor is forwarded, and the blobs are freed as their writes complete."""
-    engine = ScriptedEngine()
-    model, batch = model_and_batch()
-    expected = reference_grads(model, batch)
+    engine, model, batch, expected = scripted()
     with make_cache(engine, model) as cache:
         loss, moved = forward(cache, model, batch)
         loss.backward()
@@ -95,9 +101,7 @@ def test_a_failed_read_raises_naming_the_layer():
 
 
 def test_a_failed_write_keeps_the_tensor_and_training_is_unchanged():
-    engine = ScriptedEngine()
-    model, batch = model_and_batch()
-    expected = reference_grads(model, batch)
+    engine, model, batch, expected = scripted()
     with make_cache(engine, model) as cache:
         loss, moved = forward(cache, model, batch)
         engine.fail_writes()
@@ -109,10 +113,7 @@ def test_a_failed_write_keeps_the_tensor_and_training_is_unchanged():
 
 
 def test_a_refused_write_keeps_the_tensor():
-    engine = ScriptedEngine()
-    engine.refuse = True
-    model, batch = model_and_batch()
-    expected = reference_grads(model, batch)
+    engine, model, batch, expected = scripted(refuse=True)
     with make_cache(engine, model) as cache:
         loss, saved = forward(cache, model, batch)
         assert all(e.placement.value == "keep" for e in saved)
@@ -156,10 +157,7 @@ def test_a_write_still_in_flight_when_backward_needs_it_is_cancelled():
     """NOTE [Cancelled writes]: backward runs before any write completed, so every write
     is cancelled: nothing reaches the store, no write counts as failed, the tensors are
     served from memory and the gradients are unchanged."""
-    engine = ScriptedEngine()
-    engine.cancellable = True
-    model, batch = model_and_batch()
-    expected = reference_grads(model, batch)
+    engine, model, batch, expected = scripted(cancellable=True)
     with make_cache(engine, model) as cache:
         loss, moved = forward(cache, model, batch)
         loss.backward()
@@ -176,10 +174,7 @@ def test_a_cancelled_write_leaves_a_needed_tensor_in_memory_until_released():
     """Early need: backward asks for one tensor before its write completed; its write is
     cancelled and it stays in memory (LOADED) until backward releases it, while the other
     tensors' writes land and are read back."""
-    engine = ScriptedEngine()
-    engine.cancellable = True
-    model, batch = model_and_batch()
-    expected = reference_grads(model, batch)
+    engine, model, batch, expected = scripted(cancellable=True)
     with make_cache(engine, model) as cache:
         loss, moved = forward(cache, model, batch)
         first = moved[0]
