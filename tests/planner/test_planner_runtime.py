@@ -257,6 +257,7 @@ def test_rok_json_schema(tmp_path):
         assert p["rss_base_bytes"] > 0 and p["allocator_peak_bytes"] > 0
     by = {p["placement"]: p for p in data["points"]}
     assert by["keep"]["bytes_written"] == 0 and by["offload-all"]["bytes_written"] > 0
+    assert by["keep"]["bytes_write_cancelled"] == 0 and by["offload-all"]["bytes_write_cancelled"] >= 0
     assert by["offload-all"]["peak_activation_bytes"] < by["keep"]["peak_activation_bytes"]
     assert by["recompute"]["peak_activation_bytes"] < by["keep"]["peak_activation_bytes"]
     # keep-last: the last keep_last_layers (1 of 2) kept, the other offloaded, predicted like the others
