@@ -4,7 +4,7 @@ Subcommands::
 
     megatron-ssd train --config configs/gpt-tiny.yaml [key=value ...] [--json PATH] [--allow-short] [--tensorboard-dir DIR]
     megatron-ssd plan --config configs/gpt-ref-cpu.yaml [--json PATH]
-    megatron-ssd rok --config configs/gpt-ref-cpu.yaml [--json PATH] [--plot PATH] [--rounds N] [--placements A,B] [--budgets F,F] [--paired N] [--throttle RATE]
+    megatron-ssd rok --config configs/gpt-ref-cpu.yaml [--json PATH] [--plot PATH] [--rounds N] [--placements A,B] [--budgets F,F] [--keep-last N,N] [--paired N] [--throttle RATE]
     megatron-ssd simulate model=gpt-1.3b ssd_count=4 [key=value ...]
     megatron-ssd bench-io PATH [PATH ...]
     megatron-ssd clean [PATH ...]
@@ -30,6 +30,14 @@ def _add_config_args(p: argparse.ArgumentParser, default: Optional[str]) -> None
     p.add_argument("--config", default=default, help="YAML preset (see configs/)")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="override a config field, e.g. steps=10")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+
+
+def _int_list(value: str) -> List[int]:
+    """``"1,3,5"`` -> ``[1, 3, 5]``; argparse turns the error into one usage line."""
+    try:
+        return [int(x) for x in value.split(",") if x]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r}: must be whole numbers separated by commas, e.g. 1,3,5") from None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -64,6 +72,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "and needs keep")
     p.add_argument("--budgets", metavar="F,F", type=lambda v: [float(x) for x in v.split(",") if x], default=[0.5],
                    help="the budget placement's fractions of keep's peak, one point each (default 0.5)")
+    p.add_argument("--keep-last", metavar="N,N", type=_int_list, default=[],
+                   help="run keep-last once per number of kept last layers, one point keep-last-N each "
+                        "(default: once, with offload.keep_last_layers)")
     p.add_argument("--paired", type=int, default=0, metavar="N",
                    help="add N pairs of back-to-back keep / placement steps to the run of every placement but "
                         "keep, budgets included: step-time ratios that the machine's drift cancels out of "
@@ -121,7 +132,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 
             return run_rok(args.config, args.overrides, json_path=args.json, plot_path=args.plot,
                            rounds=args.rounds, placements=args.placements, paired=args.paired,
-                           throttle=args.throttle, budgets=args.budgets)
+                           throttle=args.throttle, budgets=args.budgets, keep_last=args.keep_last)
         if args.command == "simulate":
             from .simulate import run_simulate
 

@@ -55,6 +55,10 @@ PLACEMENTS: Dict[str, List[str]] = {
 the last ``offload.keep_last_layers`` layers and offloads the others (SSDTrain's static
 choice)."""
 
+KEEP_LAST = "keep-last"
+"""With ``--keep-last N,N``, the ``keep-last`` placement runs once per N (one point
+``keep-last-<N>`` each): SSDTrain's static choice as a curve, not one arbitrary N."""
+
 BUDGET = "budget"
 """The ``rok`` placement that runs the planner with memory budgets (fractions of keep's
 peak; one point ``budget-<bytes>`` each). It needs ``keep``, which measures that peak."""
@@ -151,14 +155,16 @@ def add_ratios(points: List[Dict[str, Any]]) -> None:
 
 def rok_points(config_path: Optional[str], overrides: Sequence[str], budgets: Sequence[float] = (0.5,),
                rounds: int = 1, placements: Optional[Sequence[str]] = None,
-               paired: int = 0) -> List[Dict[str, Any]]:
+               paired: int = 0, keep_last: Sequence[int] = ()) -> List[Dict[str, Any]]:
     """Measure keep, recompute, offload-all, the planner, and planner budgets (fractions of
     keep's peak), each in a fresh process.
 
     With ``rounds > 1`` the whole sequence runs that many times, interleaved (keep,
     recompute, ..., keep, recompute, ...), and each point pools its rounds
     (NOTE [Pooled rounds]). ``placements`` restricts the fixed placements (default: all);
-    budgets need ``keep`` among them. ``paired`` adds that many pairs of steps to the run
+    budgets need ``keep`` among them. ``keep_last`` runs ``keep-last`` once per count of
+    kept layers (points ``keep-last-<N>``) instead of once with the configuration's
+    ``offload.keep_last_layers``. ``paired`` adds that many pairs of steps to the run
     of every placement but keep, budgets included (NOTE [Paired steps]), pooled over
     rounds into each point's ``paired_x_keep``.
     """
@@ -174,13 +180,19 @@ def rok_points(config_path: Optional[str], overrides: Sequence[str], budgets: Se
     if BUDGET not in names or not budgets:
         budgets = ()
     names = [n for n in names if n != BUDGET]
+    keep_last = _check_keep_last(config_path, overrides, names, keep_last)
     if rounds < 1:
         raise ConfigError(f"rok: rounds = {rounds}: must be >= 1")
     if paired < 0 or (paired and names == ["keep"] and not budgets):
         raise ConfigError(f"rok: paired = {paired}: must be >= 0, and > 0 only with a placement other than keep "
                           "(pairs compare it with keep)")
     pairs = [f"paired_steps={paired}"] if paired else []
-    per_placement = {name: pairs for name in names if name != "keep"}
+    selected = {name: [*PLACEMENTS[name], *(pairs if name != "keep" else [])] for name in names}
+    if keep_last:  # one keep-last point per count, where keep-last stood in the order
+        at = names.index(KEEP_LAST)
+        names[at:at + 1] = [f"{KEEP_LAST}-{n}" for n in keep_last]
+        selected.update({f"{KEEP_LAST}-{n}": [*PLACEMENTS[KEEP_LAST], f"offload.keep_last_layers={n}", *pairs]
+                         for n in keep_last})
     _check_measurable(config_path, overrides, [*(n for n in names if n != BUDGET), *([BUDGET] if budgets else [])])
     runs: Dict[str, List[Dict[str, Any]]] = {}
     infeasible: Dict[str, str] = {}
@@ -188,8 +200,7 @@ def rok_points(config_path: Optional[str], overrides: Sequence[str], budgets: Se
     for r in range(rounds):
         print(f"-- round {r + 1} of {rounds}", flush=True)
         for name in names:
-            runs.setdefault(name, []).append(
-                _train_in_subprocess(config_path, [*overrides, *PLACEMENTS[name], *per_placement.get(name, [])]))
+            runs.setdefault(name, []).append(_train_in_subprocess(config_path, [*overrides, *selected[name]]))
         if r == 0:
             keep_peak = runs["keep"][0]["phases"][-1]["peak_activation_bytes"] if budgets else 0
             for fraction in budgets:
@@ -211,9 +222,89 @@ def rok_points(config_path: Optional[str], overrides: Sequence[str], budgets: Se
             points.append({"placement": name, "infeasible": infeasible[name]})
         else:
             points.append(_point(name, runs[name]))
+    for p in points:
+        if p["placement"].startswith(KEEP_LAST) and p["placement"] in runs:
+            p["keep_last_layers"] = runs[p["placement"]][0]["config"]["offload"]["keep_last_layers"]
     add_ratios(points)
     add_predictions(points, {name: rs[0] for name, rs in runs.items()})
+    add_dominance(points)
     return points
+
+
+# NOTE [Dominance]: a planner point dominates a fixed placement when it holds less memory
+# at no more step time. Memory is the allocator's peak of live tensor bytes (the ROK
+# plot's axis, NOTE [Independent memory] in train.py), or RSS above the pre-forward level
+# when a point has no allocator peak; the cache's own count and RSS are recorded beside
+# it. Step time is the paired ratio to keep when both points have pairs (NOTE [Paired
+# steps]: each ratio is taken against keep steps seconds apart, the drift of minutes
+# cancels), else the fresh-process ratio. Medians are compared; each entry keeps both
+# points' 95% intervals, so a reader can see whether the margin is beyond noise.
+FIXED = ("recompute", "offload-all", KEEP_LAST)
+"""The fixed placements a planner point is compared with (``keep-last`` by prefix)."""
+
+
+def _is_fixed(name: str) -> bool:
+    return name in FIXED[:2] or name.startswith(KEEP_LAST)
+
+
+def _is_planned(name: str) -> bool:
+    return name == "planner" or name.startswith(BUDGET + "-")
+
+
+def _memory(p: Dict[str, Any]) -> tuple:
+    if p.get("allocator_peak_bytes") is not None:
+        return "live", p["allocator_peak_bytes"]
+    return "rss_above_base", p.get("peak_rss_above_base_bytes")
+
+
+def add_dominance(points: List[Dict[str, Any]]) -> None:
+    """Compare each planner point (``planner``, ``budget-*``) with each fixed placement
+    measured beside it (NOTE [Dominance]): ``p["dominance"]`` has one entry per fixed
+    point, and ``p["dominates"]`` names those it holds less memory than at no more step
+    time."""
+    fixed = [q for q in points if _is_fixed(q["placement"]) and "x_keep" in q]
+    for p in points:
+        if not _is_planned(p["placement"]) or "x_keep" not in p:
+            continue
+        entries = []
+        for q in fixed:
+            (kind, mem_p), (kind_q, mem_q) = _memory(p), _memory(q)
+            if kind != kind_q or not mem_p or not mem_q:
+                continue
+            paired = "paired_x_keep" in p and "paired_x_keep" in q
+            key = "paired_x_keep" if paired else "x_keep"
+            interval = "paired_x_keep_ci95" if paired else "x_keep_ci95"
+            entries.append({
+                "over": q["placement"],
+                "memory": kind,
+                "memory_ratio": mem_p / mem_q,
+                "cache_ratio": p["peak_activation_bytes"] / q["peak_activation_bytes"],
+                "rss_ratio": _ratio(p.get("peak_rss_above_base_bytes"), q.get("peak_rss_above_base_bytes")),
+                "time": "paired" if paired else "fresh",
+                "time_ratio": p[key] / q[key],
+                "x_keep": [p[key], q[key]],
+                "x_keep_ci95": [p.get(interval), q.get(interval)],
+                "dominates": mem_p < mem_q and p[key] <= q[key],
+            })
+        p["dominance"] = entries
+        p["dominates"] = [e["over"] for e in entries if e["dominates"]]
+
+
+def _ratio(a: Optional[int], b: Optional[int]) -> Optional[float]:
+    return a / b if a and b else None
+
+
+def format_dominance(points: Sequence[Dict[str, Any]]) -> str:
+    """One line per planner point and fixed placement: memory and step-time ratios, and
+    whether the planner point dominates (NOTE [Dominance])."""
+    lines = []
+    for p in points:
+        for e in p.get("dominance", []):
+            verdict = "dominates" if e["dominates"] else (
+                "less memory, more time" if e["memory_ratio"] < 1 else "more memory")
+            lines.append(f"{p['placement']} vs {e['over']}: {e['memory']} memory {e['memory_ratio']:.2f}x, "
+                         f"step {e['time_ratio']:.3f}x ({e['time']}): {verdict}")
+    return "\n".join(lines)
 
 
 def _check_measurable(config_path: Optional[str], overrides: Sequence[str], names: Sequence[str]) -> None:
@@ -221,11 +312,29 @@ def _check_measurable(config_path: Optional[str], overrides: Sequence[str], name
 
     for name in dict.fromkeys(names):
         # a budget's run profiles RECOMPUTE too (NOTE [Pricing recompute]); any budget selects it
-        selected = PLACEMENTS.get(name, ["offload.planner.mode=auto", "offload.planner.memory_budget=1"])
+        base = KEEP_LAST if name.startswith(KEEP_LAST) else name
+        selected = PLACEMENTS.get(base, ["offload.planner.mode=auto", "offload.planner.memory_budget=1"])
         config = load_config(TrainConfig, config_path, [*overrides, *selected, "baseline_steps=0"])
         problems = short_run_problems(config)
         if problems:
             raise ConfigError(f"rok: placement {name!r}: {'; '.join(problems)}")
+
+
+def _check_keep_last(config_path: Optional[str], overrides: Sequence[str], names: Sequence[str],
+                     keep_last: Sequence[int]) -> List[int]:
+    """The ``--keep-last`` counts, checked: distinct integers from 0 (every layer offloaded)
+    to one below the model's layer count (all kept is ``keep``), and ``keep-last`` selected."""
+    counts = list(keep_last)
+    if not counts:
+        return counts
+    if KEEP_LAST not in names:
+        raise ConfigError(f"rok: keep_last = {counts}: needs {KEEP_LAST!r} among the placements {list(names)}")
+    layers = load_config(TrainConfig, config_path, overrides).model.num_layers
+    bad = [n for n in counts if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n < layers]
+    if bad or len(set(counts)) != len(counts):
+        raise ConfigError(f"rok: keep_last = {counts}: each must be a distinct number of kept layers from 0 to "
+                          f"{layers - 1} (model.num_layers = {layers}; keeping all is the 'keep' placement)")
+    return counts
 
 
 def add_predictions(points: List[Dict[str, Any]], reports: Dict[str, Dict[str, Any]]) -> None:
@@ -249,8 +358,8 @@ def add_predictions(points: List[Dict[str, Any]], reports: Dict[str, Dict[str, A
             continue
         mbs = report["config"]["num_microbatches"]
         depth = report["config"]["offload"]["prefetch_layers"]
-        if p["placement"] == "keep-last":
-            fixed["keep-last"] = stage.fixed(Placement.OFFLOAD, report["config"]["offload"]["keep_last_layers"])
+        if p["placement"].startswith(KEEP_LAST):
+            fixed[p["placement"]] = stage.fixed(Placement.OFFLOAD, report["config"]["offload"]["keep_last_layers"])
         if p["placement"] in fixed:
             t = predict(stage, fixed[p["placement"]], prefetch_depth=depth)
             p["predicted_exposed_s"] = t.exposed_s
@@ -306,6 +415,13 @@ def plot_rok(points: Sequence[Dict[str, Any]], path: str, title: str = "") -> No
         mark(x, p["peak_activation_bytes"], "cache's own count", s=30, marker="x", color=color)
         anchor = main if main is not None else p.get("independent_peak_bytes") or p["peak_activation_bytes"]
         ax.annotate(p["placement"], (x, anchor / MiB), textcoords="offset points", xytext=(6, 4), fontsize=9)
+    for label, group in (("keep the last N (live)", [q for q in points if q["placement"].startswith(KEEP_LAST)]),
+                         ("planner budgets (live)", [q for q in points if q["placement"].startswith(BUDGET + "-")])):
+        line = sorted((q["median_step_s"], q["allocator_peak_bytes"] / MiB) for q in group
+                      if "median_step_s" in q and q.get("allocator_peak_bytes") is not None)
+        if len(line) > 1:  # a curve: the same rule at several settings
+            ax.plot(*zip(*line), linestyle="--" if label.startswith("keep") else "-", color="0.5", linewidth=1,
+                    label=label)
     ax.legend(fontsize=8)
     ax.set_xlabel("median step time (s)")
     ax.set_ylabel("peak memory above the pre-forward level (MiB)")
@@ -348,7 +464,8 @@ def _mib(n: Optional[int]) -> str:
 
 def run_rok(config_path: Optional[str], overrides: Sequence[str], json_path: Optional[str] = None,
             plot_path: Optional[str] = None, rounds: int = 1, placements: Optional[Sequence[str]] = None,
-            paired: int = 0, throttle: Optional[str] = None, budgets: Sequence[float] = (0.5,)) -> int:
+            paired: int = 0, throttle: Optional[str] = None, budgets: Sequence[float] = (0.5,),
+            keep_last: Sequence[int] = ()) -> int:
     """``megatron-ssd rok``: the measured recompute-offload-keep curve; with ``throttle``
     (a rate such as ``250MiB``), every placement runs with the offload disk throttled to
     it (NOTE [blkio throttle])."""
@@ -356,8 +473,11 @@ def run_rok(config_path: Optional[str], overrides: Sequence[str], json_path: Opt
     limit = None if throttle is None else _throttle_for(config, throttle)
     with limit.applied() if limit is not None else contextlib.nullcontext():  # placements inherit the group
         points = rok_points(config_path, overrides, budgets=budgets, rounds=rounds, placements=placements,
-                            paired=paired)
+                            paired=paired, keep_last=keep_last)
     print(format_rok(points))
+    dominance = format_dominance(points)
+    if dominance:
+        print(dominance)
     for p in points:
         if "paired_x_keep" in p:
             lo, hi = p["paired_x_keep_ci95"]
