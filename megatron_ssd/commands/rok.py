@@ -22,6 +22,7 @@ from ..io.throttle import BlkioThrottle, blkio_available, parse_rate
 from ..planner.profile import StageProfile
 from ..planner.timeline import predict
 from ..units import MiB
+from .dominance import BUDGET, KEEP_LAST, add_dominance, format_dominance
 from .output import machine_info, write_json
 from .steps import short_run_problems
 
@@ -55,13 +56,6 @@ PLACEMENTS: Dict[str, List[str]] = {
 the last ``offload.keep_last_layers`` layers and offloads the others (SSDTrain's static
 choice)."""
 
-KEEP_LAST = "keep-last"
-"""With ``--keep-last N,N``, the ``keep-last`` placement runs once per N (one point
-``keep-last-<N>`` each): SSDTrain's static choice as a curve, not one arbitrary N."""
-
-BUDGET = "budget"
-"""The ``rok`` placement that runs the planner with memory budgets (fractions of keep's
-peak; one point ``budget-<bytes>`` each). It needs ``keep``, which measures that peak."""
 
 
 def _point(placement: str, reports: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
@@ -229,82 +223,6 @@ def rok_points(config_path: Optional[str], overrides: Sequence[str], budgets: Se
     add_predictions(points, {name: rs[0] for name, rs in runs.items()})
     add_dominance(points)
     return points
-
-
-# NOTE [Dominance]: a planner point dominates a fixed placement when it holds less memory
-# at no more step time. Memory is the allocator's peak of live tensor bytes (the ROK
-# plot's axis, NOTE [Independent memory] in train.py), or RSS above the pre-forward level
-# when a point has no allocator peak; the cache's own count and RSS are recorded beside
-# it. Step time is the paired ratio to keep when both points have pairs (NOTE [Paired
-# steps]: each ratio is taken against keep steps seconds apart, the drift of minutes
-# cancels), else the fresh-process ratio. Medians are compared; each entry keeps both
-# points' 95% intervals, so a reader can see whether the margin is beyond noise.
-FIXED = ("recompute", "offload-all", KEEP_LAST)
-"""The fixed placements a planner point is compared with (``keep-last`` by prefix)."""
-
-
-def _is_fixed(name: str) -> bool:
-    return name in FIXED[:2] or name.startswith(KEEP_LAST)
-
-
-def _is_planned(name: str) -> bool:
-    return name == "planner" or name.startswith(BUDGET + "-")
-
-
-def _memory(p: Dict[str, Any]) -> tuple:
-    if p.get("allocator_peak_bytes") is not None:
-        return "live", p["allocator_peak_bytes"]
-    return "rss_above_base", p.get("peak_rss_above_base_bytes")
-
-
-def add_dominance(points: List[Dict[str, Any]]) -> None:
-    """Compare each planner point (``planner``, ``budget-*``) with each fixed placement
-    measured beside it (NOTE [Dominance]): ``p["dominance"]`` has one entry per fixed
-    point, and ``p["dominates"]`` names those it holds less memory than at no more step
-    time."""
-    fixed = [q for q in points if _is_fixed(q["placement"]) and "x_keep" in q]
-    for p in points:
-        if not _is_planned(p["placement"]) or "x_keep" not in p:
-            continue
-        entries = []
-        for q in fixed:
-            (kind, mem_p), (kind_q, mem_q) = _memory(p), _memory(q)
-            if kind != kind_q or not mem_p or not mem_q:
-                continue
-            paired = "paired_x_keep" in p and "paired_x_keep" in q
-            key = "paired_x_keep" if paired else "x_keep"
-            interval = "paired_x_keep_ci95" if paired else "x_keep_ci95"
-            entries.append({
-                "over": q["placement"],
-                "memory": kind,
-                "memory_ratio": mem_p / mem_q,
-                "cache_ratio": p["peak_activation_bytes"] / q["peak_activation_bytes"],
-                "rss_ratio": _ratio(p.get("peak_rss_above_base_bytes"), q.get("peak_rss_above_base_bytes")),
-                "time": "paired" if paired else "fresh",
-                "time_ratio": p[key] / q[key],
-                "x_keep": [p[key], q[key]],
-                "x_keep_ci95": [p.get(interval), q.get(interval)],
-                "dominates": mem_p < mem_q and p[key] <= q[key],
-            })
-        p["dominance"] = entries
-        p["dominates"] = [e["over"] for e in entries if e["dominates"]]
-
-
-def _ratio(a: Optional[int], b: Optional[int]) -> Optional[float]:
-    return a / b if a and b else None
-
-
-def format_dominance(points: Sequence[Dict[str, Any]]) -> str:
-    """One line per planner point and fixed placement: memory and step-time ratios, and
-    whether the planner point dominates (NOTE [Dominance])."""
-    lines = []
-    for p in points:
-        for e in p.get("dominance", []):
-            verdict = "dominates" if e["dominates"] else (
-                "less memory, more time" if e["memory_ratio"] < 1 else "more memory")
-            lines.append(f"{p['placement']} vs {e['over']}: {e['memory']} memory {e['memory_ratio']:.2f}x, "
-                         f"step {e['time_ratio']:.3f}x ({e['time']}): {verdict}")
-    return "\n".join(lines)
 
 
 def _check_measurable(config_path: Optional[str], overrides: Sequence[str], names: Sequence[str]) -> None:

@@ -1,5 +1,5 @@
 """``rok --keep-last N,N`` (keep-last as a curve) and the dominance of planner points
-over the fixed placements (NOTE [Dominance] in ``megatron_ssd/commands/rok.py``)."""
+over the fixed placements (NOTE [Dominance] in ``megatron_ssd/commands/dominance.py``)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ import sys
 
 import pytest
 
-from megatron_ssd.commands.rok import add_dominance, format_dominance, rok_points
+from megatron_ssd.commands.dominance import add_dominance, format_dominance
+from megatron_ssd.commands.rok import rok_points
 from megatron_ssd.errors import ConfigError
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
