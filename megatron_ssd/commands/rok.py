@@ -57,7 +57,6 @@ the last ``offload.keep_last_layers`` layers and offloads the others (SSDTrain's
 choice)."""
 
 
-
 def _point(placement: str, reports: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
     """One ROK point from the reports of its runs (one per round).
 
@@ -187,7 +186,10 @@ def rok_points(config_path: Optional[str], overrides: Sequence[str], budgets: Se
         names[at:at + 1] = [f"{KEEP_LAST}-{n}" for n in keep_last]
         selected.update({f"{KEEP_LAST}-{n}": [*PLACEMENTS[KEEP_LAST], f"offload.keep_last_layers={n}", *pairs]
                          for n in keep_last})
-    _check_measurable(config_path, overrides, [*(n for n in names if n != BUDGET), *([BUDGET] if budgets else [])])
+    checks = dict(selected)
+    if budgets:  # a budget's run profiles RECOMPUTE too (NOTE [Pricing recompute]); any budget selects it
+        checks[BUDGET] = ["offload.planner.mode=auto", "offload.planner.memory_budget=1"]
+    _check_measurable(config_path, overrides, checks)
     runs: Dict[str, List[Dict[str, Any]]] = {}
     infeasible: Dict[str, str] = {}
     extra_runs: List[tuple] = []
@@ -225,14 +227,12 @@ def rok_points(config_path: Optional[str], overrides: Sequence[str], budgets: Se
     return points
 
 
-def _check_measurable(config_path: Optional[str], overrides: Sequence[str], names: Sequence[str]) -> None:
-    """Refuse, before any run, a placement whose run would measure no step (NOTE [Step kinds])."""
+def _check_measurable(config_path: Optional[str], overrides: Sequence[str], selected: Dict[str, List[str]]) -> None:
+    """Refuse, before any run, a placement whose run would measure no step (NOTE [Step kinds]);
+    ``selected`` maps each placement to the overrides its run adds."""
 
-    for name in dict.fromkeys(names):
-        # a budget's run profiles RECOMPUTE too (NOTE [Pricing recompute]); any budget selects it
-        base = KEEP_LAST if name.startswith(KEEP_LAST) else name
-        selected = PLACEMENTS.get(base, ["offload.planner.mode=auto", "offload.planner.memory_budget=1"])
-        config = load_config(TrainConfig, config_path, [*overrides, *selected, "baseline_steps=0"])
+    for name, extra in selected.items():
+        config = load_config(TrainConfig, config_path, [*overrides, *extra, "baseline_steps=0"])
         problems = short_run_problems(config)
         if problems:
             raise ConfigError(f"rok: placement {name!r}: {'; '.join(problems)}")
@@ -333,13 +333,13 @@ def plot_rok(points: Sequence[Dict[str, Any]], path: str, title: str = "") -> No
         mark(x, p["peak_activation_bytes"], "cache's own count", s=30, marker="x", color=color)
         anchor = main if main is not None else p.get("independent_peak_bytes") or p["peak_activation_bytes"]
         ax.annotate(p["placement"], (x, anchor / MiB), textcoords="offset points", xytext=(6, 4), fontsize=9)
-    for label, group in (("keep the last N (live)", [q for q in points if q["placement"].startswith(KEEP_LAST)]),
-                         ("planner budgets (live)", [q for q in points if q["placement"].startswith(BUDGET + "-")])):
-        line = sorted((q["median_step_s"], q["allocator_peak_bytes"] / MiB) for q in group
-                      if "median_step_s" in q and q.get("allocator_peak_bytes") is not None)
+    curves = (("keep the last N (live)", KEEP_LAST, "--"), ("planner budgets (live)", BUDGET + "-", "-"))
+    for label, prefix, style in curves:
+        line = sorted((q["median_step_s"], q["allocator_peak_bytes"] / MiB) for q in points
+                      if q["placement"].startswith(prefix) and "median_step_s" in q
+                      and q.get("allocator_peak_bytes") is not None)
         if len(line) > 1:  # a curve: the same rule at several settings
-            ax.plot(*zip(*line), linestyle="--" if label.startswith("keep") else "-", color="0.5", linewidth=1,
-                    label=label)
+            ax.plot(*zip(*line), linestyle=style, color="0.5", linewidth=1, label=label)
     ax.legend(fontsize=8)
     ax.set_xlabel("median step time (s)")
     ax.set_ylabel("peak memory above the pre-forward level (MiB)")
