@@ -180,7 +180,8 @@ def test_dedup_writes_shared_storage_once(offload_dir):
         y.backward()
         stats = cache.finish_step()
     storage = h.numel() * 4
-    assert stats.bytes_offloaded == storage  # one write for four saves
+    # one write for four saves (cancelled if backward used the tensor before it landed, NOTE [Cancelled writes])
+    assert stats.bytes_offloaded + stats.bytes_write_cancelled == storage
     assert stats.bytes_deduplicated == 3 * storage
     expected = 8 * x.detach()
     expected[:10] *= 2

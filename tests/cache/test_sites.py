@@ -50,8 +50,10 @@ def test_sites_are_numbered_stably_and_a_plan_moves_only_its_prefix(offload_dir)
     assert {i: split.layers[i].site_bytes for i in range(4)} == sites  # the same numbering next step
     moved = {i: split.layers[i].offloaded_bytes for i in range(4)}
     assert moved == {0: 0, 1: sum(sites[1][:2]), 2: sum(sites[2]), 3: 0}
-    assert split.bytes_offloaded == moved[1] + moved[2]
-    assert split.bytes_reloaded + split.bytes_forwarded == split.bytes_offloaded  # read back, or still in memory
+    # each moved byte was written, or its write was cancelled because backward used it from
+    # memory first (NOTE [Cancelled writes]; on a loaded machine backward can get there first)
+    assert split.bytes_offloaded + split.bytes_write_cancelled == moved[1] + moved[2]
+    assert split.bytes_reloaded + split.bytes_forwarded == moved[1] + moved[2]  # read back, or still in memory
     for microbatches in batches:
         for batch in microbatches:
             reference(batch).backward()
