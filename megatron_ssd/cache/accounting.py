@@ -67,6 +67,7 @@ class StepAccountingMixin:
                 bytes_returned=c.bytes_returned,
                 heap_trim_s=c.heap_trim_s,
                 bytes_write_cancelled=c.bytes_write_cancelled,
+                bytes_discarded=c.bytes_discarded,
             )
             self._engine_base = es
             self._step += 1

@@ -32,7 +32,7 @@ import logging
 import threading
 import time
 from functools import partial
-from typing import Any, Dict, Hashable, Mapping, Optional, Set, Tuple
+from typing import Any, Dict, Hashable, List, Mapping, Optional, Set, Tuple
 
 import torch
 
@@ -182,8 +182,9 @@ class EntryTable:
         return entry
 
     def _set_data(self, entry: Entry, data: Optional[torch.Tensor]) -> None:
-        old = entry.nbytes if entry.data is not None else 0
-        new = entry.nbytes if data is not None else 0
+        counted = not entry.discarded  # NOTE [Discarded storages]: the owner holds those bytes
+        old = entry.nbytes if entry.data is not None and counted else 0
+        new = entry.nbytes if data is not None and counted else 0
         entry.data = data
         self.resident += new - old
         if self.resident > self.counters.peak_resident_bytes:
@@ -269,6 +270,65 @@ class EntryTable:
             pending = list(self._writes) + list(self._reads)
         for future in pending:
             future.wait_settled()  # its callback records a failure and frees what it leaves
+
+    # ------------------------------------------------------------------ discarded storages
+
+    # NOTE [Discarded storages]
+    # megatron-core's selective recompute with output discarding (``CheckpointWithoutOutput``:
+    # recompute_modules ``layernorm``, ``moe_act``, ``mla_up_proj``) runs a module without
+    # saving its inputs, lets the next op save the module's output for backward, then frees
+    # that output's storage with ``untyped_storage().resize_(0)`` and, just before backward
+    # needs it, recomputes the module and refills the same storage object in place. The
+    # cache has by then packed that output like any saved tensor, and a write of it may be
+    # queued: freed under the write, its bytes would be a reused block's (on a GPU: another
+    # tensor's, with a matching checksum) and the gradients silently wrong. So the owner
+    # tells the cache first (``TensorCache.storage_discarded``): every entry of that storage
+    # has its write cancelled and waited for (nothing reads the storage once the call
+    # returns), loses its disk copy, and from then on is served by reference to the storage
+    # object, which the owner refills before backward unpacks it: KEEP, with its bytes not
+    # counted as resident (the owner frees them until it recomputes them).
+
+    def discard_storage(self, cdata: int) -> List[IOFuture]:
+        """Entries of the storage ``cdata`` (its ``_cdata``) are about to be freed by their
+        owner (NOTE [Discarded storages]): cancel their writes; the writes in flight,
+        to wait for before :meth:`serve_by_reference`."""
+        pending = []
+        with self.lock:
+            for entry in self._entries_of_storage(cdata):
+                entry.discarded = True
+                if entry.write_future is not None:
+                    self._cancel_write(entry)
+                    pending.append(entry.write_future)
+        return pending
+
+    def serve_by_reference(self, cdata: int, data: torch.Tensor) -> int:
+        """After :meth:`discard_storage`'s writes settled: the entries of ``cdata`` keep
+        ``data`` (a byte view of the storage object) and no disk copy; their bytes."""
+        moved = 0
+        with self.lock:
+            for entry in self._entries_of_storage(cdata):
+                if entry.data is not None:
+                    entry.discarded = False
+                    self._set_data(entry, None)  # uncount what the cache counted
+                    entry.discarded = True
+                self._free_disk(entry)
+                entry.placement = Placement.KEEP
+                entry.state = EntryState.RESIDENT
+                entry.releasable = False
+                entry.data = data
+                moved += entry.nbytes
+            self.counters.bytes_discarded += moved
+        return moved
+
+    def _entries_of_storage(self, cdata: int) -> List[Entry]:
+        """Live entries of the open records whose storage is ``cdata``. Caller holds the lock."""
+        found = []
+        for record in self.records.values():
+            for key, entry in record.entries.items():
+                if key[0] == cdata and entry.state is not EntryState.RELEASED and not (
+                        entry.weak is not None and entry.weak.expired()):
+                    found.append(entry)
+        return found
 
     # ------------------------------------------------------------------ reads
 

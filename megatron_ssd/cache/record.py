@@ -95,6 +95,9 @@ class Entry:
     """Its position among the offloadable storages its layer saved in this record, from 0
     in save order (NOTE [Sites] in ``planner/profile.py``); None: under
     ``min_tensor_bytes`` or saved outside any layer."""
+    discarded: bool = False
+    """Its owner frees and refills the storage itself (NOTE [Discarded storages] in
+    ``entries.py``): served by reference, its bytes not counted as resident."""
 
 
 @dataclass(eq=False)

@@ -123,6 +123,7 @@ class Counters:
     bytes_returned: int = 0
     heap_trim_s: float = 0.0
     bytes_write_cancelled: int = 0
+    bytes_discarded: int = 0
     microbatches: int = 0
     layers: Dict[Any, LayerCounters] = field(default_factory=dict)
 
@@ -203,6 +204,10 @@ class StepStats:
     """Bytes of offloaded tensors whose write was cancelled before it completed, because
     backward used them from memory or autograd released them first (NOTE [Cancelled
     writes] in ``io/striped.py``); not in ``bytes_offloaded``."""
+    bytes_discarded: int = 0
+    """Bytes of saved tensors whose owner freed and refilled the storage itself (Megatron's
+    output discarding), served by reference instead of moved (NOTE [Discarded storages]
+    in ``cache/entries.py``)."""
 
     def to_dict(self) -> Dict[str, Any]:
         """A JSON-ready dict (layer ids become strings)."""

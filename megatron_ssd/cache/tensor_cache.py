@@ -30,7 +30,7 @@ from ..io.base import Engine, EngineStats
 from .accounting import StepAccountingMixin
 from .entries import EntryTable
 from .exit_guard import EXIT_GUARD
-from .identity import is_plain, restore, storage_key, view_meta
+from .identity import is_plain, restore, storage_bytes, storage_key, view_meta
 from .pages import trim_heap
 from .record import Packed, Record
 from .scopes import ScopeMixin, active_cache
@@ -274,6 +274,23 @@ class TensorCache(ScopeMixin, StepAccountingMixin):
         entry = packed.entry
         data = self.entries.needed(entry, f"tensor {packed.meta.size} {packed.meta.dtype}, layer {entry.layer!r}")
         return restore(data, packed.meta)
+
+    def storage_discarded(self, t: torch.Tensor) -> None:
+        """``t``'s storage is about to be freed by its owner (``untyped_storage().resize_(0)``)
+        and will be refilled in place before backward uses it, as megatron-core's output
+        discarding does (NOTE [Discarded storages] in ``entries.py``).
+
+        Waits for any write of that storage in flight (cancelled where it has not
+        started), drops its disk copy, and serves the saved tensors on it by reference to
+        the storage from then on. Call it before the resize; a storage the cache does not
+        hold is ignored.
+        """
+        if self._closed or self._skippable(t):
+            return
+        cdata = t.untyped_storage()._cdata
+        for future in self.entries.discard_storage(cdata):
+            future.wait_settled()
+        self.entries.serve_by_reference(cdata, storage_bytes(t))
 
     # ------------------------------------------------------------------ backward
 

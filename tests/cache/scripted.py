@@ -2,6 +2,7 @@
 test says, in the order it chooses, never by timing."""
 
 import errno
+import threading
 from typing import List, Optional, Tuple
 
 import torch
@@ -25,7 +26,9 @@ class ScriptedEngine(Engine):
     :meth:`complete_reads` runs. ``refuse`` makes every write return None
     (backpressure). With ``cancellable`` a write can be cancelled until it completes, as
     a blob none of whose blocks started (NOTE [Cancelled writes]): :meth:`complete_writes`
-    then completes it with :class:`WriteCancelled` and stores nothing."""
+    then completes it with :class:`WriteCancelled` and stores nothing; with
+    ``complete_on_cancel`` a cancel also runs :meth:`complete_writes` on a new thread, as
+    an engine's worker finishes a cancelled blob."""
 
     def __init__(self) -> None:
         self.blobs = {}
@@ -35,9 +38,11 @@ class ScriptedEngine(Engine):
         self.held: List[Tuple[IOFuture, SwapHandle, torch.Tensor]] = []
         self.refuse = False
         self.cancellable = False
+        self.complete_on_cancel = False
         self.cancelled = set()  # ids of the pending writes' futures cancelled
         self.freed = 0
         self.reads = 0
+        self._lock = threading.Lock()
         self._next = 0
 
     @property
@@ -51,12 +56,18 @@ class ScriptedEngine(Engine):
         handle = SwapHandle(src.numel(), (Extent(0, self._next, src.numel(), 0),))
         fut: IOFuture = IOFuture(src.numel())
         if self.cancellable:
-            fut.on_cancel(lambda: self.cancelled.add(id(fut)))
+            fut.on_cancel(lambda: self._cancelled(fut))
         self.pending.append((fut, handle, src.clone()))
         return fut
 
+    def _cancelled(self, fut: IOFuture) -> None:
+        self.cancelled.add(id(fut))
+        if self.complete_on_cancel:  # as an engine's worker would: on another thread, never in cancel()
+            threading.Thread(target=self.complete_writes).start()
+
     def complete_writes(self) -> int:
-        done, self.pending = self.pending, []
+        with self._lock:
+            done, self.pending = self.pending, []
         for fut, handle, data in done:
             if id(fut) in self.cancelled:
                 self.cancelled.discard(id(fut))
