@@ -175,7 +175,7 @@ def stage_from_stats(
             fwd.append(_per_mb(lc.forward_s - lc.write_wait_s, n))
             bwd.append(_per_mb(max(lc.backward_s - lc.stall_s, 0.0), n))
             saved.append(_per_mb(lc.saved_bytes, n))
-            small.append(_per_mb(lc.small_bytes, n))
+            small.append(_per_mb(lc.small_bytes + lc.unmovable_bytes, n))  # held whatever the placement
             sites.append([int(_per_mb(b, n)) for b in lc.site_bytes])
             inputs.append(_per_mb(lc.input_bytes, n))
             uses.append(_use_shares(lc, bwd[-1]))
@@ -205,7 +205,8 @@ def stage_from_stats(
     factor = _recompute_factor(recompute_steps or [], layers, per_layer)
     if factor is not None:
         layers = [dataclasses.replace(l, recompute_s=factor * l.forward_s) if l.recomputable else l for l in layers]
-    heads = [_per_mb(s.layers[HEAD].saved_bytes + s.layers[HEAD].small_bytes, s.layers[HEAD].microbatches)
+    heads = [_per_mb(s.layers[HEAD].saved_bytes + s.layers[HEAD].small_bytes + s.layers[HEAD].unmovable_bytes,
+                     s.layers[HEAD].microbatches)
              for s in source if HEAD in s.layers and s.layers[HEAD].microbatches]
     head = int(statistics.median(heads)) if heads else 0
     io = _io_profile(offload_steps, layer_ids, clean_compute if keep_steps else None)

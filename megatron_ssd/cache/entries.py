@@ -40,7 +40,7 @@ from ..config import MOVED, OUTSIDE, OffloadConfig, Placement
 from ..errors import CacheStateError, OffloadIOError, WriteCancelled
 from ..io.base import IOFuture
 from ..io.store import BlobStore
-from .identity import StorageKey, storage_bytes, storage_weakref
+from .identity import held_bytes, is_plain, storage_bytes, storage_weakref
 from .pages import allocator_owned, release_pages
 from .policy import PlacementPolicy
 from .record import Entry, EntryState, Record
@@ -115,17 +115,19 @@ class EntryTable:
 
     # ------------------------------------------------------------------ saved
 
-    def saved(self, record: Record, key: StorageKey, t: torch.Tensor, layer_id: Hashable) -> Tuple[Entry, bool]:
+    def saved(self, record: Record, key: Hashable, t: torch.Tensor, layer_id: Hashable,
+              unmovable: bool = False) -> Tuple[Entry, bool]:
         """``t`` is saved for backward in ``layer_id``: its entry, and whether it is new
         and moves (then call :meth:`write` outside the lock). A storage the record holds
-        already gains a use (NOTE [Dedup identity])."""
+        already gains a use (NOTE [Dedup identity]). An ``unmovable`` tensor (NOTE
+        [Unmovable saved tensors] in ``identity.py``) is held as it is and never moves."""
         with self.lock:
             self.counters.tensors_packed += 1
             entry = self._lookup(record, key)
             if entry is not None:
                 self._add_use(entry, layer_id)
                 return entry, False
-            entry = self._new_entry(record, key, t, layer_id)
+            entry = self._new_entry(record, key, t, layer_id, unmovable)
             return entry, entry.placement in MOVED
 
     def skipped(self) -> None:
@@ -154,22 +156,26 @@ class EntryTable:
                 entry.pinned = True
                 self._cancel_write(entry)
 
-    def _new_entry(self, record: Record, key: Any, t: torch.Tensor, layer_id: Hashable) -> Entry:
-        data = storage_bytes(t)
-        nbytes = data.numel()
+    def _new_entry(self, record: Record, key: Any, t: torch.Tensor, layer_id: Hashable, unmovable: bool) -> Entry:
+        plain = is_plain(t)
+        data = storage_bytes(t) if plain else t  # a subclass is held whole (NOTE [Unmovable saved tensors])
+        nbytes = data.numel() if plain else held_bytes(t)
         site = None
-        if nbytes >= self.config.min_tensor_bytes:
+        if nbytes >= self.config.min_tensor_bytes and not unmovable:
             site = record.sites.get(layer_id, 0)  # NOTE [Sites] in planner/profile.py
             record.sites[layer_id] = site + 1
-        placement = self.policy.tensor(layer_id, site)  # NOTE [One placement policy]
-        entry = Entry(key, nbytes, t.device, layer_id, placement, record, weak=storage_weakref(t), refs=1, site=site)
+        placement = Placement.KEEP if unmovable else self.policy.tensor(layer_id, site)  # NOTE [One placement policy]
+        entry = Entry(key, nbytes, t.device, layer_id, placement, record, weak=storage_weakref(t) if plain else None,
+                      refs=1, site=site)
         entry.releasable = self.return_pages and placement is Placement.OFFLOAD and allocator_owned(t)
         self._set_data(entry, data)
         record.entries[key] = entry
         record.live += 1
         record.add_layer_entry(layer_id, entry)
         lc = self.layer(layer_id)
-        if site is None:
+        if unmovable:
+            lc.unmovable_bytes += nbytes
+        elif site is None:
             lc.small_bytes += nbytes
         else:
             lc.saved_bytes += nbytes

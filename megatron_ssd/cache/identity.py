@@ -13,7 +13,8 @@ from typing import Tuple
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
-__all__ = ["StorageKey", "ViewMeta", "storage_key", "storage_bytes", "view_meta", "restore", "is_plain"]
+__all__ = ["StorageKey", "ViewMeta", "storage_key", "storage_bytes", "view_meta", "restore", "is_plain",
+           "do_not_offload", "held_bytes", "DO_NOT_OFFLOAD_MARKERS"]
 
 
 StorageKey = Tuple[int, int]
@@ -91,3 +92,64 @@ def is_plain(t: torch.Tensor) -> bool:
         and not t.is_conj()
         and not t.is_neg()
     )
+
+
+# NOTE [Unmovable saved tensors]
+# Some saved tensors the cache cannot or must not move, yet they occupy the device's memory
+# between forward and backward like any activation, so the planner's memory model must
+# count them: tensor subclasses (Transformer Engine's Float8Tensor and other quantized
+# tensors, DTensor: their bytes live in inner tensors the cache cannot restore as raw
+# bytes), and tensors their producer marked not to be offloaded (Transformer Engine's
+# ``_TE_do_not_offload``, set by ``mark_not_offload`` on weight casts and quantized
+# data that must stay on the device; megatron-core's ``_do_not_offload``). They get a KEEP
+# entry that holds the tensor itself, no site (they never move, so the sites stay
+# numbered alike step to step), and count in ``LayerCounters.unmovable_bytes`` and in the
+# resident bytes until autograd drops them. Before, they were skipped like parameters and
+# counted as tensors only, so a plan left them out of its peak.
+
+DO_NOT_OFFLOAD_MARKERS = ("_TE_do_not_offload", "_do_not_offload")
+"""Tensor attributes by which a producer asks that a saved tensor stay where it is:
+Transformer Engine's (``mark_not_offload``) and megatron-core's."""
+
+
+def _data_tensors(t: torch.Tensor) -> list:
+    """The tensors holding ``t``'s bytes: Transformer Engine's ``get_data_tensors()``, else
+    the inner tensors of ``__tensor_flatten__`` (DTensor, other wrapper subclasses), else
+    ``t`` itself."""
+    get = getattr(t, "get_data_tensors", None)
+    if callable(get):
+        try:
+            inner = get()
+        except Exception:  # a TE release whose signature differs: fall through
+            inner = None
+        if inner is not None:
+            inner = inner if isinstance(inner, (tuple, list)) else (inner,)
+            return [x for x in inner if isinstance(x, torch.Tensor)]
+    if type(t) is not torch.Tensor and hasattr(t, "__tensor_flatten__"):
+        names, _ = t.__tensor_flatten__()
+        return [x for x in (getattr(t, n, None) for n in names) if isinstance(x, torch.Tensor)]
+    return [t]
+
+
+def do_not_offload(t: torch.Tensor) -> bool:
+    """Whether the producer of ``t`` marked it (or its data tensors) not to be offloaded
+    (NOTE [Unmovable saved tensors])."""
+    if any(getattr(t, m, False) for m in DO_NOT_OFFLOAD_MARKERS):
+        return True
+    if not hasattr(t, "get_data_tensors"):
+        return False
+    return any(x is not t and any(getattr(x, m, False) for m in DO_NOT_OFFLOAD_MARKERS) for x in _data_tensors(t))
+
+
+def held_bytes(t: torch.Tensor) -> int:
+    """Bytes of memory ``t`` holds: its storage's for a plain tensor, the sum over its data
+    tensors for a subclass (NOTE [Unmovable saved tensors]); 0 when unknowable."""
+    if type(t) is torch.Tensor:
+        return 0 if t.is_meta else t.untyped_storage().nbytes()
+    inner = _data_tensors(t)
+    if inner == [t]:
+        try:
+            return t.untyped_storage().nbytes()
+        except (RuntimeError, NotImplementedError):
+            return t.numel() * t.element_size()
+    return sum(held_bytes(x) for x in inner)

@@ -132,7 +132,9 @@ class Packed:
     """
 
     entry: Entry
-    meta: ViewMeta
+    meta: Optional[ViewMeta]
+    """How the saved tensor views its storage; None for an unmovable tensor subclass, which
+    the entry holds whole (NOTE [Unmovable saved tensors] in ``identity.py``)."""
     cache: Any
     version: int = 0
     """The saved tensor's version counter at pack time."""

@@ -70,6 +70,10 @@ class LayerCounters:
     """Unique offloadable bytes the layer's forward saved for backward (after dedup)."""
     small_bytes: int = 0
     """Unique saved bytes below ``min_tensor_bytes``: always kept in memory."""
+    unmovable_bytes: int = 0
+    """Unique saved bytes the cache holds but never moves, whatever the placement: tensor
+    subclasses (FP8 tensors, DTensor) and tensors marked not to be offloaded (Transformer
+    Engine's ``_TE_do_not_offload``; NOTE [Unmovable saved tensors] in ``identity.py``)."""
     input_bytes: int = 0
     """Bytes of the layer's input (its first tensor argument), summed over micro-batches:
     what the layer holds between forward and backward under RECOMPUTE (its checkpoint)."""
@@ -158,7 +162,7 @@ class StepStats:
     tensors_packed: int
     """Saved tensors seen by the pack hook."""
     tensors_skipped: int
-    """Saved tensors left untouched: parameters, other devices, tensor subclasses."""
+    """Saved tensors left untouched: parameters, other devices, meta tensors."""
     write_fallbacks: int
     """Writes that failed (ENOSPC, EIO, ...); those tensors stayed in memory."""
     bytes_fallen_back: int

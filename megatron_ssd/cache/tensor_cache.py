@@ -30,7 +30,7 @@ from ..io.base import Engine, EngineStats
 from .accounting import StepAccountingMixin
 from .entries import EntryTable
 from .exit_guard import EXIT_GUARD
-from .identity import is_plain, restore, storage_bytes, storage_key, view_meta
+from .identity import do_not_offload, is_plain, restore, storage_bytes, storage_key, view_meta
 from .pages import trim_heap
 from .record import Packed, Record
 from .scopes import ScopeMixin, active_cache
@@ -231,7 +231,9 @@ class TensorCache(ScopeMixin, StepAccountingMixin):
         return EMBEDDING
 
     def _skippable(self, t: torch.Tensor) -> bool:
-        if not is_plain(t) or t.device.type != self.device.type:
+        """Left to autograd, uncounted: parameters (and views of them), leaves that need a
+        gradient, meta tensors, tensors on another device."""
+        if t.is_meta or t.device.type != self.device.type:
             return True
         if self.device.index is not None and t.device.index != self.device.index:
             return True
@@ -240,18 +242,23 @@ class TensorCache(ScopeMixin, StepAccountingMixin):
         base = t._base
         if base is not None and base.is_leaf and base.requires_grad:
             return True
-        return t.untyped_storage()._cdata in self._param_storages
+        try:
+            return t.untyped_storage()._cdata in self._param_storages
+        except (RuntimeError, NotImplementedError):  # a wrapper subclass without a storage
+            return False
 
     def pack(self, record: Record, t: torch.Tensor) -> Union[torch.Tensor, Packed]:
         """Take a tensor autograd saves; return what autograd should hold instead."""
         if self._skippable(t):
             self.entries.skipped()
             return t
-        key = storage_key(t)
-        meta = view_meta(t)
+        plain = is_plain(t)
+        unmovable = not plain or do_not_offload(t)  # NOTE [Unmovable saved tensors] in identity.py
+        key = storage_key(t) if plain else ("held", id(t))
+        meta = view_meta(t) if plain else None
         source = weakref.ref(t)
         with self.entries.lock:
-            entry, moves = self.entries.saved(record, key, t, self._site_layer(record))
+            entry, moves = self.entries.saved(record, key, t, self._site_layer(record), unmovable)
         packed = Packed(entry, meta, self, t._version, source)  # before the write: its release runs if it raises
         if moves:
             self.entries.write(entry)
@@ -272,6 +279,8 @@ class TensorCache(ScopeMixin, StepAccountingMixin):
                 f"version {packed.version} at save, {original._version} now"
             )
         entry = packed.entry
+        if packed.meta is None:  # an unmovable tensor subclass: the entry holds the tensor itself
+            return self.entries.needed(entry, f"tensor subclass, layer {entry.layer!r}")
         data = self.entries.needed(entry, f"tensor {packed.meta.size} {packed.meta.dtype}, layer {entry.layer!r}")
         return restore(data, packed.meta)
 
