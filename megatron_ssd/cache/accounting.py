@@ -68,6 +68,7 @@ class StepAccountingMixin:
                 heap_trim_s=c.heap_trim_s,
                 bytes_write_cancelled=c.bytes_write_cancelled,
                 bytes_discarded=c.bytes_discarded,
+                prefetch_deferred=c.prefetch_deferred,
             )
             self._engine_base = es
             self._step += 1

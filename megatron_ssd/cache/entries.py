@@ -356,9 +356,23 @@ class EntryTable:
                 target = order[k]
                 if target in record.prefetched or (k != i and k + self.policy.read_ahead(target) < i):
                     continue
-                if self._prefetch(record, target, i - k):
-                    record.prefetched.add(target)
+                try:
+                    if self._prefetch(record, target, i - k):
+                        record.prefetched.add(target)
+                except torch.OutOfMemoryError:  # NOTE [Prefetch under memory pressure]
+                    self.counters.prefetch_deferred += 1
+                    break
             return finished
+
+    # NOTE [Prefetch under memory pressure]
+    # A prefetch allocates its read buffer when backward reaches the layer whose read-ahead
+    # is due, which can be while this layer's backward is at its own peak (gradients,
+    # temporaries). If that allocation fails, the read is not needed yet: the entry stays
+    # on the drive, the reads still due now are left for later (another layer's backward
+    # start issues them again, or backward's unpack reads the tensor when it needs it, a
+    # late read, when the peak has passed), and the step goes on. Raising from here would
+    # abort backward, because this runs in a gradient hook. Counted in
+    # ``prefetch_deferred``; an allocation that fails when the tensor is needed raises.
 
     def _clock_backward(self, record: Record, layer_id: Hashable, now: float) -> Optional[Hashable]:
         """Close the running layer's backward time, start ``layer_id``'s; the layer whose

@@ -128,6 +128,7 @@ class Counters:
     heap_trim_s: float = 0.0
     bytes_write_cancelled: int = 0
     bytes_discarded: int = 0
+    prefetch_deferred: int = 0
     microbatches: int = 0
     layers: Dict[Any, LayerCounters] = field(default_factory=dict)
 
@@ -212,6 +213,10 @@ class StepStats:
     """Bytes of saved tensors whose owner freed and refilled the storage itself (Megatron's
     output discarding), served by reference instead of moved (NOTE [Discarded storages]
     in ``cache/entries.py``)."""
+    prefetch_deferred: int = 0
+    """Prefetches put off because their read buffer could not be allocated (out of device
+    memory); the tensors were read when backward needed them instead (NOTE [Prefetch
+    under memory pressure] in ``cache/entries.py``)."""
 
     def to_dict(self) -> Dict[str, Any]:
         """A JSON-ready dict (layer ids become strings)."""

@@ -27,6 +27,8 @@ class ScriptedEngine(Engine):
     (backpressure). With ``cancellable`` a write can be cancelled until it completes, as
     a blob none of whose blocks started (NOTE [Cancelled writes]): :meth:`complete_writes`
     then completes it with :class:`WriteCancelled` and stores nothing; with
+    ``out_of_memory`` set to n, the next n read buffer allocations raise
+    ``torch.OutOfMemoryError``. With
     ``complete_on_cancel`` a cancel also runs :meth:`complete_writes` on a new thread, as
     an engine's worker finishes a cancelled blob."""
 
@@ -42,6 +44,8 @@ class ScriptedEngine(Engine):
         self.cancelled = set()  # ids of the pending writes' futures cancelled
         self.freed = 0
         self.reads = 0
+        self.out_of_memory = 0  # this many allocs raise torch.OutOfMemoryError
+        self.refused_allocs = 0
         self._lock = threading.Lock()
         self._next = 0
 
@@ -105,6 +109,10 @@ class ScriptedEngine(Engine):
             fut.set_result(dst)
 
     def alloc(self, nbytes: int, device: torch.device, handle: Optional[SwapHandle] = None) -> torch.Tensor:
+        if self.out_of_memory > 0:
+            self.out_of_memory -= 1
+            self.refused_allocs += 1
+            raise torch.OutOfMemoryError("scripted: CUDA out of memory. Tried to allocate")
         return torch.empty(nbytes, dtype=torch.uint8, device=device)
 
     def free(self, handle: SwapHandle) -> None:

@@ -89,6 +89,21 @@ def test_a_write_still_in_flight_when_backward_needs_it_is_served_from_memory():
     assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), expected))
 
 
+def test_a_prefetch_out_of_memory_is_deferred_to_when_backward_needs_the_tensor():
+    """NOTE [Prefetch under memory pressure]: the read buffer of a prefetch cannot be
+    allocated; backward goes on, and the tensor is read when unpack needs it."""
+    engine, model, batch, expected = scripted()
+    with make_cache(engine, model) as cache:
+        loss, moved = forward(cache, model, batch)
+        engine.complete_writes()
+        engine.out_of_memory = 1  # the first read buffer asked for (a prefetch) fails
+        loss.backward()
+        stats = cache.finish_step()
+    assert engine.refused_allocs == 1 and stats.prefetch_deferred == 1
+    assert stats.late_reads >= 1 and stats.bytes_reloaded == sum(e.nbytes for e in moved)
+    assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), expected))
+
+
 def test_a_failed_read_raises_naming_the_layer():
     engine = ScriptedEngine()
     model, batch = model_and_batch()
