@@ -444,9 +444,9 @@ class AdaptivePlanner:
         are freed by then); on a CPU, None."""
         if self.config.activation_capacity_bytes is not None:
             return self.config.activation_capacity_bytes
-        device = self.cache.device
-        if device.type != "cuda":
+        if self.cache.device.type != "cuda":
             return None
+        device = self.cache.binding.resolved()
         total = torch.cuda.get_device_properties(device).total_memory
         usable = int(total * (1.0 - self.config.capacity_reserve)) - torch.cuda.memory_allocated(device)
         return max(usable, 0)
@@ -463,7 +463,7 @@ class AdaptivePlanner:
         """The copy bandwidth between the device and pinned host memory, measured once
         (:func:`measure_host_bandwidth`)."""
         if self._host_bw is None:
-            self._host_bw = measure_host_bandwidth(self.cache.device)
+            self._host_bw = measure_host_bandwidth(self.cache.binding.resolved())
         return self._host_bw
 
     def _check_space(self, plan: Plan) -> None:

@@ -1,7 +1,7 @@
 """The tensor cache's per-step accounting.
 
 :class:`StepAccountingMixin` is mixed into :class:`~megatron_ssd.cache.TensorCache`,
-which provides ``engine``, ``ssd``, ``host_store``, ``entries`` (the step's counters),
+which provides ``engine``, ``ssd``, ``host_store``, ``entries`` (the step's counters), ``clock``,
 ``_engine_base``, ``_step``, ``_step_started``, ``_cpu_started``, ``_check_open`` and
 ``drain``. The bytes moved and held come from the blob stores (NOTE [Blob stores]).
 """
@@ -26,10 +26,12 @@ class StepAccountingMixin:
         """
         self._check_open()
         self.drain()
+        self.clock.wait()  # the step's last kernel has run (NOTE [Device time] in device.py)
         es = self.engine.stats()
         ssd = self.ssd.take_step()
         host = self.host_store.take_step() if self.host_store is not None else StoreStep(0, 0, 0)
         with self.entries.lock:
+            self.clock.resolve()
             c, base = self.entries.take_step(), self._engine_base
             wbytes, rbytes = es.bytes_written - base.bytes_written, es.bytes_read - base.bytes_read
             wbusy, rbusy = es.write_busy_s - base.write_busy_s, es.read_busy_s - base.read_busy_s

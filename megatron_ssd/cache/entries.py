@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from functools import partial
 from typing import Any, Dict, Hashable, List, Mapping, Optional, Set, Tuple
 
@@ -40,6 +39,7 @@ from ..config import MOVED, OUTSIDE, OffloadConfig, Placement
 from ..errors import CacheStateError, OffloadIOError, WriteCancelled
 from ..io.base import IOFuture
 from ..io.store import BlobStore
+from .device import HostClock
 from .identity import held_bytes, is_plain, storage_bytes, storage_weakref
 from .pages import allocator_owned, release_pages
 from .policy import PlacementPolicy
@@ -63,11 +63,14 @@ class EntryTable:
     """
 
     def __init__(self, config: OffloadConfig, policy: PlacementPolicy, stores: Mapping[Placement, BlobStore],
-                 return_pages: bool) -> None:
+                 return_pages: bool, clock: Optional[HostClock] = None) -> None:
         self.config = config
         self.policy = policy
         self.stores = stores
         self.return_pages = return_pages
+        self.clock = clock or HostClock()
+        """Times backward, stalls, write waits and site uses (NOTE [Device time] in
+        ``device.py``)."""
         self.lock = threading.RLock()
         """Guards every field below and every entry and record."""
         self.counters = Counters()
@@ -79,7 +82,8 @@ class EntryTable:
         self.closed = False
         self._writes: Set[IOFuture] = set()
         self._reads: Set[IOFuture] = set()
-        self._bwd_clock: Dict[int, Tuple[Hashable, float]] = {}
+        self._bwd_clock: Dict[int, Tuple[Hashable, Any]] = {}
+        """Per open record: the layer whose backward runs, and the clock's mark of its start."""
 
     # ------------------------------------------------------------------ records
 
@@ -207,12 +211,12 @@ class EntryTable:
         """
         store = self.stores[entry.placement]
         block = self.config.io.on_backpressure == "wait"
-        started = time.perf_counter()
+        started = self.clock.mark()
         future = store.put(entry.data, block=block)  # the host pool never blocks (NOTE [Host pool bound])
-        waited = time.perf_counter() - started
+        ended = self.clock.mark()
         with self.lock:
             lc = self.layer(entry.layer)
-            lc.write_wait_s += waited
+            self.clock.add(started, ended, partial(_add, lc, "write_wait_s"))
             if future is None:
                 entry.placement = Placement.KEEP
                 self.counters.backpressure_keeps += 1
@@ -345,7 +349,7 @@ class EntryTable:
 
         Returns:
             The layer whose backward just ended in ``record`` (None: the first)."""
-        now = time.perf_counter()
+        now = self.clock.mark()
         with self.lock:
             finished = self._clock_backward(record, layer_id, now)
             order = record.layer_order
@@ -374,14 +378,14 @@ class EntryTable:
     # abort backward, because this runs in a gradient hook. Counted in
     # ``prefetch_deferred``; an allocation that fails when the tensor is needed raises.
 
-    def _clock_backward(self, record: Record, layer_id: Hashable, now: float) -> Optional[Hashable]:
+    def _clock_backward(self, record: Record, layer_id: Hashable, now: Any) -> Optional[Hashable]:
         """Close the running layer's backward time, start ``layer_id``'s; the layer whose
         backward ended (None: none ran yet)."""
         last = self._bwd_clock.get(id(record))
         if last is not None:
             lc = self.counters.layers.get(last[0])
             if lc is not None:
-                lc.backward_s += now - last[1]
+                self.clock.add(last[1], now, partial(_add, lc, "backward_s"))
         self._bwd_clock[id(record)] = (layer_id, now)
         return None if last is None else last[0]
 
@@ -437,7 +441,7 @@ class EntryTable:
         while len(lc.site_use_s) <= entry.site:
             lc.site_use_s.append(0.0)
             lc.site_uses.append(0)
-        lc.site_use_s[entry.site] += time.perf_counter() - running[1]
+        self.clock.since(running[1], partial(_add_at, lc.site_use_s, entry.site))
         lc.site_uses[entry.site] += 1
 
     def _note_forwarded(self, entry: Entry) -> None:
@@ -471,7 +475,7 @@ class EntryTable:
                 self._note_forwarded(entry)
                 data = entry.data
         if future is not None:
-            started = time.perf_counter()
+            started = self.clock.mark()
             try:
                 future.get()
             except OffloadIOError as err:
@@ -479,13 +483,11 @@ class EntryTable:
                 named.errno = err.errno
                 raise named from err
             finally:
+                ended = self.clock.mark()
                 with self.lock:
-                    waited = time.perf_counter() - started
-                    self.counters.stall_s += waited
                     running = self._bwd_clock.get(id(entry.record))
                     lc = self.counters.layers.get(running[0] if running else entry.layer)
-                    if lc is not None:
-                        lc.stall_s += waited
+                    self.clock.add(started, ended, partial(_add_stall, self.counters, lc))
             data = entry.data
         if data is None:
             raise CacheStateError(f"saved tensor of layer {entry.layer!r} has no data (state {entry.state.value})")
@@ -534,7 +536,7 @@ class EntryTable:
             record.prefetched.clear()
             last = self._bwd_clock.pop(id(record), None)
             if last is not None and last[0] in self.counters.layers:
-                self.counters.layers[last[0]].backward_s += time.perf_counter() - last[1]
+                self.clock.since(last[1], partial(_add, self.counters.layers[last[0]], "backward_s"))
 
     # ------------------------------------------------------------------ step / close
 
@@ -552,3 +554,18 @@ class EntryTable:
             self.closed = True
             self.records.clear()
 
+
+
+def _add(counters: Any, field: str, seconds: float) -> None:
+    """A clock span's seconds added to ``counters.field`` (NOTE [Device time])."""
+    setattr(counters, field, getattr(counters, field) + seconds)
+
+
+def _add_at(values: List[float], index: int, seconds: float) -> None:
+    values[index] += seconds
+
+
+def _add_stall(counters: Counters, layer: Optional[LayerCounters], seconds: float) -> None:
+    counters.stall_s += seconds
+    if layer is not None:
+        layer.stall_s += seconds

@@ -2,8 +2,8 @@
 
 :class:`ScopeMixin` is mixed into :class:`~megatron_ssd.cache.TensorCache`, which
 provides ``entries`` (the :class:`~megatron_ssd.cache.entries.EntryTable`: records,
-counters, lock), ``_return_pages``, ``_tls``, ``_keys``, ``_check_open``, ``placement``
-and ``backward_started``. The scopes say which record and layer a saved tensor belongs
+counters, lock), ``clock``, ``_return_pages``, ``_tls``, ``_keys``, ``_check_open``,
+``placement`` and ``backward_started``. The scopes say which record and layer a saved tensor belongs
 to; the entry table holds the rest.
 """
 
@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import threading
-import time
 from functools import partial
 from typing import TYPE_CHECKING, Any, Hashable, Iterator, Optional
 
@@ -85,7 +84,7 @@ class ScopeMixin:
         (``LayerCounters.input_bytes``)."""
         record = self.current_record()
         stack = self._tls.__dict__.setdefault("layers", [])
-        stack.append((layer_id, time.perf_counter()))
+        stack.append((layer_id, self.clock.mark()))  # NOTE [Device time] in device.py
         if record is not None and layer_id not in record.layer_order:
             record.layer_order.append(layer_id)
         first = next((t for t in _flatten(inputs) if isinstance(t, torch.Tensor)), None)
@@ -102,9 +101,10 @@ class ScopeMixin:
         record = self.current_record()
         if record is None:
             return
+        ended = self.clock.mark()
         with self.entries.lock:
             lc = self.entries.layer(layer_id)
-            lc.forward_s += time.perf_counter() - started
+            self.clock.add(started, ended, partial(_add_forward, lc))
             lc.microbatches += 1
         if outputs is not None and torch.is_grad_enabled():
             self.watch_backward(record, layer_id, outputs)
@@ -123,6 +123,10 @@ class ScopeMixin:
 
     def _post_hook(self, layer_id: Hashable, module: torch.nn.Module, args: Any, output: Any) -> None:
         self.exit_layer(layer_id, output)
+
+
+def _add_forward(lc: Any, seconds: float) -> None:
+    lc.forward_s += seconds
 
 
 def _flatten(obj: Any) -> Iterator[Any]:

@@ -28,6 +28,7 @@ from ..config import EMBEDDING, HEAD, OUTSIDE, OffloadConfig, Placement
 from ..errors import CacheStateError, ConfigError
 from ..io.base import Engine, EngineStats
 from .accounting import StepAccountingMixin
+from .device import CudaCalls, DeviceBinding, HostClock, make_clock, parse_device
 from .entries import EntryTable
 from .exit_guard import EXIT_GUARD
 from .identity import do_not_offload, is_plain, restore, storage_bytes, storage_key, view_meta
@@ -46,13 +47,10 @@ logger = logging.getLogger("megatron_ssd")
 
 
 def resolve_device(name: str) -> torch.device:
-    """The compute device named by ``OffloadConfig.device``."""
-    if name == "auto":
-        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    dev = torch.device(name)
-    if dev.type == "cuda" and dev.index is None:
-        dev = torch.device("cuda", torch.cuda.current_device())
-    return dev
+    """The compute device named by ``OffloadConfig.device``, a CUDA index taken from the
+    current device where the name gives none (a cache binds its own lazily instead: NOTE
+    [Binding the device] in ``device.py``)."""
+    return DeviceBinding(parse_device(name)).resolved()
 
 
 class TensorCache(ScopeMixin, StepAccountingMixin):
@@ -78,7 +76,8 @@ class TensorCache(ScopeMixin, StepAccountingMixin):
         if not config.paths and engine is None:
             raise ConfigError("OffloadConfig.paths = []: name at least one offload directory")
         self.config = config
-        self.device = resolve_device(config.device)
+        self.binding = DeviceBinding(parse_device(config.device))
+        """The device served (NOTE [Binding the device] in ``device.py``)."""
         if engine is None:
             check_offload_paths(config.paths, config.min_free_bytes)
             engine = create_engine(config, rank=rank)
@@ -100,8 +99,10 @@ class TensorCache(ScopeMixin, StepAccountingMixin):
         self._tls = threading.local()
         self.policy = PlacementPolicy(config, host_available=self.host is not None)
         """Decides every placement (NOTE [One placement policy])."""
-        self._return_pages = config.return_freed_pages and self.device.type == "cpu"
-        self.entries = EntryTable(config, self.policy, self.stores, self._return_pages)
+        self._return_pages = config.return_freed_pages and self.binding.device.type == "cpu"
+        self.cuda = CudaCalls()
+        """The cache's own ``torch.cuda`` calls (a recording fake in tests)."""
+        self.entries = EntryTable(config, self.policy, self.stores, self._return_pages, make_clock(self.binding))
         """The saved tensors' state machine, its lock and the step's counters."""
         self._param_storages: set = set()
         self._keys = itertools.count()
@@ -112,6 +113,22 @@ class TensorCache(ScopeMixin, StepAccountingMixin):
         self._step_started = time.perf_counter()
         self._cpu_started = time.process_time()
         EXIT_GUARD.add(self)
+
+    @property
+    def clock(self) -> HostClock:
+        """Times layers and waits: the host clock on a CPU, CUDA events on a GPU (NOTE
+        [Device time] in ``device.py``); settable, for tests."""
+        return self.entries.clock
+
+    @clock.setter
+    def clock(self, clock: HostClock) -> None:
+        self.entries.clock = clock
+
+    @property
+    def device(self) -> torch.device:
+        """The compute device whose saved tensors the cache manages; ``cuda`` without an
+        index until the first CUDA tensor is saved (NOTE [Binding the device])."""
+        return self.binding.device
 
     # ------------------------------------------------------------------ layers and plan
 
@@ -233,9 +250,7 @@ class TensorCache(ScopeMixin, StepAccountingMixin):
     def _skippable(self, t: torch.Tensor) -> bool:
         """Left to autograd, uncounted: parameters (and views of them), leaves that need a
         gradient, meta tensors, tensors on another device."""
-        if t.is_meta or t.device.type != self.device.type:
-            return True
-        if self.device.index is not None and t.device.index != self.device.index:
+        if t.is_meta or not self.binding.accepts(t.device):
             return True
         if t.is_leaf and t.requires_grad:
             return True
@@ -282,6 +297,8 @@ class TensorCache(ScopeMixin, StepAccountingMixin):
         if packed.meta is None:  # an unmovable tensor subclass: the entry holds the tensor itself
             return self.entries.needed(entry, f"tensor subclass, layer {entry.layer!r}")
         data = self.entries.needed(entry, f"tensor {packed.meta.size} {packed.meta.dtype}, layer {entry.layer!r}")
+        if entry.reloaded and self.cuda.is_cuda(data):  # NOTE [Read buffers and their consumers]
+            self.cuda.record_consumer(data)
         return restore(data, packed.meta)
 
     def storage_discarded(self, t: torch.Tensor) -> None:
