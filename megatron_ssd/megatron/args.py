@@ -254,6 +254,11 @@ _MEGATRON_OFFLOAD_RULE = (
     "--ssd-offload: both would take the same saved tensors; remove one of them"
 )
 
+_CUDA_GRAPH_RULE = (
+    "CUDA graph replay does not run the Python saved-tensor hooks ssd offload relies on "
+    "(NOTE [CUDA graphs] in megatron_ssd/megatron/layer.py); use --cuda-graph-impl none"
+)
+
 # Megatron-LM core_v0.16.1 names (megatron/training/arguments.py; the first three come from
 # TransformerConfig fields through ArgumentGroupFactory; validate_args sets cpu_offloading).
 # A flag a release does not have is simply absent from args (core_v0.19.0 has no
@@ -279,9 +284,12 @@ _CONFLICTS: Tuple[_Conflict, ...] = (
     ),
     _Conflict(
         "cuda_graph_impl", "--cuda-graph-impl", lambda v: v not in (None, "none"),
-        "CUDA graph replay does not run the Python saved-tensor hooks ssd offload relies on; "
-        "use --cuda-graph-impl none",
+        _CUDA_GRAPH_RULE,
     ),
+    # Deprecated spellings of --cuda-graph-impl local / transformer_engine in both tags;
+    # validate_args turns them into cuda_graph_impl after our first check runs.
+    _Conflict("enable_cuda_graph", "--enable-cuda-graph", lambda v: bool(v), _CUDA_GRAPH_RULE),
+    _Conflict("external_cuda_graph", "--external-cuda-graph", lambda v: bool(v), _CUDA_GRAPH_RULE),
     _Conflict(
         "overlap_moe_expert_parallel_comm", "--overlap-moe-expert-parallel-comm", lambda v: bool(v),
         "the combined 1F1B schedule runs layer pieces outside TransformerLayer.forward, so "

@@ -22,18 +22,30 @@ below is named by the release that introduced it.
   ``megatron.training.models.gpt.GPTModelBuilder`` through that module's name
   ``GPTModel`` (:data:`MODEL_CLASS_SITES`); ``--use-legacy-models`` and the legacy fused
   kernels are gone.
+- CUDA graphs: ``TransformerConfig.enable_cuda_graph`` and ``external_cuda_graph``
+  (0.16.1 and 0.19, deprecated; ``__post_init__`` turns them into ``cuda_graph_impl``
+  ``"local"`` / ``"transformer_engine"``) and ``cuda_graph_impl`` (0.16.1: ``"none"``,
+  ``"local"``, ``"transformer_engine"``; 0.19 adds ``"full_iteration"``); refused with
+  ssd offload (:data:`CUDA_GRAPH_FIELDS`).
+- Transformer Engine 2.x, for FP8 under RECOMPUTE (:func:`te_quantization`): through 2.8
+  ``FP8GlobalStateManager`` and ``fp8_autocast(enabled, fp8_recipe=...)`` come from
+  ``transformer_engine.pytorch.fp8``; from 2.9 from ``transformer_engine.pytorch.quantization``
+  as ``autocast(enabled, recipe=...)`` (the old module remains, deprecated);
+  ``activation_recompute_forward`` is in ``transformer_engine.pytorch.distributed`` in all.
 """
 
 from __future__ import annotations
 
 import importlib
 import inspect
-from typing import Any, Dict, Optional, Tuple
+import sys
+from typing import Any, Callable, ContextManager, Dict, NamedTuple, Optional, Tuple
 
 from ..errors import ConfigError
 
 __all__ = [
     "CONFLICTING_FLAGS",
+    "CUDA_GRAPH_FIELDS",
     "MEGATRON_LM_TAGS",
     "MODEL_CLASS_SITES",
     "OLDEST",
@@ -44,6 +56,8 @@ __all__ = [
     "hybrid_stack_classes",
     "megatron_lm_tag",
     "schedule_kwargs",
+    "TEQuantization",
+    "te_quantization",
 ]
 
 OLDEST: Tuple[int, int, int] = (0, 16, 1)
@@ -81,6 +95,58 @@ CONFLICTING_FLAGS: Tuple[Tuple[str, str, str], ...] = (
 )
 """``(args attribute, flag, rule)`` of Megatron options added after 0.16.1 that install
 their own saved-tensor hooks; a truthy value is refused together with ``--ssd-offload``."""
+
+
+CUDA_GRAPH_FIELDS: Tuple[Tuple[str, Callable[[Any], bool]], ...] = (
+    ("cuda_graph_impl", lambda v: v not in (None, "none")),  # 0.16.1: local, transformer_engine; 0.19: + full_iteration
+    ("enable_cuda_graph", bool),  # deprecated: cuda_graph_impl="local"
+    ("external_cuda_graph", bool),  # deprecated: cuda_graph_impl="transformer_engine"
+)
+"""``(TransformerConfig field, whether a value captures CUDA graphs)`` in every supported
+release; a field a release lacks is read as off."""
+
+
+class TEQuantization(NamedTuple):
+    """The pieces of Transformer Engine's quantization state a recomputation needs."""
+
+    state_manager: Any
+    """``FP8GlobalStateManager``: ``is_fp8_enabled()``, ``get_fp8_recipe()``."""
+    recompute_region: Callable[[bool], ContextManager]
+    """``recompute_phase -> activation_recompute_forward(activation_recompute=True,
+    recompute_phase=recompute_phase)``."""
+    autocast: Callable[[bool, Any], ContextManager]
+    """``(enabled, recipe) -> `` the quantization autocast context."""
+
+
+def te_quantization() -> Optional[TEQuantization]:
+    """Transformer Engine's quantization pieces, or None when it is not imported.
+
+    megatron-core imports Transformer Engine when it is installed, so one that is not in
+    ``sys.modules`` by the time a layer runs is not in use.
+    """
+    if "transformer_engine" not in sys.modules:
+        return None
+    distributed = importlib.import_module("transformer_engine.pytorch.distributed")
+    recompute = distributed.activation_recompute_forward
+
+    def region(phase: bool) -> ContextManager:
+        return recompute(activation_recompute=True, recompute_phase=phase)
+
+    try:  # Transformer Engine 2.9+
+        quantization = importlib.import_module("transformer_engine.pytorch.quantization")
+        autocast = quantization.autocast
+
+        def enter(enabled: bool, recipe: Any) -> ContextManager:
+            return autocast(enabled=enabled, recipe=recipe)
+
+    except (ImportError, AttributeError):  # through 2.8
+        quantization = importlib.import_module("transformer_engine.pytorch.fp8")
+        fp8_autocast = quantization.fp8_autocast
+
+        def enter(enabled: bool, recipe: Any) -> ContextManager:
+            return fp8_autocast(enabled=enabled, fp8_recipe=recipe)
+
+    return TEQuantization(quantization.FP8GlobalStateManager, region, enter)
 
 
 def core_version() -> Tuple[int, int, int]:

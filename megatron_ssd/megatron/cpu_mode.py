@@ -12,7 +12,8 @@ and ``forward_backward_pipelining_with_interleaving`` run unchanged over gloo::
         losses = forward_backward_func(forward_step_func=..., model=chunks, ...)
 
 On a machine where CUDA is available the context manager does nothing unless
-``force=True`` is given: a GPU user gets the stock behaviour.
+``force=True`` is given or CUDA is hidden (:func:`hide_cuda`, NOTE [Hidden CUDA]): a GPU
+user gets the stock behaviour.
 
 # NOTE [CPU mode]
 Every redirected spot, with file (megatron/core/...) and reason:
@@ -36,40 +37,83 @@ Every redirected spot, with file (megatron/core/...) and reason:
    (pipeline size > 1 with tied embeddings, at model construction). :class:`CPUDeviceMode`
    turns ``Tensor.cuda()`` into a no-op on CPU tensors.
 
-Nothing else is touched. Two CUDA-only spots are deliberately *not* redirected because
-they are avoided by construction instead:
+5. ``tensor_parallel/random.py``: ``_get_all_rng_states`` / ``_set_all_rng_states`` read
+   and write the CUDA generator through ``_get_cuda_rng_state`` / ``_set_cuda_rng_state``
+   (``CheckpointWithoutOutput``, the selective recompute of ``layernorm``, ``moe_act``,
+   ``mla_up_proj``, and ``checkpoint``); reading it raises on a CPU build. Stand-ins: an
+   empty state, and a no-op setter (nothing on the CPU path draws from a CUDA generator;
+   the CPU generator, which those functions save and restore too, is untouched).
+6. ``tensor_parallel/random.py`` without Transformer Engine: ``CheckpointWithoutOutput``
+   is built with ``fp8=False``, which it stores as ``self.fp8 = fp8 is not None``
+   (True), so its forward calls ``FP8GlobalStateManager.is_fp8_enabled()`` and its
+   recompute ``activation_recompute_forward`` and ``fp8_autocast``, names the module
+   imports only from Transformer Engine: a ``NameError`` on every machine without it.
+   Stand-ins for the three names (FP8 never enabled, null contexts) are set there while
+   the mode is active, only when the module has no Transformer Engine (``HAVE_TE``).
 
-- ``transformer/dot_product_attention.py`` allocates its score buffer through the global
-  memory buffer and forks the CUDA RNG tracker for attention dropout; the CPU layer specs
-  use :class:`~megatron_ssd.megatron.attention.CPUCoreAttention` instead (see
-  ``attention.py``).
-- ``tensor_parallel/random.py`` (``checkpoint``, ``CudaRNGStatesTracker``) reads the CUDA
-  RNG state; recompute on CPU goes through :mod:`megatron_ssd.megatron.recompute`.
+Nothing else is touched. One CUDA-only spot is deliberately *not* redirected because it
+is avoided by construction instead: ``transformer/dot_product_attention.py`` allocates
+its score buffer through the global memory buffer and forks the CUDA RNG tracker for
+attention dropout; the CPU layer specs use
+:class:`~megatron_ssd.megatron.attention.CPUCoreAttention` instead (see
+``attention.py``). A whole layer recomputed on CPU goes through
+:mod:`megatron_ssd.megatron.recompute`, which takes keyword arguments.
 
-The two ``torch.cuda`` attributes are global state; the mode is thread-local (a
-``TorchFunctionMode`` lives on the entering thread's mode stack). Entering is
-reentrant: nested or concurrent ``cpu_mode()`` blocks share one set of ``torch.cuda``
-stand-ins, counted, and restored when the last block exits; a thread that already has a
-:class:`CPUDeviceMode` on its stack does not push a second one.
+The stand-ins are global state; the mode is thread-local (a ``TorchFunctionMode`` lives
+on the entering thread's mode stack). Entering is reentrant: nested or concurrent
+``cpu_mode()`` blocks share one set of stand-ins, counted, and restored when the last
+block exits; a thread that already has a :class:`CPUDeviceMode` on its stack does not
+push a second one.
+
+# NOTE [Hidden CUDA]
+The CPU development path runs on a machine with CUDA too, for tests that compare runs
+over gloo on CPU tensors: inside :func:`hide_cuda`, :func:`cuda_usable` is False for the
+whole process, so :func:`cpu_mode` redirects without ``force``, the workload builders
+(``megatron_ssd.workloads.models``) use the CPU core attention and CPU initialisation
+and keep models on the CPU, and ``init_parallel`` picks gloo. torch itself still sees the
+device: a :class:`~megatron_ssd.cache.TensorCache` whose ``device`` is ``auto`` would
+manage CUDA tensors, so such a run gives it ``device="cpu"``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib
 import threading
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator, List, Tuple
 
 import torch
 from torch.overrides import TorchFunctionMode
 
 from ..errors import MegatronSSDError
 
-__all__ = ["CPUDeviceMode", "cpu_mode", "cpu_mode_active", "cuda_usable"]
+__all__ = ["CPUDeviceMode", "cpu_mode", "cpu_mode_active", "cuda_usable", "hide_cuda"]
+
+_HIDDEN_LOCK = threading.Lock()
+_HIDDEN = [0]
+"""How many :func:`hide_cuda` blocks are open (process-wide)."""
 
 
 def cuda_usable() -> bool:
-    """Whether this process can use a CUDA device."""
-    return torch.cuda.is_available()
+    """Whether this process can use a CUDA device: False without one, and inside
+    :func:`hide_cuda`."""
+    return torch.cuda.is_available() and _HIDDEN[0] == 0
+
+
+@contextlib.contextmanager
+def hide_cuda() -> Iterator[None]:
+    """Run the CPU development path as on a machine without CUDA (NOTE [Hidden CUDA]).
+
+    Process-wide and counted: :func:`cuda_usable` is False until the last open block
+    exits. Models already on a CUDA device stay there.
+    """
+    with _HIDDEN_LOCK:
+        _HIDDEN[0] += 1
+    try:
+        yield
+    finally:
+        with _HIDDEN_LOCK:
+            _HIDDEN[0] -= 1
 
 
 def _is_cuda_device(device: Any) -> bool:
@@ -116,25 +160,73 @@ def _synchronize_stand_in(device: Any = None) -> None:
     del device
 
 
-class _CudaStandIns:
-    """Counted installation of the two ``torch.cuda`` stand-ins (process-wide)."""
+def _empty_rng_state(*args: Any, **kwargs: Any) -> torch.Tensor:
+    """CPU stand-in for megatron's ``_get_cuda_rng_state`` (NOTE [CPU mode] 5): no CUDA
+    generator is drawn from on the CPU path, so there is no state to save."""
+    del args, kwargs
+    return torch.empty(0, dtype=torch.uint8)
 
-    _STAND_INS: dict[str, Callable[..., Any]] = {
-        "current_device": _current_device_stand_in,
-        "synchronize": _synchronize_stand_in,
-    }
+
+def _set_no_rng_state(*args: Any, **kwargs: Any) -> None:
+    """CPU stand-in for megatron's ``_set_cuda_rng_state`` (NOTE [CPU mode] 5)."""
+    del args, kwargs
+
+
+class _NoFP8:
+    """Stand-in for Transformer Engine's ``FP8GlobalStateManager`` without Transformer
+    Engine (NOTE [CPU mode] 6): FP8 is never enabled."""
+
+    @staticmethod
+    def is_fp8_enabled() -> bool:
+        return False
+
+    @staticmethod
+    def get_fp8_recipe() -> None:
+        return None
+
+
+def _null_context(*args: Any, **kwargs: Any) -> contextlib.AbstractContextManager:
+    """Stand-in for Transformer Engine's ``activation_recompute_forward`` and
+    ``fp8_autocast`` without Transformer Engine (NOTE [CPU mode] 6)."""
+    del args, kwargs
+    return contextlib.nullcontext()
+
+
+_ABSENT = object()
+
+
+def _stand_ins() -> List[Tuple[Any, str, Any]]:
+    """``(module, attribute, stand-in)`` of every spot of NOTE [CPU mode] 2, 3, 5 and 6."""
+    found: List[Tuple[Any, str, Any]] = [
+        (torch.cuda, "current_device", _current_device_stand_in),
+        (torch.cuda, "synchronize", _synchronize_stand_in),
+    ]
+    try:
+        random = importlib.import_module("megatron.core.tensor_parallel.random")
+    except ImportError:  # torch alone: only the torch.cuda spots
+        return found
+    found += [(random, "_get_cuda_rng_state", _empty_rng_state), (random, "_set_cuda_rng_state", _set_no_rng_state)]
+    if not getattr(random, "HAVE_TE", False):
+        found += [(random, "FP8GlobalStateManager", _NoFP8), (random, "activation_recompute_forward", _null_context),
+                  (random, "fp8_autocast", _null_context)]
+    return found
+
+
+class _StandIns:
+    """Counted installation of the stand-ins (process-wide)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._count = 0
-        self._saved: dict[str, Callable[..., Any]] = {}
+        self._saved: List[Tuple[Any, str, Any]] = []
 
     def acquire(self) -> None:
         with self._lock:
             if self._count == 0:
-                self._saved = {name: getattr(torch.cuda, name) for name in self._STAND_INS}
-                for name, stand_in in self._STAND_INS.items():
-                    setattr(torch.cuda, name, stand_in)
+                targets = _stand_ins()
+                self._saved = [(module, name, getattr(module, name, _ABSENT)) for module, name, _ in targets]
+                for module, name, stand_in in targets:
+                    setattr(module, name, stand_in)
             self._count += 1
 
     def release(self) -> None:
@@ -143,12 +235,15 @@ class _CudaStandIns:
                 raise MegatronSSDError("cpu_mode: released more often than entered")
             self._count -= 1
             if self._count == 0:
-                for name, original in self._saved.items():
-                    setattr(torch.cuda, name, original)
-                self._saved = {}
+                for module, name, original in reversed(self._saved):
+                    if original is _ABSENT:
+                        delattr(module, name)
+                    else:
+                        setattr(module, name, original)
+                self._saved = []
 
 
-_STAND_INS = _CudaStandIns()
+_STAND_INS = _StandIns()
 _THREAD = threading.local()
 
 
@@ -163,7 +258,8 @@ def cpu_mode(force: bool = False) -> Iterator[bool]:
 
     Args:
         force: Redirect even when CUDA is available (to exercise the CPU path on a GPU
-            machine). Without it, a machine with CUDA gets a no-op block.
+            machine). Without it, a machine with CUDA gets a no-op block unless CUDA
+            is hidden (:func:`hide_cuda`).
 
     Yields:
         True when the redirection is active in this block, False when it was skipped

@@ -31,7 +31,7 @@ from megatron.core.transformer.transformer_layer import MoETransformerLayer, Tra
 from ..cache.tensor_cache import active_cache
 from ..config import Placement
 from ..errors import ConfigError
-from . import compat
+from . import compat, discard
 from .recompute import checkpoint_layer
 
 __all__ = [
@@ -42,9 +42,36 @@ __all__ = [
     "OffloadMoETransformerLayer",
     "OffloadTransformerLayer",
     "assign_layer_ids",
+    "check_no_cuda_graphs",
     "find_offload_layers",
     "offload_layer_spec",
 ]
+
+
+# NOTE [CUDA graphs]
+# megatron-core captures layers (cuda_graph_impl "local", "transformer_engine"; 0.19 also
+# "full_iteration") into CUDA graphs and replays them. A replay runs no Python: no
+# saved-tensor hook packs or unpacks, so the cache would neither see nor restore the
+# layer's tensors; and a capture made with the cache's hooks active would record their
+# event and I/O work into the graph (or fail on it). Both the offload-aware layers (when
+# built) and the offload-aware schedule (when it first sees a model) refuse any config that
+# captures, before a step runs; the Megatron-LM flags are refused in ``args.py``.
+
+
+def check_no_cuda_graphs(config: Any) -> None:
+    """Refuse a config that captures CUDA graphs (NOTE [CUDA graphs]).
+
+    Raises:
+        ConfigError: naming the first capturing field of :data:`~.compat.CUDA_GRAPH_FIELDS`.
+    """
+    for name, captures in compat.CUDA_GRAPH_FIELDS:
+        value = getattr(config, name, None)
+        if value is not None and captures(value):
+            raise ConfigError(
+                f"TransformerConfig.{name} = {value!r}: CUDA graph replay does not run the saved-tensor "
+                f"hooks ssd offload relies on, and their I/O would invalidate a capture; use "
+                f"cuda_graph_impl='none' (enable_cuda_graph and external_cuda_graph off) with ssd offload"
+            )
 
 
 class OffloadLayerMixin:
@@ -53,12 +80,17 @@ class OffloadLayerMixin:
     The layer id is Megatron's global ``layer_number`` (unique across pipeline stages and
     virtual stages). Backward prefetch is armed on the layer's output: when its gradient
     arrives, this layer's backward is about to start and the cache reads back the
-    layers before it.
+    layers before it. Building one with a config that captures CUDA graphs raises
+    :class:`~megatron_ssd.errors.ConfigError` (NOTE [CUDA graphs]).
     """
 
     layer_number: int
     ssd_layer_id: Any = None
     """Set by :func:`assign_layer_ids`; ``layer_number`` until then."""
+
+    def __init__(self, config: Any, *args: Any, **kwargs: Any) -> None:
+        check_no_cuda_graphs(config)
+        super().__init__(config, *args, **kwargs)  # type: ignore[call-arg]
 
     @property
     def layer_id(self) -> Any:
@@ -69,6 +101,7 @@ class OffloadLayerMixin:
         cache = active_cache()
         if cache is None:
             return super().forward(*args, **kwargs)  # type: ignore[misc]
+        discard.install()  # NOTE [Output discarding]
         layer_id = self.layer_id
         cache.enter_layer(layer_id, (args, kwargs.get("hidden_states")))
         outputs = None

@@ -4,8 +4,10 @@
 saves for backward, and runs it again during backward to rebuild them. It is PyTorch's
 non-reentrant ``torch.utils.checkpoint.checkpoint`` with ``preserve_rng_state=True``, plus
 a replay of the RNG states it does not cover (megatron's CUDA RNG tracker, and the CUDA
-generator when tensors come by keyword; :class:`RNGReplay`), so it gives the same
-gradients as the plain forward on CPU and on GPU, dropout included::
+generator when tensors come by keyword; :class:`RNGReplay`) and of Transformer Engine's
+quantization state (FP8 / FP4 autocast and its recipe; :class:`QuantizationReplay`), so
+it gives the same gradients as the plain forward on CPU and on GPU, dropout and FP8
+included::
 
     output, context = checkpoint_layer(layer.forward, hidden_states, attention_mask=mask)
 
@@ -29,18 +31,67 @@ layer's input like any other saved tensor. Tensors saved *inside* the region go 
 PyTorch's own innermost hooks and never reach the outer hooks, neither in forward nor when
 backward recomputes them. Tensors passed by keyword (``attention_mask=...``) are held by
 reference until backward and are not packed.
+
+# NOTE [FP8 under RECOMPUTE]
+Megatron runs each layer inside Transformer Engine's quantization context
+(``get_fp8_context`` in ``transformer_block.py``: ``fp8_autocast`` / ``autocast`` with
+the configured recipe), entered around the layer call and left before backward. The
+recomputation runs in backward, outside it: re-run as is, the layer would compute in
+bf16 what its forward computed in FP8, and TE's delayed-scaling modules would update
+their amax history a second time. Megatron's own full recompute goes through TE's
+``checkpoint`` (``te_checkpoint``), and its output-discarding checkpoint does the same
+by hand; both, like :class:`QuantizationReplay`, read ``FP8GlobalStateManager``'s
+enabled flag and recipe when the forward starts, run the forward inside
+``activation_recompute_forward(activation_recompute=True, recompute_phase=False)``
+(TE modules keep their scaling metadata for the recompute) and the recompute inside
+``activation_recompute_forward(..., recompute_phase=True)`` and the autocast re-entered
+with the captured flag and recipe (TE modules reuse that metadata). Without Transformer
+Engine imported there is no quantization state and nothing is done.
+
+# NOTE [Output discarding under RECOMPUTE]
+megatron-core's output-discarding checkpoint (NOTE [Output discarding] in
+``discard.py``) frees a norm's output after the next op saved it and refills it from a
+gradient hook on a later tensor. Inside this module's checkpoint that breaks: saved
+tensors of the region are dropped in forward and rebuilt by re-running the region in
+backward, where the re-run frees its own recomputed output again and registers its hook
+on a tensor of the recomputed graph, which backward never traverses, so the backward of
+the next op reads a freed storage ("data is not allocated yet"). In a region the cache
+recomputes, the output-discarding checkpoint is bypassed (:func:`in_layer_checkpoint`,
+read by ``discard.py``), as megatron-core bypasses it during CUDA-graph warm-up: the
+norm runs as a plain op, and the whole layer is recomputed anyway.
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, ContextManager, Optional
+import threading
+from typing import Any, Callable, ContextManager, Iterator, Optional
 
 import torch
 import torch.utils.checkpoint as torch_checkpoint
 from megatron.core import tensor_parallel
 
-__all__ = ["RNGReplay", "checkpoint_layer", "checkpoint_module"]
+from . import compat
+
+__all__ = ["QuantizationReplay", "RNGReplay", "checkpoint_layer", "checkpoint_module", "in_layer_checkpoint"]
+
+_THREAD = threading.local()
+
+
+def in_layer_checkpoint() -> bool:
+    """Whether the calling thread runs the forward or the recomputation of a region of
+    :func:`checkpoint_layer` (NOTE [Output discarding under RECOMPUTE])."""
+    return getattr(_THREAD, "depth", 0) > 0
+
+
+@contextlib.contextmanager
+def _layer_region() -> Iterator[None]:
+    """Mark the calling thread as inside a :func:`checkpoint_layer` region."""
+    _THREAD.depth = getattr(_THREAD, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _THREAD.depth -= 1
 
 
 def _copy_state(state: Any) -> Any:
@@ -126,12 +177,71 @@ class RNGReplay:
             self._live_cuda_state = None
 
 
+class QuantizationReplay:
+    """Re-enters Transformer Engine's quantization context while a region is recomputed
+    (NOTE [FP8 under RECOMPUTE]).
+
+    Use :meth:`context_fn` as (part of) the ``context_fn`` of ``torch.utils.checkpoint``;
+    one instance serves one checkpoint call. Without Transformer Engine imported it does
+    nothing.
+    """
+
+    def __init__(self) -> None:
+        self.engine: Optional[compat.TEQuantization] = None
+        self.enabled = False
+        self.recipe: Any = None
+
+    def context_fn(self) -> tuple[ContextManager, ContextManager]:
+        """The ``(forward, recompute)`` contexts; called when the checkpointed forward starts,
+        which is when the quantization state is read."""
+        self.engine = compat.te_quantization()
+        if self.engine is None:
+            return contextlib.nullcontext(), contextlib.nullcontext()
+        state = self.engine.state_manager
+        self.enabled = bool(state.is_fp8_enabled())
+        self.recipe = state.get_fp8_recipe() if self.enabled else None
+        return self.engine.recompute_region(False), self._recompute(self.engine)
+
+    @contextlib.contextmanager
+    def _recompute(self, engine: compat.TEQuantization) -> Iterator[None]:
+        with engine.recompute_region(True), engine.autocast(self.enabled, self.recipe):
+            yield
+
+
+class _Replay:
+    """Everything :func:`checkpoint_layer` replays: RNG states, the quantization context,
+    and the region mark read by ``discard.py``."""
+
+    def __init__(self) -> None:
+        self.rng = RNGReplay()
+        self.quantization = QuantizationReplay()
+
+    def context_fn(self) -> tuple[ContextManager, ContextManager]:
+        rng_forward, rng_recompute = self.rng.context_fn()
+        quantization_forward, quantization_recompute = self.quantization.context_fn()
+        return (
+            _entered(_layer_region(), quantization_forward, rng_forward),
+            _entered(_layer_region(), rng_recompute, quantization_recompute),
+        )
+
+
+@contextlib.contextmanager
+def _entered(*contexts: ContextManager) -> Iterator[None]:
+    """Enter ``contexts`` in order, leave them in reverse."""
+    with contextlib.ExitStack() as stack:
+        for context in contexts:
+            stack.enter_context(context)
+        yield
+
+
 def checkpoint_layer(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """Run ``function(*args, **kwargs)`` and recompute it in backward instead of saving.
 
     Gradients are bit-identical to calling ``function`` directly when ``function`` is
     deterministic given the RNG states (true for Megatron layers on CPU, dropout
-    included).
+    included). The recomputation runs under the quantization state the forward started
+    in (NOTE [FP8 under RECOMPUTE]); megatron-core's output-discarding checkpoint is
+    bypassed inside the region (NOTE [Output discarding under RECOMPUTE]).
 
     Args:
         function: The forward to checkpoint, e.g. a transformer layer's ``forward``.
@@ -142,7 +252,7 @@ def checkpoint_layer(function: Callable[..., Any], *args: Any, **kwargs: Any) ->
     Returns:
         Whatever ``function`` returns (tensors, tuples with None, ...).
     """
-    replay = RNGReplay()
+    replay = _Replay()
     return torch_checkpoint.checkpoint(
         function,
         *args,

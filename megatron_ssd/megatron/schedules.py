@@ -20,8 +20,8 @@ from megatron.core import pipeline_parallel
 
 from ..cache import StepStats, TensorCache
 from ..errors import ConfigError
-from . import compat
-from .layer import assign_layer_ids
+from . import compat, discard
+from .layer import assign_layer_ids, check_no_cuda_graphs
 
 __all__ = ["OffloadSchedule", "get_forward_backward_func", "set_default_cache", "get_default_cache", "check_no_megatron_offload"]
 
@@ -90,6 +90,7 @@ class OffloadSchedule:
         self.last_stats: Optional[StepStats] = None
         self._calls = itertools.count()
         self._registered: set = set()
+        discard.install()  # NOTE [Output discarding]
 
     def register_model(self, chunks: List[torch.nn.Module]) -> None:
         """Register the offload-aware layers and the parameters of every model chunk."""
@@ -100,6 +101,7 @@ class OffloadSchedule:
             config = getattr(chunk, "config", None)
             if config is not None:
                 check_no_megatron_offload(config)
+                check_no_cuda_graphs(config)  # NOTE [CUDA graphs] in layer.py
             self.cache.register_parameters(chunk)
             self._registered.add(id(chunk))
         known = set(self.cache.layer_ids)

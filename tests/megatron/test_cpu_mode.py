@@ -1,4 +1,8 @@
-"""CPU mode: the redirected CUDA spots, and megatron-core's stock models and schedule on CPU."""
+"""CPU mode: the redirected CUDA spots, and megatron-core's stock models and schedule on CPU.
+
+On a machine with CUDA the module runs with CUDA hidden (NOTE [Hidden CUDA], the
+``cpu_only`` fixture), so it tests the same CPU path there.
+"""
 
 from __future__ import annotations
 
@@ -25,9 +29,7 @@ from megatron_ssd.workloads.harness import (
 from megatron_ssd.workloads.models import build_bert, build_gpt, build_t5, tiny_transformer_config
 from megatron_ssd.workloads.parallel import destroy_parallel, init_parallel
 
-pytestmark = pytest.mark.skipif(
-    torch.cuda.is_available(), reason="CPU mode is a no-op where CUDA is available"
-)
+pytestmark = pytest.mark.usefixtures("cpu_only")
 
 
 def _modes():
@@ -66,6 +68,7 @@ def test_is_reentrant_and_undone_on_error():
 
 
 def test_mode_is_per_thread_and_stand_ins_are_counted():
+    original = torch.cuda.current_device
     seen = {}
     inside = threading.Event()
     leave = threading.Event()
@@ -85,8 +88,29 @@ def test_mode_is_per_thread_and_stand_ins_are_counted():
     leave.set()
     thread.join(10)
     assert seen == {"main_active": False, "still_installed": True}
-    with pytest.raises((AssertionError, RuntimeError)):
-        torch.cuda.current_device()  # restored: a CPU build has no CUDA
+    assert torch.cuda.current_device is original  # restored when the last block exited
+
+
+def test_megatron_rng_and_te_names_have_stand_ins_only_inside():
+    """NOTE [CPU mode] 5 and 6: what ``CheckpointWithoutOutput`` reads on a machine
+    without CUDA and without Transformer Engine."""
+    from megatron.core.tensor_parallel import random as megatron_random
+
+    original = megatron_random._get_cuda_rng_state, megatron_random._set_cuda_rng_state
+    te_names = ("FP8GlobalStateManager", "activation_recompute_forward", "fp8_autocast")
+    before = {name: hasattr(megatron_random, name) for name in te_names}
+    with cpu_mode():
+        states = megatron_random._get_all_rng_states()  # reads the CUDA generator's state
+        megatron_random._set_all_rng_states(*states)
+        assert states[1].numel() == 0
+        if not megatron_random.HAVE_TE:
+            assert megatron_random.FP8GlobalStateManager.is_fp8_enabled() is False
+            with megatron_random.fp8_autocast(enabled=False, fp8_recipe=None):
+                pass
+            with megatron_random.activation_recompute_forward(activation_recompute=True, recompute_phase=True):
+                pass
+    assert (megatron_random._get_cuda_rng_state, megatron_random._set_cuda_rng_state) == original
+    assert {name: hasattr(megatron_random, name) for name in te_names} == before
 
 
 def test_is_a_noop_when_cuda_is_available(monkeypatch):
@@ -135,6 +159,24 @@ def test_stock_model_trains_with_the_stock_schedule(world, kind):
     names = {name for name, p in model.named_parameters() if p.requires_grad}
     assert set(result.grads) == names
     assert all(torch.isfinite(g).all() for g in result.grads.values())
+
+
+def test_selective_recompute_with_output_discarding_runs_and_changes_nothing(world):
+    """``recompute_modules=["layernorm"]`` (megatron's ``CheckpointWithoutOutput``, NOTE
+    [CPU mode] 5 and 6), dropout on: losses and gradients equal the run without it."""
+    def train(**overrides):
+        torch.manual_seed(7)
+        config = tiny_transformer_config(num_layers=2, hidden_size=64, num_attention_heads=4, hidden_dropout=0.1,
+                                         **overrides)
+        model = build_gpt(config, vocab_size=VOCAB, seq_len=SEQ)
+        data = SyntheticData("gpt", MBS, SEQ, VOCAB, seed=3)
+        return model, run_steps([model], gpt_forward_step, data, NMB, SEQ, MBS, steps=2)
+
+    _, plain = train()
+    model, selective = train(recompute_granularity="selective", recompute_modules=["layernorm"])
+    assert all(layer.recompute_input_layernorm and layer.recompute_pre_mlp_layernorm for layer in model.decoder.layers)
+    assert all(torch.equal(a, b) for a, b in zip(plain.losses, selective.losses, strict=True))
+    assert [n for n in plain.grads if not torch.equal(plain.grads[n], selective.grads[n])] == []
 
 
 @pytest.mark.parametrize("kind", sorted(MODELS))

@@ -204,6 +204,8 @@ _MEGATRON = [
     ("recompute_granularity", "full", "selective", "--recompute-granularity = 'full'", "--ssd-offload-planner recompute"),
     ("use_legacy_models", True, False, "--use-legacy-models = True", "layer specs"),
     ("cuda_graph_impl", "local", "none", "--cuda-graph-impl = 'local'", "saved-tensor hooks"),
+    ("enable_cuda_graph", True, False, "--enable-cuda-graph = True", "--cuda-graph-impl none"),
+    ("external_cuda_graph", True, False, "--external-cuda-graph = True", "--cuda-graph-impl none"),
     ("overlap_moe_expert_parallel_comm", True, False, "--overlap-moe-expert-parallel-comm = True", "1F1B"),
 ]
 

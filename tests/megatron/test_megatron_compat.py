@@ -8,9 +8,10 @@ import importlib
 import inspect
 
 import pytest
+import torch
 
 from megatron_ssd.errors import ConfigError
-from megatron_ssd.megatron import compat, cpu_pretrain, get_forward_backward_func, integration, launcher
+from megatron_ssd.megatron import compat, cpu_mode, cpu_pretrain, get_forward_backward_func, integration, launcher
 
 
 @pytest.mark.parametrize("version", [(0, 16, 1), (0, 17, 0), (0, 18, 2), (0, 19, 0), (0, 19, 2)])
@@ -150,3 +151,15 @@ def test_the_integration_points_are_importable_from_the_package():
 
     for name in ("add_ssd_offload_args", "validate_ssd_offload_args", "offload_config_from_args"):
         assert getattr(package, name) is getattr(args, name) and name in package.__all__
+
+
+def test_hide_cuda_makes_cuda_unusable_for_the_cpu_path(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # as on a GPU machine
+    assert cpu_mode.cuda_usable()
+    with cpu_mode.hide_cuda():
+        with cpu_mode.hide_cuda():
+            assert not cpu_mode.cuda_usable()
+        assert not cpu_mode.cuda_usable(), "counted: the outer block still hides"
+        with cpu_mode.cpu_mode() as active:
+            assert active, "CPU mode redirects without force while CUDA is hidden"
+    assert cpu_mode.cuda_usable()

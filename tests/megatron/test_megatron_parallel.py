@@ -15,6 +15,9 @@ cost): the same tiny GPT, the same seeds and data, two SGD steps of four micro-b
   exact and the rest is compared with a tolerance;
 - tensor parallel size 2: row-parallel layers sum partial products across ranks, so
   results are close, not identical.
+
+Everything runs on CPU tensors over gloo, on a GPU machine too (NOTE [Hidden CUDA]: the
+``cpu_only`` fixture, and each spawned child hides CUDA itself).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from megatron.core import parallel_state
 
 from megatron_ssd.errors import ConfigError, MegatronSSDError
 from megatron_ssd.workloads.harness import SyntheticData, gpt_forward_step, run_steps
+from megatron_ssd.megatron.cpu_mode import hide_cuda
 from megatron_ssd.megatron.launch import spawn
 from megatron_ssd.workloads.models import (
     build_gpt,
@@ -36,7 +40,7 @@ from megatron_ssd.workloads.models import (
 )
 from megatron_ssd.workloads.parallel import destroy_parallel, init_parallel
 
-pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="gloo/CPU layout test")
+pytestmark = pytest.mark.usefixtures("cpu_only")
 
 VOCAB, SEQ, MBS, NMB, LAYERS = 128, 32, 2, 4, 4
 
@@ -73,10 +77,11 @@ LAYOUTS = {
 
 
 def run_all_layouts() -> dict:
-    try:
-        return {name: _run_layout(*layout) for name, layout in LAYOUTS.items()}
-    finally:
-        destroy_parallel()
+    with hide_cuda():  # a spawned child: gloo and CPU models on any machine
+        try:
+            return {name: _run_layout(*layout) for name, layout in LAYOUTS.items()}
+        finally:
+            destroy_parallel()
 
 
 @pytest.fixture(scope="module")

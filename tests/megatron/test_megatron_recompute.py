@@ -6,6 +6,10 @@ megatron's RNG tracker, so there they also check the tracker replay.
 
 from __future__ import annotations
 
+import contextlib
+import sys
+import types
+
 import pytest
 import torch
 import torch.utils.checkpoint as torch_checkpoint
@@ -13,10 +17,11 @@ from megatron.core import tensor_parallel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.spec_utils import build_module
 
+from megatron_ssd.megatron import compat
 from megatron_ssd.megatron.attention import cpu_layer_spec
 from megatron_ssd.workloads.models import tiny_transformer_config
 from megatron_ssd.workloads.parallel import destroy_parallel, init_parallel
-from megatron_ssd.megatron.recompute import RNGReplay, checkpoint_layer, checkpoint_module
+from megatron_ssd.megatron.recompute import QuantizationReplay, RNGReplay, checkpoint_layer, checkpoint_module
 
 
 @pytest.fixture(scope="module")
@@ -169,3 +174,166 @@ def test_outer_hooks_see_only_the_positional_inputs(world):
     assert len(plain.packed) > 10, "without checkpointing the layer saves many tensors"
     out.sum().backward()
     assert x.grad is not None
+
+
+# ------------------------------------------------------------------ FP8 under RECOMPUTE
+
+
+class FakeTransformerEngine:
+    """Transformer Engine's quantization state as ``compat.te_quantization`` reads it, in
+    modules put into ``sys.modules``; records every context entered. ``layout`` is
+    ``"2.9"`` (``quantization.autocast(recipe=)``) or ``"2.8"`` (``fp8.fp8_autocast(fp8_recipe=)``).
+    """
+
+    def __init__(self, layout: str):
+        self.enabled = False
+        self.recipe = None
+        self.phase = None  # activation_recompute_forward's recompute_phase while inside one
+        self.events = []
+        fake = self
+
+        class FP8GlobalStateManager:
+            @staticmethod
+            def is_fp8_enabled():
+                return fake.enabled
+
+            @staticmethod
+            def get_fp8_recipe():
+                return fake.recipe
+
+        @contextlib.contextmanager
+        def activation_recompute_forward(activation_recompute=False, recompute_phase=False):
+            saved = fake.phase
+            fake.phase = recompute_phase if activation_recompute else None
+            fake.events.append(("region", recompute_phase))
+            try:
+                yield
+            finally:
+                fake.phase = saved
+
+        @contextlib.contextmanager
+        def autocast(enabled=True, recipe=None):
+            saved = fake.enabled, fake.recipe
+            fake.enabled, fake.recipe = enabled, recipe
+            fake.events.append(("autocast", enabled, recipe))
+            try:
+                yield
+            finally:
+                fake.enabled, fake.recipe = saved
+
+        self.autocast = autocast
+        pytorch = types.ModuleType("transformer_engine.pytorch")
+        distributed = types.ModuleType("transformer_engine.pytorch.distributed")
+        distributed.activation_recompute_forward = activation_recompute_forward
+        self.modules = {
+            "transformer_engine": types.ModuleType("transformer_engine"),
+            "transformer_engine.pytorch": pytorch,
+            "transformer_engine.pytorch.distributed": distributed,
+        }
+        if layout == "2.9":
+            quantization = types.ModuleType("transformer_engine.pytorch.quantization")
+            quantization.FP8GlobalStateManager, quantization.autocast = FP8GlobalStateManager, autocast
+            self.modules["transformer_engine.pytorch.quantization"] = quantization
+        else:
+            fp8 = types.ModuleType("transformer_engine.pytorch.fp8")
+            fp8.FP8GlobalStateManager = FP8GlobalStateManager
+            fp8.fp8_autocast = lambda enabled=True, fp8_recipe=None: autocast(enabled=enabled, recipe=fp8_recipe)
+            self.modules["transformer_engine.pytorch.fp8"] = fp8
+
+    def install(self, monkeypatch):
+        for name in [n for n in sys.modules if n == "transformer_engine" or n.startswith("transformer_engine.")]:
+            monkeypatch.delitem(sys.modules, name)
+        for name, module in self.modules.items():
+            monkeypatch.setitem(sys.modules, name, module)
+
+    def state(self):
+        return self.enabled, self.recipe, self.phase
+
+
+@pytest.mark.parametrize("layout", ["2.9", "2.8"])
+@pytest.mark.parametrize("fp8", [True, False])
+def test_recompute_runs_under_the_forward_quantization_state(world, monkeypatch, layout, fp8):
+    """NOTE [FP8 under RECOMPUTE]: the recomputation sees the FP8 flag and recipe the
+    forward saw, inside TE's recompute region; the backward around it does not."""
+    te = FakeTransformerEngine(layout)
+    te.install(monkeypatch)
+    layer = _layer(0.0)
+    device = next(layer.parameters()).device
+    x = torch.randn(32, 2, 64, device=device, requires_grad=True)
+    seen = []
+
+    def forward(hidden_states):
+        seen.append(te.state())
+        return layer.forward(hidden_states, attention_mask=None)
+
+    recipe = object()
+    with te.autocast(enabled=fp8, recipe=recipe if fp8 else None):
+        out, _ = checkpoint_layer(forward, x)
+    assert te.state() == (False, None, None)
+    (out ** 2).sum().backward()
+    expected = recipe if fp8 else None
+    assert seen == [(fp8, expected, False), (fp8, expected, True)], "forward, then its recomputation"
+    assert te.state() == (False, None, None), "the backward's state is back after the recomputation"
+    assert ("autocast", fp8, expected) in te.events[1:], "the autocast was re-entered for the recomputation"
+
+
+def test_without_transformer_engine_there_is_no_quantization_state(monkeypatch):
+    for name in [n for n in sys.modules if n == "transformer_engine" or n.startswith("transformer_engine.")]:
+        monkeypatch.delitem(sys.modules, name)
+    assert compat.te_quantization() is None
+    replay = QuantizationReplay()
+    forward_ctx, recompute_ctx = replay.context_fn()
+    with forward_ctx, recompute_ctx:
+        assert replay.engine is None and replay.enabled is False
+
+
+@pytest.mark.gpu
+@pytest.mark.te
+def test_te_fp8_layer_under_recompute_matches_the_plain_layer(world):
+    """A Transformer Engine layer run in FP8 (delayed scaling): plain, and recomputed by
+    ``checkpoint_layer`` with backward outside the autocast, as a transformer block runs
+    its layers. Needs a GPU with FP8 (Hopper or later) and Transformer Engine."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+
+    quantization = compat.te_quantization()
+    try:
+        from transformer_engine.pytorch.quantization import check_fp8_support
+    except ImportError:
+        from transformer_engine.pytorch.fp8 import check_fp8_support
+    from transformer_engine.common.recipe import DelayedScaling
+
+    available, reason = check_fp8_support()
+    if not available:
+        pytest.skip(f"FP8 not supported here: {reason}")
+    config = tiny_transformer_config(1, 128, 4, fp8="hybrid", params_dtype=torch.bfloat16, bf16=True)
+    spec = get_gpt_layer_with_transformer_engine_spec()
+    torch.manual_seed(0)
+    reference = build_module(spec, config=config, layer_number=1).cuda()
+    state = reference.state_dict()
+
+    def run(recompute: bool, replay: bool = True):
+        layer = build_module(spec, config=config, layer_number=1).cuda()
+        layer.load_state_dict(state)
+        x = torch.randn(32, 2, 128, generator=torch.Generator().manual_seed(1)).to("cuda", torch.bfloat16)
+        x.requires_grad_()
+        with quantization.autocast(True, DelayedScaling()):
+            if not recompute:
+                out, _ = layer(x, attention_mask=None)
+            elif replay:
+                out, _ = checkpoint_layer(layer.forward, x, attention_mask=None)
+            else:  # control: torch's checkpoint alone recomputes outside FP8
+                out, _ = torch_checkpoint.checkpoint(layer.forward, x, attention_mask=None, use_reentrant=False)
+        (out.float() ** 2).sum().backward()
+        return out.detach(), x.grad, {n: p.grad.clone() for n, p in layer.named_parameters() if p.grad is not None}
+
+    plain, again, recomputed = run(False), run(False), run(True)
+    unreplayed = run(True, replay=False)
+
+    def diff(a, b):
+        return max([(a[0].float() - b[0].float()).abs().max().item(), (a[1].float() - b[1].float()).abs().max().item()]
+                   + [(a[2][n].float() - b[2][n].float()).abs().max().item() for n in a[2]])
+
+    noise = diff(plain, again)  # 0 unless the attention backward accumulates with atomics
+    assert plain[2].keys() == recomputed[2].keys()
+    assert diff(plain, recomputed) <= noise
+    assert diff(plain, unreplayed) > noise, "control: recomputing outside FP8 changes the gradients"
