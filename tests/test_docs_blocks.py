@@ -188,7 +188,9 @@ def _train_lines() -> List[str]:
 
     def phase(name, peak):
         return {"name": name, "peak_activation_bytes": peak, "median_step_s": 1.0, "step_s": [1.0] * 8,
-                "measured_steps": 8, "measured_kind": "measured", "bytes_written_per_step": 1.0}
+                "measured_steps": 8, "measured_kind": "measured", "bytes_written_per_step": 1.0,
+                "independent_peak_bytes": 2 * peak, "independent_peak_source": "rss (vmhwm)",
+                "peak_rss_above_base_bytes": 2 * peak}
 
     keep, off = phase("keep-everything", 3 << 20), phase("offload (auto)", 1 << 20)
     paired = {"median_ratio": 1.2, "pairs": 3, "ratio_ci95": [1.1, 1.3]}

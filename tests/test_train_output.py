@@ -69,12 +69,30 @@ def test_a_ratio_from_few_steps_carries_its_interval_and_a_warning():
     keep = _phase("keep-everything", [1.0, 1.1, 0.9])
     off = dict(_phase("offload (auto)", [1.2, 1.3, 1.1, 1.25]), peak_activation_bytes=40 << 20)
     line = format_comparison(keep, off)
-    assert line.startswith("activation memory saved: 60.0 MiB (60% of keep-everything), step time 1.25x "
+    assert line.startswith("activation memory saved: 60.0 MiB (60% of keep-everything, by the cache's count), "
+                           "step time 1.25x "
                            "keep-everything (95% interval ")
     assert "medians of 4 and 3 measured steps); WARNING: from 4 and 3 measured steps, too few" in line
     many = format_comparison(_phase("k", [1.0] * FEW_STEPS), _phase("o", [1.5] * FEW_STEPS))
     assert "step time 1.50x keep-everything (95% interval 1.50-1.50; medians of 5 and 5" in many
     assert "WARNING" not in many
+
+
+def test_the_headline_memory_is_the_independent_measure_with_the_cache_count_after_it():
+    """NOTE [Headline memory]: max_memory_allocated on a GPU, RSS on a CPU; the cache's
+    count alone only where neither was measured."""
+    gpu = {"independent_peak_source": "cuda_max_memory_allocated"}
+    keep = dict(_phase("keep-everything", [1.0] * 5), independent_peak_bytes=1000 << 20, **gpu)
+    off = dict(_phase("offload (auto)", [1.0] * 5), independent_peak_bytes=250 << 20, peak_activation_bytes=40 << 20,
+               **gpu)
+    line = format_comparison(keep, off)
+    assert line.startswith("memory saved: 750.0 MiB (75% of keep-everything's peak; torch.cuda.max_memory_allocated "
+                           "above the pre-forward level), activations counted by the cache 60.0 MiB, step time")
+    cpu = {"independent_peak_source": "rss (vmhwm)"}
+    line = format_comparison(dict(keep, **cpu), dict(off, **cpu))
+    assert "(75% of keep-everything's peak; process RSS above the pre-forward level)" in line
+    assert format_comparison(_phase("k", [1.0] * 5), _phase("o", [1.0] * 5)).startswith(
+        "activation memory saved: 0.0 MiB (0% of keep-everything, by the cache's count)")
 
 
 def test_an_unmeasured_phase_gets_no_ratio():

@@ -16,7 +16,7 @@ from ..cache.stats import ratio_ci95
 from ..planner import Plan
 
 __all__ = ["FEW_STEPS", "step_kinds", "short_run_problems", "step_line", "format_plans", "format_paired",
-           "format_comparison"]
+           "format_comparison", "memory_saved"]
 
 FEW_STEPS = 5
 """A step-time ratio from fewer measured steps than this (either side) is printed with a
@@ -110,12 +110,34 @@ def format_paired(paired: Dict[str, Any]) -> str:
             f"(median of {paired['pairs']} pairs; 95% interval {lo:.3f}-{hi:.3f})")
 
 
+_INDEPENDENT = {"cuda_max_memory_allocated": "torch.cuda.max_memory_allocated above the pre-forward level"}
+"""How the headline names its measure, by ``independent_peak_source``; RSS otherwise."""
+
+
+def memory_saved(keep: Dict[str, Any], off: Dict[str, Any]) -> str:
+    """The headline's memory part (NOTE [Headline memory])."""
+    counted = keep["peak_activation_bytes"] - off["peak_activation_bytes"]
+    k, o = keep.get("independent_peak_bytes"), off.get("independent_peak_bytes")
+    if not k or o is None:
+        return (f"activation memory saved: {counted / MiB:.1f} MiB "
+                f"({100 * counted / keep['peak_activation_bytes']:.0f}% of keep-everything, by the cache's count)")
+    source = keep.get("independent_peak_source") or ""
+    how = _INDEPENDENT.get(source, "process RSS above the pre-forward level")
+    return (f"memory saved: {(k - o) / MiB:.1f} MiB ({100 * (k - o) / k:.0f}% of keep-everything's peak; {how}), "
+            f"activations counted by the cache {counted / MiB:.1f} MiB")
+
+
 def format_comparison(keep: Dict[str, Any], off: Dict[str, Any]) -> str:
     """The last line: memory saved, and the step-time ratio with its 95% interval, or why
-    there is none (NOTE [Step kinds]); a warning when either side has few steps."""
-    saved = keep["peak_activation_bytes"] - off["peak_activation_bytes"]
-    memory = (f"activation memory saved: {saved / MiB:.1f} MiB "
-              f"({100 * saved / keep['peak_activation_bytes']:.0f}% of keep-everything)")
+    there is none (NOTE [Step kinds]); a warning when either side has few steps.
+
+    NOTE [Headline memory]: the memory saved is measured by something other than the
+    cache: on a GPU ``torch.cuda.max_memory_allocated`` above the level before the
+    phase's first forward, on a CPU the process's RSS above it (the phases'
+    ``independent_peak_bytes``, :class:`~megatron_ssd.memory.PhaseMemory`). The cache's
+    own count follows it; it alone is shown only where no independent measure exists.
+    """
+    memory = memory_saved(keep, off)
     unmeasured = [p["name"] for p in (keep, off) if p.get("measured_kind", "measured") != "measured"]
     if unmeasured:
         return f"{memory}; no step-time ratio: {', '.join(unmeasured)} has no measured step"

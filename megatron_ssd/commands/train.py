@@ -39,6 +39,7 @@ from ..workloads.models import build_gpt, tiny_transformer_config
 from ..workloads.parallel import destroy_parallel, init_parallel
 from .output import Progress, write_json
 from .steps import format_comparison, format_paired, format_plans, short_run_problems, step_kinds, step_line
+from .timing import StepTimer, synchronized
 
 __all__ = ["TrainRecipe", "PhaseResult", "run_train", "format_summary"]
 
@@ -56,6 +57,8 @@ class PhaseResult:
     """Memory measured independently of the cache (:meth:`PhaseMemory.summary`)."""
     kinds: List[str] = field(default_factory=list)
     """What each step was (NOTE [Step kinds]): ``warm-up``, ``profile`` or ``measured``."""
+    device_step_s: List[float] = field(default_factory=list)
+    """On a GPU, each step's CUDA-event time (NOTE [Device step time]); empty on a CPU."""
 
     @property
     def measured_kind(self) -> str:
@@ -83,6 +86,7 @@ class PhaseResult:
         """Medians over the measured steps; peaks over them."""
         m = self.measured
         step_s = med([s.wall_s for s in m])
+        device = [t for t, k in zip(self.device_step_s, self.kinds) if k == "measured"] or self.device_step_s[-1:]
         written = med([s.bytes_offloaded for s in m])
         return {
             "name": self.label,
@@ -93,6 +97,9 @@ class PhaseResult:
             "peak_activation_bytes": max(s.peak_resident_bytes for s in m),
             "median_step_s": step_s,
             "step_s": [s.wall_s for s in m],
+            # NOTE [Device step time]: CUDA events on a GPU; None on a CPU
+            "device_step_s": device or None,
+            "median_device_step_s": med(device) if device else None,
             "cpu_s_per_step": med([s.cpu_s for s in m]),
             "io_cpu_s_per_step": med([s.io_cpu_s for s in m]),
             "bytes_written_per_step": written,
@@ -109,6 +116,7 @@ class PhaseResult:
             "peak_host_bytes": max(s.peak_host_bytes for s in m),
             "ssd_bytes_written_per_day": written / step_s * 86400 if step_s else 0.0,
             "final_loss": self.losses[-1] if self.losses else None,
+            "losses": list(self.losses),
             **self.memory,
         }
 
@@ -191,16 +199,21 @@ class TrainRecipe:
                         metrics.write(stats, len(sink))
 
             schedule = get_forward_backward_func(cache=cache, on_step=on_step)
+            if self.device == "cuda":  # NOTE [Device step time]: finish_step after the step's last kernel
+                schedule.inner = synchronized(schedule.inner)
+            timer = StepTimer(self.device)
             optimizer = SGD(lr=cfg.lr)
             config = self.model.config
             config.finalize_model_grads_func = config.finalize_model_grads_func or finalize_embedding_grads
 
             def run_step(step: int) -> float:
+                timer.start()
                 losses, _ = train_step(
                     [self.model], gpt_forward_step, [self.data(step)], step,
                     num_microbatches=cfg.num_microbatches, seq_length=cfg.model.seq_length,
                     micro_batch_size=cfg.micro_batch_size, forward_backward_func=schedule, optimizer_step=optimizer,
                 )
+                timer.stop()
                 return statistics.fmean(losses.tolist())
 
             memory.start()  # NOTE [Independent memory]: the level right before the first forward
@@ -210,6 +223,8 @@ class TrainRecipe:
                 loss = run_step(step)
                 memory.step_end()
                 result.losses.append(loss)
+                if timer.enabled:
+                    result.device_step_s.append(timer.last_s)
                 progress.step(step_line(result.kinds[step], loss, result.steps[-1]))
             progress.close()
             if metrics is not None:
@@ -223,11 +238,11 @@ class TrainRecipe:
             result.memory = memory.summary(result.measured_from)
             if pairs:
                 sink = []
-                self.paired = self._pairs(cache, run_step, next_step, pairs, sink)
+                self.paired = self._pairs(cache, run_step, next_step, pairs, sink, timer)
         return result
 
     def _pairs(self, cache: TensorCache, run_step: Any, first_step: int, pairs: int,
-               sink: List[StepStats]) -> Dict[str, Any]:
+               sink: List[StepStats], timer: StepTimer) -> Dict[str, Any]:
         """``pairs`` pairs of steps, keep-everything against the cache's final placement.
 
         NOTE [Paired steps]: the two steps of a pair run back to back in one process, so
@@ -248,7 +263,8 @@ class TrainRecipe:
         one settle step against 3.960 s in its own fresh run (+7%), and 3.920 against
         3.911 s with two; keep-last stayed within 2.5% either way. The planner sees none
         of these steps: it neither re-plans nor profiles. They continue training, so the model after them differs from the
-        offload phase's (``final_loss`` stays the offload phase's).
+        offload phase's (``final_loss`` stays the offload phase's). On a GPU each timed step's
+        time is its CUDA-event time (NOTE [Device step time]), elsewhere its ``wall_s``.
         """
         plan, read_ahead, sites, default = cache.plan(), cache.read_ahead(), cache.sites(), cache.default_placement
         keep_s: List[float] = []
@@ -264,7 +280,7 @@ class TrainRecipe:
                 for _ in range(settle + 1):  # the last one is timed
                     loss = run_step(step)
                     step += 1
-                (keep_s if keep else offload_s).append(sink[-1].wall_s)
+                (keep_s if keep else offload_s).append(timer.last_s if timer.enabled else sink[-1].wall_s)
                 written[keep] += sink[-1].bytes_offloaded
             progress.step(step_line("pair", loss, sink[-1]))
         progress.close()
@@ -272,6 +288,7 @@ class TrainRecipe:
         cache.default_placement = default
         ratios = [o / k for o, k in zip(offload_s, keep_s)]
         return {"pairs": pairs, "settle_steps": settle, "steps_run": len(sink) - recorded,
+                "timing": "cuda_events" if timer.enabled else "wall_s",
                 "keep_step_s": keep_s, "offload_step_s": offload_s, "ratios": ratios,
                 "median_ratio": statistics.median(ratios), "ratio_ci95": median_ci95(ratios),
                 "keep_bytes_written": written[True], "offload_bytes_written_per_step": written[False] / pairs}
@@ -429,12 +446,7 @@ def format_summary(phases: Sequence[Dict[str, Any]]) -> str:
         lines.append(label.ljust(width) + "".join(cells))
     if len(phases) >= 2 and phases[0]["peak_activation_bytes"]:
         keep, off = phases[0], phases[-1]
-        lines.append("\n" + format_comparison(keep, off))
-        if keep.get("independent_peak_bytes"):
-            measured = keep["independent_peak_bytes"] - off.get("independent_peak_bytes", 0)
-            lines.append(f"measured peak lower by {measured / MiB:.1f} MiB "
-                         f"({100 * measured / keep['independent_peak_bytes']:.0f}% of keep-everything's; "
-                         f"{off.get('independent_peak_source', '')}, same process)")
+        lines.append("\n" + format_comparison(keep, off))  # NOTE [Headline memory] in steps.py
     return "\n".join(lines)
 
 
