@@ -60,8 +60,8 @@ class PlanEvent:
 # step took 2.24 s against 1.94 s after a KEEP step, and an OFFLOAD step after a KEEP
 # step skips the page faults its own steady state pays, so alternating made offloading
 # look 7.8% slower than keeping where it was 30% slower (docs/planner.md).
-# A KEEP step holds every activation: on a GPU where keep-everything does not fit, set
-# ``profile_steps = 1`` with a memory budget, which profiles under OFFLOAD only.
+# A KEEP step holds every activation, which a user of this plugin often cannot hold: see
+# NOTE [Profiling within the capacity].
 # When RECOMPUTE may be chosen (``recompute_profile_steps``), a RECOMPUTE block runs
 # between the two, after its own settle steps (NOTE [Pricing recompute]).
 
@@ -82,6 +82,24 @@ class PlanEvent:
 # sum matched the step (2.20 s of 2.30 s extra; factor 2.3). With no KEEP steps to
 # compare against, the offload steps' compute (stalls and write waits taken out)
 # stands in.
+
+
+# NOTE [Profiling within the capacity]
+# No step may hold more saved bytes than the device's activation capacity
+# (``activation_capacity_bytes``, or on a CUDA device its free memory measured before the
+# first step), the warm-up and profiling steps included: a KEEP profiling step on a
+# device that cannot hold keep-everything is an out-of-memory error before any plan
+# exists. So when a capacity is known, the first step runs every layer OFFLOAD under the
+# cache's capacity guard (NOTE [Capacity guard] in ``cache/policy.py``), which holds it
+# within the capacity whatever the drives do, and measures what each layer saves. From
+# it: keep-everything would hold the step's ``peak_saved_bytes``; RECOMPUTE would hold
+# each micro-batch in flight's layer inputs and outside-layer tensors, plus one layer's
+# saved bytes while it is recomputed. A block whose placement would not fit runs OFFLOAD
+# instead (the KEEP block and the default placement's block, which keeps the last
+# layers, as one: keep-everything either fits or not), and those steps are measured as
+# OFFLOAD steps. Without KEEP steps the profile takes keep-everything's compute times
+# from the OFFLOAD steps with their read stalls and write waits taken out (``stage_from_
+# stats``), so keep-everything is priced without being run.
 
 
 @dataclass(frozen=True)
@@ -366,6 +384,20 @@ class AdaptivePlanner:
             self._fixed = Placement(config.mode)
         else:
             self._fixed = None
+        self.capacity_at_start: Optional[int] = None
+        """The activation capacity measured before the first step (None: none applies);
+        the cache's guard holds every step within it (NOTE [Profiling within the capacity])."""
+        self.fits: Dict[str, bool] = {}
+        """Whether keep-everything and RECOMPUTE fit the capacity, decided after the first
+        step (empty: no capacity, or not decided yet)."""
+        self.fit_bytes: Dict[str, int] = {}
+        """What that decision compared: each placement's estimated peak and the capacity."""
+        self.placed: List[str] = []
+        """The placement each profiling step ran (``keep``, ``recompute``, ``offload``,
+        ``default``)."""
+        if self._fixed is None:
+            self.capacity_at_start = self.activation_capacity()
+            self.cache.policy.resident_limit = self.capacity_at_start
         self.before_step()
 
     def before_step(self) -> None:
@@ -373,7 +405,47 @@ class AdaptivePlanner:
         if self._fixed is not None:
             self._place_all(self._fixed)
         elif self._steps_seen < len(self._schedule):
-            self._place_all(self._schedule[self._steps_seen].placement)
+            placement = self._profile_placement(self._steps_seen)
+            self.placed.append(placement.value if placement is not None else "default")
+            self._place_all(placement)
+
+    def _profile_placement(self, step: int) -> Optional[Placement]:
+        """What profiling step ``step`` runs: the schedule's placement, or OFFLOAD where a
+        capacity rules it out (NOTE [Profiling within the capacity])."""
+        planned = self._schedule[step].placement
+        if self.capacity_at_start is None:
+            return planned
+        if step == 0:
+            return Placement.OFFLOAD
+        if planned is Placement.RECOMPUTE:
+            return planned if self.fits.get("recompute", False) else Placement.OFFLOAD
+        return planned if self.fits.get("keep", False) else Placement.OFFLOAD
+
+    def _decide_fits(self, stats: Any) -> None:
+        """From the first step (every layer OFFLOAD): which placements the capacity holds
+        (NOTE [Profiling within the capacity])."""
+        capacity = self.capacity_at_start
+        keep = stats.peak_saved_bytes
+        in_flight = max(1, stats.peak_open_microbatches)
+        held = largest = 0
+        for layer_id, lc in stats.layers.items():
+            if not lc.microbatches:
+                continue
+            per_mb = (lc.saved_bytes + lc.small_bytes + lc.unmovable_bytes) // lc.microbatches
+            if layer_id in OUTSIDE or layer_id is None:
+                held += per_mb
+            else:
+                held += lc.input_bytes // lc.microbatches
+                largest = max(largest, per_mb)
+        recompute = held * in_flight + largest
+        self.fits = {"keep": keep <= capacity, "recompute": recompute <= capacity}
+        self.fit_bytes = {"keep": keep, "recompute": recompute, "capacity": capacity}
+        if not self.fits["keep"]:
+            logger.warning(
+                "megatron_ssd: keep-everything would hold %.1f MiB of activations, over the %.1f MiB capacity: "
+                "the profile runs offloaded instead of keeping every layer%s",
+                keep / 2**20, capacity / 2**20,
+                "" if self.fits["recompute"] else f", and RECOMPUTE (about {recompute / 2**20:.1f} MiB) does not fit either")
 
     def _place_all(self, placement: Optional[Placement]) -> None:
         """Place every layer alike; None restores the cache's ``keep_last_layers`` rule."""
@@ -392,9 +464,11 @@ class AdaptivePlanner:
             return
         if step < len(self._schedule):  # NOTE [Profiling steps]
             planned = self._schedule[step]
+            if step == 0 and self.capacity_at_start is not None:
+                self._decide_fits(stats)
             if planned.measured:
-                measured = {Placement.KEEP: self._keep_steps, Placement.RECOMPUTE: self._recompute_steps}
-                measured.get(planned.placement, self._offload_steps).append(stats)
+                measured = {"keep": self._keep_steps, "recompute": self._recompute_steps}
+                measured.get(self.placed[step], self._offload_steps).append(stats)
             if step == len(self._schedule) - 1:
                 self.cache.default_placement = None
                 self._make_plan(step, "profile")
@@ -430,6 +504,8 @@ class AdaptivePlanner:
             max_slowdown=self.config.max_slowdown,
         )
         self._check_space(plan)
+        if self.capacity_at_start is not None:  # NOTE [Capacity guard]: the capacity measured now
+            self.cache.policy.resident_limit = self.activation_capacity()
         self.plan = plan
         self.cache.set_plan({lp.layer_id: lp.placement for lp in plan.layers}, plan.read_ahead_by_layer(),
                             plan.sites_by_layer())
@@ -483,6 +559,10 @@ class AdaptivePlanner:
         return {
             "mode": self.config.mode,
             "profile": self.profile.to_dict() if self.profile is not None else None,
+            "capacity_at_start_bytes": self.capacity_at_start,
+            "profile_placements": list(self.placed),
+            "fits": dict(self.fits),
+            "fit_bytes": dict(self.fit_bytes),
             "replans": self.replans,
             "fell_behind": self.fell_behind,
             "events": [

@@ -71,6 +71,9 @@ class StepAccountingMixin:
                 bytes_write_cancelled=c.bytes_write_cancelled,
                 bytes_discarded=c.bytes_discarded,
                 prefetch_deferred=c.prefetch_deferred,
+                peak_saved_bytes=c.peak_live_bytes,
+                capacity_waits=c.capacity_waits,
+                peak_open_microbatches=c.peak_open_records,
             )
             self._engine_base = es
             self._step += 1

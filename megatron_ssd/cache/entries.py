@@ -48,6 +48,10 @@ from .stats import Counters, LayerCounters
 
 __all__ = ["EntryTable"]
 
+
+class _NoRoom(Exception):
+    """A prefetch would take the resident bytes over the capacity guard's limit."""
+
 logger = logging.getLogger("megatron_ssd")
 
 
@@ -77,6 +81,11 @@ class EntryTable:
         """The step's counters, swapped by :meth:`take_step`."""
         self.resident = 0
         """Bytes of saved tensors held in memory now."""
+        self.live = 0
+        """Bytes of every saved tensor alive now, wherever its bytes are (memory, a drive,
+        the host pool): what keeping everything would hold."""
+        self._room = threading.Condition(self.lock)
+        """Notified when resident bytes may have dropped (NOTE [Capacity guard] in ``policy.py``)."""
         self.records: Dict[Hashable, Record] = {}
         """Records whose forward or backward is not finished, by key."""
         self.closed = False
@@ -99,6 +108,7 @@ class EntryTable:
             if key in self.records:
                 raise CacheStateError(f"microbatch key {key!r} is already open; keys must be unique in flight")
             self.records[key] = record
+            self.counters.peak_open_records = max(self.counters.peak_open_records, len(self.records))
         return record
 
     def forward_ended(self, record: Record) -> None:
@@ -168,11 +178,14 @@ class EntryTable:
         if nbytes >= self.config.min_tensor_bytes and not unmovable:
             site = record.sites.get(layer_id, 0)  # NOTE [Sites] in planner/profile.py
             record.sites[layer_id] = site + 1
-        placement = Placement.KEEP if unmovable else self.policy.tensor(layer_id, site)  # NOTE [One placement policy]
+        placement = (Placement.KEEP if unmovable else  # NOTE [One placement policy]
+                     self.policy.tensor(layer_id, site, self.resident + nbytes))
         entry = Entry(key, nbytes, t.device, layer_id, placement, record, weak=storage_weakref(t) if plain else None,
                       refs=1, site=site)
         entry.releasable = self.return_pages and placement is Placement.OFFLOAD and allocator_owned(t)
         self._set_data(entry, data)
+        self.live += nbytes
+        self.counters.peak_live_bytes = max(self.counters.peak_live_bytes, self.live)
         record.entries[key] = entry
         record.live += 1
         record.add_layer_entry(layer_id, entry)
@@ -199,6 +212,8 @@ class EntryTable:
         self.resident += new - old
         if self.resident > self.counters.peak_resident_bytes:
             self.counters.peak_resident_bytes = self.resident
+        if new < old:
+            self._room.notify_all()
 
     # ------------------------------------------------------------------ writes
 
@@ -213,11 +228,10 @@ class EntryTable:
         block = self.config.io.on_backpressure == "wait"
         started = self.clock.mark()
         future = store.put(entry.data, block=block)  # the host pool never blocks (NOTE [Host pool bound])
-        ended = self.clock.mark()
         with self.lock:
             lc = self.layer(entry.layer)
-            self.clock.add(started, ended, partial(_add, lc, "write_wait_s"))
             if future is None:
+                self.clock.add(started, self.clock.mark(), partial(_add, lc, "write_wait_s"))
                 entry.placement = Placement.KEEP
                 self.counters.backpressure_keeps += 1
                 self.counters.bytes_kept += entry.nbytes
@@ -228,6 +242,20 @@ class EntryTable:
             entry.write_future = future
             self._writes.add(future)
         future.add_done_callback(partial(self._write_done, entry))
+        self._wait_for_room()
+        with self.lock:
+            self.clock.add(started, self.clock.mark(), partial(_add, lc, "write_wait_s"))
+
+    def _wait_for_room(self) -> None:
+        """Block while the resident bytes exceed the policy's limit and writes are in
+        flight that would lower them (NOTE [Capacity guard] in ``policy.py``)."""
+        limit = self.policy.resident_limit
+        if limit is None:
+            return
+        with self._room:
+            while self.resident > limit and self._writes and not self.closed:
+                self.counters.capacity_waits += 1
+                self._room.wait()
 
     def _write_done(self, entry: Entry, future: IOFuture) -> None:
         # See NOTE [Entry lifetime]. Runs on an engine thread.
@@ -235,6 +263,7 @@ class EntryTable:
         with self.lock:
             entry.write_future = None
             self._writes.discard(future)
+            self._room.notify_all()
             if isinstance(error, WriteCancelled):  # NOTE [Cancelled writes] in io/striped.py
                 self.counters.bytes_write_cancelled += entry.nbytes
                 if entry.state is not EntryState.RELEASED:
@@ -305,7 +334,6 @@ class EntryTable:
         pending = []
         with self.lock:
             for entry in self._entries_of_storage(cdata):
-                entry.discarded = True
                 if entry.write_future is not None:
                     self._cancel_write(entry)
                     pending.append(entry.write_future)
@@ -317,15 +345,16 @@ class EntryTable:
         moved = 0
         with self.lock:
             for entry in self._entries_of_storage(cdata):
-                if entry.data is not None:
-                    entry.discarded = False
-                    self._set_data(entry, None)  # uncount what the cache counted
-                    entry.discarded = True
+                if entry.discarded:
+                    continue
+                self._set_data(entry, None)  # uncount what the cache counted
                 self._free_disk(entry)
                 entry.placement = Placement.KEEP
                 entry.state = EntryState.RESIDENT
                 entry.releasable = False
+                entry.discarded = True
                 entry.data = data
+                self.live -= entry.nbytes  # the owner holds them, as it would without the cache
                 moved += entry.nbytes
             self.counters.bytes_discarded += moved
         return moved
@@ -363,7 +392,7 @@ class EntryTable:
                 try:
                     if self._prefetch(record, target, i - k):
                         record.prefetched.add(target)
-                except torch.OutOfMemoryError:  # NOTE [Prefetch under memory pressure]
+                except (torch.OutOfMemoryError, _NoRoom):  # NOTE [Prefetch under memory pressure]
                     self.counters.prefetch_deferred += 1
                     break
             return finished
@@ -377,6 +406,8 @@ class EntryTable:
     # late read, when the peak has passed), and the step goes on. Raising from here would
     # abort backward, because this runs in a gradient hook. Counted in
     # ``prefetch_deferred``; an allocation that fails when the tensor is needed raises.
+    # A prefetch that would take the resident bytes over the capacity guard's limit (NOTE
+    # [Capacity guard] in ``policy.py``) is deferred the same way, before allocating.
 
     def _clock_backward(self, record: Record, layer_id: Hashable, now: Any) -> Optional[Hashable]:
         """Close the running layer's backward time, start ``layer_id``'s; the layer whose
@@ -403,6 +434,9 @@ class EntryTable:
                 done = False
                 continue
             if entry.state is EntryState.ON_DISK:
+                limit = self.policy.resident_limit  # NOTE [Capacity guard] in policy.py
+                if limit is not None and self.resident + entry.nbytes > limit:
+                    raise _NoRoom()
                 self._submit_read(entry)
             elif entry.state in (EntryState.WRITING, EntryState.LOADED):
                 self._note_forwarded(entry)
@@ -505,6 +539,8 @@ class EntryTable:
             if entry.refs > 0 or entry.state is EntryState.RELEASED:
                 return
             reading = entry.state is EntryState.READING
+            if not entry.discarded:
+                self.live -= entry.nbytes
             entry.state = EntryState.RELEASED
             entry.weak = None  # NOTE [No reference cycles]: frees the storage's C++ object now
             # See NOTE [Entry lifetime]: a read in flight still fills ``data`` (its
@@ -541,10 +577,11 @@ class EntryTable:
     # ------------------------------------------------------------------ step / close
 
     def take_step(self) -> Counters:
-        """The step's counters; new ones start, their peak at what is resident now.
-        Caller holds the lock."""
+        """The step's counters; new ones start, their peaks at what is resident and alive
+        now. Caller holds the lock."""
         counters = self.counters
-        self.counters = Counters(peak_resident_bytes=self.resident)
+        self.counters = Counters(peak_resident_bytes=self.resident, peak_live_bytes=self.live,
+                                 peak_open_records=len(self.records))
         return counters
 
     def close(self) -> None:

@@ -14,6 +14,17 @@ NOTE [One placement policy]: a placement is decided here and nowhere else. Two o
 change an entry's placement later, and both are events, not decisions: a write the
 engine refuses (backpressure) or fails keeps the tensor where it is, and a tensor that a
 KEEP layer saves again is pinned in memory after its write (``entries.py``).
+
+NOTE [Capacity guard]: with ``resident_limit`` set (the device's activation capacity,
+set by the planner), no step may hold more saved bytes than that, whatever the plan
+predicted or the profile placement is. A new offloadable tensor that its layer would
+keep, but that would take the resident bytes over the limit, is offloaded instead; and
+after queuing a write the forward waits while the resident bytes exceed the limit and
+writes are in flight (``EntryTable.write``), so bytes waiting to be written count
+against the limit too. In backward a prefetch that would take the resident bytes over
+the limit is deferred until backward needs the tensor (NOTE [Prefetch under memory
+pressure] in ``entries.py``). Only bytes the cache cannot move (small and unmovable
+tensors, the tensors backward is using) can take it over.
 """
 
 from __future__ import annotations
@@ -57,6 +68,8 @@ class PlacementPolicy:
         """Registered layer ids in forward order (for the ``keep_last_layers`` rule)."""
         self.default: Optional[Placement] = None
         """Placement of layers the plan does not name; None: the ``keep_last_layers`` rule."""
+        self.resident_limit: Optional[int] = None
+        """Most saved bytes the cache may hold in memory (NOTE [Capacity guard]); None: no limit."""
 
     def set_plan(self, placements: Mapping[Hashable, Union[Placement, str]],
                  read_ahead: Optional[Mapping[Hashable, Union[int, Sequence[int]]]] = None,
@@ -119,11 +132,20 @@ class PlacementPolicy:
             return Placement.KEEP
         return Placement.OFFLOAD
 
-    def tensor(self, layer_id: Hashable, site: Optional[int]) -> Placement:
+    def tensor(self, layer_id: Hashable, site: Optional[int], resident_after: int = 0) -> Placement:
         """Where a new saved tensor of ``layer_id`` goes: its layer's placement when that
         moves it, the tensor has a site (it is offloadable: at least
         ``min_tensor_bytes``), the site is within the plan's count for the layer, and
-        for HOST a pool exists; else KEEP."""
+        for HOST a pool exists; else KEEP, unless keeping it would take the resident
+        bytes (``resident_after``, with it) over ``resident_limit``: then OFFLOAD (NOTE
+        [Capacity guard])."""
+        placement = self._planned(layer_id, site)
+        if (placement is Placement.KEEP and site is not None and self.resident_limit is not None
+                and resident_after > self.resident_limit):
+            return Placement.OFFLOAD
+        return placement
+
+    def _planned(self, layer_id: Hashable, site: Optional[int]) -> Placement:
         placement = self.layer(layer_id)
         if placement not in MOVED or site is None:
             return Placement.KEEP

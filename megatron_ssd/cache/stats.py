@@ -129,6 +129,9 @@ class Counters:
     bytes_write_cancelled: int = 0
     bytes_discarded: int = 0
     prefetch_deferred: int = 0
+    peak_live_bytes: int = 0
+    capacity_waits: int = 0
+    peak_open_records: int = 0
     microbatches: int = 0
     layers: Dict[Any, LayerCounters] = field(default_factory=dict)
 
@@ -217,6 +220,16 @@ class StepStats:
     """Prefetches put off because their read buffer could not be allocated (out of device
     memory); the tensors were read when backward needed them instead (NOTE [Prefetch
     under memory pressure] in ``cache/entries.py``)."""
+    peak_saved_bytes: int = 0
+    """Peak bytes of the saved tensors alive at once, wherever their bytes were (memory, a
+    drive, the host pool): what keeping every tensor would have held, measured without
+    keeping them (tensors inside RECOMPUTE layers are not seen)."""
+    capacity_waits: int = 0
+    """Times the forward waited for writes to bring the resident bytes back under the
+    activation capacity (NOTE [Capacity guard] in ``cache/policy.py``)."""
+    peak_open_microbatches: int = 0
+    """Most micro-batches between their forward and the end of their backward at once (1
+    without pipelining; up to the stage's in-flight count with 1F1B)."""
 
     def to_dict(self) -> Dict[str, Any]:
         """A JSON-ready dict (layer ids become strings)."""
