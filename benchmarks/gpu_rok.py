@@ -10,9 +10,13 @@ Each point runs in a fresh process (so peaks and allocator state do not leak):
     offloading, only when Transformer Engine is installed (skipped with the reason
     otherwise);
   * the largest micro-batch that fits with keep and with the planner (doubling, then
-    bisecting, each try a fresh process).
-Reports peak GPU memory (``torch.cuda.max_memory_allocated``), the cache's peak activation
-bytes, median step time and bytes written; writes JSON. Needs a CUDA device.
+    bisecting, each try a fresh process). The planner's warm-up and first profiling steps
+    keep every layer (NOTE [Profiling steps]), so its tries run out of memory wherever keep
+    does: the search cannot find a larger micro-batch for it until profiling can offload.
+Reports peak GPU memory (``torch.cuda.max_memory_allocated``, absolute and above the level
+before the first forward), the cache's peak activation bytes, median step time and bytes
+written; writes JSON. Needs a CUDA device. ``scripts/gpu_check.sh`` is the short version
+(one GPT sized for a quick check, no peers, no search).
 """
 
 from __future__ import annotations
@@ -31,6 +35,15 @@ sys.path.insert(0, REPO)
 
 MODEL = ["model.num_layers=24", "model.hidden_size=2048", "model.num_attention_heads=16",
          "model.seq_length=2048", "model.vocab_size=50304", "model.params_dtype=bf16"]
+
+
+def _fewest_steps(mode):
+    """The fewest steps a ``train`` run of ``mode`` measures one step of its placement in
+    (NOTE [Step kinds]): fewer are refused before the model is built."""
+    from megatron_ssd.adaptive import profile_counts
+    from megatron_ssd.config import PlannerConfig
+
+    return profile_counts(PlannerConfig(mode="auto")).total + 1 if mode == "auto" else 2
 
 
 def _train_point(name, path, mbs, mode, steps=8):
@@ -87,6 +100,8 @@ def _peer_child(kind, mbs, steps=8):
     data = SyntheticData("gpt", mbs, m.seq_length, m.vocab_size, seed=1)
     schedule = get_forward_backward_func()
     sgd = SGD(lr=1e-4)
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()  # NOTE [Independent memory]: the level before the first forward
 
     def forward_step(it, chunk):
         if kind == "save_on_cpu":
@@ -94,8 +109,10 @@ def _peer_child(kind, mbs, steps=8):
                 return gpt_forward_step(it, chunk)
         return gpt_forward_step(it, chunk)
 
-    times = []
+    times, warmup = [], 2
     for step in range(steps):
+        if step == warmup:  # the peak of the measured steps, as train reports it
+            torch.cuda.reset_peak_memory_stats()
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         model.zero_grad(set_to_none=True)
@@ -104,9 +121,10 @@ def _peer_child(kind, mbs, steps=8):
         sgd([model], step)
         torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
-    print(json.dumps({"placement": kind, "micro_batch_size": mbs, "fits": True,
-                      "peak_device_bytes": torch.cuda.max_memory_allocated(),
-                      "median_step_s": statistics.median(times[2:] or times), "bytes_written": 0}))
+    peak = torch.cuda.max_memory_allocated()
+    print(json.dumps({"placement": kind, "micro_batch_size": mbs, "fits": True, "peak_device_bytes": peak,
+                      "cuda_peak_allocated_above_base_bytes": max(0, peak - base),
+                      "median_step_s": statistics.median(times[warmup:] or times), "bytes_written": 0}))
 
 
 def _peer_point(kind, mbs):
@@ -124,15 +142,16 @@ def _peer_point(kind, mbs):
 def largest_fitting(name, path, mode, start=1, limit=64):
     """Largest micro-batch size (power-of-two search, then bisection) that trains."""
     ok, bad, mbs = 0, None, start
+    steps = max(3, _fewest_steps(mode))  # 3 steps of auto were refused: every try "failed", the answer was 0
     while mbs <= limit:
-        if _train_point(name, path, mbs, mode, steps=3).get("fits"):
+        if _train_point(name, path, mbs, mode, steps=steps).get("fits"):
             ok, mbs = mbs, mbs * 2
         else:
             bad = mbs
             break
     while bad is not None and bad - ok > 1:
         mid = (ok + bad) // 2
-        if _train_point(name, path, mid, mode, steps=3).get("fits"):
+        if _train_point(name, path, mid, mode, steps=steps).get("fits"):
             ok = mid
         else:
             bad = mid

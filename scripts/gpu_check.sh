@@ -1,0 +1,321 @@
+#!/bin/bash
+# shellcheck shell=bash
+# Check everything the GPU paths need in one short GPU window (docs/getting-started.md,
+# "GPU check"): install what is missing from a wheel folder, run the gpu/kvikio/te tests
+# and the Megatron pipeline tests, train a GPT sized for the GPU with keep, recompute,
+# offload-all and the planner (POSIX engine, and kvikio when it imports), measure the
+# offload path (bench-io) and the host/device copy bandwidth; write OUT/gpu-check.json
+# (one entry per part: passed, failed or skipped, the reason, its numbers) and
+# OUT/gpu-check.log, and print a one-screen summary. Without a CUDA device it runs the
+# parts that need none and marks every GPU part skipped with the reason.
+#
+#   scripts/gpu_check.sh OUT [--path DIR] [--wheels DIR] [--budget SECONDS] [--bench-size SIZE]
+#   make gpu-check GPU_CHECK_OUT=OUT GPU_CHECK_ARGS="--path /mnt/nvme0/act"
+#
+# Arguments:
+#   OUT                folder for gpu-check.json and gpu-check.log (created; nothing else goes there)
+# Options:
+#   --path DIR         offload path to measure and train on (default: the private directory
+#                      that megatron-ssd train uses, on local disk)
+#   --wheels DIR       wheel folder to install missing packages from (default .whl in the
+#                      repository, filled by scripts/gpu_wheels.sh where a package index is reachable)
+#   --target DIR       where those wheels are installed (default $TMPDIR/megatron-ssd-gpu-check-site)
+#   --budget SECONDS   time for the whole run (default 480); each part has its own timeout inside it
+#   --bench-size SIZE  bytes bench-io writes per setting (default 1GiB with a GPU, 64MiB without)
+#   --timeout PART=S   one part's timeout in seconds (defaults: install 120, environment 60,
+#                      copy-bandwidth 60, bench-io 90, pytest-gpu 150, train 270, pytest-pipeline 150)
+#   --install          install missing wheels even without a GPU (default: only with one)
+#   -h, --help         this text
+# Environment: PYTHON (default .venv/bin/python when it exists, else python3); the wheels
+# go into --target with pip --no-index --no-deps and are put on PYTHONPATH, so pip never
+# touches the interpreter's own packages (torch above all).
+# Exit status: 0 when no part failed, 1 when one did (or Python cannot import torch), 2 on a usage error.
+set -euo pipefail
+
+HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+REPO="$(cd "$HERE/.." && pwd)"
+PARTS=(install environment copy-bandwidth bench-io pytest-gpu train pytest-pipeline)
+declare -A TIMEOUT=([install]=120 [environment]=60 [copy-bandwidth]=60 [bench-io]=90 [pytest-gpu]=150
+    [train]=270 [pytest-pipeline]=150)
+# A part whose timeout the budget cuts below this is not started.
+declare -A MINIMUM=([install]=10 [environment]=10 [copy-bandwidth]=10 [bench-io]=15 [pytest-gpu]=30
+    [train]=60 [pytest-pipeline]=30)
+SUMMARY_RESERVE=15 # seconds kept for writing the JSON and the summary
+NO_CUDA="no CUDA device visible"
+PIPELINE_TESTS=(tests/megatron/test_megatron_offload.py tests/megatron/test_megatron_parallel.py)
+TRAIN_MARGIN=20 # seconds between the train part's own budget and its hard timeout
+
+OUT=""
+OFFLOAD=""
+WHEELS="$REPO/.whl"
+TARGET="${TMPDIR:-/tmp}/megatron-ssd-gpu-check-site"
+BUDGET=480
+BENCH_SIZE=""
+INSTALL=0
+
+usage() {
+    awk 'NR == 1 { next } /^# shellcheck/ { next } /^#/ { sub(/^# ?/, ""); if (!started && $0 == "") next; started = 1; print; next } { exit }' "${BASH_SOURCE[0]}"
+}
+
+die_usage() {
+    printf '[gpu_check] ERROR: %s (see --help)\n' "$*" >&2
+    exit 2
+}
+
+log() {
+    printf '[gpu_check %s] %s\n' "$(date +%H:%M:%S)" "$*"
+}
+
+is_uint() {
+    [[ "$1" =~ ^[0-9]+$ ]]
+}
+
+parse_args() {
+    local name value
+    while (($# > 0)); do
+        case "$1" in
+            -h | --help)
+                usage
+                exit 0
+                ;;
+            --path | --wheels | --target | --budget | --bench-size | --timeout)
+                (($# >= 2)) || die_usage "$1 needs a value"
+                case "$1" in
+                    --path) OFFLOAD="$2" ;;
+                    --wheels) WHEELS="$2" ;;
+                    --target) TARGET="$2" ;;
+                    --budget) BUDGET="$2" ;;
+                    --bench-size) BENCH_SIZE="$2" ;;
+                    --timeout)
+                        name="${2%%=*}"
+                        value="${2#*=}"
+                        if [[ "$2" != *=* || -z "$name" || -z "${TIMEOUT[$name]+set}" ]]; then
+                            die_usage "--timeout $2: must be PART=SECONDS with PART one of ${PARTS[*]}"
+                        fi
+                        if ! is_uint "$value" || ((10#$value == 0)); then
+                            die_usage "--timeout $2: SECONDS must be a whole number > 0"
+                        fi
+                        TIMEOUT[$name]="$((10#$value))"
+                        ;;
+                esac
+                shift
+                ;;
+            --install) INSTALL=1 ;;
+            -*) die_usage "unknown option $1" ;;
+            *)
+                [[ -z "$OUT" ]] || die_usage "one output folder only (got $OUT and $1)"
+                OUT="$1"
+                ;;
+        esac
+        shift
+    done
+    [[ -n "$OUT" ]] || die_usage "the output folder OUT is required"
+    if ! is_uint "$BUDGET" || ((10#$BUDGET == 0)); then
+        die_usage "--budget $BUDGET: must be a whole number of seconds > 0"
+    fi
+    BUDGET="$((10#$BUDGET))"
+    if [[ -n "$OFFLOAD" && ! -d "$OFFLOAD" ]]; then
+        die_usage "--path $OFFLOAD: not a directory (create it on the drive to measure)"
+    fi
+}
+
+pick_python() {
+    PY="${PYTHON:-}"
+    if [[ -z "$PY" ]]; then
+        if [[ -x "$REPO/.venv/bin/python" ]]; then PY="$REPO/.venv/bin/python"; else PY=python3; fi
+    fi
+    command -v "$PY" >/dev/null 2>&1 || {
+        printf '[gpu_check] ERROR: PYTHON=%s not found\n' "$PY" >&2
+        exit 1
+    }
+    # one start for both questions: torch imports, and a CUDA device is visible
+    MODE="$("$PY" -c 'import torch; print("gpu" if torch.cuda.is_available() else "no-gpu")' 2>/dev/null)" || {
+        printf '[gpu_check] ERROR: %s cannot import torch; the GPU check needs a Python with torch (set PYTHON)\n' "$PY" >&2
+        exit 1
+    }
+}
+
+# A JSON string of $1 (backslash, quote and control characters escaped).
+json_string() {
+    local s="$1"
+    s="${s//\\/\\\\}"
+    s="${s//\"/\\\"}"
+    s="${s//$'\n'/\\n}"
+    s="${s//$'\t'/\\t}"
+    s="${s//$'\r'/\\r}"
+    printf '"%s"' "$s"
+}
+
+# Seconds since the run started.
+elapsed() {
+    echo $(($(date +%s) - START))
+}
+
+# The timeout of part $1: its own, cut to what is left of the budget.
+part_timeout() {
+    local t="${TIMEOUT[$1]}" left
+    left=$((BUDGET - $(elapsed) - SUMMARY_RESERVE))
+    ((left < t)) && t=$left
+    ((t < 0)) && t=0
+    echo "$t"
+}
+
+next_result() {
+    COUNT=$((COUNT + 1))
+    RESULT="$WORK/$(printf '%02d' "$COUNT")-$1.json"
+}
+
+timing() {
+    printf '%s\t%s\t%s\t%s\n' "$1" "$2" "$3" "$4" >>"$WORK/timings.tsv"
+}
+
+# skip_part NAME REASON: a skipped entry, written here (no Python start for it).
+skip_part() {
+    next_result "$1"
+    printf '{"name": %s, "status": "skipped", "reason": %s, "numbers": {}}\n' "$(json_string "$1")" \
+        "$(json_string "$2")" >"$RESULT"
+    log "part $1: skipped: $2"
+}
+
+# record NAME STATUS REASON: set the status of the part whose result is $RESULT (its numbers kept).
+record() {
+    "$PY" -m megatron_ssd.commands.gpu_check record --result "$RESULT" --name "$1" --status "$2" --reason "$3"
+}
+
+# run_part NAME COMMAND...: run COMMAND --result FILE under the part's timeout.
+run_part() {
+    local name="$1" t rc=0 started
+    shift
+    t="$(part_timeout "$name")"
+    if ((t < TIMEOUT[$name] && t < MINIMUM[$name])); then # the budget cut it below what the part needs
+        skip_part "$name" "time budget: $((BUDGET - $(elapsed))) s left of $BUDGET s, this part needs at least ${MINIMUM[$name]} s"
+        return 0
+    fi
+    next_result "$name"
+    log "part $name: starting (timeout $t s)"
+    started=$(date +%s)
+    timeout --kill-after=15 "$t" "$@" --result "$RESULT" || rc=$?
+    timing "$name" "$(($(date +%s) - started))" "$t" "$rc"
+    finish_part "$name" "$rc" "$t"
+}
+
+# finish_part NAME RC TIMEOUT: the entry of a part that timed out or wrote none.
+finish_part() {
+    local name="$1" rc="$2" t="$3"
+    if ((rc == 124 || rc == 137)); then
+        record "$name" failed "timed out after $t s (see the log)"
+    elif [[ ! -s "$RESULT" ]]; then
+        record "$name" failed "exited $rc without a result (see the log)"
+    fi
+    log "part $name: done (exit $rc)"
+}
+
+# pytest_part NAME WHAT [VAR=VALUE ...] -- PYTEST_ARGS...: pytest under the part's timeout,
+# its junit XML turned into the entry.
+pytest_part() {
+    local name="$1" what="$2" t rc=0 started junit
+    local -a envs=()
+    shift 2
+    while (($# > 0)) && [[ "$1" != "--" ]]; do
+        envs+=("$1")
+        shift
+    done
+    shift
+    t="$(part_timeout "$name")"
+    if ((t < TIMEOUT[$name] && t < MINIMUM[$name])); then # the budget cut it below what the part needs
+        skip_part "$name" "time budget: $((BUDGET - $(elapsed))) s left of $BUDGET s, this part needs at least ${MINIMUM[$name]} s"
+        return 0
+    fi
+    next_result "$name"
+    junit="$WORK/$name.xml"
+    log "part $name: starting (timeout $t s): pytest $*"
+    started=$(date +%s)
+    timeout --kill-after=15 "$t" env "${envs[@]}" "$PY" -m pytest -q -p no:cacheprovider --junitxml="$junit" "$@" ||
+        rc=$?
+    timing "$name" "$(($(date +%s) - started))" "$t" "$rc"
+    if ((rc != 124 && rc != 137)); then
+        "$PY" -m megatron_ssd.commands.gpu_check pytest --result "$RESULT" --name "$name" --junit "$junit" \
+            --rc "$rc" --what "$what" || true
+    fi
+    finish_part "$name" "$rc" "$t"
+}
+
+run_all() {
+    local gpu=0 size
+    [[ "$MODE" == gpu ]] && gpu=1
+    size="${BENCH_SIZE:-$([[ $gpu == 1 ]] && echo 1GiB || echo 64MiB)}"
+    log "mode $MODE; Python $PY; offload path $OFFLOAD; budget $BUDGET s; output $OUT"
+
+    if ((gpu || INSTALL)); then
+        run_part install "$PY" -m megatron_ssd.commands.gpu_check install --mode "$MODE" --wheels "$WHEELS" \
+            --target "$TARGET"
+    else
+        skip_part install "$NO_CUDA: no GPU part runs, so nothing is installed (--install installs anyway)"
+    fi
+    run_part environment "$PY" -m megatron_ssd.commands.gpu_check environment --mode "$MODE" --path "$OFFLOAD"
+    if ((gpu)); then
+        run_part copy-bandwidth "$PY" -m megatron_ssd.commands.gpu_check copy-bandwidth
+    else
+        skip_part copy-bandwidth "$NO_CUDA"
+    fi
+    run_part bench-io "$PY" -m megatron_ssd.commands.gpu_check bench-io --path "$OFFLOAD" --size "$size"
+    if ((gpu)); then
+        pytest_part pytest-gpu "the gpu/kvikio/te tests" -- -m "gpu or kvikio or te" tests
+    else
+        skip_part pytest-gpu "$NO_CUDA"
+    fi
+    if ((gpu)); then
+        run_part train "$PY" -m megatron_ssd.commands.gpu_check train --path "$OFFLOAD" \
+            --budget-s "$(($(part_timeout train) - TRAIN_MARGIN))"
+    else
+        skip_part train "$NO_CUDA"
+    fi
+    # These compare Megatron's schedules over gloo on the CPU, hiding CUDA themselves (the
+    # cpu_only fixture of tests/megatron/conftest.py): the installed megatron-core on this torch.
+    if ((gpu)); then
+        pytest_part pytest-pipeline "the Megatron pipeline tests (CPU/gloo)" -- "${PIPELINE_TESTS[@]}"
+    else
+        skip_part pytest-pipeline "$NO_CUDA: the Megatron pipeline tests are CPU/gloo tests (make test runs them)"
+    fi
+
+    local meta
+    meta="{\"budget_s\": $BUDGET, \"elapsed_s\": $(elapsed), \"offload_path\": $(json_string "$OFFLOAD"),"
+    meta+=" \"wheels\": $(json_string "$WHEELS"), \"target\": $(json_string "$TARGET"),"
+    meta+=" \"python\": $(json_string "$PY"), \"command\": $(json_string "$COMMAND_LINE")}"
+    "$PY" -m megatron_ssd.commands.gpu_check summary --work "$WORK" --out "$OUT" --mode "$MODE" --meta "$meta"
+}
+
+main() {
+    COMMAND_LINE="$0 $*"
+    parse_args "$@"
+    pick_python
+    cd "$REPO"
+    mkdir -p "$OUT"
+    OUT="$(cd "$OUT" && pwd)"
+    LOG="$OUT/gpu-check.log"
+    : >"$LOG"
+    rm -f "$OUT/gpu-check.json"
+    export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
+    if [[ "$MODE" == gpu || "$INSTALL" == 1 ]]; then
+        export PYTHONPATH="$TARGET:$PYTHONPATH"
+    fi
+    if [[ -z "$OFFLOAD" ]]; then
+        OFFLOAD="$("$PY" -c 'from megatron_ssd.io.scratch import default_offload_dir, make_private_dir
+print(make_private_dir(default_offload_dir()))')"
+    fi
+    WORK="$(mktemp -d "${TMPDIR:-/tmp}/megatron-ssd-gpu-check.XXXXXX")"
+    trap 'rm -rf "$WORK"' EXIT
+    START=$(date +%s)
+    COUNT=0
+    local status=0
+    set +e
+    (
+        set -e
+        run_all
+    ) 2>&1 | tee -a "$LOG"
+    status=$?
+    set -e
+    exit "$status"
+}
+
+main "$@"
