@@ -54,3 +54,16 @@ test-oldest: $(OLDEST)/.installed
 
 clean:
 	rm -rf $(VENV) $(OLDEST) .pytest_cache build *.egg-info
+
+# `make gpu-check`: one command that checks the GPU paths in a short GPU window (scripts/gpu_check.sh,
+# docs/getting-started.md "GPU check"): GPU_CHECK_OUT gets gpu-check.json and gpu-check.log, GPU_CHECK_ARGS
+# more options (--path DIR, --budget SECONDS, ...). Without a GPU it runs what needs none and skips the rest,
+# saying why. `make gpu-wheels` fills .whl, the wheel folder it installs from, where the package index is reachable.
+GPU_CHECK_OUT ?= benchmarks/out/gpu-check
+.PHONY: gpu-check gpu-wheels
+
+gpu-check:
+	bash scripts/gpu_check.sh $(GPU_CHECK_OUT) $(GPU_CHECK_ARGS)
+
+gpu-wheels:
+	bash scripts/gpu_wheels.sh --core-version $(CORE_VERSION)
