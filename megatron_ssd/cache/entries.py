@@ -84,6 +84,9 @@ class EntryTable:
         self.live = 0
         """Bytes of every saved tensor alive now, wherever its bytes are (memory, a drive,
         the host pool): what keeping everything would hold."""
+        self.release_at_staging = False
+        """Drop a written tensor's memory once the engine has staged its bytes, not when
+        they reach the drive (a device tensor; NOTE [Released at staging])."""
         self._room = threading.Condition(self.lock)
         """Notified when resident bytes may have dropped (NOTE [Capacity guard] in ``policy.py``)."""
         self.records: Dict[Hashable, Record] = {}
@@ -205,7 +208,7 @@ class EntryTable:
         return entry
 
     def _set_data(self, entry: Entry, data: Optional[torch.Tensor]) -> None:
-        counted = not entry.discarded  # NOTE [Discarded storages]: the owner holds those bytes
+        counted = not (entry.discarded or entry.on_host)  # NOTE [Discarded storages]: the owner holds those bytes
         old = entry.nbytes if entry.data is not None and counted else 0
         new = entry.nbytes if data is not None and counted else 0
         entry.data = data
@@ -241,6 +244,8 @@ class EntryTable:
             entry.state = EntryState.WRITING
             entry.write_future = future
             self._writes.add(future)
+        if self.release_at_staging:
+            future.add_staged_callback(partial(self._write_staged, entry))
         future.add_done_callback(partial(self._write_done, entry))
         self._wait_for_room()
         with self.lock:
@@ -257,6 +262,31 @@ class EntryTable:
                 self.counters.capacity_waits += 1
                 self._room.wait()
 
+    # NOTE [Released at staging]
+    # A device tensor's write first copies its bytes to pinned host staging on a copy
+    # stream, then writes them to the drives at the drives' speed. Its device memory can
+    # go as soon as the copy is done (the engine *stages* the write, NOTE [Staged writes]
+    # in ``io/base.py``), so device memory is freed at PCIe speed and the in-flight bytes
+    # that count against the device are those not yet copied. The entry is then STAGED:
+    # no data, write in flight. Nothing may cancel that write any more (the staging is
+    # the only copy) until autograd releases the entry; a backward that wants the tensor
+    # before the write completes waits for it and reads it back (the bytes are not in
+    # device memory to forward); a later layer that saves the same storage again does
+    # not pin it (its bytes come back from the drive like any other). If the write then
+    # fails, the bytes are lost unless the engine hands back its host copy (the error's
+    # ``host_copy``), which the entry then keeps and copies back to the device when
+    # backward needs it; without one the entry is LOST and its unpack raises, naming the
+    # write's error. CPU tensors are written in place, so for them staging is completion.
+
+    def _write_staged(self, entry: Entry, future: IOFuture) -> None:
+        """The engine staged ``entry``'s bytes (NOTE [Released at staging]). Runs on an
+        engine thread, before the write's completion."""
+        with self.lock:
+            if entry.state is not EntryState.WRITING or entry.wanted or future.done():
+                return
+            entry.state = EntryState.STAGED
+            self._set_data(entry, None)
+
     def _write_done(self, entry: Entry, future: IOFuture) -> None:
         # See NOTE [Entry lifetime]. Runs on an engine thread.
         error = future.error()
@@ -264,6 +294,9 @@ class EntryTable:
             entry.write_future = None
             self._writes.discard(future)
             self._room.notify_all()
+            if entry.state is EntryState.STAGED:
+                self._staged_write_done(entry, future, error)
+                return
             if isinstance(error, WriteCancelled):  # NOTE [Cancelled writes] in io/striped.py
                 self.counters.bytes_write_cancelled += entry.nbytes
                 if entry.state is not EntryState.RELEASED:
@@ -293,12 +326,35 @@ class EntryTable:
                     self.counters.bytes_returned += release_pages(entry.data)
                 self._set_data(entry, None)
 
+    def _staged_write_done(self, entry: Entry, future: IOFuture, error: Optional[BaseException]) -> None:
+        """A STAGED entry's write completed (NOTE [Released at staging]). Caller holds the lock."""
+        if error is None:
+            entry.handle = future.get()
+            entry.store.stored(entry.handle)
+            entry.state = EntryState.ON_DISK
+            return
+        self.counters.write_fallbacks += 1
+        self.counters.bytes_fallen_back += entry.nbytes
+        host_copy = getattr(error, "host_copy", None)
+        if isinstance(host_copy, torch.Tensor):
+            logger.warning("megatron_ssd: write of %d bytes (layer %r) failed after its device memory was released; "
+                           "kept in host memory instead: %s", entry.nbytes, entry.layer, error)
+            entry.on_host = True  # host memory: not counted as resident on the device
+            entry.data = host_copy
+            entry.state = EntryState.RESIDENT
+            entry.placement = Placement.KEEP
+            return
+        logger.warning("megatron_ssd: write of %d bytes (layer %r) failed after its device memory was released; "
+                       "backward cannot have it: %s", entry.nbytes, entry.layer, error)
+        entry.state = EntryState.LOST
+        entry.lost = error
+
     def _cancel_write(self, entry: Entry) -> None:
         """``entry``'s write in flight is no longer worth finishing: its bytes stay in
         memory until released, or nobody needs them (NOTE [Cancelled writes] in
         ``io/striped.py``). Caller holds the lock; the write's callback completes it."""
-        if entry.write_future is not None:
-            entry.write_future.cancel()
+        if entry.write_future is not None and (entry.state is not EntryState.STAGED):
+            entry.write_future.cancel()  # a STAGED write is the only copy (NOTE [Released at staging])
 
     def drain(self) -> None:
         """Wait until every queued write, and every read in flight, has completed (or
@@ -438,6 +494,8 @@ class EntryTable:
                 if limit is not None and self.resident + entry.nbytes > limit:
                     raise _NoRoom()
                 self._submit_read(entry)
+            elif entry.state is EntryState.STAGED:  # read once its write lands (NOTE [Released at staging])
+                done = False
             elif entry.state in (EntryState.WRITING, EntryState.LOADED):
                 self._note_forwarded(entry)
         return done
@@ -487,45 +545,69 @@ class EntryTable:
 
     def needed(self, entry: Entry, name: str = "") -> torch.Tensor:
         """Backward unpacks ``entry``: its bytes, after waiting for its read (issued
-        now when none was: a late read).
+        now when none was: a late read), or first for its staged write (NOTE [Released at
+        staging]).
 
         Raises:
             CacheStateError: the cache is closed, or the entry has no data.
-            OffloadIOError: the read failed (named with ``name``, else the entry's layer).
+            OffloadIOError: the read failed, or the write of a staged entry did (named
+                with ``name``, else the entry's layer).
         """
-        future: Optional[IOFuture] = None
-        with self.lock:
-            if self.closed:
-                raise CacheStateError("unpack after close(): the cache's files are gone")
-            if not entry.used:
-                entry.used = True
-                self._time_use(entry)
-            if entry.state is EntryState.ON_DISK:
-                self.counters.late_reads += 1
-                self._submit_read(entry)
-            if entry.state is EntryState.READING:
-                future = entry.read_future
-            else:
-                self._note_forwarded(entry)
-                data = entry.data
+        while True:
+            future: Optional[IOFuture] = None
+            staged: Optional[IOFuture] = None
+            with self.lock:
+                if self.closed:
+                    raise CacheStateError("unpack after close(): the cache's files are gone")
+                if not entry.used:
+                    entry.used = True
+                    self._time_use(entry)
+                if entry.state is EntryState.LOST:
+                    raise self._named(OffloadIOError(f"its write failed after its device memory was released: "
+                                                     f"{entry.lost}"), entry, name)
+                if entry.state is EntryState.STAGED:
+                    staged = entry.write_future
+                elif entry.state is EntryState.ON_DISK:
+                    self.counters.late_reads += 1
+                    self._submit_read(entry)
+                if entry.state is EntryState.READING:
+                    future = entry.read_future
+                elif staged is None:
+                    self._note_forwarded(entry)
+                    data = entry.data
+            if staged is not None:  # wait for the drive, then read it back
+                self._waited(entry, staged.wait_settled)
+                continue
+            break
         if future is not None:
-            started = self.clock.mark()
             try:
-                future.get()
+                self._waited(entry, future.get)
             except OffloadIOError as err:
-                named = type(err)(f"{err} ({name or f'layer {entry.layer!r}'})")
-                named.errno = err.errno
-                raise named from err
-            finally:
-                ended = self.clock.mark()
-                with self.lock:
-                    running = self._bwd_clock.get(id(entry.record))
-                    lc = self.counters.layers.get(running[0] if running else entry.layer)
-                    self.clock.add(started, ended, partial(_add_stall, self.counters, lc))
+                raise self._named(err, entry, name) from err
             data = entry.data
         if data is None:
             raise CacheStateError(f"saved tensor of layer {entry.layer!r} has no data (state {entry.state.value})")
+        if entry.on_host:
+            data = data.to(entry.device)
         return data
+
+    def _waited(self, entry: Entry, wait: Any) -> None:
+        """``wait()``, its time added to the stalls of the layer whose backward runs."""
+        started = self.clock.mark()
+        try:
+            wait()
+        finally:
+            ended = self.clock.mark()
+            with self.lock:
+                running = self._bwd_clock.get(id(entry.record))
+                lc = self.counters.layers.get(running[0] if running else entry.layer)
+                self.clock.add(started, ended, partial(_add_stall, self.counters, lc))
+
+    @staticmethod
+    def _named(err: OffloadIOError, entry: Entry, name: str) -> OffloadIOError:
+        named = type(err)(f"{err} ({name or f'layer {entry.layer!r}'})")
+        named.errno = getattr(err, "errno", None)
+        return named
 
     # ------------------------------------------------------------------ release
 

@@ -22,6 +22,11 @@ class EntryState(enum.Enum):
     """Only in memory (kept, or not offloadable)."""
     WRITING = "writing"
     """In memory, write in flight."""
+    STAGED = "staged"
+    """Write in flight, memory released: the bytes are in the engine's host staging (a
+    device tensor, NOTE [Released at staging] in ``entries.py``)."""
+    LOST = "lost"
+    """Its write failed after its memory was released at staging: the bytes are gone."""
     ON_DISK = "on_disk"
     """Only on disk; memory released."""
     READING = "reading"
@@ -95,6 +100,12 @@ class Entry:
     """Its position among the offloadable storages its layer saved in this record, from 0
     in save order (NOTE [Sites] in ``planner/profile.py``); None: under
     ``min_tensor_bytes`` or saved outside any layer."""
+    on_host: bool = False
+    """Its bytes are a host copy the engine handed back after a failed staged write (NOTE
+    [Released at staging] in ``entries.py``): not counted as resident, copied to
+    ``device`` when backward needs them."""
+    lost: Optional[BaseException] = None
+    """Why a LOST entry's bytes are gone (its write's error)."""
     discarded: bool = False
     """Its owner frees and refills the storage itself (NOTE [Discarded storages] in
     ``entries.py``): served by reference, its bytes not counted as resident."""

@@ -103,6 +103,7 @@ class TensorCache(ScopeMixin, StepAccountingMixin):
         self.cuda = CudaCalls()
         """The cache's own ``torch.cuda`` calls (a recording fake in tests)."""
         self.entries = EntryTable(config, self.policy, self.stores, self._return_pages, make_clock(self.binding))
+        self.entries.release_at_staging = self.binding.device.type == "cuda"  # NOTE [Released at staging]
         """The saved tensors' state machine, its lock and the step's counters."""
         self._param_storages: set = set()
         self._keys = itertools.count()

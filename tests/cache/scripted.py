@@ -19,6 +19,20 @@ def io_error(message: str, code: int) -> OffloadIOError:
     return err
 
 
+class WatchedFuture(IOFuture):
+    """An IOFuture that records that somebody waited for it to settle."""
+
+    __slots__ = ("waited",)
+
+    def __init__(self, nbytes: int = 0) -> None:
+        super().__init__(nbytes)
+        self.waited = threading.Event()
+
+    def wait_settled(self, timeout=None) -> bool:
+        self.waited.set()
+        return super().wait_settled(timeout)
+
+
 class ScriptedEngine(Engine):
     """Holds blobs in memory. Writes complete only when :meth:`complete_writes` (or
     :meth:`fail_writes`) runs; reads complete at once unless ``fail_reads`` is set, in
@@ -58,7 +72,7 @@ class ScriptedEngine(Engine):
             return None
         self._next += 1
         handle = SwapHandle(src.numel(), (Extent(0, self._next, src.numel(), 0),))
-        fut: IOFuture = IOFuture(src.numel())
+        fut: IOFuture = WatchedFuture(src.numel())
         if self.cancellable:
             fut.on_cancel(lambda: self._cancelled(fut))
         self.pending.append((fut, handle, src.clone()))
@@ -68,6 +82,21 @@ class ScriptedEngine(Engine):
         self.cancelled.add(id(fut))
         if self.complete_on_cancel:  # as an engine's worker would: on another thread, never in cancel()
             threading.Thread(target=self.complete_writes).start()
+
+    def stage_writes(self) -> int:
+        """Stage the pending writes (their bytes in host staging, NOTE [Staged writes])
+        without completing them."""
+        pending = list(self.pending)
+        for fut, _, _ in pending:
+            fut.set_staged()
+        return len(pending)
+
+    def fail_writes_with(self, error: BaseException) -> None:
+        """Complete the pending writes with ``error``."""
+        with self._lock:
+            done, self.pending = self.pending, []
+        for fut, _, data in done:
+            fut.set_error(error)
 
     def complete_writes(self) -> int:
         with self._lock:
