@@ -36,7 +36,6 @@ Every redirected spot, with file (megatron/core/...) and reason:
    embedding with ``weight.data.cuda()`` before all-reducing it with the first stage
    (pipeline size > 1 with tied embeddings, at model construction). :class:`CPUDeviceMode`
    turns ``Tensor.cuda()`` into a no-op on CPU tensors.
-
 5. ``tensor_parallel/random.py``: ``_get_all_rng_states`` / ``_set_all_rng_states`` read
    and write the CUDA generator through ``_get_cuda_rng_state`` / ``_set_cuda_rng_state``
    (``CheckpointWithoutOutput``, the selective recompute of ``layernorm``, ``moe_act``,

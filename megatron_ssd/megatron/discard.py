@@ -51,7 +51,7 @@ import torch
 from megatron.core.tensor_parallel import random as megatron_random
 
 from ..cache.tensor_cache import active_cache
-from .patching import is_patched, patch
+from .patching import patch
 from .recompute import in_layer_checkpoint
 
 __all__ = ["CheckpointOutsideRecompute", "DiscardWithCache", "install", "installed"]
@@ -115,7 +115,7 @@ _WRAPPERS = ((START, CheckpointOutsideRecompute), (DISCARD, DiscardWithCache))
 def installed() -> bool:
     """Whether the wrappers are in place on ``CheckpointWithoutOutput``."""
     cls = megatron_random.CheckpointWithoutOutput
-    return all(is_patched(cls, name) for name, _ in _WRAPPERS)
+    return all(isinstance(cls.__dict__.get(name), wrapper) for name, wrapper in _WRAPPERS)
 
 
 def install() -> None:
@@ -130,5 +130,5 @@ def install() -> None:
     with _LOCK:
         cls = megatron_random.CheckpointWithoutOutput
         for name, wrapper in _WRAPPERS:
-            if not is_patched(cls, name):
+            if not isinstance(cls.__dict__.get(name), wrapper):
                 patch(cls, name, wrapper(cls.__dict__[name]))

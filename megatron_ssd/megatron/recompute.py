@@ -43,10 +43,14 @@ their amax history a second time. Megatron's own full recompute goes through TE'
 by hand; both, like :class:`QuantizationReplay`, read ``FP8GlobalStateManager``'s
 enabled flag and recipe when the forward starts, run the forward inside
 ``activation_recompute_forward(activation_recompute=True, recompute_phase=False)``
-(TE modules keep their scaling metadata for the recompute) and the recompute inside
-``activation_recompute_forward(..., recompute_phase=True)`` and the autocast re-entered
-with the captured flag and recipe (TE modules reuse that metadata). Without Transformer
-Engine imported there is no quantization state and nothing is done.
+(TE modules keep their scaling metadata for the recompute) and the recompute inside the
+autocast re-entered with the captured flag and recipe and, within it,
+``activation_recompute_forward(..., recompute_phase=True)`` (TE modules reuse that
+metadata). That nesting is megatron-core's: entered inside the autocast, the region
+starts with FP8 enabled (Transformer Engine's 2.x releases read the flag when the region
+is entered) and restores the forward's ``is_first_fp8_module`` after the autocast set its
+own. Without Transformer Engine imported there is no quantization state and nothing is
+done.
 
 # NOTE [Output discarding under RECOMPUTE]
 megatron-core's output-discarding checkpoint (NOTE [Output discarding] in
@@ -204,7 +208,9 @@ class QuantizationReplay:
 
     @contextlib.contextmanager
     def _recompute(self, engine: compat.TEQuantization) -> Iterator[None]:
-        with engine.recompute_region(True), engine.autocast(self.enabled, self.recipe):
+        # The autocast first, as megatron-core's CheckpointWithoutOutput enters them: the
+        # region then starts with the forward's FP8 state in force (NOTE [FP8 under RECOMPUTE]).
+        with engine.autocast(self.enabled, self.recipe), engine.recompute_region(True):
             yield
 
 

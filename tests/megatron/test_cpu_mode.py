@@ -122,7 +122,7 @@ def test_is_a_noop_when_cuda_is_available(monkeypatch):
 
 
 @pytest.fixture(scope="module")
-def world():
+def world(cpu_only):  # gloo even where CUDA is available
     info = init_parallel(seed=1234)
     yield info
     destroy_parallel()

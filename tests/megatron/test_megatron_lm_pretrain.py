@@ -60,6 +60,7 @@ def _env() -> dict:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([REPO] + [p for p in [env.get("PYTHONPATH")] if p])
     env["PYTHONWARNINGS"] = "ignore"
+    env["CUDA_VISIBLE_DEVICES"] = ""  # --cpu is refused where CUDA is usable: the CPU run on any machine
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(name, None)
     return env
@@ -102,6 +103,23 @@ def test_pretrain_gpt_with_ssd_offload_trains_as_without(pp, tmp_path):
     assert sum(float(read) for _, _, read, _ in steps) > 0, steps
     assert sorted(os.listdir(offload_dir)) == [f"rank{r}" for r in range(pp)]
     assert _files_under(offload_dir) == []  # each rank's cache deleted its files at exit
+
+
+@pytest.mark.slow
+def test_selective_recompute_with_output_discarding_trains_as_without(tmp_path):
+    """``--recompute-granularity selective --recompute-modules layernorm``: Megatron frees
+    each layer norm's output after ``linear_qkv`` / ``linear_fc1`` saved it (NOTE [Output
+    discarding] in ``megatron_ssd/megatron/discard.py``); with every layer offloaded the
+    losses and grad norms are the ones without ``--ssd-offload``."""
+    selective = ["--recompute-granularity", "selective", "--recompute-modules", "layernorm"]
+    plain = _losses(pretrain_gpt(CHECKOUT, *GPT, *selective))
+    offload_dir = tmp_path / "offload"
+    offload_dir.mkdir()
+    run = pretrain_gpt(CHECKOUT, *GPT, *selective, *OFFLOAD, "--ssd-offload-paths", str(offload_dir))
+    assert len(plain) == 3 and _losses(run) == plain
+    steps = STEP_LINE.findall(run.stdout)
+    assert len(steps) == 3 and all(float(written) > 0 for _, written, _, _ in steps), steps
+    assert _files_under(offload_dir) == []
 
 
 @pytest.mark.slow

@@ -93,7 +93,7 @@ def _assert_identical(a, b):
 
 
 @pytest.fixture(scope="module")
-def world():
+def world(cpu_only):  # gloo even where CUDA is available
     init_parallel(seed=1234)
     yield
     destroy_parallel()
