@@ -20,10 +20,11 @@ peak; one point ``budget-<bytes>`` each). It needs ``keep``, which measures that
 
 
 # NOTE [Dominance]: a planner point dominates a fixed placement when it holds less memory
-# at no more step time. Memory is the allocator's peak of live tensor bytes (the ROK
-# plot's axis, NOTE [Independent memory] in train.py), or RSS above the pre-forward level
-# when a point has no allocator peak; the cache's own count and RSS are recorded beside
-# it. Step time is the paired ratio to keep when both points have pairs (NOTE [Paired
+# at no more step time. Memory is, on a GPU, CUDA's max_memory_allocated above the
+# pre-forward level (the activations live there; the allocator timeline counts host
+# tensors only); elsewhere the allocator's peak of live tensor bytes (the ROK plot's axis,
+# NOTE [Independent memory] in train.py), or RSS above the pre-forward level when a point
+# has no allocator peak; the cache's own count and RSS are recorded beside it. Step time is the paired ratio to keep when both points have pairs (NOTE [Paired
 # steps]: each ratio is taken against keep steps seconds apart, the drift of minutes
 # cancels), else the fresh-process ratio. Medians are compared; each entry keeps both
 # points' 95% intervals, so a reader can see whether the margin is beyond noise.
@@ -40,6 +41,8 @@ def _is_planned(name: str) -> bool:
 
 
 def _memory(p: Dict[str, Any]) -> Tuple[str, Optional[int]]:
+    if p.get("independent_peak_source") == "cuda_max_memory_allocated" and p.get("independent_peak_bytes"):
+        return "cuda_allocated", p["independent_peak_bytes"]
     if p.get("allocator_peak_bytes") is not None:
         return "live", p["allocator_peak_bytes"]
     return "rss_above_base", p.get("peak_rss_above_base_bytes")

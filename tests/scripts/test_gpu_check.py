@@ -511,3 +511,19 @@ def test_gpu_rok_searches_the_planners_largest_micro_batch_with_runs_train_accep
     monkeypatch.setattr(gpu_rok, "_train_point", train_point)
     assert gpu_rok.largest_fitting("planner", "/unused", "auto") == 6
     assert gpu_rok.largest_fitting("keep", "/unused", "keep") == 6
+
+
+def test_rok_dominance_on_a_gpu_compares_cuda_memory_not_the_host_timeline():
+    """Before: the host allocator timeline (a few MiB of CPU tensors on a GPU run) decided."""
+    from megatron_ssd.commands.dominance import add_dominance
+
+    def point(name, cuda, host, step):
+        return {"placement": name, "peak_activation_bytes": cuda, "allocator_peak_bytes": host,
+                "independent_peak_bytes": cuda, "independent_peak_source": "cuda_max_memory_allocated",
+                "peak_rss_above_base_bytes": host, "x_keep": step, "x_keep_ci95": [step, step]}
+
+    points = [point("offload-all", 3 << 30, 1 << 20, 2.0), point("planner", 5 << 30, 1 << 19, 1.0)]
+    add_dominance(points)
+    (entry,) = points[1]["dominance"]
+    assert entry["memory"] == "cuda_allocated" and entry["memory_ratio"] == 5 / 3
+    assert not entry["dominates"]  # more CUDA memory than offload-all, whatever the host held
