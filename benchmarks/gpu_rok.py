@@ -10,9 +10,8 @@ Each point runs in a fresh process (so peaks and allocator state do not leak):
     offloading, only when Transformer Engine is installed (skipped with the reason
     otherwise);
   * the largest micro-batch that fits with keep and with the planner (doubling, then
-    bisecting, each try a fresh process). The planner's warm-up and first profiling steps
-    keep every layer (NOTE [Profiling steps]), so its tries run out of memory wherever keep
-    does: the search cannot find a larger micro-batch for it until profiling can offload.
+    bisecting, each try a fresh process; on a GPU the planner's first step runs every
+    layer offloaded within the device's capacity, NOTE [Profiling within the capacity]).
 Reports peak GPU memory (``torch.cuda.max_memory_allocated``, absolute and above the level
 before the first forward), the cache's peak activation bytes, median step time and bytes
 written; writes JSON. Needs a CUDA device. ``scripts/gpu_check.sh`` is the short version
