@@ -3,7 +3,9 @@
 # Two pinned environments, one per end of the supported range (docs/compatibility.md):
 #   .venv         the newest pair, what a new user gets: Python 3.12, torch 2.14.1, megatron-core 0.19.2
 #                 (megatron-core 0.17 and later ship Python 3.12 wheels only);
-#   .venv-oldest  the oldest pair: Python 3.11, torch 2.13.0, megatron-core 0.16.1.
+#   .venv-oldest  the oldest pair: Python 3.11, torch 2.6.0, megatron-core 0.16.1 (torch 2.6 is setup.py's
+#                 floor and megatron-core 0.16.1's own; its PyPI build is the CUDA 12.4 one: 2.9 GB of
+#                 wheels with its nvidia-* ones, 5.5 GB installed; the tests run it on CPU).
 # `make test` runs the whole suite in .venv (Megatron-LM core_v0.19.0's pretrain_gpt.py included),
 # then the Megatron tests in .venv-oldest (Megatron-LM core_v0.16.1's pretrain_gpt.py included).
 # setup.py itself takes ranges; these pins are only for reproducible runs here.
@@ -13,7 +15,7 @@ PY := $(VENV)/bin/python
 OLDEST_PY := $(OLDEST)/bin/python
 TORCH_VERSION := 2.14.1
 CORE_VERSION := 0.19.2
-OLDEST_TORCH_VERSION := 2.13.0
+OLDEST_TORCH_VERSION := 2.6.0
 OLDEST_CORE_VERSION := 0.16.1
 # An interpreter of the given version: $PYTHON312 / $PYTHON311, else python3.X on PATH, else pyenv's.
 find_python = $(shell for p in $(1) python$(2) $$(ls -d $${PYENV_ROOT:-$$HOME/.pyenv}/versions/$(2).*/bin/python$(2) 2>/dev/null | sort -V | tail -n 1); do \
@@ -24,10 +26,12 @@ PYTHON311 ?= $(call find_python,$(PYTHON311_ENV),3.11)
 .PHONY: run test test-default test-oldest venv clean
 
 # $(call build_venv,DIR,PYTHON,TORCH,MEGATRON_CORE,PYTHON_VERSION,OVERRIDE_VARIABLE)
+# setuptools is upgraded with pip: tests/test_install.py builds the checkout without build isolation,
+# which needs setuptools 70.1 or later (bdist_wheel built in); torch 2.6 does not bring it on Python 3.11.
 define build_venv
 	@test -n "$(2)" || { echo "megatron_ssd: make needs Python $(5) (python$(5) on PATH, or $(6)=/path/to/python$(5))"; exit 2; }
 	@test -x $(1)/bin/python || $(2) -m venv $(1)
-	$(1)/bin/python -m pip install -q --upgrade pip
+	$(1)/bin/python -m pip install -q --upgrade pip setuptools
 	$(1)/bin/python -m pip install -q torch==$(3) megatron-core==$(4)
 	$(1)/bin/python -m pip install -q -e '.[dev,megatron-lm]'
 	@touch $(1)/.installed

@@ -8,7 +8,7 @@ setup(
     description="SSD activation offloading for Megatron-LM (tensor cache, planner, schedules)",
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
-    # Tested: Python 3.11 + torch 2.13 + megatron-core 0.16.1, and Python 3.12 + torch 2.14 +
+    # Tested: Python 3.11 + torch 2.6 + megatron-core 0.16.1, and Python 3.12 + torch 2.14 +
     # megatron-core 0.19.2 (docs/compatibility.md). megatron-core 0.17 and later ship wheels for
     # Python 3.12 only; pip picks the newest release the interpreter can install.
     python_requires=">=3.10",
@@ -18,7 +18,11 @@ setup(
         # (built against its Transformer Engine and apex) and its megatron-core. The lower
         # bounds are the oldest releases the test matrix runs; no upper bound on torch
         # without a known break. megatron-core 0.20 is not supported until tested.
-        "torch>=2.13",
+        # torch 2.6 is .venv-oldest's and megatron-core 0.16.1's own floor. An installed
+        # pre-release or local build of a later release (NGC's 2.10.0a0+<hash>, 2.11.0+cu130)
+        # satisfies it: pip checks installed versions with pre-releases allowed; a floor
+        # naming no pre-release keeps a fresh install from picking one (tests/test_install.py).
+        "torch>=2.6",
         "megatron-core>=0.16.1,<0.20",
         "numpy",
         "pyyaml>=6",
