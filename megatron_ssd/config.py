@@ -253,8 +253,8 @@ class IOConfig:
 
     engine: Annotated[str, OneOf("auto", "posix", "kvikio")] = "auto"
     """I/O backend: ``posix`` (O_DIRECT thread pool, every machine), ``kvikio``
-    (GPUDirect Storage, needs CUDA and kvikio) or ``auto`` (kvikio when a GPU and kvikio
-    are present, else posix)."""
+    (GPUDirect Storage, needs CUDA and kvikio; chosen only when named) or ``auto``
+    (posix: the kvikio engine is not measured on a GPU yet, docs/io.md)."""
 
     # Each thread keeps one request in flight and runs two workers; past the deepest
     # NVMe queues worth filling from one process, more threads only cost memory.
@@ -268,6 +268,17 @@ class IOConfig:
 
     max_inflight_bytes: Annotated[ByteCount, Positive()] = 256 * MiB
     """Bound on bytes queued for writing but not yet on disk (backpressure)."""
+
+    # A layer's writes arrive in a burst during forward; the ring lets their device memory
+    # go at PCIe speed while the drives catch up. Bytes in flight never exceed
+    # max_inflight_bytes, so a larger ring would pin memory nothing uses.
+    staging_ring_bytes: Annotated[ByteCount, NonNegative(), MultipleOf(4096)] = 256 * MiB
+    """Pinned host memory, per process, that CUDA tensors are copied into before they are
+    written, so their device memory is freed once their bytes are in it rather than on
+    the drives (docs/io.md, CUDA data path). Allocated once when the engine starts, only
+    where CUDA tensors may be offloaded; at most ``max_inflight_bytes`` of it, in whole
+    ``block_bytes`` slices, is used and pinned. 0: no ring (each block is copied into a
+    per-worker buffer just before its write, and device memory is freed at drive speed)."""
 
     on_backpressure: Annotated[str, OneOf("wait", "keep")] = "wait"
     """When the write queue is full: ``wait`` blocks the forward pass until room frees,

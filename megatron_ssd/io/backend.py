@@ -8,8 +8,9 @@ worker thread, with what the engine lends it: ``io_slots`` (held only around the
 transfer itself), ``fault`` (the fault-injection hook, consulted before each transfer),
 ``watch`` / ``watch_progress`` / ``watch_end`` (the stall watchdog) and ``count`` (an
 extra stat). :class:`~megatron_ssd.io.posix.PosixBackend` (O_DIRECT ``pwrite`` /
-``preadv``) and :class:`~megatron_ssd.io.kvikio_engine.KvikioBackend` (cuFile for CUDA
-memory, a POSIX backend of its own for host memory) are peers under it; another
+``preadv``, CUDA memory through pinned staging) and
+:class:`~megatron_ssd.io.kvikio_engine.KvikioBackend` (cuFile for CUDA memory, a POSIX
+backend of its own for host memory) are peers under it; another
 mechanism (io_uring, say) is a third subclass of :class:`BlockBackend` and reuses the
 rest unchanged.
 """
@@ -55,6 +56,14 @@ class BlockBackend(abc.ABC):
     def read_block(self, op: "BlobOp", block: "Block") -> None:
         """Fill one block of ``op.tensor`` from disk; verify ``block.expected`` when set.
         Runs on a worker thread."""
+
+    def discard_block(self, op: "BlobOp", block: "Block") -> None:
+        """``block`` of ``op`` is skipped (the write was cancelled, or an earlier block
+        failed): give back what :meth:`prepare` set aside for it. Runs on a worker thread."""
+
+    def forget_file(self, file: str) -> None:
+        """``file`` is about to be unlinked (the ``file`` layout frees a blob): close any
+        handle of it the backend keeps. No block of it is in flight."""
 
     def close(self) -> None:
         """Release what the backend holds; called once, after the workers stopped."""

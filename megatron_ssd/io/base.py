@@ -54,12 +54,15 @@ class Extent:
     file: Optional[str] = None
     """The file holding this extent (the per-tensor file in the ``file`` layout)."""
     checksum: Optional[int] = None
-    """Checksum (xxh3_64, :mod:`megatron_ssd.io.checksum`) of the extent's payload bytes
-    (without padding), when checksums are on."""
+    """Checksum of the extent's payload bytes (without padding), when checksums are on;
+    its algorithm is ``checksum_algo`` (:mod:`megatron_ssd.io.checksum`)."""
     skew: int = 0
     """Zero bytes before the payload in the extent's first page: the source memory's
     offset from a page boundary, so the payload's whole pages move straight from and to
     memory with the same offset (NOTE [Skewed blocks])."""
+    checksum_algo: str = "xxh3_64"
+    """Algorithm of ``checksum``: ``xxh3_64`` (computed on host bytes) or ``wsum64``
+    (computed on the device, NOTE [Device checksums])."""
 
 
 @dataclass(frozen=True)
@@ -83,10 +86,20 @@ class IOFuture(Generic[R]):
     ``get()`` waits and returns the result or raises the error the I/O raised.
     Callbacks added with :meth:`add_done_callback` run exactly once, on the thread that
     completes the future (or immediately, if it is already done).
+
+    NOTE [Staged writes]: a write is *staged* once the engine no longer reads its source
+    tensor: its bytes are in pinned host staging (a CUDA source copied device-to-host),
+    or on disk. From then on the engine neither touches the source nor needs it alive, so
+    the caller may drop it and the device memory is freed at PCIe speed rather than at
+    the drives'. Staging fires at most once, no later than completion: completing a
+    future that was not staged stages it first (with a result, an error or a cancel),
+    and the done callbacks run only after the staged callbacks have. For a CPU source
+    written in place staged is completion. Engines stage only writes early; a read is
+    staged when it completes, like any future.
     """
 
     __slots__ = ("_event", "_settled", "_result", "_error", "_callbacks", "_lock", "_cancel", "nbytes", "started",
-                 "finished")
+                 "finished", "_staged", "_staged_settled", "_staged_callbacks", "_staging_thread")
 
     def __init__(self, nbytes: int = 0) -> None:
         self._event = threading.Event()
@@ -94,6 +107,10 @@ class IOFuture(Generic[R]):
         self._result: Optional[R] = None
         self._error: Optional[BaseException] = None
         self._callbacks: List[Callable[["IOFuture[R]"], None]] = []
+        self._staged = False
+        self._staged_settled = threading.Event()
+        self._staged_callbacks: List[Callable[["IOFuture[R]"], None]] = []
+        self._staging_thread: Optional[int] = None
         self._lock = threading.Lock()
         self._cancel: Optional[Callable[[], None]] = None
         self.nbytes = nbytes
@@ -132,6 +149,35 @@ class IOFuture(Generic[R]):
         """Engine side: what :meth:`cancel` calls (it must not block or complete the future)."""
         self._cancel = hook
 
+    def staged(self) -> bool:
+        """True once the engine no longer reads the write's source (NOTE [Staged writes])."""
+        return self._staged
+
+    def add_staged_callback(self, fn: Callable[["IOFuture[R]"], None]) -> None:
+        """Run ``fn(self)`` once the future is staged (NOTE [Staged writes]): on the thread
+        that stages it, or at once on the calling thread if it is staged already. Like a
+        done callback it must not wait for this future (completion waits for it)."""
+        with self._lock:
+            if not self._staged:
+                self._staged_callbacks.append(fn)
+                return
+        fn(self)
+
+    def set_staged(self) -> None:
+        """Engine side: the source is no longer read (NOTE [Staged writes]); runs the staged
+        callbacks on this thread. Later calls do nothing."""
+        with self._lock:
+            if self._staged:
+                return
+            self._staged = True
+            self._staging_thread = threading.get_ident()
+            callbacks, self._staged_callbacks = self._staged_callbacks, []
+        try:
+            for fn in callbacks:
+                fn(self)
+        finally:
+            self._staged_settled.set()
+
     def add_done_callback(self, fn: Callable[["IOFuture[R]"], None]) -> None:
         """Run ``fn(self)`` when the future completes."""
         with self._lock:
@@ -149,6 +195,12 @@ class IOFuture(Generic[R]):
         self._finish(None, error)
 
     def _finish(self, result: Optional[R], error: Optional[BaseException]) -> None:
+        with self._lock:
+            if self._event.is_set():
+                return
+        self.set_staged()  # staged no later than done, its callbacks first (NOTE [Staged writes])
+        if self._staging_thread != threading.get_ident():
+            self._staged_settled.wait()  # another thread may still run them
         with self._lock:
             if self._event.is_set():
                 return
@@ -209,12 +261,25 @@ class Engine(abc.ABC):
     """Moves blobs between memory and the offload paths.
 
     Contract:
-      * ``write(src)`` keeps a reference to ``src`` until its future completes; the
-        caller must not modify ``src`` in the meantime. For CUDA ``src`` the engine
-        orders its copy after the work already queued on the current stream.
+      * ``write(src)`` reads ``src`` until its future is *staged* (NOTE [Staged writes]):
+        the caller must not modify ``src`` until then, and may drop it afterwards. For a
+        CUDA ``src`` the engine orders its copies after the work queued on the caller's
+        current stream at submit, and calls ``src.record_stream`` for its copy stream, so
+        a storage its owner frees (``resize_(0)``) while a copy is queued is not reused
+        before the copy is done. A CPU ``src`` is staged when the write completes.
       * ``read(handle, dst)`` fills ``dst[:handle.nbytes]`` with exactly the bytes that
         were written; ``dst`` should come from :meth:`alloc` (aligned, padded) so reads
-        need no staging copy.
+        need no staging copy. The future completes once the bytes are in ``dst``: for a
+        CUDA ``dst``, once the engine's copy finished (the worker waited for it), so the
+        bytes may be used on any stream after ``get()``. A CUDA ``dst`` not from
+        :meth:`alloc` is filled after the work queued on the caller's current stream at
+        submit.
+      * ``alloc(nbytes, device, handle)`` for a CUDA device allocates on the engine's
+        host-to-device copy stream, so the read fills it without waiting for the compute
+        stream. The consumer that uses it on another stream must call
+        ``buffer.record_stream(torch.cuda.current_stream())`` before dropping it, so
+        the caching allocator does not reuse its memory while that stream's kernels
+        still read it.
       * ``free(handle)`` returns the handle's disk space; it must not be called while a
         read or write of that handle is in flight.
       * The future of a failed write carries an :class:`~megatron_ssd.errors.OffloadIOError`

@@ -4,7 +4,7 @@ A layer placed ``host`` (``Placement.HOST``) has its saved tensors copied into h
 memory during forward and copied back for backward, through the same
 :class:`~megatron_ssd.io.base.Engine` protocol as the SSD engines::
 
-    host = HostEngine(capacity_bytes=4 << 30)      # pinned buffers when CUDA is available
+    host = HostEngine(capacity_bytes=4 << 30)      # a pinned pool when CUDA is available
     fut = host.write(blob, block=False)           # None when the pool is full
     handle = fut.get()
     back = host.read(handle, host.alloc(handle.nbytes, blob.device)).get()
@@ -15,21 +15,27 @@ bandwidth or drive wear: the tier for when the SSDs' bandwidth is spent. On a CP
 "device" already is host memory, so the tier saves nothing there; it runs the same code,
 which is what lets CPU tests check it.
 
-NOTE [Host pool bound]: ``capacity_bytes`` bounds the bytes held at once. A write that
-would exceed it is refused at once (``write`` returns None, whatever ``block`` says) and
-the cache keeps that tensor where it is: room in the pool is only given back by
-backward, so waiting for it during forward could wait forever. Each blob has a buffer of
-its own: an anonymous mapping on CPU (returned to the kernel when freed, NOTE [Mapped
-read buffers]), a pinned buffer from torch's caching host allocator on CUDA (so pinned
-pages are reused from step to step, not registered again).
+NOTE [Host pool bound]: ``capacity_bytes`` bounds the payload bytes held at once. A write
+that would exceed it is refused at once (``write`` returns None, whatever ``block`` says)
+and the cache keeps that tensor where it is: room in the pool is only given back by
+backward, so waiting for it during forward could wait forever. On CPU each blob has a
+buffer of its own, an anonymous mapping (returned to the kernel when freed, NOTE [Mapped
+read buffers]). With CUDA the pool is one pinned slab of ``capacity_bytes`` (NOTE
+[Pinned slabs]), page-locked once when the engine is built, and blobs are carved out of
+it at ``SLAB_GRANULARITY``-byte granularity by a first-fit allocator: no pinned
+allocation, and no ``cudaHostAlloc``, on the forward thread. A blob that does not fit in
+the slab's free space (rounding and fragmentation can leave less than the bound) is
+refused like one over the bound.
 
-NOTE [Host copy ordering]: copies run on one worker thread (``concurrent.futures``). A
-CUDA copy is queued on a side stream that first waits for the work already queued on
-the caller's current stream (the producer of ``src``), and the worker completes the
-future only after the copy's event has finished, so a completed future means the bytes
-are in place on both sides. The cache keeps ``src`` alive until the write's future
-completes (the Engine contract), so the caching allocator cannot reuse its memory while
-the copy reads it.
+NOTE [Host copy ordering]: copies are queued on the caller's thread: device-to-host on
+the tier's own write stream, which first waits for an event recorded on the caller's
+current stream (the producer of ``src``); host-to-device on its own high-priority read
+stream, which waits for the caller's stream only when the destination did not come from
+:meth:`HostEngine.alloc` (NOTE [Fresh read buffers] in ``posix.py``). A write's source is
+marked used by the write stream (``record_stream``). One worker thread waits for each
+copy's blocking event, under the tensor's device (NOTE [CUDA threads] in ``cuda.py``),
+and only then completes the future, so a completed future means the bytes are in place
+on both sides. A write is staged when it completes (NOTE [Staged writes]).
 """
 
 from __future__ import annotations
@@ -38,19 +44,26 @@ import itertools
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Dict, Optional, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 
 from ..errors import CacheStateError, ConfigError
 from .base import Engine, EngineStats, Extent, IOFuture, SwapHandle
+from .buffers import copy_bytes
+from .cuda import CUDA, CopyStreams, CudaOps, FreshBuffers
+from .layout import ExtentAllocator
 from .mapped import mapped_empty
+from .pinned import HostSlab
 from .striped import check_blob, check_read_target
 
-__all__ = ["HostEngine", "HOST_PATH_INDEX"]
+__all__ = ["HostEngine", "HOST_PATH_INDEX", "SLAB_GRANULARITY"]
 
 HOST_PATH_INDEX = -1
 """``Extent.path_index`` of a host blob: it lives on no offload path."""
+
+SLAB_GRANULARITY = 64
+"""Bytes by which blobs are placed in the pinned slab (a cache line: copies start aligned)."""
 
 
 class HostEngine(Engine):
@@ -58,18 +71,30 @@ class HostEngine(Engine):
 
     Args:
         capacity_bytes: Bound on the payload bytes held at once (NOTE [Host pool bound]).
-        pin: Use page-locked buffers (when CUDA is available); None: pin when CUDA is.
+        pin: Use a page-locked pool (when CUDA is available); None: pin when CUDA is.
+        cuda: The CUDA calls to make (default: the real ones; tests pass a fake).
     """
 
-    def __init__(self, capacity_bytes: int, pin: Optional[bool] = None) -> None:
+    def __init__(self, capacity_bytes: int, pin: Optional[bool] = None, cuda: Optional[CudaOps] = None) -> None:
         if isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int) or capacity_bytes <= 0:
             raise ConfigError(
                 f"OffloadConfig.host_pool_bytes = {capacity_bytes!r}: must be a size > 0 for the host tier"
             )
+        self.cuda = cuda if cuda is not None else CUDA
         self.capacity_bytes = capacity_bytes
-        self.pinned = torch.cuda.is_available() if pin is None else bool(pin) and torch.cuda.is_available()
+        available = self.cuda.is_available()
+        self.pinned = available if pin is None else bool(pin) and available
+        self._slab: Optional[HostSlab] = None
+        self._places: Optional[ExtentAllocator] = None
+        if self.pinned:  # NOTE [Host pool bound]: one slab, pinned now, not per blob on the forward thread
+            self._slab = HostSlab(capacity_bytes, pin=True, cuda=self.cuda)
+            self._places = ExtentAllocator(SLAB_GRANULARITY)
+            self._places.add_space(self._slab.nbytes)
+        self.streams = CopyStreams(self.cuda)
+        """The tier's own write and read streams (NOTE [Host copy ordering])."""
+        self.fresh = FreshBuffers()
         self._lock = threading.Lock()
-        self._blobs: Dict[int, torch.Tensor] = {}
+        self._blobs: Dict[int, Tuple[torch.Tensor, Optional[int]]] = {}  # id -> (buffer, slab offset)
         self._ids = itertools.count()
         self._used = 0
         self._peak = 0
@@ -77,7 +102,6 @@ class HostEngine(Engine):
         self._refused = 0
         self._closed = False
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="megatron-ssd-host")
-        self._stream = None
 
     # ------------------------------------------------------------------ Engine
 
@@ -93,30 +117,33 @@ class HostEngine(Engine):
             if self._used + nbytes > self.capacity_bytes:  # NOTE [Host pool bound]
                 self._refused += 1
                 return None
+            place = self._place(nbytes)
+            if place is False:
+                self._refused += 1
+                return None
             self._used += nbytes
             self._peak = max(self._peak, self._used)
             blob_id = next(self._ids)
         fut: IOFuture[SwapHandle] = IOFuture(nbytes)
         handle = SwapHandle(nbytes, (Extent(HOST_PATH_INDEX, blob_id, nbytes, 0),))
         try:
-            dst = self._buffer(nbytes)
+            dst = self._buffer(nbytes, place)
+            done = self._queue_copy(dst, src, write=True)
         except BaseException:
-            with self._lock:
-                self._used -= nbytes
+            self._give_back(nbytes, place)
             raise
-        done = self._queue_copy(dst, src)
-        self._pool.submit(self._finish_write, fut, handle, dst, done)
+        self._pool.submit(self._finish_write, fut, handle, dst, place, done)
         return fut
 
     def read(self, handle: SwapHandle, dst: torch.Tensor) -> IOFuture[torch.Tensor]:
         self._check_open()
         check_read_target(handle, dst)
         with self._lock:
-            src = self._blobs.get(self._key(handle))
-        if src is None:
+            blob = self._blobs.get(self._key(handle))
+        if blob is None:
             raise CacheStateError("read of a host blob this engine does not hold (freed, or from another engine)")
         fut: IOFuture[torch.Tensor] = IOFuture(handle.nbytes)
-        done = self._queue_copy(dst[: handle.nbytes], src)
+        done = self._queue_copy(dst[: handle.nbytes], blob[0], write=False, fresh=self.fresh.claim(dst))
         self._pool.submit(self._finish_read, fut, dst, done)
         return fut
 
@@ -124,14 +151,18 @@ class HostEngine(Engine):
         device = torch.device(device)
         if device.type == "cpu":
             return mapped_empty(nbytes)[:nbytes]
-        return torch.empty(max(nbytes, 1), dtype=torch.uint8, device=device)[:nbytes]
+        dev = self.cuda.resolve(device)  # NOTE [Fresh read buffers] in posix.py
+        with self.cuda.device(dev), self.cuda.use_stream(self.streams.h2d(dev)):
+            buf = self.cuda.empty(max(nbytes, 1), dev)
+        self.fresh.add(buf)
+        return buf[:nbytes]
 
     def free(self, handle: SwapHandle) -> None:
         with self._lock:
             blob = self._blobs.pop(self._key(handle), None)
             if blob is None:
                 raise CacheStateError("free of a host blob this engine does not hold (freed twice?)")
-            self._used -= handle.nbytes
+        self._give_back(handle.nbytes, blob[1])
 
     def stats(self) -> EngineStats:
         with self._lock:
@@ -141,17 +172,19 @@ class HostEngine(Engine):
                 read_busy_s=s.read_busy_s, write_errors=s.write_errors, read_errors=s.read_errors,
                 extra={"host_bytes": self._used, "host_peak_bytes": self._peak,
                        "host_capacity_bytes": self.capacity_bytes, "host_refused_writes": self._refused,
-                       "pinned": self.pinned},
+                       "pinned": self.pinned, "pinned_bytes": self._slab.nbytes if self._slab is not None else 0},
             )
 
     def close(self) -> None:
         if self._closed:
             return
         self._closed = True
-        self._pool.shutdown(wait=True)
+        self._pool.shutdown(wait=True)  # every copy was waited for: the slab can be unpinned
         with self._lock:
             self._blobs.clear()
             self._used = 0
+        if self._slab is not None:
+            self._slab.close()
 
     # ------------------------------------------------------------------ internals
 
@@ -165,50 +198,71 @@ class HostEngine(Engine):
         if self._closed:
             raise CacheStateError("the host pool is closed")
 
-    def _buffer(self, nbytes: int) -> torch.Tensor:
-        if self.pinned:
-            return torch.empty(max(nbytes, 1), dtype=torch.uint8, pin_memory=True)[:nbytes]
+    def _place(self, nbytes: int) -> Any:
+        """The slab offset for a new blob (None: no slab; False: it does not fit). Lock held."""
+        if self._places is None:
+            return None
+        offset = self._places.alloc(max(nbytes, 1))
+        return False if offset is None else offset
+
+    def _give_back(self, nbytes: int, place: Optional[int]) -> None:
+        with self._lock:
+            self._used -= nbytes
+            if place is not None and self._places is not None:
+                self._places.free(place, max(nbytes, 1))
+
+    def _buffer(self, nbytes: int, place: Optional[int]) -> torch.Tensor:
+        if place is not None:
+            return self._slab.tensor[place : place + nbytes]  # type: ignore[union-attr]
         return mapped_empty(nbytes)[:nbytes]
 
-    def _queue_copy(self, dst: torch.Tensor, src: torch.Tensor):
+    def _queue_copy(self, dst: torch.Tensor, src: torch.Tensor, write: bool, fresh: bool = False) -> Any:
         """Queue ``dst.copy_(src)``; returns what the worker waits on (NOTE [Host copy ordering])."""
-        if dst.device.type == "cuda" or src.device.type == "cuda":
-            device = dst.device if dst.device.type == "cuda" else src.device
-            if self._stream is None:
-                self._stream = torch.cuda.Stream(device=device)
-            self._stream.wait_stream(torch.cuda.current_stream(device))
-            with torch.cuda.stream(self._stream):
-                dst.copy_(src, non_blocking=True)
-                event = torch.cuda.Event()
-                event.record(self._stream)
-            return event
-        return (dst, src)  # CPU: the worker copies
+        cuda = self.cuda
+        dev = cuda.device_of(src) if write else cuda.device_of(dst)
+        if dev is None:
+            return ("host", dst, src)  # host to host: the worker copies
+        with cuda.device(dev):
+            stream = self.streams.d2h(dev) if write else self.streams.h2d(dev)
+            if not fresh:  # the caller's stream produced src, or may still use dst
+                cuda.record_stream(src if write else dst, stream)
+                ready = cuda.event()
+                ready.record(cuda.current_stream(dev))
+            with cuda.use_stream(stream):
+                if not fresh:
+                    stream.wait_event(ready)
+                cuda.copy(dst, src)
+                done = cuda.event()
+                done.record(stream)
+        return ("cuda", dev, done)
 
-    def _run_copy(self, done) -> float:
+    def _run_copy(self, done: Any) -> float:
         started = time.perf_counter()
-        if isinstance(done, tuple):
-            dst, src = done
-            dst.copy_(src)
+        kind, a, b = done
+        if kind == "host":
+            copy_bytes(a, b)
         else:
-            done.synchronize()
+            with self.cuda.device(a):  # NOTE [CUDA threads]
+                b.synchronize()
         return time.perf_counter() - started
 
-    def _finish_write(self, fut: IOFuture, handle: SwapHandle, dst: torch.Tensor, done) -> None:
+    def _finish_write(self, fut: IOFuture, handle: SwapHandle, dst: torch.Tensor, place: Optional[int],
+                      done: Any) -> None:
         try:
             busy = self._run_copy(done)
         except BaseException as err:  # noqa: BLE001 - handed to the future
+            self._give_back(handle.nbytes, place)
             with self._lock:
-                self._used -= handle.nbytes
                 self._stats.write_errors += 1
             fut.set_error(err)
             return
         with self._lock:
-            self._blobs[self._key(handle)] = dst
+            self._blobs[self._key(handle)] = (dst, place)
             self._stats.bytes_written += handle.nbytes
             self._stats.write_busy_s += busy
         fut.set_result(handle)
 
-    def _finish_read(self, fut: IOFuture, dst: torch.Tensor, done) -> None:
+    def _finish_read(self, fut: IOFuture, dst: torch.Tensor, done: Any) -> None:
         try:
             busy = self._run_copy(done)
         except BaseException as err:  # noqa: BLE001 - handed to the future

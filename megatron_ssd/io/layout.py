@@ -74,14 +74,19 @@ def _preallocate(fd: int, offset: int, nbytes: int) -> None:
 
 
 class ExtentAllocator:
-    """First-fit allocation of ALIGN-granular extents in one growable file.
+    """First-fit allocation of ``granularity``-sized extents in one growable space (a
+    file of the ``extent`` layout, the host tier's pinned slab).
 
     The free list is kept sorted by offset and coalesced on every free, so freeing the
     same sizes that were allocated always restores one free run. Not thread-safe; the
-    layout holds its lock around every call.
+    owner holds its lock around every call.
+
+    Args:
+        granularity: Offsets and lengths are multiples of it (default ALIGN).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, granularity: int = ALIGN) -> None:
+        self.granularity = granularity
         self.size = 0
         """Bytes the file spans (allocated + free)."""
         self._starts: List[int] = []
@@ -93,8 +98,9 @@ class ExtentAllocator:
         return sum(self._lens)
 
     def alloc(self, nbytes: int) -> Optional[int]:
-        """Offset of a free extent of ``align_up(nbytes)`` bytes, or None when none fits."""
-        need = align_up(nbytes)
+        """Offset of a free extent of ``nbytes`` rounded up to the granularity, or None
+        when none fits."""
+        need = align_up(nbytes, self.granularity)
         for i, length in enumerate(self._lens):
             if length >= need:
                 offset = self._starts[i]
@@ -107,17 +113,17 @@ class ExtentAllocator:
         return None
 
     def free(self, offset: int, nbytes: int) -> None:
-        """Return ``[offset, offset + align_up(nbytes))`` to the free list.
+        """Return ``[offset, offset + nbytes)`` (rounded up to the granularity) to the free list.
 
         Raises:
             ValueError: the range is not allocated (double free or foreign range).
         """
-        length = align_up(nbytes)
+        length = align_up(nbytes, self.granularity)
         end = offset + length
         i = bisect.bisect_left(self._starts, offset)
         prev_end = self._starts[i - 1] + self._lens[i - 1] if i > 0 else 0
         next_start = self._starts[i] if i < len(self._starts) else self.size
-        if offset % ALIGN or offset < prev_end or end > next_start:
+        if offset % self.granularity or offset < prev_end or end > next_start:
             raise ValueError(
                 f"megatron_ssd: extent [{offset}, {end}) is not allocated (freed twice?)"
             )
@@ -132,7 +138,7 @@ class ExtentAllocator:
             del self._starts[i + 1]
 
     def add_space(self, nbytes: int) -> None:
-        """Extend the file by ``nbytes`` (ALIGN multiple) of free space at its end."""
+        """Extend the space by ``nbytes`` (a multiple of the granularity) of free space at its end."""
         old = self.size
         self.size += nbytes
         self.free(old, nbytes)
@@ -152,6 +158,9 @@ class Layout(abc.ABC):
                  fault: Optional[Fault] = None) -> None:
         self.io = io
         self.fault = fault
+        self.on_unlink: Optional[Callable[[str], None]] = None
+        """Called with a data file's path just before :meth:`free` unlinks it (an engine's
+        backend closes the handles it keeps of it)."""
         self._lock = threading.Lock()
         self._fds: Dict[str, List[int]] = {}  # file -> [fd, references]
         self.run_dirs: List[RunDir] = []
@@ -314,6 +323,8 @@ class FileLayout(Layout):
         for e in extents:
             if e.file is not None and e.file not in done:
                 done.add(e.file)
+                if self.on_unlink is not None:
+                    self.on_unlink(e.file)
                 self.run_dirs[e.path_index].unlink(os.path.basename(e.file))
 
 

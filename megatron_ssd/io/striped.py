@@ -10,6 +10,8 @@ A path whose write fails is dropped from the rotation while another path remains
 (NOTE [Failed paths]).
 How one block is written or read is a :class:`~megatron_ssd.io.backend.BlockBackend`'s
 job (NOTE [Block backends]); the POSIX and kvikio backends are peers under this class.
+Every CUDA call goes through the engine's :class:`~megatron_ssd.io.cuda.CudaOps` (``cuda``),
+which tests replace with a recording fake.
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ import torch
 from ..config import OffloadConfig
 from ..errors import CacheStateError, ConfigError, OffloadIOError, WriteCancelled
 from .base import Engine, EngineStats, Extent, IOFuture, SwapHandle, align_up
+from .checksum import ALGORITHM
+from .cuda import CUDA, CopyStreams, CudaOps, FreshBuffers
 from .layout import Fault, Layout, io_error, make_layout
 from .watchdog import StallWatchdog
 from .mapped import mapped_empty
@@ -59,6 +63,8 @@ class Block:
     checksum: Optional[int] = None  # checksum computed on write
     skew: int = 0  # zero bytes before the payload at ``offset`` (NOTE [Skewed blocks])
     fd: int = -1  # descriptor of ``file`` while a worker moves the block (NOTE [Descriptors])
+    algo: str = ALGORITHM  # algorithm of ``checksum`` (write) / ``expected`` (read)
+    staging: Optional[torch.Tensor] = None  # a ring slice holding the block's bytes (NOTE [Staging ring])
 
     @property
     def length(self) -> int:
@@ -74,7 +80,12 @@ class BlobOp:
     tensor: Optional[torch.Tensor]
     blocks: List[Block]
     future: IOFuture
+    device: Optional[torch.device] = None  # the CUDA device of ``tensor``; None: host memory
     ready: Any = None  # CUDA event recorded on the caller's stream at submit time
+    copied: Any = None  # CUDA event after the submit-time copies into the ring (NOTE [Staging ring])
+    ring_blocks: int = 0  # blocks copied into the ring at submit
+    ring_synced: bool = False  # ``copied`` was seen complete and those blocks counted staged
+    unstaged: int = 0  # blocks still read from ``tensor`` (NOTE [Staged writes])
     error: Optional[BaseException] = None
     remaining: int = 0
     key: Any = None
@@ -188,15 +199,24 @@ class StripedEngine(Engine):
             engine, once its layout and workers run.
         rank: Rank for run directory names (default: see ``resolve_rank``).
         fault: Optional fault-injection hook, see :data:`~megatron_ssd.io.layout.Fault`.
+        cuda: The CUDA calls to make (default: the real ones; tests pass a fake).
     """
 
     def __init__(self, config: OffloadConfig, backend: Callable[["StripedEngine"], "BlockBackend"],
-                 rank: Optional[int] = None, fault: Optional[Fault] = None) -> None:
+                 rank: Optional[int] = None, fault: Optional[Fault] = None, cuda: Optional[CudaOps] = None) -> None:
         if not config.paths:
             raise ConfigError("OffloadConfig.paths = []: must name at least one offload directory")
         self.config = config
         self.io = config.io
         self.fault = fault
+        self.cuda = cuda if cuda is not None else CUDA
+        """Every CUDA call the engine and its backend make (NOTE [CUDA threads])."""
+        self.cuda_offload = self.cuda.is_available() and config.device != "cpu"
+        """Whether CUDA tensors may come: pinned staging is allocated only then."""
+        self.streams = CopyStreams(self.cuda)
+        """The device-to-host and host-to-device copy streams (NOTE [Copy streams])."""
+        self.fresh = FreshBuffers()
+        """CUDA read buffers from :meth:`alloc` not read into yet (NOTE [Fresh read buffers])."""
         self._layout = make_layout(config.paths, config.io, rank, fault)
         # NOTE [I/O slots]: io.threads is the number of requests kept in flight on the
         # disk. Twice as many workers run blocks, and a worker holds one of io.threads
@@ -225,7 +245,7 @@ class StripedEngine(Engine):
         self._closed = False
         self._stats = EngineStats(extra={"inflight_peak_bytes": 0, "zero_copy_bytes": 0, "staged_bytes": 0,
                                          "checksum_s": 0.0, "write_cpu_s": 0.0, "read_cpu_s": 0.0,
-                                         "cancelled_write_bytes": 0})
+                                         "cancelled_write_bytes": 0, "ring_staged_bytes": 0})
         self._busy: Dict[str, List[float]] = {"write": [0, 0.0], "read": [0, 0.0]}  # [count, since]
         self._live: Dict[Any, int] = {}  # handle key -> reads in flight
         self._next_path = 0
@@ -244,6 +264,7 @@ class StripedEngine(Engine):
         except BaseException:
             self.close()
             raise
+        self._layout.on_unlink = self.backend.forget_file
 
     # ----------------------------------------------------------------------- interface
 
@@ -287,7 +308,8 @@ class StripedEngine(Engine):
         blocks = [Block(off, nb, p, f, o, skew=k) for (off, nb, p), (f, o), k in zip(plan, where, skews)]
         with self._cv:
             self._stats.disk_bytes += sum(b.length for b in blocks)
-        op = BlobOp("write", src, blocks, fut, checksum=checksum)
+        op = BlobOp("write", src, blocks, fut, device=self.cuda.device_of(src), checksum=checksum,
+                    unstaged=len(blocks))
         fut.on_cancel(partial(setattr, op, "cancelled", True))  # NOTE [Cancelled writes]
         self._submit(op, _WRITE)
         return fut
@@ -307,10 +329,10 @@ class StripedEngine(Engine):
         ends = [e.blob_offset for e in handle.extents[1:]] + [handle.nbytes]
         blocks = [
             Block(e.blob_offset, end - e.blob_offset, e.path_index, e.file or "", e.offset, expected=e.checksum,
-                  skew=e.skew)
+                  skew=e.skew, algo=e.checksum_algo)
             for e, end in zip(handle.extents, ends)
         ]
-        self._submit(BlobOp("read", dst, blocks, fut, key=key), _READ)
+        self._submit(BlobOp("read", dst, blocks, fut, device=self.cuda.device_of(dst), key=key), _READ)
         return fut
 
     def alloc(self, nbytes: int, device: torch.device, handle: Optional[SwapHandle] = None) -> torch.Tensor:
@@ -318,7 +340,13 @@ class StripedEngine(Engine):
         if device.type == "cpu":  # NOTE [Mapped read buffers]: unmapped, not kept by the heap, when freed
             skew = handle.extents[0].skew if handle is not None and handle.extents else 0
             return mapped_empty(skew + nbytes)[skew : skew + nbytes]
-        return torch.empty(align_up(max(nbytes, 1)), dtype=torch.uint8, device=device)[:nbytes]
+        # NOTE [Fresh read buffers]: allocated on the read stream, filled without waiting
+        # for the caller's stream; its consumer calls record_stream (the Engine contract)
+        dev = self.cuda.resolve(device)
+        with self.cuda.device(dev), self.cuda.use_stream(self.streams.h2d(dev)):
+            buf = self.cuda.empty(align_up(max(nbytes, 1)), dev)
+        self.fresh.add(buf)
+        return buf[:nbytes]
 
     def free(self, handle: SwapHandle) -> None:
         if not handle.extents:
@@ -469,7 +497,10 @@ class StripedEngine(Engine):
         if op.error is None and op.cancelled:
             with op.lock:
                 op.skipped_bytes += block.nbytes
-        elif op.error is None:  # blocks after a failed one are skipped
+            self._discard_block(op, block)
+        elif op.error is not None:  # blocks after a failed one are skipped
+            self._discard_block(op, block)
+        else:
             try:
                 block.fd = self._acquire_fd(op, block)  # NOTE [Descriptors]
                 try:
@@ -489,6 +520,15 @@ class StripedEngine(Engine):
         # every worker task is a block: its CPU time, completion callbacks included,
         # is the engine's cpu_s (EngineStats), split by direction
         self.count(f"{op.kind}_cpu_s", time.thread_time() - started)
+
+    def _discard_block(self, op: BlobOp, block: Block) -> None:
+        try:
+            self.backend.discard_block(op, block)
+        except BaseException as e:
+            with op.lock:
+                if op.error is None:
+                    op.error = e
+                    op.failed_path = block.path_index
 
     def _block_done(self, op: BlobOp) -> None:
         with op.lock:
@@ -575,7 +615,7 @@ class StripedEngine(Engine):
 
     @staticmethod
     def _extent(b: Block) -> Extent:
-        return Extent(b.path_index, b.offset, b.length, b.blob_offset, b.file, b.checksum, b.skew)
+        return Extent(b.path_index, b.offset, b.length, b.blob_offset, b.file, b.checksum, b.skew, b.algo)
 
     # ------------------------------------------------------------------ for backends
 
@@ -593,6 +633,18 @@ class StripedEngine(Engine):
         """The request ``token`` ended."""
         if token is not None:
             self._watchdog.end(token)  # type: ignore[union-attr]
+
+    def blocks_staged(self, op: BlobOp, n: int) -> None:
+        """``n`` more blocks of the write ``op`` no longer read its source; with the last,
+        the engine drops the source and stages the future (NOTE [Staged writes])."""
+        with op.lock:
+            before = op.unstaged
+            op.unstaged -= n
+            last = before > 0 and op.unstaged <= 0
+            if last:
+                op.tensor = None
+        if last:
+            op.future.set_staged()
 
     def count(self, name: str, nbytes: int) -> None:
         """Add ``nbytes`` (or seconds) to the extra stat ``name``."""

@@ -1,7 +1,8 @@
 """Block backends (NOTE [Block backends]): the striping, backpressure, completion and
 checksum layer serves any backend. A plain buffered backend written here in a few lines
 round-trips striped blobs with checksums; the kvikio engine's host tensors go through its
-POSIX peer (the cuFile path itself needs a GPU: tests/io/test_io_factory.py)."""
+POSIX peer (its cuFile path runs on a CPU through fakes in tests/io/test_io_kvikio.py, and
+for real on a GPU in tests/io/test_io_factory.py)."""
 
 from __future__ import annotations
 

@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import threading
 
+import pytest
+
+from megatron_ssd.errors import WriteCancelled
 from megatron_ssd.io.base import IOFuture
 
 
@@ -37,3 +40,63 @@ def test_cancel_calls_the_engine_hook_until_the_future_is_done():
     assert fut.cancel() and asked == [True] and not fut.done()  # cancel never completes it
     fut.set_result("handle")
     assert not fut.cancel() and asked == [True]
+
+
+def test_staged_fires_once_and_late_callbacks_run_at_once_on_the_caller():
+    fut: IOFuture = IOFuture(4)
+    seen = []
+    fut.add_staged_callback(lambda f: seen.append(("staged", threading.current_thread().name)))
+    assert not fut.staged()
+    worker = threading.Thread(target=fut.set_staged, name="engine-worker")
+    worker.start()
+    worker.join()
+    fut.set_staged()  # a second call does nothing
+    assert fut.staged() and seen == [("staged", "engine-worker")]
+    fut.add_staged_callback(lambda f: seen.append(("late", threading.current_thread().name)))
+    assert seen[-1] == ("late", threading.current_thread().name)
+    fut.set_result("handle")
+    assert len(seen) == 2
+
+
+@pytest.mark.parametrize("outcome", ["result", "error", "cancelled"])
+def test_completing_an_unstaged_future_stages_it_first(outcome):
+    fut: IOFuture = IOFuture(4)
+    order = []
+    fut.add_done_callback(lambda f: order.append(("done", f.staged())))
+    fut.add_staged_callback(lambda f: order.append(("staged", f.done())))
+    if outcome == "result":
+        fut.set_result("handle")
+    else:
+        fut.set_error(WriteCancelled("cancelled") if outcome == "cancelled" else OSError(5, "EIO"))
+    assert order == [("staged", False), ("done", True)]
+
+
+def test_done_callbacks_wait_for_staged_callbacks_running_on_another_thread():
+    fut: IOFuture = IOFuture(4)
+    entered, gate, order = threading.Event(), threading.Event(), []
+
+    def staged(f):
+        entered.set()
+        assert gate.wait(30)
+        order.append("staged")
+
+    fut.add_staged_callback(staged)
+    fut.add_done_callback(lambda f: order.append("done"))
+    stager = threading.Thread(target=fut.set_staged)
+    stager.start()
+    assert entered.wait(30)
+    completer = threading.Thread(target=fut.set_result, args=("handle",))
+    completer.start()
+    completer.join(0.2)
+    assert completer.is_alive() and order == []  # the done callbacks wait for the staged one
+    gate.set()
+    stager.join(30)
+    completer.join(30)
+    assert order == ["staged", "done"]
+
+
+def test_a_staged_callback_may_complete_the_future_on_its_own_thread():
+    fut: IOFuture = IOFuture(4)
+    fut.add_staged_callback(lambda f: f.set_result("handle"))
+    fut.set_staged()
+    assert fut.get(timeout=5) == "handle"
