@@ -92,8 +92,11 @@ class IOFuture(Generic[R]):
     or on disk. From then on the engine neither touches the source nor needs it alive, so
     the caller may drop it and the device memory is freed at PCIe speed rather than at
     the drives'. Staging fires at most once, no later than completion: completing a
-    future that was not staged stages it first (with a result, an error or a cancel),
-    and the done callbacks run only after the staged callbacks have. For a CPU source
+    future that was not staged stages it as it completes (with a result, an error or a
+    cancel), and the done callbacks run only after the staged callbacks have. Staged
+    callbacks run by completion see ``done()`` already True: a caller tells early staging
+    (its source may go while the write goes on) from staging at completion (nothing left
+    to release early; a failed write's caller still has its source). For a CPU source
     written in place staged is completion. Engines stage only writes early; a read is
     staged when it completes, like any future.
     """
@@ -195,20 +198,27 @@ class IOFuture(Generic[R]):
         self._finish(None, error)
 
     def _finish(self, result: Optional[R], error: Optional[BaseException]) -> None:
+        me = threading.get_ident()
         with self._lock:
             if self._event.is_set():
                 return
-        self.set_staged()  # staged no later than done, its callbacks first (NOTE [Staged writes])
-        if self._staging_thread != threading.get_ident():
-            self._staged_settled.wait()  # another thread may still run them
-        with self._lock:
-            if self._event.is_set():
-                return
+            staged_now = not self._staged  # staged no later than done (NOTE [Staged writes])
+            if staged_now:
+                self._staged, self._staging_thread = True, me
+                staged_callbacks, self._staged_callbacks = self._staged_callbacks, []
             self._result, self._error = result, error
             self.finished = time.perf_counter()
             self._event.set()
             callbacks, self._callbacks = self._callbacks, []
             self._cancel = None  # the engine's op is done: nothing left to cancel, no reference kept
+        if staged_now:
+            try:
+                for fn in staged_callbacks:
+                    fn(self)
+            finally:
+                self._staged_settled.set()
+        elif self._staging_thread != me:
+            self._staged_settled.wait()  # early staged callbacks may still run on another thread
         try:
             for fn in callbacks:
                 fn(self)

@@ -132,9 +132,10 @@ class PosixBackend(BlockBackend):
     # stream (after ``op.ready``), followed by one event. The first worker to wait for that
     # event counts those blocks staged. Blocks that found no slice (the ring is full, or
     # the blob is larger) are copied by their worker into its own staging buffer just
-    # before their write, as each comes up. When every block is in host memory (or
-    # skipped), the engine drops the source and stages the future (NOTE [Staged writes]
-    # in ``base.py``): the caller may free the device memory then, at PCIe speed, while
+    # before their write, as each comes up. When every block is in host memory, before any
+    # error or cancel, the engine drops the source and stages the future early (NOTE
+    # [Staged writes] in ``base.py``, NOTE [Failed staged writes] in ``striped.py``): the
+    # caller may free the device memory then, at PCIe speed, while
     # the workers still write the slices, each slice going back to the ring after its
     # block's write. The caller never waits for the ring, and a worker never waits for a
     # slice (it has its own buffer), so the ring cannot deadlock; the in-flight bound
@@ -182,7 +183,14 @@ class PosixBackend(BlockBackend):
                 op.copied = cuda.event()
                 op.copied.record(d2h)
         except BaseException:
-            for block in op.blocks:  # nothing was queued after a failed call: the ring takes them back
+            try:  # the copies queued before the failure must end before the slices go back
+                with cuda.use_stream(d2h):
+                    drained = cuda.event()
+                    drained.record(d2h)
+                drained.synchronize()
+            except BaseException:  # noqa: BLE001 - CUDA itself failed: the first error is the one to raise
+                pass
+            for block in op.blocks:
                 block.staging = None
             for buf in slices:
                 self.ring.release(buf)
@@ -232,16 +240,15 @@ class PosixBackend(BlockBackend):
             done.synchronize()
 
     def discard_block(self, op: BlobOp, block: Block) -> None:
-        if op.device is None or op.kind != "write":
+        # a skipped block never copied is not staged: the write is staged as it completes
+        if op.device is None or op.kind != "write" or block.staging is None:
             return
-        if block.staging is not None:  # its copy may still run: wait before the slice goes back
-            buf, block.staging = block.staging, None
-            try:
-                self._ring_copied(op)
-            finally:
-                self.ring.release(buf)  # type: ignore[union-attr]
-        else:
-            self.engine.blocks_staged(op, 1)  # never read from the source now
+        buf, block.staging = block.staging, None  # its copy may still run: wait before it goes back
+        try:
+            self._ring_copied(op)
+            self.engine.keep_bytes(op, block, buf[: block.nbytes])  # NOTE [Failed staged writes]
+        finally:
+            self.ring.release(buf)  # type: ignore[union-attr]
 
     # ------------------------------------------------------------------------ syscalls
 
@@ -382,7 +389,11 @@ class PosixBackend(BlockBackend):
                 d = new_digest(ALGORITHM)
                 self._digest(d, view[:n], 0)
                 block.checksum, block.algo = d.value(), d.algorithm
-            self.transfer("write", block.fd, view, block.file, block.offset)
+            try:
+                self.transfer("write", block.fd, view, block.file, block.offset)
+            except BaseException:
+                self.engine.keep_bytes(op, block, buf[:n])  # NOTE [Failed staged writes]
+                raise
         finally:
             pool.release(buf)  # type: ignore[union-attr]
         self.engine.count("staged_bytes", n)

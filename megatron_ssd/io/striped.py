@@ -34,6 +34,7 @@ import torch
 from ..config import OffloadConfig
 from ..errors import CacheStateError, ConfigError, OffloadIOError, WriteCancelled
 from .base import Engine, EngineStats, Extent, IOFuture, SwapHandle, align_up
+from .buffers import copy_bytes
 from .checksum import ALGORITHM
 from .cuda import CUDA, CopyStreams, CudaOps, FreshBuffers
 from .layout import Fault, Layout, io_error, make_layout
@@ -65,6 +66,8 @@ class Block:
     fd: int = -1  # descriptor of ``file`` while a worker moves the block (NOTE [Descriptors])
     algo: str = ALGORITHM  # algorithm of ``checksum`` (write) / ``expected`` (read)
     staging: Optional[torch.Tensor] = None  # a ring slice holding the block's bytes (NOTE [Staging ring])
+    written: bool = False  # its write reached the disk
+    kept: bool = False  # its bytes were kept in the op's host copy (NOTE [Failed staged writes])
 
     @property
     def length(self) -> int:
@@ -86,6 +89,8 @@ class BlobOp:
     ring_blocks: int = 0  # blocks copied into the ring at submit
     ring_synced: bool = False  # ``copied`` was seen complete and those blocks counted staged
     unstaged: int = 0  # blocks still read from ``tensor`` (NOTE [Staged writes])
+    staged_early: bool = False  # staged before completion: the source may be gone
+    host_copy: Optional[torch.Tensor] = None  # the blob's bytes after a failed staged write
     error: Optional[BaseException] = None
     remaining: int = 0
     key: Any = None
@@ -310,7 +315,7 @@ class StripedEngine(Engine):
             self._stats.disk_bytes += sum(b.length for b in blocks)
         op = BlobOp("write", src, blocks, fut, device=self.cuda.device_of(src), checksum=checksum,
                     unstaged=len(blocks))
-        fut.on_cancel(partial(setattr, op, "cancelled", True))  # NOTE [Cancelled writes]
+        fut.on_cancel(partial(self._cancel, op))  # NOTE [Cancelled writes]
         self._submit(op, _WRITE)
         return fut
 
@@ -506,6 +511,7 @@ class StripedEngine(Engine):
                 try:
                     if op.kind == "write":
                         self.backend.write_block(op, block)
+                        block.written = True
                     else:
                         self.backend.read_block(op, block)
                 finally:
@@ -520,6 +526,13 @@ class StripedEngine(Engine):
         # every worker task is a block: its CPU time, completion callbacks included,
         # is the engine's cpu_s (EngineStats), split by direction
         self.count(f"{op.kind}_cpu_s", time.thread_time() - started)
+
+    def _cancel(self, op: BlobOp) -> None:
+        """``op.future.cancel()``: skip the blocks not started, unless the write was staged
+        early (its staging is then the only copy of the bytes: NOTE [Failed staged writes])."""
+        with op.lock:
+            if not op.staged_early:
+                op.cancelled = True
 
     def _discard_block(self, op: BlobOp, block: Block) -> None:
         try:
@@ -558,6 +571,10 @@ class StripedEngine(Engine):
                                    f"{op.skipped_bytes} bytes not written")
         result: Any = None
         if op.kind == "write":
+            if error is not None and op.staged_early:  # NOTE [Failed staged writes]
+                host_copy = self._recover(op)
+                if host_copy is not None:
+                    error.host_copy = host_copy  # type: ignore[attr-defined]
             if error is not None:
                 self._layout.free([self._extent(b) for b in op.blocks])
             else:
@@ -587,6 +604,54 @@ class StripedEngine(Engine):
             op.future.set_error(error)
         else:
             op.future.set_result(result)
+
+    # NOTE [Failed staged writes]: once a CUDA write is staged early its caller may have
+    # freed the source, so the staging holds the only copy of the bytes: the write is not
+    # cancelled any more (``cancel`` changes nothing then), and if it fails the engine
+    # hands the bytes back as the error's ``host_copy`` (a CPU ``uint8`` tensor of the
+    # blob's length) so nothing is lost. A block whose write failed, or that is skipped
+    # after the failure, copies its staged bytes into it before its staging goes back
+    # (``keep_bytes``); the blocks already on disk are read back when the blob completes,
+    # before their extents are freed. If any of that fails there is no ``host_copy``. An
+    # error or a cancel before every block was copied stops early staging: the future is
+    # then staged only as it completes, and the caller still has its source.
+
+    def keep_bytes(self, op: BlobOp, block: Block, data: torch.Tensor) -> None:
+        """For backends: ``data`` holds ``block``'s bytes in host memory and is about to
+        be given back; keep them if ``op`` was staged early (NOTE [Failed staged writes])."""
+        if not op.staged_early:
+            return
+        with op.lock:
+            if op.host_copy is None:
+                op.host_copy = mapped_empty(op.future.nbytes)[: op.future.nbytes]
+            host = op.host_copy
+        copy_bytes(host[block.blob_offset : block.blob_offset + block.nbytes], data)
+        block.kept = True
+
+    def _recover(self, op: BlobOp) -> Optional[torch.Tensor]:
+        """The bytes of a failed, early-staged write: the kept blocks, and the written
+        ones read back from disk (NOTE [Failed staged writes]); None when one is missing."""
+        if op.host_copy is None:
+            op.host_copy = mapped_empty(op.future.nbytes)[: op.future.nbytes]
+        host = op.host_copy
+        for b in op.blocks:
+            if b.kept:
+                continue
+            if not b.written:
+                return None
+            back = Block(b.blob_offset, b.nbytes, b.path_index, b.file, b.offset, expected=b.checksum, skew=b.skew,
+                         algo=b.algo)
+            rop = BlobOp("read", host, [back], IOFuture(b.nbytes))
+            try:
+                back.fd = self._acquire_fd(rop, back)
+                try:
+                    self.backend.read_block(rop, back)
+                finally:
+                    self._layout.release(back.file)
+            except Exception as e:  # noqa: BLE001 - the write's own error is what the caller gets
+                logger.warning("megatron_ssd: a failed write's block could not be read back from %s: %s", b.file, e)
+                return None
+        return host
 
     # NOTE [Failed paths]: a write that fails on one path (EIO, ENOSPC, the directory
     # gone) takes that path out of the rotation for later blobs, with one warning, as
@@ -640,8 +705,10 @@ class StripedEngine(Engine):
         with op.lock:
             before = op.unstaged
             op.unstaged -= n
-            last = before > 0 and op.unstaged <= 0
+            # an error or a cancel first: staged at completion, the source kept (NOTE [Failed staged writes])
+            last = before > 0 and op.unstaged <= 0 and op.error is None and not op.cancelled
             if last:
+                op.staged_early = True
                 op.tensor = None
         if last:
             op.future.set_staged()

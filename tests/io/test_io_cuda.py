@@ -259,3 +259,80 @@ def test_storages_written_and_read_stay_resizable(offload_dir):
             src.untyped_storage().resize_(0)
             dst.untyped_storage().resize_(0)
             engine.free(handle)
+
+
+def _stage_observer(fut):
+    """Records ``done()`` as seen by the staged callback: False when staged early."""
+    seen = []
+    fut.add_staged_callback(lambda f: seen.append(f.done()))
+    return seen
+
+
+def test_a_write_failing_after_early_staging_hands_its_bytes_back(offload_dir):
+    """NOTE [Failed staged writes]: the caller may have freed the source at staging, so
+    the engine returns the bytes with the error: kept from staging, or read back."""
+    cuda = FakeCuda()
+    calls = []
+
+    def second_write_fails(op, path, offset, nbytes):
+        if op == "write":
+            calls.append(offset)
+            if len(calls) == 2:
+                return OSError(5, "Input/output error")
+        return None
+
+    n = 4 * BLOCK - 7
+    expected = _bytes(n, seed=4)
+    with _engine(offload_dir, cuda, fault=second_write_fails, ring_blocks=4, threads=1) as engine:
+        fut = engine.write(_produced(cuda, expected, 1))
+        seen = _stage_observer(fut)
+        with pytest.raises(OffloadIOError, match="EIO") as info:
+            fut.get()
+        assert seen == [False], "every block was in the ring: staged before completion"
+        assert torch.equal(info.value.host_copy, expected)
+        assert engine.backend.ring.available == 4 and engine.stats().disk_bytes == 0
+
+
+def test_an_error_before_every_block_was_copied_stages_only_at_completion(offload_dir):
+    cuda = FakeCuda()
+    every_write_fails = lambda op, path, offset, nbytes: OSError(5, "EIO") if op == "write" else None  # noqa: E731
+    with _engine(offload_dir, cuda, fault=every_write_fails, ring_blocks=0, threads=1) as engine:
+        fut = engine.write(_produced(cuda, _bytes(4 * BLOCK), 0))
+        seen = _stage_observer(fut)
+        with pytest.raises(OffloadIOError) as info:
+            fut.get()
+        assert seen == [True], "staged early although blocks were never copied"
+        assert not hasattr(info.value, "host_copy")  # the caller still has its source
+
+
+def test_a_cancel_after_early_staging_changes_nothing(offload_dir):
+    cuda = FakeCuda()
+    hold = Hold()
+    n = 4 * BLOCK
+    expected = _bytes(n, seed=5)
+    with _engine(offload_dir, cuda, fault=hold, ring_blocks=4, threads=1) as engine:
+        fut = engine.write(_produced(cuda, expected, 0))
+        hold.wait_held(2)
+        assert fut.staged()
+        fut.cancel()  # the staging is the only copy now
+        hold.open()
+        h = fut.get()
+        assert torch.equal(engine.read(h, engine.alloc(n, "cuda:0", h)).get(), expected)
+        assert engine.stats().extra["cancelled_write_bytes"] == 0
+
+
+def test_a_copy_failing_at_submit_fails_the_write_and_drains_before_the_ring_takes_its_slices(offload_dir):
+    class FailingCopy(FakeCuda):
+        def copy(self, dst, src):
+            if len(self.copies) == 2:
+                raise RuntimeError("CUDA error: an illegal memory access was encountered")
+            super().copy(dst, src)
+
+    cuda = FailingCopy()
+    with _engine(offload_dir, cuda, ring_blocks=4) as engine:
+        fut = engine.write(cuda.to_device(_bytes(4 * BLOCK), 0))
+        with pytest.raises(OffloadIOError, match="illegal memory access"):
+            fut.get()
+        d2h = engine.streams.d2h(torch.device("cuda", 0))
+        assert d2h._ran == d2h.queued, "slices went back with their copies still queued"
+        assert engine.backend.ring.available == 4 and engine.stats().disk_bytes == 0
