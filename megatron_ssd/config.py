@@ -417,6 +417,20 @@ class PlannerConfig:
     drive_duty_cycle: Annotated[float, InRange(0, 1, lo_open=True)] = 1.0
     """Fraction of each day the drives are written at this rate, in (0, 1]."""
 
+    # The names are DRIVES' in planner/drives.py (the figures live there; this layer may
+    # not import it); tests/planner/test_drives.py checks the two lists are the same.
+    drive: Optional[Annotated[str, OneOf("micron-7450-pro-3.84tb", "micron-7450-max-3.2tb",
+                                         "solidigm-d7-p5810-800gb", "optane-p5800x-1.6tb")]] = None
+    """A drive preset (docs/ssd-sizing.md#drive-presets): its datasheet endurance is the
+    wear bound's ``drive_tbw_bytes`` when that is unset, as ``simulate drive=NAME`` uses
+    it. None: only ``drive_tbw_bytes`` sets the endurance."""
+
+    drive_used_fraction: Annotated[float, InRange(0, 1, hi_open=True)] = 0.0
+    """Share of the drives' rated endurance already used, in [0, 1): the wear bound and
+    the projected lifetime count only the rest (``drive_tbw_bytes`` x (1 - this)). NVMe
+    SMART's ``percentage_used`` / 100 of the most worn drive, which ``megatron-ssd
+    bench-io`` reads and prints as this setting."""
+
     def __post_init__(self) -> None:
         _settle(self)
 

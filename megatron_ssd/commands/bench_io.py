@@ -8,13 +8,18 @@ setting is printed as config overrides.
 files live in the engine's private run directory, removed when a measurement ends, fails
 or is interrupted (SIGINT unwinds; on SIGTERM the exit guard deletes them, NOTE [Exit
 cleanup]).
+
+Then each path's NVMe drives and their SMART wear (``io/smart.py``): the share of rated
+endurance used, the bytes written over the drive's life and since boot, or why it could
+not be read; with every drive's wear known, the ``drive_used_fraction`` setting the wear
+bound starts from (NOTE [Wear model]).
 """
 
 from __future__ import annotations
 
 import os
 import time
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -26,8 +31,10 @@ from ..cache.exit_guard import EXIT_GUARD
 from ..io import create_engine
 from ..io.rundir import filesystem_type
 from ..io.rundir import remove_run_dir
+from ..io.smart import PathWear, path_wear
 
-__all__ = ["measure_path", "run_bench_io", "check_size", "suggested_settings", "SETTINGS", "MAX_SHARE_OF_FREE"]
+__all__ = ["measure_path", "run_bench_io", "check_size", "suggested_settings", "wear_lines", "SETTINGS",
+           "MAX_SHARE_OF_FREE"]
 
 SETTINGS: Tuple[Tuple[int, int], ...] = ((1, 4 * MiB), (2, 4 * MiB), (4, 4 * MiB), (4, 16 * MiB))
 """(threads, block_bytes) pairs tried on every path."""
@@ -103,8 +110,10 @@ def check_size(text: str, total: int, path: str) -> None:
         )
 
 
-def run_bench_io(paths: Sequence[str], size: str, json_path: Optional[str] = None) -> int:
-    """Measure each path with each of :data:`SETTINGS`; print a table and a suggestion."""
+def run_bench_io(paths: Sequence[str], size: str, json_path: Optional[str] = None,
+                 wear: Callable[[str], PathWear] = path_wear) -> int:
+    """Measure each path with each of :data:`SETTINGS`; print a table and a suggestion,
+    then each path's drive wear (``wear``: :func:`~megatron_ssd.io.smart.path_wear`)."""
     total = _parse_size("bench-io", "size", size)
     if total < 64 * MiB:
         raise ConfigError(f"bench-io --size {size!r}: must be at least 64MiB for a meaningful measurement")
@@ -132,10 +141,53 @@ def run_bench_io(paths: Sequence[str], size: str, json_path: Optional[str] = Non
     if memory:
         print(f"WARNING: {', '.join(memory)} in memory (tmpfs or ramfs): these numbers are RAM speed, not a "
               "drive's, and offloaded bytes there stay in RAM; measure the directories on your SSDs instead")
+    reports = [wear(path) for path in paths]
+    lines, used = wear_lines(reports)
+    for line in lines:
+        print(line)
     if json_path:
         write_json(json_path, {"results": results, "suggested": suggestion, "suggested_flags": flags,
-                               "memory_filesystems": memory})
+                               "memory_filesystems": memory, "drive_wear": [r.to_dict() for r in reports],
+                               "suggested_drive_used_fraction": used})
     return 0
+
+
+def _tb(nbytes: Optional[int]) -> str:
+    return "?" if nbytes is None else f"{nbytes / 1e12:.1f} TB"
+
+
+def wear_lines(reports: Sequence[PathWear]) -> Tuple[List[str], Optional[float]]:
+    """The report's lines for each path's drives, and the ``drive_used_fraction`` to set
+    (the most worn drive's; None unless every drive's SMART log was read and each is
+    within its rating)."""
+    lines = ["drive wear (NVMe SMART; docs/ssd-sizing.md#drive-wear-from-smart):"]
+    known = []
+    for report in reports:
+        if not report.drives:
+            lines.append(f"  {report.path}: {report.reason}")
+            known.append(None)
+            continue
+        for d in report.drives:
+            name = f"{d.disk}" + (f" ({d.model})" if d.model else "")
+            since = "" if d.written_since_boot_bytes is None else f", {_tb(d.written_since_boot_bytes)} since boot"
+            if d.smart is None:
+                lines.append(f"  {report.path}: {name}: wear not read: {d.reason}")
+                continue
+            past = " (PAST ITS RATED ENDURANCE)" if d.smart.percentage_used >= 100 else ""
+            lines.append(f"  {report.path}: {name}: {d.smart.percentage_used}% of rated endurance used{past}, "
+                         f"{_tb(d.smart.bytes_written)} written{since}")
+        if report.reason:
+            lines.append(f"  {report.path}: {report.reason}")
+        known.append(report.used_fraction)
+    used = max(known) if known and all(u is not None for u in known) else None
+    if used is not None and used < 1:
+        lines.append(f"  the wear bound starts from it: offload.planner.drive_used_fraction={used:g} "
+                     f"(pretrain_gpt.py: --ssd-offload-override planner.drive_used_fraction={used:g})")
+        return lines, used
+    if used is not None:
+        lines.append("  WARNING: a drive has used all of its rated endurance; the planner has none of it left to "
+                     "plan with (drive_used_fraction must be below 1)")
+    return lines, None
 
 
 def suggested_settings(threads: int, block_bytes: int) -> Tuple[List[str], List[str]]:

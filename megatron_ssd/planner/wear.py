@@ -4,12 +4,17 @@ Pure arithmetic, shared by the planner, ``simulate`` and ``train``::
 
     drive_lifetime_years(2e9, tbw_bytes=7.3e15, ssd_count=4, gpus_per_array=8)       # 0.058 years
     write_limit_bytes_per_s(7.3e15, target_years=3, ssd_count=4, gpus_per_array=8)  # 38.6 MB/s per GPU
+    write_limit_bytes_per_s(7.3e15, 3, 4, 8, used_fraction=0.25)                    # 28.9 MB/s: a quarter used
 
 NOTE [Wear model]: the GPUs (processes) sharing an array write at the same rate each,
 striped evenly over its ``ssd_count`` drives, for ``duty_cycle`` of every day; a drive is
 worn out when it has taken its rated endurance (TBW; DWPD x capacity x warranty days).
-Write amplification inside the drive is in the rated figure for the sequential, 4 KiB-
-aligned, multi-MiB writes the engine issues; the model adds none.
+A drive in service has already used ``used_fraction`` of it (NVMe SMART's
+``percentage_used`` / 100, the vendor's own estimate, write amplification included;
+``io/smart.py`` reads it): the bound and the lifetime count only the rest,
+``TBW x (1 - used_fraction)``, from now. Write amplification inside the drive is in the
+rated figure for the sequential, 4 KiB-aligned, multi-MiB writes the engine issues; the
+model adds none.
 """
 
 from __future__ import annotations
@@ -17,12 +22,24 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, Optional
 
+from ..errors import ConfigError
+from .drives import drive_preset
+
 if TYPE_CHECKING:
     from ..config import PlannerConfig
 
-__all__ = ["SECONDS_PER_DAY", "drive_lifetime_years", "lifetime_for", "write_limit_bytes_per_s", "write_limit_for"]
+__all__ = ["SECONDS_PER_DAY", "drive_lifetime_years", "lifetime_for", "rated_tbw_bytes", "write_limit_bytes_per_s",
+           "write_limit_for"]
 
 SECONDS_PER_DAY = 86400.0
+
+
+def _remaining(tbw_bytes: float, used_fraction: float) -> float:
+    """The endurance a drive has left (NOTE [Wear model])."""
+    if isinstance(used_fraction, bool) or not isinstance(used_fraction, (int, float)) or not 0 <= used_fraction < 1:
+        raise ConfigError(f"used_fraction = {used_fraction!r}: must be a number in [0, 1) (a worn-out drive "
+                          "has no writes left to plan)")
+    return tbw_bytes * (1.0 - used_fraction)
 
 
 def drive_lifetime_years(
@@ -31,13 +48,16 @@ def drive_lifetime_years(
     ssd_count: int = 1,
     gpus_per_array: int = 1,
     duty_cycle: float = 1.0,
+    used_fraction: float = 0.0,
 ) -> float:
     """Years until each drive of an array reaches its rated endurance (NOTE [Wear model]):
-    ``tbw / (rate * gpus / drives * 86400 * duty) / 365``. Infinite when nothing is written."""
+    ``tbw x (1 - used) / (rate * gpus / drives * 86400 * duty) / 365``. Infinite when
+    nothing is written."""
     if write_bytes_per_s_per_gpu <= 0:
         return math.inf
     # The rate that lasts one year, over the actual rate (write_limit_bytes_per_s is linear in 1/years).
-    return write_limit_bytes_per_s(tbw_bytes, 1.0, ssd_count, gpus_per_array, duty_cycle) / write_bytes_per_s_per_gpu
+    return write_limit_bytes_per_s(tbw_bytes, 1.0, ssd_count, gpus_per_array, duty_cycle,
+                                   used_fraction) / write_bytes_per_s_per_gpu
 
 
 def write_limit_bytes_per_s(
@@ -46,31 +66,49 @@ def write_limit_bytes_per_s(
     ssd_count: int = 1,
     gpus_per_array: int = 1,
     duty_cycle: float = 1.0,
+    used_fraction: float = 0.0,
 ) -> float:
-    """The write rate per GPU at which the drives last exactly ``target_years``: the
-    inverse of :func:`drive_lifetime_years`."""
-    return tbw_bytes * ssd_count / (target_years * 365.0 * SECONDS_PER_DAY * duty_cycle * gpus_per_array)
+    """The write rate per GPU at which the drives last exactly ``target_years`` more: the
+    inverse of :func:`drive_lifetime_years`.
+
+    Raises:
+        ConfigError: ``used_fraction`` outside [0, 1).
+    """
+    return _remaining(tbw_bytes, used_fraction) * ssd_count / (
+        target_years * 365.0 * SECONDS_PER_DAY * duty_cycle * gpus_per_array)
 
 
 def _drives(config: "PlannerConfig", paths: int) -> int:
     return config.drive_count or max(paths, 1)
 
 
+def rated_tbw_bytes(config: "PlannerConfig") -> Optional[float]:
+    """The rated endurance of one drive ``config`` names: ``drive_tbw_bytes``, else the
+    ``drive`` preset's datasheet figure (``planner/drives.py``); None when neither is set."""
+    if config.drive_tbw_bytes is not None:
+        return float(config.drive_tbw_bytes)
+    if config.drive is not None:
+        return drive_preset(config.drive, "PlannerConfig.drive").tbw_bytes
+    return None
+
+
 def write_limit_for(config: "PlannerConfig", paths: int) -> Optional[float]:
     """The per-process write limit ``config``'s drive fields set for ``paths`` offload
-    paths (one drive each unless ``drive_count`` says otherwise); None without
-    ``drive_tbw_bytes``."""
-    if config.drive_tbw_bytes is None:
+    paths (one drive each unless ``drive_count`` says otherwise), from the endurance left
+    after ``drive_used_fraction``; None without ``drive_tbw_bytes`` or ``drive``."""
+    tbw = rated_tbw_bytes(config)
+    if tbw is None:
         return None
-    return write_limit_bytes_per_s(config.drive_tbw_bytes, config.drive_lifetime_years, _drives(config, paths),
-                                   config.drive_sharing, config.drive_duty_cycle)
+    return write_limit_bytes_per_s(tbw, config.drive_lifetime_years, _drives(config, paths), config.drive_sharing,
+                                   config.drive_duty_cycle, config.drive_used_fraction)
 
 
 def lifetime_for(config: "PlannerConfig", paths: int, write_bytes_per_s: float) -> Optional[float]:
-    """Projected drive lifetime in years at ``write_bytes_per_s`` per process under
-    ``config``'s drive fields; None without ``drive_tbw_bytes``, infinite when nothing is
-    written."""
-    if config.drive_tbw_bytes is None:
+    """Projected years left of the drives at ``write_bytes_per_s`` per process under
+    ``config``'s drive fields (``drive_used_fraction`` already used); None without
+    ``drive_tbw_bytes`` or ``drive``, infinite when nothing is written."""
+    tbw = rated_tbw_bytes(config)
+    if tbw is None:
         return None
-    return drive_lifetime_years(write_bytes_per_s, config.drive_tbw_bytes, _drives(config, paths),
-                                config.drive_sharing, config.drive_duty_cycle)
+    return drive_lifetime_years(write_bytes_per_s, tbw, _drives(config, paths), config.drive_sharing,
+                                config.drive_duty_cycle, config.drive_used_fraction)
