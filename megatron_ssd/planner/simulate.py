@@ -28,6 +28,8 @@ from typing import Annotated, Any, Dict, List, Mapping, Optional, Sequence, Tupl
 from ..config import EMBEDDING, OUTSIDE, Bytes, load_config, to_dict
 from ..errors import ConfigError
 from .plan import Plan, make_plan
+from .drives import drive_preset
+from .peers import LayerAnatomy
 from .wear import SECONDS_PER_DAY, drive_lifetime_years, write_limit_bytes_per_s
 from .profile import IOProfile, LayerProfile, StageProfile
 from ..config import field_docs
@@ -42,11 +44,17 @@ __all__ = [
     "stage_profile",
     "layer_activation_bytes",
     "layer_forward_flops",
+    "layer_anatomy",
     "drive_lifetime_years",
     "prediction_error",
 ]
 
 _ARCHS = ("gpt", "bert", "t5")
+
+GENERIC_DRIVE: Dict[str, float] = {"ssd_write_bytes_per_s": 6.5e9, "ssd_read_bytes_per_s": 7.0e9,
+                                   "ssd_tbw_bytes": 7.0e15, "ssd_capacity_bytes": 3.84e12}
+"""The drive ``SimulationSpec`` assumes without a ``drive`` preset: a typical Gen4
+3.84 TB data-centre drive at 1 drive write per day over 5 years."""
 
 
 @dataclass
@@ -111,14 +119,24 @@ class SimulationSpec:
     gpus_per_node: int = 8
     """GPUs per node: the host RAM that Megatron's CPU-only activation offloading would
     need for the same saving is reported per node."""
-    ssd_write_bytes_per_s: float = 6.5e9
-    """Sustained sequential write bandwidth of one drive."""
-    ssd_read_bytes_per_s: float = 7.0e9
-    """Sustained sequential read bandwidth of one drive."""
-    ssd_tbw_bytes: float = 7.0e15
-    """Write endurance of one drive (TBW, in bytes; 7 PB for a 3.84 TB drive at 1 DWPD x 5 years)."""
-    ssd_capacity_bytes: float = 3.84e12
-    """Capacity of one drive."""
+    drive: Optional[str] = None
+    """A drive preset (``planner/drives.py``, docs/ssd-sizing.md#drive-presets): its
+    datasheet bandwidth, endurance and capacity fill the four ``ssd_*`` fields below that
+    are not given. None: those fields' generic defaults (a 3.84 TB 1-DWPD Gen4 drive)."""
+    ssd_write_bytes_per_s: Optional[float] = None
+    """Sustained sequential write bandwidth of one drive (None: the ``drive`` preset's,
+    else 6.5e9)."""
+    ssd_read_bytes_per_s: Optional[float] = None
+    """Sustained sequential read bandwidth of one drive (None: the preset's, else 7.0e9)."""
+    ssd_tbw_bytes: Optional[float] = None
+    """Write endurance of one drive (TBW, in bytes; None: the preset's, else 7.0e15, a
+    3.84 TB drive at 1 DWPD x 5 years)."""
+    ssd_capacity_bytes: Optional[float] = None
+    """Capacity of one drive (None: the preset's, else 3.84e12)."""
+    ssd_used_fraction: float = 0.0
+    """Share of the drives' rated endurance already used, in [0, 1) (SMART
+    ``percentage_used`` / 100): the wear bound and the lifetime count only the rest
+    (NOTE [Wear model])."""
     duty_cycle: float = 1.0
     """Fraction of each day the job trains (lifetime uses it)."""
     host_ram_bytes_per_node: float = 0.0
@@ -148,6 +166,7 @@ class SimulationSpec:
     """Whether the planner may recompute to meet a budget."""
 
     def __post_init__(self) -> None:
+        self._fill_drive()
         if self.arch not in _ARCHS:
             raise ConfigError(f"SimulationSpec.arch = {self.arch!r}: must be one of {list(_ARCHS)}")
         positive = ["num_layers", "hidden", "heads", "seq_len", "micro_batch", "vocab", "tp", "pp", "cp", "dp",
@@ -175,6 +194,9 @@ class SimulationSpec:
             raise ConfigError(
                 f"SimulationSpec.target_lifetime_years = {self.target_lifetime_years!r}: must be a number > 0 or null"
             )
+        used = self.ssd_used_fraction
+        if isinstance(used, bool) or not isinstance(used, (int, float)) or not 0 <= used < 1:
+            raise ConfigError(f"SimulationSpec.ssd_used_fraction = {used!r}: must be a number in [0, 1)")
         for name in ("mfu", "duty_cycle"):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and 0 < value <= 1):
@@ -202,6 +224,17 @@ class SimulationSpec:
             )
         if not (isinstance(self.pipeline_rank, int) and 0 <= self.pipeline_rank < self.pp):
             raise ConfigError(f"SimulationSpec.pipeline_rank = {self.pipeline_rank!r}: must be in [0, pp={self.pp})")
+
+    def _fill_drive(self) -> None:
+        """Fill the ``ssd_*`` drive fields left None from ``drive`` or the generic drive."""
+        figures = dict(GENERIC_DRIVE)
+        if self.drive is not None:
+            preset = drive_preset(self.drive, "SimulationSpec.drive")
+            figures = {"ssd_write_bytes_per_s": preset.write_bytes_per_s, "ssd_read_bytes_per_s": preset.read_bytes_per_s,
+                       "ssd_tbw_bytes": preset.tbw_bytes, "ssd_capacity_bytes": preset.capacity_bytes}
+        for name, value in figures.items():
+            if getattr(self, name) is None:
+                setattr(self, name, value)
 
     @property
     def total_layers(self) -> int:
@@ -279,32 +312,40 @@ def spec_from_overrides(overrides: Sequence[str] = (), model: Optional[str] = No
 
 
 def _attention(spec: SimulationSpec, s_q: int, s_kv: int, cross: bool, s_attended: Optional[int] = None):
-    """(saved tensors, forward FLOPs) of one attention block.
+    """(saved tensors, forward FLOPs, core-attention FLOPs) of one attention block.
 
-    The tensors are ``(elements-bytes, split by t)`` pairs in the order the block saves
-    them; ``s_q`` and ``s_kv`` are this GPU's query and key/value tokens; ``s_attended``
-    the keys each query attends to (the whole sequence under context parallelism, where
-    K and V chunks pass from GPU to GPU and only the local chunk is saved)."""
+    The tensors are ``(elements-bytes, split by t, role)`` triples in the order the block
+    saves them (the roles are :data:`~megatron_ssd.planner.peers.SITE_ROLES`, ``cross_``
+    before those of a cross-attention block); ``s_q`` and ``s_kv`` are this GPU's query
+    and key/value tokens; ``s_attended`` the keys each query attends to (the whole
+    sequence under context parallelism, where K and V chunks pass from GPU to GPU and
+    only the local chunk is saved)."""
     b, h, a = spec.micro_batch, spec.hidden, spec.heads
     s_attended = s_kv if s_attended is None else s_attended
+    pre = "cross_" if cross else ""
     # 16-bit tensors: the projection input(s), not split without sequence parallelism;
     # Q (2 s_q b h), K and V (2 s_kv b h each); the output projection input (2 s_q b h);
     # without fused attention the softmax output (2), its dropout mask (1) and the
     # dropout output (2) per score; the block's dropout mask (s_q b h, not split).
-    saved = [(2 * s_q * b * h, False)]
+    saved = [(2 * s_q * b * h, False, pre + "qkv_input")]
     if cross:
-        saved.append((2 * s_kv * b * h, False))
-    saved += [(2 * s_q * b * h, True), (2 * s_kv * b * h, True), (2 * s_kv * b * h, True)]
+        saved.append((2 * s_kv * b * h, False, pre + "kv_input"))
+    saved += [(2 * s_q * b * h, True, pre + "query"), (2 * s_kv * b * h, True, pre + "key"),
+              (2 * s_kv * b * h, True, pre + "value")]
     if not spec.flash_attention:
-        saved += [(2 * a * s_q * s_kv * b, True), (a * s_q * s_kv * b, True), (2 * a * s_q * s_kv * b, True)]
-    saved += [(2 * s_q * b * h, True), (s_q * b * h, False)]
-    flops = 2 * s_q * b * h * h + 4 * s_kv * b * h * h + 4 * b * s_q * s_attended * h + 2 * s_q * b * h * h
-    return saved, flops
+        saved += [(2 * a * s_q * s_kv * b, True, pre + "softmax_output"),
+                  (a * s_q * s_kv * b, True, pre + "softmax_dropout_mask"),
+                  (2 * a * s_q * s_kv * b, True, pre + "softmax_dropout_output")]
+    saved += [(2 * s_q * b * h, True, pre + "attn_output"), (s_q * b * h, False, pre + "attn_dropout_mask")]
+    core = 4 * b * s_q * s_attended * h
+    flops = 2 * s_q * b * h * h + 4 * s_kv * b * h * h + core + 2 * s_q * b * h * h
+    return saved, flops, core
 
 
 def _layer(spec: SimulationSpec, decoder: bool):
-    """(saved tensors in save order as (elements-bytes, split by t), forward FLOPs, tokens,
-    each tensor's use point as a share of the layer's backward)."""
+    """(saved tensors in save order as (elements-bytes, split by t, role), forward FLOPs,
+    tokens, each tensor's use point as a share of the layer's backward, forward FLOPs of
+    the core attention (all blocks) and of the MLP)."""
     full = (spec.decoder_seq_len or spec.seq_len) if decoder else spec.seq_len
     s = full // spec.cp  # this GPU's tokens (NOTE: cp > 1 only for gpt and bert)
     b, h = spec.micro_batch, spec.hidden
@@ -319,38 +360,49 @@ def _layer(spec: SimulationSpec, decoder: bool):
     # the share of the layer's FLOPs of the blocks after it.
     saved, uses = [], []
     after = mlp_flops
-    for block, block_flops in reversed(blocks):
+    for (block, block_flops, _), cross in zip(reversed(blocks), reversed([False, True][:len(blocks)])):
         use = after / flops
-        saved[:0] = [(2 * s * b * h, False)] + block  # the block's layernorm input, then its own
+        # the block's layernorm input, then its own
+        saved[:0] = [(2 * s * b * h, False, ("cross_" if cross else "") + "attn_norm_input")] + block
         uses[:0] = [use] * (1 + len(block))
         after += block_flops
     # the MLP: layernorm input, fc1 input, GeLU input, fc2 input, dropout mask
-    saved += [(2 * s * b * h, False), (2 * s * b * h, False), (2 * s * b * f, True), (2 * s * b * f, True),
-              (s * b * h, False)]
+    saved += [(2 * s * b * h, False, "mlp_norm_input"), (2 * s * b * h, False, "fc1_input"),
+              (2 * s * b * f, True, "act_input"), (2 * s * b * f, True, "fc2_input"),
+              (s * b * h, False, "mlp_dropout_mask")]
     uses += [0.0] * 5
-    return saved, flops, s, uses
+    return saved, flops, s, uses, sum(x[2] for x in blocks), mlp_flops
 
 
 def layer_site_bytes(spec: SimulationSpec, decoder: bool = False) -> List[int]:
     """Bytes of each tensor one layer saves for backward, in save order, per micro-batch
     on one tensor- and context-parallel rank (the layer's sites, NOTE [Sites])."""
-    return [b for b, _ in _sites(spec, decoder)]
+    return [b for b, _, _ in _sites(spec, decoder)]
 
 
 def layer_site_use(spec: SimulationSpec, decoder: bool = False) -> List[float]:
     """Per site of :func:`layer_site_bytes`, the share of the layer's backward run when
     backward first needs it (NOTE [Site use times] in ``profile.py``)."""
-    return [u for _, u in _sites(spec, decoder)]
+    return [u for _, u, _ in _sites(spec, decoder)]
 
 
-def _sites(spec: SimulationSpec, decoder: bool) -> List[Tuple[int, float]]:
-    saved, _, _, uses = _layer(spec, decoder)
+def layer_anatomy(spec: SimulationSpec, decoder: bool = False) -> LayerAnatomy:
+    """What each site of :func:`layer_site_bytes` is, and the forward-time shares of the
+    layer's core attention and MLP: what the peers' rules (``planner/peers.py``) need."""
+    _, flops, _, _, core, mlp = _layer(spec, decoder)
+    return LayerAnatomy(site_roles=tuple(r for _, _, r in _sites(spec, decoder)),
+                        forward_share={"core_attn": core / flops, "mlp": mlp / flops},
+                        dtype_bytes=spec.dtype_bytes)
+
+
+def _sites(spec: SimulationSpec, decoder: bool) -> List[Tuple[int, float, str]]:
+    saved, _, _, uses, _, _ = _layer(spec, decoder)
     out = []
-    for (elements, split), use in zip(saved, uses):
+    for (elements, split, role), use in zip(saved, uses):
         shard = elements / spec.tp if split or spec.sequence_parallel else elements
         nbytes = int(round(shard * spec.dtype_bytes / 2))
         if nbytes > 0:
-            out.append((nbytes, round(use, 6)))
+            out.append((nbytes, round(use, 6), role))
     return out
 
 
@@ -528,7 +580,9 @@ class SimulationResult:
             f"SSD writes {self.write_bytes_per_s_per_gpu / gb:.2f} GB/s per GPU; footprint "
             f"{self.ssd_footprint_bytes / gb:.1f} GB of {self.ssd_capacity_share_bytes / gb:.0f} GB ({fits})",
             f"each drive takes {self.drive_bytes_per_day / 1e12:.1f} TB/day: lifetime "
-            f"{self.lifetime_years:.1f} years at {s.ssd_tbw_bytes / 1e15:.1f} PB TBW",
+            f"{self.lifetime_years:.1f} years at {s.ssd_tbw_bytes / 1e15:.1f} PB TBW"
+            + (f" ({s.drive})" if s.drive else "")
+            + (f", {s.ssd_used_fraction:.0%} of it used" if s.ssd_used_fraction else ""),
         ]
         if p.host_budget_bytes:
             lines.append(f"host pool {p.host_pool_bytes / gb:.1f} GB of the GPU's {p.host_budget_bytes / gb:.1f} GB "
@@ -638,7 +692,7 @@ def simulate(spec: SimulationSpec) -> SimulationResult:
     limit = None
     if spec.target_lifetime_years is not None:
         limit = write_limit_bytes_per_s(spec.ssd_tbw_bytes, spec.target_lifetime_years, spec.ssd_count,
-                                        spec.gpus_per_array, spec.duty_cycle)
+                                        spec.gpus_per_array, spec.duty_cycle, spec.ssd_used_fraction)
     plan = make_plan(stage, spec.memory_budget, spec.safety_margin, spec.prefetch_depth, spec.allow_recompute,
                      max_write_bytes_per_s=limit, capacity_bytes=activation_capacity(spec), read_ahead=spec.read_ahead,
                      host_budget_bytes=host_budget(spec))
@@ -647,7 +701,8 @@ def simulate(spec: SimulationSpec) -> SimulationResult:
     written = plan.offloaded_bytes * spec.num_microbatches
     rate = written / iteration if iteration > 0 else 0.0
     per_drive_day = rate * spec.gpus_per_array / spec.ssd_count * SECONDS_PER_DAY * spec.duty_cycle
-    lifetime = drive_lifetime_years(rate, spec.ssd_tbw_bytes, spec.ssd_count, spec.gpus_per_array, spec.duty_cycle)
+    lifetime = drive_lifetime_years(rate, spec.ssd_tbw_bytes, spec.ssd_count, spec.gpus_per_array, spec.duty_cycle,
+                                    spec.ssd_used_fraction)
     return SimulationResult(
         spec=spec,
         stage=stage,
