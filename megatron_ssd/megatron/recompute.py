@@ -27,7 +27,9 @@ Why not megatron's ``tensor_parallel.checkpoint``:
 With saved-tensor hooks active around :func:`checkpoint_layer` (as an activation cache's
 are), the outer pack hook sees exactly the *positional* tensor arguments, once, when the
 checkpoint saves them to re-run the forward later; so a cache may offload a recomputed
-layer's input like any other saved tensor. Tensors saved *inside* the region go to
+layer's input like any other saved tensor. torch 2.6 to 2.11 also hand the outer hooks an
+empty placeholder (a 0-element leaf that requires grad), which a cache skips like a
+parameter; torch 2.12 and later do not. Tensors saved *inside* the region go to
 PyTorch's own innermost hooks and never reach the outer hooks, neither in forward nor when
 backward recomputes them. Tensors passed by keyword (``attention_mask=...``) are held by
 reference until backward and are not packed.

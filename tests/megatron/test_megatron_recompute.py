@@ -167,7 +167,10 @@ def test_outer_hooks_see_only_the_positional_inputs(world):
     recorder = _PackRecorder()
     with torch.autograd.graph.saved_tensors_hooks(recorder.pack, recorder.unpack):
         out, _ = checkpoint_layer(layer.forward, x, attention_mask=mask)
-    assert [t is x for t in recorder.packed] == [True]
+    # torch 2.6 to 2.11 also save a 0-element placeholder leaf that requires grad with the
+    # inputs; a cache skips it like a parameter (docs/compatibility.md)
+    inputs = [t for t in recorder.packed if not (t.is_leaf and t.requires_grad and t.numel() == 0)]
+    assert [t is x for t in inputs] == [True]
     plain = _PackRecorder()
     with torch.autograd.graph.saved_tensors_hooks(plain.pack, plain.unpack):
         layer(x, attention_mask=mask)
