@@ -2,10 +2,10 @@
 
 A blob of ``n`` bytes is cut into blocks of ``io.block_bytes``; block ``i`` goes to path
 ``(start + i) % len(paths)`` (RAID0-like; ``start`` rotates per blob so small blobs
-spread too). Each block is one task for a pool of workers that keeps ``io.threads``
-requests in flight (NOTE [I/O slots]), so the blocks of one blob proceed in parallel and
-the blob's future completes when the last is done. Reads overtake queued writes: a
-prefetch must not wait behind the forward pass's offload traffic.
+spread too). Each block is one task for a pool of workers (``io/workers.py``) that keeps
+``io.threads`` requests in flight (NOTE [I/O slots]), so the blocks of one blob proceed in
+parallel and the blob's future completes when the last is done. Reads overtake queued
+writes: a prefetch must not wait behind the forward pass's offload traffic.
 A path whose write fails is dropped from the rotation while another path remains
 (NOTE [Failed paths]).
 How one block is written or read is a :class:`~megatron_ssd.io.backend.BlockBackend`'s
@@ -18,10 +18,7 @@ from __future__ import annotations
 
 import copy
 import errno
-import itertools
 import logging
-import os
-import queue
 import threading
 import time
 import weakref
@@ -39,6 +36,7 @@ from .checksum import ALGORITHM
 from .cuda import CUDA, CopyStreams, CudaOps, FreshBuffers
 from .layout import Fault, Layout, io_error, make_layout
 from .watchdog import StallWatchdog
+from .workers import READ, WRITE, Workers
 from .mapped import mapped_empty
 
 if TYPE_CHECKING:
@@ -48,7 +46,6 @@ __all__ = ["Block", "BlobOp", "StripedEngine"]
 
 logger = logging.getLogger(__name__)
 
-_READ, _WRITE, _STOP = 0, 1, 2  # worker queue priorities: reads overtake queued writes
 
 
 @dataclass
@@ -101,78 +98,7 @@ class BlobOp:
     skipped_bytes: int = 0  # payload bytes of the blocks skipped after a cancel
 
 
-class _Workers:
-    """``n`` threads draining one priority queue (reads before writes, FIFO within)."""
-
-    def __init__(self, n: int, name: str, priority: str = "normal") -> None:
-        self._q: "queue.PriorityQueue[Tuple[int, int, Optional[Callable[..., None]], tuple]]" = queue.PriorityQueue()
-        self._seq = itertools.count()
-        self._priority = priority
-        self._started = threading.Barrier(n + 1)
-        self._threads = [
-            threading.Thread(target=self._loop, args=(i,), name=f"{name}-{i}", daemon=True) for i in range(n)
-        ]
-        started = []
-        try:
-            for t in self._threads:
-                t.start()
-                started.append(t)
-        except BaseException:
-            # the threads already running wait on the barrier: break it so they return
-            self._started.abort()
-            for t in started:
-                t.join()
-            raise
-        self._started.wait()  # every worker runs at its priority before the first task
-
-    def submit(self, priority: int, fn: Callable[..., None], *args: Any) -> None:
-        self._q.put((priority, next(self._seq), fn, args))
-
-    def _loop(self, index: int) -> None:
-        if not set_thread_priority(self._priority) and index == 0:
-            logger.warning("megatron_ssd: io.priority = %r could not be applied on this system (Linux "
-                           "only); the I/O threads run at normal priority", self._priority)
-        try:
-            self._started.wait()
-        except threading.BrokenBarrierError:  # a later worker failed to start
-            return
-        while True:
-            _, _, fn, args = self._q.get()
-            if fn is None:
-                return
-            try:
-                fn(*args)
-            except BaseException:  # a task must never kill its worker
-                logger.exception("megatron_ssd: I/O task raised")
-
-    def shutdown(self) -> None:
-        for _ in self._threads:
-            self._q.put((_STOP, next(self._seq), None, ()))
-        for t in self._threads:
-            if t is not threading.current_thread():
-                t.join()
-
-
-def set_thread_priority(priority: str) -> bool:
-    """Lower the calling thread's scheduling priority (``io.priority``); True if applied.
-
-    ``low``: nice 19 for this thread only (Linux threads have their own nice value);
-    ``idle``: ``SCHED_IDLE``. Lowering needs no privilege. ``normal`` changes nothing.
-    """
-    if priority == "normal":
-        return True
-    try:
-        tid = threading.get_native_id()
-        if priority == "idle":
-            os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
-        else:
-            os.setpriority(os.PRIO_PROCESS, tid, 19)
-        return True
-    except (AttributeError, OSError):
-        return False
-
-
-def _shutdown(workers: _Workers, layout: Layout, watchdog: Optional[StallWatchdog]) -> None:
+def _shutdown(workers: Workers, layout: Layout, watchdog: Optional[StallWatchdog]) -> None:
     workers.shutdown()  # waits for the requests in flight; the watchdog still warns about stuck ones
     if watchdog is not None:
         watchdog.stop()
@@ -231,7 +157,7 @@ class StripedEngine(Engine):
         """Held by a backend around each transfer: ``io.threads`` requests on the disks."""
         self._watchdog: Optional[StallWatchdog] = None
         try:
-            self._workers = _Workers(2 * config.io.threads, "megatron_ssd-io", config.io.priority)
+            self._workers = Workers(2 * config.io.threads, "megatron_ssd-io", config.io.priority)
             if config.io.stall_warning_s > 0:
                 try:
                     self._watchdog = StallWatchdog(config.io.stall_warning_s)
@@ -316,7 +242,7 @@ class StripedEngine(Engine):
         op = BlobOp("write", src, blocks, fut, device=self.cuda.device_of(src), checksum=checksum,
                     unstaged=len(blocks))
         fut.on_cancel(partial(self._cancel, op))  # NOTE [Cancelled writes]
-        self._submit(op, _WRITE)
+        self._submit(op, WRITE)
         return fut
 
     def read(self, handle: SwapHandle, dst: torch.Tensor) -> IOFuture[torch.Tensor]:
@@ -337,7 +263,7 @@ class StripedEngine(Engine):
                   skew=e.skew, algo=e.checksum_algo)
             for e, end in zip(handle.extents, ends)
         ]
-        self._submit(BlobOp("read", dst, blocks, fut, device=self.cuda.device_of(dst), key=key), _READ)
+        self._submit(BlobOp("read", dst, blocks, fut, device=self.cuda.device_of(dst), key=key), READ)
         return fut
 
     def alloc(self, nbytes: int, device: torch.device, handle: Optional[SwapHandle] = None) -> torch.Tensor:

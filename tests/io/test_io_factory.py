@@ -6,6 +6,7 @@ import importlib.machinery
 import os
 import subprocess
 import sys
+import threading
 import types
 
 import pytest
@@ -100,3 +101,33 @@ def test_kvikio_round_trip(offload_dir, layout):
     with create_engine(_cfg(offload_dir, engine="kvikio", layout=layout, block_bytes=1 << 20)) as engine:
         assert type(engine).__name__ == "KvikioEngine"
         _cuda_round_trip(engine)
+
+
+@pytest.mark.gpu
+def test_posix_engine_frees_device_memory_at_staging_on_a_gpu(offload_dir):
+    """The staging ring on a real GPU: pinned slabs, and a write's device memory given
+    back while its disk writes are still held."""
+    held, arrived = threading.Event(), threading.Semaphore(0)
+
+    def hold(op, path, offset, nbytes):
+        if op == "write":
+            arrived.release()
+            assert held.wait(60)
+        return None
+
+    cfg = _cfg(offload_dir, engine="posix", block_bytes=1 << 20, staging_ring_bytes=8 << 20)
+    with PosixEngine(cfg, fault=hold) as engine:
+        assert engine.backend.ring.slab.tensor.is_pinned() and engine.backend.pool.slab.tensor.is_pinned()
+        src = torch.randint(0, 256, (8 << 20,), dtype=torch.uint8, device="cuda")
+        expected = src.cpu()
+        before = torch.cuda.memory_allocated()
+        fut = engine.write(src)
+        staged = threading.Event()
+        fut.add_staged_callback(lambda f: staged.set())
+        assert staged.wait(60) and not fut.done()
+        del src
+        assert torch.cuda.memory_allocated() <= before - (8 << 20)
+        held.set()
+        h = fut.get()
+        back = engine.read(h, engine.alloc(h.nbytes, torch.device("cuda"), h)).get()
+        assert torch.equal(back.cpu(), expected)

@@ -384,13 +384,13 @@ def test_bad_io_priority_is_refused():
 
 
 def test_io_priority_that_cannot_be_applied_warns_and_runs(offload_dir, monkeypatch, caplog):
-    from megatron_ssd.io import striped
+    from megatron_ssd.io import workers
 
     def refuse(tid, *args):
         raise PermissionError(1, "Operation not permitted")
 
-    monkeypatch.setattr(striped.os, "setpriority", refuse)
-    with caplog.at_level("WARNING", logger="megatron_ssd.io.striped"):
+    monkeypatch.setattr(workers.os, "setpriority", refuse)
+    with caplog.at_level("WARNING", logger="megatron_ssd.io.workers"):
         with _engine([offload_dir], priority="low") as engine:
             h = engine.write(_blob(4096)).get()
             assert torch.equal(engine.read(h, engine.alloc(4096, "cpu")).get(), _blob(4096))
