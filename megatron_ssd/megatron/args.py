@@ -115,7 +115,7 @@ SSD_FLAGS: Tuple[_Flag, ...] = (
     _Flag(
         "--ssd-offload-engine", "io.engine", None, ("auto", "posix", "kvikio"), str,
         "I/O backend: posix (O_DIRECT thread pool), kvikio (GPUDirect Storage; needs kvikio "
-        "and CUDA) or auto (kvikio when available, else posix). [io.engine]",
+        "and CUDA) or auto (posix: kvikio only when asked for, until it is measured on a GPU). [io.engine]",
     ),
 )
 
