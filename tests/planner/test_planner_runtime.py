@@ -9,14 +9,12 @@ import sys
 
 import pytest
 import torch
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
 from megatron_ssd import IOConfig, OffloadConfig, Placement, TensorCache
 from megatron_ssd.config import PlannerConfig
-from megatron_ssd.megatron import get_forward_backward_func, offload_layer_spec
-from megatron_ssd.workloads.harness import SyntheticData, gpt_forward_step, run_steps
-from megatron_ssd.workloads.models import build_gpt, tiny_transformer_config
 from megatron_ssd.workloads.parallel import destroy_parallel, init_parallel
+
+from planned_gpt import planned_run
 from megatron_ssd.planner import StageProfile
 from megatron_ssd.adaptive import AdaptivePlanner, stage_from_stats
 
@@ -36,22 +34,8 @@ def world():
 
 
 def _run(cache=None, planner_config=None, steps=6):
-    torch.manual_seed(5)
-    config = tiny_transformer_config(LAYERS, 64, 4)
-    spec = offload_layer_spec(get_gpt_layer_local_spec()) if cache is not None else None
-    model = build_gpt(config, VOCAB, SEQ, layer_spec=spec)
-    stats, planner, fb = [], None, None
-    if cache is not None:
-        planner = AdaptivePlanner(cache, planner_config)
-
-        def on_step(s):
-            stats.append(s)
-            planner.on_step(s)
-
-        fb = get_forward_backward_func(cache=cache, on_step=on_step)
-    data = SyntheticData("gpt", MBS, SEQ, VOCAB, seed=2)
-    result = run_steps([model], gpt_forward_step, data, NMB, SEQ, MBS, steps=steps, forward_backward_func=fb)
-    return result, stats, planner
+    return planned_run(cache, planner_config, layers=LAYERS, hidden=64, vocab=VOCAB, seq=SEQ, mbs=MBS, nmb=NMB,
+                       steps=steps)
 
 
 def test_planned_run_is_bit_identical_and_sets_a_plan(world, tmp_path):

@@ -7,16 +7,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
 from megatron_ssd import IOConfig, OffloadConfig, TensorCache
-from megatron_ssd.adaptive import AdaptivePlanner
 from megatron_ssd.config import PlannerConfig
 from megatron_ssd.memory import AllocatorTimeline
-from megatron_ssd.megatron import get_forward_backward_func, offload_layer_spec
-from megatron_ssd.workloads.harness import SGD, SyntheticData, gpt_forward_step, run_steps
-from megatron_ssd.workloads.models import build_gpt, tiny_transformer_config
+from megatron_ssd.workloads.harness import SGD, SyntheticData
 from megatron_ssd.workloads.parallel import destroy_parallel, init_parallel
+
+from planned_gpt import planned_run
 
 VOCAB, SEQ, MBS, NMB, LAYERS = 128, 128, 4, 2, 4
 
@@ -47,32 +45,15 @@ class StepTimelines:
 
 
 def _run(cache=None, planner_config=None, steps=7):
-    torch.manual_seed(5)
-    config = tiny_transformer_config(LAYERS, 128, 4)
-    spec = offload_layer_spec(get_gpt_layer_local_spec()) if cache is not None else None
-    model = build_gpt(config, VOCAB, SEQ, layer_spec=spec)
-    stats, planner, fb = [], None, None
-    if cache is not None:
-        planner = AdaptivePlanner(cache, planner_config)
-
-        def on_step(s):
-            stats.append(s)
-            planner.on_step(s)
-
-        fb = get_forward_backward_func(cache=cache, on_step=on_step)
-    else:
-        def on_step(s):
-            stats.append(s)
-
-        keep = TensorCache(OffloadConfig(paths=["/unused"], min_tensor_bytes=4096, device="cpu"), engine=_NoIO())
-        keep.default_placement = "keep"
-        spec = offload_layer_spec(get_gpt_layer_local_spec())
-        torch.manual_seed(5)
-        model = build_gpt(config, VOCAB, SEQ, layer_spec=spec)
-        fb = get_forward_backward_func(cache=keep, on_step=on_step)
+    """The planned run under ``cache``; None: keep-everything through a cache that keeps
+    every layer (so its count is the cache's). Also each step's allocator peak."""
+    if cache is None:
+        cache = TensorCache(OffloadConfig(paths=["/unused"], min_tensor_bytes=4096, device="cpu"), engine=_NoIO())
+        planner_config = PlannerConfig(mode="keep")
     timelines = StepTimelines(SyntheticData("gpt", MBS, SEQ, VOCAB, seed=2))
-    result = run_steps([model], gpt_forward_step, timelines, NMB, SEQ, MBS, steps=steps, forward_backward_func=fb,
-                       optimizer_step=timelines.optimizer_step)
+    result, stats, planner = planned_run(cache, planner_config, layers=LAYERS, hidden=128, vocab=VOCAB, seq=SEQ,
+                                         mbs=MBS, nmb=NMB, steps=steps, data=timelines,
+                                         optimizer_step=timelines.optimizer_step)
     return result, stats, planner, timelines.peaks
 
 
