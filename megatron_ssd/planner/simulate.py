@@ -28,7 +28,7 @@ from typing import Annotated, Any, Dict, List, Mapping, Optional, Sequence, Tupl
 from ..config import EMBEDDING, OUTSIDE, Bytes, load_config, to_dict
 from ..errors import ConfigError
 from .plan import Plan, make_plan
-from .drives import drive_preset
+from .drives import DRIVES, drive_preset
 from .peers import LayerAnatomy
 from .wear import SECONDS_PER_DAY, drive_lifetime_years, write_limit_bytes_per_s
 from .profile import IOProfile, LayerProfile, StageProfile
@@ -292,6 +292,11 @@ def simulate_help() -> str:
     lines.append("models (model=NAME sets these fields; keys given after it override them):")
     for name, dims in MODEL_PRESETS.items():
         lines.append(f"  {name:<12}" + ", ".join(f"{k}={v}" for k, v in dims.items()))
+    lines.append("")
+    lines.append("drives (drive=NAME fills the ssd_* fields not given; docs/ssd-sizing.md#drive-presets):")
+    for name, d in DRIVES.items():
+        lines.append(f"  {name:<24}{d.model}: {d.read_bytes_per_s / 1e9:g} / {d.write_bytes_per_s / 1e9:g} GB/s, "
+                     f"{d.dwpd:g} DWPD x {d.warranty_years:g} years = {d.tbw_bytes / 1e15:g} PB ({d.source})")
     return "\n".join(lines)
 
 

@@ -117,3 +117,12 @@ def test_offload_config_loads_the_fields_from_overrides():
     assert (cfg.planner.drive, cfg.planner.drive_used_fraction) == ("optane-p5800x-1.6tb", 0.03)
     with pytest.raises(ConfigError, match=r"PlannerConfig\.drive_used_fraction = 1\.0: must be in \[0, 1\)"):
         load_config(OffloadConfig, None, ["planner.drive_used_fraction=1"])
+
+
+def test_simulate_help_lists_every_drive_with_its_source():
+    from megatron_ssd.planner.simulate import simulate_help
+
+    text = simulate_help()
+    for preset in DRIVES.values():
+        assert f"  {preset.name:<24}{preset.model}: " in text and preset.source in text
+    assert "  drive                   " in text and "  ssd_used_fraction       " in text

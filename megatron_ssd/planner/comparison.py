@@ -1,0 +1,310 @@
+"""The peers against the planner at H100 ratios, and the drive classes where SSD offload lasts.
+
+Two tables of ``docs/planner.md``, computed here from ``simulate``'s model so a test can
+check the docs hold what the code computes (``benchmarks/simulate_h100.py`` writes both
+to ``benchmarks/results/``)::
+
+    rows = peer_rows()            # each peer point beside the planner at its memory
+    print(peer_markdown(rows))
+    rows = drive_rows()           # each drive preset under the 3-year wear bound
+    print(drive_markdown(rows))
+
+Every number is the timeline model's prediction (``planner/timeline.py``) for one GPU of
+an 8-GPU H100 node, the stage ``simulate`` describes: the peers' rules are priced by
+``planner/peers.py`` on the same stage, the planner plans it with ``make_plan``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+
+from ..config import OUTSIDE, Placement
+from .drives import DRIVES, drive_preset
+from .peers import (
+    LayerAnatomy,
+    PeerPoint,
+    full_recompute,
+    keep_everything,
+    megatron_fine_grained,
+    price,
+    selective_recompute,
+    te_cpu_offload,
+)
+from .plan import Plan, PlanInfeasibleError, make_plan
+from .profile import StageProfile
+from .timeline import predict
+from .simulate import (
+    SIZING_HOST_RAM,
+    SIZING_MODELS,
+    SimulationSpec,
+    activation_capacity,
+    host_budget,
+    layer_anatomy,
+    spec_from_overrides,
+    stage_profile,
+)
+from .wear import drive_lifetime_years, write_limit_bytes_per_s
+
+__all__ = [
+    "COMPARISON_DRIVE",
+    "COMPARISON_DRIVES_PER_NODE",
+    "FGO_FRACTIONS",
+    "drive_markdown",
+    "drive_rows",
+    "peer_markdown",
+    "peer_points",
+    "peer_rows",
+]
+
+FGO_FRACTIONS = (0.25, 0.5, 1.0)
+"""Megatron fine-grained offload's ``activation_offload_fraction`` settings compared."""
+COMPARISON_DRIVE = "solidigm-d7-p5810-800gb"
+"""The drive preset of the peer table's SSD column: the cheapest class whose 3-year
+bound lets the planner write at H100 speed (the drive table shows which do)."""
+COMPARISON_DRIVES_PER_NODE = 8
+"""Drives per 8-GPU node in both tables (a DGX H100 carries eight U.2 data drives), all
+eight GPUs sharing them."""
+GPUS_PER_NODE = 8
+WEAR_YEARS = 3.0
+
+
+def peer_points(stage: StageProfile, anatomy: Mapping[Any, LayerAnatomy]) -> List[PeerPoint]:
+    """The peers' settings the table compares on ``stage``: Megatron's fine-grained
+    offload at :data:`FGO_FRACTIONS` (all dense modules, Transformer Engine's layer spec),
+    Transformer Engine's CPU offload of half the layers and of all but two (its limit for
+    full overlap), Megatron's selective recompute of core attention (its default) and of
+    the MLP, and full recompute of every layer."""
+    layers = sum(1 for layer in stage.layers if layer.layer_id not in OUTSIDE)
+    points = [megatron_fine_grained(stage, anatomy, f) for f in FGO_FRACTIONS]
+    points += [te_cpu_offload(stage, anatomy, n) for n in sorted({layers // 2, layers - 2}) if n >= 1]
+    points += [selective_recompute(stage, anatomy, ("core_attn",)), selective_recompute(stage, anatomy, ("mlp",)),
+               full_recompute(stage)]
+    return points
+
+
+def _spec(model: str, drive: str, drives_per_node: int, host_ram: float) -> SimulationSpec:
+    return spec_from_overrides([f"ssd_count={drives_per_node}", f"gpus_per_array={GPUS_PER_NODE}", f"drive={drive}",
+                                f"host_ram_bytes_per_node={host_ram}"], model=model)
+
+
+def _anatomy(spec: SimulationSpec, stage: StageProfile) -> Dict[Any, LayerAnatomy]:
+    return {layer.layer_id: layer_anatomy(spec) for layer in stage.layers if layer.layer_id not in OUTSIDE}
+
+
+def _layers(plan: Plan, placement: Placement) -> int:
+    return sum(1 for lp in plan.layers if lp.placement is placement and lp.layer_id not in OUTSIDE)
+
+
+class _Planner:
+    """The planner on one model's stage, with and without the host tier and the SSDs,
+    its plans cached by memory target (many peer points share one: the device's capacity)."""
+
+    def __init__(self, spec: SimulationSpec, stage: StageProfile, lifetime_years: float) -> None:
+        self.spec, self.stage = spec, stage
+        self.capacity = activation_capacity(spec)
+        self.limit = write_limit_bytes_per_s(spec.ssd_tbw_bytes, lifetime_years, spec.ssd_count,
+                                             spec.gpus_per_array, spec.duty_cycle, spec.ssd_used_fraction)
+        self.no_host = stage.with_io(dataclasses.replace(stage.io, host_bytes_per_s=None))
+        self._cache: Dict[Tuple[str, Optional[int]], Any] = {}
+
+    def plan(self, variant: str, target: Optional[int]) -> Any:
+        """``host`` (host tier, no SSD writes), ``ssd`` (the drives under the wear bound,
+        no host tier) or ``recompute`` (neither) at ``target`` bytes (None: no budget);
+        a :class:`PlanInfeasibleError` when nothing meets it."""
+        key = (variant, target)
+        if key not in self._cache:
+            stage = self.stage if variant == "host" else self.no_host
+            try:
+                self._cache[key] = make_plan(
+                    stage, target, self.spec.safety_margin, self.spec.prefetch_depth, True,
+                    max_write_bytes_per_s=self.limit if variant == "ssd" else 0.0, capacity_bytes=self.capacity,
+                    read_ahead=self.spec.read_ahead, host_budget_bytes=host_budget(self.spec) if variant == "host" else None)
+            except PlanInfeasibleError as err:
+                self._cache[key] = err
+        return self._cache[key]
+
+    def summary(self, plan: Any) -> Dict[str, Any]:
+        """A plan's row fields (or the reason there is none)."""
+        if isinstance(plan, PlanInfeasibleError):
+            return {"infeasible": str(plan)}
+        s = self.spec
+        slots = s.num_microbatches + s.pp - 1
+        rate = plan.offloaded_bytes * s.num_microbatches / (slots * plan.step_s)
+        life = drive_lifetime_years(rate, s.ssd_tbw_bytes, s.ssd_count, s.gpus_per_array, s.duty_cycle,
+                                    s.ssd_used_fraction)
+        return {
+            "peak_bytes": plan.peak_activation_bytes,
+            "saved_bytes": plan.keep_peak_activation_bytes - plan.peak_activation_bytes,
+            "overhead_fraction": plan.step_s / plan.keep_step_s - 1.0,
+            "host_bytes_per_node": plan.host_pool_bytes * s.gpus_per_node,
+            "write_bytes_per_s_per_gpu": rate,
+            "lifetime_years": None if math.isinf(life) else life,
+            "host_layers": _layers(plan, Placement.HOST),
+            "offload_layers": _layers(plan, Placement.OFFLOAD),
+            "recompute_layers": _layers(plan, Placement.RECOMPUTE),
+        }
+
+
+def _layout(spec: SimulationSpec) -> str:
+    return (f"tp{spec.tp}" + (f" pp{spec.pp}" if spec.pp > 1 else "") + (f" cp{spec.cp}" if spec.cp > 1 else "")
+            + (f" dp{spec.dp}" if spec.dp > 1 else ""))
+
+
+def peer_rows(models: Sequence[str] = SIZING_MODELS, drive: str = COMPARISON_DRIVE,
+              drives_per_node: int = COMPARISON_DRIVES_PER_NODE, host_ram: float = SIZING_HOST_RAM,
+              lifetime_years: float = WEAR_YEARS,
+              points: Callable[[StageProfile, Mapping[Any, LayerAnatomy]], List[PeerPoint]] = peer_points) -> list:
+    """One row per model and peer setting (JSON-ready dicts): the peer's predicted peak,
+    saving, step overhead and pinned host RAM per node; then the planner held to the same
+    peak (or to the GPU's activation capacity when the peer's peak exceeds it) with the
+    host tier (``host_ram`` bytes per node, no SSD writes) and with ``drives_per_node``
+    ``drive`` drives under a ``lifetime_years`` wear bound (no host tier), recompute
+    allowed in both."""
+    drive_preset(drive)
+    rows = []
+    for model in models:
+        spec = _spec(model, drive, drives_per_node, host_ram)
+        stage = stage_profile(spec)
+        planner = _Planner(spec, stage, lifetime_years)
+        keep = price(keep_everything(stage))
+        in_flight = stage.microbatches_in_flight or 1
+        for point in points(stage, _anatomy(spec, stage)):
+            row: Dict[str, Any] = {
+                "model": model, "seq_len": spec.seq_len, "layout": _layout(spec), "peer": point.peer,
+                "setting": point.setting, "keep_peak_bytes": keep.peak_bytes, "activation_capacity_bytes": planner.capacity,
+            }
+            if point.refused:
+                rows.append({**row, "refused": point.refused})
+                continue
+            tl = price(point)
+            # the same placement at the bandwidths the planner judges by (derated by its safety margin)
+            derated = predict(point.stage, point.placements, point.read_ahead,
+                              io=point.stage.io.derated(spec.safety_margin), sites=point.sites)
+            fits = planner.capacity is None or tl.peak_bytes <= planner.capacity
+            target = tl.peak_bytes if fits else planner.capacity
+            row.update({
+                "peer_peak_bytes": tl.peak_bytes, "peer_saved_bytes": keep.peak_bytes - tl.peak_bytes,
+                "peer_fits": fits, "peer_overhead_fraction": tl.step_s / keep.step_s - 1.0,
+                "peer_host_bytes_per_node": tl.hosted_bytes * in_flight * spec.gpus_per_node,
+                "peer_host_layers": point.host_layers, "peer_recompute_layers": point.recompute_layers,
+                "peer_forwarded_layers": len(tl.forwarded), "peer_exposed_s": tl.exposed_s,
+                "peer_peak_bytes_derated": derated.peak_bytes,
+                "peer_overhead_fraction_derated": derated.step_s / keep.step_s - 1.0,
+                "target_bytes": target,
+                "drive": drive, "drives_per_node": drives_per_node, "host_ram_bytes_per_node": host_ram,
+                "wear_bound_years": lifetime_years,
+            })
+            for variant in ("host", "ssd"):
+                summary = planner.summary(planner.plan(variant, target))
+                row[f"planner_{variant}"] = summary
+                row[f"planner_{variant}_dominates"] = _dominates(summary, row)
+            rows.append(row)
+    return rows
+
+
+def _dominates(planned: Mapping[str, Any], row: Mapping[str, Any]) -> Optional[bool]:
+    """Whether a planner point holds no more than the peer's peak at no more step
+    overhead (``rok``'s rule, on predictions); None when the peer does not fit the GPU."""
+    if not row["peer_fits"]:
+        return None
+    if "infeasible" in planned:
+        return False
+    return (planned["peak_bytes"] <= row["peer_peak_bytes"]
+            and planned["overhead_fraction"] <= row["peer_overhead_fraction"] + 1e-9)
+
+
+def _gb(nbytes: float) -> str:
+    return f"{nbytes / 1e9:.1f} GB"
+
+
+def _life(years: Optional[float]) -> str:
+    if years is None:
+        return "∞"
+    return f"{years * 365:.0f} days" if years < 1 else f"{years:.1f} years"
+
+
+def _planned(p: Mapping[str, Any], ssd: bool) -> str:
+    if "infeasible" in p:
+        return "infeasible"
+    moved = f"{p['offload_layers']} / {p['recompute_layers']}" if ssd else f"{p['host_layers']} / {p['recompute_layers']}"
+    extra = (f"{p['write_bytes_per_s_per_gpu'] / 1e9:.2f} GB/s, {_life(p['lifetime_years'])}" if ssd
+             else _gb(p["host_bytes_per_node"]))
+    return f"{_gb(p['saved_bytes'])}, {p['overhead_fraction']:+.1%}, {extra}, {moved}"
+
+
+def peer_markdown(rows: Sequence[Mapping[str, Any]]) -> str:
+    """The table of :func:`peer_rows` as Markdown (GB = 10^9 bytes)."""
+    out = [
+        "| model | layout | peer setting | peer: peak (of capacity), saved, step overhead, pinned host RAM per node "
+        "| planner, host tier: saved, overhead, pinned host RAM per node, host / recompute layers "
+        "| planner, SSDs: saved, overhead, SSD writes per GPU, drive life, offload / recompute layers "
+        "| planner dominates (host tier / SSDs) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    word = {True: "yes", False: "**no**", None: "peer over capacity"}
+    for r in rows:
+        head = f"| {r['model']} | {r['layout']} | {r['peer']} {r['setting']} "
+        if "refused" in r:
+            out.append(head + "| refused by Megatron: pipeline parallelism | | | |")
+            continue
+        over = "" if r["peer_fits"] else ", over capacity"
+        cap = r["activation_capacity_bytes"]
+        peer = (f"{_gb(r['peer_peak_bytes'])} ({r['peer_peak_bytes'] / cap:.0%}{over}), {_gb(r['peer_saved_bytes'])}, "
+                f"{r['peer_overhead_fraction']:+.1%}, {_gb(r['peer_host_bytes_per_node'])}")
+        verdict = (word[None] if r["planner_host_dominates"] is None
+                   else f"{word[r['planner_host_dominates']]} / {word[r['planner_ssd_dominates']]}")
+        out.append(head + f"| {peer} | {_planned(r['planner_host'], False)} | {_planned(r['planner_ssd'], True)} "
+                          f"| {verdict} |")
+    return "\n".join(out)
+
+
+def drive_rows(models: Sequence[str] = SIZING_MODELS, drives: Sequence[str] = tuple(DRIVES),
+               drives_per_node: int = COMPARISON_DRIVES_PER_NODE, host_ram: float = SIZING_HOST_RAM,
+               lifetime_years: float = WEAR_YEARS) -> list:
+    """One row per model and drive preset (JSON-ready dicts): the planner without a
+    budget (offload what hides, held to the GPU's capacity) with ``drives_per_node`` of
+    the drive under a ``lifetime_years`` wear bound, beside the same planner with no SSD
+    writes, first recomputing only, then with ``host_ram`` bytes per node of host tier."""
+    rows = []
+    for model in models:
+        base = None
+        for drive in drives:
+            spec = _spec(model, drive, drives_per_node, host_ram)
+            stage = stage_profile(spec)
+            planner = _Planner(spec, stage, lifetime_years)
+            if base is None:
+                base = {"recompute_only": planner.summary(planner.plan("recompute", None)),
+                        "host_tier": planner.summary(planner.plan("host", None))}
+            preset = drive_preset(drive)
+            rows.append({
+                "model": model, "seq_len": spec.seq_len, "layout": _layout(spec), "drive": drive,
+                "endurance_class": preset.endurance_class, "dwpd": preset.dwpd, "tbw_bytes": preset.tbw_bytes,
+                "drives_per_node": drives_per_node, "wear_bound_years": lifetime_years,
+                "write_limit_bytes_per_s_per_gpu": planner.limit,
+                "keep_peak_bytes": price(keep_everything(stage)).peak_bytes,
+                "activation_capacity_bytes": planner.capacity,
+                "planner_ssd": planner.summary(planner.plan("ssd", None)),
+                **base,
+            })
+    return rows
+
+
+def drive_markdown(rows: Sequence[Mapping[str, Any]]) -> str:
+    """The table of :func:`drive_rows` as Markdown (GB = 10^9 bytes)."""
+    out = [
+        "| model | layout | drive (class, DWPD) | write bound per GPU | planner with SSDs: saved, overhead, SSD writes "
+        "per GPU, drive life, offload / recompute layers | recompute only: saved, overhead "
+        "| host tier: saved, overhead, pinned host RAM per node |",
+        "|---|---|---|---:|---|---|---|",
+    ]
+    for r in rows:
+        ssd, rec, host = r["planner_ssd"], r["recompute_only"], r["host_tier"]
+        out.append(
+            f"| {r['model']} | {r['layout']} | {r['drive']} ({r['endurance_class']}, {r['dwpd']:g}) "
+            f"| {r['write_limit_bytes_per_s_per_gpu'] / 1e6:.0f} MB/s | {_planned(ssd, True)} "
+            f"| {_gb(rec['saved_bytes'])}, {rec['overhead_fraction']:+.1%} "
+            f"| {_gb(host['saved_bytes'])}, {host['overhead_fraction']:+.1%}, {_gb(host['host_bytes_per_node'])} |"
+        )
+    return "\n".join(out)
