@@ -93,6 +93,17 @@ ms_require_uint() {
 
 # ------------------------------------------------------------------ SLURM helpers
 
+# This host's name, with SLURM's node name when that differs (several slurmd on one host).
+ms_node() {
+    local h
+    h="$(hostname)"
+    if [[ -n "${SLURMD_NODENAME:-}" && "$SLURMD_NODENAME" != "$h" && "$SLURMD_NODENAME" != "${h%%.*}" ]]; then
+        printf '%s (node %s)\n' "$h" "$SLURMD_NODENAME"
+    else
+        printf '%s\n' "$h"
+    fi
+}
+
 # First host name of the job (the rendezvous host).
 ms_first_host() {
     local nodelist="${SLURM_JOB_NODELIST:-${SLURM_NODELIST:-}}"
@@ -180,24 +191,47 @@ ms_fs_type() {
     stat -f -c %T "$1" 2>/dev/null || printf 'unknown\n'
 }
 
-# ms_check_mount MOUNT: exists, node-local, writable.
+# ms_is_mount_point DIR: something is mounted on DIR itself (a bind mount counts).
+ms_is_mount_point() {
+    local path
+    path="$(cd "$1" 2>/dev/null && pwd -P)" || return 1
+    if command -v mountpoint >/dev/null 2>&1; then
+        mountpoint -q "$path"
+        return
+    fi
+    awk -v p="$path" '{ m = $5; gsub(/\\040/, " ", m); if (m == p) found = 1 } END { exit !found }' /proc/self/mountinfo
+}
+
+# ms_check_mount ROOT: exists, node-local, writable; with NVME_MOUNTS given, a mount point
+# (ALLOW_NON_MOUNT=1 takes a plain directory).
 ms_check_mount() {
     local mount="$1" subdir="${OFFLOAD_SUBDIR}" fstype probe target
-    [[ -e "$mount" ]] || ms_die "offload mount $mount does not exist on $(hostname) (NVME_MOUNTS=$NVME_MOUNTS)"
+    if [[ "${MS_ROOTS_ARE_MOUNTS:-1}" == "1" ]]; then
+        [[ -e "$mount" ]] || ms_die "offload mount $mount does not exist on $(ms_node) (NVME_MOUNTS=$NVME_MOUNTS)"
+    else
+        [[ -e "$mount" ]] || ms_die "node-local scratch directory $mount does not exist on $(ms_node) (NVME_MOUNTS is unset; set NVME_MOUNTS to the NVMe mounts)"
+    fi
     [[ -d "$mount" ]] || ms_die "offload mount $mount is not a directory"
+    if [[ "${MS_ROOTS_ARE_MOUNTS:-1}" == "1" && "${ALLOW_NON_MOUNT:-0}" != "1" ]] && ! ms_is_mount_point "$mount"; then
+        if ms_is_dry_run; then
+            ms_warn "NVME_MOUNTS entry $mount is not a mount point on $(ms_node) (a real run stops here)"
+        else
+            ms_die "NVME_MOUNTS entry $mount is not a mount point on $(ms_node): mount the NVMe drive there (findmnt $mount), or set ALLOW_NON_MOUNT=1 to use the directory as it is"
+        fi
+    fi
     fstype="$(ms_fs_type "$mount")"
     case "$fstype" in
         tmpfs | ramfs) ms_warn "$mount is on $fstype (memory, not SSD): offloading there saves no memory" ;;
         nfs* | lustre | gpfs | cifs | smb* | fuse* | ceph*)
             ms_warn "$mount is on $fstype, a network filesystem: offload directories should be node-local NVMe" ;;
     esac
-    if [[ "$(stat -c %d "$mount")" == "$(stat -c %d /)" ]]; then
+    if [[ "${MS_ROOTS_ARE_MOUNTS:-1}" == "1" && "$(stat -c %d "$mount")" == "$(stat -c %d /)" ]]; then
         ms_warn "$mount is on the root filesystem: is the NVMe drive mounted there?"
     fi
     target="$mount/$subdir"
     [[ -d "$target" ]] || target="$mount"
     probe="$(mktemp "$target/.megatron_ssd_probe.XXXXXX" 2>/dev/null)" ||
-        ms_die "$target is not writable by $(id -un) on $(hostname) (create $mount/$subdir with mode 1777, see scripts/setup_nvme_raid0.sh)"
+        ms_die "$target is not writable by $(id -un) on $(ms_node) (create $mount/$subdir with mode 1777, see scripts/setup_nvme_raid0.sh)"
     rm -f "$probe"
     ms_log "  $mount: $fstype, writable"
 }
@@ -208,7 +242,7 @@ ms_check_free() {
     free_kib="$(ms_free_kib "$mount")"
     need_kib=$((MIN_FREE_GB * 1024 * 1024 * users))
     if ((free_kib < need_kib)); then
-        msg="$mount has $((free_kib / 1024 / 1024)) GiB free, below MIN_FREE_GB=$MIN_FREE_GB x $users GPU(s)"
+        msg="$mount has $((free_kib / 1024 / 1024)) GiB free on $(ms_node), below MIN_FREE_GB=$MIN_FREE_GB x $users GPU(s)"
         if ms_is_dry_run; then
             ms_warn "$msg (a real run stops here unless cleaning frees space)"
             return 0
@@ -218,14 +252,86 @@ ms_check_free() {
     ms_log "  $mount: $((free_kib / 1024 / 1024)) GiB free for $users GPU(s)"
 }
 
-# Everything a node does before training: check the mounts, remove stale run
-# directories, create the per-GPU directories, then check the free space.
+# ms_job_dir_active NAME: whether the job that owns the job directory NAME (job<id>,
+# pid<pid> outside SLURM) may still use it. Unsure (no squeue, squeue failing) counts as
+# active: such a directory is kept.
+ms_job_dir_active() {
+    local name="$1" id out
+    [[ "$name" != "$MS_JOB_DIR" ]] || return 0
+    case "$name" in
+        job*)
+            id="${name#job}"
+            [[ "$id" =~ ^[0-9]+$ ]] || return 0
+            command -v squeue >/dev/null 2>&1 || return 0
+            if ! out="$(squeue -h -t all -j "$id" -o %T 2>&1)"; then
+                [[ "$out" == *"Invalid job id"* ]] && return 1 # finished long ago: purged
+                return 0
+            fi
+            case "$out" in
+                "" | COMPLETED | CANCELLED | FAILED | TIMEOUT | NODE_FAIL | PREEMPTED | BOOT_FAIL | DEADLINE | OUT_OF_MEMORY) return 1 ;;
+            esac
+            return 0
+            ;;
+        pid*)
+            id="${name#pid}"
+            [[ "$id" =~ ^[0-9]+$ ]] || return 0
+            kill -0 "$id" 2>/dev/null
+            ;;
+        *) return 0 ;;
+    esac
+}
+
+# ms_rmdir_tree DIR: remove DIR's empty gpu* subdirectories, then DIR if empty; print
+# what is left (non-empty directories).
+ms_rmdir_tree() {
+    local dir="$1" d
+    [[ -d "$dir" && ! -L "$dir" ]] || return 0
+    for d in "$dir"/gpu*; do
+        if [[ -d "$d" && ! -L "$d" ]]; then
+            rmdir "$d" 2>/dev/null || printf '%s\n' "$d"
+        fi
+    done
+    rmdir "$dir" 2>/dev/null || true
+}
+
+# This node's job directories of this job (ROOT/OFFLOAD_SUBDIR/MS_JOB_DIR), emptied
+# directories removed; whatever still holds files is named in a warning (NOTE [Job
+# directories]).
+ms_remove_job_dirs() {
+    local -a roots left=()
+    local root
+    ms_split_words roots "$MS_OFFLOAD_ROOTS"
+    for root in "${roots[@]}"; do
+        mapfile -t -O "${#left[@]}" left < <(ms_rmdir_tree "${root%/}/$OFFLOAD_SUBDIR/$MS_JOB_DIR")
+    done
+    if ((${#left[@]} > 0)); then
+        ms_warn "left in place on $(ms_node): ${left[*]} (the next job's start-up clean, or '${MEGATRON_SSD_CMD[*]} clean DIR', removes run directories whose process is gone)"
+    fi
+}
+
+# NOTE [Job directories]
+# Every job writes under ROOT/OFFLOAD_SUBDIR/job<SLURM_JOB_ID>/gpu<local rank> (outside
+# SLURM pid<pid of the script>), so two jobs on one node never share a directory, and a
+# requeued job (same id) finds its own. Inside, each process makes its private run
+# directory (msd-*, with the marker .megatron_ssd_run) and deletes it at exit, on SIGTERM
+# and SIGINT too; SIGKILL leaves it. So at start every node:
+#   1. runs `megatron-ssd clean` on every gpu* directory under its roots (this job's,
+#      other jobs', and the gpu* of the layout without job directories): it removes the
+#      run directories whose process is provably gone, nothing else;
+#   2. removes the gpu* and job<id> directories left empty by jobs that are over (squeue
+#      says so, or no longer knows the id); only empty ones, with rmdir, so another job's
+#      files are never touched;
+# and at the end the launching shell removes this job's emptied directories on its node
+# (ms_remove_job_dirs; the multi-node srun launcher runs a `launch_node.sh finish` step).
+
+# Everything a node does before training: check the roots, remove stale run
+# directories, check the free space, then create the per-GPU directories.
 ms_prepare_node() {
-    local -a mounts rank_paths parts users=() dirs=() stale=()
+    local -a mounts rank_paths parts users=() dirs=() stale=() left=()
     local i n d line
-    ms_split_words mounts "$NVME_MOUNTS"
+    ms_split_words mounts "$MS_OFFLOAD_ROOTS"
     n=${#mounts[@]}
-    ms_log "node $(hostname): checking $n offload mount(s) for $GPUS_PER_NODE GPU(s)"
+    ms_log "node $(ms_node): checking $n offload root(s) for $GPUS_PER_NODE GPU(s)"
     for ((i = 0; i < n; i++)); do
         users[i]="$(ms_mount_gpu_count "$GPUS_PER_NODE" "$i" "$n")"
         if ((users[i] == 0)); then
@@ -246,20 +352,43 @@ ms_prepare_node() {
         done
     fi
     for d in "${mounts[@]}"; do
-        for line in "${d%/}/$OFFLOAD_SUBDIR"/gpu*; do
-            if [[ -d "$line" ]]; then
+        for line in "${d%/}/$OFFLOAD_SUBDIR"/gpu* "${d%/}/$OFFLOAD_SUBDIR"/job*/gpu* "${d%/}/$OFFLOAD_SUBDIR"/pid*/gpu*; do
+            if [[ -d "$line" && ! -L "$line" ]]; then
                 stale+=("$line")
             fi
         done
     done
+    # NOTE [Job directories]
     if [[ "${SKIP_CLEAN:-0}" == "1" ]]; then
         ms_log "SKIP_CLEAN=1: not removing stale offload run directories"
-    elif ((${#stale[@]} > 0)); then
-        ms_log "cleaning offload run directories left by runs that died"
-        ms_run "${MEGATRON_SSD_CMD[@]}" clean "${stale[@]}" ||
-            ms_die "'${MEGATRON_SSD_CMD[*]} clean' failed on $(hostname)"
+    else
+        if ((${#stale[@]} > 0)); then
+            ms_log "start-up clean: removing offload run directories left by runs that died"
+            ms_run "${MEGATRON_SSD_CMD[@]}" clean "${stale[@]}" ||
+                ms_die "'${MEGATRON_SSD_CMD[*]} clean' failed on $(ms_node)"
+        else
+            ms_log "start-up clean: no offload directories left by earlier runs"
+        fi
+        if ! ms_is_dry_run; then
+            for d in "${mounts[@]}"; do
+                for line in "${d%/}/$OFFLOAD_SUBDIR"/job* "${d%/}/$OFFLOAD_SUBDIR"/pid*; do
+                    if [[ -d "$line" && ! -L "$line" ]] && ! ms_job_dir_active "${line##*/}"; then
+                        mapfile -t -O "${#left[@]}" left < <(ms_rmdir_tree "$line")
+                        [[ -e "$line" ]] || ms_log "  removed the emptied directory of ${line##*/}, which is over: $line"
+                    fi
+                done
+            done
+            if ((${#left[@]} > 0)); then
+                ms_warn "kept, still holding files after the clean (no run directory of a process known to be gone): ${left[*]}"
+            fi
+        fi
     fi
-    mapfile -t rank_paths < <(ms_rank_paths_table "$GPUS_PER_NODE" "$OFFLOAD_SUBDIR" "${mounts[@]}")
+    for ((i = 0; i < n; i++)); do
+        if ((users[i] > 0)); then
+            ms_check_free "${mounts[i]}" "${users[i]}"
+        fi
+    done
+    mapfile -t rank_paths < <(ms_rank_paths_table "$GPUS_PER_NODE" "$OFFLOAD_SUBDIR/$MS_JOB_DIR" "${mounts[@]}")
     for line in "${rank_paths[@]}"; do
         IFS=',' read -r -a parts <<<"$line"
         dirs+=("${parts[@]}")
@@ -270,11 +399,6 @@ ms_prepare_node() {
             [[ -w "$line" ]] || ms_die "$line is not writable by $(id -un)"
         done
     fi
-    for ((i = 0; i < n; i++)); do
-        if ((users[i] > 0)); then
-            ms_check_free "${mounts[i]}" "${users[i]}"
-        fi
-    done
 }
 
 # --------------------------------------------------------------- job configuration
@@ -293,8 +417,9 @@ ms_configure_job() {
     TRAIN_ITERS="${TRAIN_ITERS:-100}"
     MIN_FREE_GB="${MIN_FREE_GB:-50}"
     OFFLOAD_SUBDIR="${OFFLOAD_SUBDIR:-megatron-ssd}"
-    NVME_MOUNTS="${NVME_MOUNTS:-/mnt/nvme_raid0}"
+    NVME_MOUNTS="${NVME_MOUNTS:-}"
     LAUNCHER="${LAUNCHER:-torchrun}"
+    SSD_OFFLOAD="${SSD_OFFLOAD:-1}"
     CONFIG="${CONFIG:-}"
     local var
     for var in NNODES GPUS_PER_NODE TP PP MICRO_BATCH GRAD_ACCUM SEQ_LENGTH TRAIN_ITERS MIN_FREE_GB; do
@@ -306,14 +431,25 @@ ms_configure_job() {
         *) ms_die "LAUNCHER=$LAUNCHER: must be torchrun or srun" ;;
     esac
     [[ "$OFFLOAD_SUBDIR" =~ ^[A-Za-z0-9._-]+$ ]] || ms_die "OFFLOAD_SUBDIR=$OFFLOAD_SUBDIR: use letters, digits, '.', '_' or '-'"
+    [[ "$SSD_OFFLOAD" == 0 || "$SSD_OFFLOAD" == 1 ]] || ms_die "SSD_OFFLOAD=$SSD_OFFLOAD: must be 1 (offload) or 0 (the same job without --ssd-offload)"
 
+    # The offload roots: the NVMe mounts, or without them the node-local scratch directory
+    # the site gives jobs; this job's directory under each (NOTE [Job directories]).
     local -a mounts
-    ms_split_words mounts "$NVME_MOUNTS"
-    ((${#mounts[@]} > 0)) || ms_die "NVME_MOUNTS is empty: give the NVMe mount points, e.g. NVME_MOUNTS=\"/mnt/nvme0 /mnt/nvme1\""
+    if [[ -n "${NVME_MOUNTS//[[:space:]]/}" ]]; then
+        MS_ROOTS_ARE_MOUNTS=1
+        ms_split_words mounts "$NVME_MOUNTS"
+    else
+        MS_ROOTS_ARE_MOUNTS=0
+        mounts=("${SLURM_TMPDIR:-${TMPDIR:-/tmp}}")
+    fi
     for var in "${mounts[@]}"; do
         [[ "$var" == /* ]] || ms_die "NVME_MOUNTS entry $var: must be an absolute path"
         [[ "$var" != *,* ]] || ms_die "NVME_MOUNTS entry $var: must not contain a comma"
     done
+    MS_OFFLOAD_ROOTS="${mounts[*]}"
+    MS_JOB_DIR="job${SLURM_JOB_ID:-}"
+    [[ -n "${SLURM_JOB_ID:-}" ]] || MS_JOB_DIR="pid$$"
 
     WORLD_SIZE_TOTAL=$((NNODES * GPUS_PER_NODE))
     if ((WORLD_SIZE_TOTAL % (TP * PP) != 0)); then
@@ -384,20 +520,27 @@ ms_configure_job() {
         --micro-batch-size "$MICRO_BATCH" --global-batch-size "$GLOBAL_BATCH"
         "${model[@]}" "${data[@]}" "${tokenizer[@]}" "${train[@]}")
     if [[ -n "${CHECKPOINT_DIR:-}" ]]; then
-        TRAIN_CMD+=(--save "$CHECKPOINT_DIR" --load "$CHECKPOINT_DIR" --save-interval "${SAVE_INTERVAL:-1000}")
+        # Megatron's own handler: SIGTERM (scancel, or USR1 turned into SIGTERM, NOTE [Job
+        # signals]) saves a checkpoint at the end of the iteration, then exits.
+        TRAIN_CMD+=(--save "$CHECKPOINT_DIR" --load "$CHECKPOINT_DIR" --save-interval "${SAVE_INTERVAL:-1000}"
+            --exit-signal-handler)
     fi
-    TRAIN_CMD+=("${extra[@]}" "$@" --ssd-offload)
-    if [[ -n "$CONFIG" ]]; then
-        TRAIN_CMD+=(--ssd-offload-config "$CONFIG")
+    TRAIN_CMD+=("${extra[@]}" "$@")
+    if [[ "$SSD_OFFLOAD" == 1 ]]; then
+        TRAIN_CMD+=(--ssd-offload)
+        if [[ -n "$CONFIG" ]]; then
+            TRAIN_CMD+=(--ssd-offload-config "$CONFIG")
+        fi
+        for var in "${overrides[@]}"; do
+            [[ "$var" == *=* ]] || ms_die "OVERRIDES entry $var: must have the form key=value (e.g. io.threads=4)"
+            TRAIN_CMD+=(--ssd-offload-override "$var")
+        done
     fi
-    for var in "${overrides[@]}"; do
-        [[ "$var" == *=* ]] || ms_die "OVERRIDES entry $var: must have the form key=value (e.g. io.threads=4)"
-        TRAIN_CMD+=(--ssd-offload-override "$var")
-    done
 
-    mapfile -t RANK_PATHS < <(ms_rank_paths_table "$GPUS_PER_NODE" "$OFFLOAD_SUBDIR" "${mounts[@]}")
+    mapfile -t RANK_PATHS < <(ms_rank_paths_table "$GPUS_PER_NODE" "$OFFLOAD_SUBDIR/$MS_JOB_DIR" "${mounts[@]}")
     MEGATRON_SSD_RANK_PATHS="${RANK_PATHS[*]}"
     export MEGATRON_SSD_RANK_PATHS NNODES GPUS_PER_NODE NVME_MOUNTS OFFLOAD_SUBDIR MIN_FREE_GB LAUNCHER
+    export MS_OFFLOAD_ROOTS MS_ROOTS_ARE_MOUNTS MS_JOB_DIR
 }
 
 ms_print_plan() {
@@ -409,7 +552,14 @@ ms_print_plan() {
         ms_log "launcher: $LAUNCHER, rendezvous $MASTER_ADDR:$MASTER_PORT"
     fi
     ms_log "Megatron-LM: $MEGATRON_LM_PATH"
-    ms_log "offload preset: ${CONFIG:-<library defaults>}${OVERRIDES:+, overrides: $OVERRIDES}"
+    if [[ "$SSD_OFFLOAD" == 1 ]]; then
+        ms_log "offload preset: ${CONFIG:-<library defaults>}${OVERRIDES:+, overrides: $OVERRIDES}"
+    else
+        ms_log "SSD_OFFLOAD=0: the same job without --ssd-offload"
+    fi
+    if [[ "$MS_ROOTS_ARE_MOUNTS" == 0 ]]; then
+        ms_log "NVME_MOUNTS is unset: offloading to the node-local scratch directory $MS_OFFLOAD_ROOTS (SLURM_TMPDIR, else TMPDIR, else /tmp)"
+    fi
     ms_log "offload directories per local rank (same on every node):"
     for ((r = 0; r < ${#RANK_PATHS[@]}; r++)); do
         ms_log "  local rank $r -> ${RANK_PATHS[r]}"
@@ -482,4 +632,103 @@ ms_preview_node_step() {
     ms_log "---- each node runs (shown for $(hostname), DRY_RUN=1) ----"
     DRY_RUN=1 bash "$SCRIPTS_DIR/launch_node.sh" "$@"
     ms_log "---- end of node step ----"
+}
+
+# ----------------------------------------------------------------- job signals
+
+# NOTE [Job signals]
+# The launching shells (the batch script, launch_node.sh) run the launcher as a child and
+# wait for it, instead of exec'ing it, so that they can act on signals and tidy up after:
+#   * SIGTERM / SIGINT (scancel, a time limit, Ctrl-C): under SLURM every process of the
+#     step gets the signal from SLURM itself, so the shell only notes it and waits; each
+#     rank deletes its run directories (NOTE [Exit cleanup] in megatron_ssd/cache/
+#     exit_guard.py), or, with CHECKPOINT_DIR, Megatron's --exit-signal-handler saves a
+#     checkpoint at the end of the iteration and exits. Outside SLURM the shell passes
+#     the signal on to its child. SIGKILL (after SLURM's KillWait) leaves run
+#     directories; the next start cleans them (NOTE [Job directories]).
+#   * SIGUSR1 (sbatch --signal=B:USR1@SECONDS: to the batch shell only, before the time
+#     limit or a pre-emption): the batch shell sends SIGTERM to the launcher, which stops
+#     the ranks as above, then removes its emptied directories and requeues the job with
+#     `scontrol requeue`; the requeued job (same id) starts with the start-up clean and,
+#     with CHECKPOINT_DIR, loads the checkpoint.
+# The child starts with SIGINT and SIGQUIT at their defaults: bash would otherwise give a
+# background command SIGINT ignored, and Python would then never see Ctrl-C.
+MS_CHILD=""
+MS_STOP_SIGNAL=""
+
+ms_on_signal() {
+    local sig="$1"
+    [[ -n "$MS_STOP_SIGNAL" ]] || MS_STOP_SIGNAL="$sig"
+    if [[ "$sig" == USR1 ]]; then
+        ms_log "USR1: stopping the training${CHECKPOINT_DIR:+ after a checkpoint in $CHECKPOINT_DIR}, then requeueing the job"
+        if [[ -n "$MS_CHILD" ]]; then
+            kill -TERM "$MS_CHILD" 2>/dev/null || true
+        fi
+        return 0
+    fi
+    ms_log "$sig: the job is stopping; waiting for the ranks to delete their offload files"
+    if [[ -z "${SLURM_JOB_ID:-}" && -n "$MS_CHILD" ]]; then
+        kill -"$sig" "$MS_CHILD" 2>/dev/null || true
+    fi
+}
+
+# Install the handlers of NOTE [Job signals] in this shell.
+ms_trap_job_signals() {
+    trap 'ms_on_signal USR1' USR1
+    trap 'ms_on_signal TERM' TERM
+    trap 'ms_on_signal INT' INT
+}
+
+# ms_launch CMD...: print CMD, then (unless DRY_RUN=1) run it as a child of this shell,
+# wait for it through any signal of NOTE [Job signals], and return its exit status.
+ms_launch() {
+    printf '+ %s\n' "$(ms_quote_cmd "$@")"
+    if ms_is_dry_run; then
+        return 0
+    fi
+    if [[ -n "$MS_STOP_SIGNAL" ]]; then
+        ms_log "$MS_STOP_SIGNAL came before the launch: not starting it"
+        return 1
+    fi
+    (
+        trap - INT QUIT
+        exec "$@"
+    ) &
+    MS_CHILD=$!
+    local rc again
+    while :; do
+        wait "$MS_CHILD" && rc=0 || rc=$?
+        if ((rc > 128)); then
+            # A handled signal interrupts wait; the child may still run, or have just ended.
+            if kill -0 "$MS_CHILD" 2>/dev/null; then
+                continue
+            fi
+            wait "$MS_CHILD" 2>/dev/null && again=0 || again=$?
+            ((again == 127)) || rc=$again
+        fi
+        break
+    done
+    MS_CHILD=""
+    return "$rc"
+}
+
+# ms_end_job STATUS: the batch shell's last word. After USR1, requeue the job (NOTE [Job
+# signals]); after SIGTERM / SIGINT, exit 128 + the signal; else exit STATUS.
+ms_end_job() {
+    local rc="$1"
+    case "$MS_STOP_SIGNAL" in
+        USR1)
+            if [[ -z "${SLURM_JOB_ID:-}" ]]; then
+                ms_log "USR1 outside SLURM: stopped, nothing to requeue"
+                exit 0
+            fi
+            ms_log "requeueing job $SLURM_JOB_ID (restart $((${SLURM_RESTART_COUNT:-0} + 1)))"
+            scontrol requeue "$SLURM_JOB_ID" ||
+                ms_die "'scontrol requeue $SLURM_JOB_ID' failed: submit with --requeue (or ask for JobRequeue=1)"
+            exit 0
+            ;;
+        TERM) exit 143 ;;
+        INT) exit 130 ;;
+    esac
+    exit "$rc"
 }

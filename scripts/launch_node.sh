@@ -2,14 +2,17 @@
 # shellcheck shell=bash
 # Per-node step of the SLURM scripts: check this node's NVMe offload mounts, remove
 # stale offload run directories, create one directory per GPU, then (launch) start
-# torchrun with one process per GPU. slurm_multi_node.sbatch runs it once per node:
+# torchrun with one process per GPU and, when it ends, remove the emptied directories;
+# (finish) only remove them. slurm_multi_node.sbatch runs it once per node:
 #
 #   srun --ntasks-per-node=1 bash scripts/launch_node.sh prepare
 #   srun --ntasks-per-node=1 bash scripts/launch_node.sh launch megatron-ssd pretrain-gpt --megatron-path /opt/Megatron-LM ... --ssd-offload
+#   srun --ntasks-per-node=1 bash scripts/launch_node.sh finish
 #
 # It reads the settings the batch script exported: NNODES, GPUS_PER_NODE, NVME_MOUNTS,
-# OFFLOAD_SUBDIR, MIN_FREE_GB, MEGATRON_SSD_RANK_PATHS, MASTER_ADDR, MASTER_PORT,
-# MEGATRON_SSD, TORCHRUN, SKIP_CLEAN and DRY_RUN (see slurm_single_node.sbatch).
+# MS_OFFLOAD_ROOTS, MS_ROOTS_ARE_MOUNTS, MS_JOB_DIR, OFFLOAD_SUBDIR, MIN_FREE_GB,
+# MEGATRON_SSD_RANK_PATHS, MASTER_ADDR, MASTER_PORT, MEGATRON_SSD, TORCHRUN, SKIP_CLEAN,
+# ALLOW_NON_MOUNT and DRY_RUN (see slurm_single_node.sbatch).
 set -euo pipefail
 
 usage() {
@@ -29,18 +32,23 @@ main() {
             usage
             exit 0
             ;;
-        prepare | launch) shift ;;
+        prepare | launch | finish) shift ;;
         *)
             usage >&2
             exit 2
             ;;
     esac
     local var
-    for var in NNODES GPUS_PER_NODE NVME_MOUNTS OFFLOAD_SUBDIR MIN_FREE_GB MEGATRON_SSD_RANK_PATHS MASTER_ADDR MASTER_PORT; do
+    for var in NNODES GPUS_PER_NODE MS_OFFLOAD_ROOTS MS_JOB_DIR OFFLOAD_SUBDIR MIN_FREE_GB MEGATRON_SSD_RANK_PATHS MASTER_ADDR MASTER_PORT; do
         [[ -n "${!var:-}" ]] || ms_die "launch_node.sh: $var is not set (run it from the sbatch scripts)"
     done
     ms_split_words MEGATRON_SSD_CMD "${MEGATRON_SSD:-megatron-ssd}"
     ms_split_words TORCHRUN_CMD "${TORCHRUN:-torchrun}"
+    if [[ "$mode" == "finish" ]]; then
+        ms_remove_job_dirs # NOTE [Job directories]
+        return 0
+    fi
+    ms_trap_job_signals # NOTE [Job signals]
     ms_prepare_node
     if [[ "$mode" == "prepare" ]]; then
         return 0
@@ -49,9 +57,15 @@ main() {
     # shellcheck disable=SC2034  # read by ms_torchrun_cmd (common.sh)
     TRAIN_CMD=("$@")
     local -a cmd
+    local rc=0
     ms_torchrun_cmd cmd
-    ms_log "node $(hostname): starting $GPUS_PER_NODE GPU process(es)"
-    ms_exec "${cmd[@]}"
+    ms_log "node $(ms_node): starting $GPUS_PER_NODE GPU process(es)"
+    ms_launch "${cmd[@]}" || rc=$?
+    if ms_is_dry_run; then
+        exit 0
+    fi
+    ms_remove_job_dirs
+    exit "$rc"
 }
 
 main "$@"

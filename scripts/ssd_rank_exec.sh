@@ -14,7 +14,8 @@
 # LOCAL_WORLD_SIZE from SLURM_PROCID, SLURM_LOCALID, SLURM_NTASKS and GPUS_PER_NODE
 # (MASTER_ADDR and MASTER_PORT must already be exported). Entry number LOCAL_RANK of
 # MEGATRON_SSD_RANK_PATHS (whitespace-separated; each entry is a comma-separated list of
-# directories) is appended as "--ssd-offload-paths ENTRY".
+# directories) is appended as "--ssd-offload-paths ENTRY" when the command has
+# --ssd-offload (SSD_OFFLOAD=0 runs the same command without both).
 #
 #   MS_RANK_EXEC_PRINT=1 LOCAL_RANK=3 bash scripts/ssd_rank_exec.sh COMMAND...
 # prints the command rank 3 would run instead of running it.
@@ -75,7 +76,13 @@ main() {
     if ((LOCAL_RANK >= ${#table[@]})); then
         die "local rank $LOCAL_RANK has no entry in MEGATRON_SSD_RANK_PATHS (${#table[@]} entries: more processes than GPUS_PER_NODE?)"
     fi
-    local -a cmd=("$@" --ssd-offload-paths "${table[LOCAL_RANK]}")
+    local -a cmd=("$@")
+    for arg in "$@"; do
+        if [[ "$arg" == --ssd-offload ]]; then
+            cmd+=(--ssd-offload-paths "${table[LOCAL_RANK]}")
+            break
+        fi
+    done
     if [[ "${MS_RANK_EXEC_PRINT:-0}" == "1" ]]; then
         quote_cmd "${cmd[@]}"
         exit 0

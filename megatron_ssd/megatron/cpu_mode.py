@@ -49,6 +49,11 @@ Every redirected spot, with file (megatron/core/...) and reason:
    imports only from Transformer Engine: a ``NameError`` on every machine without it.
    Stand-ins for the three names (FP8 never enabled, null contexts) are set there while
    the mode is active, only when the module has no Transformer Engine (``HAVE_TE``).
+7. Megatron-LM's ``training/checkpointing.py``: ``save_checkpoint`` stores
+   ``torch.cuda.get_rng_state()`` in every checkpoint (``get_rng_state``, called whatever
+   ``--no-save-rng`` says) and ``load_checkpoint`` gives it back to
+   ``torch.cuda.set_rng_state``; both raise on a CPU build. Stand-ins: the empty state and
+   the no-op setter of 5 (``--save`` / ``--load`` on the CPU, e.g. a requeued SLURM job).
 
 Nothing else is touched. One CUDA-only spot is deliberately *not* redirected because it
 is avoided by construction instead: ``transformer/dot_product_attention.py`` allocates
@@ -160,14 +165,16 @@ def _synchronize_stand_in(device: Any = None) -> None:
 
 
 def _empty_rng_state(*args: Any, **kwargs: Any) -> torch.Tensor:
-    """CPU stand-in for megatron's ``_get_cuda_rng_state`` (NOTE [CPU mode] 5): no CUDA
-    generator is drawn from on the CPU path, so there is no state to save."""
+    """CPU stand-in for megatron's ``_get_cuda_rng_state`` and ``torch.cuda.get_rng_state``
+    (NOTE [CPU mode] 5, 7): no CUDA generator is drawn from on the CPU path, so there is no
+    state to save."""
     del args, kwargs
     return torch.empty(0, dtype=torch.uint8)
 
 
 def _set_no_rng_state(*args: Any, **kwargs: Any) -> None:
-    """CPU stand-in for megatron's ``_set_cuda_rng_state`` (NOTE [CPU mode] 5)."""
+    """CPU stand-in for megatron's ``_set_cuda_rng_state`` and ``torch.cuda.set_rng_state``
+    (NOTE [CPU mode] 5, 7)."""
     del args, kwargs
 
 
@@ -195,10 +202,12 @@ _ABSENT = object()
 
 
 def _stand_ins() -> List[Tuple[Any, str, Any]]:
-    """``(module, attribute, stand-in)`` of every spot of NOTE [CPU mode] 2, 3, 5 and 6."""
+    """``(module, attribute, stand-in)`` of every spot of NOTE [CPU mode] 2, 3, 5, 6 and 7."""
     found: List[Tuple[Any, str, Any]] = [
         (torch.cuda, "current_device", _current_device_stand_in),
         (torch.cuda, "synchronize", _synchronize_stand_in),
+        (torch.cuda, "get_rng_state", _empty_rng_state),
+        (torch.cuda, "set_rng_state", _set_no_rng_state),
     ]
     try:
         random = importlib.import_module("megatron.core.tensor_parallel.random")

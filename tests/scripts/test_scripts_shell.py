@@ -102,6 +102,9 @@ def test_help_exits_zero(script):
 STUB_RECORDER = f"""#!/bin/bash
 # records one call: the local rank, then every argument, separated by \\x1f
 (IFS=$'{SEP}'; printf '%s\\n' "${{LOCAL_RANK:-}}$IFS${{RANK:-}}$IFS${{WORLD_SIZE:-}}$IFS$*") >> "$STUB_LOG"
+# and, in $STUB_LOG.dirs, the last argument when it is an existing directory
+for last; do :; done
+if [[ -d "${{last:-}}" ]]; then echo "$last" >> "$STUB_LOG.dirs"; fi
 """
 
 STUB_TORCHRUN = """#!/bin/bash
@@ -170,6 +173,7 @@ class FakeCluster:
             SLURM_SUBMIT_DIR=str(ROOT),
             MEGATRON_LM_PATH=str(self.megatron),
             NVME_MOUNTS=" ".join(str(m) for m in self.mounts),
+            ALLOW_NON_MOUNT="1",  # temporary directories, not mount points
             MIN_FREE_GB="0",
         )
         env.update({k: str(v) for k, v in extra.items()})
@@ -180,8 +184,8 @@ class FakeCluster:
             return []
         return [line.split(SEP) for line in self.log.read_text().splitlines()]
 
-    def gpu_dir(self, drive: int, rank: int) -> str:
-        return f"{self.mounts[drive]}/megatron-ssd/gpu{rank}"
+    def gpu_dir(self, drive: int, rank: int, job: str = "job4242") -> str:
+        return f"{self.mounts[drive]}/megatron-ssd/{job}/gpu{rank}"
 
 
 def _rank_lines(stdout: str) -> dict[int, str]:
@@ -280,7 +284,10 @@ def test_single_node_run_reaches_every_rank_with_its_paths(tmp_path):
         assert (local_rank, rank, world) == (str(r), str(r), "4")
         assert args[:3] == ["pretrain-gpt", "--megatron-path", str(fake.megatron)]
         assert args[-2:] == ["--ssd-offload-paths", fake.gpu_dir(r % 2, r)]
-        assert Path(fake.gpu_dir(r % 2, r)).is_dir()
+    # Each rank's directory existed while it ran; the emptied job directories are gone after.
+    dirs = (tmp_path / "calls.log.dirs").read_text().split()
+    assert dirs == [str(stale)] + [fake.gpu_dir(r % 2, r) for r in range(4)]  # the clean, then the ranks
+    assert [m / "megatron-ssd" for m in fake.mounts if list((m / "megatron-ssd").iterdir())] == []
 
 
 @pytest.mark.parametrize(
@@ -369,9 +376,13 @@ def test_rank_wrapper_maps_slurm_task_ids(tmp_path):
         MASTER_PORT=29500,
         MEGATRON_SSD_RANK_PATHS="/a/gpu0 /b/gpu1,/c/gpu1",
     )
+    result = _run(["bash", SCRIPTS_DIR / "ssd_rank_exec.sh", "megatron-ssd", "pretrain-gpt", "--ssd-offload"], env=env)
+    assert result.returncode == 0, result.stderr
+    assert fake.calls() == [["1", "3", "4", "pretrain-gpt", "--ssd-offload", "--ssd-offload-paths", "/b/gpu1,/c/gpu1"]]
+    # Without --ssd-offload (SSD_OFFLOAD=0, a baseline) the command runs as given.
     result = _run(["bash", SCRIPTS_DIR / "ssd_rank_exec.sh", "megatron-ssd", "pretrain-gpt", "--x"], env=env)
     assert result.returncode == 0, result.stderr
-    assert fake.calls() == [["1", "3", "4", "pretrain-gpt", "--x", "--ssd-offload-paths", "/b/gpu1,/c/gpu1"]]
+    assert fake.calls()[1:] == [["1", "3", "4", "pretrain-gpt", "--x"]]
 
 
 @pytest.mark.parametrize(
