@@ -27,6 +27,7 @@ from ..config import IOConfig
 from ..errors import OffloadIOError
 from .base import ALIGN, Extent, align_up
 from .rundir import RunDir, check_offload_path, remove_stale_runs, resolve_rank
+from .watchdog import StallWatchdog, watched
 
 __all__ = ["Fault", "ExtentAllocator", "Layout", "ExtentLayout", "FileLayout", "make_layout",
            "io_error", "remove_stale_runs"]
@@ -34,7 +35,8 @@ __all__ = ["Fault", "ExtentAllocator", "Layout", "ExtentLayout", "FileLayout", "
 Fault = Callable[[str, str, int, int], Optional[OSError]]
 """Fault-injection hook: ``fault(op, path, offset, nbytes)`` is consulted before each
 disk operation (``op`` is ``"allocate"``, ``"write"`` or ``"read"``); returning an
-OSError makes that operation fail with it."""
+OSError makes that operation fail with it. A hook that blocks is a stalled drive: the
+call it blocks is watched like the operation itself (``io.stall_warning_s``)."""
 
 
 def io_error(op: str, path: str, offset: int, nbytes: int, err: OSError,
@@ -152,12 +154,15 @@ class Layout(abc.ABC):
         io: I/O settings (``direct``, ``file_grow_bytes``).
         rank: Rank used in run directory names (see :func:`resolve_rank`).
         fault: Optional fault-injection hook consulted before disk allocations.
+        watchdog: Names every creation, preallocation, unlink and removal that makes no
+            progress (``io.stall_warning_s``), as the engine's reads and writes are.
     """
 
     def __init__(self, paths: Sequence[str], io: IOConfig, rank: Optional[int] = None,
-                 fault: Optional[Fault] = None) -> None:
+                 fault: Optional[Fault] = None, watchdog: Optional[StallWatchdog] = None) -> None:
         self.io = io
         self.fault = fault
+        self.watchdog = watchdog
         self.on_unlink: Optional[Callable[[str], None]] = None
         """Called with a data file's path just before :meth:`free` unlinks it (an engine's
         backend closes the handles it keeps of it)."""
@@ -169,8 +174,9 @@ class Layout(abc.ABC):
             check_offload_path(p)
         try:
             for p in paths:
-                remove_stale_runs(p)
-                self.run_dirs.append(RunDir(p, rank, io.direct))
+                with watched(watchdog, "stale-run cleanup", p):
+                    remove_stale_runs(p)
+                self.run_dirs.append(RunDir(p, rank, io.direct, watchdog))
         except BaseException:
             self.close()
             raise
@@ -237,13 +243,17 @@ class ExtentLayout(Layout):
     FILE = "extents.bin"
 
     def __init__(self, paths: Sequence[str], io: IOConfig, rank: Optional[int] = None,
-                 fault: Optional[Fault] = None) -> None:
-        super().__init__(paths, io, rank, fault)
+                 fault: Optional[Fault] = None, watchdog: Optional[StallWatchdog] = None) -> None:
+        super().__init__(paths, io, rank, fault, watchdog)
         self._allocators = [ExtentAllocator() for _ in self.run_dirs]
         self.files = [d.join(self.FILE) for d in self.run_dirs]
         try:
-            for file, d in zip(self.files, self.run_dirs):
-                self._fds[file] = [d.create(self.FILE), 1]  # held until close()
+            for index, (file, d) in enumerate(zip(self.files, self.run_dirs)):
+                try:
+                    with watched(watchdog, "create", file):
+                        self._fds[file] = [d.create(self.FILE), 1]  # held until close()
+                except OSError as e:
+                    raise io_error("create", file, 0, 0, e, index) from e
         except BaseException:
             self.close()
             raise
@@ -252,8 +262,9 @@ class ExtentLayout(Layout):
         alloc, file = self._allocators[index], self.files[index]
         nbytes = max(self.io.file_grow_bytes, align_up(need))
         try:
-            _check_fault(self.fault, "allocate", file, alloc.size, nbytes)
-            _preallocate(self._fds[file][0], alloc.size, nbytes)
+            with watched(self.watchdog, "allocate", file, alloc.size, nbytes):
+                _check_fault(self.fault, "allocate", file, alloc.size, nbytes)
+                _preallocate(self._fds[file][0], alloc.size, nbytes)
         except OSError as e:
             raise io_error("allocate", file, alloc.size, nbytes, e, index) from e
         alloc.add_space(nbytes)
@@ -284,8 +295,8 @@ class FileLayout(Layout):
     """One preallocated file per blob per path, unlinked on free."""
 
     def __init__(self, paths: Sequence[str], io: IOConfig, rank: Optional[int] = None,
-                 fault: Optional[Fault] = None) -> None:
-        super().__init__(paths, io, rank, fault)
+                 fault: Optional[Fault] = None, watchdog: Optional[StallWatchdog] = None) -> None:
+        super().__init__(paths, io, rank, fault, watchdog)
         self._seq = itertools.count()
 
     def allocate(self, blocks: Sequence[Tuple[int, int]]) -> List[Tuple[str, int]]:
@@ -301,13 +312,15 @@ class FileLayout(Layout):
             for index, total in sizes.items():
                 file = self.run_dirs[index].join(name)
                 try:
-                    _check_fault(self.fault, "allocate", file, 0, total)
-                    fd = self.run_dirs[index].create(name)
+                    with watched(self.watchdog, "create", file, 0, total):
+                        _check_fault(self.fault, "allocate", file, 0, total)
+                        fd = self.run_dirs[index].create(name)
                 except OSError as e:
                     raise io_error("create", file, 0, total, e, index) from e
                 created.append(index)
                 try:
-                    _preallocate(fd, 0, total)
+                    with watched(self.watchdog, "allocate", file, 0, total):
+                        _preallocate(fd, 0, total)
                 except OSError as e:
                     raise io_error("allocate", file, 0, total, e, index) from e
                 finally:
@@ -329,7 +342,7 @@ class FileLayout(Layout):
 
 
 def make_layout(paths: Sequence[str], io: IOConfig, rank: Optional[int] = None,
-                fault: Optional[Fault] = None) -> Layout:
+                fault: Optional[Fault] = None, watchdog: Optional[StallWatchdog] = None) -> Layout:
     """The layout named by ``io.layout``."""
     cls = ExtentLayout if io.layout == "extent" else FileLayout
-    return cls(paths, io, rank, fault)
+    return cls(paths, io, rank, fault, watchdog)

@@ -6,9 +6,11 @@ inside are created through the directory's file descriptor with
 ``O_CREAT | O_EXCL | O_NOFOLLOW`` and mode 0600, so nothing is ever written through a
 symbolic link or into a file someone else created.
 
-A run killed before it could clean up leaves its directory behind;
-:func:`remove_stale_runs` deletes such directories at the next start, and only those
-whose marker proves the owning process is gone.
+The marker is durable before any data file exists (NOTE [Durable marker]). A run
+killed before it could clean up leaves its directory behind; :func:`remove_stale_runs`
+deletes such directories at the next start: those whose marker proves the owning process
+is gone, those whose marker is empty or unreadable and that are older than the current
+boot, and empty ones without a marker after a grace period (NOTE [Stale runs]).
 
 :func:`check_offload_paths` is what the tensor cache checks before it starts: usable
 directories, enough free space, and a warning for memory-backed filesystems.
@@ -17,6 +19,7 @@ directories, enough free space, and a warning for memory-backed filesystems.
 from __future__ import annotations
 
 import ctypes
+import errno
 import json
 import logging
 import os
@@ -28,12 +31,15 @@ import struct
 import time
 from typing import Any, Dict, List, Optional, Tuple
 
-from ..errors import ConfigError
+from ..errors import ConfigError, OffloadIOError
 from ..ranks import global_rank
 from ..units import gib
+from .watchdog import StallWatchdog, watched
 
 __all__ = [
     "MARKER",
+    "MARKER_TMP",
+    "EMPTY_GRACE_S",
     "RUN_PREFIX",
     "RunDir",
     "resolve_rank",
@@ -50,6 +56,14 @@ logger = logging.getLogger(__name__)
 
 MARKER = ".megatron_ssd_run"
 """Name of the marker file that identifies a run directory as ours."""
+
+MARKER_TMP = MARKER + ".tmp"
+"""The marker's name while it is written, before it is renamed into place (NOTE [Durable
+marker])."""
+
+EMPTY_GRACE_S = 3600.0
+"""How long an empty run directory without a marker is left alone (NOTE [Stale runs]):
+a run creating its directory writes its marker right after the ``mkdir``."""
 
 RUN_PREFIX = "msd-"
 """Prefix of run directory names."""
@@ -252,6 +266,70 @@ def _is_stale(marker: Dict[str, Any]) -> bool:
     return started is not None and now is not None and started != now
 
 
+def _boot_time() -> Optional[float]:
+    """When this machine booted, in seconds since the epoch (``btime`` of /proc/stat)."""
+    text = _read("/proc/stat")
+    for line in (text or "").splitlines():
+        if line.startswith("btime "):
+            try:
+                return float(line.split()[1])
+            except (IndexError, ValueError):
+                return None
+    return None
+
+
+# NOTE [Stale runs]: a run directory left behind is removed by the next start and by
+# ``megatron-ssd clean`` when it is this user's, named ``msd-*``, and one of:
+#   * its marker is readable and proves its process is gone (``_is_stale``: same host,
+#     another boot, or a dead or reused pid);
+#   * its marker is there but empty or unreadable (a crash before the marker reached the
+#     disk: releases without NOTE [Durable marker] left a 0-byte marker beside their data
+#     after a power cut), or only the marker's temporary file is, and neither the
+#     directory nor the marker changed since before this machine booted: no process of
+#     this boot can own it;
+#   * it is empty, has no marker, and has not changed for EMPTY_GRACE_S: what an exit
+#     left where unlinking an open file renamed it (``.fuse_hidden*`` on FUSE, NFS's
+#     silly rename) and the rename went away after the process did. A run that just
+#     made its directory writes its marker at once, so the grace period never takes it.
+# Anything else (another user's, a symbolic link, a directory with data but no marker,
+# one whose owner cannot be checked) is left alone.
+
+
+def _newest_mtime(run_dir: str, names: Tuple[str, ...]) -> Optional[float]:
+    """The latest modification time of ``run_dir`` and of its entries ``names`` that exist."""
+    times = []
+    for p in (run_dir, *(os.path.join(run_dir, n) for n in names)):
+        try:
+            times.append(os.lstat(p).st_mtime)
+        except FileNotFoundError:
+            continue
+        except OSError:
+            return None
+    return max(times) if times else None
+
+
+def _why_stale(run_dir: str) -> Optional[str]:
+    """Why the run directory ``run_dir`` may be removed (NOTE [Stale runs]), or None."""
+    marker = _read_marker(run_dir)
+    if marker is not None:
+        return f"pid {marker.get('pid')}" if _is_stale(marker) else None
+    try:
+        names = os.listdir(run_dir)
+    except OSError:
+        return None
+    if MARKER in names or MARKER_TMP in names:
+        boot = _boot_time()
+        changed = _newest_mtime(run_dir, (MARKER, MARKER_TMP))
+        if boot is not None and changed is not None and changed < boot:
+            return "its marker is empty or unreadable and it is older than this boot"
+        return None
+    if not names:
+        changed = _newest_mtime(run_dir, ())
+        if changed is not None and time.time() - changed >= EMPTY_GRACE_S:
+            return f"empty, without a marker, unchanged for {EMPTY_GRACE_S:g} s"
+    return None
+
+
 _STATX_DIOALIGN = 0x2000
 _STATX_DIO_OFFSET = 0x98  # stx_dio_mem_align, stx_dio_offset_align: two u32 (Linux 6.1+)
 
@@ -296,9 +374,9 @@ def _read_marker(run_dir: str) -> Optional[Dict[str, Any]]:
 def remove_stale_runs(path: str) -> List[str]:
     """Delete run directories under ``path`` left by processes that no longer exist.
 
-    Only directories named ``msd-*``, owned by this user and holding a readable marker
-    whose process is provably gone (see :func:`_is_stale`) are removed; anything else is
-    untouched, and symbolic links are never followed.
+    Only directories named ``msd-*`` and owned by this user are candidates, and of those
+    only the ones NOTE [Stale runs] names are removed; anything else is untouched, and
+    symbolic links are never followed.
 
     Returns:
         The removed directories.
@@ -316,11 +394,11 @@ def remove_stale_runs(path: str) -> List[str]:
                 continue  # another user's run: never ours to judge
         except OSError:
             continue
-        marker = _read_marker(entry.path)
-        if marker is None or not _is_stale(marker):
+        why = _why_stale(entry.path)
+        if why is None:
             continue
         if remove_run_dir(entry.path):
-            logger.warning("megatron_ssd: removed stale offload directory %s (pid %s)", entry.path, marker.get("pid"))
+            logger.warning("megatron_ssd: removed stale offload directory %s (%s)", entry.path, why)
             removed.append(entry.path)
     return removed
 
@@ -334,31 +412,53 @@ def _unlink(name: str, dir_fd: int) -> None:
     os.unlink(name, dir_fd=dir_fd)
 
 
+def _fsync(fd: int) -> None:
+    """``os.fsync(fd)``: every flush of the marker and of the directories holding it
+    (one seam, so tests can make it fail with EIO or hang)."""
+    os.fsync(fd)
+
+
+_NO_DIR_SYNC = (errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP, errno.ENOSYS, errno.EBADF)
+"""What filesystems that cannot flush a directory answer (some FUSE ones)."""
+
+
+def _fsync_dir(fd: int) -> None:
+    """Flush a directory's entries, where the filesystem can."""
+    try:
+        _fsync(fd)
+    except OSError as e:
+        if e.errno not in _NO_DIR_SYNC:
+            raise
+
+
 # NOTE [Marker last]: a run directory's files are removed data first, the marker
 # ``.megatron_ssd_run`` last, then the directory. A process that dies or gives up half
 # way (SIGKILL, a removal that hangs on a stalled drive) so leaves a directory that
 # still says whose it is, and remove_stale_runs / ``megatron-ssd clean`` finish the job.
-# Without the marker a half-removed directory would be nobody's and stay forever.
+# Without the marker a half-removed directory would be nobody's and stay forever. The
+# marker goes only when a second listing finds nothing else: unlinking a file that is
+# still open renames it on some filesystems (``.fuse_hidden*`` on FUSE, ``.nfs*`` on
+# NFS) instead of removing it, as on SIGTERM, where the engine's descriptors are still
+# open; that directory keeps its marker, and once the process is gone the rename goes
+# too (or ``clean`` removes it) and the marker says whose the directory was.
 
 
 def _empty_dir(dir_fd: int) -> None:
     """Unlink every entry of the directory open as ``dir_fd``, and the marker last, only
-    once every other entry is gone (NOTE [Marker last]). Best effort: what cannot be
-    removed stays, with the marker."""
-    left = 0
+    once a new listing shows nothing else (NOTE [Marker last]). Best effort: what cannot
+    be removed stays, with the marker."""
     for name in os.listdir(dir_fd):
         if name != MARKER:
             try:
                 _unlink(name, dir_fd)
-            except FileNotFoundError:
-                pass
             except OSError:
-                left += 1
-    if not left:
-        try:
-            _unlink(MARKER, dir_fd)
-        except OSError:
-            pass
+                pass
+    try:
+        if any(name != MARKER for name in os.listdir(dir_fd)):
+            return
+        _unlink(MARKER, dir_fd)
+    except OSError:
+        pass
 
 
 def remove_run_dir(path: str) -> bool:
@@ -391,24 +491,29 @@ class RunDir:
         parent: The offload path (checked with :func:`check_offload_path`).
         rank: Rank used in the directory name.
         direct: Open data files with O_DIRECT.
+        watchdog: Names every creation, flush and removal that makes no progress
+            (``io.stall_warning_s``), as it does reads and writes; None: unwatched.
 
     Raises:
         ConfigError: the path is unusable, or ``direct`` is asked for and the
             filesystem refuses O_DIRECT.
+        OffloadIOError: the marker could not be written and flushed (EIO, ENOSPC, ...).
     """
 
-    def __init__(self, parent: str, rank: int, direct: bool) -> None:
+    def __init__(self, parent: str, rank: int, direct: bool, watchdog: Optional[StallWatchdog] = None) -> None:
         self.parent = check_offload_path(parent)
         if direct and not _O_DIRECT:
             raise ConfigError("IOConfig.direct = True: this platform has no O_DIRECT; set io.direct=false")
         self.direct = direct
+        self.watchdog = watchdog
         self.dio_mem_align = 1
         """Memory alignment O_DIRECT needs here (1 without O_DIRECT)."""
         host = re.sub(r"[^A-Za-z0-9.-]", "_", socket.gethostname())[:64] or "host"
         name = f"{RUN_PREFIX}{host}-{os.getpid()}-r{rank}-{secrets.token_hex(4)}"
         self.path = os.path.join(self.parent, name)
         try:
-            os.mkdir(self.path, 0o700)
+            with watched(watchdog, "create", self.path):
+                os.mkdir(self.path, 0o700)
         except OSError as e:
             raise ConfigError(f"OffloadConfig.paths: cannot create {self.path!r} ({e.strerror}): "
                               "offload paths must be writable directories") from e
@@ -416,16 +521,63 @@ class RunDir:
         try:
             self._dirfd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | _O_NOFOLLOW | _O_CLOEXEC)
             os.chmod(self._dirfd, 0o700)  # the umask may have been stricter, never looser
-            marker = dict(_identity(), rank=rank)
-            fd = self._open(MARKER, os.O_WRONLY | os.O_CREAT | os.O_EXCL, direct=False)
-            try:
-                os.write(fd, json.dumps(marker).encode("utf-8"))
-            finally:
-                os.close(fd)
+            self._write_marker(dict(_identity(), rank=rank))
             self._probe_direct()
         except BaseException:
             self.close()
             raise
+
+    # NOTE [Durable marker]: the marker must be on the disk before any data file is:
+    # a power cut (or a kernel crash) keeps what the filesystem's journal committed, and
+    # ext4 commits a new file's name and size long before its delayed-allocation bytes,
+    # so a crash image taken seconds into a run held a 0-byte marker beside a 256 MiB
+    # extents.bin, a directory no cleanup could attribute. So the marker is written
+    # under a temporary name, flushed, renamed into place, and the run directory and the
+    # offload path are flushed (the rename, and the run directory's own entry), all
+    # before the layout creates its first data file. A directory the old order left is
+    # removed once it is older than the boot (NOTE [Stale runs]).
+
+    def _write_marker(self, identity: Dict[str, Any]) -> None:
+        """Write the marker durably (NOTE [Durable marker]).
+
+        Raises:
+            OffloadIOError: a write, flush or rename failed; names the file and errno.
+        """
+        data = json.dumps(identity).encode("utf-8")
+        step, target = "create", self.join(MARKER_TMP)
+        try:
+            with watched(self.watchdog, "create", target):
+                fd = self._open(MARKER_TMP, os.O_WRONLY | os.O_CREAT | os.O_EXCL, direct=False)
+                try:
+                    step = "write"
+                    view = memoryview(data)
+                    while view:
+                        view = view[os.write(fd, view):]
+                    step = "fsync"
+                    _fsync(fd)
+                finally:
+                    os.close(fd)
+            step, target = "rename", self.join(MARKER)
+            with watched(self.watchdog, "rename", target):
+                os.rename(MARKER_TMP, MARKER, src_dir_fd=self._dirfd, dst_dir_fd=self._dirfd)
+            step, target = "fsync", self.path
+            with watched(self.watchdog, "fsync", target):
+                _fsync_dir(self._dirfd)
+            target = self.parent
+            parent = os.open(self.parent, os.O_RDONLY | os.O_DIRECTORY | _O_CLOEXEC)
+            try:
+                with watched(self.watchdog, "fsync", target):
+                    _fsync_dir(parent)
+            finally:
+                os.close(parent)
+        except OSError as e:
+            code = errno.errorcode.get(e.errno or 0, str(e.errno))
+            err = OffloadIOError(
+                f"OffloadConfig.paths: writing the run marker of {self.parent!r} failed ({step} of {target}: "
+                f"{code}, {e.strerror or e}): the offload path must take writes; check its drive and filesystem "
+                "(dmesg) or use another path")
+            err.errno = e.errno
+            raise err from e
 
     def _open(self, name: str, flags: int, direct: bool) -> int:
         flags |= _O_NOFOLLOW | _O_CLOEXEC | (_O_DIRECT if direct else 0)
@@ -466,18 +618,20 @@ class RunDir:
 
     def unlink(self, name: str) -> None:
         """Remove ``name`` (a symlink is removed, never followed)."""
-        os.unlink(name, dir_fd=self._dirfd)
+        with watched(self.watchdog, "unlink", self.join(name)):
+            os.unlink(name, dir_fd=self._dirfd)
 
     def close(self) -> None:
         """Delete everything inside and the directory itself; idempotent."""
-        if self._dirfd >= 0:
-            try:
-                _empty_dir(self._dirfd)  # NOTE [Marker last]
-            finally:
-                os.close(self._dirfd)
-                self._dirfd = -1
-        if os.path.isdir(self.path) and not os.path.islink(self.path):
-            try:
-                os.rmdir(self.path)
-            except OSError:
-                pass  # something could not be removed: the marker stays (NOTE [Marker last])
+        with watched(self.watchdog, "remove", self.path):
+            if self._dirfd >= 0:
+                try:
+                    _empty_dir(self._dirfd)  # NOTE [Marker last]
+                finally:
+                    os.close(self._dirfd)
+                    self._dirfd = -1
+            if os.path.isdir(self.path) and not os.path.islink(self.path):
+                try:
+                    os.rmdir(self.path)
+                except OSError:
+                    pass  # something could not be removed: the marker stays (NOTE [Marker last])

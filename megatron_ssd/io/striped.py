@@ -100,9 +100,11 @@ class BlobOp:
 
 def _shutdown(workers: Workers, layout: Layout, watchdog: Optional[StallWatchdog]) -> None:
     workers.shutdown()  # waits for the requests in flight; the watchdog still warns about stuck ones
-    if watchdog is not None:
-        watchdog.stop()
-    layout.close()
+    try:
+        layout.close()  # its unlinks are watched too
+    finally:
+        if watchdog is not None:
+            watchdog.stop()
 
 
 def check_blob(t: torch.Tensor, name: str) -> torch.Tensor:
@@ -148,24 +150,34 @@ class StripedEngine(Engine):
         """The device-to-host and host-to-device copy streams (NOTE [Copy streams])."""
         self.fresh = FreshBuffers()
         """CUDA read buffers from :meth:`alloc` not read into yet (NOTE [Fresh read buffers])."""
-        self._layout = make_layout(config.paths, config.io, rank, fault)
+        # The watchdog starts first: creating the run directories and files is watched too.
+        self._watchdog: Optional[StallWatchdog] = None
+        if config.io.stall_warning_s > 0:
+            try:
+                self._watchdog = StallWatchdog(config.io.stall_warning_s)
+            except Exception as e:
+                raise OffloadIOError(f"cannot start the I/O engine's watchdog thread "
+                                     f"(io.stall_warning_s = {config.io.stall_warning_s:g}): {e}") from e
+        try:
+            self._layout = make_layout(config.paths, config.io, rank, fault, self._watchdog)
+        except BaseException:
+            if self._watchdog is not None:
+                self._watchdog.stop()
+            raise
         # NOTE [I/O slots]: io.threads is the number of requests kept in flight on the
         # disk. Twice as many workers run blocks, and a worker holds one of io.threads
         # slots only inside a syscall, so staging copies and checksums of the next
         # blocks overlap the transfers instead of leaving the disk idle between them.
         self.io_slots = threading.BoundedSemaphore(config.io.threads)
         """Held by a backend around each transfer: ``io.threads`` requests on the disks."""
-        self._watchdog: Optional[StallWatchdog] = None
         try:
             self._workers = Workers(2 * config.io.threads, "megatron_ssd-io", config.io.priority)
-            if config.io.stall_warning_s > 0:
-                try:
-                    self._watchdog = StallWatchdog(config.io.stall_warning_s)
-                except BaseException:
-                    self._workers.shutdown()
-                    raise
         except BaseException as e:  # no thread of ours is left running: close the run directories too
-            self._layout.close()
+            try:
+                self._layout.close()
+            finally:
+                if self._watchdog is not None:
+                    self._watchdog.stop()
             if not isinstance(e, Exception):
                 raise
             raise OffloadIOError(f"cannot start the I/O engine's {2 * config.io.threads} worker threads "
@@ -492,6 +504,8 @@ class StripedEngine(Engine):
             self._path_failed(op.failed_path, error)
         if error is not None and not isinstance(error, OffloadIOError):
             error = self._wrap(op.kind, op.future.nbytes, error)
+        if error is not None and getattr(error, "path_index", None) is None and op.failed_path is not None:
+            error.path_index = op.failed_path  # type: ignore[attr-defined]  # which path it was (NOTE [Failed write warnings])
         if error is None and op.skipped_bytes:  # NOTE [Cancelled writes]
             error = WriteCancelled(f"write of a {op.future.nbytes}-byte blob cancelled, "
                                    f"{op.skipped_bytes} bytes not written")

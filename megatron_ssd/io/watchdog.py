@@ -7,17 +7,23 @@ registers each request with a :class:`StallWatchdog` (``begin`` / ``progress`` /
 offset, the bytes and the seconds waited once a request has made no progress for
 ``io.stall_warning_s``, and again every ``io.stall_warning_s`` while it stays stuck.
 It changes nothing else: a request that finishes late completes as usual.
+
+The calls around the data path are watched alike (:func:`watched`): creating the run
+directory, its marker and the data files, growing a file (``posix_fallocate`` /
+``ftruncate``), flushing, unlinking and removing; a stalled drive or a frozen
+filesystem blocks those as surely as a read.
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import threading
 import time
-from typing import Dict, List
+from typing import Dict, Iterator, List, Optional
 
-__all__ = ["StallWatchdog"]
+__all__ = ["StallWatchdog", "watched"]
 
 logger = logging.getLogger("megatron_ssd")
 
@@ -36,7 +42,7 @@ class StallWatchdog:
         self._stop = threading.Event()
         self._ids = itertools.count()
         self._requests: Dict[int, List] = {}  # id -> [op, file, offset, nbytes, since, last warning]
-        self._thread = threading.Thread(target=self._loop, name="megatron_ssd-io-watchdog", daemon=True)
+        self._thread = threading.Thread(target=self._loop, name="megatron_ssd-stall-watchdog", daemon=True)
         self._thread.start()
 
     def begin(self, op: str, file: str, offset: int, nbytes: int) -> int:
@@ -76,8 +82,23 @@ class StallWatchdog:
                         req[5] = now
                         stuck.append((op, file, offset, nbytes, now - since))
             for op, file, offset, nbytes, waited in stuck:
+                what = f"{op} of {nbytes} bytes at offset {offset} of {file}" if nbytes else f"{op} of {file}"
                 logger.warning(
-                    "megatron_ssd: %s of %d bytes at offset %d of %s has made no progress for %.1f s "
-                    "(io.stall_warning_s = %g): the drive may be stalled; training waits for it",
-                    op, nbytes, offset, file, waited, self.threshold_s,
+                    "megatron_ssd: %s has made no progress for %.1f s (io.stall_warning_s = %g): the drive may "
+                    "be stalled; training waits for it", what, waited, self.threshold_s,
                 )
+
+
+@contextlib.contextmanager
+def watched(watchdog: Optional[StallWatchdog], op: str, file: str, offset: int = 0, nbytes: int = 0) -> Iterator[None]:
+    """Run the body as one request of ``watchdog`` (nothing when it is None): a disk call
+    outside the data path (``create``, ``allocate``, ``fsync``, ``unlink``, ...) of
+    ``file``, ``nbytes`` at ``offset`` where it has a size."""
+    if watchdog is None:
+        yield
+        return
+    token = watchdog.begin(op, file, offset, nbytes)
+    try:
+        yield
+    finally:
+        watchdog.end(token)
