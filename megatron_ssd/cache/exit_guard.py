@@ -1,4 +1,5 @@
-"""Removal of offload files at process exit and on SIGTERM / SIGINT (NOTE [Exit cleanup])."""
+"""Removal of offload files at process exit and on the signals that end a process by
+default: SIGTERM, SIGINT, SIGHUP, SIGUSR1, SIGUSR2, SIGALRM (NOTE [Exit cleanup])."""
 
 from __future__ import annotations
 
@@ -20,8 +21,10 @@ logger = logging.getLogger("megatron_ssd")
 # Offload files must not outlive their process. Normal exits close the caches: ``with``
 # blocks, close(), else the atexit hook below, which also runs after an uncaught
 # KeyboardInterrupt (Python's SIGINT handler). A signal left at its default action
-# (SIGTERM; SIGINT where SIG_DFL was restored) kills the process without unwinding, so
-# while a cache is open the main thread installs one handler for SIGTERM and SIGINT:
+# (SIGTERM; SIGINT where SIG_DFL was restored; SIGHUP when an ssh session or terminal
+# goes away; SIGUSR1, SIGUSR2 and SIGALRM, which also terminate by default) kills the
+# process without unwinding, so while a cache is open the main thread installs one
+# handler for each of those SIGNALS:
 #   * the previous handler is a Python callable (Python's SIGINT handler, a launcher's
 #     graceful-exit handler): it is called and nothing else happens here; the process
 #     unwinds or carries on, and closes its caches as usual;
@@ -39,14 +42,18 @@ logger = logging.getLogger("megatron_ssd")
 # The handler goes in when the first cache opens and the previous ones come back when
 # the last closes (only if ours is still installed; from the main thread). A forked
 # child inherits the handler but deletes nothing: files belong to the pid that made
-# them. SIGKILL cannot be caught; the next start removes what it leaves
+# them. SIGKILL cannot be caught, and signals that dump core (SIGQUIT, SIGABRT, SIGSEGV,
+# SIGBUS) are left to their default action so the core shows the fault; the next start
+# or ``megatron-ssd clean`` removes what those leave
 # (:func:`megatron_ssd.io.rundir.remove_stale_runs`).
 
 
 class _ExitGuard:
     """Process-wide signal and atexit cleanup of open caches; see NOTE [Exit cleanup]."""
 
-    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+    SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2, signal.SIGALRM)
+    """Signals whose default action ends the process without a core dump: their default
+    action deletes the open caches' files first (NOTE [Exit cleanup])."""
 
     CLEANUP_DEADLINE_S = 10.0
     """How long a fatal signal waits for the run directories to be deleted."""
