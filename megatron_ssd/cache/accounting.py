@@ -2,18 +2,23 @@
 
 :class:`StepAccountingMixin` is mixed into :class:`~megatron_ssd.cache.TensorCache`,
 which provides ``engine``, ``ssd``, ``host_store``, ``entries`` (the step's counters), ``clock``,
-``_engine_base``, ``_step``, ``_step_started``, ``_cpu_started``, ``_check_open`` and
-``drain``. The bytes moved and held come from the blob stores (NOTE [Blob stores]).
+``policy``, ``config``, ``device``, ``_engine_base``, ``_step``, ``_step_started``, ``_cpu_started``,
+``_foreign_device``, ``_said_nothing_moved``, ``_check_open`` and ``drain``. The bytes moved and held come from the blob stores (NOTE [Blob stores]).
 """
 
 from __future__ import annotations
 
+import logging
 import time
+from typing import Hashable, List
 
+from ..config import MOVED, OUTSIDE, Placement
 from ..io.store import StoreStep
 from .stats import StepStats
 
 __all__ = ["StepAccountingMixin"]
+
+logger = logging.getLogger("megatron_ssd")
 
 
 class StepAccountingMixin:
@@ -78,7 +83,44 @@ class StepAccountingMixin:
             self._engine_base = es
             self._step += 1
             self._step_started, self._cpu_started = now, cpu_now
+        self._say_if_nothing_moved(stats)
         return stats
+
+    def _moving_layers(self) -> List[Hashable]:
+        """The layers (and outside sites) whose placement moves at least one site now."""
+        policy = self.policy
+        return [layer for layer in [*policy.layers, *OUTSIDE]
+                if policy.layer(layer) in MOVED and policy.state.sites.get(layer, 1) != 0
+                and (policy.layer(layer) is not Placement.HOST or policy.host_available)]
+
+    def _say_if_nothing_moved(self, stats: StepStats) -> None:
+        """Warn, once per cache, about a step that saved tensors and moved none of them
+        although layers are placed to move (NOTE [A device that exists] in ``device.py``)."""
+        if self._said_nothing_moved or not stats.tensors_packed or stats.backpressure_keeps:
+            return
+        if any(lc.offloaded_bytes or lc.hosted_bytes for lc in stats.layers.values()):
+            return
+        moving = self._moving_layers()
+        if not moving:
+            return
+        self._said_nothing_moved = True
+        reasons = []
+        if self._foreign_device is not None:
+            reasons.append(f"tensors saved on {self._foreign_device} were left to autograd: this cache serves "
+                           f"{self.device} (OffloadConfig.device = {self.config.device!r})")
+        small = sum(stats.layers[layer].small_bytes for layer in moving if layer in stats.layers)
+        if small:
+            reasons.append(f"{small} bytes saved in those layers were each under min_tensor_bytes = "
+                           f"{self.config.min_tensor_bytes}")
+        if not any(layer in stats.layers for layer in moving):
+            reasons.append("no tensor was saved inside those layers (are the registered modules the ones that run, "
+                           "and offload-aware?)")
+        logger.warning(
+            "megatron_ssd: step %d moved nothing off the device although %d layer(s) are placed to move (%s): %s; "
+            "no memory is saved (said once)", stats.step, len(moving),
+            ", ".join(repr(layer) for layer in moving[:8]) + (", ..." if len(moving) > 8 else ""),
+            "; ".join(reasons) or "every tensor they saved was kept",
+        )
 
     @property
     def checksum(self) -> str:

@@ -19,7 +19,9 @@ from typing import Any, Callable, List, Optional, Tuple
 
 import torch
 
-__all__ = ["CudaCalls", "CudaClock", "DeviceBinding", "HostClock", "make_clock", "parse_device"]
+from ..errors import ConfigError
+
+__all__ = ["CudaCalls", "CudaClock", "DeviceBinding", "HostClock", "check_device", "make_clock", "parse_device"]
 
 logger = logging.getLogger("megatron_ssd")
 
@@ -30,6 +32,43 @@ def parse_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     return torch.device(name)
+
+
+def check_device(name: str, field: str = "OffloadConfig.device", need_cuda: bool = False) -> None:
+    """Refuse a device that does not exist on this machine (NOTE [A device that exists]).
+
+    Args:
+        name: ``auto``, ``cpu``, ``cuda`` or ``cuda:N``.
+        field: The setting named in the error.
+        need_cuda: Also refuse ``cuda`` without an index when no CUDA device is visible.
+
+    Raises:
+        ConfigError: ``cuda:N`` where the machine has N or fewer CUDA devices; ``cuda``
+            without any when ``need_cuda``.
+    """
+    device = torch.device(name) if name not in ("auto", "cpu") else torch.device("cpu")
+    if device.type != "cuda" or (device.index is None and not need_cuda):
+        return
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if device.index is None and count == 0:
+        raise ConfigError(f"{field} = {name!r}: no CUDA device is visible on this machine; must be auto or cpu here")
+    if device.index is not None and device.index >= count:
+        have = f"CUDA devices cuda:0 .. cuda:{count - 1}" if count > 1 else "CUDA device cuda:0" if count else \
+            "no CUDA device"
+        raise ConfigError(f"{field} = {name!r}: this machine has {have}; must name a device that exists "
+                          "(or auto, which serves the GPU the process trains on)")
+
+
+# NOTE [A device that exists]: ``device = cuda:99`` on a machine without that GPU used to
+# train with nothing offloaded: no tensor is ever saved on a device that does not exist,
+# so every one was left to autograd, and the run exited 0. A named index that the
+# machine does not have is a ConfigError when a cache is built (and before the train job
+# builds its model); ``cuda`` without an index stays lazy (NOTE [Binding the device]) and
+# is refused by the train job where no CUDA device is visible. What remains (a cache
+# serving another device than the one the model trains on, every tensor under
+# ``min_tensor_bytes``, layers placed offload that never run) is named once by the first
+# step that saved tensors and moved none although layers are placed to move
+# (``StepAccountingMixin``).
 
 
 # NOTE [Binding the device]

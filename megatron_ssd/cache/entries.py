@@ -28,7 +28,6 @@ I/O in chosen orders.
 
 from __future__ import annotations
 
-import logging
 import threading
 from functools import partial
 from typing import Any, Dict, Hashable, List, Mapping, Optional, Set, Tuple
@@ -40,6 +39,7 @@ from ..errors import CacheStateError, OffloadIOError, WriteCancelled
 from ..io.base import IOFuture
 from ..io.store import BlobStore
 from .device import HostClock
+from .failures import WriteFailures
 from .identity import held_bytes, is_plain, storage_bytes, storage_weakref
 from .pages import allocator_owned, release_pages
 from .policy import PlacementPolicy
@@ -51,8 +51,6 @@ __all__ = ["EntryTable"]
 
 class _NoRoom(Exception):
     """A prefetch would take the resident bytes over the capacity guard's limit."""
-
-logger = logging.getLogger("megatron_ssd")
 
 
 class EntryTable:
@@ -96,6 +94,9 @@ class EntryTable:
         self._reads: Set[IOFuture] = set()
         self._bwd_clock: Dict[int, Tuple[Hashable, Any]] = {}
         """Per open record: the layer whose backward runs, and the clock's mark of its start."""
+        self.failures = WriteFailures()
+        """Warnings about failed writes, once per path then periodically (NOTE [Failed
+        write warnings] in ``failures.py``)."""
 
     # ------------------------------------------------------------------ records
 
@@ -305,10 +306,7 @@ class EntryTable:
             if error is not None:
                 self.counters.write_fallbacks += 1
                 self.counters.bytes_fallen_back += entry.nbytes
-                logger.warning(
-                    "megatron_ssd: write of %d bytes (layer %r) failed, kept in memory instead: %s",
-                    entry.nbytes, entry.layer, error,
-                )
+                self.failures.failed(entry.store, entry.nbytes, entry.layer, "kept in memory instead", error)
                 if entry.state is not EntryState.RELEASED:
                     entry.state = EntryState.RESIDENT
                     entry.placement = Placement.KEEP
@@ -337,15 +335,15 @@ class EntryTable:
         self.counters.bytes_fallen_back += entry.nbytes
         host_copy = getattr(error, "host_copy", None)
         if isinstance(host_copy, torch.Tensor):
-            logger.warning("megatron_ssd: write of %d bytes (layer %r) failed after its device memory was released; "
-                           "kept in host memory instead: %s", entry.nbytes, entry.layer, error)
+            self.failures.failed(entry.store, entry.nbytes, entry.layer,
+                                 "after its device memory was released; kept in host memory instead", error)
             entry.on_host = True  # host memory: not counted as resident on the device
             entry.data = host_copy
             entry.state = EntryState.RESIDENT
             entry.placement = Placement.KEEP
             return
-        logger.warning("megatron_ssd: write of %d bytes (layer %r) failed after its device memory was released; "
-                       "backward cannot have it: %s", entry.nbytes, entry.layer, error)
+        self.failures.failed(entry.store, entry.nbytes, entry.layer,
+                             "after its device memory was released; lost, backward cannot have it", error)
         entry.state = EntryState.LOST
         entry.lost = error
 
@@ -672,6 +670,7 @@ class EntryTable:
         with self.lock:
             self.closed = True
             self.records.clear()
+        self.failures.flush()
 
 
 

@@ -8,13 +8,13 @@ written once and both restored from the same bytes.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 __all__ = ["StorageKey", "ViewMeta", "storage_key", "storage_bytes", "view_meta", "restore", "is_plain",
-           "do_not_offload", "held_bytes", "DO_NOT_OFFLOAD_MARKERS"]
+           "do_not_offload", "held_bytes", "version_probe", "DO_NOT_OFFLOAD_MARKERS"]
 
 
 StorageKey = Tuple[int, int]
@@ -43,6 +43,35 @@ def storage_weakref(t: torch.Tensor) -> StorageWeakRef:
 def storage_bytes(t: torch.Tensor) -> torch.Tensor:
     """A 1-D uint8 tensor over the whole storage of ``t`` (no copy)."""
     return torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())
+
+
+# NOTE [In-place changes]: autograd checks that a saved tensor was not changed in place
+# between its save and its use ("one of the variables needed for gradient computation
+# has been modified by an inplace operation"), but under saved-tensor hooks it leaves the
+# check to the hooks. The cache makes it at every unpack, before any byte is read back,
+# against the version counter the saved tensor shares with every view of its data: a
+# *version probe* (``version_probe``) is a detached alias of the saved tensor given an
+# empty storage, so it holds no bytes, yet it shares the counter (``detach`` shares it,
+# and assigning ``.data`` keeps it) and so sees every in-place change made through the
+# tensor or a view of it, whether the tensor itself still exists or not, whether the
+# change came before the write of its bytes or after (a write that read changed bytes
+# is only ever followed by this error, never by a silent use or by a checksum error
+# blaming the drive). What no version counter sees is not detected, with or without the
+# cache: writes through ``.data``, ``set_``, numpy views or raw pointers (a CUDA kernel
+# given ``data_ptr()``). Under the cache such a write is also racy: an offloaded tensor
+# brings back the bytes its write copied, which may be from before or after the change,
+# where autograd would use the changed ones.
+
+
+def version_probe(t: torch.Tensor) -> Optional[torch.Tensor]:
+    """A tensor sharing ``t``'s version counter and holding no bytes (NOTE [In-place
+    changes]); None where ``t`` has no counter to share (inference tensors)."""
+    try:
+        probe = t.detach()
+        probe.data = torch.empty(0, dtype=t.dtype, device=t.device)
+    except (RuntimeError, TypeError):
+        return None
+    return probe
 
 
 @dataclass(frozen=True)

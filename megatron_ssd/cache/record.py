@@ -149,8 +149,29 @@ class Packed:
     cache: Any
     version: int = 0
     """The saved tensor's version counter at pack time."""
-    source: Any = None
-    """A weak reference to the saved tensor, to detect in-place changes after the save."""
+    probe: Optional[torch.Tensor] = None
+    """An empty tensor sharing the saved tensor's version counter (NOTE [In-place
+    changes] in ``identity.py``)."""
+
+    def modified(self) -> Optional[RuntimeError]:
+        """The error autograd would raise if the saved tensor was changed in place since
+        it was saved; None when it was not (NOTE [In-place changes] in ``identity.py``)."""
+        if self.probe is None or self.probe._version == self.version:
+            return None
+        meta, layer = self.meta, self.entry.layer
+        if meta is not None:
+            kind = {torch.float32: "Float", torch.float16: "Half", torch.bfloat16: "BFloat16", torch.float64: "Double",
+                    torch.int64: "Long", torch.int32: "Int", torch.bool: "Bool", torch.uint8: "Byte"}.get(
+                        meta.dtype, str(meta.dtype).replace("torch.", ""))
+            what = f"[torch.{'cuda.' if self.entry.device.type == 'cuda' else ''}{kind}Tensor {list(meta.size)}]"
+        else:
+            what = "[a tensor subclass]"
+        return RuntimeError(
+            f"megatron_ssd: a tensor saved for backward in layer {layer!r} was modified by an in-place operation "
+            f"after it was saved: one of the variables needed for gradient computation has been modified by an "
+            f"inplace operation: {what}, is at version {self.probe._version}; expected version {self.version} "
+            "instead. Hint: find the in-place operation on it (or on a view of it) between the forward that saved "
+            "it and this backward, and make it out of place (docs/reliability.md#in-place-changes)")
 
     def __del__(self) -> None:
         cache = self.cache

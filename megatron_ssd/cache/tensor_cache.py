@@ -18,7 +18,6 @@ import logging
 import os
 import threading
 import time
-import weakref
 from functools import partial
 from typing import Dict, Hashable, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
 
@@ -28,10 +27,10 @@ from ..config import EMBEDDING, HEAD, OUTSIDE, OffloadConfig, Placement
 from ..errors import CacheStateError, ConfigError
 from ..io.base import Engine, EngineStats
 from .accounting import StepAccountingMixin
-from .device import CudaCalls, DeviceBinding, HostClock, make_clock, parse_device
+from .device import CudaCalls, DeviceBinding, HostClock, check_device, make_clock, parse_device
 from .entries import EntryTable
 from .exit_guard import EXIT_GUARD
-from .identity import do_not_offload, is_plain, restore, storage_bytes, storage_key, view_meta
+from .identity import do_not_offload, is_plain, restore, storage_bytes, storage_key, version_probe, view_meta
 from .pages import trim_heap
 from .record import Packed, Record
 from .scopes import ScopeMixin, active_cache
@@ -69,12 +68,14 @@ class TensorCache(ScopeMixin, StepAccountingMixin):
 
     Raises:
         ConfigError: no paths, or a path is missing, not a writable directory, or has
-            less than ``config.min_free_bytes`` free.
+            less than ``config.min_free_bytes`` free; ``config.device`` names a CUDA
+            device this machine does not have (NOTE [A device that exists]).
     """
 
     def __init__(self, config: OffloadConfig, engine: Optional[Engine] = None, rank: Optional[int] = None) -> None:
         if not config.paths and engine is None:
             raise ConfigError("OffloadConfig.paths = []: name at least one offload directory")
+        check_device(config.device)
         self.config = config
         self.binding = DeviceBinding(parse_device(config.device))
         """The device served (NOTE [Binding the device] in ``device.py``)."""
@@ -113,6 +114,9 @@ class TensorCache(ScopeMixin, StepAccountingMixin):
         self._closed = False
         self._step_started = time.perf_counter()
         self._cpu_started = time.process_time()
+        self._foreign_device: Optional[torch.device] = None
+        """The last device of a saved tensor left alone because the cache serves another."""
+        self._said_nothing_moved = False
         EXIT_GUARD.add(self)
 
     @property
@@ -251,7 +255,10 @@ class TensorCache(ScopeMixin, StepAccountingMixin):
     def _skippable(self, t: torch.Tensor) -> bool:
         """Left to autograd, uncounted: parameters (and views of them), leaves that need a
         gradient, meta tensors, tensors on another device."""
-        if t.is_meta or not self.binding.accepts(t.device):
+        if t.is_meta:
+            return True
+        if not self.binding.accepts(t.device):
+            self._foreign_device = t.device  # named if a whole step moves nothing (NOTE [A device that exists])
             return True
         if t.is_leaf and t.requires_grad:
             return True
@@ -272,10 +279,11 @@ class TensorCache(ScopeMixin, StepAccountingMixin):
         unmovable = not plain or do_not_offload(t)  # NOTE [Unmovable saved tensors] in identity.py
         key = storage_key(t) if plain else ("held", id(t))
         meta = view_meta(t) if plain else None
-        source = weakref.ref(t)
         with self.entries.lock:
             entry, moves = self.entries.saved(record, key, t, self._site_layer(record), unmovable)
-        packed = Packed(entry, meta, self, t._version, source)  # before the write: its release runs if it raises
+        # before the write: its release runs if it raises
+        # a subclass is held whole by its entry: it is its own probe (NOTE [In-place changes])
+        packed = Packed(entry, meta, self, t._version, version_probe(t) if plain else t)
         if moves:
             self.entries.write(entry)
         return packed
@@ -284,16 +292,13 @@ class TensorCache(ScopeMixin, StepAccountingMixin):
         """Return the tensor ``packed`` stands for, waiting for its read if needed.
 
         Raises:
-            RuntimeError: the saved tensor was modified in place after it was saved (as
-                autograd itself reports; under saved-tensor hooks it would not).
+            RuntimeError: the saved tensor was modified in place after it was saved,
+                with the error autograd gives without the cache (NOTE [In-place
+                changes]); checked before its bytes are read back.
         """
-        original = packed.source() if packed.source is not None else None
-        if original is not None and original._version != packed.version:
-            raise RuntimeError(
-                f"megatron_ssd: a tensor saved for backward (layer {packed.entry.layer!r}, shape "
-                f"{list(packed.meta.size)}) was modified by an in-place operation after it was saved: "
-                f"version {packed.version} at save, {original._version} now"
-            )
+        modified = packed.modified()
+        if modified is not None:
+            raise modified
         entry = packed.entry
         if packed.meta is None:  # an unmovable tensor subclass: the entry holds the tensor itself
             return self.entries.needed(entry, f"tensor subclass, layer {entry.layer!r}")
