@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from typing import Annotated, Any, Dict, List, Mapping, Optional, Sequence, Tuple, Type, TypeVar
 
 from .errors import ConfigError
-from .units import MiB
+from .units import KiB, MiB, gib
 
 __all__ = [
     "Placement",
@@ -77,6 +77,9 @@ __all__ = [
     "OneOf",
     "Switch",
     "MiB",
+    "host_memory_bytes",
+    "STEP_RECORD_BYTES",
+    "MICROBATCH_RECORD_BYTES",
 ]
 
 T = TypeVar("T")
@@ -502,6 +505,37 @@ class OffloadConfig:
             raise _broken(self, "paths", "must not name a directory twice")
         if self.planner.mode == "host" and self.host_pool_bytes == 0:
             raise _broken(self, "host_pool_bytes", "must be > 0 when planner.mode is host")
+        self._check_host_memory()
+
+    def startup_host_bytes(self) -> Dict[str, int]:
+        """Host memory the I/O engine and the host tier allocate when a cache starts, by
+        the field that sizes it (NOTE [Bounds from the machine])."""
+        io = self.io
+        parts = {"io.block_bytes": 2 * io.threads * io.block_bytes, "host_pool_bytes": self.host_pool_bytes}
+        if self.device != "cpu":  # the staging ring, wherever CUDA tensors may come
+            parts["io.staging_ring_bytes"] = min(io.staging_ring_bytes, io.max_inflight_bytes) // io.block_bytes \
+                * io.block_bytes
+        return parts
+
+    def _check_host_memory(self) -> None:
+        memory = host_memory_bytes()
+        parts = self.startup_host_bytes()
+        total = sum(parts.values())
+        if not memory or 2 * total <= memory:
+            return
+        key = max(parts, key=lambda k: parts[k])
+        owner = self.io if key.startswith("io.") else self
+        name = key.split(".")[-1]
+        room = max(memory // 2 - (total - parts[key]), 0)
+        limit, what = {
+            "io.block_bytes": (room // (2 * self.io.threads) // 4096 * 4096,
+                               f"its {2 * self.io.threads} block buffers (2 x io.threads x block_bytes)"),
+            "host_pool_bytes": (room, "the host tier's pool"),
+            "io.staging_ring_bytes": (room, "the pinned staging ring"),
+        }[key]
+        raise _broken(owner, name, f"must be <= {limit}: the I/O engine allocates {gib(total)} of host memory when "
+                                   f"it starts, {gib(parts[key])} of it for {what}, and that must fit in half of "
+                                   f"this machine's {gib(memory)}")
 
 
 @dataclass
@@ -584,6 +618,57 @@ class TrainConfig:
                 raise _broken(self, "data", "must be 'synthetic' or an existing text file")
             if self.model.vocab_size < 256:
                 raise _broken(self.model, "vocab_size", "must be >= 256 for byte tokens")
+        self._check_records()
+
+    def _check_records(self) -> None:
+        """The job's per-step and per-micro-batch records must fit in memory (NOTE [Bounds
+        from the machine])."""
+        budget = host_memory_bytes() // 2
+        if not budget:
+            return
+        counts = {"steps": self.steps, "baseline_steps": self.baseline_steps,
+                  "paired_steps": self.paired_steps * 2 * (self.paired_settle_steps + 1)}
+        if sum(counts.values()) * STEP_RECORD_BYTES > budget:
+            name = max(counts, key=lambda k: counts[k])
+            others = sum(counts.values()) - counts[name]
+            per = 2 * (self.paired_settle_steps + 1) if name == "paired_steps" else 1
+            limit = max(budget // STEP_RECORD_BYTES - others, 0) // per
+            raise _broken(self, name, f"must be <= {limit}: the job keeps at least {STEP_RECORD_BYTES // KiB} KiB of "
+                                      f"statistics per step in memory, and its steps must fit in half of this "
+                                      f"machine's {gib(2 * budget)}")
+        if self.num_microbatches * MICROBATCH_RECORD_BYTES > budget:
+            raise _broken(self, "num_microbatches", f"must be <= {budget // MICROBATCH_RECORD_BYTES}: Megatron's "
+                                                    f"schedule keeps at least {MICROBATCH_RECORD_BYTES // KiB} KiB per "
+                                                    f"micro-batch until the step ends, which must fit in half of "
+                                                    f"this machine's {gib(2 * budget)}")
+
+
+# NOTE [Bounds from the machine]: a count or size with no natural limit is bounded by what
+# the machine can hold, so a value such as ``steps=1e30`` or ``io.block_bytes=1TiB`` is one
+# line naming the field before anything runs instead of an OverflowError, a failed 1 TiB
+# mapping or a job that builds for hours. Each bound is a lower estimate of what the
+# value costs, against half of the machine's physical memory (``host_memory_bytes``), so
+# it refuses only what cannot work: the train job keeps each step's statistics
+# (STEP_RECORD_BYTES, measured at 13 KiB a step for a 2-layer model, more per layer),
+# Megatron's schedule each micro-batch's loss until its step ends
+# (MICROBATCH_RECORD_BYTES), and the I/O engine allocates its block buffers, its staging
+# ring and the host tier's pool when it starts (``OffloadConfig.startup_host_bytes``).
+# Whether the model itself fits its device is checked by the train job before it builds
+# the model (``check_model_fits`` in ``commands/train.py``).
+
+STEP_RECORD_BYTES = 8 * KiB
+"""Memory the train job keeps per step at least (its statistics and report)."""
+
+MICROBATCH_RECORD_BYTES = 1 * KiB
+"""Memory Megatron's schedule keeps per micro-batch until the step ends, at least."""
+
+
+def host_memory_bytes() -> int:
+    """This machine's physical memory in bytes; 0 where the platform cannot say."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, ValueError, OSError):
+        return 0
 
 
 # --------------------------------------------------------------------------- validation
@@ -957,8 +1042,42 @@ def _check_preset_kind(cls: type, data: Mapping[str, Any], path: str) -> None:
         )
 
 
+class _DuplicateKey(Exception):
+    """A mapping of a config file names one key twice."""
+
+    def __init__(self, key: Any, line: int, first: int) -> None:
+        super().__init__(key, line, first)
+        self.key, self.line, self.first = key, line, first
+
+
+@functools.lru_cache(maxsize=None)
+def _unique_key_loader() -> type:
+    """``yaml.SafeLoader`` that refuses a key given twice in one mapping (plain YAML lets
+    the last one win, silently); keys merged in with ``<<`` may still be overridden."""
+    import yaml
+
+    class UniqueKeyLoader(yaml.SafeLoader):
+        def construct_mapping(self, node: Any, deep: bool = False) -> Any:
+            seen: Dict[Any, int] = {}
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    continue
+                key = self.construct_object(key_node, deep=True)
+                line = key_node.start_mark.line + 1
+                try:
+                    if key in seen:
+                        raise _DuplicateKey(key, line, seen[key])
+                    seen[key] = line
+                except TypeError:  # an unhashable key: construct_mapping names it
+                    continue
+            return super().construct_mapping(node, deep=deep)
+
+    return UniqueKeyLoader
+
+
 def _read_yaml(path: str) -> Any:
-    """The YAML document in ``path``: plain YAML only (``safe_load``, no ``!!python`` tags)."""
+    """The YAML document in ``path``: plain YAML only (``safe_load``, no ``!!python`` tags),
+    each key at most once per mapping."""
     import yaml
 
     try:
@@ -968,7 +1087,10 @@ def _read_yaml(path: str) -> Any:
         raise ConfigError(f"config file {path!r}: byte {e.object[e.start]:#04x} at offset {e.start} is not "
                           "valid UTF-8: config files must be UTF-8 text") from None
     try:
-        return yaml.safe_load(text)
+        return yaml.load(text, Loader=_unique_key_loader())  # noqa: S506 - a SafeLoader subclass
+    except _DuplicateKey as e:
+        raise ConfigError(f"config file {path!r}: key {e.key!r} at line {e.line} is given twice (first at line "
+                          f"{e.first}): each key may appear once in a mapping") from None
     except yaml.constructor.ConstructorError as e:
         where = f" at line {e.problem_mark.line + 1}" if e.problem_mark else ""
         tag = re.search(r"tag '([^']*)'", str(e.problem))

@@ -18,10 +18,13 @@ environment before Megatron-LM's modules are first imported.
 from __future__ import annotations
 
 import argparse
+import errno
+import importlib.util
+import os
 import sys
 from typing import List, Optional
 
-from ..errors import MegatronSSDError
+from ..errors import ConfigError, MegatronSSDError
 
 __all__ = ["main", "build_parser"]
 
@@ -106,6 +109,62 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# NOTE [Outputs checked first]: ``--json``, ``--plot`` and ``--tensorboard-dir`` are
+# written during or after a run that may take hours; a path that cannot be written used
+# to end that run in a traceback, its results lost. So each is checked (its directory
+# created, as writing it would) before the command starts its work.
+
+
+def check_output_file(flag: str, path: str) -> None:
+    """Refuse an output file that could not be written when the command ends.
+
+    Raises:
+        ConfigError: ``path`` is a directory, its directory cannot be created or is not
+            writable, or the file exists and is not writable.
+    """
+    parent = os.path.dirname(os.path.abspath(path))
+    try:
+        if os.path.lexists(parent) and not os.path.isdir(parent):
+            raise NotADirectoryError(errno.ENOTDIR, "it is not a directory")
+        os.makedirs(parent, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"{flag} = {path!r}: its directory {parent!r} cannot be created ({e.strerror}): must name "
+                          "a file in a writable directory (checked before the run, which writes it at the end)") from None
+    if os.path.isdir(path):
+        raise ConfigError(f"{flag} = {path!r}: is a directory: must name a file to write")
+    if not os.access(parent, os.W_OK | os.X_OK) or (os.path.lexists(path) and not os.access(path, os.W_OK)):
+        raise ConfigError(f"{flag} = {path!r}: is not writable: must name a file in a writable directory (checked "
+                          "before the run, which writes it at the end)")
+
+
+def check_output_dir(flag: str, path: str) -> None:
+    """Create ``path`` if missing; refuse it unless it is a writable directory.
+
+    Raises:
+        ConfigError: it cannot be created, is not a directory, or is not writable.
+    """
+    try:
+        if os.path.lexists(path) and not os.path.isdir(path):
+            raise NotADirectoryError(errno.ENOTDIR, "it is not a directory")
+        os.makedirs(path, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"{flag} = {path!r}: cannot be created ({e.strerror}): must be a writable directory") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise ConfigError(f"{flag} = {path!r}: is not writable: must be a writable directory")
+
+
+def _check_outputs(args: argparse.Namespace) -> None:
+    """Every output the command writes, before it starts (NOTE [Outputs checked first])."""
+    for flag, attr in (("--json", "json"), ("--plot", "plot")):
+        if getattr(args, attr, None):
+            check_output_file(flag, getattr(args, attr))
+    if getattr(args, "tensorboard_dir", None):
+        if importlib.util.find_spec("tensorboard") is None:
+            raise ConfigError(f"--tensorboard-dir = {args.tensorboard_dir!r}: needs the tensorboard package "
+                              "(pip install 'megatron-ssd[tensorboard]' or pip install tensorboard)")
+        check_output_dir("--tensorboard-dir", args.tensorboard_dir)
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     """Entry point of the ``megatron-ssd`` command; returns the exit status."""
     from .output import collapse_optional_dependency_warnings
@@ -118,6 +177,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         return launch(argv[1:])
     args = build_parser().parse_args(argv)
     try:
+        _check_outputs(args)
         if args.command == "train":
             from .train import run_train
 

@@ -13,6 +13,7 @@ with the configured planner; print a summary table of both.
 from __future__ import annotations
 
 import contextlib
+import copy
 import math
 import statistics
 import sys
@@ -24,15 +25,17 @@ from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
 from ..adaptive import AdaptivePlanner
 from ..cache import StepStats, TensorCache
+from ..cache.device import check_device
 from ..cache.stats import median_ci95, median_or_zero as med
-from ..config import OffloadConfig, Placement, PlannerConfig, TrainConfig, from_dict, load_config, to_dict
+from ..config import (OffloadConfig, Placement, PlannerConfig, TrainConfig, from_dict, host_memory_bytes, load_config,
+                      to_dict)
 from ..errors import ConfigError
 from ..io.scratch import default_offload_dir, make_private_dir
 from ..megatron import get_forward_backward_func, offload_layer_spec
 from ..memory import AllocatorTimeline, PhaseMemory
 from ..metrics import ScalarWriter, tensorboard_writer
 from ..planner.wear import lifetime_for
-from ..units import MiB
+from ..units import MiB, gib
 from ..workloads.data import TextFileData
 from ..workloads.harness import SGD, SyntheticData, finalize_embedding_grads, gpt_forward_step, train_step
 from ..workloads.models import build_gpt, tiny_transformer_config
@@ -41,7 +44,7 @@ from .output import Progress, write_json
 from .steps import format_comparison, format_paired, format_plans, short_run_problems, step_kinds, step_line
 from .timing import StepTimer, synchronized
 
-__all__ = ["TrainRecipe", "PhaseResult", "run_train", "format_summary"]
+__all__ = ["TrainRecipe", "PhaseResult", "run_train", "format_summary", "check_model_fits", "model_bytes"]
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -139,14 +142,24 @@ class TrainRecipe:
 
     # ------------------------------------------------------------------ setup
 
-    def setup(self) -> None:
-        """Initialise torch.distributed / Megatron state, build the model and the cache."""
+    def check(self) -> None:
+        """Refuse, before anything is built, what this machine cannot run: a device it
+        does not have, fp16 on a CPU, a model that cannot fit its device (NOTE [Bounds
+        from the machine] in ``config.py``)."""
         cfg = self.config
         if cfg.device == "cuda" and not torch.cuda.is_available():
             raise ConfigError("TrainConfig.device = 'cuda': no CUDA device is visible")
         self.device = "cuda" if cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available()) else "cpu"
         if self.device == "cpu" and cfg.model.params_dtype == "fp16":
             raise ConfigError("ModelConfig.params_dtype = 'fp16': fp16 training needs a GPU; use fp32 or bf16 on CPU")
+        check_device(cfg.offload.device, "OffloadConfig.device", need_cuda=True)  # NOTE [A device that exists]
+        check_model_fits(cfg, self.device, device_memory_bytes(self.device))
+
+    def setup(self) -> None:
+        """Initialise torch.distributed / Megatron state, build the model and the cache."""
+        cfg = self.config
+        if not hasattr(self, "device"):
+            self.check()
         offload = cfg.offload
         if not offload.paths:  # the fixed per-user directory that clean and the next start know
             # NOTE [Default offload directory]
@@ -344,7 +357,8 @@ class TrainRecipe:
             self._initialized = False
 
     def run(self, print_summary: bool = True) -> Dict[str, Any]:
-        """``setup()``, ``train()``, and ``cleanup()`` whatever happens; the report."""
+        """``check()``, ``setup()``, ``train()``, and ``cleanup()`` whatever happens; the report."""
+        self.check()
         try:
             self.setup()
             return self.train(print_summary)
@@ -385,6 +399,78 @@ def _profiled_step(run_step: Any, step: int) -> Tuple[Optional[int], Optional[in
     with AllocatorTimeline() as timeline:
         run_step(step)
     return timeline.peak_bytes, timeline.device_peak_bytes
+
+
+def device_memory_bytes(device: str) -> int:
+    """Memory of the device the job trains on: the current CUDA device's, or this
+    machine's physical memory on a CPU (0 where unknown)."""
+    if device == "cuda":
+        return int(torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory)
+    return host_memory_bytes()
+
+
+_DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
+def model_bytes(config: TrainConfig) -> Tuple[int, int]:
+    """A lower bound of the memory the job's GPT needs on its device: (its parameters and
+    their gradients, one micro-batch's logits and one layer's MLP activations)."""
+    m = config.model
+    width = _DTYPE_BYTES[m.params_dtype]
+    h, ffn = m.hidden_size, m.ffn_hidden_size or 4 * m.hidden_size
+    params = (m.vocab_size + m.seq_length) * h + m.num_layers * (4 * h * h + 2 * h * ffn)
+    activations = config.micro_batch_size * m.seq_length * (m.vocab_size + ffn)
+    return 2 * params * width, activations * width
+
+
+_MODEL_FIELDS = (("model", "num_layers"), ("model", "hidden_size"), ("model", "ffn_hidden_size"),
+                 ("model", "seq_length"), ("model", "vocab_size"), (None, "micro_batch_size"))
+
+
+def _with(config: TrainConfig, owner: Optional[str], name: str, value: Any) -> TrainConfig:
+    """A copy of ``config`` with one field set (unvalidated: only for :func:`model_bytes`)."""
+    out = copy.copy(config)
+    if owner is None:
+        object.__setattr__(out, name, value)
+    else:
+        inner = copy.copy(getattr(config, owner))
+        object.__setattr__(inner, name, value)
+        object.__setattr__(out, owner, inner)
+    return out
+
+
+def check_model_fits(config: TrainConfig, device: str, memory: int) -> None:
+    """Refuse a model that cannot fit its device (NOTE [Bounds from the machine] in
+    ``config.py``): :func:`model_bytes` is a lower bound, so only what cannot work is
+    refused. The error names the field whose default would shrink the need most, and the
+    largest value of it that would fit.
+
+    Raises:
+        ConfigError: the lower bound exceeds ``memory`` (0: unknown, no check).
+    """
+    need = sum(model_bytes(config))
+    if not memory or need <= memory:
+        return
+    defaults = TrainConfig()
+
+    def default_of(owner: Optional[str], name: str) -> Any:
+        return getattr(getattr(defaults, owner) if owner else defaults, name)
+
+    owner, name = min(_MODEL_FIELDS, key=lambda f: sum(model_bytes(_with(config, *f, default_of(*f)))))
+    value = getattr(getattr(config, owner) if owner else config, name)
+    low, high = 0, value if isinstance(value, int) else 4 * config.model.hidden_size
+    while low < high:  # the largest value that fits, the others as given
+        mid = (low + high + 1) // 2
+        if sum(model_bytes(_with(config, owner, name, mid))) <= memory:
+            low = mid
+        else:
+            high = mid - 1
+    params, activations = model_bytes(config)
+    cls = "ModelConfig" if owner else "TrainConfig"
+    raise ConfigError(
+        f"{cls}.{name} = {value!r}: must be <= {low} here: the model needs at least {gib(need)} on {device} (parameters "
+        f"and their gradients {gib(params)}, one micro-batch's logits and MLP activations {gib(activations)}), and "
+        f"{'this machine' if device == 'cpu' else 'the CUDA device'} has {gib(memory)}")
 
 
 def _with_paths(offload: Any, paths: List[str]) -> Any:

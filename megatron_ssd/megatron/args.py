@@ -24,6 +24,7 @@ from typing import Any, Callable, List, NamedTuple, Optional, Tuple
 
 from ..config import OffloadConfig, load_config
 from ..errors import ConfigError
+from ..io.rundir import check_offload_path
 from ..ranks import process_ranks
 from . import compat
 
@@ -236,8 +237,18 @@ def offload_config_from_args(
     paths = [expand_path(p, rank, local_rank) for p in config.paths]
     if make_rank_dirs:
         for raw, path in zip(config.paths, paths):
-            if raw != path and not os.path.exists(path) and os.path.isdir(os.path.dirname(os.path.abspath(path))):
-                os.makedirs(path, mode=0o700, exist_ok=True)
+            if raw == path:
+                continue
+            if os.path.islink(path):  # a dangling link too: never created through, never followed
+                check_offload_path(path)
+            if not os.path.lexists(path) and os.path.isdir(os.path.dirname(os.path.abspath(path))):
+                try:
+                    os.mkdir(path, 0o700)
+                except FileExistsError:
+                    pass  # another rank of this node made it
+                except OSError as e:
+                    raise ConfigError(f"--ssd-offload-paths: {path!r} (from {raw!r}) cannot be created ({e.strerror}): "
+                                      "offload paths must be writable directories") from None
     # replace() validates again: the expanded paths must still be distinct.
     return dataclasses.replace(config, paths=paths)
 

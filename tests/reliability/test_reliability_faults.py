@@ -107,12 +107,16 @@ def test_failed_writes_fall_back_to_memory_and_training_is_bit_identical(offload
     fallbacks = sum(s.write_fallbacks for s in stats)
     assert fallbacks > 0 and sum(s.bytes_fallen_back for s in stats) > 0
     assert all(s.bytes_offloaded > 0 for s in stats), "the writes that did not fail still offloaded"
-    warnings = [r.getMessage() for r in caplog.records if "kept in memory instead" in r.getMessage()]
-    assert len(warnings) == fallbacks
+    # told once for the path, the later failures counted (NOTE [Failed write warnings])
+    warnings = [r.getMessage() for r in caplog.records if r.getMessage().startswith("megatron_ssd: write of ")]
+    assert len(warnings) == 1, warnings
     name = errno.errorcode[code]
-    for msg in warnings:
-        assert msg.startswith("megatron_ssd: write of ") and " bytes (layer " in msg
-        assert run_dir in msg and name in msg and " at offset " in msg
+    msg = warnings[0]
+    assert " bytes (layer " in msg and "kept in memory instead" in msg
+    assert run_dir in msg and name in msg and " at offset " in msg
+    summaries = [r.getMessage() for r in caplog.records if " more write(s), " in r.getMessage()]
+    assert sum(int(m.split()[1]) for m in summaries) == fallbacks - 1
+    assert all(f"to {offload_dir} failed in the last " in m and name in m for m in summaries), summaries
     assert os.listdir(offload_dir) == []
 
 
