@@ -71,3 +71,12 @@ gpu-check:
 
 gpu-wheels:
 	bash scripts/gpu_wheels.sh --core-version $(CORE_VERSION)
+
+# `make slurm-deps`: Debian's SLURM and munge for the SLURM tests (tests/scripts/test_slurm_jobs.py start a
+# private two-node SLURM), with apt-get as root or through sudo; nothing when installed. Without them, or
+# without root, those tests skip with the reason; .ci/run installs them and sets MEGATRON_SSD_REQUIRE_SLURM=1,
+# which turns the skip into a failure (docs/cluster.md, "Tested under SLURM").
+.PHONY: slurm-deps
+
+slurm-deps:
+	bash scripts/slurm_test_deps.sh

@@ -363,7 +363,7 @@ ms_prepare_node() {
         ms_log "SKIP_CLEAN=1: not removing stale offload run directories"
     else
         if ((${#stale[@]} > 0)); then
-            ms_log "start-up clean: removing offload run directories left by runs that died"
+            ms_log "start-up clean: ${#stale[@]} offload director$( ((${#stale[@]} == 1)) && echo y || echo ies) on this node; removing the run directories of processes that are gone"
             ms_run "${MEGATRON_SSD_CMD[@]}" clean "${stale[@]}" ||
                 ms_die "'${MEGATRON_SSD_CMD[*]} clean' failed on $(ms_node)"
         else

@@ -228,13 +228,14 @@ def test_multi_node_job_trains_as_without_offload(slurm, checkout, baseline, tmp
 def cancelled(slurm, checkout, tmp_path_factory) -> Dict:
     """Two long jobs at once on node n1, sharing its scratch directory, both cancelled with
     ``scancel`` while they offload: ``term`` stops on SLURM's SIGTERM; ``kill`` ignores
-    SIGTERM (its ranks start with it ignored) and is ended by the SIGKILL after KillWait."""
+    SIGTERM (its ranks start with it ignored, and have no data-loader worker processes whose
+    death would end them) and is ended by the SIGKILL after KillWait."""
     scratch = tmp_path_factory.mktemp("cancel")
     jobs, outs = {}, {}
-    for name, pretrain in (("term", "megatron-ssd pretrain-gpt"),
-                           ("kill", f"bash {IGNORE_SIGTERM} megatron-ssd pretrain-gpt")):
+    for name, pretrain, extra in (("term", "megatron-ssd pretrain-gpt", "--cpu"),
+                                  ("kill", f"bash {IGNORE_SIGTERM} megatron-ssd pretrain-gpt", "--cpu --num-workers 0")):
         outs[name] = scratch / f"{name}.out"
-        env = _env(slurm, scratch, checkout, TRAIN_ARGS=_train_args(100000), PRETRAIN_CMD=pretrain)
+        env = _env(slurm, scratch, checkout, TRAIN_ARGS=_train_args(100000), PRETRAIN_CMD=pretrain, EXTRA_ARGS=extra)
         jobs[name] = _submit(slurm, SINGLE, outs[name], env, "--nodelist=n1", "--exclusive=user")
     # Offloading: a few steps done (each one wrote and read every layer's tensors), more to come.
     def training() -> bool:
@@ -300,7 +301,7 @@ def test_sigkill_leaves_run_directories_that_clean_and_the_next_start_remove(slu
     fields = slurm.wait(nxt)
     text = _read(out)
     assert fields["JobState"] == "COMPLETED", text[-3000:]
-    assert "start-up clean: removing offload run directories left by runs that died" in text
+    assert "start-up clean: 2 offload directories on this node; removing the run directories of processes " in text
     assert re.search(rf"removed {scratch}/megatron-ssd/job{job}/gpu0/msd-\S+-r0-", text), text[-3000:]
     assert f"removed the emptied directory of job{job}, which is over" in text
     assert os.listdir(scratch / "megatron-ssd") == []
