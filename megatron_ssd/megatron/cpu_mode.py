@@ -54,6 +54,8 @@ Every redirected spot, with file (megatron/core/...) and reason:
    ``--no-save-rng`` says) and ``load_checkpoint`` gives it back to
    ``torch.cuda.set_rng_state``; both raise on a CPU build. Stand-ins: the empty state and
    the no-op setter of 5 (``--save`` / ``--load`` on the CPU, e.g. a requeued SLURM job).
+   Loading also needs ``--no-load-rng``: the CPU path forks no CUDA RNG tracker, so the
+   checkpoint has no tracker states, and Megatron-LM exits (status 0) without them.
 
 Nothing else is touched. One CUDA-only spot is deliberately *not* redirected because it
 is avoided by construction instead: ``transformer/dot_product_attention.py`` allocates
