@@ -647,13 +647,17 @@ ms_preview_node_step() {
 #     the signal on to its child. SIGKILL (after SLURM's KillWait) leaves run
 #     directories; the next start cleans them (NOTE [Job directories]).
 #   * SIGUSR1 (sbatch --signal=B:USR1@SECONDS: to the batch shell only, before the time
-#     limit or a pre-emption): the batch shell sends SIGTERM to the launcher, which stops
-#     the ranks as above, then removes its emptied directories and requeues the job with
+#     limit or a pre-emption): the batch shell has the ranks sent SIGTERM, which stops
+#     them as above, then removes its emptied directories and requeues the job with
 #     `scontrol requeue`; the requeued job (same id) starts with the start-up clean and,
-#     with CHECKPOINT_DIR, loads the checkpoint.
+#     with CHECKPOINT_DIR, loads the checkpoint. A torchrun child gets the SIGTERM and
+#     passes it to its ranks; an srun child must not get it (srun takes a SIGTERM as
+#     "kill the step" and SIGKILLs the tasks: no checkpoint, run directories left), so
+#     then `scancel --signal=TERM JOBID` signals the job's steps, not the batch shell.
 # The child starts with SIGINT and SIGQUIT at their defaults: bash would otherwise give a
 # background command SIGINT ignored, and Python would then never see Ctrl-C.
 MS_CHILD=""
+MS_CHILD_IS_SRUN=0
 MS_STOP_SIGNAL=""
 
 ms_on_signal() {
@@ -661,7 +665,12 @@ ms_on_signal() {
     [[ -n "$MS_STOP_SIGNAL" ]] || MS_STOP_SIGNAL="$sig"
     if [[ "$sig" == USR1 ]]; then
         ms_log "USR1: stopping the training${CHECKPOINT_DIR:+ after a checkpoint in $CHECKPOINT_DIR}, then requeueing the job"
-        if [[ -n "$MS_CHILD" ]]; then
+        if [[ -z "$MS_CHILD" ]]; then
+            return 0
+        fi
+        if [[ "$MS_CHILD_IS_SRUN" == 1 && -n "${SLURM_JOB_ID:-}" ]]; then
+            scancel --signal=TERM "$SLURM_JOB_ID" || ms_warn "scancel --signal=TERM $SLURM_JOB_ID failed"
+        else
             kill -TERM "$MS_CHILD" 2>/dev/null || true
         fi
         return 0
@@ -690,6 +699,15 @@ ms_launch() {
         ms_log "$MS_STOP_SIGNAL came before the launch: not starting it"
         return 1
     fi
+    local word
+    MS_CHILD_IS_SRUN=0
+    for word in "$@"; do # the program, after `env NAME=VALUE ...`
+        case "$word" in
+            env | *=*) continue ;;
+            srun | */srun) MS_CHILD_IS_SRUN=1 ;;
+        esac
+        break
+    done
     (
         trap - INT QUIT
         exec "$@"

@@ -15,8 +15,8 @@ directories are one filesystem, and their names do not resolve (the tests give
   any machine;
 * ``ProctrackType=proctrack/linuxproc``, ``TaskPlugin=task/none``: no cgroups needed;
 * ``KillWait=10`` (default 30): SIGTERM, then SIGKILL 10 s later, keeps a cancelled job short;
-* ``AuthInfo=...,cred_expire=10`` (default 120 s) and ``sched_interval=2`` (default 60 s):
-  a requeued job is eligible again 10 s after the requeue and is started within 2 s of that;
+* ``AuthInfo=...,cred_expire=5`` (default 120 s) and ``sched_interval=2`` (default 60 s):
+  a requeued job is eligible again 5 s after the requeue and is started within 2 s of that;
 * ``MinJobAge=3600``: a finished job stays visible to ``scontrol show job``.
 
 :func:`unavailable` says why this cannot run here (not installed, not root), or None.
@@ -50,7 +50,7 @@ SlurmUser=root
 SlurmdUser=root
 SlurmctldPort={ctld_port}
 AuthType=auth/munge
-AuthInfo=socket={socket},cred_expire=10
+AuthInfo=socket={socket},cred_expire=5
 CredType=cred/munge
 StateSaveLocation={root}/state
 SlurmdSpoolDir={root}/spool-%n

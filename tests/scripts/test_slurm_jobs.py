@@ -15,6 +15,7 @@ the reason; with ``MEGATRON_SSD_REQUIRE_SLURM=1`` (CI, ``.ci/run``) they fail in
 
 from __future__ import annotations
 
+import getpass
 import os
 import re
 import subprocess
@@ -35,7 +36,7 @@ SINGLE = ROOT / "scripts" / "slurm_single_node.sbatch"
 MULTI = ROOT / "scripts" / "slurm_multi_node.sbatch"
 IGNORE_SIGTERM = Path(__file__).parent / "fixtures" / "ignore_sigterm.sh"
 REQUIRED = os.environ.get("MEGATRON_SSD_REQUIRE_SLURM") == "1"
-INDUCTOR_CACHE = os.path.join(tempfile.gettempdir(), f"torchinductor_{os.environ.get('USER', 'root')}")
+INDUCTOR_CACHE = os.path.join(tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}")
 """Every job shares the compile cache the suite's other Megatron-LM runs use (TMPDIR is per test)."""
 
 GPT = {
@@ -311,18 +312,22 @@ def test_sigkill_leaves_run_directories_that_clean_and_the_next_start_remove(slu
 
 
 @pytest.mark.slow
-def test_usr1_saves_a_checkpoint_and_the_requeued_job_starts_clean(slurm, checkout, tmp_path):
+@pytest.mark.parametrize("launcher", ["torchrun", "srun"])
+def test_usr1_saves_a_checkpoint_and_the_requeued_job_starts_clean(slurm, checkout, tmp_path, launcher):
     """``sbatch --requeue --signal=B:USR1@SECONDS``: SLURM sends USR1 to the batch shell
     before the time limit; here ``scancel --batch --signal=USR1`` delivers the same signal to
     the same shell while the job trains. The job saves a checkpoint (Megatron's
     --exit-signal-handler), leaves no offload files, requeues itself; the requeued job finds
-    nothing to clean, loads the checkpoint and trains to the end."""
+    nothing to clean, loads the checkpoint and trains to the end. Under srun the ranks get
+    the SIGTERM through ``scancel --signal=TERM`` (NOTE [Job signals]): a SIGTERM to srun
+    itself SIGKILLs them, with no checkpoint and the run directories left."""
     out, ckpt = tmp_path / "job.out", tmp_path / "ckpt"
     # CPU mode: torch-format checkpoints (torch_dist needs psutil); no CUDA RNG tracker states
     # to restore (NOTE [CPU mode] 7).
-    env = _env(slurm, tmp_path, checkout, TRAIN_ARGS=_train_args(30), CHECKPOINT_DIR=ckpt,
+    env = _env(slurm, tmp_path, checkout, TRAIN_ARGS=_train_args(30), CHECKPOINT_DIR=ckpt, LAUNCHER=launcher,
                EXTRA_ARGS="--cpu --ckpt-format torch --no-load-rng")
-    job = _submit(slurm, SINGLE, out, env, "--requeue", "--signal=B:USR1@60")
+    options = ["--ntasks-per-node=2"] if launcher == "srun" else []
+    job = _submit(slurm, SINGLE, out, env, "--requeue", "--signal=B:USR1@60", *options)
     _wait_for(lambda: len(_iterations(_read(out))) >= 2, 240, "the job training")
     slurm.run(["scancel", "--batch", "--signal=USR1", job])
     fields = slurm.wait(job, timeout=300, restarts=1)
@@ -334,7 +339,7 @@ def test_usr1_saves_a_checkpoint_and_the_requeued_job_starts_clean(slurm, checko
     k = int(saved.group(1))
     assert 2 <= k < 30 and [int(i) for i, _, _ in _iterations(first)] == list(range(1, k + 1))
     assert f"[megatron-ssd] USR1: stopping the training after a checkpoint in {ckpt}, then requeueing" in first
-    assert "exiting program after receiving SIGTERM" in first
+    assert "exiting program after receiving SIGTERM" in first and "WARNING: left in place" not in first
     assert f"[megatron-ssd] requeueing job {job} (restart 1)" in first
     # The requeued job: nothing left by the first run, the checkpoint loaded, trained to 30.
     assert "[megatron-ssd] start-up clean: no offload directories left by earlier runs" in second

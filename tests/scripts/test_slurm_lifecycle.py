@@ -26,6 +26,22 @@ echo started >> "$STUB_LOG.launcher"
 while :; do sleep 0.05; done
 """
 
+STUB_SRUN = """#!/bin/bash
+# stands in for srun: a SIGTERM to srun itself kills its tasks (logged as srun-got-term);
+# USR2 stands for its tasks ending after SLURM signalled them (scancel --signal=TERM)
+trap 'echo srun-got-term >> "$STUB_LOG.launcher"; exit 143' TERM
+trap 'echo tasks-ended >> "$STUB_LOG.launcher"; exit 0' USR2
+echo $$ > "$STUB_LOG.srun-pid"
+echo started >> "$STUB_LOG.launcher"
+while :; do sleep 0.05; done
+"""
+
+STUB_SCANCEL = """#!/bin/bash
+# stands in for scancel: records the call; the step's tasks end, so srun does
+echo "scancel $*" >> "$STUB_LOG.scancel"
+kill -USR2 "$(cat "$STUB_LOG.srun-pid")"
+"""
+
 STUB_SCONTROL = """#!/bin/bash
 # stands in for scontrol: records a requeue, answers show hostnames
 if [[ "$1" == requeue ]]; then echo "requeue $2" >> "$STUB_LOG.scontrol"; exit 0; fi
@@ -57,6 +73,8 @@ def _launcher_log(fake: FakeCluster) -> list:
 def _start(fake: FakeCluster, **env) -> subprocess.Popen:
     launcher = _stub(fake, "stub-torchrun", STUB_LAUNCHER)
     _stub(fake, "scontrol", STUB_SCONTROL)
+    _stub(fake, "srun", STUB_SRUN)
+    _stub(fake, "scancel", STUB_SCANCEL)
     proc = subprocess.Popen(["bash", str(SINGLE)], env=fake.env(TORCHRUN=launcher, **env), cwd=fake.tmp,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.monotonic() + 30
@@ -146,6 +164,20 @@ def test_usr1_stops_the_launcher_then_requeues_the_job(tmp_path):
     assert "[megatron-ssd] USR1: stopping the training, then requeueing the job" in out
     assert "[megatron-ssd] requeueing job 4242 (restart 1)" in out
     assert os.listdir(fake.mounts[0] / "megatron-ssd") == []
+
+
+def test_usr1_under_srun_signals_the_steps_not_srun(tmp_path):
+    """srun takes a SIGTERM as "kill the step" (SIGKILL to its tasks: no checkpoint, run
+    directories left), so with LAUNCHER=srun the shell asks SLURM to send SIGTERM to the
+    job's steps (NOTE [Job signals])."""
+    fake = FakeCluster(tmp_path, drives=1)
+    proc = _start(fake, GPUS_PER_NODE=2, LAUNCHER="srun")
+    proc.send_signal(signal.SIGUSR1)
+    out = proc.communicate(timeout=30)[0]
+    assert proc.returncode == 0, out
+    assert _launcher_log(fake) == ["started", "tasks-ended"]
+    assert Path(f"{fake.log}.scancel").read_text() == "scancel --signal=TERM 4242\n"
+    assert Path(f"{fake.log}.scontrol").read_text() == "requeue 4242\n"
 
 
 def test_sigterm_under_slurm_is_left_to_slurm_and_waited_for(tmp_path):
