@@ -90,7 +90,7 @@ class TensorCache(ScopeMixin, StepAccountingMixin):
         self.host_store: Optional[BlobStore] = None
         """Its blobs."""
         if config.host_pool_bytes:
-            self.host = HostEngine(config.host_pool_bytes)
+            self.host = HostEngine(config.host_pool_bytes, copy_bytes_per_s=config.host_copy_bytes_per_s)
             self.host_store = BlobStore(self.host, "host")
         self.stores: Dict[Placement, BlobStore] = {Placement.OFFLOAD: self.ssd}
         """The store each moved placement's tensors go to (NOTE [Blob stores])."""
@@ -280,7 +280,7 @@ class TensorCache(ScopeMixin, StepAccountingMixin):
         key = storage_key(t) if plain else ("held", id(t))
         meta = view_meta(t) if plain else None
         with self.entries.lock:
-            entry, moves = self.entries.saved(record, key, t, self._site_layer(record), unmovable)
+            entry, moves = self.entries.saved(record, key, t, self._site_layer(record), unmovable, self.current_group())
         # before the write: its release runs if it raises
         # a subclass is held whole by its entry: it is its own probe (NOTE [In-place changes])
         packed = Packed(entry, meta, self, t._version, version_probe(t) if plain else t)
