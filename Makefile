@@ -46,7 +46,7 @@ $(OLDEST)/.installed: setup.py Makefile
 venv: $(VENV)/.installed
 
 run: $(VENV)/.installed
-	$(VENV)/bin/megatron-ssd train --config configs/gpt-tiny.yaml
+	$(VENV)/bin/megatron-ssd train --config configs/demo.yaml
 
 test: test-default test-oldest
 

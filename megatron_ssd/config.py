@@ -52,6 +52,7 @@ __all__ = [
     "IOConfig",
     "ModelConfig",
     "OffloadConfig",
+    "PeerConfig",
     "PlannerConfig",
     "TrainConfig",
     "load_config",
@@ -452,6 +453,51 @@ class PlannerConfig:
 
 
 @dataclass
+class PeerConfig:
+    """A peer's placement rule run on this cache and its engines, for measured comparisons
+    (``megatron-ssd rok``'s peer placements; docs/planner.md, "The peers' rules,
+    measured"). The rule decides which saved tensors go to the host tier; every other
+    tensor is kept, so it needs ``offload.planner.mode`` ``keep`` and a host pool."""
+
+    rule: Annotated[str, OneOf("none", "megatron-fine-grained", "te-cpu-offload")] = "none"
+    """``none``; ``megatron-fine-grained``: megatron-core's fine-grained activation
+    offloading (the inputs of the ``offload_modules`` of every layer to host memory, the
+    last layer's groups kept, ``offload_fraction`` of the other groups offloaded);
+    ``te-cpu-offload``: Transformer Engine's CPU offload (every saved tensor of the first
+    ``num_layers`` layers to host memory)."""
+
+    offload_fraction: Annotated[float, InRange(0, 1)] = 1.0
+    """Megatron's ``activation_offload_fraction``: the share of the eligible groups that
+    are offloaded, the earliest in forward order (a count of groups, not of bytes)."""
+
+    offload_modules: List[str] = field(
+        default_factory=lambda: ["attn_norm", "qkv_linear", "core_attn", "attn_proj", "mlp_norm"])
+    """Megatron's ``offload_modules``: the module groups whose saved tensors move, of
+    ``attn_norm``, ``qkv_linear``, ``core_attn``, ``attn_proj`` and ``mlp_norm``
+    (``attn_proj`` needs ``core_attn``, as Megatron requires)."""
+
+    min_tensor_elements: Optional[Annotated[int, NonNegative()]] = None
+    """Saved tensors with fewer elements stay (Megatron's ``min_offloaded_tensor_size``);
+    None: the peer's own default, 1048576 for Megatron, 262144 for Transformer Engine."""
+
+    num_layers: Annotated[int, Positive()] = 1
+    """Transformer Engine's ``num_layers``: how many of the first layers are offloaded (at
+    most the model's layers - 1, as Transformer Engine requires)."""
+
+    def __post_init__(self) -> None:
+        _settle(self)
+
+    def _check(self) -> None:
+        known = ("attn_norm", "qkv_linear", "core_attn", "attn_proj", "mlp_norm")
+        unknown = [m for m in self.offload_modules if m not in known]
+        if unknown or not self.offload_modules or len(set(self.offload_modules)) != len(self.offload_modules):
+            raise _broken(self, "offload_modules", f"must be distinct names of {list(known)}")
+        if "attn_proj" in self.offload_modules and "core_attn" not in self.offload_modules:
+            raise _broken(self, "offload_modules", "must name core_attn when it names attn_proj (Megatron refuses "
+                                                   "attn_proj alone: core attention's backward needs its output)")
+
+
+@dataclass
 class OffloadConfig:
     """What the tensor cache offloads, and where."""
 
@@ -495,6 +541,16 @@ class OffloadConfig:
     GPU); 0: no host tier. A tensor that would overflow it stays where it is (kept).
     Sizes such as ``16GiB`` are accepted; host RAM is shared by the node's GPUs."""
 
+    host_copy_bytes_per_s: Optional[Annotated[ByteCount, Positive()]] = None
+    """The host tier's copy rate, each way, in bytes per second: each copy completes no
+    sooner than its bytes take at this rate, the two directions paced apart, as a PCIe
+    link would carry them (NOTE [Host copy rate] in ``io/throttle.py``). For comparisons
+    on a CPU, where the host tier copies at memory speed; None: as fast as it copies."""
+
+    peer: PeerConfig = field(default_factory=PeerConfig)
+    """A peer's placement rule (Megatron's fine-grained offloading, Transformer Engine's
+    CPU offload) run on this cache, for comparisons; ``rule: none`` by default."""
+
     def __post_init__(self) -> None:
         _settle(self)
 
@@ -505,6 +561,12 @@ class OffloadConfig:
             raise _broken(self, "paths", "must not name a directory twice")
         if self.planner.mode == "host" and self.host_pool_bytes == 0:
             raise _broken(self, "host_pool_bytes", "must be > 0 when planner.mode is host")
+        if self.peer.rule != "none" and self.planner.mode != "keep":
+            raise _broken(self.planner, "mode", f"must be keep with peer.rule {self.peer.rule}: the rule decides what "
+                                                "moves, every other tensor is kept")
+        if self.peer.rule != "none" and self.host_pool_bytes == 0:
+            raise _broken(self, "host_pool_bytes", f"must be > 0 with peer.rule {self.peer.rule}: the rule moves "
+                                                   "tensors to the host tier")
         self._check_host_memory()
 
     def startup_host_bytes(self) -> Dict[str, int]:
@@ -556,6 +618,19 @@ class ModelConfig:
     """Vocabulary size (>= 256 when training on a text file: tokens are bytes)."""
     params_dtype: Annotated[str, OneOf("fp32", "bf16", "fp16")] = "fp32"
     """Parameter and activation dtype: ``fp32``, ``bf16`` or ``fp16`` (GPU)."""
+    builder: Annotated[str, OneOf("gpt", "hybrid", "recommended")] = "gpt"
+    """The megatron-core model class: ``gpt``, ``GPTModel`` (deprecated in megatron-core
+    0.19); ``hybrid``, ``HybridModel`` with the pattern ``*-`` per layer (attention then
+    MLP, the same computation as a GPT layer; megatron-core 0.19+); ``recommended``,
+    ``HybridModel`` where megatron-core has it, else ``GPTModel``. Placements and peer rules
+    count a hybrid model's attention and MLP layers as layers of their own."""
+    recompute_granularity: Annotated[str, OneOf("none", "selective", "full")] = "none"
+    """Megatron's own recompute, run by megatron-core's code: ``selective`` recomputes the
+    ``recompute_modules`` of every layer, ``full`` every layer (``recompute_method``
+    uniform, ``recompute_num_layers`` 1); ``none``: off."""
+    recompute_modules: List[str] = field(default_factory=lambda: ["core_attn"])
+    """Megatron's ``recompute_modules`` for ``selective``: ``core_attn`` (its default),
+    ``mlp``, ``layernorm``."""
 
     def __post_init__(self) -> None:
         _settle(self)
@@ -563,6 +638,9 @@ class ModelConfig:
     def _check(self) -> None:
         if self.num_attention_heads > 0 and self.hidden_size % self.num_attention_heads:
             raise _broken(self, "num_attention_heads", f"must divide hidden_size ({self.hidden_size})")
+        modules = ("core_attn", "mlp", "layernorm")
+        if not self.recompute_modules or any(m not in modules for m in self.recompute_modules):
+            raise _broken(self, "recompute_modules", f"must be a non-empty list of {list(modules)}")
 
 
 @dataclass
@@ -606,6 +684,16 @@ class TrainConfig:
     """``synthetic`` (seeded random tokens) or the path of a local text file (byte tokens)."""
     device: str = "auto"
     """``auto`` (CUDA when available), ``cpu`` or ``cuda``."""
+    compare: List[str] = field(default_factory=list)
+    """Fixed placements to run as phases of their own between keep-everything and the
+    planner (``offload.planner.mode``), each of ``recompute``, ``offload``, ``static`` and
+    ``host``, with ``baseline_steps`` steps each. With any, every phase starts from the
+    same weights and data, the job prints one comparison table, and whether each phase's
+    losses equal keep-everything's step for step."""
+    budget_of_keep: Optional[Annotated[float, InRange(0, 1, lo_open=True)]] = None
+    """The planner phase's ``memory_budget`` as a fraction of keep-everything's measured
+    peak (the cache's count), in (0, 1]; needs ``baseline_steps``. None: the planner's
+    own ``memory_budget``."""
     offload: OffloadConfig = field(default_factory=OffloadConfig)
     """Offload settings; with no ``paths``, a private temporary directory is used."""
 
@@ -613,6 +701,23 @@ class TrainConfig:
         _settle(self)
 
     def _check(self) -> None:
+        bad = [c for c in self.compare if c not in ("recompute", "offload", "static", "host")]
+        if bad or len(set(self.compare)) != len(self.compare):
+            raise _broken(self, "compare", "must be distinct names of ['recompute', 'offload', 'static', 'host']")
+        if (self.compare or self.budget_of_keep is not None) and not self.baseline_steps:
+            raise _broken(self, "baseline_steps", "must be > 0 with compare or budget_of_keep: both measure "
+                                                  "against keep-everything")
+        if "host" in self.compare and not self.offload.host_pool_bytes:
+            raise _broken(self.offload, "host_pool_bytes", "must be > 0 when compare names host")
+        if self.budget_of_keep is not None and self.offload.planner.mode != "auto":
+            raise _broken(self, "budget_of_keep", "must be null unless offload.planner.mode is auto (a budget is "
+                                                  "the planner's)")
+        if self.budget_of_keep is not None and self.offload.planner.memory_budget is not None:
+            raise _broken(self, "budget_of_keep", "must be null when offload.planner.memory_budget is set")
+        peer = self.offload.peer
+        if peer.rule == "te-cpu-offload" and self.model.builder == "gpt" and peer.num_layers > self.model.num_layers - 1:
+            raise _broken(peer, "num_layers", f"must be <= {self.model.num_layers - 1} (model.num_layers - 1: "
+                                              "Transformer Engine offloads at most all layers but the last)")
         if self.data != "synthetic":
             if not os.path.isfile(self.data):
                 raise _broken(self, "data", "must be 'synthetic' or an existing text file")

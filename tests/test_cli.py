@@ -132,9 +132,15 @@ def test_simulate_knows_every_shipped_model_preset(capsys):
 
     import yaml
 
-    # gpt-gpu-check.yaml is the GPU check's workload (scripts/gpu_check.sh), not a model size to simulate
+    # gpt-gpu-check.yaml is the GPU check's workload (scripts/gpu_check.sh), not a model size to simulate;
+    # demo.yaml is gpt-tiny's model run as make run's comparison
     models = [f[:-5] for f in os.listdir("configs")
-              if f.endswith(".yaml") and not f.startswith("io-") and f != "gpt-gpu-check.yaml"]
+              if f.endswith(".yaml") and not f.startswith("io-") and f not in ("gpt-gpu-check.yaml", "demo.yaml")]
+    with open("configs/demo.yaml", encoding="utf-8") as fh:
+        demo = yaml.safe_load(fh)
+    with open("configs/gpt-tiny.yaml", encoding="utf-8") as fh:
+        tiny = yaml.safe_load(fh)
+    assert {k: v for k, v in demo["model"].items() if k != "builder"} == tiny["model"]
     assert sorted(models) == ["bert-large", "gpt-1.3b", "gpt-13b", "gpt-70b", "gpt-7b", "gpt-ref-cpu", "gpt-tiny",
                               "t5-base"]
     for model in models:

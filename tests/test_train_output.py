@@ -266,3 +266,73 @@ def test_plan_prints_the_plan_and_not_a_training_table(tmp_path):
     assert "plan from 1 warm-up, 2 profiling and 1 settle steps:" in stdout
     assert "   layer  placement" in stdout and "goal max_offload" in stdout
     assert "peak activation memory (MiB)" not in stdout and "megatron-ssd train" not in stdout
+
+
+def test_compare_prints_one_table_and_whether_the_losses_of_the_same_steps_are_identical(tmp_path):
+    """``compare`` runs each fixed placement as a phase of its own and the planner at a
+    budget of half keep's measured peak, every phase from the same weights and data (NOTE
+    [Same start]); the job prints one table and says the losses are identical."""
+    out = tmp_path / "train.json"
+    printed = _cli(tmp_path, "train", "--config", "configs/gpt-tiny.yaml", *TINY, "compare=recompute,offload",
+                   "budget_of_keep=0.5", "steps=8", "baseline_steps=3", "--json", str(out))
+    report = json.loads(out.read_text())
+    names = [p["name"] for p in report["phases"]]
+    budget = int(report["phases"][0]["peak_activation_bytes"] * 0.5)
+    assert names == ["keep-everything", "recompute", "offload-all", f"planner, budget {budget / (1 << 20):.1f} MiB"]
+    assert report["planner"]["events"][-1]["plan"]["memory_budget"] == budget
+    table = printed[printed.index("peak memory  cache count"):].splitlines()
+    rows = {line.split("  ")[0]: line for line in table}
+    assert rows["keep-everything"].endswith("every layer kept")
+    assert rows["recompute"].endswith("every layer recomputed") and rows["offload-all"].endswith("every layer offloaded")
+    assert re.search(r"\d+\.\d\d-\d+\.\d\d  (offload|recompute|keep) \d", rows[names[-1]])  # the planner's choice
+    assert "losses of the same steps (1-3, same weights and data): recompute, offload-all, planner, budget " in printed
+    assert ": identical to keep-everything, bit for bit" in printed
+    identity = report["losses_identical"]["phases"]
+    assert all(r["first_difference"] is None and r["steps"] == 3 for r in identity.values())
+    assert "peak activation memory, cache count (MiB)" not in printed  # the comparison table instead
+
+
+def test_the_offload_phase_starts_from_keep_everythings_weights(tmp_path):
+    out = tmp_path / "train.json"
+    printed = _cli(tmp_path, "train", "--config", "configs/gpt-tiny.yaml", *TINY, "steps=5", "baseline_steps=3",
+                   "offload.planner.mode=offload", "--json", str(out))
+    keep, off = json.loads(out.read_text())["phases"]
+    assert keep["losses"] == off["losses"][:3]
+    assert ("losses of the same steps (1-3, same weights and data): offload (offload): identical to keep-everything, "
+            "bit for bit") in printed
+
+
+def test_loss_identity_names_the_first_step_that_differs():
+    from megatron_ssd.commands.steps import format_loss_identity, loss_identity
+
+    keep = {"name": "keep-everything", "losses": [9.0, 8.5, 8.25]}
+    same = {"name": "offload-all", "losses": [9.0, 8.5, 8.25, 8.0]}
+    other = {"name": "recompute", "losses": [9.0, 8.5000001]}
+    identity = loss_identity([keep, same, other])
+    assert identity["phases"]["offload-all"] == {"steps": 3, "first_difference": None}
+    assert identity["phases"]["recompute"]["first_difference"] == {"step": 2, "loss": 8.5000001, "reference_loss": 8.5}
+    assert format_loss_identity(identity) == (
+        "losses of the same steps (1-2, same weights and data): offload-all: identical to keep-everything, bit for "
+        "bit; recompute: differs from step 2 (8.5000001 against 8.5)")
+
+
+def test_plan_summary_names_runs_of_layers_and_partial_ones():
+    from megatron_ssd.commands.steps import plan_summary
+
+    layers = [{"layer_id": "embedding", "placement": "keep"},
+              {"layer_id": 1, "placement": "offload", "offload_sites": None, "site_count": 3},
+              {"layer_id": 2, "placement": "offload", "offload_sites": None, "site_count": 3},
+              {"layer_id": 3, "placement": "offload", "offload_sites": 1, "site_count": 3},
+              {"layer_id": 4, "placement": "recompute"}, {"layer_id": 5, "placement": "keep"},
+              {"layer_id": 6, "placement": "recompute"}]
+    assert plan_summary({"layers": layers}) == "offload 1-2, part of 3; recompute 4, 6; keep 5"
+
+
+def test_compare_needs_keep_everything(capsys):
+    assert main(["train", "--config", "configs/gpt-tiny.yaml", "compare=recompute", "--no-baseline"]) == 2
+    assert "train: --no-baseline with compare = ['recompute']" in capsys.readouterr().err
+    assert main(["train", "--config", "configs/gpt-tiny.yaml", "compare=offload,offload"]) == 2
+    assert ("TrainConfig.compare = ['offload', 'offload']: must be distinct names of ['recompute', 'offload', "
+            "'static', 'host']") in capsys.readouterr().err
+    assert main(["train", "--config", "configs/gpt-tiny.yaml", "budget_of_keep=0.5", "steps=6"]) == 2
+    assert "TrainConfig.steps = 6: the planner uses 1 warm-up" in capsys.readouterr().err  # a budget profiles recompute

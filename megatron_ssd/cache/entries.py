@@ -134,18 +134,19 @@ class EntryTable:
     # ------------------------------------------------------------------ saved
 
     def saved(self, record: Record, key: Hashable, t: torch.Tensor, layer_id: Hashable,
-              unmovable: bool = False) -> Tuple[Entry, bool]:
+              unmovable: bool = False, group: Optional[str] = None) -> Tuple[Entry, bool]:
         """``t`` is saved for backward in ``layer_id``: its entry, and whether it is new
         and moves (then call :meth:`write` outside the lock). A storage the record holds
         already gains a use (NOTE [Dedup identity]). An ``unmovable`` tensor (NOTE
-        [Unmovable saved tensors] in ``identity.py``) is held as it is and never moves."""
+        [Unmovable saved tensors] in ``identity.py``) is held as it is and never moves.
+        ``group``: the module group it was saved in, for a peer's rule (``peer_rules.py``)."""
         with self.lock:
             self.counters.tensors_packed += 1
             entry = self._lookup(record, key)
             if entry is not None:
                 self._add_use(entry, layer_id)
                 return entry, False
-            entry = self._new_entry(record, key, t, layer_id, unmovable)
+            entry = self._new_entry(record, key, t, layer_id, unmovable, group)
             return entry, entry.placement in MOVED
 
     def skipped(self) -> None:
@@ -174,7 +175,8 @@ class EntryTable:
                 entry.pinned = True
                 self._cancel_write(entry)
 
-    def _new_entry(self, record: Record, key: Any, t: torch.Tensor, layer_id: Hashable, unmovable: bool) -> Entry:
+    def _new_entry(self, record: Record, key: Any, t: torch.Tensor, layer_id: Hashable, unmovable: bool,
+                   group: Optional[str] = None) -> Entry:
         plain = is_plain(t)
         data = storage_bytes(t) if plain else t  # a subclass is held whole (NOTE [Unmovable saved tensors])
         nbytes = data.numel() if plain else held_bytes(t)
@@ -183,7 +185,7 @@ class EntryTable:
             site = record.sites.get(layer_id, 0)  # NOTE [Sites] in planner/profile.py
             record.sites[layer_id] = site + 1
         placement = (Placement.KEEP if unmovable else  # NOTE [One placement policy]
-                     self.policy.tensor(layer_id, site, self.resident + nbytes))
+                     self.policy.tensor(layer_id, site, self.resident + nbytes, group, t.numel()))
         entry = Entry(key, nbytes, t.device, layer_id, placement, record, weak=storage_weakref(t) if plain else None,
                       refs=1, site=site)
         entry.releasable = self.return_pages and placement is Placement.OFFLOAD and allocator_owned(t)

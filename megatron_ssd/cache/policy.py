@@ -8,7 +8,13 @@ name, and it answers the two questions the cache asks:
   asks it whether to recompute; the cache asks it when a later layer saves a tensor
   again);
 - :meth:`PlacementPolicy.tensor`: the placement of one new saved tensor, from its layer,
-  its site (NOTE [Sites] in ``planner/profile.py``) and its size.
+  its site (NOTE [Sites] in ``planner/profile.py``), its size and the module group it
+  was saved in.
+
+A peer's rule (``OffloadConfig.peer``: Megatron's fine-grained offloading, Transformer
+Engine's CPU offload; ``peer_rules.py``) is consulted here too, for the tensors the plan
+keeps: it moves what the peer would move to the host tier and reads it back when the peer
+would, so a run measures the peer's decision on this cache and its engines.
 
 NOTE [One placement policy]: a placement is decided here and nowhere else. Two outcomes
 change an entry's placement later, and both are events, not decisions: a write the
@@ -34,6 +40,7 @@ from typing import Dict, Hashable, List, Mapping, Optional, Sequence, Tuple, Uni
 
 from ..config import MOVED, OUTSIDE, OffloadConfig, Placement, is_int
 from ..errors import ConfigError
+from .peer_rules import PeerRule, rule_for
 
 __all__ = ["PlacementPolicy", "PlanState"]
 
@@ -70,6 +77,10 @@ class PlacementPolicy:
         """Placement of layers the plan does not name; None: the ``keep_last_layers`` rule."""
         self.resident_limit: Optional[int] = None
         """Most saved bytes the cache may hold in memory (NOTE [Capacity guard]); None: no limit."""
+        self.rule: Optional[PeerRule] = rule_for(getattr(config, "peer", None))
+        """The peer's rule for the tensors the plan keeps (``OffloadConfig.peer``); None: none."""
+        self.rule_active = True
+        """Whether :attr:`rule` applies now (a paired keep step turns it off)."""
 
     def set_plan(self, placements: Mapping[Hashable, Union[Placement, str]],
                  read_ahead: Optional[Mapping[Hashable, Union[int, Sequence[int]]]] = None,
@@ -132,14 +143,18 @@ class PlacementPolicy:
             return Placement.KEEP
         return Placement.OFFLOAD
 
-    def tensor(self, layer_id: Hashable, site: Optional[int], resident_after: int = 0) -> Placement:
+    def tensor(self, layer_id: Hashable, site: Optional[int], resident_after: int = 0,
+               group: Optional[str] = None, elements: int = 0) -> Placement:
         """Where a new saved tensor of ``layer_id`` goes: its layer's placement when that
         moves it, the tensor has a site (it is offloadable: at least
         ``min_tensor_bytes``), the site is within the plan's count for the layer, and
-        for HOST a pool exists; else KEEP, unless keeping it would take the resident
-        bytes (``resident_after``, with it) over ``resident_limit``: then OFFLOAD (NOTE
-        [Capacity guard])."""
+        for HOST a pool exists; else the peer's rule, when one is set, for an
+        offloadable tensor of ``elements`` elements saved in module ``group``; else
+        KEEP, unless keeping it would take the resident bytes (``resident_after``, with
+        it) over ``resident_limit``: then OFFLOAD (NOTE [Capacity guard])."""
         placement = self._planned(layer_id, site)
+        if placement is Placement.KEEP and site is not None and self.rule is not None and self.rule_active:
+            placement = self.rule.placement(self.layers, layer_id, group, elements, site)
         if (placement is Placement.KEEP and site is not None and self.resident_limit is not None
                 and resident_after > self.resident_limit):
             return Placement.OFFLOAD
@@ -157,10 +172,15 @@ class PlacementPolicy:
 
     def read_ahead(self, layer_id: Hashable, site: Optional[int] = None) -> int:
         """Layers ahead that the read of ``layer_id``'s ``site`` is issued (NOTE [Write
-        and read issue points]); with no site (a tensor under ``min_tensor_bytes``, or
+        and read issue points]): the plan's, else the peer rule's, else
+        ``prefetch_layers``; with no site (a tensor under ``min_tensor_bytes``, or
         one a later layer saved again), or a site past a per-site list, the layer's
         earliest."""
-        depth = self.state.read_ahead.get(layer_id, self.config.prefetch_layers)
+        depth = self.state.read_ahead.get(layer_id)
+        if depth is None and self.rule is not None:
+            depth = self.rule.read_ahead(self.layers, layer_id, site)
+        if depth is None:
+            depth = self.config.prefetch_layers
         if isinstance(depth, int):
             return depth
         return depth[site] if site is not None and site < len(depth) else max(depth)

@@ -1,10 +1,11 @@
-"""The tensor cache's scopes: micro-batch forward, layer forward, start of a layer's backward.
+"""The tensor cache's scopes: micro-batch forward, layer forward, module group, start of a
+layer's backward.
 
 :class:`ScopeMixin` is mixed into :class:`~megatron_ssd.cache.TensorCache`, which
 provides ``entries`` (the :class:`~megatron_ssd.cache.entries.EntryTable`: records,
 counters, lock), ``clock``, ``_return_pages``, ``_tls``, ``_keys``, ``_check_open``,
-``placement`` and ``backward_started``. The scopes say which record and layer a saved tensor belongs
-to; the entry table holds the rest.
+``placement`` and ``backward_started``. The scopes say which record, layer and module
+group a saved tensor belongs to; the entry table holds the rest.
 """
 
 from __future__ import annotations
@@ -71,6 +72,24 @@ class ScopeMixin:
             yield self.placement(layer_id)
         finally:
             self.exit_layer(layer_id)
+
+    def enter_group(self, name: str) -> None:
+        """A module group (``core_attn``, ...) starts its forward on this thread: tensors
+        saved until :meth:`exit_group` belong to it (NOTE [Module groups] in
+        ``megatron/groups.py``); groups nest, the innermost wins."""
+        self._tls.__dict__.setdefault("groups", []).append(name)
+
+    def exit_group(self, name: str) -> None:
+        """The module group ``name`` ended its forward (or raised) on this thread."""
+        stack = self._tls.__dict__.get("groups") or []
+        if not stack or stack[-1] != name:
+            raise CacheStateError(f"module group {name!r} closed out of order (open: {stack})")
+        stack.pop()
+
+    def current_group(self) -> Optional[str]:
+        """The innermost module group open on this thread, if any."""
+        stack = self._tls.__dict__.get("groups")
+        return stack[-1] if stack else None
 
     def current_record(self) -> Optional[Record]:
         """The record of the micro-batch forward running on this thread, if any."""

@@ -4,7 +4,7 @@ Subcommands::
 
     megatron-ssd train --config configs/gpt-tiny.yaml [key=value ...] [--json PATH] [--allow-short] [--tensorboard-dir DIR]
     megatron-ssd plan --config configs/gpt-ref-cpu.yaml [--json PATH]
-    megatron-ssd rok --config configs/gpt-ref-cpu.yaml [--json PATH] [--plot PATH] [--rounds N] [--placements A,B] [--budgets F,F] [--keep-last N,N] [--paired N] [--throttle RATE]
+    megatron-ssd rok --config configs/gpt-ref-cpu.yaml [--json PATH] [--plot PATH] [--rounds N] [--placements A,B] [--budgets F,F] [--keep-last N,N] [--fractions F,F] [--te-layers N,N] [--match-peers] [--paired N] [--throttle RATE] [--host-throttle RATE]
     megatron-ssd simulate model=gpt-1.3b ssd_count=4 [key=value ...]
     megatron-ssd bench-io PATH [PATH ...]
     megatron-ssd clean [PATH ...]
@@ -70,14 +70,27 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rounds", type=int, default=1, metavar="N",
                    help="run every placement N times, interleaved, and pool the steps (default 1)")
     p.add_argument("--placements", metavar="A,B", type=lambda v: [x for x in v.split(",") if x],
-                   help="only these placements (keep,recompute,offload-all,planner,keep-last,budget); default "
-                        "all. budget is the planner with a memory budget, a fraction of keep's peak (--budgets), "
+                   help="only these placements (keep,recompute,offload-all,planner,keep-last,budget, and the "
+                        "peers megatron-offload,te-offload,megatron-selective,megatron-full); default all but the "
+                        "peers. budget is the planner with a memory budget, a fraction of keep's peak (--budgets), "
                         "and needs keep")
     p.add_argument("--budgets", metavar="F,F", type=lambda v: [float(x) for x in v.split(",") if x], default=[0.5],
                    help="the budget placement's fractions of keep's peak, one point each (default 0.5)")
     p.add_argument("--keep-last", metavar="N,N", type=_int_list, default=[],
                    help="run keep-last once per number of kept last layers, one point keep-last-N each "
                         "(default: once, with offload.keep_last_layers)")
+    p.add_argument("--fractions", metavar="F,F", type=lambda v: [float(x) for x in v.split(",") if x], default=[],
+                   help="run megatron-offload once per activation_offload_fraction, one point megatron-offload-F "
+                        "each (default: once, with offload.peer.offload_fraction)")
+    p.add_argument("--te-layers", metavar="N,N", type=_int_list, default=[],
+                   help="run te-offload once per number of offloaded first layers, one point te-offload-N each "
+                        "(default: once, with offload.peer.num_layers)")
+    p.add_argument("--match-peers", action="store_true",
+                   help="after the first round, add a planner point whose memory budget is each keep-last, "
+                        "megatron-offload and te-offload point's measured peak")
+    p.add_argument("--host-throttle", metavar="RATE",
+                   help="pace the host tier's copies to RATE each way (e.g. 1GiB, per second) in every run, a "
+                        "GPU's PCIe ratio on a CPU machine (offload.host_copy_bytes_per_s)")
     p.add_argument("--paired", type=int, default=0, metavar="N",
                    help="add N pairs of back-to-back keep / placement steps to the run of every placement but "
                         "keep, budgets included: step-time ratios that the machine's drift cancels out of "
@@ -192,7 +205,9 @@ def main(argv: Optional[List[str]] = None) -> int:
 
             return run_rok(args.config, args.overrides, json_path=args.json, plot_path=args.plot,
                            rounds=args.rounds, placements=args.placements, paired=args.paired,
-                           throttle=args.throttle, budgets=args.budgets, keep_last=args.keep_last)
+                           throttle=args.throttle, budgets=args.budgets, keep_last=args.keep_last,
+                           fractions=args.fractions, te_layers=args.te_layers, match_peers=args.match_peers,
+                           host_throttle=args.host_throttle)
         if args.command == "simulate":
             from .simulate import run_simulate
 

@@ -10,7 +10,7 @@ import dataclasses
 import typing
 from typing import List
 
-from ..config import (IOConfig, ModelConfig, OffloadConfig, PlannerConfig, TrainConfig, field_docs,
+from ..config import (IOConfig, ModelConfig, OffloadConfig, PeerConfig, PlannerConfig, TrainConfig, field_docs,
                      is_duration_field, is_size_field, to_dict)
 
 __all__ = ["configuration_reference"]
@@ -21,6 +21,7 @@ _SECTIONS = [
     ("offload.", OffloadConfig),
     ("offload.io.", IOConfig),
     ("offload.planner.", PlannerConfig),
+    ("offload.peer.", PeerConfig),
 ]
 
 

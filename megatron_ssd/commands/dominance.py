@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-__all__ = ["BUDGET", "FIXED", "KEEP_LAST", "add_dominance", "format_dominance"]
+__all__ = ["BUDGET", "CURVE_PREFIXES", "FIXED", "KEEP_LAST", "MEGATRON_FULL", "MEGATRON_OFFLOAD", "MEGATRON_SELECTIVE",
+           "TE_OFFLOAD", "add_dominance", "format_dominance"]
 
 KEEP_LAST = "keep-last"
 """The ``rok`` placement that keeps the last ``offload.keep_last_layers`` layers and
@@ -17,6 +18,15 @@ N, one point ``keep-last-<N>`` each, so the rule is a curve, not one arbitrary N
 BUDGET = "budget"
 """The ``rok`` placement that runs the planner with memory budgets (fractions of keep's
 peak; one point ``budget-<bytes>`` each). It needs ``keep``, which measures that peak."""
+
+MEGATRON_OFFLOAD = "megatron-offload"
+"""Megatron-core's fine-grained activation offloading, on the host tier (``megatron-offload-<fraction>``)."""
+TE_OFFLOAD = "te-offload"
+"""Transformer Engine's CPU offload of the first N layers, on the host tier (``te-offload-<N>``)."""
+MEGATRON_SELECTIVE = "megatron-selective"
+"""Megatron's own selective recompute of core attention, run by megatron-core."""
+MEGATRON_FULL = "megatron-full"
+"""Megatron's own full recompute (uniform, one layer per checkpoint), run by megatron-core."""
 
 
 # NOTE [Dominance]: a planner point dominates a fixed placement when it holds less memory
@@ -28,12 +38,16 @@ peak; one point ``budget-<bytes>`` each). It needs ``keep``, which measures that
 # steps]: each ratio is taken against keep steps seconds apart, the drift of minutes
 # cancels), else the fresh-process ratio. Medians are compared; each entry keeps both
 # points' 95% intervals, so a reader can see whether the margin is beyond noise.
-FIXED = ("recompute", "offload-all")
-"""The fixed placements a planner point is compared with, beside every ``keep-last*`` point."""
+FIXED = ("recompute", "offload-all", MEGATRON_SELECTIVE, MEGATRON_FULL)
+"""The fixed placements a planner point is compared with, beside every point of the
+rules run at several settings (:data:`CURVE_PREFIXES`)."""
+
+CURVE_PREFIXES = (KEEP_LAST, MEGATRON_OFFLOAD, TE_OFFLOAD)
+"""Fixed rules measured at one or more settings: ``keep-last``, ``keep-last-N``, ..."""
 
 
 def _is_fixed(name: str) -> bool:
-    return name in FIXED or name.startswith(KEEP_LAST)
+    return name in FIXED or name.startswith(CURVE_PREFIXES)
 
 
 def _is_planned(name: str) -> bool:

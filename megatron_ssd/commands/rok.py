@@ -1,7 +1,11 @@
 """``megatron-ssd rok``: the recompute-offload-keep curve, measured.
 
 Each placement trains the same model in a fresh process (``megatron-ssd train ... --json``), so peaks and allocator state do
-not leak from one placement into the next.
+not leak from one placement into the next. Beside the planner and the fixed placements it
+measures the peers' rules on the same cache and engines (:data:`PEERS`: Megatron's
+fine-grained offloading and Transformer Engine's CPU offload on the host tier,
+SSDTrain's keep-last on the SSD, Megatron's own selective and full recompute), each at
+the settings asked, and the planner at budgets matching them.
 """
 
 from __future__ import annotations
@@ -22,11 +26,12 @@ from ..io.throttle import BlkioThrottle, blkio_available, parse_rate
 from ..planner.profile import StageProfile
 from ..planner.timeline import predict
 from ..units import MiB
-from .dominance import BUDGET, KEEP_LAST, add_dominance, format_dominance
+from .dominance import (BUDGET, KEEP_LAST, MEGATRON_FULL, MEGATRON_OFFLOAD, MEGATRON_SELECTIVE, TE_OFFLOAD,
+                        add_dominance, format_dominance)
 from .output import machine_info, write_json
 from .steps import short_run_problems
 
-__all__ = ["run_rok", "rok_points", "PLACEMENTS"]
+__all__ = ["run_rok", "rok_points", "PLACEMENTS", "PEERS", "PEER_HOST_POOL", "CURVES"]
 
 
 def _train_in_subprocess(config_path: Optional[str], overrides: Sequence[str]) -> Dict[str, Any]:
@@ -35,14 +40,20 @@ def _train_in_subprocess(config_path: Optional[str], overrides: Sequence[str]) -
         cmd = [sys.executable, "-m", "megatron_ssd.commands.cli", "train", *(["--config", config_path] if config_path else []),
                *overrides, "baseline_steps=0", "allocator_timeline=true", "--json", out]
         print("$ " + " ".join(cmd), flush=True)
+        load_before = os.getloadavg()
         proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        load_after = os.getloadavg()
         if proc.returncode != 0 or not os.path.exists(out):
             raise MegatronSSDError(f"rok: a placement run failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}")
         lines = proc.stdout.splitlines()
         last = [l for l in lines if ": measured, loss" in l][-1:] or [l for l in lines if "loss" in l][-1:]
-        print("  " + (last[0].strip() if last else "done"), flush=True)
+        print("  " + (last[0].strip() if last else "done") +
+              f" (load average {load_before[0]:.2f} before, {load_after[0]:.2f} after)", flush=True)
         with open(out, encoding="utf-8") as fh:
-            return json.load(fh)
+            report = json.load(fh)
+        # the machine's 1-minute load average when the run started and ended (others share it)
+        report["load_average"] = [load_before[0], load_after[0]]
+        return report
 
 
 PLACEMENTS: Dict[str, List[str]] = {
@@ -55,6 +66,41 @@ PLACEMENTS: Dict[str, List[str]] = {
 """The fixed ``rok`` placements and the overrides that select them; ``keep-last`` keeps
 the last ``offload.keep_last_layers`` layers and offloads the others (SSDTrain's static
 choice)."""
+
+PEER_HOST_POOL = "4GiB"
+"""The host pool the host-tier peers run with when the overrides set none: a bound, not an
+allocation (on a CPU each blob maps its own memory)."""
+
+PEERS: Dict[str, List[str]] = {
+    MEGATRON_OFFLOAD: ["offload.planner.mode=keep", "offload.peer.rule=megatron-fine-grained"],
+    TE_OFFLOAD: ["offload.planner.mode=keep", "offload.peer.rule=te-cpu-offload"],
+    MEGATRON_SELECTIVE: ["offload.planner.mode=keep", "model.recompute_granularity=selective",
+                         "model.recompute_modules=core_attn"],
+    MEGATRON_FULL: ["offload.planner.mode=keep", "model.recompute_granularity=full"],
+}
+"""The peers' rules as ``rok`` placements (docs/planner.md, "The peers' rules, measured"):
+Megatron's fine-grained activation offloading and Transformer Engine's CPU offload on the
+host tier (``OffloadConfig.peer``), Megatron's own selective (core attention) and full
+recompute run by megatron-core's code. SSDTrain's rule is ``keep-last``."""
+
+CURVES: Dict[str, str] = {
+    KEEP_LAST: "offload.keep_last_layers",
+    MEGATRON_OFFLOAD: "offload.peer.offload_fraction",
+    TE_OFFLOAD: "offload.peer.num_layers",
+}
+"""The placements run once per setting (``--keep-last``, ``--fractions``, ``--te-layers``),
+one point ``<placement>-<setting>`` each, and the field each setting sets."""
+
+UNPAIRED = (MEGATRON_SELECTIVE, MEGATRON_FULL)
+"""Placements run without paired steps: Megatron's recompute is built into the model, so
+a keep step of a pair could not turn it off; their step time is the fresh-process ratio."""
+
+MATCHED = (KEEP_LAST, MEGATRON_OFFLOAD, TE_OFFLOAD, MEGATRON_SELECTIVE, MEGATRON_FULL)
+"""With ``--match-peers``, the points of these placements each get a planner point whose
+budget is their measured peak by the cache's count. Under Megatron's recompute the
+cache counts what the forward saves, not what the recompute rebuilds during backward, so
+that budget is below the peak the peer reaches (a planner budget counts its own
+recompute); a budget no plan can meet is reported infeasible."""
 
 
 def _point(placement: str, reports: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
@@ -95,6 +141,9 @@ def _point(placement: str, reports: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
         "rounds": len(reports),
         "final_loss": losses[0],
         "final_loss_same_every_round": all(l == losses[0] for l in losses),
+        "load_average": [r.get("load_average") for r in reports],
+        "bytes_to_host": med("bytes_to_host_per_step"),
+        "peak_host_bytes": max(p.get("peak_host_bytes", 0) for p in phases),
     }
     plans = [[e for e in r["planner"]["events"] if e["plan"] is not None] for r in reports]
     planned = plans[0]
@@ -148,66 +197,97 @@ def add_ratios(points: List[Dict[str, Any]]) -> None:
 
 def rok_points(config_path: Optional[str], overrides: Sequence[str], budgets: Sequence[float] = (0.5,),
                rounds: int = 1, placements: Optional[Sequence[str]] = None,
-               paired: int = 0, keep_last: Sequence[int] = ()) -> List[Dict[str, Any]]:
-    """Measure keep, recompute, offload-all, the planner, and planner budgets (fractions of
-    keep's peak), each in a fresh process.
+               paired: int = 0, keep_last: Sequence[int] = (), fractions: Sequence[float] = (),
+               te_layers: Sequence[int] = (), match_peers: bool = False,
+               host_throttle: Optional[str] = None) -> List[Dict[str, Any]]:
+    """Measure keep, recompute, offload-all, the planner, the peers' rules and planner
+    budgets (fractions of keep's peak), each in a fresh process.
 
     With ``rounds > 1`` the whole sequence runs that many times, interleaved (keep,
     recompute, ..., keep, recompute, ...), and each point pools its rounds
-    (NOTE [Pooled rounds]). ``placements`` restricts the fixed placements (default: all);
-    budgets need ``keep`` among them. ``keep_last`` runs ``keep-last`` once per count of
-    kept layers (points ``keep-last-<N>``) instead of once with the configuration's
-    ``offload.keep_last_layers``. ``paired`` adds that many pairs of steps to the run
-    of every placement but keep, budgets included (NOTE [Paired steps]), pooled over
-    rounds into each point's ``paired_x_keep``.
+    (NOTE [Pooled rounds]). ``placements`` restricts the placements (default: the fixed
+    ones, the planner and the budgets; the peers of :data:`PEERS` only when named);
+    budgets need ``keep`` among them. ``keep_last``, ``fractions`` and ``te_layers`` run
+    ``keep-last``, ``megatron-offload`` and ``te-offload`` once per setting (points
+    ``<placement>-<setting>``, :data:`CURVES`) instead of once with the configuration's.
+    ``match_peers`` adds, after the first round, a budget point at each measured
+    :data:`MATCHED` point's counted peak (``matches`` names it). ``paired`` adds that many
+    pairs of steps to the run of every placement but keep and :data:`UNPAIRED`, budgets
+    included (NOTE [Paired steps]), pooled over rounds into each point's
+    ``paired_x_keep``. ``host_throttle`` paces the host tier's copies of every run to that
+    rate (``offload.host_copy_bytes_per_s``, NOTE [Host copy rate]).
     """
+    known = [*PLACEMENTS, *PEERS, BUDGET]
     names = list(placements or [*PLACEMENTS, BUDGET])
-    unknown = [n for n in names if n not in PLACEMENTS and n != BUDGET]
+    unknown = [n for n in names if n not in known]
     if unknown:
-        raise ConfigError(f"rok: placements = {unknown}: each must be one of {sorted([*PLACEMENTS, BUDGET])}")
+        raise ConfigError(f"rok: placements = {unknown}: each must be one of {sorted(known)}")
     if BUDGET in names and "keep" not in names:
         raise ConfigError(f"rok: placements = {names}: {BUDGET!r} needs 'keep' (the budgets are fractions of its peak)")
+    if match_peers and not any(n in MATCHED for n in names):
+        raise ConfigError(f"rok: --match-peers with placements = {names}: needs one of {list(MATCHED)}")
     bad = [f for f in budgets if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 < f <= 1]
     if bad:
         raise ConfigError(f"rok: budgets = {list(budgets)}: each must be a fraction of keep's peak in (0, 1]")
     if BUDGET not in names or not budgets:
         budgets = ()
     names = [n for n in names if n != BUDGET]
-    keep_last = _check_keep_last(config_path, overrides, names, keep_last)
+    settings = {KEEP_LAST: _check_keep_last(config_path, overrides, names, keep_last),
+                MEGATRON_OFFLOAD: _check_fractions(names, fractions),
+                TE_OFFLOAD: _check_te_layers(config_path, overrides, names, te_layers)}
     if rounds < 1:
         raise ConfigError(f"rok: rounds = {rounds}: must be >= 1")
     if paired < 0 or (paired and names == ["keep"] and not budgets):
         raise ConfigError(f"rok: paired = {paired}: must be >= 0, and > 0 only with a placement other than keep "
                           "(pairs compare it with keep)")
     pairs = [f"paired_steps={paired}"] if paired else []
-    selected = {name: [*PLACEMENTS[name], *(pairs if name != "keep" else [])] for name in names}
-    if keep_last:  # one keep-last point per count, where keep-last stood in the order
-        at = names.index(KEEP_LAST)
-        names[at:at + 1] = [f"{KEEP_LAST}-{n}" for n in keep_last]
-        selected.update({f"{KEEP_LAST}-{n}": [*PLACEMENTS[KEEP_LAST], f"offload.keep_last_layers={n}", *pairs]
-                         for n in keep_last})
+    common = list(overrides)
+    if host_throttle is not None:
+        rate = parse_rate("rok", "host-throttle", host_throttle)
+        if not rate or rate <= 0:
+            raise ConfigError(f"rok: --host-throttle {host_throttle!r}: must be a rate > 0 such as 1GiB")
+        common.append(f"offload.host_copy_bytes_per_s={rate}")
+    pool = [] if any(o.startswith("offload.host_pool_bytes=") for o in overrides) else [
+        f"offload.host_pool_bytes={PEER_HOST_POOL}"]
+    base = {**PLACEMENTS, **{name: [*extra, *(pool if name in (MEGATRON_OFFLOAD, TE_OFFLOAD) else [])]
+                             for name, extra in PEERS.items()}}
+    selected = {name: [*base[name], *(pairs if name != "keep" and name not in UNPAIRED else [])] for name in names}
+    for curve, values in settings.items():  # one point per setting, where the placement stood in the order
+        if not values:
+            continue
+        at = names.index(curve)
+        names[at:at + 1] = [f"{curve}-{v:g}" for v in values]
+        selected.update({f"{curve}-{v:g}": [*base[curve], f"{CURVES[curve]}={v}", *pairs] for v in values})
     checks = dict(selected)
-    if budgets:  # a budget's run profiles RECOMPUTE too (NOTE [Pricing recompute]); any budget selects it
+    if budgets or match_peers:  # a budget's run profiles RECOMPUTE too (NOTE [Pricing recompute]); any budget selects it
         checks[BUDGET] = ["offload.planner.mode=auto", "offload.planner.memory_budget=1"]
-    _check_measurable(config_path, overrides, checks)
+    _check_measurable(config_path, common, checks)
     runs: Dict[str, List[Dict[str, Any]]] = {}
     infeasible: Dict[str, str] = {}
     extra_runs: List[tuple] = []
+    matches: Dict[str, List[str]] = {}
     for r in range(rounds):
         print(f"-- round {r + 1} of {rounds}", flush=True)
         for name in names:
-            runs.setdefault(name, []).append(_train_in_subprocess(config_path, [*overrides, *selected[name]]))
+            runs.setdefault(name, []).append(_train_in_subprocess(config_path, [*common, *selected[name]]))
         if r == 0:
             keep_peak = runs["keep"][0]["phases"][-1]["peak_activation_bytes"] if budgets else 0
-            for fraction in budgets:
-                budget = int(keep_peak * fraction)
-                extra_runs.append((f"budget-{budget}", ["offload.planner.mode=auto",
-                                                        f"offload.planner.memory_budget={budget}", *pairs]))
+            wanted = [(int(keep_peak * fraction), None) for fraction in budgets]
+            if match_peers:
+                wanted += [(runs[n][0]["phases"][-1]["peak_activation_bytes"], n) for n in names
+                           if any(n.startswith(m) for m in MATCHED)]
+            for budget, peer in wanted:
+                name = f"{BUDGET}-{budget}"
+                if peer is not None:
+                    matches.setdefault(name, []).append(peer)
+                if all(name != n for n, _ in extra_runs):
+                    extra_runs.append((name, ["offload.planner.mode=auto", f"offload.planner.memory_budget={budget}",
+                                              *pairs]))
         for name, extra in extra_runs:
             if name in infeasible:  # refused once: the budget is below what can be reached
                 continue
             try:
-                report = _train_in_subprocess(config_path, [*overrides, *extra])
+                report = _train_in_subprocess(config_path, [*common, *extra])
             except MegatronSSDError as err:
                 infeasible[name] = str(err).splitlines()[-1][:500]
                 continue
@@ -218,9 +298,20 @@ def rok_points(config_path: Optional[str], overrides: Sequence[str], budgets: Se
             points.append({"placement": name, "infeasible": infeasible[name]})
         else:
             points.append(_point(name, runs[name]))
+        if name in matches:
+            points[-1]["matches"] = matches[name]
     for p in points:
-        if p["placement"].startswith(KEEP_LAST) and p["placement"] in runs:
-            p["keep_last_layers"] = runs[p["placement"]][0]["config"]["offload"]["keep_last_layers"]
+        for curve, field in CURVES.items():
+            if p["placement"].startswith(curve + "-") and p["placement"] in runs:
+                section, key = field.rsplit(".", 1)
+                config = runs[p["placement"]][0]["config"]
+                for part in section.split("."):
+                    config = config[part]
+                p["setting"] = {key: config[key]}
+                if curve == KEEP_LAST:
+                    p["keep_last_layers"] = config[key]
+        if p["placement"] in UNPAIRED and paired:
+            p["paired_not_run"] = "Megatron's recompute is built into the model: a keep step could not turn it off"
     add_ratios(points)
     add_predictions(points, {name: rs[0] for name, rs in runs.items()})
     add_dominance(points)
@@ -253,6 +344,37 @@ def _check_keep_last(config_path: Optional[str], overrides: Sequence[str], names
         raise ConfigError(f"rok: keep_last = {counts}: each must be a distinct number of kept layers from 0 to "
                           f"{layers - 1} (model.num_layers = {layers}; keeping all is the 'keep' placement)")
     return counts
+
+
+def _check_fractions(names: Sequence[str], fractions: Sequence[float]) -> List[float]:
+    """The ``--fractions`` of ``megatron-offload``: distinct numbers in [0, 1], and the
+    placement selected."""
+    values = list(fractions)
+    if not values:
+        return values
+    if MEGATRON_OFFLOAD not in names:
+        raise ConfigError(f"rok: fractions = {values}: needs {MEGATRON_OFFLOAD!r} among the placements {list(names)}")
+    bad = [f for f in values if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 <= f <= 1]
+    if bad or len(set(values)) != len(values):
+        raise ConfigError(f"rok: fractions = {values}: each must be a distinct activation_offload_fraction in [0, 1]")
+    return values
+
+
+def _check_te_layers(config_path: Optional[str], overrides: Sequence[str], names: Sequence[str],
+                     counts: Sequence[int]) -> List[int]:
+    """The ``--te-layers`` of ``te-offload``: distinct layer counts from 1 to the model's
+    layers - 1 (Transformer Engine's bound), and the placement selected."""
+    values = list(counts)
+    if not values:
+        return values
+    if TE_OFFLOAD not in names:
+        raise ConfigError(f"rok: te_layers = {values}: needs {TE_OFFLOAD!r} among the placements {list(names)}")
+    layers = load_config(TrainConfig, config_path, overrides).model.num_layers
+    bad = [n for n in values if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n < layers]
+    if bad or len(set(values)) != len(values):
+        raise ConfigError(f"rok: te_layers = {values}: each must be a distinct number of offloaded first layers from "
+                          f"1 to {layers - 1} (model.num_layers = {layers}; Transformer Engine keeps the last)")
+    return values
 
 
 def add_predictions(points: List[Dict[str, Any]], reports: Dict[str, Dict[str, Any]]) -> None:
@@ -333,7 +455,9 @@ def plot_rok(points: Sequence[Dict[str, Any]], path: str, title: str = "") -> No
         mark(x, p["peak_activation_bytes"], "cache's own count", s=30, marker="x", color=color)
         anchor = main if main is not None else p.get("independent_peak_bytes") or p["peak_activation_bytes"]
         ax.annotate(p["placement"], (x, anchor / MiB), textcoords="offset points", xytext=(6, 4), fontsize=9)
-    curves = (("keep the last N (live)", KEEP_LAST, "--"), ("planner budgets (live)", BUDGET + "-", "-"))
+    curves = (("keep the last N (live)", KEEP_LAST, "--"), ("Megatron fine-grained offload (live)",
+              MEGATRON_OFFLOAD + "-", ":"), ("Transformer Engine offload (live)", TE_OFFLOAD + "-", "-."),
+              ("planner budgets (live)", BUDGET + "-", "-"))
     for label, prefix, style in curves:
         line = sorted((q["median_step_s"], q["allocator_peak_bytes"] / MiB) for q in points
                       if q["placement"].startswith(prefix) and "median_step_s" in q
@@ -355,10 +479,11 @@ def plot_rok(points: Sequence[Dict[str, Any]], path: str, title: str = "") -> No
 def format_rok(points: Sequence[Dict[str, Any]]) -> str:
     """The ROK table: measured peaks (``live``: allocator timeline; ``RSS+``: process RSS
     above its pre-forward level), the cache's own count, ``x keep`` pooled with its 95%
-    interval and its range over rounds."""
+    interval and its range over rounds, bytes written to the SSDs and copied to the host
+    tier per step."""
     lines = [f"{'placement':<22}{'live MiB':>10}{'RSS+ MiB':>10}{'cache MiB':>11}{'peak RSS MiB':>14}"
              f"{'step s':>9}{'x keep':>8}"
-             f"{'95% interval':>14}{'per round':>13}{'I/O CPU s':>11}{'written MiB':>13}"]
+             f"{'95% interval':>14}{'per round':>13}{'I/O CPU s':>11}{'written MiB':>13}{'to host MiB':>13}"]
     for p in points:
         if "median_step_s" not in p:
             lines.append(f"{p['placement']:<22}  infeasible: {p.get('infeasible', '')[:60]}")
@@ -371,7 +496,7 @@ def format_rok(points: Sequence[Dict[str, Any]]) -> str:
             f"{p['placement']:<22}{_mib(p.get('allocator_peak_bytes')):>10}{_mib(p.get('peak_rss_above_base_bytes')):>10}"
             f"{p['peak_activation_bytes'] / MiB:>11.1f}{p['peak_rss_bytes'] / MiB:>14.0f}"
             f"{p['median_step_s']:>9.3f}{p.get('x_keep', float('nan')):>8.3f}{interval:>14}{spread:>13}"
-            f"{p['io_cpu_s_per_step']:>11.2f}{p['bytes_written'] / MiB:>13.1f}"
+            f"{p['io_cpu_s_per_step']:>11.2f}{p['bytes_written'] / MiB:>13.1f}{p.get('bytes_to_host', 0) / MiB:>13.1f}"
         )
     return "\n".join(lines)
 
@@ -383,15 +508,18 @@ def _mib(n: Optional[int]) -> str:
 def run_rok(config_path: Optional[str], overrides: Sequence[str], json_path: Optional[str] = None,
             plot_path: Optional[str] = None, rounds: int = 1, placements: Optional[Sequence[str]] = None,
             paired: int = 0, throttle: Optional[str] = None, budgets: Sequence[float] = (0.5,),
-            keep_last: Sequence[int] = ()) -> int:
+            keep_last: Sequence[int] = (), fractions: Sequence[float] = (), te_layers: Sequence[int] = (),
+            match_peers: bool = False, host_throttle: Optional[str] = None) -> int:
     """``megatron-ssd rok``: the measured recompute-offload-keep curve; with ``throttle``
     (a rate such as ``250MiB``), every placement runs with the offload disk throttled to
-    it (NOTE [blkio throttle])."""
+    it (NOTE [blkio throttle]); with ``host_throttle`` the host tier's copies are paced
+    to that rate (NOTE [Host copy rate])."""
     config = load_config(TrainConfig, config_path, overrides)  # validate before spending minutes
     limit = None if throttle is None else _throttle_for(config, throttle)
     with limit.applied() if limit is not None else contextlib.nullcontext():  # placements inherit the group
         points = rok_points(config_path, overrides, budgets=budgets, rounds=rounds, placements=placements,
-                            paired=paired, keep_last=keep_last)
+                            paired=paired, keep_last=keep_last, fractions=fractions, te_layers=te_layers,
+                            match_peers=match_peers, host_throttle=host_throttle)
     print(format_rok(points))
     dominance = format_dominance(points)
     if dominance:
@@ -404,7 +532,9 @@ def run_rok(config_path: Optional[str], overrides: Sequence[str], json_path: Opt
     if json_path:
         write_json(json_path, {"points": points, "rounds": rounds, "workload": to_dict(config),
                                "machine": machine_info(),
-                               "throttle_bytes_per_s": None if limit is None else limit.write_bps})
+                               "throttle_bytes_per_s": None if limit is None else limit.write_bps,
+                               "host_copy_bytes_per_s": (None if host_throttle is None else
+                                                         parse_rate("rok", "host-throttle", host_throttle))})
     if plot_path:
         plot_rok(points, plot_path, title=os.path.basename(config_path or "rok"))
     return 0

@@ -6,6 +6,7 @@ NOTE [Step kinds] is here; :mod:`megatron_ssd.commands.train` runs the phases an
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Dict, List, Optional, Sequence
 
 from ..adaptive import profile_counts, profile_schedule
@@ -16,7 +17,8 @@ from ..cache.stats import ratio_ci95
 from ..planner import Plan
 
 __all__ = ["FEW_STEPS", "step_kinds", "short_run_problems", "step_line", "format_plans", "format_paired",
-           "format_comparison", "memory_saved"]
+           "format_comparison", "memory_saved", "loss_identity", "format_loss_identity", "format_choices",
+           "plan_summary"]
 
 FEW_STEPS = 5
 """A step-time ratio from fewer measured steps than this (either side) is printed with a
@@ -50,6 +52,8 @@ def short_run_problems(config: TrainConfig) -> List[str]:
         problems.append(f"TrainConfig.baseline_steps = {config.baseline_steps}: its one step is the warm-up step, "
                         "so keep-everything would be measured from it; must be 0 or >= 2")
     planner = config.offload.planner
+    if config.budget_of_keep is not None and planner.memory_budget is None:  # a budget adds recompute profiling
+        planner = dataclasses.replace(planner, memory_budget=1)
     if "measured" not in step_kinds(planner, config.steps):
         if planner.mode == "auto":
             counts = profile_counts(planner)
@@ -149,3 +153,120 @@ def format_comparison(keep: Dict[str, Any], off: Dict[str, Any]) -> str:
                f"(at least {FEW_STEPS} each)") if few else ""
     return (f"{memory}, step time {ratio:.2f}x keep-everything (95% interval {lo:.2f}-{hi:.2f}; "
             f"medians of {n_off} and {n_keep} measured steps){warning}")
+
+
+def loss_identity(phases: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
+    """Whether each later phase's losses equal the first phase's (keep-everything's),
+    step for step over the steps both ran (NOTE [Same start] in ``train.py``): per phase
+    ``None`` when all are equal (bit for bit), else the first step (1-based) that differs
+    with both losses."""
+    if len(phases) < 2:
+        return {}
+    reference = phases[0].get("losses") or []
+    out: Dict[str, Any] = {"reference": phases[0]["name"], "phases": {}}
+    for p in phases[1:]:
+        losses = p.get("losses") or []
+        n = min(len(losses), len(reference))
+        first = next((i for i in range(n) if losses[i] != reference[i]), None)
+        out["phases"][p["name"]] = {"steps": n, "first_difference": None if first is None else
+                                    {"step": first + 1, "loss": losses[first], "reference_loss": reference[first]}}
+    return out
+
+
+def format_loss_identity(identity: Dict[str, Any]) -> str:
+    """One line: which phases' losses equal keep-everything's bit for bit, over how many
+    steps, and where the others first differ."""
+    if not identity:
+        return ""
+    same = [name for name, r in identity["phases"].items() if r["first_difference"] is None]
+    steps = min(r["steps"] for r in identity["phases"].values())
+    parts = []
+    if same:
+        parts.append(f"{', '.join(same)}: identical to {identity['reference']}, bit for bit")
+    for name, r in identity["phases"].items():
+        d = r["first_difference"]
+        if d is not None:
+            parts.append(f"{name}: differs from step {d['step']} ({d['loss']!r} against {d['reference_loss']!r})")
+    return f"losses of the same steps (1-{steps}, same weights and data): " + "; ".join(parts)
+
+
+def _runs(ids: Sequence[Any]) -> str:
+    """``1-3, 5`` for consecutive integer ids; the ids as given otherwise."""
+    if not all(isinstance(i, int) for i in ids):
+        return ", ".join(str(i) for i in ids)
+    out: List[str] = []
+    start = prev = None
+    for i in list(ids) + [None]:
+        if start is not None and i is not None and i == prev + 1:
+            prev = i
+            continue
+        if start is not None:
+            out.append(str(start) if start == prev else f"{start}-{prev}")
+        start = prev = i
+    return ", ".join(out)
+
+
+def plan_summary(plan: Optional[Dict[str, Any]]) -> str:
+    """A plan's placements in words: ``offload 1-2, part of 3; recompute 4-5; keep 6``
+    (the layers inside the model; the tensors saved outside them are left out)."""
+    if not plan:
+        return "no plan"
+    groups: Dict[str, List[Any]] = {}
+    partial: Dict[str, List[Any]] = {}
+    for layer in plan["layers"]:
+        if layer["layer_id"] in ("embedding", "head"):
+            continue
+        sites = layer.get("offload_sites")
+        kind = layer["placement"]
+        if sites is not None and sites < layer.get("site_count", 1):
+            partial.setdefault(kind, []).append(layer["layer_id"])
+        else:
+            groups.setdefault(kind, []).append(layer["layer_id"])
+    parts = []
+    for kind in ("offload", "host", "recompute", "keep"):
+        whole, part = groups.get(kind, []), partial.get(kind, [])
+        if not whole and not part:
+            continue
+        text = ", ".join(x for x in (_runs(whole), f"part of {_runs(part)}" if part else "") if x)
+        parts.append(f"{kind} {text}")
+    return "; ".join(parts)
+
+
+_FIXED_WORDS = {"keep-everything": "every layer kept", "recompute": "every layer recomputed",
+                "offload-all": "every layer offloaded", "host": "every layer to host memory"}
+
+
+def format_choices(phases: Sequence[Dict[str, Any]], plan: Optional[Dict[str, Any]], config: TrainConfig) -> str:
+    """The comparison table of ``train`` with ``compare``: per phase, its independent peak
+    memory (NOTE [Headline memory]), the cache's count, its median step and ratio to
+    keep-everything with the ratio's 95% interval, and what it placed; then the line on
+    the losses (:func:`format_loss_identity`)."""
+    keep = phases[0]
+    source = keep.get("independent_peak_source") or ""
+    measure = ("torch.cuda.max_memory_allocated above the pre-forward level" if source in _INDEPENDENT
+               else "process RSS above the pre-forward level")
+    name_w = max(len(p["name"]) for p in phases) + 2
+    lines = ["", f"{'':<{name_w}}{'peak memory':>12}{'cache count':>13}{'step':>9}{'x keep':>8}"
+                 f"{'95% interval':>15}  placement",
+             f"{'':<{name_w}}{'MiB':>12}{'MiB':>13}{'s':>9}"]
+    for p in phases:
+        peak = p.get("independent_peak_bytes")
+        ratio = p["median_step_s"] / keep["median_step_s"] if keep["median_step_s"] else float("nan")
+        if p is keep:
+            interval = ""
+        else:
+            lo, hi = ratio_ci95([p["step_s"]], [keep["step_s"]])
+            interval = f"{lo:.2f}-{hi:.2f}"
+        if p is phases[-1] and plan is not None:
+            what = plan_summary(plan)
+        elif p["name"] == "keep-last":
+            what = f"last {config.offload.keep_last_layers} kept, the others offloaded"
+        else:
+            what = _FIXED_WORDS.get(p["name"], "")
+        lines.append(f"{p['name']:<{name_w}}{'-' if peak is None else f'{peak / MiB:.1f}':>12}"
+                     f"{p['peak_activation_bytes'] / MiB:>13.1f}{p['median_step_s']:>9.3f}{ratio:>8.2f}"
+                     f"{interval:>15}  {what}")
+    steps = min(p.get("measured_steps", 0) for p in phases)
+    lines.append(f"peak memory: {measure}; cache count: the saved activations the cache held; step: median of "
+                 f"the measured steps (at least {steps} per phase), its ratio to keep-everything's with a 95% interval")
+    return "\n".join(lines)

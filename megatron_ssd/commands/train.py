@@ -5,15 +5,20 @@ Run with ``make run``, or::
     megatron-ssd train --config configs/gpt-tiny.yaml [steps=50] [--json out.json]
 
 A recipe in three parts (``setup`` / ``train`` / ``cleanup``): build the model from
-megatron-core's local spec made offload-aware, run Megatron's own schedule through the
-offload-aware wrapper, first with every activation kept (the measured reference), then
-with the configured planner; print a summary table of both.
+megatron-core's local spec made offload-aware (``GPTModel``, or the ``HybridModel``
+megatron-core 0.19 recommends: ``model.builder``), run Megatron's own schedule through
+the offload-aware wrapper, first with every activation kept (the measured reference),
+then with any fixed placements to compare (``compare``), then with the configured
+planner. Every phase starts from the same weights and data (NOTE [Same start]), so the
+losses of the same steps can be compared; print a summary table of them.
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
+import gc
 import math
 import statistics
 import sys
@@ -26,6 +31,7 @@ from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from ..adaptive import AdaptivePlanner
 from ..cache import StepStats, TensorCache
 from ..cache.device import check_device
+from ..cache.pages import trim_heap
 from ..cache.stats import median_ci95, median_or_zero as med
 from ..config import (OffloadConfig, Placement, PlannerConfig, TrainConfig, from_dict, host_memory_bytes, load_config,
                       to_dict)
@@ -38,15 +44,20 @@ from ..planner.wear import lifetime_for
 from ..units import MiB, gib
 from ..workloads.data import TextFileData
 from ..workloads.harness import SGD, SyntheticData, finalize_embedding_grads, gpt_forward_step, train_step
-from ..workloads.models import build_gpt, tiny_transformer_config
+from ..workloads.models import build_gpt, build_hybrid_gpt, hybrid_available, tiny_transformer_config
 from ..workloads.parallel import destroy_parallel, init_parallel
 from .output import Progress, write_json
-from .steps import format_comparison, format_paired, format_plans, short_run_problems, step_kinds, step_line
+from .steps import (format_choices, format_comparison, format_loss_identity, format_paired, format_plans, loss_identity,
+                    short_run_problems, step_kinds, step_line)
 from .timing import StepTimer, synchronized
 
-__all__ = ["TrainRecipe", "PhaseResult", "run_train", "format_summary", "check_model_fits", "model_bytes"]
+__all__ = ["TrainRecipe", "PhaseResult", "run_train", "format_summary", "check_model_fits", "model_bytes",
+           "COMPARE_MODES"]
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+COMPARE_MODES = {"recompute": "recompute", "offload": "offload-all", "static": "keep-last", "host": "host"}
+"""``TrainConfig.compare`` names: the planner mode each runs, and its phase's name."""
 
 
 @dataclass
@@ -174,12 +185,21 @@ class TrainRecipe:
         self._initialized = True
         torch.manual_seed(cfg.seed)
         m = cfg.model
+        recompute: Dict[str, Any] = {}
+        if m.recompute_granularity == "selective":  # Megatron's own recompute, run by its code
+            recompute = dict(recompute_granularity="selective", recompute_modules=list(m.recompute_modules))
+        elif m.recompute_granularity == "full":
+            recompute = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
         tconfig = tiny_transformer_config(
             m.num_layers, m.hidden_size, m.num_attention_heads,
-            ffn_hidden_size=m.ffn_hidden_size, params_dtype=_DTYPES[m.params_dtype],
+            ffn_hidden_size=m.ffn_hidden_size, params_dtype=_DTYPES[m.params_dtype], **recompute,
         )
-        spec = offload_layer_spec(get_gpt_layer_local_spec())
-        self.model = build_gpt(tconfig, m.vocab_size, m.seq_length, layer_spec=spec)
+        self.model_class = model_class(m.builder)
+        if self.model_class == "HybridModel":
+            self.model = build_hybrid_gpt(tconfig, m.vocab_size, m.seq_length)
+        else:
+            spec = offload_layer_spec(get_gpt_layer_local_spec())
+            self.model = build_gpt(tconfig, m.vocab_size, m.seq_length, layer_spec=spec)
         if self.device == "cuda":
             self.model.cuda()
         if cfg.data == "synthetic":
@@ -187,16 +207,34 @@ class TrainRecipe:
         else:
             self.data = TextFileData(cfg.data, cfg.micro_batch_size, m.seq_length)
         n_params = sum(p.numel() for p in self.model.parameters())
+        built = (f" as HybridModel ({2 * m.num_layers} layers: attention, MLP)" if self.model_class == "HybridModel"
+                 else "")
         self._say(
-            f"megatron-ssd {self.command}: GPT {m.num_layers} layers, hidden {m.hidden_size}, seq {m.seq_length}, "
-            f"{n_params / 1e6:.1f}M parameters on {self.device}; micro-batch {cfg.micro_batch_size} x "
-            f"{cfg.num_microbatches}; offload to {', '.join(offload.paths)}"
+            f"megatron-ssd {self.command}: GPT {m.num_layers} layers{built}, hidden {m.hidden_size}, "
+            f"seq {m.seq_length}, {n_params / 1e6:.1f}M parameters on {self.device}; micro-batch "
+            f"{cfg.micro_batch_size} x {cfg.num_microbatches}; offload to {', '.join(offload.paths)}"
         )
+        # NOTE [Same start]: every phase trains from these weights (and the seed) on the
+        # same batches (the data is a function of the step index), so step i of any phase
+        # computes what step i of keep-everything computes; offloading moves bytes and must
+        # not change a loss, which ``loss_identity`` checks bit for bit.
+        self._initial = {name: t.detach().clone() for name, t in self._state()}
 
     # ------------------------------------------------------------------ train
 
+    def _state(self) -> List[Tuple[str, torch.Tensor]]:
+        return [*self.model.named_parameters(), *self.model.named_buffers()]
+
+    @torch.no_grad()
+    def _restart(self) -> None:
+        """Put the weights (and the seed) back where the first phase started (NOTE [Same start])."""
+        for name, t in self._state():
+            t.copy_(self._initial[name])
+        torch.manual_seed(self.config.seed)
+
     def _phase(self, name: str, steps: int, planner_config: PlannerConfig, pairs: int = 0) -> PhaseResult:
         cfg = self.config
+        self._restart()
         result = PhaseResult(name, kinds=step_kinds(planner_config, steps))
         metrics = self._metrics_writer() if planner_config is cfg.offload.planner else None
         memory = PhaseMemory(self.device)
@@ -229,6 +267,8 @@ class TrainRecipe:
                 timer.stop()
                 return statistics.fmean(losses.tolist())
 
+            gc.collect()  # NOTE [Same start]: each phase's base without the heap pages an earlier one freed
+            trim_heap()
             memory.start()  # NOTE [Independent memory]: the level right before the first forward
             progress = Progress(name, steps, self.out)
             for step in range(steps):
@@ -290,6 +330,7 @@ class TrainRecipe:
             for keep in ((True, False) if i % 2 == 0 else (False, True)):
                 cache.set_plan({} if keep else plan, None if keep else read_ahead, None if keep else sites)
                 cache.default_placement = Placement.KEEP if keep else default
+                cache.policy.rule_active = not keep  # a peer's rule too (OffloadConfig.peer)
                 for _ in range(settle + 1):  # the last one is timed
                     loss = run_step(step)
                     step += 1
@@ -299,6 +340,7 @@ class TrainRecipe:
         progress.close()
         cache.set_plan(plan, read_ahead, sites)
         cache.default_placement = default
+        cache.policy.rule_active = True
         ratios = [o / k for o, k in zip(offload_s, keep_s)]
         return {"pairs": pairs, "settle_steps": settle, "steps_run": len(sink) - recorded,
                 "timing": "cuda_events" if timer.enabled else "wall_s",
@@ -321,26 +363,43 @@ class TrainRecipe:
         if cfg.baseline_steps:
             keep = PlannerConfig(mode="keep")
             phases.append(self._phase("keep-everything", cfg.baseline_steps, keep))
+        for name in cfg.compare:
+            fixed = dataclasses.replace(cfg.offload.planner, mode=name, memory_budget=None)
+            phases.append(self._phase(COMPARE_MODES[name], cfg.baseline_steps, fixed))
         self.paired: Optional[Dict[str, Any]] = None
-        offload = self._phase(f"offload ({cfg.offload.planner.mode})", cfg.steps, cfg.offload.planner,
-                              pairs=cfg.paired_steps)
+        planner, label = cfg.offload.planner, f"offload ({cfg.offload.planner.mode})"
+        if cfg.budget_of_keep is not None:  # a fraction of keep-everything's measured peak
+            budget = max(1, int(phases[0].summary()["peak_activation_bytes"] * cfg.budget_of_keep))
+            planner = dataclasses.replace(planner, memory_budget=budget)
+            label = f"planner, budget {budget / MiB:.1f} MiB"
+        offload = self._phase(label, cfg.steps, planner, pairs=cfg.paired_steps)
         phases.append(offload)
-        if print_summary:
+        if print_summary and not cfg.compare:
             self._say(format_plans(self.planner_summary["events"], cfg.steps))
+        summaries = [self._with_wear(p.summary()) for p in phases]
+        identity = loss_identity(summaries)
         report = {
+            "model_class": self.model_class,
             "peak_rss_bytes": _peak_rss_bytes(),
             "peak_device_bytes": (max(p.memory.get("cuda_peak_allocated_bytes") or 0 for p in phases)
                                   if self.device == "cuda" else None),
             "config": to_dict(cfg),
             "device": self.device,
-            "phases": [self._with_wear(p.summary()) for p in phases],
+            "phases": summaries,
+            "losses_identical": identity,
             "planner": self.planner_summary,
             "steps": [{"kind": k, **s.to_dict()} for s, k in zip(offload.steps, offload.kinds)],
             "paired": self.paired,
         }
         if not print_summary:
             return report
-        self._say(format_summary(report["phases"]))
+        if cfg.compare:
+            plan = next((e["plan"] for e in reversed(self.planner_summary["events"]) if e["plan"]), None)
+            self._say(format_choices(summaries, plan, cfg))
+        else:
+            self._say(format_summary(report["phases"]))
+        if identity:
+            self._say(format_loss_identity(identity))
         for phase in phases:
             if phase.measured_kind != "measured":
                 what = "the planner's placement" if "profile" in phase.kinds else "its placement"
@@ -399,6 +458,15 @@ def _profiled_step(run_step: Any, step: int) -> Tuple[Optional[int], Optional[in
     with AllocatorTimeline() as timeline:
         run_step(step)
     return timeline.peak_bytes, timeline.device_peak_bytes
+
+
+def model_class(builder: str) -> str:
+    """The megatron-core class ``ModelConfig.builder`` builds here: ``HybridModel`` for
+    ``hybrid``, and for ``recommended`` where megatron-core has it (0.19+, where it
+    deprecates ``GPTModel``); else ``GPTModel``."""
+    if builder == "hybrid" or (builder == "recommended" and hybrid_available()):
+        return "HybridModel"
+    return "GPTModel"
 
 
 def device_memory_bytes(device: str) -> int:
@@ -542,6 +610,9 @@ def run_train(config_path: Optional[str], overrides: Sequence[str], json_path: O
     ``allow_short``), run the recipe, write JSON."""
     config = load_config(TrainConfig, config_path, overrides)
     if not baseline:
+        if config.compare or config.budget_of_keep is not None:
+            raise ConfigError(f"train: --no-baseline with compare = {config.compare} / budget_of_keep = "
+                              f"{config.budget_of_keep}: both measure against keep-everything; drop --no-baseline")
         config.baseline_steps = 0
     problems = short_run_problems(config)
     if problems and not allow_short:

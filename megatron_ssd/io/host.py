@@ -20,7 +20,8 @@ that would exceed it is refused at once (``write`` returns None, whatever ``bloc
 and the cache keeps that tensor where it is: room in the pool is only given back by
 backward, so waiting for it during forward could wait forever. On CPU each blob has a
 buffer of its own, an anonymous mapping (returned to the kernel when freed, NOTE [Mapped
-read buffers]). With CUDA the pool is one pinned slab of ``capacity_bytes`` (NOTE
+read buffers]) that is not reported to the allocator timeline (NOTE [Host blobs are
+not device memory]). With CUDA the pool is one pinned slab of ``capacity_bytes`` (NOTE
 [Pinned slabs]), page-locked once when the engine is built, and blobs are carved out of
 it at ``SLAB_GRANULARITY``-byte granularity by a first-fit allocator: no pinned
 allocation, and no ``cudaHostAlloc``, on the forward thread. A blob that does not fit in
@@ -35,16 +36,23 @@ stream, which waits for the caller's stream only when the destination did not co
 marked used by the write stream (``record_stream``). One worker thread waits for each
 copy's blocking event, under the tensor's device (NOTE [CUDA threads] in ``cuda.py``),
 and only then completes the future, so a completed future means the bytes are in place
-on both sides. A write is staged when it completes (NOTE [Staged writes]).
+on both sides. A write is staged when it completes (NOTE [Staged writes]). Each
+direction has its own worker, so reads never queue behind writes.
+
+With ``copy_bytes_per_s`` each direction is paced as a link of that rate: a copy's future
+completes no sooner than its bytes take at that rate after the link is free (NOTE [Host
+copy rate] in ``throttle.py``), which holds a CPU's memory-speed copies to a GPU's PCIe
+ratio for comparisons.
 """
 
 from __future__ import annotations
 
 import itertools
+import mmap
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
 
@@ -56,8 +64,9 @@ from .layout import ExtentAllocator
 from .mapped import mapped_empty
 from .pinned import HostSlab
 from .striped import check_blob, check_read_target
+from .throttle import RateLimiter
 
-__all__ = ["HostEngine", "HOST_PATH_INDEX", "SLAB_GRANULARITY"]
+__all__ = ["HostEngine", "HOST_PATH_INDEX", "SLAB_GRANULARITY", "host_blob"]
 
 HOST_PATH_INDEX = -1
 """``Extent.path_index`` of a host blob: it lives on no offload path."""
@@ -73,9 +82,14 @@ class HostEngine(Engine):
         capacity_bytes: Bound on the payload bytes held at once (NOTE [Host pool bound]).
         pin: Use a page-locked pool (when CUDA is available); None: pin when CUDA is.
         cuda: The CUDA calls to make (default: the real ones; tests pass a fake).
+        copy_bytes_per_s: Pace each direction's copies to this rate (NOTE [Host copy
+            rate]); None: as fast as they copy.
+        clock, sleep: For the pacing (tests pass fakes).
     """
 
-    def __init__(self, capacity_bytes: int, pin: Optional[bool] = None, cuda: Optional[CudaOps] = None) -> None:
+    def __init__(self, capacity_bytes: int, pin: Optional[bool] = None, cuda: Optional[CudaOps] = None,
+                 copy_bytes_per_s: Optional[float] = None, clock: Callable[[], float] = time.monotonic,
+                 sleep: Callable[[float], None] = time.sleep) -> None:
         if isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int) or capacity_bytes <= 0:
             raise ConfigError(
                 f"OffloadConfig.host_pool_bytes = {capacity_bytes!r}: must be a size > 0 for the host tier"
@@ -101,7 +115,13 @@ class HostEngine(Engine):
         self._stats = EngineStats()
         self._refused = 0
         self._closed = False
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="megatron-ssd-host")
+        self._clock = clock
+        self._links: Optional[Tuple[RateLimiter, RateLimiter]] = None
+        """The write and read directions' pacing (NOTE [Host copy rate]); None: unpaced."""
+        if copy_bytes_per_s is not None:
+            self._links = (RateLimiter(copy_bytes_per_s, clock, sleep), RateLimiter(copy_bytes_per_s, clock, sleep))
+        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="megatron-ssd-host-write")
+        self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="megatron-ssd-host-read")
 
     # ------------------------------------------------------------------ Engine
 
@@ -132,7 +152,7 @@ class HostEngine(Engine):
         except BaseException:
             self._give_back(nbytes, place)
             raise
-        self._pool.submit(self._finish_write, fut, handle, dst, place, done)
+        self._writer.submit(self._finish_write, fut, handle, dst, place, done, self._clock())
         return fut
 
     def read(self, handle: SwapHandle, dst: torch.Tensor) -> IOFuture[torch.Tensor]:
@@ -144,7 +164,7 @@ class HostEngine(Engine):
             raise CacheStateError("read of a host blob this engine does not hold (freed, or from another engine)")
         fut: IOFuture[torch.Tensor] = IOFuture(handle.nbytes)
         done = self._queue_copy(dst[: handle.nbytes], blob[0], write=False, fresh=self.fresh.claim(dst))
-        self._pool.submit(self._finish_read, fut, dst, done)
+        self._reader.submit(self._finish_read, fut, dst, done, self._clock())
         return fut
 
     def alloc(self, nbytes: int, device: torch.device, handle: Optional[SwapHandle] = None) -> torch.Tensor:
@@ -179,7 +199,8 @@ class HostEngine(Engine):
         if self._closed:
             return
         self._closed = True
-        self._pool.shutdown(wait=True)  # every copy was waited for: the slab can be unpinned
+        self._writer.shutdown(wait=True)  # every copy was waited for: the slab can be unpinned
+        self._reader.shutdown(wait=True)
         with self._lock:
             self._blobs.clear()
             self._used = 0
@@ -214,7 +235,8 @@ class HostEngine(Engine):
     def _buffer(self, nbytes: int, place: Optional[int]) -> torch.Tensor:
         if place is not None:
             return self._slab.tensor[place : place + nbytes]  # type: ignore[union-attr]
-        return mapped_empty(nbytes)[:nbytes]
+        return host_blob(nbytes)
+
 
     def _queue_copy(self, dst: torch.Tensor, src: torch.Tensor, write: bool, fresh: bool = False) -> Any:
         """Queue ``dst.copy_(src)``; returns what the worker waits on (NOTE [Host copy ordering])."""
@@ -236,7 +258,8 @@ class HostEngine(Engine):
                 done.record(stream)
         return ("cuda", dev, done)
 
-    def _run_copy(self, done: Any) -> float:
+    def _run_copy(self, done: Any, nbytes: int, queued_at: float, write: bool) -> float:
+        """Wait for (or make) the copy, then for its link when paced; the busy seconds."""
         started = time.perf_counter()
         kind, a, b = done
         if kind == "host":
@@ -244,12 +267,15 @@ class HostEngine(Engine):
         else:
             with self.cuda.device(a):  # NOTE [CUDA threads]
                 b.synchronize()
-        return time.perf_counter() - started
+        busy = time.perf_counter() - started
+        if self._links is not None:  # NOTE [Host copy rate]
+            busy = self._links[0 if write else 1].pace(nbytes, queued_at)
+        return busy
 
     def _finish_write(self, fut: IOFuture, handle: SwapHandle, dst: torch.Tensor, place: Optional[int],
-                      done: Any) -> None:
+                      done: Any, queued_at: float) -> None:
         try:
-            busy = self._run_copy(done)
+            busy = self._run_copy(done, handle.nbytes, queued_at, write=True)
         except BaseException as err:  # noqa: BLE001 - handed to the future
             self._give_back(handle.nbytes, place)
             with self._lock:
@@ -262,9 +288,9 @@ class HostEngine(Engine):
             self._stats.write_busy_s += busy
         fut.set_result(handle)
 
-    def _finish_read(self, fut: IOFuture, dst: torch.Tensor, done: Any) -> None:
+    def _finish_read(self, fut: IOFuture, dst: torch.Tensor, done: Any, queued_at: float) -> None:
         try:
-            busy = self._run_copy(done)
+            busy = self._run_copy(done, fut.nbytes, queued_at, write=False)
         except BaseException as err:  # noqa: BLE001 - handed to the future
             with self._lock:
                 self._stats.read_errors += 1
@@ -274,3 +300,23 @@ class HostEngine(Engine):
             self._stats.bytes_read += fut.nbytes
             self._stats.read_busy_s += busy
         fut.set_result(dst)
+
+
+# NOTE [Host blobs are not device memory]: on a GPU the host tier's blobs live in pinned
+# host memory, which is not the device memory a placement saves; on a CPU they live in
+# the same RAM as the "device". The allocator timeline (``memory/timeline.py``) is the
+# independent measure of the device's memory that ``rok`` compares placements by, and it
+# counts every mapping ``mapped_empty`` reports; so the host tier's CPU blobs are mappings
+# of their own, not reported to it, and the timeline counts on a CPU what it would count
+# on a GPU. The process's RSS still counts them: on a CPU the host tier saves no RSS.
+# Read-back buffers (``alloc``) are device memory and stay ``mapped_empty``'s.
+
+
+def host_blob(nbytes: int) -> torch.Tensor:
+    """A host blob's CPU buffer: an anonymous private mapping of its own, unmapped when the
+    tensor's storage is freed, not reported to ``mapped_empty``'s listeners (NOTE [Host
+    blobs are not device memory])."""
+    capacity = max(nbytes, 1) + (-max(nbytes, 1)) % mmap.PAGESIZE
+    mapping = mmap.mmap(-1, capacity, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS,
+                        prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    return torch.frombuffer(mapping, dtype=torch.uint8)[:nbytes]

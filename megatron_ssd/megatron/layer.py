@@ -32,6 +32,7 @@ from ..cache.tensor_cache import active_cache
 from ..config import Placement
 from ..errors import ConfigError
 from . import compat, discard
+from .groups import label_module_groups
 from .recompute import checkpoint_layer
 
 __all__ = [
@@ -80,7 +81,9 @@ class OffloadLayerMixin:
     The layer id is Megatron's global ``layer_number`` (unique across pipeline stages and
     virtual stages). Backward prefetch is armed on the layer's output: when its gradient
     arrives, this layer's backward is about to start and the cache reads back the
-    layers before it. Building one with a config that captures CUDA graphs raises
+    layers before it. Its submodules label the tensors they save with their module group
+    (NOTE [Module groups] in ``groups.py``), for a peer's placement rule. Building one
+    with a config that captures CUDA graphs raises
     :class:`~megatron_ssd.errors.ConfigError` (NOTE [CUDA graphs]).
     """
 
@@ -91,6 +94,8 @@ class OffloadLayerMixin:
     def __init__(self, config: Any, *args: Any, **kwargs: Any) -> None:
         check_no_cuda_graphs(config)
         super().__init__(config, *args, **kwargs)  # type: ignore[call-arg]
+        self.ssd_module_groups = label_module_groups(self)  # type: ignore[arg-type]
+        """The module groups whose saved tensors are labelled, in forward order."""
 
     @property
     def layer_id(self) -> Any:

@@ -1,6 +1,8 @@
 """Tiny GPT, BERT and T5 models built from megatron-core's local layer specs.
 
-The builders return megatron-core's own ``GPTModel``, ``BertModel`` and ``T5Model``. On a
+The builders return megatron-core's own ``GPTModel``, ``BertModel`` and ``T5Model``, and on
+megatron-core 0.19+ the ``HybridModel`` Megatron recommends in place of ``GPTModel``
+(:func:`build_hybrid_gpt`: a GPT's layers as attention and MLP layers). On a
 machine without CUDA the layer specs get :class:`~.attention.CPUCoreAttention` (see
 ``attention.py``) and weights are initialised on the CPU; otherwise the specs are used as
 given. A caller may pass its own layer spec (e.g. one whose layer class was replaced),
@@ -28,18 +30,22 @@ from megatron.core.models.T5.t5_spec import (
     decoder_model_with_local_spec,
     encoder_model_with_local_spec,
 )
-from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.transformer_block import TransformerBlock
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from ..errors import ConfigError
-from ..megatron.attention import CPUCoreAttention, cpu_block_spec
+from ..megatron import compat
+from ..megatron.attention import CPUCoreAttention, cpu_block_spec, cpu_layer_spec
 from ..megatron.cpu_mode import cpu_mode, cuda_usable
+from ..megatron.layer import OffloadHybridStack
 
 __all__ = [
     "CPUBertModel",
     "build_bert",
     "build_gpt",
+    "build_hybrid_gpt",
+    "hybrid_available",
     "build_model_chunks",
     "build_t5",
     "global_named_parameters",
@@ -233,6 +239,98 @@ def build_gpt(
             vp_stage=vp_stage,
             **kwargs,
         )
+    return _to_device(model)
+
+
+def hybrid_available() -> bool:
+    """Whether this megatron-core has ``HybridModel`` (0.19+), which it recommends over the
+    deprecated ``GPTModel``."""
+    return bool(compat.hybrid_stack_classes())
+
+
+def _te_norm_usable() -> bool:
+    try:
+        from megatron.core.extensions.transformer_engine import HAVE_TE
+    except ImportError:
+        return False
+    return bool(HAVE_TE)
+
+
+if OffloadHybridStack is not None:
+
+    class LocalNormHybridStack(OffloadHybridStack):  # type: ignore[misc, valid-type]
+        """An offload-aware ``HybridStack`` whose final norm is megatron-core's local norm.
+
+        NOTE [Hybrid final norm]: megatron-core 0.19's ``HybridStack`` always builds its
+        final layer norm from Transformer Engine (``TENorm``; "Hybrid always uses
+        TransformerEngine"), which cannot be built without it. Where Transformer Engine is
+        missing (a CPU machine) this stack is built without that norm and adds the local
+        spec's norm (``WrappedTorchNorm``, or apex's when installed) in its place, so the
+        model computes what ``GPTModel`` with the local spec computes. ``HybridStack.forward``
+        applies ``final_norm`` when ``post_layer_norm`` is set.
+        """
+
+        def __init__(self, config: Any, submodules: Any, *args: Any, post_layer_norm: bool = True,
+                     **kwargs: Any) -> None:
+            super().__init__(config, submodules, *args, post_layer_norm=False, **kwargs)
+            if post_layer_norm and self.post_process:
+                norm = get_gpt_layer_local_spec().submodules.input_layernorm
+                self.final_norm = build_module(norm, config=config, hidden_size=config.hidden_size,
+                                               eps=config.layernorm_epsilon)
+                self.post_layer_norm = True
+
+else:
+    LocalNormHybridStack = None  # type: ignore[assignment, misc]
+    """``None`` before megatron-core 0.19 (no hybrid stack)."""
+
+
+def gpt_hybrid_stack_spec(layer_spec: Optional[ModuleSpec] = None) -> ModuleSpec:
+    """An offload-aware ``HybridStack`` spec that computes a GPT's layers: each GPT layer of
+    ``layer_spec`` (``get_gpt_layer_local_spec()`` when None) cut into an attention layer
+    (``TransformerLayer`` with the input norm, the attention and its bias-dropout-add) and
+    an MLP layer (``MLPLayer`` with the pre-MLP norm, the MLP and its bias-dropout-add),
+    for the pattern ``*-`` per layer. Without CUDA the core attention is the CPU one;
+    without Transformer Engine the final norm is the local one (NOTE [Hybrid final norm]).
+
+    Raises:
+        ConfigError: megatron-core has no ``HybridStack`` (before 0.19).
+    """
+    from megatron.core.ssm.mlp_layer import MLPLayer
+    from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
+
+    if not hybrid_available():
+        raise ConfigError("ModelConfig.builder = 'hybrid': this megatron-core has no HybridModel (0.19+); use gpt "
+                          "or recommended")
+    stack, submodules_class = compat.hybrid_stack_classes()
+    spec = layer_spec if layer_spec is not None else get_gpt_layer_local_spec()
+    parts = (spec if cuda_usable() else cpu_layer_spec(spec)).submodules
+    attention = ModuleSpec(module=TransformerLayer, submodules=TransformerLayerSubmodules(
+        input_layernorm=parts.input_layernorm, self_attention=parts.self_attention, self_attn_bda=parts.self_attn_bda))
+    mlp = ModuleSpec(module=MLPLayer, submodules=TransformerLayerSubmodules(
+        pre_mlp_layernorm=parts.pre_mlp_layernorm, mlp=parts.mlp, mlp_bda=parts.mlp_bda))
+    module = OffloadHybridStack if _te_norm_usable() else LocalNormHybridStack
+    return ModuleSpec(module=module, submodules=submodules_class(attention_layer=attention, mlp_layer=mlp))
+
+
+def build_hybrid_gpt(config: TransformerConfig, vocab_size: int, seq_len: int,
+                     layer_spec: Optional[ModuleSpec] = None, **kwargs: Any) -> torch.nn.Module:
+    """megatron-core's ``HybridModel`` computing the GPT that :func:`build_gpt` builds:
+    ``config.num_layers`` GPT layers as ``2 x num_layers`` offload-aware hybrid layers
+    (pattern ``*-`` repeated, :func:`gpt_hybrid_stack_spec`), learned absolute position
+    embeddings and tied embeddings as ``build_gpt``'s defaults.
+
+    Raises:
+        ConfigError: megatron-core has no ``HybridModel`` (before 0.19).
+    """
+    spec = gpt_hybrid_stack_spec(layer_spec)
+    from megatron.core.models.hybrid.hybrid_model import HybridModel
+
+    stacked = dataclasses.replace(config, num_layers=2 * config.num_layers)
+    options = dict(position_embedding_type="learned_absolute", share_embeddings_and_output_weights=True)
+    options.update(kwargs)
+    with cpu_mode():
+        model = HybridModel(stacked, spec, vocab_size=vocab_size, max_sequence_length=seq_len,
+                            hybrid_layer_pattern="*-" * config.num_layers, **options)
     return _to_device(model)
 
 

@@ -99,3 +99,65 @@ def test_rok_keep_last_counts_are_points_of_their_own(tmp_path):
     assert by["keep-last-0"]["final_loss"] == by["keep-last-1"]["final_loss"] == by["keep"]["final_loss"]
     assert "dominance" not in by["keep-last-1"]  # fixed points are compared against, not compared
     assert plot.stat().st_size > 0
+
+
+def test_the_peers_points_are_fixed_points_the_planner_is_compared_with():
+    points = [
+        _point("keep", 1000, 1.0),
+        _point("megatron-offload-0.5", 700, 1.20, paired=1.18),
+        _point("te-offload-4", 700, 1.30, paired=1.25),
+        _point("megatron-selective", 900, 1.10),  # no pairs: Megatron's recompute is in the model
+        _point("megatron-full", 400, 1.40),
+        _point("budget-600", 650, 1.22, paired=1.20),
+    ]
+    add_dominance(points)
+    entries = {e["over"]: e for e in points[-1]["dominance"]}
+    assert list(entries) == ["megatron-offload-0.5", "te-offload-4", "megatron-selective", "megatron-full"]
+    assert points[-1]["dominates"] == ["te-offload-4"]
+    assert entries["megatron-selective"]["time"] == "fresh" and not entries["megatron-selective"]["dominates"]
+    assert entries["megatron-offload-0.5"]["time"] == "paired"
+    assert not entries["megatron-full"]["dominates"]  # less memory than the planner point
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"fractions": [0.5], "placements": ["keep", "te-offload"]},
+     r"rok: fractions = \[0.5\]: needs 'megatron-offload' among the placements"),
+    ({"fractions": [0.5, 1.5], "placements": ["keep", "megatron-offload"]},
+     r"rok: fractions = \[0.5, 1.5\]: each must be a distinct activation_offload_fraction in \[0, 1\]"),
+    ({"te_layers": [2], "placements": ["keep", "te-offload"]},
+     r"rok: te_layers = \[2\]: each must be a distinct number of offloaded first layers from 1 to 1"),
+    ({"te_layers": [1], "placements": ["keep"]}, r"rok: te_layers = \[1\]: needs 'te-offload'"),
+    ({"match_peers": True, "placements": ["keep", "offload-all"]},
+     r"rok: --match-peers with placements = \['keep', 'offload-all'\]: needs one of"),
+    ({"host_throttle": "fast", "placements": ["keep", "te-offload"]}, r"host-throttle"),
+    ({"placements": ["keep", "megatron-recompute"]}, r"rok: placements = \['megatron-recompute'\]: each must be one of"),
+])
+def test_rok_rejects_bad_peer_settings_before_running(kwargs, match):
+    with pytest.raises(ConfigError, match=match):
+        rok_points(TINY, TINY_CLI, **kwargs)
+
+
+def test_rok_runs_each_peer_at_its_settings_and_matches_a_budget_to_it(tmp_path):
+    """The peers on a 2-layer GPT: megatron-offload at two fractions and te-offload at one
+    layer (the host tier paced), Megatron's full recompute; a budget point at
+    te-offload-1's measured peak; every loss the same as keep's."""
+    out = tmp_path / "rok.json"
+    cmd = [sys.executable, "-m", "megatron_ssd.commands.cli", "rok", "--config", TINY, *TINY_CLI, "steps=7",
+           "offload.peer.min_tensor_elements=1024", "--placements", "keep,megatron-offload,te-offload,megatron-full",
+           "--fractions", "0.5,1", "--te-layers", "1", "--match-peers", "--host-throttle", "1GiB",
+           "--json", str(out)]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    data = json.loads(out.read_text())
+    by = {p["placement"]: p for p in data["points"]}
+    assert list(by)[:5] == ["keep", "megatron-offload-0.5", "megatron-offload-1", "te-offload-1", "megatron-full"]
+    assert by["megatron-offload-0.5"]["setting"] == {"offload_fraction": 0.5}
+    assert by["te-offload-1"]["setting"] == {"num_layers": 1}
+    assert 0 < by["megatron-offload-0.5"]["bytes_to_host"] < by["megatron-offload-1"]["bytes_to_host"]
+    assert by["te-offload-1"]["bytes_to_host"] > 0 and by["megatron-full"]["bytes_to_host"] == 0
+    assert by["megatron-full"]["peak_activation_bytes"] < by["keep"]["peak_activation_bytes"] / 2
+    matched = [p for p in data["points"] if p.get("matches") == ["te-offload-1"]]
+    assert len(matched) == 1 and matched[0]["placement"] == f"budget-{by['te-offload-1']['peak_activation_bytes']}"
+    assert data["host_copy_bytes_per_s"] == 1 << 30
+    assert all(len(p["load_average"]) == 1 for p in data["points"] if "load_average" in p)
+    assert len({p["final_loss"] for p in data["points"] if "final_loss" in p}) == 1

@@ -1,0 +1,193 @@
+"""The peers' placement rules, run by the cache's placement policy.
+
+Megatron-core's fine-grained activation offloading and Transformer Engine's CPU offload
+decide by a fixed rule which saved tensors go to pinned host memory. Each rule here
+answers the same question for :class:`~megatron_ssd.cache.policy.PlacementPolicy`, so a
+run measures the peer's decision on this cache, its host tier and its engines, with
+only the policy differing from the planner's runs (``megatron-ssd rok``'s peer
+placements)::
+
+    rule = rule_for(config.peer)                        # OffloadConfig.peer
+    rule.placement(layers, layer_id, group, elements)   # Placement.HOST or Placement.KEEP
+    rule.read_ahead(layers, layer_id, site)             # layers ahead its read is issued
+
+A tensor's ``group`` is the module group it was saved in (``attn_norm``,
+``qkv_linear``, ``core_attn``, ``attn_proj``, ``mlp_norm``, ``mlp_fc1``, ``mlp_fc2``;
+None outside them): the offload-aware layers label what each submodule saves
+(NOTE [Module groups] in ``megatron/groups.py``). How faithfully each rule reproduces
+its peer, and what it leaves out: docs/planner.md, "The peers' rules, measured". The
+pricing of the same rules on the planner's timeline model is ``planner/peers.py``.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Hashable, List, Optional, Sequence, Set, Tuple
+
+from ..config import OUTSIDE, PeerConfig, Placement
+from ..errors import ConfigError
+from ..planner.peers import FGO_MIN_TENSOR_ELEMENTS, FGO_MODULES, TE_MIN_TENSOR_ELEMENTS
+
+__all__ = ["FineGrainedRule", "FirstLayersRule", "PeerRule", "rule_for"]
+
+Group = Tuple[Hashable, str]
+"""A module group: (layer id, group name)."""
+
+
+class PeerRule:
+    """What the placement policy asks a peer's rule (NOTE [One placement policy] in
+    ``policy.py``): where a new saved tensor goes, and when its read is issued."""
+
+    name = ""
+
+    def placement(self, layers: Sequence[Hashable], layer_id: Hashable, group: Optional[str],
+                  elements: int, site: Optional[int] = None) -> Placement:
+        """HOST or KEEP for a new offloadable tensor of ``elements`` elements saved in
+        ``layer_id``'s ``group`` (``layers``: the registered layers in forward order)."""
+        raise NotImplementedError
+
+    def read_ahead(self, layers: Sequence[Hashable], layer_id: Hashable, site: Optional[int]) -> Optional[int]:
+        """Layers ahead that the read of ``layer_id``'s ``site`` is issued (0: when its
+        own backward starts); None: the policy's default."""
+        return None
+
+
+# NOTE [Fine-grained offload, measured]
+# Megatron-core 0.19's fine-grained activation offloading
+# (pipeline_parallel/fine_grained_activation_offload.py) groups what autograd saves
+# inside each configured module of each layer. Its warm-up iteration offloads every
+# group and records them; after it, the last group of each name stays on the device (the
+# margin: for a dense model, the last layer's groups), and of the remaining groups with
+# bytes, int(n x (1 - fraction)) are kept, the latest in forward order; tensors under
+# min_offloaded_tensor_size elements always stay. This rule does the same per tensor: a
+# tensor of a configured group, of at least ``min_elements``, is HOST while the warm-up
+# lasts, and the groups seen are recorded in forward order; the first tensor of a group
+# seen before, other than the group being saved, starts the next forward and ends the
+# warm-up (Megatron ends it after the whole first iteration: with several micro-batches
+# per step the later micro-batches of the first step here run the decided rule). From
+# then on a tensor is HOST when its group was chosen, else KEEP. A moved group's reads
+# are issued at the start of the backward of the layer holding the group K groups later
+# in forward order, K the groups kept after the last offloaded one (Megatron reloads a
+# group when the backward of the group K later ends: up to one layer's backward
+# earlier here).
+
+
+class FineGrainedRule(PeerRule):
+    """Megatron-core's ``--fine-grained-activation-offloading`` (NOTE [Fine-grained
+    offload, measured]).
+
+    Args:
+        modules: ``offload_modules``, of :data:`~megatron_ssd.planner.peers.FGO_MODULES`.
+        fraction: ``activation_offload_fraction``, in [0, 1].
+        min_elements: ``min_offloaded_tensor_size``.
+    """
+
+    name = "megatron-fine-grained"
+
+    def __init__(self, modules: Sequence[str] = FGO_MODULES, fraction: float = 1.0,
+                 min_elements: int = FGO_MIN_TENSOR_ELEMENTS) -> None:
+        self.modules = tuple(modules)
+        self.fraction = fraction
+        self.min_elements = min_elements
+        self.groups: List[Group] = []
+        """The eligible groups of the warm-up forward, in forward order."""
+        self._seen: Set[Group] = set()
+        self.offloaded: Optional[Set[Group]] = None
+        """The groups chosen to move (None: still warming up)."""
+        self.depth: Dict[Group, int] = {}
+        """Per moved group, layers ahead its read is issued."""
+        self._site_group: Dict[Tuple[Hashable, int], Group] = {}
+
+    def placement(self, layers: Sequence[Hashable], layer_id: Hashable, group: Optional[str],
+                  elements: int, site: Optional[int] = None) -> Placement:
+        if layer_id in OUTSIDE or group not in self.modules or elements < self.min_elements:
+            return Placement.KEEP
+        key = (layer_id, group)
+        if site is not None:
+            self._site_group[(layer_id, site)] = key
+        if self.offloaded is None:
+            if key not in self._seen:
+                self._seen.add(key)
+                self.groups.append(key)
+                return Placement.HOST  # the warm-up offloads every group
+            if key == self.groups[-1]:
+                return Placement.HOST  # another tensor of the group being saved
+            self.decide()
+        return Placement.HOST if key in self.offloaded else Placement.KEEP  # type: ignore[operator]
+
+    def decide(self) -> None:
+        """End the warm-up: keep the last group of each name, then the latest groups
+        beyond ``fraction`` of the rest; set each moved group's read-ahead."""
+        margin = {key[1]: key for key in self.groups}  # the last group of each name
+        eligible = [key for key in self.groups if margin[key[1]] != key]
+        kept = int(len(eligible) * (1 - self.fraction))
+        chosen = eligible[:len(eligible) - kept]
+        self.offloaded = set(chosen)
+        if not chosen:
+            return
+        kept_after = len(self.groups) - (self.groups.index(chosen[-1]) + 1)
+        position: Dict[Group, int] = {}
+        count: Dict[Hashable, int] = {}
+        for key in self.groups:
+            position[key] = count.get(key[0], 0)
+            count[key[0]] = position[key] + 1
+        per_layer = max(count.values())
+        for key in chosen:
+            self.depth[key] = (position[key] + kept_after) // per_layer
+
+    def read_ahead(self, layers: Sequence[Hashable], layer_id: Hashable, site: Optional[int]) -> Optional[int]:
+        if not self.depth:
+            return None
+        if site is not None and (layer_id, site) in self._site_group:
+            found = self.depth.get(self._site_group[(layer_id, site)])
+            if found is not None:
+                return found
+        depths = [d for (layer, _), d in self.depth.items() if layer == layer_id]
+        return min(depths) if depths else None
+
+
+class FirstLayersRule(PeerRule):
+    """Transformer Engine's ``get_cpu_offload_context(num_layers=N, model_layers=L)``:
+    every saved tensor of at least ``min_elements`` elements of the first N layers goes
+    to host memory as it is saved, and layer i's reads are issued when the backward of
+    layer L - 1 - N + i starts (L - N - 1 layers ahead; ``DefaultOffloadSynchronizer``).
+
+    Args:
+        num_layers: N, at most the model's layers - 1.
+        min_elements: Transformer Engine skips smaller tensors.
+    """
+
+    name = "te-cpu-offload"
+
+    def __init__(self, num_layers: int, min_elements: int = TE_MIN_TENSOR_ELEMENTS) -> None:
+        self.num_layers = num_layers
+        self.min_elements = min_elements
+
+    def _check(self, layers: Sequence[Hashable]) -> None:
+        if self.num_layers > len(layers) - 1:
+            raise ConfigError(f"PeerConfig.num_layers = {self.num_layers}: must be <= {len(layers) - 1} (the model's "
+                              f"{len(layers)} layers - 1: Transformer Engine offloads at most all layers but the last)")
+
+    def placement(self, layers: Sequence[Hashable], layer_id: Hashable, group: Optional[str],
+                  elements: int, site: Optional[int] = None) -> Placement:
+        if layer_id in OUTSIDE or elements < self.min_elements:
+            return Placement.KEEP
+        self._check(layers)
+        return Placement.HOST if layer_id in layers[:self.num_layers] else Placement.KEEP
+
+    def read_ahead(self, layers: Sequence[Hashable], layer_id: Hashable, site: Optional[int]) -> Optional[int]:
+        if layer_id not in layers[:self.num_layers]:
+            return None
+        return len(layers) - self.num_layers - 1
+
+
+def rule_for(peer: Optional[PeerConfig]) -> Optional[PeerRule]:
+    """The rule ``peer`` names, at its settings; None for ``rule: none`` (or no ``peer``)."""
+    if peer is None:
+        return None
+    if peer.rule == "megatron-fine-grained":
+        minimum = FGO_MIN_TENSOR_ELEMENTS if peer.min_tensor_elements is None else peer.min_tensor_elements
+        return FineGrainedRule(peer.offload_modules, peer.offload_fraction, minimum)
+    if peer.rule == "te-cpu-offload":
+        minimum = TE_MIN_TENSOR_ELEMENTS if peer.min_tensor_elements is None else peer.min_tensor_elements
+        return FirstLayersRule(peer.num_layers, minimum)
+    return None
