@@ -297,6 +297,7 @@ def test_paired_steps_on_a_gpu_take_their_ratios_from_cuda_events():
 
     class Cache:
         default_placement = Placement.OFFLOAD
+        policy = SimpleNamespace(rule_active=True)  # a peer's rule, switched off in keep steps
 
         def plan(self):
             return {"L": Placement.OFFLOAD}
