@@ -55,8 +55,9 @@ def resolve_device(name: str) -> torch.device:
 class TensorCache(ScopeMixin, StepAccountingMixin):
     """Routes the tensors autograd saves for backward to an SSD array and back.
 
-    Its files are removed when it closes, at interpreter exit, and on SIGTERM / SIGINT
-    (NOTE [Exit cleanup]).
+    Its files are removed when it closes, at interpreter exit, and on the signals that end
+    a process by default: SIGTERM, SIGINT, SIGHUP, SIGUSR1, SIGUSR2, SIGALRM (NOTE [Exit
+    cleanup]).
 
     Args:
         config: what to offload and where.

@@ -332,3 +332,149 @@ def test_no_stall_warning_without_a_stall_or_when_off(offload_dir, caplog):
             assert torch.equal(engine.read(handle, engine.alloc(handle.nbytes, "cpu", handle)).get(), blob)
             assert (engine._watchdog is None) == (seconds == 0)
     assert not _stall_warnings(caplog)
+
+
+# ------------------------------------------------------------------ stalls outside the data path
+
+
+def _wait_for(predicate, seconds=60):
+    deadline = time.time() + seconds
+    while not predicate() and time.time() < deadline:
+        time.sleep(0.01)
+    return predicate()
+
+
+@pytest.mark.parametrize("layout", ["extent", "file"])
+def test_stalled_preallocation_is_named_and_the_write_then_completes(offload_dir, caplog, layout):
+    """Item: a stall while a file grew (posix_fallocate / ftruncate) or was created
+    blocked training with no warning, while stalled reads and writes were named."""
+    stuck, release = [], threading.Event()
+
+    def fault(op, path, offset, nbytes):  # a preallocation that does not come back
+        if op == "allocate" and not stuck:
+            stuck.append((path, offset, nbytes))
+            release.wait()
+        return None
+
+    caplog.set_level(logging.WARNING, logger="megatron_ssd")
+    blob = _blob(300 * KiB)
+    with PosixEngine(_config([offload_dir], stall_warning_s=0.05, layout=layout), fault=fault) as engine:
+        done = {}
+        writer = threading.Thread(target=lambda: done.update(handle=engine.write(blob).get()))
+        writer.start()
+        op = "allocate" if layout == "extent" else "create"
+
+        def named():
+            return stuck and [m for m in _stall_warnings(caplog)
+                              if m.startswith(f"megatron_ssd: {op} of {stuck[0][2]} bytes at offset {stuck[0][1]} "
+                                              f"of {stuck[0][0]} has made no progress for ")]
+
+        try:
+            assert _wait_for(named), _stall_warnings(caplog)
+        finally:
+            release.set()  # the drive answers again
+        writer.join(timeout=60)
+        handle = done["handle"]
+        assert torch.equal(engine.read(handle, engine.alloc(handle.nbytes, "cpu", handle)).get(), blob)
+    assert os.listdir(offload_dir) == []
+
+
+def test_frozen_filesystem_is_named_while_the_engine_starts_and_while_it_unlinks(tmp_path, caplog):
+    """Real stalls: ``fsfreeze`` on an ext4 loop device while the engine creates its run
+    directory, then while the ``file`` layout unlinks a freed blob's file."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import loopfs
+
+    caplog.set_level(logging.WARNING, logger="megatron_ssd")
+    with loopfs.ext4(str(tmp_path)) as mnt:
+        cfg = _config([mnt], stall_warning_s=0.05, layout="file")
+        started = {}
+        with loopfs.frozen(mnt):
+            starter = threading.Thread(target=lambda: started.update(engine=create_engine(cfg)))
+            starter.start()
+            creating = f"megatron_ssd: create of {mnt}/msd-"
+            assert _wait_for(lambda: any(m.startswith(creating) for m in _stall_warnings(caplog))), \
+                _stall_warnings(caplog)
+        starter.join(timeout=60)
+        engine = started["engine"]
+        try:
+            handle = engine.write(_blob(64 * KiB)).get()
+            unlinking = f"megatron_ssd: unlink of {handle.extents[0].file} has made no progress for "
+            with loopfs.frozen(mnt):
+                freer = threading.Thread(target=engine.free, args=(handle,))
+                freer.start()
+                assert _wait_for(lambda: any(m.startswith(unlinking) for m in _stall_warnings(caplog))), \
+                    _stall_warnings(caplog)
+            freer.join(timeout=60)
+        finally:
+            engine.close()
+        assert os.listdir(mnt) == ["lost+found"]
+
+
+# ------------------------------------------------------------------ a full disk, told once
+
+
+def test_a_full_disk_is_told_once_per_path_then_every_period_with_counts(tmp_path, caplog):
+    """Item: a full disk warned once per failed write, forever (about 24 lines a step).
+    A real 4 MiB ext4 fills up; the warnings' clock is a fake the test moves by a period."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import loopfs
+
+    model, reference = _models()
+    batches = make_batches(steps=3, microbatches=2, batch=4, seq=64, vocab=256)
+    ref_losses, _ = _train(reference, batches)
+    caplog.set_level(logging.WARNING, logger="megatron_ssd")
+    now = [1000.0]
+    with loopfs.ext4(str(tmp_path), size_mib=4) as mnt:
+        with _cache([mnt], file_grow_bytes=1 << 20) as cache:
+            cache.register_layers(model.layers)
+            cache.entries.failures.clock = lambda: now[0]
+            losses, stats = _train(model, batches[:2], cache)
+            now[0] += cache.entries.failures.period_s  # a period passes
+            more, more_stats = _train(model, batches[2:], cache)
+        stats += more_stats
+        losses += more
+    assert all(torch.equal(a, b) for a, b in zip(losses, ref_losses)) and len(losses) == len(ref_losses)
+    fallbacks = sum(s.write_fallbacks for s in stats)
+    assert fallbacks > 3 * 2 and all(s.write_fallbacks for s in stats), "the disk was full every step"
+    first = [r.getMessage() for r in caplog.records if r.getMessage().startswith("megatron_ssd: write of ")]
+    assert len(first) == 1 and "ENOSPC" in first[0] and f"later failed writes to {mnt} are counted" in first[0]
+    summaries = [r.getMessage() for r in caplog.records if " more write(s), " in r.getMessage()]
+    assert len(summaries) == 2, summaries  # one when the period had passed, one at close
+    assert f"to {mnt} failed in the last 60 s (" in summaries[0] and "ENOSPC" in summaries[0]
+    assert sum(int(m.split()[1]) for m in summaries) == fallbacks - 1
+
+
+def test_write_failures_are_counted_per_path():
+    from megatron_ssd.cache.failures import WriteFailures
+
+    class Store:
+        kind = "ssd"
+
+        class engine:
+            paths = ("/a/msd-x", "/b/msd-y")
+
+    def err(index):
+        e = OSError(errno.EIO, "Input/output error")
+        e.path_index = index
+        return e
+
+    now = [0.0]
+    failures = WriteFailures(period_s=10, clock=lambda: now[0])
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logger = logging.getLogger("megatron_ssd")
+    logger.addHandler(handler)
+    try:
+        for i in range(5):
+            failures.failed(Store, 100, "L", "kept in memory instead", err(i % 2))
+        now[0] = 10.0
+        failures.failed(Store, 100, "L", "kept in memory instead", err(0))
+        failures.flush()
+    finally:
+        logger.removeHandler(handler)
+    lines = [r.getMessage() for r in records]
+    assert [m.split(" failed")[0] for m in lines] == [
+        "megatron_ssd: write of 100 bytes (layer 'L')", "megatron_ssd: write of 100 bytes (layer 'L')",
+        "megatron_ssd: 3 more write(s), 300 bytes, to /a", "megatron_ssd: 1 more write(s), 100 bytes, to /b"], lines

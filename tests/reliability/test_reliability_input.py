@@ -90,6 +90,11 @@ _BAD_FILES = [
     ("steps: !!python/object/apply:os.system ['touch PWNED']\n",
      ["tag 'tag:yaml.org,2002:python/object/apply:os.system' at line 1 is not allowed", "no !!python"]),
     ("!!python/name:os.system\n", ["tag 'tag:yaml.org,2002:python/name:os.system' at line 1 is not allowed"]),
+    # the last key used to win silently
+    ("steps: 3\nbaseline_steps: 2\nsteps: 5\n",
+     ["key 'steps' at line 3 is given twice (first at line 1): each key may appear once in a mapping"]),
+    ("offload:\n  io:\n    threads: 1\n    threads: 2\n", ["key 'threads' at line 4 is given twice (first at line 3)"]),
+    ("model: {num_layers: 2, num_layers: 3}\n", ["key 'num_layers' at line 1 is given twice (first at line 1)"]),
 ]
 
 
@@ -148,6 +153,176 @@ def test_config_directory_is_named_as_a_directory(tmp_path, monkeypatch, capsys)
 def test_bad_values_are_refused_before_any_model_is_built(monkeypatch, capsys, override, message):
     err = _refused_before_setup(monkeypatch, capsys, ["train", override])
     assert err == "megatron_ssd: " + message
+
+
+# ------------------------------------------------------------------ bounds from the machine
+
+GiB16 = 16 << 30
+
+
+@pytest.fixture
+def machine_of_16_gib(monkeypatch):
+    """The machine's memory, as the bounds read it, set to 16 GiB (NOTE [Bounds from the
+    machine])."""
+    from megatron_ssd import config
+    from megatron_ssd.commands import train
+
+    monkeypatch.setattr(config, "host_memory_bytes", lambda: GiB16)
+    monkeypatch.setattr(train, "host_memory_bytes", lambda: GiB16)
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    monkeypatch.chdir(REPO)
+
+
+_HALF = "must fit in half of this machine's 16.00 GiB"
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("steps=1e30", f"TrainConfig.steps = {int(1e30)}: must be <= 1048570: the job keeps at least 8 KiB of "
+                       f"statistics per step in memory, and its steps {_HALF}"),
+        ("baseline_steps=1e30", f"TrainConfig.baseline_steps = {int(1e30)}: must be <= 1048552: the job keeps at "
+                                f"least 8 KiB of statistics per step in memory, and its steps {_HALF}"),
+        ("num_microbatches=1e30", f"TrainConfig.num_microbatches = {int(1e30)}: must be <= 8388608: Megatron's "
+                                  f"schedule keeps at least 1 KiB per micro-batch until the step ends, which {_HALF}"),
+        ("offload.io.block_bytes=1TiB", "IOConfig.block_bytes = 1099511627776: must be <= 2147483648: the I/O engine "
+                                        "allocates 4096.00 GiB of host memory when it starts, 4096.00 GiB of it for "
+                                        f"its 4 block buffers (2 x io.threads x block_bytes), and that {_HALF}"),
+        ("offload.host_pool_bytes=1TiB", "OffloadConfig.host_pool_bytes = 1099511627776: must be <= 8304721920: the "
+                                         "I/O engine allocates 1024.27 GiB of host memory when it starts, 1024.00 GiB "
+                                         f"of it for the host tier's pool, and that {_HALF}"),
+        ("offload.device=cuda:99", "OffloadConfig.device = 'cuda:99': this machine has no CUDA device; must name a "
+                                   "device that exists (or auto, which serves the GPU the process trains on)"),
+        ("offload.device=cuda", "OffloadConfig.device = 'cuda': no CUDA device is visible on this machine; must be "
+                                "auto or cpu here"),
+    ],
+)
+def test_huge_values_and_missing_devices_are_one_line_before_any_model_is_built(
+        machine_of_16_gib, monkeypatch, capsys, override, message):
+    """Item: each of these ended in a traceback (OverflowError, a failed 1 TiB mapping) or,
+    for a device that does not exist, trained with nothing offloaded."""
+    err = _refused_before_setup(monkeypatch, capsys, ["train", override])
+    assert err == "megatron_ssd: " + message
+
+
+@pytest.mark.parametrize("override, field", [("model.seq_length=1e12", "ModelConfig.seq_length"),
+                                             ("model.num_layers=1e9", "ModelConfig.num_layers"),
+                                             ("micro_batch_size=1e9", "TrainConfig.micro_batch_size")])
+def test_a_model_that_cannot_fit_is_refused_naming_the_field_and_its_largest_value(
+        machine_of_16_gib, monkeypatch, capsys, override, field):
+    """Item: ``model.seq_length=1e12`` failed allocating 1 PB; ``model.num_layers=1e9``
+    was still building after 300 s. The largest value named fits, one more does not."""
+    from megatron_ssd.commands.train import check_model_fits
+
+    err = _refused_before_setup(monkeypatch, capsys, ["train", override])
+    value = int(float(override.split("=")[1]))
+    prefix = f"megatron_ssd: {field} = {value}: must be <= "
+    assert err.startswith(prefix) and " on cpu (parameters and their gradients " in err, err
+    assert err.endswith("), and this machine has 16.00 GiB"), err
+    limit = int(err[len(prefix):].split()[0])
+    name = override.split("=")[0]
+    fits = load_config(TrainConfig, "configs/gpt-tiny.yaml", [f"{name}={limit}"])
+    check_model_fits(fits, "cpu", GiB16)
+    with pytest.raises(ConfigError, match=f"{field} = {limit + 1}: must be <= {limit} here"):
+        check_model_fits(load_config(TrainConfig, "configs/gpt-tiny.yaml", [f"{name}={limit + 1}"]), "cpu", GiB16)
+
+
+def test_step_and_engine_bounds_accept_their_limit(machine_of_16_gib):
+    assert load_config(TrainConfig, "configs/gpt-tiny.yaml", ["steps=1048570"]).steps == 1048570
+    with pytest.raises(ConfigError, match="TrainConfig.steps = 1048571: must be <= 1048570"):
+        load_config(TrainConfig, "configs/gpt-tiny.yaml", ["steps=1048571"])
+    assert load_config(OffloadConfig, None, ["io.block_bytes=2147483648", "device=cpu"]).io.block_bytes == 2 << 30
+    with pytest.raises(ConfigError, match="IOConfig.block_bytes = 2147487744: must be <= 2147483648"):
+        load_config(OffloadConfig, None, ["io.block_bytes=2147487744", "device=cpu"])
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--ssd-offload-override", "io.block_bytes=1TiB"],
+     "--ssd-offload-override = 'io.block_bytes=1TiB': IOConfig.block_bytes = 1099511627776: must be <= 2147483648: "),
+    (["--ssd-offload-block-size", "1TiB"],
+     "--ssd-offload-block-size = '1TiB': IOConfig.block_bytes = 1099511627776: must be <= 2147483648: "),
+])
+def test_pretrain_gpt_flags_are_bounded_alike(machine_of_16_gib, offload_dir, flags, message):
+    """Item: ``--ssd-offload-override io.block_bytes=1TiB`` was accepted, then allocated 1 TiB."""
+    import argparse
+
+    from megatron_ssd.megatron.args import add_ssd_offload_args, validate_ssd_offload_args
+
+    args = add_ssd_offload_args(argparse.ArgumentParser()).parse_args(
+        ["--ssd-offload", "--ssd-offload-paths", offload_dir, *flags])
+    with pytest.raises(ConfigError) as info:
+        validate_ssd_offload_args(args)
+    assert _one_line(info.value).startswith("megatron_ssd: " + message), str(info.value)
+
+
+def test_rank_path_over_a_dangling_symlink_is_refused(tmp_path):
+    """Item: ``--ssd-offload-paths '/d/r{rank}'`` where ``/d/r0`` is a dangling symbolic
+    link raised FileExistsError."""
+    import argparse
+
+    from megatron_ssd.megatron.args import add_ssd_offload_args, offload_config_from_args
+
+    (tmp_path / "r0").symlink_to(tmp_path / "nowhere")
+    args = add_ssd_offload_args(argparse.ArgumentParser()).parse_args(
+        ["--ssd-offload", "--ssd-offload-paths", str(tmp_path / "r{rank}")])
+    with pytest.raises(ConfigError) as info:
+        offload_config_from_args(args, rank=0, local_rank=0, make_rank_dirs=True)
+    assert _one_line(info.value) == (
+        f"megatron_ssd: OffloadConfig.paths: {str(tmp_path / 'r0')!r} is a symbolic link: offload paths must be real "
+        f"directories (pass the link's target, {str(tmp_path / 'nowhere')!r})")
+    assert not (tmp_path / "nowhere").exists()
+
+
+# ------------------------------------------------------------------ outputs
+
+
+@pytest.mark.parametrize("flag, target, rule", [
+    ("--json", "file/out.json", "its directory {parent!r} cannot be created (it is not a directory): must name a "
+                                "file in a writable directory (checked before the run, which writes it at the end)"),
+    ("--json", "dir", "is a directory: must name a file to write"),
+    ("--tensorboard-dir", "file/tb", "cannot be created (Not a directory): must be a writable directory"),
+    ("--tensorboard-dir", "file", "cannot be created (it is not a directory): must be a writable directory"),
+])
+def test_outputs_that_cannot_be_written_are_refused_before_the_run(tmp_path, monkeypatch, capsys, flag, target, rule):
+    """Item: ``--json`` or ``--tensorboard-dir`` under a non-directory path ended the run
+    in a traceback after all of it (or after the baseline), its results lost."""
+    (tmp_path / "file").write_text("x")
+    (tmp_path / "dir").mkdir()
+    monkeypatch.chdir(REPO)
+    path = str(tmp_path / target)
+    err = _refused_before_setup(monkeypatch, capsys, ["train", flag, path])
+    assert err == f"megatron_ssd: {flag} = {path!r}: " + rule.format(parent=str(tmp_path / "file"))
+
+
+_READ_ONLY_OUTPUT = textwrap.dedent(
+    """
+    import sys
+    from megatron_ssd.commands import cli
+    code = cli.main(["train", "--json", sys.argv[1] + "/out.json"])
+    print("train imported:", "megatron_ssd.commands.train" in sys.modules)  # nothing of the run started
+    sys.exit(code)
+    """
+)
+
+
+@pytest.mark.skipif(shutil.which("unshare") is None, reason="needs unshare(1) for private mounts")
+def test_json_on_a_read_only_filesystem_is_refused_before_the_run(tmp_path):
+    probe = subprocess.run(["unshare", "-rm", "true"], capture_output=True, text=True)
+    if probe.returncode != 0:
+        pytest.skip(f"unprivileged user namespaces unavailable: {probe.stderr.strip()}")
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    script = tmp_path / "ro_output.py"
+    script.write_text(_READ_ONLY_OUTPUT)
+    cmd = f"mount -t tmpfs -o ro,size=1m tmpfs {ro} && exec {sys.executable} {script} {ro}"
+    res = subprocess.run(["unshare", "-rm", "sh", "-c", cmd], capture_output=True, text=True, cwd=REPO,
+                         env=dict(os.environ, PYTHONPATH=REPO), timeout=120)
+    if res.returncode != 2 and "mount" in res.stderr and "megatron_ssd" not in res.stderr:
+        pytest.skip(f"cannot mount a tmpfs in a user namespace: {res.stderr.strip()[-200:]}")
+    assert res.returncode == 2 and res.stdout.strip() == "train imported: False", res.stdout + res.stderr
+    assert res.stderr.strip().splitlines()[-1] == (
+        f"megatron_ssd: --json = '{ro}/out.json': is not writable: must name a file in a writable directory "
+        "(checked before the run, which writes it at the end)")
 
 
 def test_infinite_float_from_yaml_and_in_code_is_refused(tmp_path):

@@ -34,6 +34,8 @@ CHILD = textwrap.dedent(
     path, mode = sys.argv[1], sys.argv[2]
     if mode in ("sigterm-default", "sigterm-logged", "sigterm-stuck"):
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    elif mode.startswith("default-"):  # whatever the parent left (nohup ignores SIGHUP)
+        signal.signal(getattr(signal, mode[len("default-"):]), signal.SIG_DFL)
     if mode in ("sigterm-logged", "sigterm-stuck"):
         import threading
         from megatron_ssd.cache.exit_guard import EXIT_GUARD
@@ -156,6 +158,18 @@ def test_sigterm_and_sigint_remove_the_files_before_exit(tmp_path, offload_dir, 
         assert "graceful handler ran" in out
     assert not os.path.exists(run_dir), f"{mode}: run directory left behind"
     assert os.listdir(offload_dir) == []
+
+
+@pytest.mark.parametrize("sig", [signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2, signal.SIGALRM],
+                         ids=lambda s: signal.Signals(s).name)
+def test_other_terminating_signals_remove_the_files_before_exit(tmp_path, offload_dir, sig):
+    """Item: SIGHUP (an ssh disconnect), SIGUSR1 and SIGALRM at their default action
+    killed the process and stranded its files until the next start or ``clean``."""
+    proc = _spawn(tmp_path, offload_dir, f"default-{signal.Signals(sig).name}")
+    run_dir = _run_dir_of(proc)
+    proc.send_signal(sig)
+    assert proc.wait(timeout=60) == -sig, proc.stderr.read()  # it still dies of the signal
+    assert not os.path.exists(run_dir) and os.listdir(offload_dir) == []
 
 
 def test_sigterm_removes_the_data_before_the_marker(tmp_path, offload_dir):
