@@ -183,18 +183,26 @@ def _shape(line: str) -> str:
 
 
 def _train_lines() -> List[str]:
-    from megatron_ssd.commands.steps import format_comparison, format_paired
+    from megatron_ssd.commands.steps import (format_choices, format_comparison, format_loss_identity, format_paired,
+                                             loss_identity)
     from megatron_ssd.commands.train import format_summary
+    from megatron_ssd.config import TrainConfig
 
     def phase(name, peak):
         return {"name": name, "peak_activation_bytes": peak, "median_step_s": 1.0, "step_s": [1.0] * 8,
                 "measured_steps": 8, "measured_kind": "measured", "bytes_written_per_step": 1.0,
                 "independent_peak_bytes": 2 * peak, "independent_peak_source": "rss (vmhwm)",
-                "peak_rss_above_base_bytes": 2 * peak}
+                "peak_rss_above_base_bytes": 2 * peak, "losses": [9.0] * 8}
 
     keep, off = phase("keep-everything", 3 << 20), phase("offload (auto)", 1 << 20)
     paired = {"median_ratio": 1.2, "pairs": 3, "ratio_ci95": [1.1, 1.3]}
-    return [*format_summary([keep, off]).splitlines(), format_comparison(keep, off), format_paired(paired)]
+    # the demo (configs/demo.yaml): keep, recompute, offload-all and the planner at a budget, one table
+    demo = [keep, phase("recompute", 1 << 20), phase("offload-all", 1 << 20), phase("planner, budget 89.1 MiB", 2 << 20)]
+    plan = {"layers": [{"layer_id": 1, "placement": "offload", "offload_sites": None, "site_count": 2},
+                       {"layer_id": 2, "placement": "recompute"}, {"layer_id": 3, "placement": "keep"}]}
+    return [*format_summary([keep, off]).splitlines(), format_comparison(keep, off), format_paired(paired),
+            *format_choices(demo, plan, TrainConfig()).splitlines(), format_loss_identity(loss_identity(demo)),
+            format_loss_identity(loss_identity([keep, off]))]
 
 
 @pytest.mark.parametrize("block", [b for b in BLOCKS if b.marker == "output of"], ids=repr)
