@@ -18,7 +18,7 @@ import sys
 import tempfile
 from typing import Any, Dict, List, Optional, Sequence
 
-from ..cache.stats import median_ci95, median_or_zero, ratio_ci95
+from ..cache.stats import median_or_zero
 from ..config import Placement, TrainConfig, load_config, to_dict
 from ..errors import ConfigError, MegatronSSDError
 from ..io.scratch import default_offload_dir, make_private_dir
@@ -26,6 +26,7 @@ from ..io.throttle import BlkioThrottle, blkio_available, parse_rate
 from ..planner.profile import StageProfile
 from ..planner.timeline import predict
 from ..units import MiB
+from .intervals import median_ci95, ratio_ci95
 from .dominance import (BUDGET, KEEP_LAST, MEGATRON_FULL, MEGATRON_OFFLOAD, MEGATRON_SELECTIVE, TE_OFFLOAD,
                         add_dominance, format_dominance)
 from .output import machine_info, write_json

@@ -13,8 +13,8 @@ from ..adaptive import profile_counts, profile_schedule
 from ..cache import StepStats
 from ..config import PlannerConfig, TrainConfig
 from ..units import MiB
-from ..cache.stats import ratio_ci95
 from ..planner import Plan
+from .intervals import ratio_ci95
 
 __all__ = ["FEW_STEPS", "step_kinds", "short_run_problems", "step_line", "format_plans", "format_paired",
            "format_comparison", "memory_saved", "loss_identity", "format_loss_identity", "format_choices",

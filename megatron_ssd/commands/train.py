@@ -32,7 +32,7 @@ from ..adaptive import AdaptivePlanner
 from ..cache import StepStats, TensorCache
 from ..cache.device import check_device
 from ..cache.pages import trim_heap
-from ..cache.stats import median_ci95, median_or_zero as med
+from ..cache.stats import median_or_zero as med
 from ..config import (OffloadConfig, Placement, PlannerConfig, TrainConfig, from_dict, host_memory_bytes, load_config,
                       to_dict)
 from ..errors import ConfigError
@@ -46,6 +46,7 @@ from ..workloads.data import TextFileData
 from ..workloads.harness import SGD, SyntheticData, finalize_embedding_grads, gpt_forward_step, train_step
 from ..workloads.models import build_gpt, build_hybrid_gpt, hybrid_available, tiny_transformer_config
 from ..workloads.parallel import destroy_parallel, init_parallel
+from .intervals import median_ci95
 from .output import Progress, write_json
 from .steps import (format_choices, format_comparison, format_loss_identity, format_paired, format_plans, loss_identity,
                     short_run_problems, step_kinds, step_line)

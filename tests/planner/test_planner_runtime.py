@@ -381,7 +381,7 @@ def test_ratio_interval_separates_a_real_slowdown_from_noise():
     makes the interval reproducible; no steps give nan."""
     import math
 
-    from megatron_ssd.commands.rok import ratio_ci95
+    from megatron_ssd.commands.intervals import ratio_ci95
 
     rounds = [[5.0, 5.1, 4.9, 5.2, 4.8, 5.05, 4.95], [5.5, 5.4, 5.6, 5.3, 5.7, 5.45, 5.55]]
     lo, hi = ratio_ci95(rounds, rounds)
