@@ -30,15 +30,18 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 from megatron_ssd.commands.output import write_json  # noqa: E402
-from megatron_ssd.planner.comparison import (  # noqa: E402
+from megatron_ssd.commands.sizing_tables import (  # noqa: E402
     COMPARISON_DRIVE,
     COMPARISON_DRIVES_PER_NODE,
+    SIZING_DRIVES,
+    SIZING_MODELS,
     drive_markdown,
     drive_rows,
     peer_markdown,
     peer_rows,
+    sizing_markdown,
+    sizing_rows,
 )
-from megatron_ssd.planner.simulate import SIZING_DRIVES, SIZING_MODELS, sizing_markdown, sizing_rows  # noqa: E402
 
 
 def main() -> int:

@@ -1,9 +1,12 @@
-"""The peers against the planner at H100 ratios, and the drive classes where SSD offload lasts.
+"""The H100 tables of ``docs/planner.md``: sizing, the peers against the planner, and the
+drive classes where SSD offload lasts.
 
-Two tables of ``docs/planner.md``, computed here from ``simulate``'s model so a test can
-check the docs hold what the code computes (``benchmarks/simulate_h100.py`` writes both
-to ``benchmarks/results/``)::
+Computed here from ``simulate``'s model (``planner/simulate.py``) so a test can check the
+docs hold what the code computes (``benchmarks/simulate_h100.py`` writes them to
+``benchmarks/results/``)::
 
+    rows = sizing_rows()          # each model and drive count: the plan, its wear, the host tier
+    print(sizing_markdown(rows))
     rows = peer_rows()            # each peer point beside the planner at its memory
     print(peer_markdown(rows))
     rows = drive_rows()           # each drive preset under the 3-year wear bound
@@ -20,9 +23,9 @@ import dataclasses
 import math
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
-from ..config import OUTSIDE, Placement
-from .drives import DRIVES, drive_preset
-from .peers import (
+from ..config import EMBEDDING, OUTSIDE, Placement
+from ..planner.drives import DRIVES, drive_preset
+from ..planner.peers import (
     LayerAnatomy,
     PeerPoint,
     full_recompute,
@@ -32,31 +35,43 @@ from .peers import (
     selective_recompute,
     te_cpu_offload,
 )
-from .plan import Plan, PlanInfeasibleError, make_plan
-from .profile import StageProfile
-from .timeline import predict
-from .simulate import (
-    SIZING_HOST_RAM,
-    SIZING_MODELS,
+from ..planner.plan import Plan, PlanInfeasibleError, make_plan
+from ..planner.profile import StageProfile
+from ..planner.simulate import (
     SimulationSpec,
     activation_capacity,
     host_budget,
     layer_anatomy,
+    simulate,
     spec_from_overrides,
     stage_profile,
 )
-from .wear import drive_lifetime_years, write_limit_bytes_per_s
+from ..planner.timeline import predict
+from ..planner.wear import drive_lifetime_years, write_limit_bytes_per_s
 
 __all__ = [
     "COMPARISON_DRIVE",
     "COMPARISON_DRIVES_PER_NODE",
     "FGO_FRACTIONS",
+    "SIZING_DRIVES",
+    "SIZING_HOST_RAM",
+    "SIZING_MODELS",
     "drive_markdown",
     "drive_rows",
     "peer_markdown",
     "peer_points",
     "peer_rows",
+    "sizing_markdown",
+    "sizing_rows",
 ]
+
+SIZING_MODELS = ("gpt-7b", "gpt-13b", "gpt-70b", "gpt-7b-32k", "gpt-13b-32k", "gpt-70b-32k")
+"""The ``MODEL_PRESETS`` (``planner/simulate.py``) of ``docs/planner.md``'s H100 tables:
+7B / 13B / 70B GPTs at 4k and 32k tokens, each with its preset's parallel layout."""
+SIZING_DRIVES = (2, 4, 8)
+"""Drives per 8-GPU node in the sizing table (all eight GPUs share them)."""
+SIZING_HOST_RAM = 256e9
+"""Host RAM per node lent to the host tier in the tables' host-tier columns."""
 
 FGO_FRACTIONS = (0.25, 0.5, 1.0)
 """Megatron fine-grained offload's ``activation_offload_fraction`` settings compared."""
@@ -306,5 +321,89 @@ def drive_markdown(rows: Sequence[Mapping[str, Any]]) -> str:
             f"| {r['write_limit_bytes_per_s_per_gpu'] / 1e6:.0f} MB/s | {_planned(ssd, True)} "
             f"| {_gb(rec['saved_bytes'])}, {rec['overhead_fraction']:+.1%} "
             f"| {_gb(host['saved_bytes'])}, {host['overhead_fraction']:+.1%}, {_gb(host['host_bytes_per_node'])} |"
+        )
+    return "\n".join(out)
+
+
+def _partly(plan: Plan) -> int:
+    """Transformer layers of ``plan`` that move only a prefix of their sites."""
+    return sum(1 for layer_id in plan.sites_by_layer() if layer_id not in OUTSIDE)
+
+
+def _placement_of(plan: Plan, layer_id: Any) -> Optional[str]:
+    """The placement text of ``layer_id`` in ``plan`` (None: not on this stage)."""
+    return next((lp.placement_text for lp in plan.layers if lp.layer_id == layer_id), None)
+
+
+def sizing_rows(models: Sequence[str] = SIZING_MODELS, drives: Sequence[int] = SIZING_DRIVES,
+                lifetime_years: float = 3.0, host_ram: float = SIZING_HOST_RAM) -> list:
+    """One row per model and drive count on H100 nodes (``simulate``'s defaults, the
+    node's 8 GPUs sharing its drives): the plan without a wear bound, the plan held to
+    ``lifetime_years`` of the drives' endurance, and that plan with ``host_ram`` bytes of
+    each node's RAM for the host tier. Each row is a JSON-ready dict."""
+    rows = []
+    for model in models:
+        for count in drives:
+            base = [f"ssd_count={count}", "gpus_per_array=8"]
+            free = simulate(spec_from_overrides([*base, "target_lifetime_years=null"], model=model))
+            worn = simulate(spec_from_overrides([*base, f"target_lifetime_years={lifetime_years}"], model=model))
+            hosted = simulate(spec_from_overrides([*base, f"target_lifetime_years={lifetime_years}",
+                                                   f"host_ram_bytes_per_node={host_ram}"], model=model))
+            s = free.spec
+            rows.append({
+                "model": model, "seq_len": s.seq_len, "layout": _layout(s), "drives_per_node": count,
+                "activation_capacity_bytes": free.plan.capacity_bytes,
+                "keep_peak_bytes": free.plan.keep_peak_activation_bytes,
+                "planned_peak_bytes": free.plan.peak_activation_bytes,
+                "memory_saved_bytes": free.memory_saved_bytes,
+                "offloaded_layers": _layers(free.plan, Placement.OFFLOAD),
+                "partly_offloaded_layers": _partly(free.plan),
+                "recomputed_layers": _layers(free.plan, Placement.RECOMPUTE),
+                "embedding_placement": _placement_of(free.plan, EMBEDDING),
+                "wear_bound_embedding_placement": _placement_of(worn.plan, EMBEDDING),
+                "overhead_fraction": free.overhead_fraction,
+                "write_bytes_per_s_per_gpu": free.write_bytes_per_s_per_gpu,
+                "lifetime_years": None if math.isinf(free.lifetime_years) else free.lifetime_years,
+                "cpu_offload_host_bytes_per_node": free.cpu_offload_host_bytes_per_node,
+                "wear_bound_years": lifetime_years,
+                "wear_bound_memory_saved_bytes": worn.memory_saved_bytes,
+                "wear_bound_offloaded_layers": _layers(worn.plan, Placement.OFFLOAD),
+                "wear_bound_partly_offloaded_layers": _partly(worn.plan),
+                "wear_bound_overhead_fraction": worn.overhead_fraction,
+                "wear_bound_write_bytes_per_s_per_gpu": worn.write_bytes_per_s_per_gpu,
+                "host_ram_bytes_per_node": host_ram,
+                "host_tier_memory_saved_bytes": hosted.memory_saved_bytes,
+                "host_tier_overhead_fraction": hosted.overhead_fraction,
+                "host_tier_hosted_layers": _layers(hosted.plan, Placement.HOST),
+                "host_tier_recomputed_layers": _layers(hosted.plan, Placement.RECOMPUTE),
+                "host_tier_pool_bytes_per_node": hosted.plan.host_pool_bytes * hosted.spec.gpus_per_node,
+            })
+    return rows
+
+
+def sizing_markdown(rows: Sequence[Mapping[str, Any]]) -> str:
+    """The table of :func:`sizing_rows` as Markdown (GB = 10^9 bytes)."""
+    gb = 1e9
+    out = [
+        "| model | layout | drives / node | kept peak | planned peak | saved | offload / recompute | step overhead "
+        "| SSD writes per GPU | drive life | host RAM for CPU offload, per node | saved at 3-year wear bound "
+        "| same + host tier: saved, host / recompute, pool per node |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        part = f" ({r['partly_offloaded_layers']} in part)" if r["partly_offloaded_layers"] else ""
+        life = "∞" if r["lifetime_years"] is None else (
+            f"{r['lifetime_years'] * 365:.0f} days" if r["lifetime_years"] < 1 else f"{r['lifetime_years']:.1f} years")
+        out.append(
+            f"| {r['model']} | {r['layout']} | {r['drives_per_node']} | {r['keep_peak_bytes'] / gb:.1f} GB "
+            f"| {r['planned_peak_bytes'] / gb:.1f} GB | {r['memory_saved_bytes'] / gb:.1f} GB "
+            f"({r['memory_saved_bytes'] / r['keep_peak_bytes']:.0%}) "
+            f"| {r['offloaded_layers']}{part} / {r['recomputed_layers']} | {r['overhead_fraction']:+.1%} "
+            f"| {r['write_bytes_per_s_per_gpu'] / gb:.2f} GB/s | {life} "
+            f"| {r['cpu_offload_host_bytes_per_node'] / gb:.0f} GB "
+            f"| {r['wear_bound_memory_saved_bytes'] / gb:.1f} GB ({r['wear_bound_overhead_fraction']:+.1%}) "
+            f"| {r['host_tier_memory_saved_bytes'] / gb:.1f} GB ({r['host_tier_overhead_fraction']:+.1%}), "
+            f"{r['host_tier_hosted_layers']} / {r['host_tier_recomputed_layers']}, "
+            f"{r['host_tier_pool_bytes_per_node'] / gb:.0f} GB |"
         )
     return "\n".join(out)
