@@ -1,10 +1,11 @@
 """The package's dependencies point one way (README "Package layers").
 
-Every import of a ``megatron_ssd`` module, at the top of a file or inside a function,
-must go to the same package or to a lower layer; the planner imports nothing but the
-configuration, errors and units, and no third-party module at all (it is pure arithmetic
-over measurements). A new module must be given a layer here, so this test also fails
-for a module nobody placed.
+Every import of a ``megatron_ssd`` module, at the top of a file, inside a function or
+under ``if TYPE_CHECKING:``, must go to the same package or to a lower layer; the planner
+imports nothing but the configuration, errors and units, and no third-party module at all
+(it is pure arithmetic over measurements); the library (cache, I/O, planner, Megatron
+integration) never imports the lab (the commands and the reference workloads). A new
+module must be given a layer here, so this test also fails for a module nobody placed.
 """
 
 from __future__ import annotations
@@ -40,6 +41,10 @@ LAYERS = {
     "megatron_ssd.commands": 8,
 }
 PLANNER_MAY_IMPORT = {"megatron_ssd.config", "megatron_ssd.errors", "megatron_ssd.units"}
+LIBRARY = ("megatron_ssd.cache", "megatron_ssd.io", "megatron_ssd.planner", "megatron_ssd.megatron")
+"""The product packages: what a Megatron-LM job imports."""
+LAB = ("megatron_ssd.commands", "megatron_ssd.workloads")
+"""The measurement harness: commands, reports, reference models and the step loop."""
 
 
 def _module_name(path: pathlib.Path) -> str:
@@ -61,10 +66,18 @@ def _is_module(name: str) -> bool:
     return path.is_dir() or path.with_suffix(".py").is_file()
 
 
-def _imports(path: pathlib.Path):
+def _under(module: str, packages) -> bool:
+    return any(module == p or module.startswith(p + ".") for p in packages)
+
+
+def _imports(path: pathlib.Path, source: str | None = None):
+    """``(line, module)`` for every import in ``path`` (or in ``source`` as if it were
+    that file): ``ast.walk`` visits every node, so imports inside functions and under
+    ``if TYPE_CHECKING:`` count like those at the top."""
     module = _module_name(path)
     package = module if path.name == "__init__.py" else module.rsplit(".", 1)[0]
-    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+    text = path.read_text(encoding="utf-8") if source is None else source
+    for node in ast.walk(ast.parse(text)):
         if isinstance(node, ast.ImportFrom):
             if node.level:
                 base = package.split(".")[: len(package.split(".")) - node.level + 1]
@@ -115,7 +128,40 @@ def test_planner_is_pure(path):
 
 
 def test_test_helpers_are_not_part_of_the_integration():
-    """The CPU reference workloads (models, seeded data, the step loop) live in
-    megatron_ssd.workloads, not beside the Megatron integration."""
+    """The CPU reference workloads (models, seeded data, the step loop, the local process
+    spawner) live in megatron_ssd.workloads, not beside the Megatron integration."""
     integration = {p.stem for p in (ROOT / "megatron").glob("*.py")}
-    assert not integration & {"harness", "models", "parallel"}, integration
+    assert not integration & {"harness", "models", "parallel", "spawn"}, integration
+
+
+def _lab_imports(path: pathlib.Path, source: str | None = None):
+    return [f"line {line}: {target}" for line, target in _imports(path, source) if _under(target, LAB)]
+
+
+LIBRARY_MODULES = [p for p in MODULES if _under(_module_name(p), LIBRARY)]
+
+
+@pytest.mark.parametrize("path", LIBRARY_MODULES, ids=lambda p: str(p.relative_to(ROOT.parent)))
+def test_the_library_never_imports_the_lab(path):
+    """cache, io, planner and megatron import neither megatron_ssd.commands nor
+    megatron_ssd.workloads, not even for type annotations."""
+    wrong = _lab_imports(path)
+    assert not wrong, f"{_module_name(path)} imports the lab: {wrong}"
+
+
+def test_every_library_package_is_read():
+    assert {_unit(_module_name(p)) for p in LIBRARY_MODULES} == set(LIBRARY)
+
+
+@pytest.mark.parametrize("source, found", [
+    ("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from ..commands.train import TrainRecipe\n",
+     ["line 3: megatron_ssd.commands.train"]),
+    ("def f():\n    from ..workloads import models\n", ["line 2: megatron_ssd.workloads"]),
+    ("from .. import commands\n", ["line 1: megatron_ssd.commands"]),
+    ("import megatron_ssd.workloads.harness as h\n", ["line 1: megatron_ssd.workloads.harness"]),
+    ("from ..config import Placement\nfrom .policy import PlacementPolicy\n", []),
+])
+def test_the_lab_check_reads_every_kind_of_import(source, found):
+    """The reader behind the two checks above sees an import under ``if TYPE_CHECKING:``,
+    inside a function, of a package by name and by absolute path."""
+    assert _lab_imports(ROOT / "cache" / "planted.py", source) == found

@@ -61,6 +61,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import os
+import socket
 import sys
 from typing import Any, Iterator, List, MutableMapping, Sequence, Tuple
 
@@ -68,10 +69,9 @@ import torch
 
 from ..errors import ConfigError
 from .cpu_mode import cpu_mode, cuda_usable
-from .launch import free_port
 from .patching import is_patched, patch
 
-__all__ = ["CPU_FLAGS", "add_cpu_flags", "cpu_pretrain_run", "prepare_cpu_pretrain", "single_process_env"]
+__all__ = ["CPU_FLAGS", "add_cpu_flags", "cpu_pretrain_run", "free_port", "prepare_cpu_pretrain", "single_process_env"]
 
 CPU_FLAGS: Tuple[Tuple[str, Tuple[str, ...]], ...] = (
     ("--distributed-backend", ("--distributed-backend", "gloo")),
@@ -123,6 +123,13 @@ def add_cpu_flags(argv: Sequence[str]) -> List[str]:
                 f"{flag} {_REFUSED[flag][0]} (docs/megatron-lm.md, CPU runs)"
             )
     return out
+
+
+def free_port() -> int:
+    """Return a TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def single_process_env(environ: MutableMapping[str, str] = os.environ) -> None:

@@ -8,7 +8,7 @@ One call sets up what a Megatron training script sets up before building a model
 
 The process group comes from the usual environment (``RANK``, ``WORLD_SIZE``,
 ``MASTER_ADDR``, ``MASTER_PORT``, as set by ``torchrun`` or
-:func:`megatron_ssd.megatron.launch.spawn`); without it a single process group of size 1
+:func:`megatron_ssd.workloads.spawn.spawn`); without it a single process group of size 1
 is created on a free local port.
 """
 
@@ -26,7 +26,7 @@ from megatron.core import parallel_state, tensor_parallel
 from ..errors import ConfigError, MegatronSSDError
 from ..ranks import env_int
 from ..megatron.cpu_mode import cuda_usable
-from ..megatron.launch import free_port
+from ..megatron.cpu_pretrain import free_port
 
 __all__ = ["ParallelInfo", "destroy_parallel", "init_parallel"]
 

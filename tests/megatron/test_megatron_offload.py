@@ -30,7 +30,7 @@ from megatron_ssd.megatron import (
 from megatron_ssd.megatron.attention import cpu_layer_spec
 from megatron_ssd.workloads.harness import SyntheticData, bert_forward_step, gpt_forward_step, run_steps, t5_forward_step
 from megatron_ssd.megatron.cpu_mode import hide_cuda
-from megatron_ssd.megatron.launch import spawn
+from megatron_ssd.workloads.spawn import spawn
 from megatron_ssd.workloads.models import (
     build_bert,
     build_gpt,

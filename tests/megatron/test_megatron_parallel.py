@@ -31,7 +31,7 @@ from megatron.core import parallel_state
 from megatron_ssd.errors import ConfigError, MegatronSSDError
 from megatron_ssd.workloads.harness import SyntheticData, gpt_forward_step, run_steps
 from megatron_ssd.megatron.cpu_mode import hide_cuda
-from megatron_ssd.megatron.launch import spawn
+from megatron_ssd.workloads.spawn import spawn
 from megatron_ssd.workloads.models import (
     build_gpt,
     build_model_chunks,

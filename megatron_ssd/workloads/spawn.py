@@ -26,7 +26,6 @@ import io
 import multiprocessing as mp
 import os
 import queue
-import socket
 import time
 import traceback
 from typing import Any, Callable, Optional
@@ -34,20 +33,14 @@ from typing import Any, Callable, Optional
 import torch
 
 from ..errors import ConfigError, MegatronSSDError
+from ..megatron.cpu_pretrain import free_port
 
-__all__ = ["free_port", "spawn"]
+__all__ = ["spawn"]
 
 # Seconds the parent waits for the other children after one failed, before terminating them.
 _GRACE_S = 5.0
 # Seconds a dead child's message may still take to arrive (its queue is flushed at exit).
 _DEAD_GRACE_S = 1.0
-
-
-def free_port() -> int:
-    """Return a TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _child(
