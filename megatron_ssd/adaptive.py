@@ -56,10 +56,10 @@ class PlanEvent:
 # an odd count gives KEEP the extra step), and every measured step follows a step of its
 # own kind: the warm-up steps run the first block's placement, and ``settle_steps``
 # untimed OFFLOAD steps run between the blocks. A step right after a switch inherits the
-# other kind's heap: on the CPU reference run a KEEP step measured right after an OFFLOAD
-# step took 2.24 s against 1.94 s after a KEEP step, and an OFFLOAD step after a KEEP
-# step skips the page faults its own steady state pays, so alternating made offloading
-# look 7.8% slower than keeping where it was 30% slower (docs/planner.md).
+# other kind's heap: a KEEP step right after an OFFLOAD step runs slower than after a
+# KEEP step, and an OFFLOAD step after a KEEP step skips the page faults its own steady
+# state pays, so alternating the kinds hides most of what offloading costs
+# (docs/planner.md). Measured: docs/performance.md#run-2026-11-24-switch-heap.
 # A KEEP step holds every activation, which a user of this plugin often cannot hold: see
 # NOTE [Profiling within the capacity].
 # When RECOMPUTE may be chosen (``recompute_profile_steps``), a RECOMPUTE block runs
@@ -67,21 +67,18 @@ class PlanEvent:
 
 # NOTE [Pricing recompute]
 # The timeline charges a RECOMPUTE layer ``recompute_s`` more backward, by default its
-# forward time. On the CPU reference run that was short: recompute-everything took 1.51x
-# keep's step where one more forward per layer predicts about 1.3x, and a budget plan
-# recomputing 2 layers ran 3.85 s against 3.55 s predicted, so the planner chose
-# recompute over offloads that cost less. The rebuilt activations are fresh allocations
+# forward time. On a CPU that is short, by enough that the planner chose recompute over
+# offloads that cost less. The rebuilt activations are fresh allocations
 # (page faults on a CPU), and backward runs a second autograd graph. So when RECOMPUTE
 # may be chosen, the profile measures it: in RECOMPUTE steps the cache clocks each
 # layer's forward and its backward, which includes the re-run. Summed over the layers,
 # that less their kept forward and backward is what recomputing them all costs; over
 # their summed forward it is a factor, and each layer's ``recompute_s`` is the factor
 # times its forward (at least 0). The sum, not each layer's own difference: one step's
-# differences scatter between layers of equal size (0 to 0.73 s on the CPU reference
-# run, 0.28 s each on average), as the clocks split work at layer boundaries, while the
-# sum matched the step (2.20 s of 2.30 s extra; factor 2.3). With no KEEP steps to
-# compare against, the offload steps' compute (stalls and write waits taken out)
-# stands in.
+# differences scatter between layers of equal size, as the clocks split work at layer
+# boundaries, while their sum matches the step. With no KEEP steps to compare against,
+# the offload steps' compute (stalls and write waits taken out) stands in.
+# Measured: docs/performance.md#run-2026-11-24-recompute-price.
 
 
 # NOTE [Profiling within the capacity]
@@ -301,10 +298,10 @@ def _slowdown_in_flight(stats: Any, layer_ids: List[Hashable], clean_compute: fl
     to compute that overlaps I/O, so it is spread over that time, not over the whole
     step. With ``w`` the in-flight time per micro-batch (writes' plus reads' busy time,
     at most ``busy``), compute that took ``w`` would have taken ``w - extra`` alone, so
-    ``slowdown = extra / (w - extra)``. Spread over the whole step instead, the CPU
-    reference run's 0.23 s of extra in 0.86 s of in-flight time gave 0.08 where the
-    replay needs 0.37, and the plan saw a third of the cost. Where ``w`` is too short to
-    hold the extra, the denominator is held at a tenth of ``w``.
+    ``slowdown = extra / (w - extra)``. Spread over the whole step instead, the factor
+    comes out a fraction of what the replay needs, and the plan sees that fraction of
+    the cost. Where ``w`` is too short to hold the extra, the denominator is held at a
+    tenth of ``w``. Measured: docs/performance.md#run-2026-11-24-slowdown.
     """
     busy = 0.0
     for layer_id in layer_ids:

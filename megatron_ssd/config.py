@@ -351,9 +351,9 @@ class PlannerConfig:
     kept and the offloaded profiling steps after ``settle_steps`` untimed ones; from them
     the profile prices RECOMPUTE per layer (``recompute_s``: one stage-wide factor, the
     layers' forward plus backward under RECOMPUTE less their kept ones over their kept
-    forward, times the layer's forward) instead of as one more forward, which
-    the CPU reference run measured 15% short over a whole step (NOTE [Pricing
-    recompute] in ``adaptive.py``). None: 1 when the planner may choose RECOMPUTE to
+    forward, times the layer's forward) instead of as one more forward, which falls
+    short on a CPU (NOTE [Pricing recompute] in ``adaptive.py``;
+    docs/performance.md#run-2026-11-24-recompute-price). None: 1 when the planner may choose RECOMPUTE to
     meet a limit (``allow_recompute`` with ``memory_budget`` or
     ``activation_capacity_bytes`` set), else 0. On a CUDA device with no limit set the
     measured capacity can still call for RECOMPUTE, priced as one forward unless this

@@ -1,8 +1,11 @@
-"""Docs and presets stay true: the config reference, every YAML preset, README links."""
+"""Docs and presets stay true: the config reference, every YAML preset, README links, the
+docs sections the code points to."""
 
 from __future__ import annotations
 
+import ast
 import os
+import pathlib
 import re
 
 import pytest
@@ -55,3 +58,44 @@ def test_every_doc_is_reachable_from_the_readme():
     docs = {f for f in os.listdir(os.path.join(REPO, "docs")) if f.endswith(".md")}
     assert docs <= linked, f"not linked from README.md: {sorted(docs - linked)}"
     assert "make run" in readme and "make test" in readme
+
+
+def _anchors(doc: str) -> set:
+    """The anchors of a Markdown file's headings, as GitHub makes them: lower case, spaces
+    to hyphens, everything but letters, digits, ``-`` and ``_`` dropped."""
+    with open(os.path.join(REPO, "docs", doc), encoding="utf-8") as fh:
+        text = re.sub(r"```.*?```", "", fh.read(), flags=re.S)
+    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-")
+            for h in re.findall(r"^#+ (.+)$", text, flags=re.M)}
+
+
+CODE = sorted(pathlib.Path(REPO, "megatron_ssd").rglob("*.py"))
+
+
+def test_sections_the_code_points_to_exist():
+    """Every ``docs/NAME.md#anchor`` in the package (error messages, NOTE pointers to
+    measurements) names a heading of that doc."""
+    cited = {(p.relative_to(REPO), doc, anchor) for p in CODE
+             for doc, anchor in re.findall(r"docs/([\w.-]+\.md)#([\w-]+)", p.read_text(encoding="utf-8"))}
+    assert len(cited) >= 10, cited
+    missing = [f"{path}: docs/{doc}#{anchor}" for path, doc, anchor in sorted(cited) if anchor not in _anchors(doc)]
+    assert not missing, f"no such section: {missing}"
+
+
+def _docstrings(tree: ast.AST) -> set:
+    bodies = [node.body for node in ast.walk(tree) if isinstance(getattr(node, "body", None), list)]
+    return {id(stmt.value) for body in bodies for stmt in body
+            if isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Constant)}
+
+
+def test_messages_send_users_to_docs_not_to_source_notes():
+    """A string the code prints or raises names a docs section, never a ``NOTE [...]`` of
+    the source (docstrings and comments may cite NOTEs: they are read with the source)."""
+    found = []
+    for path in CODE:
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        docs = _docstrings(tree)
+        found += [f"{path.relative_to(REPO)}:{node.lineno}" for node in ast.walk(tree)
+                  if isinstance(node, ast.Constant) and isinstance(node.value, str) and "NOTE [" in node.value
+                  and id(node) not in docs]
+    assert not found, found

@@ -19,22 +19,16 @@ user watching RSS saw much less saved than the cache counted. Two calls put them
   instead of corrupting memory).
 * :func:`trim_heap`, at the end of each micro-batch's forward: ``malloc_trim(0)``,
   which returns every wholly free page of glibc's arenas (the activations freed by
-  forward whose other owners let go later). 10-60 ms per call on the reference CPU
-  workload (``configs/gpt-ref-cpu.yaml``, ~5 s steps). And when a layer's backward
-  starts after a RECOMPUTE layer's: the rerun forward's activations, freed by that
-  backward, sit in glibc's heap between live blocks, and the next rerun cannot reuse
-  the holes, so without it the heap grew layer after layer. Sampled with glibc's
-  ``mallinfo2`` at the RSS peak of the reference workload recomputing every layer:
-  1501 MiB of heap of which 913 MiB free, RSS 1117.5 MiB above the pre-forward level;
-  with the trim after each recomputed layer 806.7 MiB, median step 3.09 s before and
-  2.96 s after (5 steps, ``megatron-ssd train --config configs/gpt-ref-cpu.yaml
-  --no-baseline steps=5 offload.planner.mode=recompute``). Keeping every layer: 1069.2
-  MiB.
+  forward whose other owners let go later); a call costs a small share of a step. And
+  when a layer's backward starts after a RECOMPUTE layer's: the rerun forward's
+  activations, freed by that backward, sit in glibc's heap between live blocks, and the
+  next rerun cannot reuse the holes, so without it the heap grew layer after layer,
+  mostly free pages, past what keeping every layer holds (measured:
+  docs/performance.md#run-2026-11-24-recompute-heap).
 
 Both are no-ops where they do not apply (another C library, a CUDA device, or
-``offload.return_freed_pages: false``). Measured on ``configs/gpt-ref-cpu.yaml``, 5 steps
-offloading every layer, process RSS above its pre-forward level: 948 MiB with neither,
-725 MiB with the trim only, 572 MiB with both.
+``offload.return_freed_pages: false``). Each lowers the RSS of an offloading process,
+both together the most (measured: docs/performance.md#run-2026-11-23-heap-pages).
 """
 
 from __future__ import annotations

@@ -117,7 +117,7 @@ class PlacementPolicy:
             if plan[layer_id] is Placement.RECOMPUTE and layer_id in OUTSIDE:
                 raise ConfigError(
                     f"plan[{layer_id!r}] = 'recompute': the tensors saved outside the layers cannot be recomputed "
-                    "(NOTE [Sites outside the layers]); use keep, offload or host"
+                    "(docs/tensor-cache.md#sites-outside-the-layers); use keep, offload or host"
                 )
             if plan[layer_id] is Placement.HOST and not self.host_available:
                 raise ConfigError(

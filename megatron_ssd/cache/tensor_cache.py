@@ -158,7 +158,7 @@ class TensorCache(ScopeMixin, StepAccountingMixin):
         for layer_id, module in zip(ids, layers):
             if layer_id in OUTSIDE or layer_id is None:
                 raise ConfigError(f"register_layers: layer id {layer_id!r} is reserved for the tensors saved "
-                                  "outside the layers (NOTE [Sites outside the layers]); choose another id")
+                                  "outside the layers (docs/tensor-cache.md#sites-outside-the-layers); choose another id")
             if layer_id in known:
                 raise ConfigError(f"register_layers: layer id {layer_id!r} registered twice; ids must be unique")
             known.append(layer_id)

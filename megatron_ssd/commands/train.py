@@ -306,19 +306,14 @@ class TrainRecipe:
         KEEP; the other restores the plan and the default placement the offload phase
         ended with. Each timed step follows ``paired_settle_steps`` (default 2) untimed
         steps of its own kind: a step right after a switch inherits the other kind's
-        memory state. Measured
-        under the 250 MiB/s throttle with a 294 MiB budget plan (four layers recomputed):
-        its steps right after keep steps took 2.59 s (median of 8) against 2.92 s in a
-        row, since keep's backward leaves glibc's heap full of resident free pages that
-        the plan's trims would otherwise have given back and faulted in again; and keep
-        steps right after it took 2.10 s against 1.94 s. The unsettled ratio was 1.27x,
-        the steady one 1.50x. One settle step is not always enough: a 378 MiB budget
-        plan that offloads three layers and recomputes two ran 4.239 s inside pairs with
-        one settle step against 3.960 s in its own fresh run (+7%), and 3.920 against
-        3.911 s with two; keep-last stayed within 2.5% either way. The planner sees none
-        of these steps: it neither re-plans nor profiles. They continue training, so the model after them differs from the
-        offload phase's (``final_loss`` stays the offload phase's). On a GPU each timed step's
-        time is its CUDA-event time (NOTE [Device step time]), elsewhere its ``wall_s``.
+        memory state (keep's backward leaves glibc's heap full of resident free pages
+        that the plan's trims would otherwise have given back and faulted in again), so
+        unsettled pairs understate the plan's cost, and one settle step is not always
+        enough (measured: docs/performance.md#run-2026-11-24-paired-settle). The planner
+        sees none of these steps: it neither re-plans nor profiles. They continue
+        training, so the model after them differs from the offload phase's
+        (``final_loss`` stays the offload phase's). On a GPU each timed step's time is its
+        CUDA-event time (NOTE [Device step time]), elsewhere its ``wall_s``.
         """
         plan, read_ahead, sites, default = cache.plan(), cache.read_ahead(), cache.sites(), cache.default_placement
         keep_s: List[float] = []

@@ -1,10 +1,9 @@
 """Block checksums: one xxh3_64 digest of each offloaded block's payload.
 
-Integrity checking is on by default (``io.checksum: on``), so it has to be cheap:
-``benchmarks/checksum_cost.py`` measured xxh3_64 (the ``xxhash`` package) at about
-0.06 CPU-s per GB on 4 MiB blocks, against 0.07 for a hardware CRC32C (``crc32c``) and
-0.44 for ``zlib.crc32`` (``benchmarks/results/checksum_cost.json``). Its calls release
-the GIL for inputs over 64 KiB, so the I/O workers digest while the training thread runs.
+Integrity checking is on by default (``io.checksum: on``), so it has to be cheap: of the
+digests ``benchmarks/checksum_cost.py`` compares, xxh3_64 (the ``xxhash`` package) costs
+the least CPU per byte (measured: docs/io.md#checksums). Its calls release the GIL for
+inputs over 64 KiB, so the I/O workers digest while the training thread runs.
 A block moved in several pieces feeds them to one :class:`Digest` in payload order::
 
     d = Digest()

@@ -431,9 +431,8 @@ class StripedEngine(Engine):
     # ``cancelled_write_bytes`` and not as an error. A cancel that comes after every block
     # started changes nothing. Without it a slow disk spent its bandwidth on tensors
     # nobody would read again, and the next writes queued behind them kept their tensors
-    # in memory longer: under a 250 MiB/s throttle the offload-everything profile step
-    # left such writes queued at its end, and the first step of the plan that followed
-    # counted 724 MiB of activations against a 546 MiB budget (later steps: 532 MiB).
+    # in memory longer, past a plan's budget in the plan's first step (measured:
+    # docs/performance.md#run-2026-11-24-cancelled-writes).
 
     def _run_block(self, op: BlobOp, block: Block) -> None:
         started = time.thread_time()

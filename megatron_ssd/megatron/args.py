@@ -267,7 +267,7 @@ _MEGATRON_OFFLOAD_RULE = (
 
 _CUDA_GRAPH_RULE = (
     "CUDA graph replay does not run the Python saved-tensor hooks ssd offload relies on "
-    "(NOTE [CUDA graphs] in megatron_ssd/megatron/layer.py); use --cuda-graph-impl none"
+    "(docs/megatron.md#cuda-graphs-are-refused); use --cuda-graph-impl none"
 )
 
 # Megatron-LM core_v0.16.1 names (megatron/training/arguments.py; the first three come from

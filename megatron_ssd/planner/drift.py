@@ -77,10 +77,9 @@ def _with_unit(key: str, value: float) -> str:
 # NOTE [Short I/O samples]
 # A bandwidth measured over little busy time is a burst, not the sustained rate a plan
 # depends on: a throttled disk lets a burst through at several times its limit, a drive's
-# write cache absorbs one. On the reference CPU workload throttled to 250 MiB/s, a budget
-# plan that wrote 20 MiB per step measured 924 MiB/s of writes; the re-plan it caused
-# wrote 532 MiB per step, which the disk took at 255 MiB/s, and held 392 MiB against a
-# 252 MiB budget before the next re-plan undid it. So a step whose writes (or reads)
+# write cache absorbs one; a re-plan on such a sample writes more than the drives take
+# and holds more than its budget (measured: docs/performance.md#run-2026-11-23-short-samples).
+# So a step whose writes (or reads)
 # kept the array busy for less than MIN_BUSY_FRACTION of its wall time gives no sample
 # for that direction.
 MIN_BUSY_FRACTION = 0.1
@@ -97,11 +96,10 @@ def _sustained(bandwidth: Optional[float], busy_s: Optional[float], wall_s: Opti
 # Compute drift is judged on the stage, not layer by layer: the forward times of all
 # layers summed (and the backward times) against what the plan expects, with the
 # threshold; a single layer only re-plans when it moves by LAYER_FACTOR times the
-# threshold. Per-layer medians scatter where the stage's total does not: on the 2-core
-# reference VM, under a 252 MiB budget plan and the 250 MiB/s throttle, per-layer
-# forward and backward medians moved +16% to +20% and -17% to -29% in the same window,
-# and the per-layer rule re-planned 3 times in 15 steps, each time to another plan. A
-# real change (a slower node, thermal throttling, another job on the GPU) moves the sum;
+# threshold. Per-layer medians scatter where the stage's total does not: within one
+# window some layers' medians move up and others down by more than the threshold, and a
+# per-layer rule re-plans again and again, each time to another plan (measured:
+# docs/performance.md#run-2026-11-23-layer-drift). A real change (a slower node, thermal throttling, another job on the GPU) moves the sum;
 # a straggler layer (+50%) still shows by itself. The new profile takes every layer's
 # measured median either way.
 LAYER_FACTOR = 3.0

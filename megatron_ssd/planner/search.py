@@ -165,8 +165,8 @@ class PlacementSearch:
     # NOTE [Slowdown bound]
     # "Hidden" I/O never stalls backward, but on a machine where the I/O engine shares
     # the cores with compute (a CPU run) it still slows compute while it is in flight
-    # (``IOProfile.compute_slowdown``): on the 2-core reference machine offloading 656
-    # MiB a step made a 1.9 s step 30% longer without a single stall. So the hidden
+    # (``IOProfile.compute_slowdown``), by tens of percent on two cores without a single
+    # stall (measured: docs/performance.md#run-2026-11-24-slowdown). So the hidden
     # offload is also held to a predicted step at most ``1 + max_slowdown`` times
     # keep-everything's, at the derated and at the measured bandwidths; layers are
     # admitted first fit in forward order as before, so the bound keeps the earliest

@@ -179,7 +179,7 @@ def _check_cpu_fields(fields: dict[str, Any]) -> None:
         raise ConfigError(
             "overlap_p2p_comm (True) with deallocate_pipeline_outputs (True) frees sent "
             "activations while gloo may still be sending them; set one of them False on "
-            "CPU (NOTE [gloo p2p])"
+            "CPU (docs/troubleshooting.md#megatron-core-on-cpu-with-gloo)"
         )
     interleaved = fields.get("virtual_pipeline_model_parallel_size") is not None
     if interleaved and fields.get("pipeline_model_parallel_size") == 2 and fields.get(
@@ -188,7 +188,7 @@ def _check_cpu_fields(fields: dict[str, Any]) -> None:
         raise ConfigError(
             "batch_p2p_comm (True) with the interleaved schedule and "
             "pipeline_model_parallel_size 2 swaps activations and gradients on gloo; "
-            "use batch_p2p_comm=False (NOTE [gloo p2p])"
+            "use batch_p2p_comm=False (docs/troubleshooting.md#megatron-core-on-cpu-with-gloo)"
         )
 
 
