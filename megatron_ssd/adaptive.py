@@ -291,7 +291,7 @@ def _io_profile(offload_steps: List[Any], layer_ids: List[Hashable], clean_compu
 
 def _slowdown_in_flight(stats: Any, layer_ids: List[Hashable], clean_compute: float) -> float:
     """One OFFLOAD step's ``compute_slowdown``: the factor by which compute ran slower
-    while I/O was in flight (NOTE [Compute slowdown] in ``planner/timeline.py``).
+    while I/O was in flight (NOTE [Compute slowdown] in ``planner/step_timeline.py``).
 
     NOTE [Slowdown while in flight]: the layers' compute per micro-batch took ``busy``
     against ``clean_compute`` in KEEP steps; the timeline model charges the extra only

@@ -430,7 +430,7 @@ class EntryTable:
     def backward_started(self, record: Record, layer_id: Hashable) -> Optional[Hashable]:
         """``layer_id``'s backward begins in ``record``: issue the reads due now,
         needed-first (this layer's, then those of earlier layers whose sites' read-aheads
-        reach it, NOTE [Write and read issue points] in ``planner/timeline.py``).
+        reach it, NOTE [Write and read issue points] in ``planner/step_timeline.py``).
 
         Returns:
             The layer whose backward just ended in ``record`` (None: the first)."""

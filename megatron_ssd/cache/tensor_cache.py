@@ -158,7 +158,8 @@ class TensorCache(ScopeMixin, StepAccountingMixin):
         for layer_id, module in zip(ids, layers):
             if layer_id in OUTSIDE or layer_id is None:
                 raise ConfigError(f"register_layers: layer id {layer_id!r} is reserved for the tensors saved "
-                                  "outside the layers (docs/tensor-cache.md#sites-outside-the-layers); choose another id")
+                                  "outside the layers (docs/tensor-cache.md#sites-outside-the-layers); "
+                                  "choose another id")
             if layer_id in known:
                 raise ConfigError(f"register_layers: layer id {layer_id!r} registered twice; ids must be unique")
             known.append(layer_id)
@@ -180,7 +181,7 @@ class TensorCache(ScopeMixin, StepAccountingMixin):
 
         ``read_ahead`` gives a layer's read-issue point: its read is issued when the
         backward of the layer that many layers later starts (NOTE [Write and read issue
-        points] in ``planner/timeline.py``); or one such point per site in save order,
+        points] in ``planner/step_timeline.py``); or one such point per site in save order,
         where 0 issues the site's read when its own layer's backward starts. Layers it
         does not name read ``prefetch_layers`` ahead. ``sites`` limits an OFFLOAD or HOST layer to its first
         k sites (offloadable tensors in save order, NOTE [Sites] in

@@ -24,7 +24,7 @@ from ..errors import ConfigError, MegatronSSDError
 from ..io.scratch import default_offload_dir, make_private_dir
 from ..io.throttle import BlkioThrottle, blkio_available, parse_rate
 from ..planner.profile import StageProfile
-from ..planner.timeline import predict
+from ..planner.step_timeline import predict
 from ..units import MiB
 from .intervals import median_ci95, ratio_ci95
 from .dominance import (BUDGET, KEEP_LAST, MEGATRON_FULL, MEGATRON_OFFLOAD, MEGATRON_SELECTIVE, TE_OFFLOAD,

@@ -12,7 +12,7 @@ docs hold what the code computes (``benchmarks/simulate_h100.py`` writes them to
     rows = drive_rows()           # each drive preset under the 3-year wear bound
     print(drive_markdown(rows))
 
-Every number is the timeline model's prediction (``planner/timeline.py``) for one GPU of
+Every number is the timeline model's prediction (``planner/step_timeline.py``) for one GPU of
 an 8-GPU H100 node, the stage ``simulate`` describes: the peers' rules are priced by
 ``planner/peers.py`` on the same stage, the planner plans it with ``make_plan``.
 """
@@ -46,7 +46,7 @@ from ..planner.simulate import (
     spec_from_overrides,
     stage_profile,
 )
-from ..planner.timeline import predict
+from ..planner.step_timeline import predict
 from ..planner.wear import drive_lifetime_years, write_limit_bytes_per_s
 
 __all__ = [

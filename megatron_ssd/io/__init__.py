@@ -3,7 +3,7 @@
 from .base import ALIGN, Engine, EngineStats, Extent, IOFuture, SwapHandle, align_up
 from .buffers import BufferPool, aligned_empty
 from .factory import create_engine, resolve_engine_name
-from .kvikio_engine import KvikioEngine, kvikio_available
+from .kvikio_backend import KvikioEngine, kvikio_available
 from .layout import ExtentLayout, FileLayout, Layout
 from .mapped import mapped_bytes, mapped_empty
 from .posix import PosixEngine

@@ -9,7 +9,7 @@ transfer itself), ``fault`` (the fault-injection hook, consulted before each tra
 ``watch`` / ``watch_progress`` / ``watch_end`` (the stall watchdog) and ``count`` (an
 extra stat). :class:`~megatron_ssd.io.posix.PosixBackend` (O_DIRECT ``pwrite`` /
 ``preadv``, CUDA memory through pinned staging) and
-:class:`~megatron_ssd.io.kvikio_engine.KvikioBackend` (cuFile for CUDA memory, a POSIX
+:class:`~megatron_ssd.io.kvikio_backend.KvikioBackend` (cuFile for CUDA memory, a POSIX
 backend of its own for host memory) are peers under it; another
 mechanism (io_uring, say) is a third subclass of :class:`BlockBackend` and reuses the
 rest unchanged.

@@ -14,7 +14,7 @@ from typing import Optional
 from ..config import OffloadConfig
 from .base import Engine
 from .cuda import CudaOps
-from .kvikio_engine import KvikioEngine
+from .kvikio_backend import KvikioEngine
 from .layout import Fault
 from .posix import PosixEngine
 

@@ -304,7 +304,7 @@ class HostEngine(Engine):
 
 # NOTE [Host blobs are not device memory]: on a GPU the host tier's blobs live in pinned
 # host memory, which is not the device memory a placement saves; on a CPU they live in
-# the same RAM as the "device". The allocator timeline (``memory/timeline.py``) is the
+# the same RAM as the "device". The allocator timeline (``memory/allocator_timeline.py``) is the
 # independent measure of the device's memory that ``rok`` compares placements by, and it
 # counts every mapping ``mapped_empty`` reports; so the host tier's CPU blobs are mappings
 # of their own, not reported to it, and the timeline counts on a CPU what it would count

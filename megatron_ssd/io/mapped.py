@@ -21,7 +21,7 @@ faults that fill it are the ones any new allocation of that size takes.
 
 Live bytes are counted here (``mapped_bytes``), and listeners registered with
 :func:`add_listener` see every map and unmap, timestamped with ``time.time_ns()`` like
-the PyTorch profiler's memory events (used by :mod:`megatron_ssd.memory.timeline`).
+the PyTorch profiler's memory events (used by :mod:`megatron_ssd.memory.allocator_timeline`).
 """
 
 from __future__ import annotations

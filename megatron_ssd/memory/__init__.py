@@ -1,12 +1,12 @@
 """Memory measured independently of the tensor cache: process RSS, allocator events, CUDA.
 
-See :mod:`.rss` (NOTE [Resettable RSS peak]), :mod:`.timeline` (NOTE [Allocator
+See :mod:`.rss` (NOTE [Resettable RSS peak]), :mod:`.allocator_timeline` (NOTE [Allocator
 timeline]) and :mod:`.phase`.
 """
 
 from .phase import PhaseMemory
 from .rss import RSSPeak, current_rss_bytes, hwm_bytes, reset_hwm
-from .timeline import AllocatorTimeline, peak_of_events
+from .allocator_timeline import AllocatorTimeline, peak_of_events
 
 __all__ = ["AllocatorTimeline", "PhaseMemory", "RSSPeak", "current_rss_bytes", "hwm_bytes",
            "peak_of_events", "reset_hwm"]

@@ -19,7 +19,7 @@ What is measured (all above the level at :meth:`PhaseMemory.start`):
 * ``cuda_peak_allocated_above_base_bytes`` / ``cuda_peak_reserved_above_base_bytes``:
   ``torch.cuda.max_memory_allocated`` / ``max_memory_reserved`` (GPU runs only);
 * ``allocator_peak_bytes`` (set by the caller from one profiled step,
-  :class:`~megatron_ssd.memory.timeline.AllocatorTimeline`).
+  :class:`~megatron_ssd.memory.allocator_timeline.AllocatorTimeline`).
 
 ``independent_peak_bytes`` is the headline one: CUDA allocated bytes on a GPU, RSS on a CPU.
 """

@@ -31,7 +31,7 @@ from .simulate import (
     spec_from_overrides,
     stage_profile,
 )
-from .timeline import LayerTimeline, Timeline, predict
+from .step_timeline import LayerTimeline, Timeline, predict
 
 __all__ = [
     "DriftDecision",

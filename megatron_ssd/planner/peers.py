@@ -24,7 +24,7 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 from ..config import OUTSIDE, Placement
 from ..errors import ConfigError
 from .profile import LayerId, LayerProfile, StageProfile
-from .timeline import ReadAhead, Timeline, predict
+from .step_timeline import ReadAhead, Timeline, predict
 
 __all__ = [
     "FGO_MODULES",
@@ -226,7 +226,7 @@ def _hosted(peer: str, setting: str, stage: StageProfile, moved: Mapping[int, Li
 # forward order ends, K being the number of groups kept after the offloaded ones (every
 # group's end of backward reloads the most recent offloaded group not yet reloaded); a
 # group's backward waits for its reload. The pricing places such a layer HOST (its
-# own copy queue at the host link's bandwidth, NOTE [Host tier] in timeline.py) with its
+# own copy queue at the host link's bandwidth, NOTE [Host tier] in step_timeline.py) with its
 # offloaded sites first, each site's read issued at the start of the backward of the
 # layer holding that later group: (position in layer + K) // groups per layer layers
 # ahead, up to that layer's preceding backward earlier than Megatron issues it.

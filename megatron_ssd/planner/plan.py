@@ -2,7 +2,7 @@
 
 :func:`make_plan` is a pure function: a :class:`~megatron_ssd.planner.profile.StageProfile`
 in, a :class:`Plan` out, no I/O. It searches placements with the timeline model of
-:mod:`megatron_ssd.planner.timeline`, judging them with the SSD bandwidths derated by
+:mod:`megatron_ssd.planner.step_timeline`, judging them with the SSD bandwidths derated by
 ``safety_margin`` and reporting their predictions at the measured bandwidths::
 
     plan = make_plan(stage)                          # offload all that hides behind compute
@@ -24,7 +24,7 @@ from ..config import MOVED, Placement, from_dict, to_dict
 from ..errors import ConfigError
 from .profile import IOProfile, LayerId, StageProfile
 from .search import Choice, PlacementSearch, PlanInfeasibleError
-from .timeline import ReadAhead, Timeline, predict, use_order
+from .step_timeline import ReadAhead, Timeline, predict, use_order
 from ..units import MiB
 
 __all__ = [
@@ -105,7 +105,7 @@ class LayerPlan:
 
     @property
     def issue_points(self) -> ReadAhead:
-        """Its read-ahead as :func:`~megatron_ssd.planner.timeline.predict` and
+        """Its read-ahead as :func:`~megatron_ssd.planner.step_timeline.predict` and
         ``TensorCache.set_plan`` take it: the per-site list, else ``read_ahead``."""
         return list(self.site_read_ahead) if self.site_read_ahead is not None else self.read_ahead
 

@@ -1,7 +1,7 @@
 """The placement search behind :func:`~megatron_ssd.planner.plan.make_plan`.
 
 :class:`PlacementSearch` proposes placements and judges them with the timeline model
-(:func:`~megatron_ssd.planner.timeline.predict`): with the SSD bandwidths derated by the
+(:func:`~megatron_ssd.planner.step_timeline.predict`): with the SSD bandwidths derated by the
 safety margin to choose, and with the measured ones to check. Two searches:
 
 - :meth:`PlacementSearch.max_offload`: first fit in forward order, OFFLOAD only, no
@@ -29,7 +29,7 @@ from typing import Callable, List, NamedTuple, Optional, Sequence, Tuple
 from ..config import MOVED, Placement
 from ..errors import MegatronSSDError
 from .profile import IOProfile, StageProfile
-from .timeline import Timeline, predict
+from .step_timeline import Timeline, predict
 from ..units import GiB
 
 __all__ = ["Choice", "PlanInfeasibleError", "PlacementSearch"]

@@ -152,7 +152,7 @@ def tiny_transformer_config(
     return TransformerConfig(**fields)
 
 
-# # NOTE [gloo p2p]
+# NOTE [gloo p2p]
 # Two p2p settings silently corrupt the interleaved schedule on gloo, so they are
 # refused on CPU:
 #

@@ -13,7 +13,7 @@ import torch
 
 from megatron_ssd.config import IOConfig, OffloadConfig
 from megatron_ssd.errors import ChecksumError
-from megatron_ssd.io import kvikio_engine
+from megatron_ssd.io import kvikio_backend
 from megatron_ssd.io.backend import BlockBackend
 from megatron_ssd.io.checksum import digest
 from megatron_ssd.io.posix import PosixBackend
@@ -87,10 +87,10 @@ def test_the_kvikio_engine_moves_host_tensors_with_its_posix_peer(tmp_path, monk
         def CuFile(self, *args):  # noqa: N802 - the kvikio name
             raise AssertionError("a host tensor went to cuFile")
 
-    monkeypatch.setattr(kvikio_engine, "_import_kvikio", FakeKvikio)
-    engine = kvikio_engine.KvikioEngine(config(tmp_path))
+    monkeypatch.setattr(kvikio_backend, "_import_kvikio", FakeKvikio)
+    engine = kvikio_backend.KvikioEngine(config(tmp_path))
     try:
-        assert isinstance(engine.backend, kvikio_engine.KvikioBackend)
+        assert isinstance(engine.backend, kvikio_backend.KvikioBackend)
         assert isinstance(engine.backend.host, PosixBackend) and engine.backend.host.engine is engine
         blob = torch.randint(0, 256, (3 * 64 * KiB + 17,), dtype=torch.uint8)
         handle = engine.write(blob).get()

@@ -14,7 +14,7 @@ import torch
 
 from megatron_ssd.config import IOConfig, OffloadConfig
 from megatron_ssd.errors import ConfigError
-from megatron_ssd.io import PosixEngine, create_engine, kvikio_engine, resolve_engine_name
+from megatron_ssd.io import PosixEngine, create_engine, kvikio_backend, resolve_engine_name
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -40,7 +40,7 @@ def test_auto_builds_posix_even_where_kvikio_and_a_gpu_are_present(offload_dir, 
     module.__spec__ = spec
     monkeypatch.setitem(sys.modules, "kvikio", module)  # kvikio "installed"
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    assert kvikio_engine.kvikio_available()
+    assert kvikio_backend.kvikio_available()
     for device in ("auto", "cuda", "cuda:1", "cpu"):
         assert resolve_engine_name(_cfg(offload_dir, device=device)) == "posix"
     assert resolve_engine_name(_cfg(offload_dir, engine="posix")) == "posix"
@@ -50,7 +50,7 @@ def test_auto_builds_posix_even_where_kvikio_and_a_gpu_are_present(offload_dir, 
 def test_package_imports_without_kvikio():
     code = (
         "import sys; sys.modules['kvikio'] = None\n"  # any import of kvikio now fails
-        "import megatron_ssd.io, megatron_ssd.io.kvikio_engine\n"
+        "import megatron_ssd.io, megatron_ssd.io.kvikio_backend\n"
         "print('kvikio' in sys.modules and sys.modules['kvikio'] is not None)"
     )
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=60)
@@ -58,10 +58,10 @@ def test_package_imports_without_kvikio():
 
 
 def test_kvikio_engine_explains_what_is_missing(offload_dir, monkeypatch):
-    monkeypatch.setattr(kvikio_engine, "kvikio_available", lambda: False)
+    monkeypatch.setattr(kvikio_backend, "kvikio_available", lambda: False)
     with pytest.raises(ConfigError, match="kvikio package is not installed"):
         create_engine(_cfg(offload_dir, engine="kvikio"))
-    monkeypatch.setattr(kvikio_engine, "kvikio_available", lambda: True)
+    monkeypatch.setattr(kvikio_backend, "kvikio_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(ConfigError, match="needs a CUDA device"):
         create_engine(_cfg(offload_dir, engine="kvikio"))

@@ -15,7 +15,7 @@ import torch
 from megatron_ssd.config import IOConfig, OffloadConfig
 from megatron_ssd.errors import ChecksumError, OffloadIOError
 from megatron_ssd.io.checksum import DEVICE_ALGORITHM
-from megatron_ssd.io.kvikio_engine import KvikioEngine
+from megatron_ssd.io.kvikio_backend import KvikioEngine
 
 from fake_cuda import FakeCuda
 from fake_kvikio import FakeKvikio

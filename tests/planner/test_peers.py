@@ -19,7 +19,7 @@ from megatron_ssd.planner.peers import (
 )
 from megatron_ssd.planner.profile import IOProfile, LayerProfile, StageProfile
 from megatron_ssd.planner.simulate import layer_anatomy, layer_site_bytes, spec_from_overrides, stage_profile
-from megatron_ssd.planner.timeline import predict
+from megatron_ssd.planner.step_timeline import predict
 
 K, H, R = Placement.KEEP, Placement.HOST, Placement.RECOMPUTE
 MB = 10**6

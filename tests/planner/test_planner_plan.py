@@ -17,7 +17,7 @@ from megatron_ssd.planner.plan import (
     make_plan,
 )
 from megatron_ssd.planner.profile import IOProfile, StageProfile, uniform_stage
-from megatron_ssd.planner.timeline import predict
+from megatron_ssd.planner.step_timeline import predict
 
 GB = 10**9
 K, O, R = Placement.KEEP, Placement.OFFLOAD, Placement.RECOMPUTE

@@ -7,7 +7,7 @@ import pytest
 from megatron_ssd.config import Placement
 from megatron_ssd.errors import ConfigError
 from megatron_ssd.planner.profile import IOProfile, LayerProfile, StageProfile
-from megatron_ssd.planner.timeline import predict
+from megatron_ssd.planner.step_timeline import predict
 
 K, O, R = Placement.KEEP, Placement.OFFLOAD, Placement.RECOMPUTE
 

@@ -1,7 +1,8 @@
-"""The kvikio engine: GPUDirect Storage reads and writes straight from CUDA memory.
+"""The kvikio backend: GPUDirect Storage reads and writes straight from CUDA memory.
 
-Same layout, striping, backpressure and checksums as :class:`PosixEngine`: both are a
-:class:`~megatron_ssd.io.striped.StripedEngine` with a peer backend (NOTE [Block
+:class:`KvikioBackend` moves the blocks; :class:`KvikioEngine` is the engine around it,
+with the same layout, striping, backpressure and checksums as :class:`PosixEngine`: both
+are a :class:`~megatron_ssd.io.striped.StripedEngine` with a peer backend (NOTE [Block
 backends]). A CUDA block is moved by kvikio's stream-ordered cuFile calls
 (``CuFile.raw_write_async`` / ``raw_read_async``) between device memory and the file,
 with no host staging when GDS is active (kvikio falls back to its own bounce buffers in
