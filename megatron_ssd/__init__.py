@@ -1,7 +1,8 @@
 """megatron-ssd: offload training activations to NVMe SSDs while the GPU computes."""
 
 from .cache import StepStats, TensorCache
-from .config import IOConfig, OffloadConfig, Placement, load_config
+from .config import IOConfig, OffloadConfig, load_config
+from .placement import Placement
 from .errors import ChecksumError, ConfigError, MegatronSSDError, OffloadIOError
 
 __version__ = "0.1.0"

@@ -21,7 +21,8 @@ from typing import Any, Dict, Hashable, List, Optional
 import torch
 
 from .cache.stats import median_or_zero
-from .config import EMBEDDING, HEAD, OUTSIDE, Placement, PlannerConfig
+from .config import FIXED_MODES, PlannerConfig
+from .placement import EMBEDDING, HEAD, OUTSIDE, Placement
 from .errors import ConfigError
 from .planner.drift import DriftDetector
 from .planner.plan import Plan, make_plan
@@ -377,7 +378,7 @@ class AdaptivePlanner:
         self._microbatches = 1
         self._host_bw: Optional[float] = None
         self._schedule = profile_schedule(config)
-        if config.mode in ("keep", "offload", "recompute", "host"):
+        if config.mode in FIXED_MODES:
             self._fixed = Placement(config.mode)
         else:
             self._fixed = None

@@ -22,6 +22,7 @@ LAYERS = {
     # foundations: no megatron_ssd imports beyond each other
     "megatron_ssd.errors": 0,
     "megatron_ssd.units": 0,
+    "megatron_ssd.placement": 0,
     "megatron_ssd.ranks": 1,
     "megatron_ssd.config": 1,
     # the pure planner: measurements in, plans out
@@ -40,7 +41,7 @@ LAYERS = {
     # the commands, above everything
     "megatron_ssd.commands": 8,
 }
-PLANNER_MAY_IMPORT = {"megatron_ssd.config", "megatron_ssd.errors", "megatron_ssd.units"}
+PLANNER_MAY_IMPORT = {"megatron_ssd.config", "megatron_ssd.errors", "megatron_ssd.placement", "megatron_ssd.units"}
 LIBRARY = ("megatron_ssd.cache", "megatron_ssd.io", "megatron_ssd.planner", "megatron_ssd.megatron")
 """The product packages: what a Megatron-LM job imports."""
 LAB = ("megatron_ssd.commands", "megatron_ssd.workloads")

@@ -12,7 +12,7 @@ import logging
 import time
 from typing import Hashable, List
 
-from ..config import MOVED, OUTSIDE, Placement
+from ..placement import MOVED, OUTSIDE, Placement
 from ..io.store import StoreStep
 from .stats import StepStats
 

@@ -34,7 +34,8 @@ from typing import Any, Dict, Hashable, List, Mapping, Optional, Set, Tuple
 
 import torch
 
-from ..config import MOVED, OUTSIDE, OffloadConfig, Placement
+from ..config import OffloadConfig
+from ..placement import MOVED, OUTSIDE, Placement
 from ..errors import CacheStateError, OffloadIOError, WriteCancelled
 from ..io.base import IOFuture
 from ..io.store import BlobStore

@@ -23,7 +23,8 @@ from __future__ import annotations
 
 from typing import Dict, Hashable, List, Optional, Sequence, Set, Tuple
 
-from ..config import OUTSIDE, PeerConfig, Placement
+from ..config import PeerConfig
+from ..placement import OUTSIDE, Placement
 from ..errors import ConfigError
 from ..planner.peers import FGO_MIN_TENSOR_ELEMENTS, FGO_MODULES, TE_MIN_TENSOR_ELEMENTS
 

@@ -38,7 +38,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Dict, Hashable, List, Mapping, Optional, Sequence, Tuple, Union
 
-from ..config import MOVED, OUTSIDE, OffloadConfig, Placement, is_int
+from ..config import OffloadConfig, is_int
+from ..placement import MOVED, OUTSIDE, Placement
 from ..errors import ConfigError
 from .peer_rules import PeerRule, rule_for
 

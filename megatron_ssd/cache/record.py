@@ -8,7 +8,7 @@ from typing import Any, Dict, Hashable, List, Optional
 
 import torch
 
-from ..config import Placement
+from ..placement import Placement
 from ..io.base import IOFuture, SwapHandle
 from .identity import StorageKey, ViewMeta
 

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Hashable, Iterator, Optional
 
 import torch
 
-from ..config import Placement
+from ..placement import Placement
 from ..errors import CacheStateError
 from .hooks import OffloadHooks
 from .pages import trim_heap

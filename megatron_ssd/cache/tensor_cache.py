@@ -23,7 +23,8 @@ from typing import Dict, Hashable, Iterable, List, Mapping, Optional, Sequence, 
 
 import torch
 
-from ..config import EMBEDDING, HEAD, OUTSIDE, OffloadConfig, Placement
+from ..config import OffloadConfig
+from ..placement import EMBEDDING, HEAD, OUTSIDE, Placement
 from ..errors import CacheStateError, ConfigError
 from ..io.base import Engine, EngineStats
 from .accounting import StepAccountingMixin

@@ -19,7 +19,8 @@ import tempfile
 from typing import Any, Dict, List, Optional, Sequence
 
 from ..cache.stats import median_or_zero
-from ..config import Placement, TrainConfig, load_config, to_dict
+from ..config import TrainConfig, load_config, to_dict
+from ..placement import Placement
 from ..errors import ConfigError, MegatronSSDError
 from ..io.scratch import default_offload_dir, make_private_dir
 from ..io.throttle import BlkioThrottle, blkio_available, parse_rate

@@ -23,7 +23,7 @@ import dataclasses
 import math
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
-from ..config import EMBEDDING, OUTSIDE, Placement
+from ..placement import EMBEDDING, OUTSIDE, Placement
 from ..planner.drives import DRIVES, drive_preset
 from ..planner.peers import (
     LayerAnatomy,

@@ -33,8 +33,8 @@ from ..cache import StepStats, TensorCache
 from ..cache.device import check_device
 from ..cache.pages import trim_heap
 from ..cache.stats import median_or_zero as med
-from ..config import (OffloadConfig, Placement, PlannerConfig, TrainConfig, from_dict, host_memory_bytes, load_config,
-                      to_dict)
+from ..config import OffloadConfig, PlannerConfig, TrainConfig, from_dict, host_memory_bytes, load_config, to_dict
+from ..placement import Placement
 from ..errors import ConfigError
 from ..io.scratch import default_offload_dir, make_private_dir
 from ..megatron import get_forward_backward_func, offload_layer_spec
@@ -157,7 +157,7 @@ class TrainRecipe:
     def check(self) -> None:
         """Refuse, before anything is built, what this machine cannot run: a device it
         does not have, fp16 on a CPU, a model that cannot fit its device (NOTE [Bounds
-        from the machine] in ``config.py``)."""
+        from the machine] in ``config/tree.py``)."""
         cfg = self.config
         if cfg.device == "cuda" and not torch.cuda.is_available():
             raise ConfigError("TrainConfig.device = 'cuda': no CUDA device is visible")
@@ -505,7 +505,7 @@ def _with(config: TrainConfig, owner: Optional[str], name: str, value: Any) -> T
 
 def check_model_fits(config: TrainConfig, device: str, memory: int) -> None:
     """Refuse a model that cannot fit its device (NOTE [Bounds from the machine] in
-    ``config.py``): :func:`model_bytes` is a lower bound, so only what cannot work is
+    ``config/tree.py``): :func:`model_bytes` is a lower bound, so only what cannot work is
     refused. The error names the field whose default would shrink the need most, and the
     largest value of it that would fit.
 

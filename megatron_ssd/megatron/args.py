@@ -22,7 +22,7 @@ import os
 import re
 from typing import Any, Callable, List, NamedTuple, Optional, Tuple
 
-from ..config import OffloadConfig, load_config
+from ..config import OffloadConfig, PLANNER_MODES, load_config
 from ..errors import ConfigError
 from ..io.rundir import check_offload_path
 from ..ranks import process_ranks
@@ -60,7 +60,7 @@ class _Flag(NamedTuple):
 
 SSD_FLAGS: Tuple[_Flag, ...] = (
     _Flag(
-        "--ssd-offload-planner", "planner.mode", None, ("auto", "static", "keep", "offload", "recompute", "host"),
+        "--ssd-offload-planner", "planner.mode", None, PLANNER_MODES,
         str,
         "How each layer's saved activations are placed: auto (profile the first steps, then "
         "plan keep/offload/recompute per layer from measured compute time and SSD bandwidth, "

@@ -29,7 +29,7 @@ from megatron.core.transformer.transformer_block import TransformerBlock, Transf
 from megatron.core.transformer.transformer_layer import MoETransformerLayer, TransformerLayer
 
 from ..cache.tensor_cache import active_cache
-from ..config import Placement
+from ..placement import Placement
 from ..errors import ConfigError
 from . import compat, discard
 from .groups import label_module_groups

@@ -31,7 +31,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Deque, Dict, List, Mapping, Optional, Sequence, Union
 
-from ..config import OUTSIDE
+from ..placement import OUTSIDE
 from ..errors import ConfigError
 from .plan import Plan
 from .profile import LayerId, StageProfile

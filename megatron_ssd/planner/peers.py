@@ -21,7 +21,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
-from ..config import OUTSIDE, Placement
+from ..placement import OUTSIDE, Placement
 from ..errors import ConfigError
 from .profile import LayerId, LayerProfile, StageProfile
 from .step_timeline import ReadAhead, Timeline, predict

@@ -20,7 +20,8 @@ import numbers
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
-from ..config import MOVED, Placement, from_dict, to_dict
+from ..config import from_dict, to_dict
+from ..placement import MOVED, Placement
 from ..errors import ConfigError
 from .profile import IOProfile, LayerId, StageProfile
 from .search import Choice, PlacementSearch, PlanInfeasibleError

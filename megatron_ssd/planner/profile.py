@@ -21,7 +21,8 @@ import json
 from dataclasses import dataclass
 from typing import Any, Dict, List, Mapping, Optional, Union
 
-from ..config import Placement, from_dict, to_dict
+from ..config import from_dict, to_dict
+from ..placement import Placement
 from ..errors import ConfigError
 
 __all__ = ["LayerId", "LayerProfile", "IOProfile", "StageProfile", "uniform_stage"]

@@ -26,7 +26,7 @@ from __future__ import annotations
 import heapq
 from typing import Callable, List, NamedTuple, Optional, Sequence, Tuple
 
-from ..config import MOVED, Placement
+from ..placement import MOVED, Placement
 from ..errors import MegatronSSDError
 from .profile import IOProfile, StageProfile
 from .step_timeline import Timeline, predict

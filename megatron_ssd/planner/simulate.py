@@ -25,7 +25,8 @@ import math
 from dataclasses import dataclass
 from typing import Annotated, Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
-from ..config import EMBEDDING, OUTSIDE, Bytes, load_config, to_dict
+from ..config import Bytes, CAPACITY_RESERVE, load_config, to_dict
+from ..placement import EMBEDDING, OUTSIDE
 from ..errors import ConfigError
 from .plan import Plan, make_plan
 from .drives import DRIVES, drive_preset
@@ -624,7 +625,6 @@ def _outside_note(plan: Plan) -> str:
 # 18 without. Stage parameters: per layer 4h^2 + 2h x ffn (attention and MLP weights) over
 # t, plus the embedding (vocab x h / t) on the first stage and the output layer on the last
 # when they differ.
-CAPACITY_RESERVE = 0.15
 REPLICATED_BYTES_PER_PARAM = 6
 OPTIMIZER_BYTES_PER_PARAM = 12
 

@@ -22,7 +22,7 @@ from megatron_ssd.planner.wear import (
 
 
 def test_config_takes_exactly_the_preset_names():
-    """config.py may not import the planner, so the field lists the names itself."""
+    """The configuration may not import the planner, so the field lists the names itself."""
     hint = typing.get_type_hints(PlannerConfig, include_extras=True)["drive"]
     inner = typing.get_args(hint)[0]  # Optional[Annotated[str, OneOf(...)]]
     rules = [r for r in typing.get_args(inner)[1:] if isinstance(r, OneOf)]

@@ -164,10 +164,10 @@ GiB16 = 16 << 30
 def machine_of_16_gib(monkeypatch):
     """The machine's memory, as the bounds read it, set to 16 GiB (NOTE [Bounds from the
     machine])."""
-    from megatron_ssd import config
     from megatron_ssd.commands import train
+    from megatron_ssd.config import tree
 
-    monkeypatch.setattr(config, "host_memory_bytes", lambda: GiB16)
+    monkeypatch.setattr(tree, "host_memory_bytes", lambda: GiB16)
     monkeypatch.setattr(train, "host_memory_bytes", lambda: GiB16)
     monkeypatch.setattr("torch.cuda.is_available", lambda: False)
     monkeypatch.chdir(REPO)

@@ -1,0 +1,475 @@
+"""The configuration schema: validation, the dict / YAML round trip and the field
+docstrings, for any tree of config dataclasses.
+
+A config class is a dataclass whose fields carry their rules and unit in
+:data:`typing.Annotated` metadata (:mod:`.rules`), whose
+``__post_init__`` calls :func:`_settle`, and which may add a ``_check`` method for rules
+that compare several fields and a ``_check_file`` classmethod for what a config file of
+it must hold. :mod:`.tree` is the tree megatron-ssd reads; :mod:`megatron_ssd.config`
+says why the schema is built this way.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import difflib
+import enum
+import functools
+import inspect
+import math
+import os
+import re
+import textwrap
+import typing
+from dataclasses import dataclass
+from typing import Annotated, Any, Dict, List, Mapping, Optional, Sequence, Tuple, Type, TypeVar
+
+from ..errors import ConfigError
+from .rules import Rule, Seconds, Switch, Unit, Bytes
+
+__all__ = [
+    "load_config",
+    "from_dict",
+    "to_dict",
+    "apply_overrides",
+    "validate",
+    "field_docs",
+    "is_size_field",
+    "is_duration_field",
+]
+
+T = TypeVar("T")
+
+
+# --------------------------------------------------------------------------- validation
+
+def _fail(cls_name: str, name: str, value: Any, rule: str) -> ConfigError:
+    return ConfigError(f"{cls_name}.{name} = {value!r}: {rule}")
+
+
+def _broken(obj: Any, name: str, rule: str) -> ConfigError:
+    """The error for field ``name`` of ``obj``, its value read from ``obj`` (a ``_check``
+    naming a field that is gone fails loudly instead of passing)."""
+    return _fail(type(obj).__name__, name, getattr(obj, name), rule)
+
+
+@functools.lru_cache(maxsize=None)
+def _type_hints(cls: type) -> Dict[str, Any]:
+    """The resolved annotations of ``cls``, ``Annotated`` metadata kept (cached per class:
+    with ``from __future__ import annotations`` they are strings until resolved)."""
+    return typing.get_type_hints(cls, include_extras=True)
+
+
+@dataclass(frozen=True)
+class _Spec:
+    """A field's annotation taken apart: its type without ``Optional`` and ``Annotated``,
+    whether None is allowed, its unit and its rules (in the order declared)."""
+
+    base: Any
+    optional: bool
+    unit: Optional[Unit]
+    rules: Tuple[Rule, ...]
+
+
+def _spec(hint: Any) -> _Spec:
+    meta: List[Any] = []
+    optional = False
+    while True:
+        origin, args = typing.get_origin(hint), typing.get_args(hint)
+        if origin is Annotated:
+            hint, meta = args[0], meta + list(hint.__metadata__)
+        elif origin is typing.Union and type(None) in args:
+            hint, optional = next(a for a in args if a is not type(None)), True
+        else:
+            break
+    units = [m for m in meta if isinstance(m, Unit)]
+    return _Spec(hint, optional, units[0] if units else None, tuple(m for m in meta if isinstance(m, Rule)))
+
+
+@functools.lru_cache(maxsize=None)
+def _specs(cls: type) -> Dict[str, _Spec]:
+    hints = _type_hints(cls)
+    return {f.name: _spec(hints[f.name]) for f in dataclasses.fields(cls)}
+
+
+def is_size_field(cls: type, name: str) -> bool:
+    """Whether field ``name`` of ``cls`` is declared in :data:`Bytes` (so ``4MiB`` is
+    accepted); other integer fields are counts."""
+    return _specs(cls)[name].unit == Bytes
+
+
+def is_duration_field(cls: type, name: str) -> bool:
+    """Whether field ``name`` of ``cls`` is declared in :data:`Seconds` (so ``500ms`` or
+    ``2min`` is accepted)."""
+    return _specs(cls)[name].unit == Seconds
+
+
+def _settle(obj: Any) -> None:
+    """What every config's ``__post_init__`` does: normalise :class:`Switch` fields
+    (``true`` -> ``on``), then :func:`validate`."""
+    for name, spec in _specs(type(obj)).items():
+        for rule in spec.rules:
+            if isinstance(rule, Switch):
+                setattr(obj, name, rule.convert(getattr(obj, name)))
+    validate(obj)
+
+
+def validate(obj: Any) -> None:
+    """Check the rules of one config object (not its children); raise ConfigError.
+
+    First each field's own rules, read from its ``Annotated`` metadata, in field order (a
+    None in an ``Optional`` field skips them; on an ``Optional`` field the rule's text
+    adds the unit and ``or null``: ``must be > 0 bytes or null``), then the class's
+    ``_check`` for rules that compare several fields."""
+    cls_name = type(obj).__name__
+    specs = _specs(type(obj))
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if isinstance(value, float) and not math.isfinite(value):
+            raise _fail(cls_name, f.name, value, "must be a finite number")
+        spec = specs[f.name]
+        if value is None and spec.optional:
+            continue
+        for rule in spec.rules:
+            text = rule.check(value)
+            if text is not None:
+                if spec.optional:
+                    text = f"{text} {spec.unit.word} or null" if spec.unit else f"{text} or null"
+                raise _fail(cls_name, f.name, value, text)
+    check = getattr(obj, "_check", None)
+    if check is not None:
+        check()
+
+
+# ----------------------------------------------------------------- dict / YAML round trip
+
+
+def _coerce(cls_name: str, name: str, hint: Any, value: Any) -> Any:
+    """Convert a YAML / command-line value to the field's declared type; sizes, durations
+    and switches are recognised by the field's ``Annotated`` metadata."""
+    spec = _spec(hint)
+    if spec.optional and (value is None or (isinstance(value, str) and value.lower() in ("none", "null"))):
+        return None
+    hint = spec.base
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if dataclasses.is_dataclass(hint):
+        if isinstance(value, hint):
+            return value
+        if not isinstance(value, Mapping):
+            raise _fail(cls_name, name, value, f"must be a mapping of {hint.__name__} fields")
+        return from_dict(hint, value)
+    if origin in (list, List, tuple, Tuple, Sequence):
+        if isinstance(value, str):
+            value = [v for v in value.split(",") if v]
+        if not isinstance(value, (list, tuple)):
+            raise _fail(cls_name, name, value, "must be a list")
+        inner = args[0] if args else Any
+        items = [_coerce(cls_name, name, inner, v) for v in value]
+        return tuple(items) if origin in (tuple, Tuple) else items
+    if origin in (dict, Dict, Mapping):
+        if not isinstance(value, Mapping):
+            raise _fail(cls_name, name, value, "must be a mapping")
+        return dict(value)
+    if hint is Any:
+        return value
+    if isinstance(hint, type) and issubclass(hint, enum.Enum):
+        try:
+            return hint(value)
+        except ValueError:
+            raise _fail(cls_name, name, value, f"must be one of {[m.value for m in hint]}")
+    if hint is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "1", "yes", "on"):
+            return True
+        if isinstance(value, str) and value.lower() in ("false", "0", "no", "off"):
+            return False
+        raise _fail(cls_name, name, value, "must be a boolean (true/false)")
+    if hint is int:
+        if isinstance(value, bool):
+            raise _fail(cls_name, name, value, "must be an integer")
+        if isinstance(value, int):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        if isinstance(value, str):
+            if spec.unit == Bytes:
+                return _parse_size(cls_name, name, value)
+            return _parse_count(cls_name, name, value)
+        raise _fail(cls_name, name, value, "must be an integer")
+    if hint is float:
+        if isinstance(value, bool):
+            raise _fail(cls_name, name, value, "must be a number")
+        if isinstance(value, str) and spec.unit == Seconds:
+            return _parse_duration(cls_name, name, value)
+        try:
+            number = float(value)
+        except (TypeError, ValueError):
+            raise _fail(cls_name, name, value, "must be a number")
+        if not math.isfinite(number):
+            raise _fail(cls_name, name, value, "must be a finite number")
+        return number
+    if hint is str:
+        for rule in spec.rules:
+            if isinstance(rule, Switch):
+                value = rule.convert(value)
+        if not isinstance(value, str):
+            raise _fail(cls_name, name, value, "must be a string")
+        return value
+    return value
+
+
+_SUFFIXES = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+_DURATIONS = {"ms": 1e-3, "s": 1.0, "min": 60.0, "h": 3600.0}
+
+
+def _parse_count(cls_name: str, name: str, text: str) -> int:
+    """Parse ``24``, ``1_000`` or ``1e3`` into an int; sizes such as ``1KiB`` are refused."""
+    s = text.strip().replace("_", "")
+    try:
+        number = float(s)
+    except ValueError:
+        raise _fail(cls_name, name, text, "must be an integer such as 24 (a count, not a size)")
+    if not math.isfinite(number):
+        raise _fail(cls_name, name, text, "must be a finite integer")
+    if not number.is_integer():
+        raise _fail(cls_name, name, text, "must be a whole number")
+    return int(s) if s.lstrip("+-").isdigit() else int(number)
+
+
+def _parse_duration(cls_name: str, name: str, text: str) -> float:
+    """Parse ``60``, ``60s``, ``500ms``, ``2min`` or ``1h`` into seconds."""
+    s = text.strip().lower().replace("_", "")
+    match = re.fullmatch(r"(.*?)\s*(ms|s|min|h)", s)
+    number_text, unit = (match.group(1), match.group(2)) if match else (s, "s")
+    try:
+        number = float(number_text)
+    except ValueError:
+        raise _fail(cls_name, name, text, "must be a number of seconds or a duration such as 500ms, 30s, 2min, 1h")
+    seconds = number * _DURATIONS[unit]
+    if not math.isfinite(seconds):
+        raise _fail(cls_name, name, text, "must be a finite number")
+    return seconds
+
+
+def _parse_size(cls_name: str, name: str, text: str) -> int:
+    """Parse ``123``, ``4MiB``, ``4M``, ``1.5GiB`` or ``1e6`` into an int."""
+    s = text.strip().lower().replace("_", "")
+    for tail in ("ib", "b"):
+        if s.endswith(tail) and len(s) > len(tail) and s[-len(tail) - 1] in _SUFFIXES:
+            s = s[: -len(tail)]
+            break
+    mult = 1
+    if s and s[-1] in _SUFFIXES:
+        mult, s = _SUFFIXES[s[-1]], s[:-1]
+    try:
+        number = float(s)
+    except ValueError:
+        raise _fail(cls_name, name, text, "must be an integer or a size such as 4MiB")
+    value = number * mult
+    if not math.isfinite(value):
+        raise _fail(cls_name, name, text, "must be a finite integer")
+    if not value.is_integer():
+        raise _fail(cls_name, name, text, "must be a whole number of bytes")
+    return int(value)
+
+
+def _dotted_keys(cls: type, prefix: str = "") -> List[str]:
+    """Every field of ``cls`` and of its sections, as dotted keys (``offload.io.threads``)."""
+    keys: List[str] = []
+    hints = _type_hints(cls)
+    for f in dataclasses.fields(cls):
+        keys.append(prefix + f.name)
+        if dataclasses.is_dataclass(hints[f.name]):
+            keys.extend(_dotted_keys(hints[f.name], prefix + f.name + "."))
+    return keys
+
+
+def _unknown_key(cls: type, key: str, root: Optional[type] = None, prefix: str = "", rest: str = "") -> ConfigError:
+    """The error for ``prefix + key``, unknown in section ``cls`` of the tree ``root``.
+
+    The suggestion is a full dotted key: the same name in another section first
+    (``paths`` at the top of a TrainConfig is ``offload.paths``), then a near name in the
+    same section, then a near name anywhere in the tree.
+    """
+    root = root or cls
+    everywhere = _dotted_keys(root)
+    here = [prefix + f.name for f in dataclasses.fields(cls)]
+    same_name = [k for k in everywhere if k.rsplit(".", 1)[-1] == key]
+    near_here = difflib.get_close_matches(prefix + key, here, n=1)
+    leaves = {k.rsplit(".", 1)[-1]: k for k in reversed(everywhere)}
+    near_anywhere = [leaves[n] for n in difflib.get_close_matches(key, list(leaves), n=1)]
+    best = (same_name or near_here or near_anywhere)[:1]
+    if best and rest and best[0] + rest in everywhere:  # planner.mode -> offload.planner.mode
+        best = [best[0] + rest]
+    hint = f"; did you mean {best[0]!r}?" if best else f"; known keys: {here}"
+    return ConfigError(f"{cls.__name__}: unknown key {prefix + key!r}{hint}")
+
+
+def from_dict(cls: Type[T], data: Mapping[str, Any], _root: Optional[type] = None, _prefix: str = "") -> T:
+    """Build a config dataclass from a mapping, rejecting unknown keys."""
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{cls.__name__}: expected a mapping, got {type(data).__name__}")
+    hints = _type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for key, value in data.items():
+        if not isinstance(key, str):
+            raise ConfigError(f"{cls.__name__}: key {key!r} ({type(key).__name__}): keys must be field names, "
+                              f"known keys: {sorted(names)}")
+        if key not in names:
+            raise _unknown_key(cls, key, _root, _prefix)
+        hint = hints[key]
+        if dataclasses.is_dataclass(hint) and isinstance(value, Mapping):
+            kwargs[key] = from_dict(hint, value, _root or cls, f"{_prefix}{key}.")
+        else:
+            kwargs[key] = _coerce(cls.__name__, key, hint, value)
+    return cls(**kwargs)
+
+
+def to_dict(obj: Any) -> Dict[str, Any]:
+    """The plain-dict form of a config (enums as their values), YAML-ready."""
+
+    def plain(v: Any) -> Any:
+        if dataclasses.is_dataclass(v):
+            return {f.name: plain(getattr(v, f.name)) for f in dataclasses.fields(v)}
+        if isinstance(v, enum.Enum):
+            return v.value
+        if isinstance(v, (list, tuple)):
+            return [plain(x) for x in v]
+        if isinstance(v, dict):
+            return {k: plain(x) for k, x in v.items()}
+        return v
+
+    return plain(obj)
+
+
+def apply_overrides(cls: Type[T], data: Dict[str, Any], overrides: Sequence[str]) -> Dict[str, Any]:
+    """Apply ``dotted.key=value`` strings to a config mapping (checked against ``cls``)."""
+    data = dict(data)
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r}: must have the form key=value (e.g. io.threads=4)")
+        dotted, value = item.split("=", 1)
+        parts = dotted.strip().split(".")
+        node, node_cls = data, cls
+        for i, part in enumerate(parts):
+            names = {f.name for f in dataclasses.fields(node_cls)}
+            if part not in names:
+                raise _unknown_key(node_cls, part, cls, "".join(p + "." for p in parts[:i]),
+                                   "".join("." + p for p in parts[i + 1:]))
+            if i == len(parts) - 1:
+                node[part] = value
+            else:
+                hint = _type_hints(node_cls)[part]
+                if not dataclasses.is_dataclass(hint):
+                    raise ConfigError(
+                        f"override {item!r}: {node_cls.__name__}.{part} is a value, not a section: it has no "
+                        f"key {parts[i + 1]!r} (set it as {'.'.join(parts[: i + 1])}=VALUE)"
+                    )
+                child = node.get(part)
+                child = dict(child) if isinstance(child, Mapping) else {}
+                node[part] = child
+                node, node_cls = child, hint
+    return data
+
+
+def load_config(cls: Type[T], path: Optional[str] = None, overrides: Sequence[str] = ()) -> T:
+    """Load ``cls`` from a YAML file (optional) with ``key=value`` overrides on top."""
+    data: Dict[str, Any] = {}
+    if path is not None:
+        if os.path.isdir(path):
+            raise ConfigError(f"config file {path!r}: is a directory: --config must name a YAML file")
+        if not os.path.isfile(path):
+            raise ConfigError(f"config file {path!r}: does not exist")
+        loaded = _read_yaml(path)
+        if loaded is None:
+            loaded = {}
+        if not isinstance(loaded, Mapping):
+            raise ConfigError(f"config file {path!r}: top level must be a mapping")
+        data = dict(loaded)
+        check_file = getattr(cls, "_check_file", None)
+        if check_file is not None:  # what a file of this class must hold
+            check_file(data, path)
+    return from_dict(cls, apply_overrides(cls, data, overrides))
+
+
+class _DuplicateKey(Exception):
+    """A mapping of a config file names one key twice."""
+
+    def __init__(self, key: Any, line: int, first: int) -> None:
+        super().__init__(key, line, first)
+        self.key, self.line, self.first = key, line, first
+
+
+@functools.lru_cache(maxsize=None)
+def _unique_key_loader() -> type:
+    """``yaml.SafeLoader`` that refuses a key given twice in one mapping (plain YAML lets
+    the last one win, silently); keys merged in with ``<<`` may still be overridden."""
+    import yaml
+
+    class UniqueKeyLoader(yaml.SafeLoader):
+        def construct_mapping(self, node: Any, deep: bool = False) -> Any:
+            seen: Dict[Any, int] = {}
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    continue
+                key = self.construct_object(key_node, deep=True)
+                line = key_node.start_mark.line + 1
+                try:
+                    if key in seen:
+                        raise _DuplicateKey(key, line, seen[key])
+                    seen[key] = line
+                except TypeError:  # an unhashable key: construct_mapping names it
+                    continue
+            return super().construct_mapping(node, deep=deep)
+
+    return UniqueKeyLoader
+
+
+def _read_yaml(path: str) -> Any:
+    """The YAML document in ``path``: plain YAML only (``safe_load``, no ``!!python`` tags),
+    each key at most once per mapping."""
+    import yaml
+
+    try:
+        with open(path, "rb") as fh:
+            text = fh.read().decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"config file {path!r}: byte {e.object[e.start]:#04x} at offset {e.start} is not "
+                          "valid UTF-8: config files must be UTF-8 text") from None
+    try:
+        return yaml.load(text, Loader=_unique_key_loader())  # noqa: S506 - a SafeLoader subclass
+    except _DuplicateKey as e:
+        raise ConfigError(f"config file {path!r}: key {e.key!r} at line {e.line} is given twice (first at line "
+                          f"{e.first}): each key may appear once in a mapping") from None
+    except yaml.constructor.ConstructorError as e:
+        where = f" at line {e.problem_mark.line + 1}" if e.problem_mark else ""
+        tag = re.search(r"tag '([^']*)'", str(e.problem))
+        raise ConfigError(f"config file {path!r}: tag {tag.group(1) if tag else e.problem!r}{where} is not allowed: "
+                          "config files are plain YAML (no !!python or other object tags)") from None
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = " ".join(str(getattr(e, "problem", None) or e).split())
+        raise ConfigError(f"config file {path!r}: invalid YAML{where} ({problem}): must be a YAML mapping "
+                          "of config fields") from None
+
+
+def field_docs(cls: type) -> Dict[str, str]:
+    """Map each field of a dataclass to the docstring written under it in the source."""
+    source = textwrap.dedent(inspect.getsource(cls))
+    tree = ast.parse(source)
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    docs: Dict[str, str] = {}
+    for node, nxt in zip(body, body[1:]):
+        if (
+            isinstance(node, ast.AnnAssign)
+            and isinstance(node.target, ast.Name)
+            and isinstance(nxt, ast.Expr)
+            and isinstance(nxt.value, ast.Constant)
+            and isinstance(nxt.value.value, str)
+        ):
+            docs[node.target.id] = " ".join(inspect.cleandoc(nxt.value.value).split())
+    return docs
