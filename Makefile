@@ -6,8 +6,8 @@
 #   .venv-oldest  the oldest pair: Python 3.11, torch 2.6.0, megatron-core 0.16.1 (torch 2.6 is setup.py's
 #                 floor and megatron-core 0.16.1's own; its PyPI build is the CUDA 12.4 one: 2.9 GB of
 #                 wheels with its nvidia-* ones, 5.5 GB installed; the tests run it on CPU).
-# `make test` runs the whole suite in .venv (Megatron-LM core_v0.19.0's pretrain_gpt.py included),
-# then the Megatron tests in .venv-oldest (Megatron-LM core_v0.16.1's pretrain_gpt.py included).
+# `make test` runs the whole suite in .venv (Megatron-LM core_v0.19.0's pretrain_gpt.py included)
+# and, beside it, the Megatron tests in .venv-oldest (Megatron-LM core_v0.16.1's pretrain_gpt.py included).
 # setup.py itself takes ranges; these pins are only for reproducible runs here.
 VENV := .venv
 OLDEST := .venv-oldest
@@ -48,7 +48,12 @@ venv: $(VENV)/.installed
 run: $(VENV)/.installed
 	$(VENV)/bin/megatron-ssd train --config configs/demo.yaml
 
-test: test-default test-oldest
+# The two environments' suites run side by side (each is one pytest process): much of a suite's
+# time is spent waiting on child processes (Megatron-LM ranks, SLURM jobs, signals), so the
+# oldest pair's tests fit in the default suite's time on 2 cores. -O prints each suite's output
+# whole when it ends; the run fails if either fails.
+test:
+	$(MAKE) --no-print-directory -j2 -O test-default test-oldest
 
 test-default: $(VENV)/.installed
 	$(PY) -m pytest -q $(PYTEST_ARGS)

@@ -37,6 +37,7 @@ from ..config import OffloadConfig, PlannerConfig, TrainConfig, from_dict, host_
 from ..placement import Placement
 from ..errors import ConfigError
 from ..io.scratch import default_offload_dir, make_private_dir
+from ..io.smart import PathWear, path_wear
 from ..megatron import get_forward_backward_func, offload_layer_spec
 from ..memory import AllocatorTimeline, PhaseMemory
 from ..metrics import ScalarWriter, tensorboard_writer
@@ -46,14 +47,15 @@ from ..workloads.data import TextFileData
 from ..workloads.harness import SGD, SyntheticData, finalize_embedding_grads, gpt_forward_step, train_step
 from ..workloads.models import build_gpt, build_hybrid_gpt, hybrid_available, tiny_transformer_config
 from ..workloads.parallel import destroy_parallel, init_parallel
+from .bench_io import wear_lines
 from .intervals import median_ci95
 from .output import Progress, write_json
 from .steps import (format_choices, format_comparison, format_loss_identity, format_paired, format_plans, loss_identity,
                     short_run_problems, step_kinds, step_line)
 from .timing import StepTimer, synchronized
 
-__all__ = ["TrainRecipe", "PhaseResult", "run_train", "format_summary", "check_model_fits", "model_bytes",
-           "COMPARE_MODES"]
+__all__ = ["TrainRecipe", "PhaseResult", "run_train", "format_summary", "format_drive_wear", "check_model_fits",
+           "model_bytes", "COMPARE_MODES"]
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -374,6 +376,7 @@ class TrainRecipe:
             self._say(format_plans(self.planner_summary["events"], cfg.steps))
         summaries = [self._with_wear(p.summary()) for p in phases]
         identity = loss_identity(summaries)
+        drives = [path_wear(path) for path in dict.fromkeys(self.offload.paths)]
         report = {
             "model_class": self.model_class,
             "peak_rss_bytes": _peak_rss_bytes(),
@@ -386,6 +389,7 @@ class TrainRecipe:
             "planner": self.planner_summary,
             "steps": [{"kind": k, **s.to_dict()} for s, k in zip(offload.steps, offload.kinds)],
             "paired": self.paired,
+            "drive_wear": [d.to_dict() for d in drives],
         }
         if not print_summary:
             return report
@@ -403,6 +407,9 @@ class TrainRecipe:
                           f"shows its last {phase.measured_kind} step, not {what}")
         if self.paired:
             self._say(format_paired(self.paired))
+        wear = format_drive_wear(drives, self.config.offload.planner.drive_used_fraction)
+        if wear:
+            self._say(wear)
         return report
 
     def cleanup(self) -> None:
@@ -548,6 +555,20 @@ def _peak_rss_bytes() -> int:
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def format_drive_wear(drives: Sequence[PathWear], assumed: float) -> str:
+    """The offload drives' SMART wear after the run's table, as ``bench-io`` prints it, and
+    whether the wear bound's ``drive_used_fraction`` is below what the drives report; empty
+    when no offload path is on an NVMe drive (tmpfs, a virtual disk), whose wear no SMART
+    log tells (the JSON's ``drive_wear`` still says why)."""
+    if not any(d.drives for d in drives):
+        return ""
+    lines, used = wear_lines(drives)
+    if used is not None and used > assumed:
+        lines.append(f"  this run's wear bound assumed drive_used_fraction={assumed:g}: its drive lifetimes are "
+                     "longer than the drives have left")
+    return "\n".join(lines)
 
 
 def format_summary(phases: Sequence[Dict[str, Any]]) -> str:

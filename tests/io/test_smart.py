@@ -241,3 +241,16 @@ def test_bench_io_reports_wear_in_its_output_and_json(tmp_path, capsys):
     report = json.loads(out.read_text())
     assert report["suggested_drive_used_fraction"] == pytest.approx(0.07)
     assert report["drive_wear"][0]["drives"][0]["smart"]["percentage_used"] == 7
+
+
+def test_the_train_summary_reports_the_drives_wear_and_a_bound_that_assumed_less():
+    from megatron_ssd.commands.train import format_drive_wear
+
+    text = format_drive_wear([worn("/mnt/a", [3, 11])], assumed=0.0)
+    assert "  /mnt/a: nvme1n1 (MODEL): 11% of rated endurance used, 0.5 TB written, 1.0 TB since boot" in text
+    assert "offload.planner.drive_used_fraction=0.11" in text
+    assert text.splitlines()[-1] == ("  this run's wear bound assumed drive_used_fraction=0: its drive lifetimes are "
+                                     "longer than the drives have left")
+    assert "assumed" not in format_drive_wear([worn("/mnt/a", [3, 11])], assumed=0.2)
+    # no NVMe drive behind any path (tmpfs, a virtual disk): nothing printed, the JSON says why
+    assert format_drive_wear([worn("/tmp", [], reason="vda is not NVMe (no SMART log to read)")], assumed=0.0) == ""

@@ -317,6 +317,9 @@ def test_train_json_carries_independent_memory_and_the_profiled_step_changes_not
     assert phase["final_loss"] == plain_phase["final_loss"]
     assert len(data["steps"]) == len(plain["steps"]) == 3
     assert data["planner"]["events"] == plain["planner"]["events"]
+    # each offload path's drive wear (NVMe SMART), or why none was read (docs/ssd-sizing.md)
+    [wear] = data["drive_wear"]
+    assert f"offload to {wear['path']}" in stdout and (wear["drives"] or wear["reason"])
 
 
 def test_plan_that_does_not_fit_the_free_space_is_refused(tmp_path, monkeypatch):

@@ -3,20 +3,28 @@ planner's rules (capacity, wear bound, no zero-benefit writes)."""
 
 import os
 
+import pytest
+
 from megatron_ssd.commands.sizing_tables import SIZING_DRIVES, SIZING_MODELS, sizing_markdown, sizing_rows
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def test_docs_table_is_current():
+@pytest.fixture(scope="module")
+def sizing():
+    """The H100 sizing rows, computed once for the module (about a minute of planning on 2 cores)."""
+    return sizing_rows()
+
+
+def test_docs_table_is_current(sizing):
     with open(os.path.join(REPO, "docs", "planner.md"), encoding="utf-8") as fh:
         docs = fh.read()
-    table = sizing_markdown(sizing_rows())
+    table = sizing_markdown(sizing)
     assert table in docs, "run: python benchmarks/simulate_h100.py --markdown, and paste the table into docs/planner.md"
 
 
-def test_rows_obey_the_planner_rules():
-    rows = sizing_rows()
+def test_rows_obey_the_planner_rules(sizing):
+    rows = sizing
     assert len(rows) == len(SIZING_MODELS) * len(SIZING_DRIVES)
     assert {r["seq_len"] for r in rows} == {4096, 32768}
     for r in rows:
@@ -29,8 +37,6 @@ def test_rows_obey_the_planner_rules():
 
 
 # ------------------------------------------------- the peers and the drive classes
-
-import pytest  # noqa: E402
 
 from megatron_ssd.commands.sizing_tables import (  # noqa: E402
     COMPARISON_DRIVE,
