@@ -210,6 +210,17 @@ def _proc_start_ticks(pid: int) -> Optional[int]:
         return None
 
 
+def _proc_state(pid: int) -> Optional[str]:
+    """The state letter of ``pid`` (field 3 of /proc/<pid>/stat: R, S, D, Z, ...)."""
+    text = _read(f"/proc/{pid}/stat")
+    if not text:
+        return None
+    try:
+        return text[text.rindex(")") + 2 :].split()[0]
+    except (ValueError, IndexError):
+        return None
+
+
 def _pid_ns() -> Optional[str]:
     try:
         return os.readlink("/proc/self/ns/pid")
@@ -247,7 +258,9 @@ def _is_stale(marker: Dict[str, Any]) -> bool:
     The owner must be on this host. A different boot id means the machine restarted
     since. In the same boot and pid namespace, a dead pid, or a live pid with another
     start time (the pid was reused), is gone. Anything else (another host, another pid
-    namespace as in a container) cannot be checked and is left alone.
+    namespace as in a container) cannot be checked and is left alone. A zombie with the
+    marker's start time is gone too: it has exited and closed its files, only its parent
+    has not reaped it yet (a killed rank whose launcher was killed with it).
     """
     if marker.get("host") != socket.gethostname():
         return False
@@ -263,6 +276,8 @@ def _is_stale(marker: Dict[str, Any]) -> bool:
         return True
     started = marker.get("proc_start")
     now = _proc_start_ticks(pid)
+    if _proc_state(pid) == "Z" and started is not None and started == now:
+        return True
     return started is not None and now is not None and started != now
 
 

@@ -149,6 +149,33 @@ def test_remove_stale_runs_only_removes_provably_dead_runs(offload_dir, tmp_path
     assert remove_stale_runs(str(tmp_path / "missing")) == []
 
 
+def test_a_zombie_owner_is_gone_and_a_sleeping_one_is_not(offload_dir):
+    """A process that has exited but is not reaped yet (a zombie) holds no file: its run
+    directory is stale. A live child (sleeping) is not."""
+    import subprocess
+    import time
+
+    me = dict(rundir._identity(), rank=0)
+    zombie = subprocess.Popen(["true"])  # exits at once; not waited for until the end
+    sleeper = subprocess.Popen(["sleep", "60"])
+    try:
+        for _ in range(500):  # until the kernel shows it as a zombie
+            if rundir._proc_state(zombie.pid) == "Z":
+                break
+            time.sleep(0.01)
+        assert rundir._proc_state(zombie.pid) == "Z" and rundir._proc_state(sleeper.pid) in ("S", "R")
+        dead = _plant(offload_dir, "msd-h-1-r0-00000011",
+                      dict(me, pid=zombie.pid, proc_start=rundir._proc_start_ticks(zombie.pid)))
+        live = _plant(offload_dir, "msd-h-2-r0-00000012",
+                      dict(me, pid=sleeper.pid, proc_start=rundir._proc_start_ticks(sleeper.pid)))
+        assert remove_stale_runs(offload_dir) == [dead]
+        assert os.path.isfile(os.path.join(live, "extents.bin"))
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+        zombie.wait()
+
+
 def test_layout_start_removes_stale_runs(offload_dir):
     dead_pid = int(open("/proc/sys/kernel/pid_max").read()) + 1
     dead = _plant(offload_dir, "msd-h-1-r0-0000000a", dict(rundir._identity(), pid=dead_pid, rank=0))

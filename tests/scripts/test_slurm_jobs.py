@@ -16,6 +16,7 @@ the reason; with ``MEGATRON_SSD_REQUIRE_SLURM=1`` (CI, ``.ci/run``) they fail in
 from __future__ import annotations
 
 import getpass
+import json
 import os
 import re
 import subprocess
@@ -277,6 +278,19 @@ def test_scancel_while_offloading_leaves_no_offload_files(cancelled):
     assert not (cancelled["scratch"] / "megatron-ssd" / f"job{cancelled['jobs']['term']}").exists()
 
 
+def _wait_for_owners_to_exit(parent: Path, timeout_s: float = 60.0) -> None:
+    """Wait until the process named by each run directory's marker under ``parent`` is gone."""
+    from megatron_ssd.io import rundir
+
+    markers = [json.loads(m.read_text()) for m in parent.glob("msd-*/.megatron_ssd_run")]
+    deadline = time.monotonic() + timeout_s
+    while any(not rundir._is_stale(m) for m in markers):
+        assert time.monotonic() < deadline, (
+            f"the killed ranks' processes {[m['pid'] for m in markers if not rundir._is_stale(m)]} did not exit "
+            f"within {timeout_s:.0f} s")
+        time.sleep(0.5)
+
+
 @pytest.mark.slow
 def test_sigkill_leaves_run_directories_that_clean_and_the_next_start_remove(slurm, checkout, cancelled):
     """What SIGKILL leaves (both ranks' run directories, marker and data file) goes: one
@@ -292,6 +306,10 @@ def test_sigkill_leaves_run_directories_that_clean_and_the_next_start_remove(slu
     assert sorted(runs) == [f"megatron-ssd/job{job}/gpu{r}/r{r}" for r in (0, 1)], runs
     assert all(".megatron_ssd_run" in names and len(names) >= 2 for names in runs.values()), runs  # marker + data
     gpu1 = scratch / "megatron-ssd" / f"job{job}" / "gpu1"
+    # SLURM reports CANCELLED once it has sent SIGKILL; a rank in the middle of a disk write
+    # exits when the write returns. clean removes a run only once its process is gone (or a
+    # zombie), so wait for that, as an operator would see with ps.
+    _wait_for_owners_to_exit(gpu1)
     clean = subprocess.run([str(Path(sys.executable).parent / "megatron-ssd"), "clean", str(gpu1)],
                            capture_output=True, text=True, timeout=120)
     assert clean.returncode == 0, clean.stderr
