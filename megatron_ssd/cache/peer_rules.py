@@ -21,6 +21,7 @@ pricing of the same rules on the planner's timeline model is ``planner/peers.py`
 
 from __future__ import annotations
 
+import abc
 from typing import Dict, Hashable, List, Optional, Sequence, Set, Tuple
 
 from ..config import PeerConfig
@@ -34,17 +35,17 @@ Group = Tuple[Hashable, str]
 """A module group: (layer id, group name)."""
 
 
-class PeerRule:
+class PeerRule(abc.ABC):
     """What the placement policy asks a peer's rule (NOTE [One placement policy] in
     ``policy.py``): where a new saved tensor goes, and when its read is issued."""
 
     name = ""
 
+    @abc.abstractmethod
     def placement(self, layers: Sequence[Hashable], layer_id: Hashable, group: Optional[str],
                   elements: int, site: Optional[int] = None) -> Placement:
         """HOST or KEEP for a new offloadable tensor of ``elements`` elements saved in
         ``layer_id``'s ``group`` (``layers``: the registered layers in forward order)."""
-        raise NotImplementedError
 
     def read_ahead(self, layers: Sequence[Hashable], layer_id: Hashable, site: Optional[int]) -> Optional[int]:
         """Layers ahead that the read of ``layer_id``'s ``site`` is issued (0: when its

@@ -331,21 +331,30 @@ def _check_measurable(config_path: Optional[str], overrides: Sequence[str], sele
             raise ConfigError(f"rok: placement {name!r}: {'; '.join(problems)}")
 
 
+def _check_layer_counts(config_path: Optional[str], overrides: Sequence[str], names: Sequence[str],
+                        counts: Sequence[int], field: str, placement: str, low: int, what: str,
+                        why: str) -> List[int]:
+    """Layer counts given to ``placement`` (``--keep-last``, ``--te-layers``), checked: distinct
+    integers from ``low`` to one below the model's layer count, and ``placement`` selected."""
+    values = list(counts)
+    if not values:
+        return values
+    if placement not in names:
+        raise ConfigError(f"rok: {field} = {values}: needs {placement!r} among the placements {list(names)}")
+    layers = load_config(TrainConfig, config_path, overrides).model.num_layers
+    bad = [n for n in values if isinstance(n, bool) or not isinstance(n, int) or not low <= n < layers]
+    if bad or len(set(values)) != len(values):
+        raise ConfigError(f"rok: {field} = {values}: each must be a distinct number of {what} from {low} to "
+                          f"{layers - 1} (model.num_layers = {layers}; {why})")
+    return values
+
+
 def _check_keep_last(config_path: Optional[str], overrides: Sequence[str], names: Sequence[str],
                      keep_last: Sequence[int]) -> List[int]:
-    """The ``--keep-last`` counts, checked: distinct integers from 0 (every layer offloaded)
-    to one below the model's layer count (all kept is ``keep``), and ``keep-last`` selected."""
-    counts = list(keep_last)
-    if not counts:
-        return counts
-    if KEEP_LAST not in names:
-        raise ConfigError(f"rok: keep_last = {counts}: needs {KEEP_LAST!r} among the placements {list(names)}")
-    layers = load_config(TrainConfig, config_path, overrides).model.num_layers
-    bad = [n for n in counts if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n < layers]
-    if bad or len(set(counts)) != len(counts):
-        raise ConfigError(f"rok: keep_last = {counts}: each must be a distinct number of kept layers from 0 to "
-                          f"{layers - 1} (model.num_layers = {layers}; keeping all is the 'keep' placement)")
-    return counts
+    """The ``--keep-last`` counts: 0 (every layer offloaded) to one below the model's layer
+    count (all kept is ``keep``), and ``keep-last`` selected."""
+    return _check_layer_counts(config_path, overrides, names, keep_last, "keep_last", KEEP_LAST, 0, "kept layers",
+                               "keeping all is the 'keep' placement")
 
 
 def _check_fractions(names: Sequence[str], fractions: Sequence[float]) -> List[float]:
@@ -364,11 +373,10 @@ def _check_fractions(names: Sequence[str], fractions: Sequence[float]) -> List[f
 
 def _check_te_layers(config_path: Optional[str], overrides: Sequence[str], names: Sequence[str],
                      counts: Sequence[int]) -> List[int]:
-    """The ``--te-layers`` of ``te-offload``: distinct layer counts from 1 to the model's
-    layers - 1 (Transformer Engine's bound), and the placement selected."""
-    values = list(counts)
-    if not values:
-        return values
+    """The ``--te-layers`` of ``te-offload``: 1 to the model's layers - 1 (Transformer
+    Engine's bound), and the placement selected."""
+    return _check_layer_counts(config_path, overrides, names, counts, "te_layers", TE_OFFLOAD, 1,
+                               "offloaded first layers", "Transformer Engine keeps the last")
     if TE_OFFLOAD not in names:
         raise ConfigError(f"rok: te_layers = {values}: needs {TE_OFFLOAD!r} among the placements {list(names)}")
     layers = load_config(TrainConfig, config_path, overrides).model.num_layers

@@ -36,6 +36,8 @@ import time
 from pathlib import Path
 from typing import Dict, List, Optional
 
+from megatron_ssd.megatron.cpu_pretrain import free_port
+
 DAEMONS = ("munged", "slurmctld", "slurmd")
 CLIENTS = ("sbatch", "srun", "scancel", "scontrol", "squeue", "sinfo")
 
@@ -91,12 +93,6 @@ def unavailable() -> Optional[str]:
     return None
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def version() -> str:
     """``slurmctld -V``, e.g. ``slurm-wlm 22.05.8``."""
     return subprocess.run(["slurmctld", "-V"], capture_output=True, text=True, timeout=30).stdout.strip()
@@ -138,9 +134,9 @@ class PrivateSlurm:
         lines = []
         for name in self.nodes:
             (self.root / f"spool-{name}").mkdir()
-            lines.append(f"NodeName={name} NodeHostname={host} NodeAddr=127.0.0.1 Port={_free_port()} CPUs=2 "
+            lines.append(f"NodeName={name} NodeHostname={host} NodeAddr=127.0.0.1 Port={free_port()} CPUs=2 "
                          "State=UNKNOWN")
-        self.conf.write_text(CONF.format(host=host, ctld_port=_free_port(), socket=self.socket, root=self.root,
+        self.conf.write_text(CONF.format(host=host, ctld_port=free_port(), socket=self.socket, root=self.root,
                                          nodes="\n".join(lines)))
         try:
             self._spawn("munged", ["munged", "-F", f"--socket={self.socket}", f"--key-file={key}",
