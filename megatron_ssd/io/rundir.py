@@ -199,26 +199,28 @@ def _read(path: str) -> Optional[str]:
         return None
 
 
-def _proc_start_ticks(pid: int) -> Optional[int]:
+def _proc_stat(pid: int) -> List[str]:
+    """The fields of /proc/<pid>/stat after the command name, from the state (field 3)
+    on; empty when the process is gone or the file is unreadable."""
+    text = _read(f"/proc/{pid}/stat")
+    if not text or ")" not in text:
+        return []
+    return text[text.rindex(")") + 2 :].split()
+
+
+def _proc_start_ticks(pid: int, fields: Optional[List[str]] = None) -> Optional[int]:
     """Start time of ``pid`` in clock ticks since boot (field 22 of /proc/<pid>/stat)."""
-    text = _read(f"/proc/{pid}/stat")
-    if not text:
-        return None
+    fields = _proc_stat(pid) if fields is None else fields
     try:
-        return int(text[text.rindex(")") + 2 :].split()[19])
+        return int(fields[19])
     except (ValueError, IndexError):
         return None
 
 
-def _proc_state(pid: int) -> Optional[str]:
+def _proc_state(pid: int, fields: Optional[List[str]] = None) -> Optional[str]:
     """The state letter of ``pid`` (field 3 of /proc/<pid>/stat: R, S, D, Z, ...)."""
-    text = _read(f"/proc/{pid}/stat")
-    if not text:
-        return None
-    try:
-        return text[text.rindex(")") + 2 :].split()[0]
-    except (ValueError, IndexError):
-        return None
+    fields = _proc_stat(pid) if fields is None else fields
+    return fields[0] if fields else None
 
 
 def _pid_ns() -> Optional[str]:
@@ -275,8 +277,9 @@ def _is_stale(marker: Dict[str, Any]) -> bool:
     if not _pid_alive(pid):
         return True
     started = marker.get("proc_start")
-    now = _proc_start_ticks(pid)
-    if _proc_state(pid) == "Z" and started is not None and started == now:
+    fields = _proc_stat(pid)  # one read for both the start time and the state
+    now = _proc_start_ticks(pid, fields)
+    if _proc_state(pid, fields) == "Z" and started is not None and started == now:
         return True
     return started is not None and now is not None and started != now
 
