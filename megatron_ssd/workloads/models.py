@@ -239,7 +239,7 @@ def build_gpt(
             vp_stage=vp_stage,
             **kwargs,
         )
-    return _to_device(model)
+    return _to_device(model, config.params_dtype)
 
 
 def hybrid_available() -> bool:
@@ -331,7 +331,7 @@ def build_hybrid_gpt(config: TransformerConfig, vocab_size: int, seq_len: int,
     with cpu_mode():
         model = HybridModel(stacked, spec, vocab_size=vocab_size, max_sequence_length=seq_len,
                             hybrid_layer_pattern="*-" * config.num_layers, **options)
-    return _to_device(model)
+    return _to_device(model, config.params_dtype)
 
 
 class CPUBertModel(BertModel):
@@ -387,7 +387,7 @@ def build_bert(
             vp_stage=vp_stage,
             **kwargs,
         )
-    return _to_device(model)
+    return _to_device(model, config.params_dtype)
 
 
 def build_t5(
@@ -438,7 +438,7 @@ def build_t5(
             share_embeddings_and_output_weights=share_embeddings_and_output_weights,
             **kwargs,
         )
-    return _to_device(model)
+    return _to_device(model, config.params_dtype)
 
 
 def single_stage_config(config: TransformerConfig) -> TransformerConfig:
@@ -493,7 +493,17 @@ def build_model_chunks(
     return chunks
 
 
-def _to_device(model: torch.nn.Module) -> torch.nn.Module:
+def _to_device(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+    """``model`` with every floating-point parameter and buffer in ``dtype``, on the current
+    CUDA device when there is one.
+
+    megatron-core builds its torch fallback norms (no TE, no apex) in float32 whatever
+    ``params_dtype`` says; Megatron-LM's ``Float16Module`` casts the whole model to the
+    training dtype, and so does this. Without it a bf16 model's first linear layer on CUDA
+    gets the norm's float32 output ("expected mat1 and mat2 to have the same dtype").
+    """
+    if dtype != torch.float32:
+        model = model.to(dtype=dtype)
     if cuda_usable():
         model = model.cuda(torch.cuda.current_device())
     return model

@@ -186,3 +186,20 @@ def test_two_runs_are_bit_identical(world, kind):
     assert all(torch.equal(a, b) for a, b in zip(first.losses, second.losses))
     assert first.grads.keys() == second.grads.keys()
     assert all(torch.equal(first.grads[n], second.grads[n]) for n in first.grads)
+
+
+@pytest.mark.parametrize("kind", sorted(MODELS))
+def test_a_bf16_model_holds_every_parameter_and_buffer_in_bf16(world, kind):
+    """megatron-core's torch fallback norms ignore ``params_dtype``; the builders cast the whole
+    model, as Megatron-LM's ``Float16Module`` does (on CUDA a float32 norm output meets a bf16
+    linear weight: "expected mat1 and mat2 to have the same dtype"). It then trains."""
+    build, forward_step, _, extra = MODELS[kind]
+    torch.manual_seed(7)
+    config = tiny_transformer_config(num_layers=2, hidden_size=64, num_attention_heads=4,
+                                     params_dtype=torch.bfloat16)
+    model = build(config, vocab_size=VOCAB, seq_len=SEQ)
+    floating = [(n, t.dtype) for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_floating_point()]
+    assert floating and [(n, d) for n, d in floating if d != torch.bfloat16] == []
+    data = SyntheticData(kind, MBS, SEQ, VOCAB, seed=3, **extra)
+    result = run_steps([model], forward_step, data, NMB, SEQ, MBS, steps=1, **extra)
+    assert all(torch.isfinite(step).all() for step in result.losses)

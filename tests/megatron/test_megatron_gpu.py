@@ -18,7 +18,12 @@ VOCAB, SEQ, MBS, NMB = 256, 128, 2, 2
 def _gpt(spec, offload: bool, **config_kw):
     from megatron_ssd.workloads.models import build_gpt, tiny_transformer_config
 
+    from megatron.core import tensor_parallel
+
+    # Weights initialised on the GPU draw from megatron's CUDA RNG tracker, which the first
+    # build advances: reseed it too, or the second model starts from other weights.
     torch.manual_seed(3)
+    tensor_parallel.model_parallel_cuda_manual_seed(3)
     config = tiny_transformer_config(3, 128, 4, **config_kw)
     model = build_gpt(config, VOCAB, SEQ, layer_spec=offload_layer_spec(spec) if offload else spec)
     return model.cuda()
