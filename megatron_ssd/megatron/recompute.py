@@ -65,6 +65,25 @@ the next op reads a freed storage ("data is not allocated yet"). In a region the
 recomputes, the output-discarding checkpoint is bypassed (:func:`in_layer_checkpoint`,
 read by ``discard.py``), as megatron-core bypasses it during CUDA-graph warm-up: the
 norm runs as a plain op, and the whole layer is recomputed anyway.
+
+# NOTE [Module state under RECOMPUTE]
+Backward re-runs the layer's forward with grad enabled, so every tensor the recomputation
+makes carries a graph whose nodes hold the recomputed saved tensors (torch's recomputation
+hook packs a tensor as itself). That graph is never backpropagated: torch takes the saved
+tensors it needs from it and drops the outputs, which frees it, unless something the
+recomputation stored outlives it. megatron-core 0.19's ``TransformerLayer`` stores one:
+``self.mlp_norm_manager`` (a fine-grained offloading interface) holds the post-attention
+residual, and with it the recomputed attention graph, probabilities and all, until the
+next forward rebinds the attribute. Every recomputed layer then holds about its whole
+keep-everything footprint from its backward to the next step's forward, and the next
+step's peak adds all of it (docs/performance.md, "Recompute held a layer's activations
+until the next forward"). Megatron's own full recompute (reentrant) backpropagates its
+recomputed graph and frees it; this module's non-reentrant checkpoint does not.
+:class:`ModuleStateReplay` therefore leaves the layer's modules as the recomputation found
+them: an attribute the recomputation rebound gets its forward value back, one it added is
+removed. Tensors updated in place (Transformer Engine's scaling state) and containers
+mutated in place (hook dictionaries) are not rebindings and are left alone; the forward
+already set each attribute once, with the same FP8 and RNG state.
 """
 
 from __future__ import annotations
@@ -79,7 +98,7 @@ from megatron.core import tensor_parallel
 
 from . import compat
 
-__all__ = ["QuantizationReplay", "RNGReplay", "checkpoint_layer", "checkpoint_module", "in_layer_checkpoint"]
+__all__ = ["ModuleStateReplay", "QuantizationReplay", "RNGReplay", "checkpoint_layer", "checkpoint_module", "in_layer_checkpoint"]
 
 _THREAD = threading.local()
 
@@ -216,20 +235,61 @@ class QuantizationReplay:
             yield
 
 
+class ModuleStateReplay:
+    """Leaves a module tree's attributes as the recomputation found them (NOTE [Module
+    state under RECOMPUTE]).
+
+    Use :meth:`context_fn` as (part of) the ``context_fn`` of ``torch.utils.checkpoint``;
+    one instance serves one checkpoint call.
+
+    Args:
+        module: The checkpointed module; it and all its submodules are guarded.
+    """
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.module = module
+        self._found: Optional[list[tuple[torch.nn.Module, dict[str, Any]]]] = None
+
+    def context_fn(self) -> tuple[ContextManager, ContextManager]:
+        """The ``(forward, recompute)`` contexts: nothing in forward."""
+        return contextlib.nullcontext(), self
+
+    def __enter__(self) -> "ModuleStateReplay":
+        """Enter recomputation: note each module's attributes."""
+        self._found = [(m, dict(m.__dict__)) for m in self.module.modules()]
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        """Leave recomputation (also when torch stops it early): undo its rebindings."""
+        found, self._found = self._found, None
+        for module, before in found or ():
+            now = module.__dict__
+            for name in [name for name in now if name not in before]:
+                del now[name]
+            for name, value in before.items():
+                if now.get(name, _MISSING) is not value:
+                    now[name] = value
+
+
+_MISSING = object()
+
+
 class _Replay:
     """Everything :func:`checkpoint_layer` replays: RNG states, the quantization context,
-    and the region mark read by ``discard.py``."""
+    the checkpointed module's attributes, and the region mark read by ``discard.py``."""
 
-    def __init__(self) -> None:
+    def __init__(self, module: Optional[torch.nn.Module]) -> None:
         self.rng = RNGReplay()
         self.quantization = QuantizationReplay()
+        self.state = ModuleStateReplay(module) if module is not None else None
 
     def context_fn(self) -> tuple[ContextManager, ContextManager]:
         rng_forward, rng_recompute = self.rng.context_fn()
         quantization_forward, quantization_recompute = self.quantization.context_fn()
+        state_recompute = self.state.context_fn()[1] if self.state is not None else contextlib.nullcontext()
         return (
             _entered(_layer_region(), quantization_forward, rng_forward),
-            _entered(_layer_region(), rng_recompute, quantization_recompute),
+            _entered(_layer_region(), state_recompute, rng_recompute, quantization_recompute),
         )
 
 
@@ -251,6 +311,9 @@ def checkpoint_layer(function: Callable[..., Any], *args: Any, **kwargs: Any) ->
     in (NOTE [FP8 under RECOMPUTE]); megatron-core's output-discarding checkpoint is
     bypassed inside the region (NOTE [Output discarding under RECOMPUTE]).
 
+    When ``function`` is a module or a module's bound method, the module's attributes are
+    left as the recomputation found them (NOTE [Module state under RECOMPUTE]).
+
     Args:
         function: The forward to checkpoint, e.g. a transformer layer's ``forward``.
         *args: Positional arguments; tensors among them are kept until backward and go
@@ -260,7 +323,8 @@ def checkpoint_layer(function: Callable[..., Any], *args: Any, **kwargs: Any) ->
     Returns:
         Whatever ``function`` returns (tensors, tuples with None, ...).
     """
-    replay = _Replay()
+    owner = function if isinstance(function, torch.nn.Module) else getattr(function, "__self__", None)
+    replay = _Replay(owner if isinstance(owner, torch.nn.Module) else None)
     return torch_checkpoint.checkpoint(
         function,
         *args,

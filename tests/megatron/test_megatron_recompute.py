@@ -348,3 +348,74 @@ def test_te_fp8_layer_under_recompute_matches_the_plain_layer(world):
     assert plain[2].keys() == recomputed[2].keys()
     assert diff(plain, recomputed) <= noise
     assert unreplayed is None or diff(plain, unreplayed) > noise, "control: recomputing outside FP8 changes the result"
+
+
+# ------------------------------------------------------------------ module state under RECOMPUTE
+
+
+def _live_tensors(exclude: set) -> int:
+    """Tensors Python can reach, not counting ``exclude`` (ids) and the layer's own."""
+    import gc
+
+    gc.collect()
+    return sum(1 for o in gc.get_objects() if torch.is_tensor(o) and id(o) not in exclude and o.numel() >= 64)
+
+
+class _Stashing(torch.nn.Module):
+    """Stores an intermediate on itself, as megatron-core 0.19's TransformerLayer stores
+    ``mlp_norm_manager`` (which holds the post-attention residual)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(64, 64)
+
+    def forward(self, x):
+        self.stash = torch.softmax(self.linear(x), -1) * 2
+        if torch.is_grad_enabled() and not hasattr(self, "seen_in_forward"):
+            self.seen_in_forward = True
+        else:  # the recomputation: an attribute the forward did not set
+            self.added_in_recompute = True
+        return self.stash.relu()
+
+
+def test_the_recomputation_leaves_module_attributes_as_it_found_them():
+    """NOTE [Module state under RECOMPUTE]: a rebinding made by the recomputation would hold
+    the recomputed graph, and every tensor it saved, until the next forward."""
+    module = _Stashing()
+    x = torch.randn(8, 64, requires_grad=True)
+    out = checkpoint_module(module, x)
+    forward_stash = module.stash
+    out.sum().backward()
+    assert module.stash is forward_stash
+    assert not hasattr(module, "added_in_recompute") and module.seen_in_forward
+    # Control: torch's checkpoint alone keeps the recomputed stash (and its graph).
+    control = _Stashing()
+    out = torch_checkpoint.checkpoint(control, x, use_reentrant=False)
+    forward_stash = control.stash
+    out.sum().backward()
+    assert control.stash is not forward_stash and control.stash.grad_fn is not None
+    assert control.added_in_recompute
+
+
+def test_no_recomputed_tensor_outlives_the_backward_of_a_megatron_layer(world):
+    """megatron-core's layer under checkpoint_layer leaves nothing alive after backward that
+    the plain layer does not (with torch's checkpoint alone, megatron-core 0.19 keeps the
+    recomputed attention probabilities, QKV and MLP inputs)."""
+    layer = _layer(0.0)
+    keep = {id(t) for t in [*layer.parameters(), *layer.buffers()]}
+
+    def step(forward) -> int:
+        layer.zero_grad(set_to_none=True)
+        x = torch.randn(32, 2, 64, requires_grad=True)
+        out, _ = forward(x)
+        (out.float() ** 2).sum().backward()
+        exclude = keep | {id(p.grad) for p in layer.parameters()} | {id(x), id(x.grad), id(out)}
+        return _live_tensors(exclude)
+
+    plain = step(lambda x: layer(hidden_states=x, attention_mask=None))
+    recomputed = step(lambda x: checkpoint_layer(layer.forward, hidden_states=x, attention_mask=None))
+    assert recomputed == plain
+    if hasattr(layer, "mlp_norm_manager"):  # megatron-core 0.19: the control leaks
+        leaked = step(lambda x: torch_checkpoint.checkpoint(layer.forward, hidden_states=x, attention_mask=None,
+                                                            use_reentrant=False))
+        assert leaked > plain
