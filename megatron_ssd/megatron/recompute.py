@@ -76,9 +76,10 @@ recomputation stored outlives it. megatron-core 0.19's ``TransformerLayer`` stor
 residual, and with it the recomputed attention graph, probabilities and all, until the
 next forward rebinds the attribute. Every recomputed layer then holds about its whole
 keep-everything footprint from its backward to the next step's forward, and the next
-step's peak adds all of it (docs/performance.md, "Recompute held a layer's activations
-until the next forward"). Megatron's own full recompute (reentrant) backpropagates its
-recomputed graph and frees it; this module's non-reentrant checkpoint does not.
+step's peak adds all of it (measured:
+docs/performance.md#run-2026-11-26-recompute-module-state). Megatron's own full recompute
+(reentrant) backpropagates its recomputed graph and frees it; this module's non-reentrant
+checkpoint does not.
 :class:`ModuleStateReplay` therefore leaves the layer's modules as the recomputation found
 them: an attribute the recomputation rebound gets its forward value back, one it added is
 removed. Tensors updated in place (Transformer Engine's scaling state) and containers
