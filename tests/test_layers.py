@@ -166,3 +166,61 @@ def test_the_lab_check_reads_every_kind_of_import(source, found):
     """The reader behind the two checks above sees an import under ``if TYPE_CHECKING:``,
     inside a function, of a package by name and by absolute path."""
     assert _lab_imports(ROOT / "cache" / "planted.py", source) == found
+
+
+def _import_graph(paths=MODULES):
+    """Module -> the package modules it imports, every kind of import counted (top level,
+    inside functions, under ``if TYPE_CHECKING:``)."""
+    graph = {}
+    for path in paths:
+        module = _module_name(path)
+        graph[module] = {t for _, t in _imports(path) if t.startswith("megatron_ssd") and _is_module(t) and t != module}
+    return graph
+
+
+def _circles(graph) -> list:
+    """The strongly connected components of more than one module (Tarjan), each sorted."""
+    index, low, stack, on_stack, found = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_import_circles():
+    """No module reaches itself through imports, counting those made only for type
+    annotations: a circle hidden from the runtime by ``TYPE_CHECKING`` still ties the two
+    modules together for a reader."""
+    assert _circles(_import_graph()) == []
+
+
+def test_the_circle_check_sees_type_checking_imports(tmp_path):
+    """Control: two planted modules importing each other, one only under TYPE_CHECKING."""
+    pkg = ROOT / "io"
+    a = ("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .planted_b import B\n", pkg / "planted_a.py")
+    b = ("from .planted_a import A\n", pkg / "planted_b.py")
+    graph = {_module_name(path): {t for _, t in _imports(path, source) if t.startswith("megatron_ssd")}
+             for source, path in (a, b)}
+    assert _circles(graph) == [["megatron_ssd.io.planted_a", "megatron_ssd.io.planted_b"]]

@@ -1,48 +1,84 @@
 """The tensor cache's per-step accounting.
 
-:class:`StepAccountingMixin` is mixed into :class:`~megatron_ssd.cache.TensorCache`,
-which provides ``engine``, ``ssd``, ``host_store``, ``entries`` (the step's counters), ``clock``,
-``policy``, ``config``, ``device``, ``_engine_base``, ``_step``, ``_step_started``, ``_cpu_started``,
-``_foreign_device``, ``_said_nothing_moved``, ``_check_open`` and ``drain``. The bytes moved and held come from the blob stores (NOTE [Blob stores]).
+:class:`StepAccountant` closes each step's counters into a :class:`StepStats`. It is built
+with what it reads: the config, the entry table (the step's counters, the clock, the
+lock), the placement policy, the SSD engine and the blob stores (the bytes moved and held
+come from the stores, NOTE [Blob stores]), and the device binding.
+:class:`~megatron_ssd.cache.TensorCache` composes one.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from typing import Hashable, List
+from typing import Hashable, List, Optional
 
+import torch
+
+from ..config import OffloadConfig
+from ..io.base import Engine
+from ..io.store import BlobStore, StoreStep
 from ..placement import MOVED, OUTSIDE, Placement
-from ..io.store import StoreStep
+from .device import DeviceBinding
+from .entries import EntryTable
+from .policy import PlacementPolicy
 from .stats import StepStats
 
-__all__ = ["StepAccountingMixin"]
+__all__ = ["StepAccountant"]
 
 logger = logging.getLogger("megatron_ssd")
 
 
-class StepAccountingMixin:
-    """Closes each step's counters into a :class:`StepStats`."""
+class StepAccountant:
+    """Closes each step's counters into a :class:`StepStats`.
+
+    Args:
+        config: the cache's config (named in the nothing-moved warning).
+        entries: the entry table whose step counters are taken.
+        policy: the placements (which layers are placed to move).
+        engine: the SSD engine (its cumulative stats; each step reports the difference).
+        ssd: the SSD engine's blob store.
+        host_store: the host tier's blob store, if any.
+        binding: the device the cache serves.
+    """
+
+    def __init__(self, config: OffloadConfig, entries: EntryTable, policy: PlacementPolicy, engine: Engine,
+                 ssd: BlobStore, host_store: Optional[BlobStore], binding: DeviceBinding) -> None:
+        self.config = config
+        self.entries = entries
+        self.policy = policy
+        self.engine = engine
+        self.ssd = ssd
+        self.host_store = host_store
+        self.binding = binding
+        self.step = 0
+        """The number of the step being counted (0 first)."""
+        self.foreign_device: Optional[torch.device] = None
+        """The last device of a saved tensor left alone because the cache serves another."""
+        self._engine_base = engine.stats()
+        self._step_started = time.perf_counter()
+        self._cpu_started = time.process_time()
+        self._said_nothing_moved = False
 
     def finish_step(self) -> StepStats:
         """Close the step's accounting and return its numbers; counters start again.
 
-        Waits for writes and reads still in flight first, so each step's bytes are its own.
+        Call it once the step's writes and reads have completed (the cache drains first),
+        so each step's bytes are its own.
         """
-        self._check_open()
-        self.drain()
-        self.clock.wait()  # the step's last kernel has run (NOTE [Device time] in device.py)
+        clock = self.entries.clock
+        clock.wait()  # the step's last kernel has run (NOTE [Device time] in device.py)
         es = self.engine.stats()
         ssd = self.ssd.take_step()
         host = self.host_store.take_step() if self.host_store is not None else StoreStep(0, 0, 0)
         with self.entries.lock:
-            self.clock.resolve()
+            clock.resolve()
             c, base = self.entries.take_step(), self._engine_base
             wbytes, rbytes = es.bytes_written - base.bytes_written, es.bytes_read - base.bytes_read
             wbusy, rbusy = es.write_busy_s - base.write_busy_s, es.read_busy_s - base.read_busy_s
             now, cpu_now = time.perf_counter(), time.process_time()
             stats = StepStats(
-                step=self._step,
+                step=self.step,
                 wall_s=now - self._step_started,
                 microbatches=c.microbatches,
                 cpu_s=cpu_now - self._cpu_started,
@@ -81,7 +117,7 @@ class StepAccountingMixin:
                 peak_open_microbatches=c.peak_open_records,
             )
             self._engine_base = es
-            self._step += 1
+            self.step += 1
             self._step_started, self._cpu_started = now, cpu_now
         self._say_if_nothing_moved(stats)
         return stats
@@ -105,9 +141,9 @@ class StepAccountingMixin:
             return
         self._said_nothing_moved = True
         reasons = []
-        if self._foreign_device is not None:
-            reasons.append(f"tensors saved on {self._foreign_device} were left to autograd: this cache serves "
-                           f"{self.device} (OffloadConfig.device = {self.config.device!r})")
+        if self.foreign_device is not None:
+            reasons.append(f"tensors saved on {self.foreign_device} were left to autograd: this cache serves "
+                           f"{self.binding.device} (OffloadConfig.device = {self.config.device!r})")
         small = sum(stats.layers[layer].small_bytes for layer in moving if layer in stats.layers)
         if small:
             reasons.append(f"{small} bytes saved in those layers were each under min_tensor_bytes = "
@@ -121,8 +157,3 @@ class StepAccountingMixin:
             ", ".join(repr(layer) for layer in moving[:8]) + (", ..." if len(moving) > 8 else ""),
             "; ".join(reasons) or "every tensor they saved was kept",
         )
-
-    @property
-    def checksum(self) -> str:
-        """``on`` or ``off``: whether blobs written now get a checksum."""
-        return self.engine.stats().extra.get("checksum", "off" if self.config.io.checksum == "off" else "on")

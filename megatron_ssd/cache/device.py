@@ -68,7 +68,7 @@ def check_device(name: str, field: str = "OffloadConfig.device", need_cuda: bool
 # serving another device than the one the model trains on, every tensor under
 # ``min_tensor_bytes``, layers placed offload that never run) is named once by the first
 # step that saved tensors and moved none although layers are placed to move
-# (``StepAccountingMixin``).
+# (``StepAccountant``).
 
 
 # NOTE [Binding the device]

@@ -1,75 +1,93 @@
 """The tensor cache's scopes: micro-batch forward, layer forward, module group, start of a
 layer's backward.
 
-:class:`ScopeMixin` is mixed into :class:`~megatron_ssd.cache.TensorCache`, which
-provides ``entries`` (the :class:`~megatron_ssd.cache.entries.EntryTable`: records,
-counters, lock), ``clock``, ``_return_pages``, ``_tls``, ``_keys``, ``_check_open``,
-``placement`` and ``backward_started``. The scopes say which record, layer and module
-group a saved tensor belongs to; the entry table holds the rest.
+:class:`Scopes` says, per thread, which record, layer and module group a saved tensor
+belongs to; the entry table holds the rest. It is built with the narrow state it works
+on: the entry table (records, layer counters, clock, lock), the placement policy, the
+packer whose saved-tensor hooks a micro-batch installs, and two callbacks of its owner
+(the start of a layer's backward, the end of a micro-batch's forward).
+:class:`~megatron_ssd.cache.TensorCache` composes one and exposes its scopes.
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import threading
 from functools import partial
-from typing import TYPE_CHECKING, Any, Hashable, Iterator, Optional
+from typing import Any, Callable, Hashable, Iterator, Optional, Protocol, Union
 
 import torch
 
-from ..placement import Placement
 from ..errors import CacheStateError
+from ..placement import Placement
+from .entries import EntryTable
 from .hooks import OffloadHooks
-from .pages import trim_heap
-from .record import Record
+from .policy import PlacementPolicy
+from .record import Packed, Record
 
-if TYPE_CHECKING:
-    from .tensor_cache import TensorCache
-
-__all__ = ["ScopeMixin", "active_cache"]
-
-_ACTIVE = threading.local()
+__all__ = ["Packer", "Scopes"]
 
 
-def active_cache() -> Optional["TensorCache"]:
-    """The cache whose micro-batch forward is open on this thread, if any.
+class Packer(Protocol):
+    """What a micro-batch's saved-tensor hooks call (the tensor cache)."""
 
-    Offload-aware layers use it to find their cache without holding a reference.
+    def pack(self, record: Record, t: torch.Tensor) -> Union[torch.Tensor, Packed]:
+        """Take a tensor autograd saves; return what autograd should hold instead."""
+
+    def unpack(self, packed: Packed) -> torch.Tensor:
+        """Return the tensor ``packed`` stands for."""
+
+
+class Scopes:
+    """Opens and closes the forward scopes whose saved tensors the cache routes.
+
+    Args:
+        entries: the entry table: records are opened in it, layer counters and the clock
+            read from it.
+        policy: the placement of each layer.
+        packer: whose ``pack`` / ``unpack`` a micro-batch's saved-tensor hooks call.
+        backward_started: called with ``(record, layer_id)`` when the gradient of a layer's
+            output is computed.
+        forward_ended: called after each micro-batch's forward, once the entry table knows.
     """
-    stack = getattr(_ACTIVE, "stack", None)
-    return stack[-1] if stack else None
 
-
-class ScopeMixin:
-    """Opens and closes the forward scopes whose saved tensors the cache routes."""
+    def __init__(
+        self,
+        entries: EntryTable,
+        policy: PlacementPolicy,
+        packer: Packer,
+        backward_started: Callable[[Record, Hashable], None],
+        forward_ended: Callable[[], None],
+    ) -> None:
+        self.entries = entries
+        self.policy = policy
+        self.packer = packer
+        self._backward_started = backward_started
+        self._forward_ended = forward_ended
+        self._tls = threading.local()
+        self._keys = itertools.count()
 
     @contextlib.contextmanager
     def microbatch(self, key: Optional[Hashable] = None) -> Iterator[Record]:
         """Run one micro-batch's forward with its saved tensors going to a new record."""
-        self._check_open()
         record = self.entries.open(key if key is not None else next(self._keys))
         previous = getattr(self._tls, "record", None)
         self._tls.record = record
-        active = _ACTIVE.__dict__.setdefault("stack", [])
-        active.append(self)
         try:
-            with OffloadHooks(self, record):
+            with OffloadHooks(self.packer, record):
                 yield record
         finally:
-            active.pop()
             self._tls.record = previous
             self.entries.forward_ended(record)
-            if self._return_pages:  # NOTE [Returning freed pages]
-                trimmed = trim_heap()
-                with self.entries.lock:
-                    self.entries.counters.heap_trim_s += trimmed
+            self._forward_ended()
 
     @contextlib.contextmanager
     def layer(self, layer_id: Hashable) -> Iterator[Placement]:
         """Scope for the forward of one layer (used by offload-aware layers)."""
         self.enter_layer(layer_id)
         try:
-            yield self.placement(layer_id)
+            yield self.policy.layer(layer_id)
         finally:
             self.exit_layer(layer_id)
 
@@ -95,6 +113,11 @@ class ScopeMixin:
         """The record of the micro-batch forward running on this thread, if any."""
         return getattr(self._tls, "record", None)
 
+    def current_layer(self) -> Hashable:
+        """The innermost layer whose forward scope is open on this thread, else None."""
+        stack = self._tls.__dict__.get("layers")
+        return stack[-1][0] if stack else None
+
     def enter_layer(self, layer_id: Hashable, inputs: Any = None) -> None:
         """Start ``layer_id``'s forward scope on this thread.
 
@@ -103,7 +126,7 @@ class ScopeMixin:
         (``LayerCounters.input_bytes``)."""
         record = self.current_record()
         stack = self._tls.__dict__.setdefault("layers", [])
-        stack.append((layer_id, self.clock.mark()))  # NOTE [Device time] in device.py
+        stack.append((layer_id, self.entries.clock.mark()))  # NOTE [Device time] in device.py
         if record is not None and layer_id not in record.layer_order:
             record.layer_order.append(layer_id)
         first = next((t for t in _flatten(inputs) if isinstance(t, torch.Tensor)), None)
@@ -120,28 +143,33 @@ class ScopeMixin:
         record = self.current_record()
         if record is None:
             return
-        ended = self.clock.mark()
+        clock = self.entries.clock
+        ended = clock.mark()
         with self.entries.lock:
             lc = self.entries.layer(layer_id)
-            self.clock.add(started, ended, partial(_add_forward, lc))
+            clock.add(started, ended, partial(_add_forward, lc))
             lc.microbatches += 1
         if outputs is not None and torch.is_grad_enabled():
             self.watch_backward(record, layer_id, outputs)
 
     def watch_backward(self, record: Record, layer_id: Hashable, outputs: Any) -> None:
-        """Call :meth:`backward_started` when the gradient of ``outputs`` is computed."""
+        """Call the owner's ``backward_started`` when the gradient of ``outputs`` is computed."""
         tensors = [t for t in _flatten(outputs) if isinstance(t, torch.Tensor) and t.requires_grad]
         if tensors:
-            tensors[0].register_hook(partial(self._grad_hook, record, layer_id))
+            tensors[0].register_hook(partial(_grad_hook, self._backward_started, record, layer_id))
 
-    def _grad_hook(self, record: Record, layer_id: Hashable, grad: torch.Tensor) -> None:
-        self.backward_started(record, layer_id)
-
-    def _pre_hook(self, layer_id: Hashable, module: torch.nn.Module, args: Any) -> None:
+    def pre_hook(self, layer_id: Hashable, module: torch.nn.Module, args: Any) -> None:
+        """A forward pre-hook of a registered layer (``partial(scopes.pre_hook, layer_id)``)."""
         self.enter_layer(layer_id, args)
 
-    def _post_hook(self, layer_id: Hashable, module: torch.nn.Module, args: Any, output: Any) -> None:
+    def post_hook(self, layer_id: Hashable, module: torch.nn.Module, args: Any, output: Any) -> None:
+        """A forward hook of a registered layer (``partial(scopes.post_hook, layer_id)``)."""
         self.exit_layer(layer_id, output)
+
+
+def _grad_hook(backward_started: Callable[[Record, Hashable], None], record: Record, layer_id: Hashable,
+               grad: torch.Tensor) -> None:
+    backward_started(record, layer_id)
 
 
 def _add_forward(lc: Any, seconds: float) -> None:

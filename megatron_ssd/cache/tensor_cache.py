@@ -13,28 +13,28 @@ Usage (plain PyTorch)::
 
 from __future__ import annotations
 
-import itertools
+import contextlib
 import logging
 import os
 import threading
-import time
 from functools import partial
-from typing import Dict, Hashable, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Dict, Hashable, Iterable, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 
 from ..config import OffloadConfig
 from ..placement import EMBEDDING, HEAD, OUTSIDE, Placement
 from ..errors import CacheStateError, ConfigError
-from ..io.base import Engine, EngineStats
-from .accounting import StepAccountingMixin
+from ..io.base import Engine
+from .accounting import StepAccountant
 from .device import CudaCalls, DeviceBinding, HostClock, check_device, make_clock, parse_device
 from .entries import EntryTable
 from .exit_guard import EXIT_GUARD
 from .identity import do_not_offload, is_plain, restore, storage_bytes, storage_key, version_probe, view_meta
 from .pages import trim_heap
 from .record import Packed, Record
-from .scopes import ScopeMixin, active_cache
+from .stats import StepStats
+from .scopes import Scopes
 from .policy import PlacementPolicy
 from ..io import create_engine
 from ..io.host import HostEngine
@@ -45,6 +45,17 @@ __all__ = ["TensorCache", "active_cache", "resolve_device"]
 
 logger = logging.getLogger("megatron_ssd")
 
+_ACTIVE = threading.local()
+
+
+def active_cache() -> Optional["TensorCache"]:
+    """The cache whose micro-batch forward is open on this thread, if any.
+
+    Offload-aware layers use it to find their cache without holding a reference.
+    """
+    stack = getattr(_ACTIVE, "stack", None)
+    return stack[-1] if stack else None
+
 
 def resolve_device(name: str) -> torch.device:
     """The compute device named by ``OffloadConfig.device``, a CUDA index taken from the
@@ -53,7 +64,7 @@ def resolve_device(name: str) -> torch.device:
     return DeviceBinding(parse_device(name)).resolved()
 
 
-class TensorCache(ScopeMixin, StepAccountingMixin):
+class TensorCache:
     """Routes the tensors autograd saves for backward to an SSD array and back.
 
     Its files are removed when it closes, at interpreter exit, and on the signals that end
@@ -99,7 +110,6 @@ class TensorCache(ScopeMixin, StepAccountingMixin):
         if self.host_store is not None:
             self.stores[Placement.HOST] = self.host_store
         self._pid = os.getpid()
-        self._tls = threading.local()
         self.policy = PlacementPolicy(config, host_available=self.host is not None)
         """Decides every placement (NOTE [One placement policy])."""
         self._return_pages = config.return_freed_pages and self.binding.device.type == "cpu"
@@ -109,16 +119,13 @@ class TensorCache(ScopeMixin, StepAccountingMixin):
         self.entries.release_at_staging = self.binding.device.type == "cuda"  # NOTE [Released at staging]
         """The saved tensors' state machine, its lock and the step's counters."""
         self._param_storages: set = set()
-        self._keys = itertools.count()
-        self._step = 0
-        self._engine_base: EngineStats = engine.stats()
         self._hook_handles: list = []
         self._closed = False
-        self._step_started = time.perf_counter()
-        self._cpu_started = time.process_time()
-        self._foreign_device: Optional[torch.device] = None
-        """The last device of a saved tensor left alone because the cache serves another."""
-        self._said_nothing_moved = False
+        self.scopes = Scopes(self.entries, self.policy, self, self.backward_started, self._return_freed_pages)
+        """Which record, layer and module group a tensor saved now belongs to."""
+        self.accountant = StepAccountant(config, self.entries, self.policy, engine, self.ssd, self.host_store,
+                                         self.binding)
+        """Closes each step's counters (:meth:`finish_step`)."""
         EXIT_GUARD.add(self)
 
     @property
@@ -136,6 +143,45 @@ class TensorCache(ScopeMixin, StepAccountingMixin):
         """The compute device whose saved tensors the cache manages; ``cuda`` without an
         index until the first CUDA tensor is saved (NOTE [Binding the device])."""
         return self.binding.device
+
+    # ------------------------------------------------------------------ scopes
+
+    @contextlib.contextmanager
+    def microbatch(self, key: Optional[Hashable] = None) -> Iterator[Record]:
+        """Run one micro-batch's forward with its saved tensors going to a new record; the
+        cache is :func:`active_cache` on this thread meanwhile."""
+        self._check_open()
+        with self.scopes.microbatch(key) as record:
+            active = _ACTIVE.__dict__.setdefault("stack", [])
+            active.append(self)
+            try:
+                yield record
+            finally:
+                active.pop()
+
+    def layer(self, layer_id: Hashable) -> contextlib.AbstractContextManager[Placement]:
+        """Scope for the forward of one layer (used by offload-aware layers); yields its placement."""
+        return self.scopes.layer(layer_id)
+
+    def enter_layer(self, layer_id: Hashable, inputs: object = None) -> None:
+        """Start ``layer_id``'s forward scope on this thread (:meth:`Scopes.enter_layer`)."""
+        self.scopes.enter_layer(layer_id, inputs)
+
+    def exit_layer(self, layer_id: Hashable, outputs: object = None) -> None:
+        """End ``layer_id``'s forward scope; watch ``outputs`` for the start of its backward."""
+        self.scopes.exit_layer(layer_id, outputs)
+
+    def enter_group(self, name: str) -> None:
+        """A module group starts its forward on this thread (:meth:`Scopes.enter_group`)."""
+        self.scopes.enter_group(name)
+
+    def exit_group(self, name: str) -> None:
+        """The module group ``name`` ended its forward (or raised) on this thread."""
+        self.scopes.exit_group(name)
+
+    def current_group(self) -> Optional[str]:
+        """The innermost module group open on this thread, if any."""
+        return self.scopes.current_group()
 
     # ------------------------------------------------------------------ layers and plan
 
@@ -166,8 +212,8 @@ class TensorCache(ScopeMixin, StepAccountingMixin):
             known.append(layer_id)
             self.register_parameters(module)
             if install_hooks:
-                self._hook_handles.append(module.register_forward_pre_hook(partial(self._pre_hook, layer_id)))
-                self._hook_handles.append(module.register_forward_hook(partial(self._post_hook, layer_id)))
+                self._hook_handles.append(module.register_forward_pre_hook(partial(self.scopes.pre_hook, layer_id)))
+                self._hook_handles.append(module.register_forward_hook(partial(self.scopes.post_hook, layer_id)))
         return ids
 
     def register_parameters(self, module: torch.nn.Module) -> None:
@@ -228,10 +274,6 @@ class TensorCache(ScopeMixin, StepAccountingMixin):
 
     # ------------------------------------------------------------------ pack / unpack
 
-    def _current_layer(self) -> Hashable:
-        stack = self._tls.__dict__.get("layers")
-        return stack[-1][0] if stack else None
-
     # NOTE [Sites outside the layers]: a tensor saved while no layer scope is open
     # belongs to one of two pseudo-layers of its micro-batch. Before the record's first
     # layer it is ``embedding``'s (a GPT's embedding dropout mask, token and position
@@ -245,7 +287,7 @@ class TensorCache(ScopeMixin, StepAccountingMixin):
 
     def _site_layer(self, record: Record) -> Hashable:
         """The layer a tensor saved now belongs to (NOTE [Sites outside the layers])."""
-        layer_id = self._current_layer()
+        layer_id = self.scopes.current_layer()
         if layer_id is not None:
             return layer_id
         order = record.layer_order
@@ -261,7 +303,7 @@ class TensorCache(ScopeMixin, StepAccountingMixin):
         if t.is_meta:
             return True
         if not self.binding.accepts(t.device):
-            self._foreign_device = t.device  # named if a whole step moves nothing (NOTE [A device that exists])
+            self.accountant.foreign_device = t.device  # named if a whole step moves nothing (NOTE [A device that exists])
             return True
         if t.is_leaf and t.requires_grad:
             return True
@@ -283,7 +325,8 @@ class TensorCache(ScopeMixin, StepAccountingMixin):
         key = storage_key(t) if plain else ("held", id(t))
         meta = view_meta(t) if plain else None
         with self.entries.lock:
-            entry, moves = self.entries.saved(record, key, t, self._site_layer(record), unmovable, self.current_group())
+            entry, moves = self.entries.saved(record, key, t, self._site_layer(record), unmovable,
+                                              self.scopes.current_group())
         # before the write: its release runs if it raises
         # a subclass is held whole by its entry: it is its own probe (NOTE [In-place changes])
         packed = Packed(entry, meta, self, t._version, version_probe(t) if plain else t)
@@ -340,7 +383,14 @@ class TensorCache(ScopeMixin, StepAccountingMixin):
         """
         finished = self.entries.backward_started(record, layer_id)
         # NOTE [Returning freed pages]: after a recomputed layer's backward
-        if self._return_pages and finished is not None and self.policy.layer(finished) is Placement.RECOMPUTE:
+        if finished is not None and self.policy.layer(finished) is Placement.RECOMPUTE:
+            self._return_freed_pages()
+
+    def _return_freed_pages(self) -> None:
+        """Give the heap's freed pages back to the kernel, its time counted in the step's
+        ``heap_trim_s``; on a CPU cache with ``return_freed_pages`` only (NOTE [Returning
+        freed pages])."""
+        if self._return_pages:
             trimmed = trim_heap()
             with self.entries.lock:
                 self.entries.counters.heap_trim_s += trimmed
@@ -356,6 +406,20 @@ class TensorCache(ScopeMixin, StepAccountingMixin):
         self.entries.drain()
 
     # ------------------------------------------------------------------ step / close
+
+    def finish_step(self) -> StepStats:
+        """Close the step's accounting and return its numbers; counters start again.
+
+        Waits for writes and reads still in flight first, so each step's bytes are its own.
+        """
+        self._check_open()
+        self.drain()
+        return self.accountant.finish_step()
+
+    @property
+    def checksum(self) -> str:
+        """``on`` or ``off``: whether blobs written now get a checksum."""
+        return self.engine.stats().extra.get("checksum", "off" if self.config.io.checksum == "off" else "on")
 
     @property
     def resident_bytes(self) -> int:

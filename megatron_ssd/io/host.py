@@ -63,7 +63,7 @@ from .cuda import CUDA, CopyStreams, CudaOps, FreshBuffers
 from .layout import ExtentAllocator
 from .mapped import mapped_empty
 from .pinned import HostSlab
-from .striped import check_blob, check_read_target
+from .blocks import check_blob, check_read_target
 from .throttle import RateLimiter
 
 __all__ = ["HostEngine", "HOST_PATH_INDEX", "SLAB_GRANULARITY", "host_blob"]

@@ -36,13 +36,14 @@ from ..config import OffloadConfig
 from ..errors import ConfigError, OffloadIOError
 from .base import ALIGN
 from .checksum import ALGORITHM, DEVICE_ALGORITHM, new_digest, wsum64
-from .backend import BlockBackend
+from .backend import BlockBackend, BlockServices
 from .buffers import tensor_buffer
 from .cuda import CUDA, CudaOps
 from .layout import Fault, io_error
 from .pinned import HostSlab
 from .posix import PosixBackend
-from .striped import BlobOp, Block, StripedEngine
+from .blocks import BlobOp, Block
+from .striped import StripedEngine
 
 __all__ = ["KvikioBackend", "KvikioEngine", "kvikio_available"]
 
@@ -104,15 +105,15 @@ class KvikioBackend(BlockBackend):
     :class:`~megatron_ssd.io.posix.PosixBackend` of its own (NOTE [Block backends]).
 
     Args:
-        engine: the engine it serves.
+        services: what it uses of the engine it serves.
         kvikio: the imported kvikio module.
     """
 
-    def __init__(self, engine: StripedEngine, kvikio: Any) -> None:
-        super().__init__(engine)
+    def __init__(self, services: BlockServices, kvikio: Any) -> None:
+        super().__init__(services)
         self.kvikio = kvikio
-        self.cuda = engine.cuda
-        self.host = PosixBackend(engine, staging=False)
+        self.cuda = services.cuda
+        self.host = PosixBackend(services, staging=False)
         """The POSIX path for host tensors (no pinned staging: CUDA blocks never use it)."""
         self._files: Dict[str, Any] = {}
         self._files_lock = threading.Lock()
@@ -181,9 +182,9 @@ class KvikioBackend(BlockBackend):
         cuda = self.cuda
         with cuda.device(dev):
             op.ready = cuda.event()
-            if op.kind == "read" and self.engine.fresh.claim(op.tensor):
+            if op.kind == "read" and self.services.fresh.claim(op.tensor):
                 # allocated on the read stream: wait only for what that stream did before
-                op.ready.record(self.engine.streams.h2d(dev))
+                op.ready.record(self.services.streams.h2d(dev))
             else:
                 op.ready.record(cuda.current_stream(dev))
 
@@ -207,17 +208,17 @@ class KvikioBackend(BlockBackend):
     def _gds(self, op_name: str, op: BlobOp, block: Block, stream: Any) -> None:
         """One stream-ordered cuFile transfer of the block's payload, waited for with a
         blocking event; errors become OffloadIOError."""
-        engine, cuda = self.engine, self.cuda
+        services, cuda = self.services, self.cuda
         part = op.tensor[block.blob_offset : block.blob_offset + block.nbytes]  # type: ignore[index]
-        token = engine.watch(op_name, block.file, block.offset, block.nbytes)
+        token = services.watch(op_name, block.file, block.offset, block.nbytes)
         try:
-            if engine.fault is not None:
-                err = engine.fault(op_name, block.file, block.offset, block.nbytes)
+            if services.fault is not None:
+                err = services.fault(op_name, block.file, block.offset, block.nbytes)
                 if err is not None:
                     raise err
             f = self._cufile(block.file)
             call = f.raw_write_async if op_name == "write" else f.raw_read_async
-            with engine.io_slots:  # NOTE [I/O slots]
+            with services.io_slots:  # NOTE [I/O slots]
                 fut = call(part, cuda.stream_handle(stream), block.nbytes, block.offset, 0)
                 done = cuda.event()
                 done.record(stream)
@@ -230,7 +231,7 @@ class KvikioBackend(BlockBackend):
         except Exception as e:  # kvikio reports failures as RuntimeError
             raise io_error(op_name, block.file, block.offset, block.nbytes, OSError(errno.EIO, repr(e))) from e
         finally:
-            engine.watch_end(token)
+            services.watch_end(token)
         if moved != block.nbytes:
             short = OSError(errno.EIO, f"short {op_name} ({moved} of {block.nbytes} bytes)")
             raise io_error(op_name, block.file, block.offset, block.nbytes, short)
@@ -246,7 +247,7 @@ class KvikioBackend(BlockBackend):
             started = time.perf_counter()
             self._wait_ready(op, block, stream, op.checksum)
             if op.checksum:
-                self.engine.count("checksum_s", time.perf_counter() - started)
+                self.services.count("checksum_s", time.perf_counter() - started)
             self._gds("write", op, block, stream)
         if op.checksum:
             block.checksum, block.algo = self._slot_value(), DEVICE_ALGORITHM
@@ -266,7 +267,7 @@ class KvikioBackend(BlockBackend):
                 value = self._device_digest(op, block, stream)
             else:
                 value = self._host_digest(op, block, stream)
-            self.engine.count("checksum_s", time.perf_counter() - started)
+            self.services.count("checksum_s", time.perf_counter() - started)
         PosixBackend.verify(block, value)
 
     def _device_digest(self, op: BlobOp, block: Block, stream: Any) -> int:
@@ -294,7 +295,7 @@ class KvikioBackend(BlockBackend):
             done.synchronize()
             d = new_digest(ALGORITHM)
             d.update(tensor_buffer(buf, 0, block.nbytes))
-            self.engine.count("checksum_copied_bytes", block.nbytes)
+            self.services.count("checksum_copied_bytes", block.nbytes)
             return d.value()
         finally:
             self.host.pool.release(buf)

@@ -38,8 +38,9 @@ from .buffers import BufferPool, copy_bytes, tensor_buffer
 from .checksum import ALGORITHM, format_digest, new_digest
 from .cuda import CudaOps
 from .layout import Fault, io_error
-from .backend import BlockBackend
-from .striped import BlobOp, Block, StripedEngine
+from .backend import BlockBackend, BlockServices
+from .blocks import BlobOp, Block
+from .striped import StripedEngine
 
 __all__ = ["PosixBackend", "PosixEngine"]
 
@@ -72,8 +73,8 @@ class PosixBackend(BlockBackend):
     pinned staging.
 
     Args:
-        engine: the engine it serves (its ``io`` settings, layout, slots, watchdog, CUDA
-            calls and copy streams).
+        services: what it uses of the engine it serves (its ``io`` settings, layout,
+            slots, watchdog, CUDA calls and copy streams).
         staging: Allocate the pinned staging for CUDA tensors (ring and page-locked
             worker buffers) where CUDA tensors may come; False for a backend that only
             ever moves host memory.
@@ -85,11 +86,11 @@ class PosixBackend(BlockBackend):
     blobs ran at 55% of ``dd`` staged and 27-29% skewed on the reference machine's
     virtual disk)."""
 
-    def __init__(self, engine: StripedEngine, staging: bool = True) -> None:
-        super().__init__(engine)
-        io = engine.io
-        self.cuda = engine.cuda
-        gpu = staging and engine.cuda_offload
+    def __init__(self, services: BlockServices, staging: bool = True) -> None:
+        super().__init__(services)
+        io = services.io
+        self.cuda = services.cuda
+        gpu = staging and services.cuda_offload
         self.pool = BufferPool.from_config(io, pin=gpu, cuda=self.cuda)
         """Block-sized staging buffers, one per worker (NOTE [Staging buffers])."""
         slices = min(io.staging_ring_bytes, io.max_inflight_bytes) // io.block_bytes if gpu else 0
@@ -97,7 +98,7 @@ class PosixBackend(BlockBackend):
             else None
         """The staging ring: pinned block slices CUDA writes are copied into at submit
         (NOTE [Staging ring]); None without CUDA or with ``io.staging_ring_bytes`` 0."""
-        self.mem_align = max(d.dio_mem_align for d in engine.layout.run_dirs)
+        self.mem_align = max(d.dio_mem_align for d in services.layout.run_dirs)
         """The memory alignment O_DIRECT needs on these paths (``statx``)."""
 
     # NOTE [Staging buffers]: the pool has one block-sized buffer per worker. A worker
@@ -154,15 +155,15 @@ class PosixBackend(BlockBackend):
         cuda = self.cuda
         with cuda.device(dev):
             if op.kind == "read":
-                if self.engine.fresh.claim(op.tensor):  # NOTE [Fresh read buffers]
+                if self.services.fresh.claim(op.tensor):  # NOTE [Fresh read buffers]
                     return
                 op.ready = cuda.event()
                 op.ready.record(cuda.current_stream(dev))
-                cuda.record_stream(op.tensor, self.engine.streams.h2d(dev))
+                cuda.record_stream(op.tensor, self.services.streams.h2d(dev))
                 return
             op.ready = cuda.event()  # NOTE [CUDA ordering]
             op.ready.record(cuda.current_stream(dev))
-            d2h = self.engine.streams.d2h(dev)
+            d2h = self.services.streams.d2h(dev)
             cuda.record_stream(op.tensor, d2h)
             self._stage_into_ring(op, d2h)
 
@@ -196,7 +197,7 @@ class PosixBackend(BlockBackend):
                 self.ring.release(buf)
             raise
         op.ring_blocks = len(slices)
-        self.engine.count("ring_staged_bytes", sum(b.nbytes for b in op.blocks[: len(slices)]))
+        self.services.count("ring_staged_bytes", sum(b.nbytes for b in op.blocks[: len(slices)]))
 
     def _ring_copied(self, op: BlobOp) -> None:
         """Wait for ``op``'s submit-time ring copies; the first to see them done counts
@@ -208,7 +209,7 @@ class PosixBackend(BlockBackend):
         with op.lock:
             first, op.ring_synced = not op.ring_synced, True
         if first:
-            self.engine.blocks_staged(op, op.ring_blocks)
+            self.services.blocks_staged(op, op.ring_blocks)
 
     def _copy_out(self, op: BlobOp, block: Block, buf: torch.Tensor) -> None:
         """Copy ``block`` of ``op``'s CUDA source into ``buf`` on the write stream and wait
@@ -216,7 +217,7 @@ class PosixBackend(BlockBackend):
         dev = op.device
         cuda = self.cuda
         with cuda.device(dev):
-            d2h = self.engine.streams.d2h(dev)
+            d2h = self.services.streams.d2h(dev)
             with cuda.use_stream(d2h):
                 d2h.wait_event(op.ready)
                 cuda.copy(buf[: block.nbytes], op.tensor[block.blob_offset : block.blob_offset + block.nbytes])
@@ -230,7 +231,7 @@ class PosixBackend(BlockBackend):
         dev = op.device
         cuda = self.cuda
         with cuda.device(dev):
-            h2d = self.engine.streams.h2d(dev)
+            h2d = self.services.streams.h2d(dev)
             with cuda.use_stream(h2d):
                 if op.ready is not None:
                     h2d.wait_event(op.ready)
@@ -246,7 +247,7 @@ class PosixBackend(BlockBackend):
         buf, block.staging = block.staging, None  # its copy may still run: wait before it goes back
         try:
             self._ring_copied(op)
-            self.engine.keep_bytes(op, block, buf[: block.nbytes])  # NOTE [Failed staged writes]
+            self.services.keep_bytes(op, block, buf[: block.nbytes])  # NOTE [Failed staged writes]
         finally:
             self.ring.release(buf)  # type: ignore[union-attr]
 
@@ -255,15 +256,15 @@ class PosixBackend(BlockBackend):
     def transfer(self, op_name: str, fd: int, view: memoryview, file: str, offset: int) -> None:
         """Move all of ``view`` with pwrite / preadv, retrying short transfers."""
         done, total = 0, len(view)
-        engine = self.engine
-        token = engine.watch(op_name, file, offset, total)
+        services = self.services
+        token = services.watch(op_name, file, offset, total)
         try:
             while done < total:
-                if engine.fault is not None:
-                    err = engine.fault(op_name, file, offset + done, total - done)
+                if services.fault is not None:
+                    err = services.fault(op_name, file, offset + done, total - done)
                     if err is not None:
                         raise err
-                with engine.io_slots:  # NOTE [I/O slots]
+                with services.io_slots:  # NOTE [I/O slots]
                     if op_name == "write":
                         n = os.pwrite(fd, view[done:], offset + done)
                     else:
@@ -271,13 +272,13 @@ class PosixBackend(BlockBackend):
                 if n <= 0:
                     raise OSError(errno.EIO, f"short {op_name} ({done} of {total} bytes)")
                 done += n
-                engine.watch_progress(token, offset + done, total - done)
+                services.watch_progress(token, offset + done, total - done)
         except OffloadIOError:
             raise
         except OSError as e:
             raise io_error(op_name, file, offset + done, total - done, e) from e
         finally:
-            engine.watch_end(token)
+            services.watch_end(token)
 
     # NOTE [Skewed blocks]: PyTorch's CPU allocator aligns tensors to 64 bytes, and
     # O_DIRECT needs the memory aligned as the device asks (``statx`` STATX_DIOALIGN:
@@ -328,7 +329,7 @@ class PosixBackend(BlockBackend):
         """``d.update(view, offset)``, its time added to the ``checksum_s`` counter."""
         started = time.perf_counter()
         d.update(view, offset)  # type: ignore[attr-defined]
-        self.engine.count("checksum_s", time.perf_counter() - started)
+        self.services.count("checksum_s", time.perf_counter() - started)
 
     def write_block(self, op: BlobOp, block: Block) -> None:
         if op.device is not None:
@@ -343,7 +344,7 @@ class PosixBackend(BlockBackend):
                 if d is not None:
                     self._digest(d, view, lo)
                 self.transfer("write", fd, view, block.file, disk)
-                self.engine.count("zero_copy_bytes", n)
+                self.services.count("zero_copy_bytes", n)
                 continue
             buf = self.pool.acquire()  # NOTE [Staging buffers]
             try:
@@ -357,7 +358,7 @@ class PosixBackend(BlockBackend):
                 self.transfer("write", fd, view, block.file, disk)
             finally:
                 self.pool.release(buf)
-            self.engine.count("staged_bytes", n)
+            self.services.count("staged_bytes", n)
         if d is not None:
             block.checksum, block.algo = d.value(), d.algorithm
 
@@ -379,7 +380,7 @@ class PosixBackend(BlockBackend):
             except BaseException:
                 pool.release(buf)
                 raise
-            self.engine.blocks_staged(op, 1)
+            self.services.blocks_staged(op, 1)
         try:
             n = block.nbytes
             padded = align_up(n)
@@ -392,11 +393,11 @@ class PosixBackend(BlockBackend):
             try:
                 self.transfer("write", block.fd, view, block.file, block.offset)
             except BaseException:
-                self.engine.keep_bytes(op, block, buf[:n])  # NOTE [Failed staged writes]
+                self.services.keep_bytes(op, block, buf[:n])  # NOTE [Failed staged writes]
                 raise
         finally:
             pool.release(buf)  # type: ignore[union-attr]
-        self.engine.count("staged_bytes", n)
+        self.services.count("staged_bytes", n)
 
     def read_block(self, op: BlobOp, block: Block) -> None:
         dst = op.tensor
@@ -410,7 +411,7 @@ class PosixBackend(BlockBackend):
                 self.transfer("read", fd, view, block.file, disk)
                 if d is not None:
                     self._digest(d, view, lo)
-                self.engine.count("zero_copy_bytes", n)
+                self.services.count("zero_copy_bytes", n)
                 continue
             buf = self.pool.acquire()  # NOTE [Staging buffers]
             try:
@@ -427,7 +428,7 @@ class PosixBackend(BlockBackend):
                     copy_bytes(dst[block.blob_offset + lo : block.blob_offset + hi], buf[lead : lead + n])
             finally:
                 self.pool.release(buf)
-            self.engine.count("staged_bytes", n)
+            self.services.count("staged_bytes", n)
         if d is not None:
             self.verify(block, d.value())
 

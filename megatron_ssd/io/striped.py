@@ -22,80 +22,27 @@ import logging
 import threading
 import time
 import weakref
-from dataclasses import dataclass, field
 from functools import partial
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
 from ..config import OffloadConfig
 from ..errors import CacheStateError, ConfigError, OffloadIOError, WriteCancelled
+from .backend import BlockBackend, BlockServices
 from .base import Engine, EngineStats, Extent, IOFuture, SwapHandle, align_up
+from .blocks import BlobOp, Block, check_blob, check_read_target
 from .buffers import copy_bytes
-from .checksum import ALGORITHM
 from .cuda import CUDA, CopyStreams, CudaOps, FreshBuffers
 from .layout import Fault, Layout, io_error, make_layout
 from .watchdog import StallWatchdog
 from .workers import READ, WRITE, Workers
 from .mapped import mapped_empty
 
-if TYPE_CHECKING:
-    from .backend import BlockBackend
-
 __all__ = ["Block", "BlobOp", "StripedEngine"]
 
 logger = logging.getLogger(__name__)
 
-
-
-@dataclass
-class Block:
-    """One request: ``nbytes`` payload bytes of a blob at ``offset`` of ``file``."""
-
-    blob_offset: int
-    nbytes: int
-    path_index: int
-    file: str
-    offset: int
-    expected: Optional[int] = None  # checksum to verify on read (io/checksum.py)
-    checksum: Optional[int] = None  # checksum computed on write
-    skew: int = 0  # zero bytes before the payload at ``offset`` (NOTE [Skewed blocks])
-    fd: int = -1  # descriptor of ``file`` while a worker moves the block (NOTE [Descriptors])
-    algo: str = ALGORITHM  # algorithm of ``checksum`` (write) / ``expected`` (read)
-    staging: Optional[torch.Tensor] = None  # a ring slice holding the block's bytes (NOTE [Staging ring])
-    written: bool = False  # its write reached the disk
-    kept: bool = False  # its bytes were kept in the op's host copy (NOTE [Failed staged writes])
-
-    @property
-    def length(self) -> int:
-        """Bytes on disk (skew and padding to ALIGN included)."""
-        return align_up(self.skew + self.nbytes)
-
-
-@dataclass
-class BlobOp:
-    """One blob write or read in flight."""
-
-    kind: str
-    tensor: Optional[torch.Tensor]
-    blocks: List[Block]
-    future: IOFuture
-    device: Optional[torch.device] = None  # the CUDA device of ``tensor``; None: host memory
-    ready: Any = None  # CUDA event recorded on the caller's stream at submit time
-    copied: Any = None  # CUDA event after the submit-time copies into the ring (NOTE [Staging ring])
-    ring_blocks: int = 0  # blocks copied into the ring at submit
-    ring_synced: bool = False  # ``copied`` was seen complete and those blocks counted staged
-    unstaged: int = 0  # blocks still read from ``tensor`` (NOTE [Staged writes])
-    staged_early: bool = False  # staged before completion: the source may be gone
-    host_copy: Optional[torch.Tensor] = None  # the blob's bytes after a failed staged write
-    error: Optional[BaseException] = None
-    remaining: int = 0
-    key: Any = None
-    lock: threading.Lock = field(default_factory=threading.Lock)
-    checksum: bool = False  # compute checksums of this blob's blocks (writes)
-    failed_path: Optional[int] = None  # path index of the block whose I/O failed first
-    cancelled: bool = False  # NOTE [Cancelled writes]: blocks not started are skipped
-    skipped_bytes: int = 0  # payload bytes of the blocks skipped after a cancel
 
 
 def _shutdown(workers: Workers, layout: Layout, watchdog: Optional[StallWatchdog]) -> None:
@@ -107,21 +54,6 @@ def _shutdown(workers: Workers, layout: Layout, watchdog: Optional[StallWatchdog
             watchdog.stop()
 
 
-def check_blob(t: torch.Tensor, name: str) -> torch.Tensor:
-    """Reject anything but a contiguous 1-D uint8 tensor."""
-    if not isinstance(t, torch.Tensor) or t.dtype != torch.uint8 or t.dim() != 1 or not t.is_contiguous():
-        desc = f"{t.dtype}, shape {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
-        raise ValueError(f"megatron_ssd: {name} must be a contiguous 1-D uint8 tensor, got {desc}")
-    return t
-
-
-def check_read_target(handle: SwapHandle, dst: torch.Tensor) -> None:
-    """Reject a read destination that is not a blob tensor or cannot hold ``handle``."""
-    check_blob(dst, "read(dst)")
-    if dst.numel() < handle.nbytes:
-        raise ValueError(f"megatron_ssd: read(dst) holds {dst.numel()} bytes, the blob has {handle.nbytes}")
-
-
 class StripedEngine(Engine):
     """Block striping over a :class:`~megatron_ssd.io.layout.Layout` with a worker pool,
     blocks moved by a backend (NOTE [Block backends]).
@@ -129,13 +61,14 @@ class StripedEngine(Engine):
     Args:
         config: Offload settings; ``config.paths`` and ``config.io`` are used.
         backend: builds the :class:`~megatron_ssd.io.backend.BlockBackend` from the
-            engine, once its layout and workers run.
+            engine's :class:`~megatron_ssd.io.backend.BlockServices` (the engine itself),
+            once its layout and workers run.
         rank: Rank for run directory names (default: see ``resolve_rank``).
         fault: Optional fault-injection hook, see :data:`~megatron_ssd.io.layout.Fault`.
         cuda: The CUDA calls to make (default: the real ones; tests pass a fake).
     """
 
-    def __init__(self, config: OffloadConfig, backend: Callable[["StripedEngine"], "BlockBackend"],
+    def __init__(self, config: OffloadConfig, backend: Callable[[BlockServices], BlockBackend],
                  rank: Optional[int] = None, fault: Optional[Fault] = None, cuda: Optional[CudaOps] = None) -> None:
         if not config.paths:
             raise ConfigError("OffloadConfig.paths = []: must name at least one offload directory")

@@ -27,7 +27,7 @@ from typing import Any, List, Tuple
 import torch
 from megatron.core.transformer.identity_op import IdentityOp
 
-from ..cache.scopes import active_cache
+from ..cache.tensor_cache import active_cache
 
 __all__ = ["MODULE_GROUPS", "GroupLabel", "label_module_groups"]
 

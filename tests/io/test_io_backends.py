@@ -27,14 +27,14 @@ class PlainBackend(BlockBackend):
 
     def write_block(self, op, block):
         data = op.tensor[block.blob_offset : block.blob_offset + block.nbytes].numpy().tobytes()
-        with self.engine.io_slots:
+        with self.services.io_slots:
             assert os.pwrite(block.fd, data, block.offset + block.skew) == len(data)
         if op.checksum:
             block.checksum = digest(op.tensor[block.blob_offset : block.blob_offset + block.nbytes].numpy())
-        self.engine.count("plain_bytes", len(data))
+        self.services.count("plain_bytes", len(data))
 
     def read_block(self, op, block):
-        with self.engine.io_slots:
+        with self.services.io_slots:
             data = os.pread(block.fd, block.nbytes, block.offset + block.skew)
         part = op.tensor[block.blob_offset : block.blob_offset + block.nbytes]
         part.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
@@ -91,7 +91,7 @@ def test_the_kvikio_engine_moves_host_tensors_with_its_posix_peer(tmp_path, monk
     engine = kvikio_backend.KvikioEngine(config(tmp_path))
     try:
         assert isinstance(engine.backend, kvikio_backend.KvikioBackend)
-        assert isinstance(engine.backend.host, PosixBackend) and engine.backend.host.engine is engine
+        assert isinstance(engine.backend.host, PosixBackend) and engine.backend.host.services is engine
         blob = torch.randint(0, 256, (3 * 64 * KiB + 17,), dtype=torch.uint8)
         handle = engine.write(blob).get()
         assert torch.equal(engine.read(handle, engine.alloc(handle.nbytes, torch.device("cpu"), handle)).get(), blob)
