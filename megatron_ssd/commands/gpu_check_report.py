@@ -216,8 +216,8 @@ def _train_table(n: Dict[str, Any]) -> List[str]:
     if not rows:
         return []
     lines = [f"train: {n.get('workload', '')}; peak = CUDA max_memory_allocated above the pre-forward level; "
-             "paired x = CUDA-event step ratio to keep",
-             f"  {'placement':<16}{'peak MiB':>10}{'step s':>9}{'x keep':>8}{'paired x':>10}{'written MiB':>13}"
+             "start = allocated when a step starts, above that level; paired x = CUDA-event step ratio to keep",
+             f"  {'placement':<16}{'peak MiB':>10}{'start MiB':>11}{'step s':>9}{'x keep':>8}{'paired x':>10}{'written MiB':>13}"
              f"{'read MiB':>10}{'pred/meas step':>16}{'pred/meas peak':>16}  losses"]
     for r in rows:
         if r["status"] != "passed":
@@ -227,6 +227,7 @@ def _train_table(n: Dict[str, Any]) -> List[str]:
                                                                    else "-")
         lines.append(
             f"  {r['placement']:<16}{_mib(r.get('cuda_peak_allocated_above_base_bytes')):>10}"
+            f"{_mib(r.get('cuda_step_start_above_base_bytes')):>11}"
             f"{_num(r.get('median_step_s'), '.3f'):>9}{_num(r.get('x_keep'), '.3f'):>8}"
             f"{_num(r.get('paired_x_keep'), '.3f'):>10}{_mib(r.get('bytes_written')):>13}{_mib(r.get('bytes_read')):>10}"
             f"{_num(r.get('predicted_over_measured_step'), '.3f'):>16}"

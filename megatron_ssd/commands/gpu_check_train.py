@@ -124,6 +124,8 @@ def placement_row(point: Dict[str, Any], report: Dict[str, Any], keep: Optional[
         "engine": report["config"]["offload"]["io"]["engine"],
         "cuda_peak_allocated_above_base_bytes": phase.get("cuda_peak_allocated_above_base_bytes"),
         "cuda_peak_reserved_above_base_bytes": phase.get("cuda_peak_reserved_above_base_bytes"),
+        "cuda_step_start_above_base_bytes": phase.get("cuda_step_start_above_base_bytes"),
+        "cuda_live_blocks_after": phase.get("cuda_live_blocks_after"),
         "peak_device_bytes": report.get("peak_device_bytes"),
         "peak_activation_bytes": point["peak_activation_bytes"],
         "median_step_s": point["median_step_s"], "step_s": phase.get("step_s"),

@@ -18,6 +18,12 @@ What is measured (all above the level at :meth:`PhaseMemory.start`):
   peak]), every page whoever holds it: freed memory the heap keeps counts too;
 * ``cuda_peak_allocated_above_base_bytes`` / ``cuda_peak_reserved_above_base_bytes``:
   ``torch.cuda.max_memory_allocated`` / ``max_memory_reserved`` (GPU runs only);
+* ``cuda_step_start_above_base_bytes``: ``torch.cuda.memory_allocated`` when a measured
+  step starts (the most over those steps): what stays allocated from one step to the next
+  (gradients, optimizer state, and anything a placement holds between steps), and
+  ``cuda_live_blocks_after``: the sizes of the allocator's live blocks when the summary is
+  taken, after the phase's steps, largest totals first, to tell what such memory is (GPU
+  runs only; read outside the steps, so it costs them no time);
 * ``allocator_peak_bytes`` (set by the caller from one profiled step,
   :class:`~megatron_ssd.memory.allocator_timeline.AllocatorTimeline`).
 
@@ -30,7 +36,22 @@ from typing import Any, Dict, List, Optional
 
 from .rss import RSSPeak, current_rss_bytes
 
-__all__ = ["PhaseMemory"]
+__all__ = ["LIVE_BLOCK_SIZES", "PhaseMemory", "live_block_sizes"]
+
+LIVE_BLOCK_SIZES = 12
+"""How many block sizes :func:`live_block_sizes` reports."""
+
+
+def live_block_sizes(snapshot: List[Dict[str, Any]], top: int = LIVE_BLOCK_SIZES) -> List[Dict[str, int]]:
+    """``{"bytes", "count"}`` per block size of the live (``active_allocated``) blocks in a
+    ``torch.cuda.memory_snapshot()``, the ``top`` largest totals first."""
+    counts: Dict[int, int] = {}
+    for segment in snapshot:
+        for block in segment.get("blocks", ()):
+            if block.get("state") == "active_allocated":
+                counts[block["size"]] = counts.get(block["size"], 0) + 1
+    ranked = sorted(counts.items(), key=lambda kv: (-kv[0] * kv[1], -kv[0]))
+    return [{"bytes": size, "count": n} for size, n in ranked[:top]]
 
 
 class PhaseMemory:
@@ -51,6 +72,7 @@ class PhaseMemory:
         ``cuda_peak_allocated_bytes`` / ``cuda_peak_reserved_bytes`` (absolute)."""
         self.allocator_peak_bytes: Optional[int] = None
         self.allocator_device_peak_bytes: Optional[int] = None
+        self._cuda_start_allocated = 0
 
     @property
     def rss_method(self) -> str:
@@ -74,6 +96,7 @@ class PhaseMemory:
             import torch
 
             torch.cuda.reset_peak_memory_stats()
+            self._cuda_start_allocated = torch.cuda.memory_allocated()
 
     def step_end(self) -> Dict[str, int]:
         """Record the step's peaks; returns them."""
@@ -84,6 +107,7 @@ class PhaseMemory:
             torch.cuda.synchronize()
             rec["cuda_peak_allocated_bytes"] = torch.cuda.max_memory_allocated()
             rec["cuda_peak_reserved_bytes"] = torch.cuda.max_memory_reserved()
+            rec["cuda_start_allocated_bytes"] = self._cuda_start_allocated
         self.steps.append(rec)
         return rec
 
@@ -100,6 +124,8 @@ class PhaseMemory:
             "allocator_peak_bytes": self.allocator_peak_bytes,
             "cuda_peak_allocated_above_base_bytes": None,
             "cuda_peak_reserved_above_base_bytes": None,
+            "cuda_step_start_above_base_bytes": None,
+            "cuda_live_blocks_after": None,
         }
         if self.device == "cuda" and m:
             out["cuda_peak_allocated_above_base_bytes"] = max(
@@ -107,6 +133,11 @@ class PhaseMemory:
             out["cuda_peak_reserved_above_base_bytes"] = max(
                 0, max(s["cuda_peak_reserved_bytes"] for s in m) - self.cuda_base_reserved)
             out["allocator_device_peak_bytes"] = self.allocator_device_peak_bytes
+            out["cuda_step_start_above_base_bytes"] = max(
+                s["cuda_start_allocated_bytes"] for s in m) - self.cuda_base_allocated
+            import torch
+
+            out["cuda_live_blocks_after"] = live_block_sizes(torch.cuda.memory_snapshot())
             out["cuda_peak_allocated_bytes"] = max(s["cuda_peak_allocated_bytes"] for s in self.steps)
             out["independent_peak_bytes"] = out["cuda_peak_allocated_above_base_bytes"]
             out["independent_peak_source"] = "cuda_max_memory_allocated"

@@ -15,6 +15,7 @@ import torch
 
 from megatron_ssd.io.mapped import mapped_bytes, mapped_empty
 from megatron_ssd.memory import AllocatorTimeline, PhaseMemory, RSSPeak, current_rss_bytes, peak_of_events
+from megatron_ssd.memory.phase import live_block_sizes
 from megatron_ssd.memory.rss import reset_hwm
 
 MiB = 1 << 20
@@ -157,3 +158,46 @@ def test_read_back_memory_returns_to_the_os_when_freed():
     r = json.loads(proc.stdout.strip().splitlines()[-1])
     assert r["full"] - r["base"] >= 90 * MiB
     assert r["after"] - r["base"] <= 16 * MiB, f"{(r['after'] - r['base']) / MiB:.1f} MiB still resident"
+
+
+def test_live_block_sizes_count_live_blocks_by_size_largest_totals_first():
+    snapshot = [
+        {"blocks": [{"size": 8 * MiB, "state": "active_allocated"}, {"size": 2 * MiB, "state": "inactive"},
+                    {"size": 8 * MiB, "state": "active_allocated"}]},
+        {"blocks": [{"size": 20 * MiB, "state": "active_allocated"}, {"size": 1 * MiB, "state": "active_allocated"}]},
+        {"blocks": []},
+    ]
+    assert live_block_sizes(snapshot) == [{"bytes": 20 * MiB, "count": 1}, {"bytes": 8 * MiB, "count": 2},
+                                          {"bytes": 1 * MiB, "count": 1}]
+    assert live_block_sizes(snapshot, top=1) == [{"bytes": 20 * MiB, "count": 1}]
+
+
+def test_phase_memory_on_cuda_reports_what_stays_allocated_between_steps(monkeypatch):
+    """The CUDA path through a fake ``torch.cuda``: the level when each measured step
+    starts, above the phase's base, and the live blocks after the steps."""
+    state = {"allocated": 100 * MiB, "peak": 0}
+    fake = {
+        "synchronize": lambda: None,
+        "memory_allocated": lambda: state["allocated"],
+        "memory_reserved": lambda: 2 * state["allocated"],
+        "reset_peak_memory_stats": lambda: state.update(peak=state["allocated"]),
+        "max_memory_allocated": lambda: state["peak"],
+        "max_memory_reserved": lambda: 2 * state["peak"],
+        "memory_snapshot": lambda: [{"blocks": [{"size": 3 * MiB, "state": "active_allocated"}]}],
+    }
+    for name, fn in fake.items():
+        monkeypatch.setattr(torch.cuda, name, fn)
+    memory = PhaseMemory("cuda")
+    try:
+        memory.start()  # base 100 MiB
+        for held, transient in ((0, 50), (30, 50), (10, 50)):  # a step leaves `held` MiB allocated
+            memory.step_begin()
+            state["peak"] = state["allocated"] + transient * MiB
+            state["allocated"] += held * MiB
+            memory.step_end()
+        out = memory.summary(measured_from=1)
+    finally:
+        memory.close()
+    assert out["cuda_step_start_above_base_bytes"] == 30 * MiB  # the third step started 30 MiB up
+    assert out["cuda_peak_allocated_above_base_bytes"] == 80 * MiB
+    assert out["cuda_live_blocks_after"] == [{"bytes": 3 * MiB, "count": 1}]
