@@ -24,6 +24,7 @@ import threading
 import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
+from ..units import MiB
 from .gpu_check_report import NO_CUDA, part, write_part
 
 __all__ = ["CONFIG", "PLACEMENTS", "train_part", "run_placement", "compare_losses", "placement_row"]
@@ -233,10 +234,16 @@ def train_part(result_path: str, path: str, budget_s: float, config_path: str = 
                            f"{min(compared, default=0)} steps"
                            + "".join(f"; {r['placement']} skipped: {r['reason']}" for r in rows
                                      if r["status"] == "skipped"))
-    if failed or differ:
+    recompute_over = numbers["expectations"]["recompute_peak_below_keep"] is False
+    if failed or differ or recompute_over:
         reasons = [f"{r['placement']}: {r['reason']}" for r in failed]
         reasons += [f"{r['placement']}: losses differ from keep's from step {r['first_differing_step']}"
                     for r in differ]
+        if recompute_over:  # it never touches the drive: no offload path excuses it
+            peak = {r["placement"]: r["cuda_peak_allocated_above_base_bytes"] for r in ran}
+            reasons.append(f"recompute: peaked at {peak['recompute'] / MiB:.1f} MiB of CUDA memory above the "
+                           f"pre-forward level, not below keep's {peak['keep'] / MiB:.1f} MiB (it holds only "
+                           "each layer's input between forward and backward)")
         if "keep" in names and "keep" not in runs:
             reasons.append("no keep run: no ratios and no loss comparison")
         return part("train", "failed", "; ".join(reasons), **numbers)
@@ -271,8 +278,9 @@ def _rows(names: Sequence[str], runs: Dict[str, Dict[str, Any]], problems: Dict[
 
 
 def _expectations(rows: Sequence[Dict[str, Any]]) -> Dict[str, Optional[bool]]:
-    """What the placements should show, checked but not failing the part (a slow offload
-    path can make them miss): offload-all and recompute below keep's CUDA peak."""
+    """What the placements should show: offload-all and recompute below keep's CUDA peak.
+    Recompute above keep fails the part (it never touches the drive); offload-all above
+    keep does not (a slow offload path can make it miss)."""
     peak = {r["placement"]: r.get("cuda_peak_allocated_above_base_bytes") for r in rows if r["status"] == "passed"}
     keep = peak.get("keep")
 

@@ -528,3 +528,25 @@ def test_rok_dominance_on_a_gpu_compares_cuda_memory_not_the_host_timeline():
     (entry,) = points[1]["dominance"]
     assert entry["memory"] == "cuda_allocated" and entry["memory_ratio"] == 5 / 3
     assert not entry["dominates"]  # more CUDA memory than offload-all, whatever the host held
+
+
+@pytest.mark.parametrize("recompute_mib, status", [(120, "failed"), (60, "passed")])
+def test_recompute_above_keeps_peak_fails_the_training_part(tmp_path, monkeypatch, cpu_reports, recompute_mib,
+                                                            status):
+    """Recompute never touches the drive: a CUDA peak at or above keep's is a defect, not a
+    slow path (the H200 check caught one: recompute held the recomputed graphs between steps)."""
+    def peak(mib):
+        def change(report):
+            report["phases"][-1]["cuda_peak_allocated_above_base_bytes"] = mib * 2**20
+        return change
+
+    _fake_runs(monkeypatch, cpu_reports, change={"keep": peak(100), "recompute": peak(recompute_mib),
+                                                 "offload-all": peak(150), "planner": peak(100)})
+    entry = gpu_check_train.train_part(str(tmp_path / "r.json"), str(tmp_path), 400, out=io.StringIO())
+    assert entry["numbers"]["expectations"] == {"offload_all_peak_below_keep": False,
+                                                "recompute_peak_below_keep": status == "passed"}
+    assert entry["status"] == status
+    if status == "failed":  # offload-all above keep does not fail the part; recompute does
+        assert entry["reason"] == ("recompute: peaked at 120.0 MiB of CUDA memory above the pre-forward level, "
+                                   "not below keep's 100.0 MiB (it holds only each layer's input between forward "
+                                   "and backward)")
