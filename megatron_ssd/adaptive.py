@@ -163,13 +163,16 @@ def stage_from_stats(
     pipeline_rank: int = 0,
     pipeline_size: int = 1,
     recompute_steps: Optional[List[Any]] = None,
+    max_inflight_bytes: Optional[int] = None,
 ) -> StageProfile:
     """Build the planner's :class:`StageProfile` from cache :class:`StepStats`.
 
     Compute times come from ``keep_steps`` when there are any (no I/O interference),
     else from ``offload_steps`` with read stalls and write waits subtracted. Bandwidth and
     compute slowdown come from ``offload_steps``; each recomputable layer's
-    ``recompute_s`` from ``recompute_steps`` when given (NOTE [Pricing recompute]).
+    ``recompute_s`` from ``recompute_steps`` when given (NOTE [Pricing recompute]);
+    ``max_inflight_bytes`` is the engine's bound on writes in flight, which a forward
+    waits for (NOTE [In-flight bound] in ``planner/step_timeline.py``; None: none).
     """
     source = keep_steps or offload_steps
     if not source:
@@ -225,7 +228,8 @@ def stage_from_stats(
                      s.layers[HEAD].microbatches)
              for s in source if HEAD in s.layers and s.layers[HEAD].microbatches]
     head = int(statistics.median(heads)) if heads else 0
-    io = _io_profile(offload_steps, layer_ids, clean_compute if keep_steps else None)
+    io = dataclasses.replace(_io_profile(offload_steps, layer_ids, clean_compute if keep_steps else None),
+                             max_inflight_bytes=max_inflight_bytes)
     mbs = max(1, source[-1].microbatches)
     layer_s = sum(l.forward_s + l.backward_s for l in layers)
     other = max(0.0, statistics.median(s.wall_s for s in source) / mbs - layer_s)
@@ -483,8 +487,10 @@ class AdaptivePlanner:
 
     def _make_plan(self, step: int, reason: str, profile: Optional[StageProfile] = None) -> None:
         if profile is None:
+            io = self.cache.config.io  # NOTE [In-flight bound]: only a waiting engine bounds the forward
             profile = stage_from_stats(self._keep_steps, self._offload_steps, self.pipeline_rank, self.pipeline_size,
-                                       self._recompute_steps)
+                                       self._recompute_steps,
+                                       io.max_inflight_bytes if io.on_backpressure == "wait" else None)
         host_budget = self.host_budget()
         if host_budget and profile.io.host_bytes_per_s is None:
             profile = profile.with_io(dataclasses.replace(profile.io, host_bytes_per_s=self.host_bandwidth()))

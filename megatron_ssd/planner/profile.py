@@ -210,7 +210,17 @@ class IOProfile:
     on PCIe 5 x16). ``None``: no host tier to plan with (``Placement.HOST``). Host copies
     have their own queue and do not slow compute (a GPU's copy engines run them)."""
 
+    max_inflight_bytes: Optional[int] = None
+    """Most bytes of SSD writes the engine holds queued or in flight
+    (``io.max_inflight_bytes`` with ``io.on_backpressure: wait``); a forward whose next
+    tensor would take them over waits until enough writes complete (NOTE [In-flight bound]
+    in ``step_timeline.py``). ``None``: no bound (profiles written before the field)."""
+
     def __post_init__(self) -> None:
+        if self.max_inflight_bytes is not None:
+            _check("IOProfile", "max_inflight_bytes", self.max_inflight_bytes,
+                   isinstance(self.max_inflight_bytes, int) and not isinstance(self.max_inflight_bytes, bool)
+                   and self.max_inflight_bytes > 0, "must be None or an integer > 0")
         for name in ("write_bytes_per_s", "read_bytes_per_s"):
             value = getattr(self, name)
             _check("IOProfile", name, value, _is_number(value) and value > 0, "must be a number > 0")

@@ -16,17 +16,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, List, Optional, Sequence, Tuple, Union
 
-from ..config import is_int
 from ..placement import MOVED, Placement
 from ..errors import ConfigError
 from .profile import IOProfile, LayerId, LayerProfile, StageProfile
+from .sites import ReadAhead, read_ahead_list, site_depths, site_list, use_order
 
 __all__ = ["LayerTimeline", "ReadAhead", "SiteRead", "Timeline", "predict", "read_ahead_list", "site_depths",
            "site_list", "use_order"]
-
-ReadAhead = Union[int, Sequence[int]]
-"""One layer's read-issue point: a read-ahead in layers (>= 1) for all its sites, or one
-per site (>= 0; NOTE [Write and read issue points])."""
 
 _EPS = 1e-12
 """Slack (seconds) when comparing event times, so float rounding cannot flip an order."""
@@ -59,6 +55,20 @@ _EPS = 1e-12
 # Backward of layer i may start when the previous backward ended; it runs up to each
 # site's use point and waits there for the site's read; the waits are exposed I/O
 # (stall).
+
+# NOTE [In-flight bound]
+# The engine admits a write while the bytes of writes queued or in flight plus the new
+# tensor's stay within ``IOProfile.max_inflight_bytes``, or when none are (NOTE
+# [Backpressure] in ``io/striped.py``); a blob's bytes leave the count when its write
+# completes, and a forward whose tensor is not admitted waits. The replay admits an
+# OFFLOAD layer's sites one by one in save order, each as its own write request: a
+# site is admitted at the earliest time, from the layer's forward start on and after
+# the site before it, at which it fits. The forward's compute runs meanwhile (a site
+# is saved somewhere in the forward), and the forward ends when its compute has run and
+# its last site is admitted; the difference is the layer's write wait. So the bound
+# slows a forward that writes faster than the array drains, and caps the bytes waiting
+# to be written; without a bound (``None``) each layer is one request and nothing waits.
+# The host tier has no such bound (its pool is checked by the search).
 
 # NOTE [Host tier]
 # HOST layers are OFFLOAD layers whose bytes go to a bounded pool of host memory over the
@@ -154,6 +164,8 @@ class LayerTimeline:
     """Each moved site's read, in issue order (NOTE [Write and read issue points])."""
     forwarded: bool = False
     """The write had not completed when the read was due: served from memory."""
+    write_wait_s: float = 0.0
+    """Time its forward waited for the in-flight bound (NOTE [In-flight bound])."""
     offloaded_bytes: int = 0
     """Bytes written and read back (OFFLOAD: all its sites, or the prefix the plan
     names, NOTE [Sites])."""
@@ -197,6 +209,8 @@ class Timeline:
     """When the last request completes (after ``step_s`` if I/O spills over)."""
     host_busy_s: float = 0.0
     """Time the host link spent copying (``Placement.HOST``, both ways)."""
+    write_wait_s: float = 0.0
+    """Total time forward waited for the in-flight bound (NOTE [In-flight bound])."""
     memory: List[Tuple[float, int]] = field(default_factory=list)
     """(time, resident bytes of the micro-batch) after each change, for plots."""
 
@@ -277,67 +291,6 @@ class _Compute:
         return t + work
 
 
-def read_ahead_list(prefetch_depth: Union[int, Sequence[ReadAhead]], n: int) -> List[ReadAhead]:
-    """One read-ahead per layer (:data:`ReadAhead`) from a depth or a per-layer sequence.
-
-    Raises:
-        ConfigError: a depth below 1, a per-site depth below 0, or a sequence whose
-            length is not ``n``.
-    """
-    rule = f"must be an integer >= 1, or one per layer ({n}), each an integer >= 1 or a list of integers >= 0"
-    if is_int(prefetch_depth, 1):
-        return [prefetch_depth] * n  # type: ignore[list-item]
-    if not isinstance(prefetch_depth, (list, tuple)) or len(prefetch_depth) != n:
-        raise ConfigError(f"prefetch_depth = {prefetch_depth!r}: {rule}")
-    out: List[ReadAhead] = []
-    for d in prefetch_depth:
-        if is_int(d, 1):
-            out.append(d)
-        elif isinstance(d, (list, tuple)) and all(is_int(x, 0) for x in d):
-            out.append(list(d))
-        else:
-            raise ConfigError(f"prefetch_depth = {prefetch_depth!r}: {rule}")
-    return out
-
-
-def site_depths(depth: ReadAhead, layer: LayerProfile) -> List[int]:
-    """Each site's read-ahead from a layer's :data:`ReadAhead`.
-
-    Raises:
-        ConfigError: a per-site list whose length is not the layer's site count.
-    """
-    m = len(layer.sites)
-    if isinstance(depth, int):
-        return [depth] * m
-    if len(depth) != m:
-        raise ConfigError(f"prefetch_depth[{layer.layer_id!r}] = {list(depth)!r}: must have one read-ahead per "
-                          f"site ({m})")
-    return list(depth)
-
-
-def site_list(sites: Optional[Sequence[Optional[int]]], layers: Sequence[LayerProfile]) -> List[Optional[int]]:
-    """One site count per layer (None: all its sites) from ``sites`` (None: all, everywhere).
-
-    Raises:
-        ConfigError: a sequence whose length is not the layer count, or a count outside
-            [0, the layer's number of sites].
-    """
-    n = len(layers)
-    if sites is None:
-        return [None] * n
-    if not isinstance(sites, (list, tuple)) or len(sites) != n:
-        raise ConfigError(f"sites = {sites!r}: must be None or one entry per layer ({n})")
-    out: List[Optional[int]] = []
-    for layer, k in zip(layers, sites):
-        if k is not None and not (is_int(k, 0) and k <= len(layer.sites)):
-            raise ConfigError(
-                f"sites[{layer.layer_id!r}] = {k!r}: must be None or an integer in [0, {len(layer.sites)}] "
-                "(the layer's site count)"
-            )
-        out.append(k)
-    return out
-
-
 def predict(
     stage: StageProfile,
     placements: Sequence[Placement],
@@ -399,23 +352,39 @@ def predict(
             events.append((end, 0, -nbytes))
 
     out: List[LayerTimeline] = []
-    write_busy = read_busy = host_busy = 0.0
+    write_busy = read_busy = host_busy = write_wait = 0.0
+    bound = io.max_inflight_bytes
+    writing: List[Tuple[float, int]] = []  # (end, bytes) of SSD writes maybe in flight (NOTE [In-flight bound])
     t = 0.0
-    for layer, placement, nbytes in zip(layers, placements, moved):
+    for layer, placement, nbytes, k in zip(layers, placements, moved, counts):
         start = t
         streamed = None
+        admitted = start
         if nbytes:
             q, write_bw, _ = channel(placement)
-            duration = nbytes / write_bw
-            streamed = q.submit(start, duration)  # NOTE [Write and read issue points]
-            if q is queue:
-                write_busy += duration
+            if q is queue and bound is not None:
+                first = None
+                for size in layer.sites[: len(layer.sites) if k is None else k]:
+                    admitted = _admitted(writing, admitted, size, bound)
+                    request = q.submit(admitted, size / write_bw)
+                    writing.append((request[1], size))
+                    first = request[0] if first is None else first
+                streamed = (first, request[1])
             else:
-                host_busy += duration
-        t = compute.run(start, layer.forward_s)
-        lt = LayerTimeline(layer.layer_id, placement, start, t, 0.0, 0.0, offloaded_bytes=nbytes)
+                streamed = q.submit(start, nbytes / write_bw)  # NOTE [Write and read issue points]
+            if q is queue:
+                write_busy += nbytes / write_bw
+            else:
+                host_busy += nbytes / write_bw
+        computed = compute.run(start, layer.forward_s)
+        t = max(computed, admitted)
+        lt = LayerTimeline(layer.layer_id, placement, start, t, 0.0, 0.0, offloaded_bytes=nbytes,
+                           write_wait_s=t - computed)
+        write_wait += lt.write_wait_s
         if streamed is not None:
             lt.write_start, lt.write_end = streamed[0], q.extend_to(t)
+            if writing and q is queue:  # the last site cannot complete before it is saved
+                writing[-1] = (lt.write_end, writing[-1][1])
         out.append(lt)
     head_start, t = t, compute.run(t, stage.other_s)
     hold(head_start, t, stage.head_bytes)  # the output layer's and loss's saved tensors
@@ -483,7 +452,7 @@ def predict(
         step_s=t - gap,
         compute_s=compute_s,
         exposed_s=exposed,
-        slowdown_s=max(0.0, t - compute_s - exposed),
+        slowdown_s=max(0.0, t - compute_s - exposed - write_wait),
         peak_bytes=microbatch_peak + (in_flight - 1) * parked,  # NOTE [Pipeline micro-batches]
         microbatch_peak_bytes=microbatch_peak,
         parked_bytes=parked,
@@ -491,6 +460,7 @@ def predict(
         read_busy_s=read_busy,
         io_end_s=max(queue.free_at, link.free_at),
         host_busy_s=host_busy,
+        write_wait_s=write_wait,
         memory=memory,
     )
 
@@ -519,11 +489,20 @@ def _pipeline_gap(stage: StageProfile, placements: Sequence[Placement], moved: S
     return (m - 1) * slot
 
 
-def use_order(layer: LayerProfile, count: Optional[int]) -> List[int]:
-    """The first ``count`` (None: all) sites of ``layer`` in the order its backward uses
-    them: by use point (NOTE [Site use times]), ties last saved first."""
-    moved = range(len(layer.sites) if count is None else count)
-    return sorted(moved, key=lambda s: (layer.use_at(s), -s))
+def _admitted(writing: List[Tuple[float, int]], t: float, nbytes: int, bound: int) -> float:
+    """The earliest time from ``t`` at which a write of ``nbytes`` is admitted under the
+    in-flight ``bound``, given the ``(end, bytes)`` of earlier writes in queue order (their
+    ends do not decrease); drops those complete by ``t`` (NOTE [In-flight bound])."""
+    while writing and writing[0][0] <= t + _EPS:
+        writing.pop(0)
+    outstanding = sum(b for _, b in writing)
+    if outstanding == 0 or outstanding + nbytes <= bound:
+        return t
+    for end, b in writing:
+        outstanding -= b
+        if outstanding == 0 or outstanding + nbytes <= bound:
+            return end
+    return t  # not reached: after the last end nothing is outstanding
 
 
 def _account(layer: LayerProfile, lt: LayerTimeline, hold: Callable[[float, float, int], None]) -> None:

@@ -60,6 +60,7 @@ def test_planned_run_is_bit_identical_and_sets_a_plan(world, tmp_path):
     assert isinstance(profile, StageProfile)
     assert all(l.saved_bytes > 0 and l.forward_s > 0 and l.backward_s > 0 for l in profile.layers[1:])
     assert profile.io.write_bytes_per_s > 0 and profile.io.read_bytes_per_s > 0
+    assert profile.io.max_inflight_bytes == 1 << 20  # NOTE [In-flight bound]: the engine's, with on_backpressure wait
     # Bytes saved outside the layers (the logits above all) are the last stage's head bytes,
     # resident between the last layer's forward and the first layer's backward.
     assert profile.head_bytes >= VOCAB * SEQ * MBS * 4
@@ -156,6 +157,16 @@ def test_recompute_factor_from_constructed_steps():
     assert _recompute_factor(steps, layers, per_layer) == pytest.approx(3.0)
     assert _recompute_factor([counters({1: (0.1, 0.15), 2: (0.1, 0.2)})], layers, per_layer) == 0.0  # never below 0
     assert _recompute_factor([], layers, per_layer) is None
+
+
+def test_a_keeping_engine_bounds_no_forward_in_the_profile(world, tmp_path):
+    """``io.on_backpressure: keep`` keeps a tensor the bound refuses instead of waiting, so
+    the planner's profile carries no in-flight bound (NOTE [In-flight bound])."""
+    cfg = OffloadConfig(paths=[str(tmp_path)], min_tensor_bytes=4096,
+                        io=IOConfig(max_inflight_bytes=1 << 20, on_backpressure="keep"))
+    with TensorCache(cfg) as cache:
+        _, _, planner = _run(cache, PlannerConfig(mode="auto", warmup_steps=1, profile_steps=2))
+    assert planner.profile.io.max_inflight_bytes is None
 
 
 def test_fixed_modes_place_every_layer(world, tmp_path):

@@ -153,3 +153,51 @@ def test_head_bytes_are_resident_between_the_last_forward_and_the_first_backward
     tl = predict(two_layers(other_s=0.5, head_bytes=50), [K, K])
     assert tl.peak_bytes == 250
     assert tl.memory == [(0.0, 0), (1.0, 100), (2.0, 250), (2.5, 200), (4.5, 100), (6.5, 0)]
+
+
+# ------------------------------------------------------------------ NOTE [In-flight bound]
+
+
+def _two_layers(bound):
+    layers = [LayerProfile(i, 0.1, 0.2, 100, site_bytes=[50, 50]) for i in range(2)]
+    # 5 s after the layers (the head): every write completes before backward, nothing is forwarded
+    return StageProfile(layers, IOProfile(100.0, 100.0, max_inflight_bytes=bound), other_s=5.0)
+
+
+def _forward_peak(tl) -> int:
+    end = tl.layers[-1].forward_end
+    return max(resident for time, resident in tl.memory if time <= end)
+
+
+def test_the_in_flight_bound_makes_a_forward_wait_for_its_writes():
+    """Sites of 50 bytes written at 100 B/s under a 100-byte bound: layer 0's two sites are
+    admitted at once; layer 1's first waits for layer 0's first write (0.5 s), its second
+    for layer 0's second (1.0 s), so layer 1's forward ends at 1.0 s instead of 0.2 s."""
+    free = predict(_two_layers(None), [Placement.OFFLOAD] * 2)
+    bound = predict(_two_layers(100), [Placement.OFFLOAD] * 2)
+    assert free.write_wait_s == 0.0 and [lt.forward_end for lt in free.layers] == pytest.approx([0.1, 0.2])
+    assert [lt.write_wait_s for lt in bound.layers] == pytest.approx([0.0, 0.8])
+    assert bound.write_wait_s == pytest.approx(0.8) and bound.layers[1].forward_end == pytest.approx(1.0)
+    assert bound.step_s == pytest.approx(free.step_s + 0.8)
+    assert bound.slowdown_s == pytest.approx(free.slowdown_s)  # a wait is not a slowdown
+    # the bytes waiting to be written: both layers' at the end of an unbounded forward,
+    # one layer's when it must wait (layer 0's last write ends as layer 1's forward does)
+    assert _forward_peak(free) == 200 and _forward_peak(bound) == 100
+
+
+def test_a_bound_that_the_writes_fit_changes_nothing():
+    free = predict(_two_layers(None), [Placement.OFFLOAD, Placement.KEEP])
+    roomy = predict(_two_layers(10**6), [Placement.OFFLOAD, Placement.KEEP])
+    assert roomy.step_s == free.step_s and roomy.peak_bytes == free.peak_bytes and roomy.write_wait_s == 0.0
+
+
+def test_a_site_larger_than_the_bound_waits_only_for_an_empty_queue():
+    """NOTE [Backpressure]: a blob over the bound is admitted once nothing is in flight."""
+    layers = [LayerProfile(i, 0.1, 0.2, 300) for i in range(2)]
+    tl = predict(StageProfile(layers, IOProfile(100.0, 100.0, max_inflight_bytes=100)), [Placement.OFFLOAD] * 2)
+    assert tl.layers[1].write_wait_s == pytest.approx(3.0 - 0.2)  # layer 0's write ends at 3.0 s
+
+
+def test_the_bound_is_checked():
+    with pytest.raises(ConfigError, match=r"IOProfile.max_inflight_bytes = 0: must be None or an integer > 0"):
+        IOProfile(1.0, 1.0, max_inflight_bytes=0)
