@@ -48,10 +48,17 @@ def _fail(cls_name: str, name: str, value: Any, rule: str) -> ConfigError:
     return ConfigError(f"{cls_name}.{name} = {value!r}: {rule}")
 
 
+def _owner(obj: Any) -> str:
+    """How errors name ``obj``: its class, or what its ``_error_owner`` method says
+    (``LayerProfile(layer_id=3)``, where the class alone would not say which one)."""
+    named = getattr(obj, "_error_owner", None)
+    return named() if named is not None else type(obj).__name__
+
+
 def _broken(obj: Any, name: str, rule: str) -> ConfigError:
     """The error for field ``name`` of ``obj``, its value read from ``obj`` (a ``_check``
     naming a field that is gone fails loudly instead of passing)."""
-    return _fail(type(obj).__name__, name, getattr(obj, name), rule)
+    return _fail(_owner(obj), name, getattr(obj, name), rule)
 
 
 @functools.lru_cache(maxsize=None)
@@ -122,7 +129,7 @@ def validate(obj: Any) -> None:
     None in an ``Optional`` field skips them; on an ``Optional`` field the rule's text
     adds the unit and ``or null``: ``must be > 0 bytes or null``), then the class's
     ``_check`` for rules that compare several fields."""
-    cls_name = type(obj).__name__
+    cls_name = _owner(obj)
     specs = _specs(type(obj))
     for f in dataclasses.fields(obj):
         value = getattr(obj, f.name)
