@@ -59,7 +59,7 @@ LayerId = Union[str, int]
 # time; ``simulate`` estimates it from the FLOPs of the blocks backward runs first. The
 # timeline lets a layer's backward run up to a site's use point before it waits for
 # that site's read, and the planner issues each site's read as late as that allows
-# (NOTE [Just-in-time reads] in ``plan.py``), down to the start of the layer's own
+# (NOTE [Just-in-time reads] in ``just_in_time.py``), down to the start of the layer's own
 # backward.
 
 
