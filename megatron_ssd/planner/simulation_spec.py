@@ -13,21 +13,25 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Annotated, Any, Dict, Optional, Sequence
+from typing import Annotated, Any, Callable, Dict, Optional, Sequence
 
-from ..config import Bytes, InRange, NonNegative, Number, OneOf, Positive, field_docs, load_config
+from ..config import Bytes, InRange, NonNegative, Number, OneOf, Positive, field_docs, field_metadata, load_config
 from ..config import _broken, _settle
 from ..errors import ConfigError
-from .drives import DRIVES, drive_preset
+from .drives import DRIVES, DrivePreset, drive_preset
 
 __all__ = ["GENERIC_DRIVE", "MODEL_PRESETS", "SimulationSpec", "simulate_help", "spec_from_overrides"]
 
 _ARCHS = ("gpt", "bert", "t5")
 
-GENERIC_DRIVE: Dict[str, float] = {"ssd_write_bytes_per_s": 6.5e9, "ssd_read_bytes_per_s": 7.0e9,
-                                   "ssd_tbw_bytes": 7.0e15, "ssd_capacity_bytes": 3.84e12}
-"""The drive ``SimulationSpec`` assumes without a ``drive`` preset: a typical Gen4
-3.84 TB data-centre drive at 1 drive write per day over 5 years."""
+
+@dataclass(frozen=True)
+class _FromDrive:
+    """Field metadata of an ``ssd_*`` field left None: the figure of the ``drive`` preset
+    that fills it, and the generic drive's (:data:`GENERIC_DRIVE`) without a preset."""
+
+    figure: Callable[[DrivePreset], float]
+    generic: float
 
 
 @dataclass
@@ -100,15 +104,15 @@ class SimulationSpec:
     """A drive preset (``planner/drives.py``, docs/ssd-sizing.md#drive-presets): its
     datasheet bandwidth, endurance and capacity fill the four ``ssd_*`` fields below that
     are not given. None: those fields' generic defaults (a 3.84 TB 1-DWPD Gen4 drive)."""
-    ssd_write_bytes_per_s: Optional[Annotated[float, Number(Positive())]] = None
+    ssd_write_bytes_per_s: Optional[Annotated[float, Number(Positive()), _FromDrive(lambda d: d.write_bytes_per_s, 6.5e9)]] = None
     """Sustained sequential write bandwidth of one drive (None: the ``drive`` preset's,
     else 6.5e9)."""
-    ssd_read_bytes_per_s: Optional[Annotated[float, Number(Positive())]] = None
+    ssd_read_bytes_per_s: Optional[Annotated[float, Number(Positive()), _FromDrive(lambda d: d.read_bytes_per_s, 7.0e9)]] = None
     """Sustained sequential read bandwidth of one drive (None: the preset's, else 7.0e9)."""
-    ssd_tbw_bytes: Optional[Annotated[float, Number(Positive())]] = None
+    ssd_tbw_bytes: Optional[Annotated[float, Number(Positive()), _FromDrive(lambda d: d.tbw_bytes, 7.0e15)]] = None
     """Write endurance of one drive (TBW, in bytes; None: the preset's, else 7.0e15, a
     3.84 TB drive at 1 DWPD x 5 years)."""
-    ssd_capacity_bytes: Optional[Annotated[float, Number(Positive())]] = None
+    ssd_capacity_bytes: Optional[Annotated[float, Number(Positive()), _FromDrive(lambda d: d.capacity_bytes, 3.84e12)]] = None
     """Capacity of one drive (None: the preset's, else 3.84e12)."""
     ssd_used_fraction: Annotated[float, Number(InRange(0, 1, hi_open=True))] = 0.0
     """Share of the drives' rated endurance already used, in [0, 1) (SMART
@@ -164,15 +168,12 @@ class SimulationSpec:
             raise _broken(self, "pipeline_rank", f"must be in [0, pp={self.pp})")
 
     def _fill_drive(self) -> None:
-        """Fill the ``ssd_*`` drive fields left None from ``drive`` or the generic drive."""
-        figures = dict(GENERIC_DRIVE)
-        if self.drive is not None:
-            preset = drive_preset(self.drive, "SimulationSpec.drive")
-            figures = {"ssd_write_bytes_per_s": preset.write_bytes_per_s, "ssd_read_bytes_per_s": preset.read_bytes_per_s,
-                       "ssd_tbw_bytes": preset.tbw_bytes, "ssd_capacity_bytes": preset.capacity_bytes}
-        for name, value in figures.items():
+        """Fill the ``ssd_*`` drive fields left None from ``drive`` or the generic drive
+        (the fields are those declared ``_FromDrive``)."""
+        preset = drive_preset(self.drive, "SimulationSpec.drive") if self.drive is not None else None
+        for name, source in field_metadata(SimulationSpec, _FromDrive).items():
             if getattr(self, name) is None:
-                setattr(self, name, value)
+                setattr(self, name, source.generic if preset is None else source.figure(preset))
 
     @property
     def total_layers(self) -> int:
@@ -180,6 +181,13 @@ class SimulationSpec:
         if self.arch == "t5":
             return self.num_layers + (self.decoder_num_layers or self.num_layers)
         return self.num_layers
+
+
+GENERIC_DRIVE: Dict[str, float] = {name: source.generic
+                                   for name, source in field_metadata(SimulationSpec, _FromDrive).items()}
+"""The drive ``SimulationSpec`` assumes without a ``drive`` preset: a typical Gen4
+3.84 TB data-centre drive at 1 drive write per day over 5 years (each ``ssd_*`` field's
+``_FromDrive.generic``)."""
 
 
 MODEL_PRESETS: Dict[str, Dict[str, Any]] = {
