@@ -66,7 +66,7 @@ __all__ = [
 ]
 
 SIZING_MODELS = ("gpt-7b", "gpt-13b", "gpt-70b", "gpt-7b-32k", "gpt-13b-32k", "gpt-70b-32k")
-"""The ``MODEL_PRESETS`` (``planner/simulate.py``) of ``docs/planner.md``'s H100 tables:
+"""The ``MODEL_PRESETS`` (``planner/simulation_spec.py``) of ``docs/planner.md``'s H100 tables:
 7B / 13B / 70B GPTs at 4k and 32k tokens, each with its preset's parallel layout."""
 SIZING_DRIVES = (2, 4, 8)
 """Drives per 8-GPU node in the sizing table (all eight GPUs share them)."""

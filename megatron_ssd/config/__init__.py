@@ -29,11 +29,11 @@ Example::
 
 from ..placement import EMBEDDING, HEAD, MOVED, OUTSIDE, Placement
 from ..units import MiB
-from .rules import (AtLeast, AtMost, ByteCount, Bytes, Duration, InRange, MultipleOf, NonNegative, OneOf, Positive, Rule,
-                    Seconds, Switch, Unit, is_int)
-from .schema import (apply_overrides, field_docs, from_dict, is_duration_field, is_size_field, load_config, to_dict,
+from .rules import (AtLeast, AtMost, Boolean, ByteCount, Bytes, Duration, InRange, Integer, ListOf, MultipleOf, NonNegative,
+                    Number, OneOf, OneOfKinds, Positive, Rule, Seconds, Switch, Unit, is_int)
+from .schema import (apply_overrides, field_docs, field_metadata, from_dict, is_duration_field, is_size_field, load_config, to_dict,
                      validate)
-from .schema import _parse_size, _settle  # noqa: F401 - private, imported from here by io, commands and tests
+from .schema import _broken, _fail, _parse_size, _settle  # noqa: F401 - private, imported from here by io, commands, planner and tests
 from .tree import (CAPACITY_RESERVE, FIXED_MODES, MICROBATCH_RECORD_BYTES, PLANNER_MODES, STEP_RECORD_BYTES, IOConfig,
                    ModelConfig, OffloadConfig, PeerConfig, PlannerConfig, TrainConfig, host_memory_bytes)
 
@@ -56,6 +56,7 @@ __all__ = [
     "apply_overrides",
     "validate",
     "field_docs",
+    "field_metadata",
     "is_size_field",
     "is_duration_field",
     "Unit",
@@ -72,6 +73,11 @@ __all__ = [
     "InRange",
     "OneOf",
     "Switch",
+    "Number",
+    "Integer",
+    "Boolean",
+    "ListOf",
+    "OneOfKinds",
     "MiB",
     "host_memory_bytes",
     "STEP_RECORD_BYTES",

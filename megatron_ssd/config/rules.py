@@ -1,7 +1,8 @@
 """Rules bound to fields: what a config field's ``Annotated`` metadata may carry.
 
 A field's unit (:data:`Bytes`, :data:`Seconds`: what YAML and overrides accept for it)
-and its rules (:class:`Positive`, :class:`AtMost`, :class:`OneOf`, ...), each a
+and its rules (:class:`Positive`, :class:`AtMost`, :class:`OneOf`, ...; :class:`Number`,
+:class:`Integer`, :class:`ListOf` for fields whose type code fills, not only YAML), each a
 :class:`Rule` whose ``check`` returns the rule's text when a value breaks it;
 :func:`~.schema.validate` runs them.
 """
@@ -13,7 +14,8 @@ from dataclasses import dataclass
 from typing import Annotated, Any, Optional, Tuple
 
 __all__ = ["Unit", "Bytes", "Seconds", "ByteCount", "Duration", "Rule", "Positive", "NonNegative", "AtLeast",
-           "AtMost", "MultipleOf", "InRange", "OneOf", "Switch", "is_int"]
+           "AtMost", "MultipleOf", "InRange", "OneOf", "Switch", "Number", "Integer", "Boolean", "ListOf", "OneOfKinds",
+           "is_int"]
 
 
 @dataclass(frozen=True)
@@ -38,47 +40,85 @@ Duration = Annotated[float, Seconds]
 
 
 class Rule(abc.ABC):
-    """A check on one field's value, declared in the field's ``Annotated`` metadata."""
+    """A check on one field's value, declared in the field's ``Annotated`` metadata.
+
+    A rule says what it asks (:attr:`text`, the error's rule part: ``must be > 0``) and
+    whether a value keeps it (:meth:`holds`); :meth:`check` joins the two. A value of a
+    type the rule cannot compare (a string against ``> 0``) breaks it."""
+
+    @property
+    @abc.abstractmethod
+    def text(self) -> str:
+        """The rule as an error states it, starting ``must be``."""
 
     @abc.abstractmethod
+    def holds(self, value: Any) -> bool:
+        """Whether ``value`` keeps the rule."""
+
     def check(self, value: Any) -> Optional[str]:
         """None when ``value`` keeps the rule, else the rule's text for the error."""
+        try:
+            kept = self.holds(value)
+        except TypeError:
+            kept = False
+        return None if kept else self.text
+
+
+def _tail(rule: Optional[Rule]) -> str:
+    """`` > 0`` for a rule whose text is ``must be > 0``; empty for none."""
+    return "" if rule is None else " " + rule.text[len("must be "):]
 
 
 @dataclass(frozen=True)
 class Positive(Rule):
-    def check(self, value: Any) -> Optional[str]:
-        return None if value > 0 else "must be > 0"
+    text = "must be > 0"
+
+    def holds(self, value: Any) -> bool:
+        return value > 0
 
 
 @dataclass(frozen=True)
 class NonNegative(Rule):
-    def check(self, value: Any) -> Optional[str]:
-        return None if value >= 0 else "must be >= 0"
+    text = "must be >= 0"
+
+    def holds(self, value: Any) -> bool:
+        return value >= 0
 
 
 @dataclass(frozen=True)
 class AtLeast(Rule):
     low: Any
 
-    def check(self, value: Any) -> Optional[str]:
-        return None if value >= self.low else f"must be >= {self.low}"
+    @property
+    def text(self) -> str:
+        return f"must be >= {self.low}"
+
+    def holds(self, value: Any) -> bool:
+        return value >= self.low
 
 
 @dataclass(frozen=True)
 class AtMost(Rule):
     high: Any
 
-    def check(self, value: Any) -> Optional[str]:
-        return None if not value > self.high else f"must be <= {self.high}"
+    @property
+    def text(self) -> str:
+        return f"must be <= {self.high}"
+
+    def holds(self, value: Any) -> bool:
+        return not value > self.high
 
 
 @dataclass(frozen=True)
 class MultipleOf(Rule):
     step: int
 
-    def check(self, value: Any) -> Optional[str]:
-        return None if not value % self.step else f"must be a multiple of {self.step}"
+    @property
+    def text(self) -> str:
+        return f"must be a multiple of {self.step}"
+
+    def holds(self, value: Any) -> bool:
+        return not value % self.step
 
 
 @dataclass(frozen=True)
@@ -91,12 +131,14 @@ class InRange(Rule):
     lo_open: bool = False
     hi_open: bool = False
 
-    def check(self, value: Any) -> Optional[str]:
+    @property
+    def text(self) -> str:
+        return f"must be in {'(' if self.lo_open else '['}{self.lo}, {self.hi}{')' if self.hi_open else ']'}"
+
+    def holds(self, value: Any) -> bool:
         above = self.lo < value if self.lo_open else self.lo <= value
         below = value < self.hi if self.hi_open else value <= self.hi
-        if above and below:
-            return None
-        return f"must be in {'(' if self.lo_open else '['}{self.lo}, {self.hi}{')' if self.hi_open else ']'}"
+        return above and below
 
 
 @dataclass(frozen=True, init=False)
@@ -106,8 +148,89 @@ class OneOf(Rule):
     def __init__(self, *choices: Any) -> None:
         object.__setattr__(self, "choices", choices)
 
-    def check(self, value: Any) -> Optional[str]:
-        return None if value in self.choices else f"must be one of {list(self.choices)}"
+    @property
+    def text(self) -> str:
+        return f"must be one of {list(self.choices)}"
+
+    def holds(self, value: Any) -> bool:
+        return value in self.choices
+
+
+@dataclass(frozen=True)
+class Number(Rule):
+    """An int or a float, not a bool, that keeps ``rule`` too: ``Number(Positive())``
+    reads ``must be a number > 0``. Fields that code (not only YAML) fills, whose type
+    the dataclass itself does not enforce, declare it."""
+
+    rule: Optional[Rule] = None
+    noun = "a number"
+    plural = "numbers"
+
+    @property
+    def text(self) -> str:
+        return f"must be {self.noun}{_tail(self.rule)}"
+
+    def is_kind(self, value: Any) -> bool:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+    def holds(self, value: Any) -> bool:
+        return self.is_kind(value) and (self.rule is None or self.rule.holds(value))
+
+
+@dataclass(frozen=True)
+class Integer(Number):
+    """An int, not a bool, that keeps ``rule`` too: ``must be an integer >= 0``."""
+
+    noun = "an integer"
+    plural = "integers"
+
+    def is_kind(self, value: Any) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True)
+class Boolean(Rule):
+    """``True`` or ``False`` (not 0 / 1)."""
+
+    text = "must be true or false"
+
+    def holds(self, value: Any) -> bool:
+        return isinstance(value, bool)
+
+
+@dataclass(frozen=True)
+class ListOf(Rule):
+    """A list whose every item keeps ``item``: ``ListOf(Integer(Positive()))`` reads
+    ``must be a list of integers > 0``."""
+
+    item: Number
+
+    @property
+    def text(self) -> str:
+        return f"must be a list of {self.item.plural}{_tail(self.item.rule)}"
+
+    def holds(self, value: Any) -> bool:
+        return isinstance(value, list) and all(self.item.check(v) is None for v in value)
+
+
+@dataclass(frozen=True, init=False)
+class OneOfKinds(Rule):
+    """An instance of one of ``kinds`` (a bool is not an int): ``OneOfKinds(str, int,
+    noun="a string or an integer")``."""
+
+    kinds: Tuple[type, ...]
+    noun: str
+
+    def __init__(self, *kinds: type, noun: str) -> None:
+        object.__setattr__(self, "kinds", kinds)
+        object.__setattr__(self, "noun", noun)
+
+    @property
+    def text(self) -> str:
+        return f"must be {self.noun}"
+
+    def holds(self, value: Any) -> bool:
+        return isinstance(value, self.kinds) and not isinstance(value, bool)
 
 
 @dataclass(frozen=True, init=False)

@@ -35,6 +35,7 @@ __all__ = [
     "apply_overrides",
     "validate",
     "field_docs",
+    "field_metadata",
     "is_size_field",
     "is_duration_field",
 ]
@@ -48,10 +49,17 @@ def _fail(cls_name: str, name: str, value: Any, rule: str) -> ConfigError:
     return ConfigError(f"{cls_name}.{name} = {value!r}: {rule}")
 
 
+def _owner(obj: Any) -> str:
+    """How errors name ``obj``: its class, or what its ``_error_owner`` method says
+    (``LayerProfile(layer_id=3)``, where the class alone would not say which one)."""
+    named = getattr(obj, "_error_owner", None)
+    return named() if named is not None else type(obj).__name__
+
+
 def _broken(obj: Any, name: str, rule: str) -> ConfigError:
     """The error for field ``name`` of ``obj``, its value read from ``obj`` (a ``_check``
     naming a field that is gone fails loudly instead of passing)."""
-    return _fail(type(obj).__name__, name, getattr(obj, name), rule)
+    return _fail(_owner(obj), name, getattr(obj, name), rule)
 
 
 @functools.lru_cache(maxsize=None)
@@ -72,7 +80,9 @@ class _Spec:
     rules: Tuple[Rule, ...]
 
 
-def _spec(hint: Any) -> _Spec:
+def _unwrap(hint: Any) -> Tuple[Any, bool, List[Any]]:
+    """``hint`` without ``Optional`` and ``Annotated``: its type, whether None is allowed,
+    and the ``Annotated`` metadata in the order declared."""
     meta: List[Any] = []
     optional = False
     while True:
@@ -82,7 +92,25 @@ def _spec(hint: Any) -> _Spec:
         elif origin is typing.Union and type(None) in args:
             hint, optional = next(a for a in args if a is not type(None)), True
         else:
-            break
+            return hint, optional, meta
+
+
+def field_metadata(cls: type, kind: type) -> Dict[str, Any]:
+    """The fields of dataclass ``cls`` whose ``Annotated`` metadata holds an instance of
+    ``kind``, in field order, each with that instance: what a class declares on its fields
+    besides rules and units (a field read from elsewhere when unset), found by the field
+    itself rather than by its name written as a string."""
+    hints = _type_hints(cls)
+    found: Dict[str, Any] = {}
+    for f in dataclasses.fields(cls):
+        marks = [m for m in _unwrap(hints[f.name])[2] if isinstance(m, kind)]
+        if marks:
+            found[f.name] = marks[0]
+    return found
+
+
+def _spec(hint: Any) -> _Spec:
+    hint, optional, meta = _unwrap(hint)
     units = [m for m in meta if isinstance(m, Unit)]
     return _Spec(hint, optional, units[0] if units else None, tuple(m for m in meta if isinstance(m, Rule)))
 
@@ -122,7 +150,7 @@ def validate(obj: Any) -> None:
     None in an ``Optional`` field skips them; on an ``Optional`` field the rule's text
     adds the unit and ``or null``: ``must be > 0 bytes or null``), then the class's
     ``_check`` for rules that compare several fields."""
-    cls_name = type(obj).__name__
+    cls_name = _owner(obj)
     specs = _specs(type(obj))
     for f in dataclasses.fields(obj):
         value = getattr(obj, f.name)

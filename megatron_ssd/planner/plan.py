@@ -18,14 +18,16 @@ from __future__ import annotations
 import json
 import numbers
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from ..config import from_dict, to_dict
 from ..placement import MOVED, Placement
 from ..errors import ConfigError
 from .profile import IOProfile, LayerId, StageProfile
-from .search import Choice, PlacementSearch, PlanInfeasibleError
-from .step_timeline import ReadAhead, Timeline, predict, use_order
+from .just_in_time import just_in_time
+from .search import (GOAL_CAPACITY, GOAL_MAX_OFFLOAD, GOAL_MEMORY_BUDGET, Choice, PlacementSearch,
+                     PlanInfeasibleError)
+from .step_timeline import ReadAhead, Timeline, predict
 from ..units import MiB
 
 __all__ = [
@@ -40,13 +42,6 @@ __all__ = [
     "make_plan",
 ]
 
-GOAL_MAX_OFFLOAD = "max_offload"
-"""Goal without a budget: offload every byte whose I/O hides behind compute."""
-GOAL_MEMORY_BUDGET = "memory_budget"
-"""Goal with a budget: peak <= budget at the smallest predicted step time."""
-GOAL_CAPACITY = "capacity"
-"""Goal without a budget whose hidden offload does not fit the device: peak <= the
-device's activation capacity at the smallest predicted step time."""
 PLAN_SCHEMA = "megatron_ssd.plan/1"
 """Value of the ``schema`` key of a plan's JSON form."""
 READ_AHEAD_MODES = ("fixed", "auto")
@@ -91,7 +86,7 @@ class LayerPlan:
     With ``site_read_ahead``, the earliest of its sites' (at least 1)."""
     site_read_ahead: Optional[List[int]] = None
     """Per site in save order, the read-ahead of that site's read when the planner chose
-    them one by one (``read_ahead="auto"``, NOTE [Just-in-time reads]): 0 issues it
+    them one by one (``read_ahead="auto"``, NOTE [Just-in-time reads] in ``just_in_time.py``): 0 issues it
     when the layer's own backward starts, to be done by the site's use point (NOTE
     [Site use times]). Sites the layer keeps carry ``read_ahead``. None: every site at
     ``read_ahead``."""
@@ -150,7 +145,7 @@ class Plan:
     ``read_ahead``)."""
     read_ahead: str = "fixed"
     """``fixed``: every layer reads ``prefetch_depth`` ahead; ``auto``: the planner chose
-    each layer's read-issue point (NOTE [Just-in-time reads])."""
+    each layer's read-issue point (NOTE [Just-in-time reads] in ``just_in_time.py``)."""
     pipeline_rank: int = 0
     """The stage planned."""
     pipeline_size: int = 1
@@ -356,7 +351,7 @@ def make_plan(
             a budget above it is lowered to it. None: no limit.
         read_ahead: ``fixed``: every read is issued ``prefetch_depth`` layers ahead;
             ``auto``: the read-issue point of each offloaded layer is chosen too, just in
-            time (NOTE [Just-in-time reads]).
+            time (NOTE [Just-in-time reads] in ``just_in_time.py``).
         host_budget_bytes: Bytes of the host pool this stage may fill with HOST layers,
             over all its micro-batches in flight (NOTE [Host tier]); needs
             ``stage.io.host_bytes_per_s``. None or 0: no HOST placement.
@@ -426,7 +421,7 @@ def make_plan(
     else:
         limits = PlacementSearch(stage, stage.io.derated(safety_margin), prefetch_depth, max_write_bytes_per_s,
                                  host_budget_bytes or 0)
-        choice, goal, depths = _just_in_time(stage, choose, prefetch_depth, safety_margin, limits.allowed)
+        choice, goal, depths = just_in_time(stage, choose, prefetch_depth, safety_margin, limits.allowed)
     tl = predict(stage, choice.placements, depths, sites=choice.sites)
     keep = predict(stage, [Placement.KEEP] * n, prefetch_depth)
     plan = _build(stage, tl, keep, goal, memory_budget, safety_margin, prefetch_depth, depths, choice.sites)
@@ -436,131 +431,6 @@ def make_plan(
     plan.host_budget_bytes = host_budget_bytes or None
     plan.max_slowdown = max_slowdown
     return plan
-
-
-# NOTE [Just-in-time reads]
-# With one read-ahead for every layer, a layer's read must fit in the backward of the
-# read-ahead layers after it, which at GPU speed is far less than a large layer's read
-# takes; with every read issued at the first backward, read buffers pile up early and
-# the peak grows. ``read_ahead="auto"`` chooses in three passes. (1) Placements are planned
-# at each depth of a geometric ladder (1, 2, 4, ... up to the layer count, and the
-# configured depth): the plan with the smallest predicted peak among those that hide
-# all I/O, or with no such plan (a budget or the device's capacity binds), the one with
-# the shortest predicted step, then the fewest bytes written (least drive wear), then
-# the smallest peak. (2) Each offloaded layer's read is then issued as late as it can be
-# (the smallest read-ahead, needed-first layer first) without a longer predicted step, a
-# stall, forwarding or a higher peak, at the derated and at the measured bandwidths: a
-# read buffer allocated later holds its bytes for less time. (3) Then each moved site of
-# those layers, needed-first layer first and within a layer in the order backward uses
-# them (NOTE [Site use times] in ``profile.py``), gets the smallest read-ahead below its
-# layer's, down to 0 (issued when its own layer's backward starts), that passes the
-# same test: a small site or one used late in its layer's backward need not be read as
-# early as the layer's largest (``LayerPlan.site_read_ahead``). Under the max_offload
-# goal, a layer the search cut to a prefix of its sites (its next site lowered no peak
-# when read with the layer) then gets its next sites back, one at a time at the
-# smallest read-ahead that passes, while each lowers the predicted peak. The cache
-# issues each site's read at its read-ahead (``TensorCache.set_plan(...,
-# read_ahead=...)``).
-
-
-def _depth_ladder(first: int, n: int) -> List[int]:
-    ladder, d = {min(first, max(n, 1))}, 1
-    while d < n:
-        ladder.add(d)
-        d *= 2
-    ladder.add(max(n, 1))
-    return sorted(ladder)
-
-
-def _just_in_time(
-    stage: StageProfile,
-    choose: Callable[[int], Tuple[Choice, str, Timeline]],
-    prefetch_depth: int,
-    safety_margin: float,
-    allowed: Callable[[List[Placement], List[Optional[int]], Timeline], bool],
-) -> Tuple[Choice, str, List[ReadAhead]]:
-    """Placements, goal and per-layer read-aheads; see NOTE [Just-in-time reads]."""
-    n = len(stage.layers)
-    candidates = []
-    failure: Optional[PlanInfeasibleError] = None
-    for depth in _depth_ladder(prefetch_depth, n):
-        try:
-            choice, goal, tl = choose(depth)
-        except PlanInfeasibleError as err:
-            if failure is None or err.smallest_peak < failure.smallest_peak:
-                failure = err
-            continue
-        written = tl.offloaded_bytes
-        candidates.append((choice, goal, tl, written, depth))
-    if not candidates:
-        assert failure is not None
-        raise failure
-    hidden = [c for c in candidates if c[1] == GOAL_MAX_OFFLOAD]
-    if hidden:
-        best = min(hidden, key=lambda c: (c[2].peak_bytes, c[3], c[4]))
-    else:
-        best = min(candidates, key=lambda c: (round(c[2].step_s, 12), c[3], c[2].peak_bytes, c[4]))
-    choice, goal, tl, _, depth = best
-    placements, sites = choice
-    depths: List[ReadAhead] = [depth] * n
-    derated = stage.io.derated(safety_margin)
-    judged = [tl, predict(stage, placements, depths, io=derated, sites=sites)]
-
-    def no_worse(trial: List[ReadAhead], counts: Optional[List[Optional[int]]] = None, lower: bool = False) -> bool:
-        """Whether ``trial`` (and ``counts``) adds no stall, forwarding or step time and
-        no peak (``lower``: lowers it) at both bandwidths, within ``allowed``; then it is
-        the new reference."""
-        nonlocal judged
-        counts = sites if counts is None else counts
-        trials = [predict(stage, placements, trial, sites=counts),
-                  predict(stage, placements, trial, io=derated, sites=counts)]
-        if all(not t.forwarded and t.exposed_s <= j.exposed_s + 1e-12 and t.step_s <= j.step_s + 1e-12
-               and (t.peak_bytes < j.peak_bytes if lower else t.peak_bytes <= j.peak_bytes)
-               for t, j in zip(trials, judged)) and allowed(placements, counts, trials[1]):
-            judged = trials
-            return True
-        return False
-
-    for i in range(n - 1, -1, -1):  # whole layers
-        if placements[i] not in MOVED:
-            continue
-        for later in range(1, depth):
-            trial = depths[:i] + [later] + depths[i + 1:]
-            if no_worse(trial):
-                depths = trial
-                break
-    for i in range(n - 1, -1, -1):  # then site by site, in the order backward uses them
-        layer = stage.layers[i]
-        if placements[i] not in MOVED or not layer.sites:
-            continue
-        whole = depths[i]
-        assert isinstance(whole, int)
-        m = len(layer.sites)
-        per_site = [whole] * m
-        moved = m if sites[i] is None else sites[i]
-        for s in use_order(layer, moved):
-            for later in range(0, whole):
-                trial_sites = per_site[:s] + [later] + per_site[s + 1:]
-                trial = depths[:i] + [trial_sites] + depths[i + 1:]
-                if no_worse(trial):
-                    per_site, depths = trial_sites, trial
-                    break
-        # a site the placement search cut because, read a whole layer's read-ahead early,
-        # it lowered no peak, may lower it read later: move it back if it now does (only
-        # when the goal is the lowest peak; under a budget fewer bytes written wins)
-        while goal == GOAL_MAX_OFFLOAD and moved < m:
-            counts = sites[:i] + [None if moved + 1 == m else moved + 1] + sites[i + 1:]
-            for later in range(0, whole + 1):
-                trial_sites = per_site[:moved] + [later] + per_site[moved + 1:]
-                trial = depths[:i] + [trial_sites] + depths[i + 1:]
-                if no_worse(trial, counts, lower=True):
-                    per_site, depths, sites, moved = trial_sites, trial, counts, moved + 1
-                    break
-            else:
-                break
-        if len(set(per_site)) == 1 and per_site[0] >= 1:
-            depths[i] = per_site[0]  # one read-ahead for all its sites after all
-    return Choice(placements, sites), goal, depths
 
 
 def _build(

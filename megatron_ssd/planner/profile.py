@@ -3,15 +3,17 @@
 A :class:`StageProfile` is everything the planner knows about one pipeline stage: its
 transformer layers in forward order (:class:`LayerProfile`), the SSD array it offloads to
 (:class:`IOProfile`) and where it sits in the pipeline. The runtime profiler fills one
-from measured steps; :mod:`megatron_ssd.planner.simulate` fills one from model
-dimensions. It round-trips through JSON so a profile measured once can be planned from
+from measured steps; :func:`megatron_ssd.planner.estimates.stage_profile` fills one from
+model dimensions. It round-trips through JSON so a profile measured once can be planned from
 again (``megatron-ssd plan profile.json``)::
 
     stage = StageProfile.from_json(open("profile.json").read())
     print(make_plan(stage).table())
 
-Validation raises :class:`~megatron_ssd.errors.ConfigError` naming the field, the value
-and the rule.
+Each field's rules are on its annotation and run as config fields' do
+(:func:`~megatron_ssd.config.validate`), each class's ``_check`` holding the rules that
+compare fields; validation raises :class:`~megatron_ssd.errors.ConfigError` naming the
+field, the value and the rule.
 """
 
 from __future__ import annotations
@@ -19,9 +21,10 @@ from __future__ import annotations
 import dataclasses
 import json
 from dataclasses import dataclass
-from typing import Any, Dict, List, Mapping, Optional, Union
+from typing import Annotated, Any, Dict, List, Mapping, Optional, Union
 
-from ..config import from_dict, to_dict
+from ..config import AtLeast, Boolean, InRange, Integer, ListOf, NonNegative, Number, OneOfKinds, Positive, from_dict, to_dict
+from ..config import _broken, _fail, _settle
 from ..placement import Placement
 from ..errors import ConfigError
 
@@ -29,15 +32,6 @@ __all__ = ["LayerId", "LayerProfile", "IOProfile", "StageProfile", "uniform_stag
 
 LayerId = Union[str, int]
 """How a layer is named: its index in the stage or a module path."""
-
-
-def _check(owner: str, name: str, value: Any, ok: bool, rule: str) -> None:
-    if not ok:
-        raise ConfigError(f"{owner}.{name} = {value!r}: {rule}")
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 # NOTE [Sites]
@@ -65,7 +59,7 @@ def _is_number(value: Any) -> bool:
 # time; ``simulate`` estimates it from the FLOPs of the blocks backward runs first. The
 # timeline lets a layer's backward run up to a site's use point before it waits for
 # that site's read, and the planner issues each site's read as late as that allows
-# (NOTE [Just-in-time reads] in ``plan.py``), down to the start of the layer's own
+# (NOTE [Just-in-time reads] in ``just_in_time.py``), down to the start of the layer's own
 # backward.
 
 
@@ -73,94 +67,62 @@ def _is_number(value: Any) -> bool:
 class LayerProfile:
     """Measured (or estimated) cost of one transformer layer for one micro-batch."""
 
-    layer_id: LayerId
+    layer_id: Annotated[LayerId, OneOfKinds(str, int, noun="a string or an integer")]
     """The layer's name: its index within the stage or a module path. Unique per stage."""
 
-    forward_s: float
+    forward_s: Annotated[float, Number(NonNegative())]
     """Forward compute time of the layer, in seconds, with no I/O running."""
 
-    backward_s: float
+    backward_s: Annotated[float, Number(NonNegative())]
     """Backward compute time of the layer, in seconds, without recompute and without
     time spent waiting for reads."""
 
-    saved_bytes: int
+    saved_bytes: Annotated[int, Integer(NonNegative())]
     """Bytes of tensors the layer saves for backward that may be offloaded, counted once
     per storage (after deduplication)."""
 
-    kept_bytes: int = 0
+    kept_bytes: Annotated[int, Integer(NonNegative())] = 0
     """Bytes the layer saves for backward that are never offloaded (tensors under the
     size threshold, skipped tensors). Held in memory whatever the placement, except
     under RECOMPUTE, which saves none of them."""
 
-    recompute_s: Optional[float] = None
+    recompute_s: Optional[Annotated[float, Number(NonNegative())]] = None
     """Time to run the forward again during backward under RECOMPUTE, in seconds;
     ``None`` means equal to ``forward_s``."""
 
-    boundary_bytes: int = 0
+    boundary_bytes: Annotated[int, Integer(NonNegative())] = 0
     """Bytes a RECOMPUTE layer still holds between forward and backward: its input.
     0 when the previous layer keeps that tensor anyway (its output is saved there)."""
 
-    site_bytes: Optional[List[int]] = None
+    site_bytes: Optional[Annotated[List[int], ListOf(Integer(Positive()))]] = None
     """The layer's offloadable saved tensors one by one, in the order its forward saves
     them (its *sites*, NOTE [Sites]); they sum to ``saved_bytes``. A plan may offload a
     prefix of them and keep the rest. ``None``: one site of ``saved_bytes``."""
 
-    site_use: Optional[List[float]] = None
+    site_use: Optional[Annotated[List[float], ListOf(Number(InRange(0, 1)))]] = None
     """Per site (as ``site_bytes``), the share of the layer's backward, from 0 to 1,
     that has run when backward first unpacks it (NOTE [Site use times]): a site read
     need only be complete by then. ``None``: every site is needed when the layer's
     backward starts."""
 
-    recomputable: bool = True
+    recomputable: Annotated[bool, Boolean()] = True
     """Whether RECOMPUTE may be chosen. False for the tensors a micro-batch saves before
     its first layer (layer id ``embedding``, NOTE [Sites outside the layers]): nothing
     runs their forward again."""
 
     def __post_init__(self) -> None:
-        owner = f"LayerProfile(layer_id={self.layer_id!r})"
-        _check(
-            owner,
-            "layer_id",
-            self.layer_id,
-            isinstance(self.layer_id, (str, int)) and not isinstance(self.layer_id, bool),
-            "must be a string or an integer",
-        )
-        for name in ("forward_s", "backward_s"):
-            value = getattr(self, name)
-            _check(owner, name, value, _is_number(value) and value >= 0, "must be a number >= 0")
-        if self.recompute_s is not None:
-            _check(
-                owner,
-                "recompute_s",
-                self.recompute_s,
-                _is_number(self.recompute_s) and self.recompute_s >= 0,
-                "must be None or a number >= 0",
-            )
-        for name in ("saved_bytes", "kept_bytes", "boundary_bytes"):
-            value = getattr(self, name)
-            _check(
-                owner,
-                name,
-                value,
-                isinstance(value, int) and not isinstance(value, bool) and value >= 0,
-                "must be an integer >= 0",
-            )
-        _check(owner, "recomputable", self.recomputable, isinstance(self.recomputable, bool), "must be true or false")
-        if self.site_bytes is not None:
-            _check(
-                owner, "site_bytes", self.site_bytes,
-                isinstance(self.site_bytes, list)
-                and all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in self.site_bytes),
-                "must be None or a list of integers > 0",
-            )
-            _check(owner, "site_bytes", self.site_bytes, sum(self.site_bytes) == self.saved_bytes,
-                   f"must sum to saved_bytes = {self.saved_bytes}")
-        if self.site_use is not None:
-            _check(owner, "site_use", self.site_use,
-                   isinstance(self.site_use, list) and all(_is_number(u) and 0 <= u <= 1 for u in self.site_use),
-                   "must be None or a list of numbers in [0, 1]")
-            _check(owner, "site_use", self.site_use, len(self.site_use) == len(self.sites),
-                   f"must have one entry per site ({len(self.sites)})")
+        _settle(self)
+
+    def _error_owner(self) -> str:
+        """Errors name the layer: ``LayerProfile(layer_id=3).forward_s = -1.0: ...``."""
+        return f"LayerProfile(layer_id={self.layer_id!r})"
+
+    def _check(self) -> None:
+        """The rules that compare fields: the sites sum to the saved bytes, one use each."""
+        if self.site_bytes is not None and sum(self.site_bytes) != self.saved_bytes:
+            raise _broken(self, "site_bytes", f"must sum to saved_bytes = {self.saved_bytes}")
+        if self.site_use is not None and len(self.site_use) != len(self.sites):
+            raise _broken(self, "site_use", f"must have one entry per site ({len(self.sites)})")
 
     @property
     def sites(self) -> List[int]:
@@ -187,58 +149,47 @@ class LayerProfile:
         return self.forward_s if self.recompute_s is None else self.recompute_s
 
 
+_MARGIN = Number(InRange(0, 1, hi_open=True))
+"""The rule of a bandwidth derating (``safety_margin``)."""
+
+
 @dataclass
 class IOProfile:
     """Measured speed of the SSD array as the I/O engine sees it."""
 
-    write_bytes_per_s: float
+    write_bytes_per_s: Annotated[float, Number(Positive())]
     """Sustained write bandwidth of the whole array, in bytes per second, measured with
     the engine's block size and thread count (bytes written / time a write was in flight)."""
 
-    read_bytes_per_s: float
+    read_bytes_per_s: Annotated[float, Number(Positive())]
     """Sustained read bandwidth of the whole array, in bytes per second."""
 
-    compute_slowdown: float = 0.0
+    compute_slowdown: Annotated[float, Number(NonNegative())] = 0.0
     """Fractional slowdown of compute while any I/O is in flight: 0.25 means a layer
     that takes 1 s alone takes 1.25 s under I/O. Measured by timing a layer with and
     without a concurrent transfer; about 0 on a GPU with GPUDirect Storage, large on a
     CPU with few cores where the I/O threads compete for cycles."""
 
-    host_bytes_per_s: Optional[float] = None
+    host_bytes_per_s: Optional[Annotated[float, Number(Positive())]] = None
     """Copy bandwidth between the compute device and the host-memory pool, in bytes per
     second each way (a GPU's PCIe link to pinned memory: about 25e9 on PCIe 4 x16, 50e9
     on PCIe 5 x16). ``None``: no host tier to plan with (``Placement.HOST``). Host copies
     have their own queue and do not slow compute (a GPU's copy engines run them)."""
 
-    max_inflight_bytes: Optional[int] = None
+    max_inflight_bytes: Optional[Annotated[int, Integer(Positive())]] = None
     """Most bytes of SSD writes the engine holds queued or in flight
     (``io.max_inflight_bytes`` with ``io.on_backpressure: wait``); a forward whose next
     tensor would take them over waits until enough writes complete (NOTE [In-flight bound]
     in ``step_timeline.py``). ``None``: no bound (profiles written before the field)."""
 
     def __post_init__(self) -> None:
-        if self.max_inflight_bytes is not None:
-            _check("IOProfile", "max_inflight_bytes", self.max_inflight_bytes,
-                   isinstance(self.max_inflight_bytes, int) and not isinstance(self.max_inflight_bytes, bool)
-                   and self.max_inflight_bytes > 0, "must be None or an integer > 0")
-        for name in ("write_bytes_per_s", "read_bytes_per_s"):
-            value = getattr(self, name)
-            _check("IOProfile", name, value, _is_number(value) and value > 0, "must be a number > 0")
-        if self.host_bytes_per_s is not None:
-            _check("IOProfile", "host_bytes_per_s", self.host_bytes_per_s,
-                   _is_number(self.host_bytes_per_s) and self.host_bytes_per_s > 0, "must be None or a number > 0")
-        _check(
-            "IOProfile",
-            "compute_slowdown",
-            self.compute_slowdown,
-            _is_number(self.compute_slowdown) and self.compute_slowdown >= 0,
-            "must be a number >= 0",
-        )
+        _settle(self)
 
     def derated(self, margin: float) -> "IOProfile":
         """This profile with every bandwidth multiplied by ``1 - margin``."""
-        if not (_is_number(margin) and 0 <= margin < 1):
-            raise ConfigError(f"safety_margin = {margin!r}: must be a number in [0, 1)")
+        broken = _MARGIN.check(margin)
+        if broken is not None:
+            raise ConfigError(f"safety_margin = {margin!r}: {broken}")
         return dataclasses.replace(
             self,
             write_bytes_per_s=self.write_bytes_per_s * (1 - margin),
@@ -257,22 +208,22 @@ class StageProfile:
     io: IOProfile
     """The SSD array this stage offloads to."""
 
-    pipeline_rank: int = 0
+    pipeline_rank: Annotated[int, Integer(NonNegative())] = 0
     """This stage's index in the pipeline, from 0."""
 
-    pipeline_size: int = 1
+    pipeline_size: Annotated[int, Integer(AtLeast(1))] = 1
     """Number of pipeline stages (1 without pipeline parallelism)."""
 
-    microbatches_in_flight: Optional[int] = None
+    microbatches_in_flight: Optional[Annotated[int, Integer(AtLeast(1))]] = None
     """Most micro-batches whose forward has run and whose backward has not, at once, on
     this stage. ``None`` means the 1F1B value ``pipeline_size - pipeline_rank`` (1
     without pipelining). Set it when the schedule differs (interleaved: more)."""
 
-    other_s: float = 0.0
+    other_s: Annotated[float, Number(NonNegative())] = 0.0
     """Compute per micro-batch outside the layers (embedding, output layer, loss), in
     seconds. Modelled as running between the last layer's forward and its backward."""
 
-    head_bytes: int = 0
+    head_bytes: Annotated[int, Integer(NonNegative())] = 0
     """Saved bytes of the output layer and loss (logits: ``s x b x vocab`` elements, the
     largest tensors of a GPT's last stage), per micro-batch. Modelled as resident from the
     last layer's forward end until the first layer backward starts, the span of
@@ -280,40 +231,25 @@ class StageProfile:
     backward."""
 
     def __post_init__(self) -> None:
-        _check("StageProfile", "layers", self.layers, len(self.layers) > 0, "must hold at least one layer")
+        _settle(self)
+        if self.microbatches_in_flight is None:  # after the checks: pipeline_rank is in range
+            self.microbatches_in_flight = self.pipeline_size - self.pipeline_rank
+
+    def _check(self) -> None:
+        """The rules on the layer list, the I/O profile's type and the rank in the pipeline."""
+        if not self.layers:
+            raise _broken(self, "layers", "must hold at least one layer")
         bad = [type(layer).__name__ for layer in self.layers if not isinstance(layer, LayerProfile)]
-        _check("StageProfile", "layers", bad, not bad, "every entry must be a LayerProfile")
-        _check("StageProfile", "io", self.io, isinstance(self.io, IOProfile), "must be an IOProfile")
+        if bad:
+            raise _fail("StageProfile", "layers", bad, "every entry must be a LayerProfile")
+        if not isinstance(self.io, IOProfile):
+            raise _broken(self, "io", "must be an IOProfile")
         ids = [layer.layer_id for layer in self.layers]
         dupes = sorted({repr(i) for i in ids if ids.count(i) > 1})
-        _check("StageProfile", "layers", dupes, not dupes, "layer ids must be unique; repeated: " + ", ".join(dupes))
-        _check(
-            "StageProfile",
-            "pipeline_size",
-            self.pipeline_size,
-            isinstance(self.pipeline_size, int) and self.pipeline_size >= 1,
-            "must be an integer >= 1",
-        )
-        _check(
-            "StageProfile",
-            "pipeline_rank",
-            self.pipeline_rank,
-            isinstance(self.pipeline_rank, int) and 0 <= self.pipeline_rank < self.pipeline_size,
-            f"must be an integer in [0, pipeline_size={self.pipeline_size})",
-        )
-        if self.microbatches_in_flight is None:
-            self.microbatches_in_flight = self.pipeline_size - self.pipeline_rank
-        _check(
-            "StageProfile",
-            "microbatches_in_flight",
-            self.microbatches_in_flight,
-            isinstance(self.microbatches_in_flight, int) and self.microbatches_in_flight >= 1,
-            "must be an integer >= 1",
-        )
-        _check("StageProfile", "other_s", self.other_s, _is_number(self.other_s) and self.other_s >= 0, "must be a number >= 0")
-        _check("StageProfile", "head_bytes", self.head_bytes,
-               isinstance(self.head_bytes, int) and not isinstance(self.head_bytes, bool) and self.head_bytes >= 0,
-               "must be an integer >= 0")
+        if dupes:
+            raise _fail("StageProfile", "layers", dupes, "layer ids must be unique; repeated: " + ", ".join(dupes))
+        if self.pipeline_rank >= self.pipeline_size:
+            raise _broken(self, "pipeline_rank", f"must be an integer in [0, pipeline_size={self.pipeline_size})")
 
     @property
     def layer_ids(self) -> List[LayerId]:
@@ -392,8 +328,9 @@ def uniform_stage(
         io: The SSD array.
         **stage_fields: Other :class:`StageProfile` fields (``pipeline_rank``, ...).
     """
-    if not (isinstance(num_layers, int) and num_layers >= 1):
-        raise ConfigError(f"num_layers = {num_layers!r}: must be an integer >= 1")
+    broken = Integer(AtLeast(1)).check(num_layers)
+    if broken is not None:
+        raise ConfigError(f"num_layers = {num_layers!r}: {broken}")
     layers = [LayerProfile(i, forward_s, backward_s, saved_bytes) for i in range(num_layers)]
     return StageProfile(layers=layers, io=io, **stage_fields)
 

@@ -32,7 +32,15 @@ from .profile import IOProfile, StageProfile
 from .step_timeline import Timeline, predict
 from ..units import GiB
 
-__all__ = ["Choice", "PlanInfeasibleError", "PlacementSearch"]
+__all__ = ["Choice", "PlanInfeasibleError", "PlacementSearch", "GOAL_MAX_OFFLOAD", "GOAL_MEMORY_BUDGET", "GOAL_CAPACITY"]
+
+GOAL_MAX_OFFLOAD = "max_offload"
+"""Goal without a budget: offload every byte whose I/O hides behind compute."""
+GOAL_MEMORY_BUDGET = "memory_budget"
+"""Goal with a budget: peak <= budget at the smallest predicted step time."""
+GOAL_CAPACITY = "capacity"
+"""Goal without a budget whose hidden offload does not fit the device: peak <= the
+device's activation capacity at the smallest predicted step time."""
 
 _TOP = (-1, 0.0, 0.0, -1, -1)
 """Heap key of a move never evaluated: ahead of every evaluated one."""

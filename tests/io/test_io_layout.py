@@ -11,7 +11,7 @@ import pytest
 
 from megatron_ssd.config import IOConfig
 from megatron_ssd.errors import ConfigError, OffloadIOError
-from megatron_ssd.io import rundir
+from megatron_ssd.io import run_owner, rundir
 from megatron_ssd.io.layout import ExtentAllocator, ExtentLayout, FileLayout
 from megatron_ssd.io.rundir import MARKER, RunDir, check_offload_path, remove_stale_runs, resolve_rank
 
@@ -127,7 +127,7 @@ def _plant(parent, name, marker):
 
 
 def test_remove_stale_runs_only_removes_provably_dead_runs(offload_dir, tmp_path):
-    me = dict(rundir._identity(), rank=0)
+    me = dict(run_owner._identity(), rank=0)
     dead_pid = int(open("/proc/sys/kernel/pid_max").read()) + 1
     dead = _plant(offload_dir, "msd-h-1-r0-00000001", dict(me, pid=dead_pid))
     reused = _plant(offload_dir, "msd-h-2-r0-00000002", dict(me, proc_start=(me["proc_start"] or 0) + 1))
@@ -155,19 +155,19 @@ def test_a_zombie_owner_is_gone_and_a_sleeping_one_is_not(offload_dir):
     import subprocess
     import time
 
-    me = dict(rundir._identity(), rank=0)
+    me = dict(run_owner._identity(), rank=0)
     zombie = subprocess.Popen(["true"])  # exits at once; not waited for until the end
     sleeper = subprocess.Popen(["sleep", "60"])
     try:
         for _ in range(500):  # until the kernel shows it as a zombie
-            if rundir._proc_state(zombie.pid) == "Z":
+            if run_owner._proc_state(zombie.pid) == "Z":
                 break
             time.sleep(0.01)
-        assert rundir._proc_state(zombie.pid) == "Z" and rundir._proc_state(sleeper.pid) in ("S", "R")
+        assert run_owner._proc_state(zombie.pid) == "Z" and run_owner._proc_state(sleeper.pid) in ("S", "R")
         dead = _plant(offload_dir, "msd-h-1-r0-00000011",
-                      dict(me, pid=zombie.pid, proc_start=rundir._proc_start_ticks(zombie.pid)))
+                      dict(me, pid=zombie.pid, proc_start=run_owner._proc_start_ticks(zombie.pid)))
         live = _plant(offload_dir, "msd-h-2-r0-00000012",
-                      dict(me, pid=sleeper.pid, proc_start=rundir._proc_start_ticks(sleeper.pid)))
+                      dict(me, pid=sleeper.pid, proc_start=run_owner._proc_start_ticks(sleeper.pid)))
         assert remove_stale_runs(offload_dir) == [dead]
         assert os.path.isfile(os.path.join(live, "extents.bin"))
     finally:
@@ -178,7 +178,7 @@ def test_a_zombie_owner_is_gone_and_a_sleeping_one_is_not(offload_dir):
 
 def test_layout_start_removes_stale_runs(offload_dir):
     dead_pid = int(open("/proc/sys/kernel/pid_max").read()) + 1
-    dead = _plant(offload_dir, "msd-h-1-r0-0000000a", dict(rundir._identity(), pid=dead_pid, rank=0))
+    dead = _plant(offload_dir, "msd-h-1-r0-0000000a", dict(run_owner._identity(), pid=dead_pid, rank=0))
     layout = FileLayout([offload_dir], IOConfig())
     try:
         assert not os.path.exists(dead)

@@ -91,7 +91,7 @@ def test_per_site_read_aheads_are_validated():
         predict(stage, [O, K, K], [[0, -1], 1, 1])
     with pytest.raises(ConfigError, match=r"site_use = \[0.5\]: must have one entry per site \(2\)"):
         LayerProfile(0, 1.0, 2.0, 200, site_bytes=[100, 100], site_use=[0.5])
-    with pytest.raises(ConfigError, match=r"site_use = \[0.5, 1.5\]: must be None or a list of numbers in \[0, 1\]"):
+    with pytest.raises(ConfigError, match=r"site_use = \[0.5, 1.5\]: must be a list of numbers in \[0, 1\] or null"):
         LayerProfile(0, 1.0, 2.0, 200, site_bytes=[100, 100], site_use=[0.5, 1.5])
 
 

@@ -199,5 +199,5 @@ def test_a_site_larger_than_the_bound_waits_only_for_an_empty_queue():
 
 
 def test_the_bound_is_checked():
-    with pytest.raises(ConfigError, match=r"IOProfile.max_inflight_bytes = 0: must be None or an integer > 0"):
+    with pytest.raises(ConfigError, match=r"IOProfile.max_inflight_bytes = 0: must be an integer > 0 or null"):
         IOProfile(1.0, 1.0, max_inflight_bytes=0)

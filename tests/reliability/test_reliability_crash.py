@@ -22,7 +22,7 @@ import pytest
 from megatron_ssd import OffloadConfig, TensorCache
 from megatron_ssd.commands.clean import run_clean
 from megatron_ssd.errors import OffloadIOError
-from megatron_ssd.io import rundir
+from megatron_ssd.io import run_owner, rundir
 from megatron_ssd.io.rundir import EMPTY_GRACE_S, MARKER, MARKER_TMP
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -100,7 +100,7 @@ def test_crash_image_holds_a_complete_marker_and_clean_removes_the_run(tmp_path)
 
 
 def _boot_time():
-    boot = rundir._boot_time()
+    boot = run_owner._boot_time()
     if boot is None:
         pytest.skip("no btime in /proc/stat")
     return boot

@@ -280,13 +280,13 @@ def test_scancel_while_offloading_leaves_no_offload_files(cancelled):
 
 def _wait_for_owners_to_exit(parent: Path, timeout_s: float = 60.0) -> None:
     """Wait until the process named by each run directory's marker under ``parent`` is gone."""
-    from megatron_ssd.io import rundir
+    from megatron_ssd.io import run_owner
 
     markers = [json.loads(m.read_text()) for m in parent.glob("msd-*/.megatron_ssd_run")]
     deadline = time.monotonic() + timeout_s
-    while any(not rundir._is_stale(m) for m in markers):
+    while any(not run_owner._is_stale(m) for m in markers):
         assert time.monotonic() < deadline, (
-            f"the killed ranks' processes {[m['pid'] for m in markers if not rundir._is_stale(m)]} did not exit "
+            f"the killed ranks' processes {[m['pid'] for m in markers if not run_owner._is_stale(m)]} did not exit "
             f"within {timeout_s:.0f} s")
         time.sleep(0.5)
 

@@ -1,0 +1,155 @@
+"""Just-in-time reads: each offloaded layer's, then each site's, read issued as late as
+it still arrives in time (``make_plan(..., read_ahead="auto")``).
+
+:func:`just_in_time` plans placements at each depth of a ladder, keeps the best, then
+lowers each layer's and each site's read-ahead while the timeline model
+(:func:`~megatron_ssd.planner.step_timeline.predict`) predicts no longer step, stall,
+forwarding or higher peak; NOTE [Just-in-time reads] below says why and in what order.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, List, Optional, Tuple
+
+from ..placement import MOVED, Placement
+from .profile import StageProfile
+from .search import GOAL_MAX_OFFLOAD, Choice, PlanInfeasibleError
+from .step_timeline import ReadAhead, Timeline, predict, use_order
+
+__all__ = ["just_in_time"]
+
+
+# NOTE [Just-in-time reads]
+# With one read-ahead for every layer, a layer's read must fit in the backward of the
+# read-ahead layers after it, which at GPU speed is far less than a large layer's read
+# takes; with every read issued at the first backward, read buffers pile up early and
+# the peak grows. ``read_ahead="auto"`` chooses in three passes. (1) Placements are planned
+# at each depth of a geometric ladder (1, 2, 4, ... up to the layer count, and the
+# configured depth): the plan with the smallest predicted peak among those that hide
+# all I/O, or with no such plan (a budget or the device's capacity binds), the one with
+# the shortest predicted step, then the fewest bytes written (least drive wear), then
+# the smallest peak. (2) Each offloaded layer's read is then issued as late as it can be
+# (the smallest read-ahead, needed-first layer first) without a longer predicted step, a
+# stall, forwarding or a higher peak, at the derated and at the measured bandwidths: a
+# read buffer allocated later holds its bytes for less time. (3) Then each moved site of
+# those layers, needed-first layer first and within a layer in the order backward uses
+# them (NOTE [Site use times] in ``profile.py``), gets the smallest read-ahead below its
+# layer's, down to 0 (issued when its own layer's backward starts), that passes the
+# same test: a small site or one used late in its layer's backward need not be read as
+# early as the layer's largest (``LayerPlan.site_read_ahead``). Under the max_offload
+# goal, a layer the search cut to a prefix of its sites (its next site lowered no peak
+# when read with the layer) then gets its next sites back, one at a time at the
+# smallest read-ahead that passes, while each lowers the predicted peak. The cache
+# issues each site's read at its read-ahead (``TensorCache.set_plan(...,
+# read_ahead=...)``).
+
+
+def _depth_ladder(first: int, n: int) -> List[int]:
+    ladder, d = {min(first, max(n, 1))}, 1
+    while d < n:
+        ladder.add(d)
+        d *= 2
+    ladder.add(max(n, 1))
+    return sorted(ladder)
+
+
+def just_in_time(
+    stage: StageProfile,
+    choose: Callable[[int], Tuple[Choice, str, Timeline]],
+    prefetch_depth: int,
+    safety_margin: float,
+    allowed: Callable[[List[Placement], List[Optional[int]], Timeline], bool],
+) -> Tuple[Choice, str, List[ReadAhead]]:
+    """Placements, goal and per-layer read-aheads for ``read_ahead="auto"`` (NOTE
+    [Just-in-time reads]).
+
+    Args:
+        stage: The stage planned.
+        choose: Plans placements at one read-ahead depth: ``(choice, goal, timeline)``,
+            or raises :class:`PlanInfeasibleError`.
+        prefetch_depth: The configured depth, tried with the ladder's.
+        safety_margin: Bandwidth derating of the second judgement.
+        allowed: Whether a trial's placements, site counts and derated timeline keep the
+            plan's other bounds (wear, capacity).
+    """
+    n = len(stage.layers)
+    candidates = []
+    failure: Optional[PlanInfeasibleError] = None
+    for depth in _depth_ladder(prefetch_depth, n):
+        try:
+            choice, goal, tl = choose(depth)
+        except PlanInfeasibleError as err:
+            if failure is None or err.smallest_peak < failure.smallest_peak:
+                failure = err
+            continue
+        written = tl.offloaded_bytes
+        candidates.append((choice, goal, tl, written, depth))
+    if not candidates:
+        assert failure is not None
+        raise failure
+    hidden = [c for c in candidates if c[1] == GOAL_MAX_OFFLOAD]
+    if hidden:
+        best = min(hidden, key=lambda c: (c[2].peak_bytes, c[3], c[4]))
+    else:
+        best = min(candidates, key=lambda c: (round(c[2].step_s, 12), c[3], c[2].peak_bytes, c[4]))
+    choice, goal, tl, _, depth = best
+    placements, sites = choice
+    depths: List[ReadAhead] = [depth] * n
+    derated = stage.io.derated(safety_margin)
+    judged = [tl, predict(stage, placements, depths, io=derated, sites=sites)]
+
+    def no_worse(trial: List[ReadAhead], counts: Optional[List[Optional[int]]] = None, lower: bool = False) -> bool:
+        """Whether ``trial`` (and ``counts``) adds no stall, forwarding or step time and
+        no peak (``lower``: lowers it) at both bandwidths, within ``allowed``; then it is
+        the new reference."""
+        nonlocal judged
+        counts = sites if counts is None else counts
+        trials = [predict(stage, placements, trial, sites=counts),
+                  predict(stage, placements, trial, io=derated, sites=counts)]
+        if all(not t.forwarded and t.exposed_s <= j.exposed_s + 1e-12 and t.step_s <= j.step_s + 1e-12
+               and (t.peak_bytes < j.peak_bytes if lower else t.peak_bytes <= j.peak_bytes)
+               for t, j in zip(trials, judged)) and allowed(placements, counts, trials[1]):
+            judged = trials
+            return True
+        return False
+
+    for i in range(n - 1, -1, -1):  # whole layers
+        if placements[i] not in MOVED:
+            continue
+        for later in range(1, depth):
+            trial = depths[:i] + [later] + depths[i + 1:]
+            if no_worse(trial):
+                depths = trial
+                break
+    for i in range(n - 1, -1, -1):  # then site by site, in the order backward uses them
+        layer = stage.layers[i]
+        if placements[i] not in MOVED or not layer.sites:
+            continue
+        whole = depths[i]
+        assert isinstance(whole, int)
+        m = len(layer.sites)
+        per_site = [whole] * m
+        moved = m if sites[i] is None else sites[i]
+        for s in use_order(layer, moved):
+            for later in range(0, whole):
+                trial_sites = per_site[:s] + [later] + per_site[s + 1:]
+                trial = depths[:i] + [trial_sites] + depths[i + 1:]
+                if no_worse(trial):
+                    per_site, depths = trial_sites, trial
+                    break
+        # a site the placement search cut because, read a whole layer's read-ahead early,
+        # it lowered no peak, may lower it read later: move it back if it now does (only
+        # when the goal is the lowest peak; under a budget fewer bytes written wins)
+        while goal == GOAL_MAX_OFFLOAD and moved < m:
+            counts = sites[:i] + [None if moved + 1 == m else moved + 1] + sites[i + 1:]
+            for later in range(0, whole + 1):
+                trial_sites = per_site[:moved] + [later] + per_site[moved + 1:]
+                trial = depths[:i] + [trial_sites] + depths[i + 1:]
+                if no_worse(trial, counts, lower=True):
+                    per_site, depths, sites, moved = trial_sites, trial, counts, moved + 1
+                    break
+            else:
+                break
+        if len(set(per_site)) == 1 and per_site[0] >= 1:
+            depths[i] = per_site[0]  # one read-ahead for all its sites after all
+    return Choice(placements, sites), goal, depths
