@@ -154,9 +154,10 @@ def validate(obj: Any) -> None:
     specs = _specs(type(obj))
     for f in dataclasses.fields(obj):
         value = getattr(obj, f.name)
-        if isinstance(value, float) and not math.isfinite(value):
-            raise _fail(cls_name, f.name, value, "must be a finite number")
         spec = specs[f.name]
+        if isinstance(value, float) and not math.isfinite(value) and not (
+                value == math.inf and any(getattr(rule, "infinite", False) for rule in spec.rules)):
+            raise _fail(cls_name, f.name, value, "must be a finite number")
         if value is None and spec.optional:
             continue
         for rule in spec.rules:

@@ -157,12 +157,13 @@ _MARGIN = Number(InRange(0, 1, hi_open=True))
 class IOProfile:
     """Measured speed of the SSD array as the I/O engine sees it."""
 
-    write_bytes_per_s: Annotated[float, Number(Positive())]
+    write_bytes_per_s: Annotated[float, Number(Positive(), infinite=True)]
     """Sustained write bandwidth of the whole array, in bytes per second, measured with
     the engine's block size and thread count (bytes written / time a write was in flight)."""
 
-    read_bytes_per_s: Annotated[float, Number(Positive())]
-    """Sustained read bandwidth of the whole array, in bytes per second."""
+    read_bytes_per_s: Annotated[float, Number(Positive(), infinite=True)]
+    """Sustained read bandwidth of the whole array, in bytes per second. Either may be
+    ``inf`` where no step measured it (moving bytes then costs no time)."""
 
     compute_slowdown: Annotated[float, Number(NonNegative())] = 0.0
     """Fractional slowdown of compute while any I/O is in flight: 0.25 means a layer

@@ -78,3 +78,15 @@ def test_json_errors_are_named():
 def test_validation_names_field_value_rule(make, match):
     with pytest.raises(ConfigError, match=match):
         make()
+
+
+def test_an_unmeasured_bandwidth_is_infinite_and_nothing_else_is():
+    """A profile from steps that wrote nothing has no measured bandwidth: +inf (moving
+    bytes costs no time). NaN, -inf and an infinite anything else stay refused."""
+    io = IOProfile(float("inf"), float("inf"))
+    assert io.write_bytes_per_s == io.read_bytes_per_s == float("inf")
+    for bad in (float("nan"), float("-inf")):
+        with pytest.raises(ConfigError, match=r"IOProfile.write_bytes_per_s = -?(nan|inf): must be a finite number"):
+            IOProfile(bad, 1.0)
+    with pytest.raises(ConfigError, match=r"IOProfile.compute_slowdown = inf: must be a finite number"):
+        IOProfile(1.0, 1.0, compute_slowdown=float("inf"))
