@@ -65,7 +65,10 @@ def test_soak_200_steps_bit_identical_and_flat(offload_dir):
             opt.step()
             ref_opt.step()
             stats = cache.finish_step()
-            assert stats.bytes_offloaded > 0 and stats.write_fallbacks == 0
+            # every step sends its tensors to the drive: written, or cancelled because backward
+            # used them from memory first (NOTE [Cancelled writes]; on a loaded machine a whole
+            # step's writes can be), never fallen back
+            assert stats.bytes_offloaded + stats.bytes_write_cancelled > 0 and stats.write_fallbacks == 0
             del loss, ref_loss
             samples.append((stats.ssd_bytes, cache.engine.layout.disk_size(), _fds(), threading.active_count(),
                             _rss_bytes()))
