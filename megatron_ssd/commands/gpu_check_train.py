@@ -240,7 +240,7 @@ def train_part(result_path: str, path: str, budget_s: float, config_path: str = 
         reasons += [f"{r['placement']}: losses differ from keep's from step {r['first_differing_step']}"
                     for r in differ]
         if recompute_over:  # it never touches the drive: no offload path excuses it
-            peak = {r["placement"]: r["cuda_peak_allocated_above_base_bytes"] for r in ran}
+            peak = _cuda_peaks(rows)
             reasons.append(f"recompute: peaked at {peak['recompute'] / MiB:.1f} MiB of CUDA memory above the "
                            f"pre-forward level, not below keep's {peak['keep'] / MiB:.1f} MiB (it holds only "
                            "each layer's input between forward and backward)")
@@ -277,11 +277,16 @@ def _rows(names: Sequence[str], runs: Dict[str, Dict[str, Any]], problems: Dict[
     return rows
 
 
+def _cuda_peaks(rows: Sequence[Dict[str, Any]]) -> Dict[str, Optional[int]]:
+    """Each placement that ran: its CUDA peak above the pre-forward level."""
+    return {r["placement"]: r.get("cuda_peak_allocated_above_base_bytes") for r in rows if r["status"] == "passed"}
+
+
 def _expectations(rows: Sequence[Dict[str, Any]]) -> Dict[str, Optional[bool]]:
     """What the placements should show: offload-all and recompute below keep's CUDA peak.
     Recompute above keep fails the part (it never touches the drive); offload-all above
     keep does not (a slow offload path can make it miss)."""
-    peak = {r["placement"]: r.get("cuda_peak_allocated_above_base_bytes") for r in rows if r["status"] == "passed"}
+    peak = _cuda_peaks(rows)
     keep = peak.get("keep")
 
     def below(name: str) -> Optional[bool]:
