@@ -2,7 +2,7 @@
 
 from .cache import StepStats, TensorCache
 from .config import IOConfig, OffloadConfig, load_config
-from .placement import Placement
+from .placement import LayerChoice, Placement
 from .errors import ChecksumError, ConfigError, MegatronSSDError, OffloadIOError
 
 __version__ = "0.1.0"
@@ -11,6 +11,7 @@ __all__ = [
     "ChecksumError",
     "ConfigError",
     "IOConfig",
+    "LayerChoice",
     "MegatronSSDError",
     "OffloadConfig",
     "OffloadIOError",

@@ -451,8 +451,7 @@ class AdaptivePlanner:
 
     def _place_all(self, placement: Optional[Placement]) -> None:
         """Place every layer alike; None restores the cache's ``keep_last_layers`` rule."""
-        self.cache.set_plan({})
-        self.cache.default_placement = placement
+        self.cache.set_plan({}, placement)
 
     def on_step(self, stats: Any) -> None:
         """Take one step's :class:`StepStats`; plan or re-plan when due."""
@@ -472,8 +471,7 @@ class AdaptivePlanner:
                 measured = {"keep": self._keep_steps, "recompute": self._recompute_steps}
                 measured.get(self.placed[step], self._offload_steps).append(stats)
             if step == len(self._schedule) - 1:
-                self.cache.default_placement = None
-                self._make_plan(step, "profile")
+                self._make_plan(step, "profile")  # its plan has no default: the keep_last_layers rule
                 return
             self.before_step()
             return
@@ -511,8 +509,7 @@ class AdaptivePlanner:
         if self.capacity_at_start is not None:  # NOTE [Capacity guard]: the capacity measured now
             self.cache.policy.resident_limit = self.activation_capacity()
         self.plan = plan
-        self.cache.set_plan({lp.layer_id: lp.placement for lp in plan.layers}, plan.read_ahead_by_layer(),
-                            plan.sites_by_layer())
+        self.cache.set_plan(plan.choices())
         self._drift.rebase(profile, plan)
         self.events.append(PlanEvent(step, reason, plan))
         logger.info("megatron_ssd: plan after step %d (%s):\n%s", step, reason, plan.table())

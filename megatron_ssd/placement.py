@@ -2,15 +2,21 @@
 
 The domain vocabulary every part of megatron-ssd speaks: the planner's plans, the tensor
 cache's policy, the configuration and the reports name placements with
-:class:`Placement` and the tensors saved outside the layers with :data:`EMBEDDING` and
-:data:`HEAD`.
+:class:`Placement`, one layer's share of a plan with :class:`LayerChoice`, and the
+tensors saved outside the layers with :data:`EMBEDDING` and :data:`HEAD`.
+:func:`default_placement` is the rule for the layers a plan does not name, the one the
+cache applies and the planner models.
 """
 
 from __future__ import annotations
 
 import enum
+from dataclasses import dataclass
+from typing import Hashable, Mapping, Optional, Sequence, Tuple, Union
 
-__all__ = ["Placement", "MOVED", "EMBEDDING", "HEAD", "OUTSIDE"]
+from .errors import ConfigError
+
+__all__ = ["Placement", "MOVED", "EMBEDDING", "HEAD", "OUTSIDE", "LayerChoice", "default_placement"]
 
 
 class Placement(str, enum.Enum):
@@ -42,3 +48,96 @@ final norm, output layer and loss)."""
 OUTSIDE = (EMBEDDING, HEAD)
 """The layer ids of tensors saved outside the layers: never RECOMPUTE, KEEP unless a
 plan names them."""
+
+
+IssuePoint = Union[int, Tuple[int, ...]]
+"""A read-issue point (NOTE [Write and read issue points] in ``planner/step_timeline.py``):
+layers ahead, or one per site in save order."""
+
+
+@dataclass(frozen=True)
+class LayerChoice:
+    """What a plan decides for one layer: the unit the planner produces, the plan's JSON
+    stores and the tensor cache applies (``TensorCache.set_plan``)."""
+
+    placement: Placement
+    """Where the layer's saved activations live between forward and backward."""
+    sites: Optional[int] = None
+    """OFFLOAD or HOST only: how many of the layer's sites (offloadable tensors in save
+    order, NOTE [Sites] in ``planner/profile.py``), a prefix, move; the others stay.
+    None: all of them."""
+    read_ahead: Optional[IssuePoint] = None
+    """OFFLOAD or HOST only: the read is issued when the backward of the layer this many
+    layers later starts (>= 1), or one such point per site in save order (>= 0; 0: when
+    the layer's own backward starts). None: ``offload.prefetch_layers``."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.read_ahead, list):  # from JSON: one hashable, comparable form
+            object.__setattr__(self, "read_ahead", tuple(self.read_ahead))
+
+    @classmethod
+    def of(cls, layer_id: Hashable, value: Union["LayerChoice", Placement, str]) -> "LayerChoice":
+        """``value`` as a checked choice: a :class:`LayerChoice`, or a placement (its name
+        or member) for a choice that moves every site at the default read-ahead.
+
+        Raises:
+            ConfigError: an unknown placement, a read-ahead below 1 (below 0 in a
+                per-site list) or a negative site count, naming the layer and the value.
+        """
+        choice = value if isinstance(value, LayerChoice) else LayerChoice(value)  # type: ignore[arg-type]
+        try:
+            placement = Placement(choice.placement)
+        except ValueError:
+            raise ConfigError(f"plan[{layer_id!r}] = {choice.placement!r}: must be one of "
+                              f"{[p.value for p in Placement]}") from None
+        sites = choice.sites
+        if sites is not None and not _is_int(sites, 0):
+            raise ConfigError(f"sites[{layer_id!r}] = {sites!r}: must be an integer >= 0 (sites to move)")
+        depth = choice.read_ahead
+        if depth is None or _is_int(depth, 1):
+            ahead = depth
+        elif isinstance(depth, (list, tuple)) and depth and all(_is_int(d, 0) for d in depth):
+            ahead = tuple(depth)
+        else:
+            raise ConfigError(f"read_ahead[{layer_id!r}] = {depth!r}: must be an integer >= 1 or a non-empty list "
+                              "of integers >= 0, one per site")
+        return cls(placement, sites, ahead)  # type: ignore[arg-type]
+
+    @classmethod
+    def from_dict(cls, layer_id: Hashable, data: object) -> "LayerChoice":
+        """A checked choice from its JSON form (``{"placement": ..., "sites": ...,
+        "read_ahead": ...}``; ``sites`` and ``read_ahead`` may be left out).
+
+        Raises:
+            ConfigError: not a mapping, an unknown or missing key, or a value
+                :meth:`of` refuses.
+        """
+        if not isinstance(data, Mapping):
+            raise ConfigError(f"plan[{layer_id!r}].choice = {data!r}: must be a mapping with placement, sites, read_ahead")
+        unknown = sorted(set(data) - {"placement", "sites", "read_ahead"})
+        if unknown or "placement" not in data:
+            raise ConfigError(f"plan[{layer_id!r}].choice keys = {sorted(data)}: must be placement and optionally "
+                              "sites and read_ahead")
+        return cls.of(layer_id, cls(**data))
+
+    @property
+    def moved(self) -> bool:
+        """Whether the layer's tensors leave compute-device memory (OFFLOAD or HOST)."""
+        return self.placement in MOVED
+
+
+def default_placement(layer_id: Hashable, layers: Sequence[Hashable], keep_last: int,
+                      others: Placement = Placement.OFFLOAD) -> Placement:
+    """The placement of a layer that a plan does not name: KEEP for the tensors saved
+    outside the layers (:data:`OUTSIDE`, or no layer at all) and for the last
+    ``keep_last`` of ``layers`` (the transformer layers in forward order: their backward
+    runs first, so their reads could not be hidden), ``others`` for the others."""
+    if layer_id is None or layer_id in OUTSIDE:
+        return Placement.KEEP
+    if keep_last and layer_id in layers[max(len(layers) - keep_last, 0):]:
+        return Placement.KEEP
+    return others
+
+
+def _is_int(value: object, minimum: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= minimum

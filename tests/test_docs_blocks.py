@@ -187,6 +187,8 @@ def _train_lines() -> List[str]:
                                              loss_identity)
     from megatron_ssd.commands.train import format_summary
     from megatron_ssd.config import TrainConfig
+    from megatron_ssd.placement import LayerChoice, Placement
+    from megatron_ssd.planner import IOProfile, LayerPlan, Plan
 
     def phase(name, peak):
         return {"name": name, "peak_activation_bytes": peak, "median_step_s": 1.0, "step_s": [1.0] * 8,
@@ -198,8 +200,9 @@ def _train_lines() -> List[str]:
     paired = {"median_ratio": 1.2, "pairs": 3, "ratio_ci95": [1.1, 1.3]}
     # the demo (configs/demo.yaml): keep, recompute, offload-all and the planner at a budget, one table
     demo = [keep, phase("recompute", 1 << 20), phase("offload-all", 1 << 20), phase("planner, budget 89.1 MiB", 2 << 20)]
-    plan = {"layers": [{"layer_id": 1, "placement": "offload", "offload_sites": None, "site_count": 2},
-                       {"layer_id": 2, "placement": "recompute"}, {"layer_id": 3, "placement": "keep"}]}
+    plan = Plan([LayerPlan(1, LayerChoice(Placement.OFFLOAD), bytes=0, site_count=2),
+                 LayerPlan(2, LayerChoice(Placement.RECOMPUTE), bytes=0), LayerPlan(3, LayerChoice(Placement.KEEP), bytes=0)],
+                "memory_budget", 0, 0.0, 0.0, 0.0, 0, 0.0, IOProfile(1e9, 1e9)).to_dict()
     return [*format_summary([keep, off]).splitlines(), format_comparison(keep, off), format_paired(paired),
             *format_choices(demo, plan, TrainConfig()).splitlines(), format_loss_identity(loss_identity(demo)),
             format_loss_identity(loss_identity([keep, off]))]

@@ -132,7 +132,7 @@ def _plan(layers_offloaded, n=3):
                                  for i in range(n)], io=IOProfile(write_bytes_per_s=1e9, read_bytes_per_s=1e9))
     plan = make_plan(stage).to_dict()
     for i, layer in enumerate(plan["layers"]):
-        layer["placement"] = "offload" if i < layers_offloaded else "keep"
+        layer["choice"]["placement"] = "offload" if i < layers_offloaded else "keep"
     return plan
 
 
@@ -320,14 +320,23 @@ def test_loss_identity_names_the_first_step_that_differs():
 
 def test_plan_summary_names_runs_of_layers_and_partial_ones():
     from megatron_ssd.commands.steps import plan_summary
+    from megatron_ssd.placement import LayerChoice, Placement
+    from megatron_ssd.planner import IOProfile, LayerPlan, Plan
 
-    layers = [{"layer_id": "embedding", "placement": "keep"},
-              {"layer_id": 1, "placement": "offload", "offload_sites": None, "site_count": 3},
-              {"layer_id": 2, "placement": "offload", "offload_sites": None, "site_count": 3},
-              {"layer_id": 3, "placement": "offload", "offload_sites": 1, "site_count": 3},
-              {"layer_id": 4, "placement": "recompute"}, {"layer_id": 5, "placement": "keep"},
-              {"layer_id": 6, "placement": "recompute"}]
-    assert plan_summary({"layers": layers}) == "offload 1-2, part of 3; recompute 4, 6; keep 5"
+    choices = [("embedding", LayerChoice(Placement.KEEP)), (1, LayerChoice(Placement.OFFLOAD)),
+               (2, LayerChoice(Placement.OFFLOAD)), (3, LayerChoice(Placement.OFFLOAD, sites=1)),
+               (4, LayerChoice(Placement.RECOMPUTE)), (5, LayerChoice(Placement.KEEP)),
+               (6, LayerChoice(Placement.RECOMPUTE))]
+    plan = Plan([LayerPlan(layer_id, choice, bytes=0, site_count=3) for layer_id, choice in choices], "max_offload",
+                0, 0.0, 0.0, 0.0, 0, 0.0, IOProfile(1e9, 1e9))
+    assert plan_summary(plan.to_dict()) == "offload 1-2, part of 3; recompute 4, 6; keep 5"
+    # a report written with the earlier plan schema reads alike
+    old = plan.to_dict()
+    old["schema"] = "megatron_ssd.plan/1"
+    old["layers"] = [{**{k: v for k, v in layer.items() if k != "choice"}, "placement": layer["choice"]["placement"],
+                      "offload_sites": layer["choice"]["sites"], "read_ahead": 1, "site_read_ahead": None}
+                     for layer in old["layers"]]
+    assert plan_summary(old) == "offload 1-2, part of 3; recompute 4, 6; keep 5"
 
 
 def test_compare_needs_keep_everything(capsys):

@@ -18,7 +18,7 @@ import torch
 from ..config import OffloadConfig
 from ..io.base import Engine
 from ..io.store import BlobStore, StoreStep
-from ..placement import MOVED, OUTSIDE, Placement
+from ..placement import OUTSIDE
 from .device import DeviceBinding
 from .entries import EntryTable
 from .policy import PlacementPolicy
@@ -125,9 +125,7 @@ class StepAccountant:
     def _moving_layers(self) -> List[Hashable]:
         """The layers (and outside sites) whose placement moves at least one site now."""
         policy = self.policy
-        return [layer for layer in [*policy.layers, *OUTSIDE]
-                if policy.layer(layer) in MOVED and policy.state.sites.get(layer, 1) != 0
-                and (policy.layer(layer) is not Placement.HOST or policy.host_available)]
+        return [layer for layer in [*policy.layers, *OUTSIDE] if policy.moves(layer)]
 
     def _say_if_nothing_moved(self, stats: StepStats) -> None:
         """Warn, once per cache, about a step that saved tensors and moved none of them

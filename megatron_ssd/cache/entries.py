@@ -181,12 +181,11 @@ class EntryTable:
         plain = is_plain(t)
         data = storage_bytes(t) if plain else t  # a subclass is held whole (NOTE [Unmovable saved tensors])
         nbytes = data.numel() if plain else held_bytes(t)
-        site = None
-        if nbytes >= self.config.min_tensor_bytes and not unmovable:
-            site = record.sites.get(layer_id, 0)  # NOTE [Sites] in planner/profile.py
+        # NOTE [One placement policy]: whether it may move (its site) and where it goes
+        site = self.policy.site_of(nbytes, unmovable, record.sites.get(layer_id, 0))  # NOTE [Sites]
+        if site is not None:
             record.sites[layer_id] = site + 1
-        placement = (Placement.KEEP if unmovable else  # NOTE [One placement policy]
-                     self.policy.tensor(layer_id, site, self.resident + nbytes, group, t.numel()))
+        placement = self.policy.tensor(layer_id, site, self.resident + nbytes, group, t.numel())
         entry = Entry(key, nbytes, t.device, layer_id, placement, record, weak=storage_weakref(t) if plain else None,
                       refs=1, site=site)
         entry.releasable = self.return_pages and placement is Placement.OFFLOAD and allocator_owned(t)

@@ -1,9 +1,12 @@
 """Where a saved tensor goes: the cache's one placement policy.
 
-:class:`PlacementPolicy` holds the plan the cache runs (a placement per layer, a
-read-ahead per layer, a site count per layer) and the rules for what the plan does not
-name, and it answers the two questions the cache asks:
+:class:`PlacementPolicy` holds the plan the cache runs (a
+:class:`~megatron_ssd.placement.LayerChoice` per layer: placement, sites moved,
+read-ahead; and the default placement of the layers it does not name) and the rules for
+what the plan does not name, and it answers the questions the cache asks:
 
+- :meth:`PlacementPolicy.site_of`: whether a new saved tensor may move at all (its size,
+  whether it is unmovable) and, if so, its site;
 - :meth:`PlacementPolicy.layer`: the placement of a layer (``OffloadTransformerLayer``
   asks it whether to recompute; the cache asks it when a later layer saves a tensor
   again);
@@ -16,7 +19,10 @@ Engine's CPU offload; ``peer_rules.py``) is consulted here too, for the tensors 
 keeps: it moves what the peer would move to the host tier and reads it back when the peer
 would, so a run measures the peer's decision on this cache and its engines.
 
-NOTE [One placement policy]: a placement is decided here and nowhere else. Two outcomes
+NOTE [One placement policy]: a placement is decided here and nowhere else: whether a
+tensor may move (:meth:`PlacementPolicy.site_of`), where it goes and when it is read
+back. (Parameters, leaves that need a gradient and tensors on another device never
+reach the cache's table: autograd keeps them, ``TensorCache._skippable``.) Two outcomes
 change an entry's placement later, and both are events, not decisions: a write the
 engine refuses (backpressure) or fails keeps the tensor where it is, and a tensor that a
 KEEP layer saves again is pinned in memory after its write (``entries.py``).
@@ -36,10 +42,12 @@ tensors, the tensors backward is using) can take it over.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, Hashable, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Dict, Hashable, List, Mapping, Optional, Set, Union
 
-from ..config import OffloadConfig, is_int
-from ..placement import MOVED, OUTSIDE, Placement
+import torch
+
+from ..config import OffloadConfig
+from ..placement import MOVED, OUTSIDE, LayerChoice, Placement, default_placement
 from ..errors import ConfigError
 from .peer_rules import PeerRule, rule_for
 
@@ -51,20 +59,18 @@ class PlanState:
     """One plan, swapped whole by :meth:`PlacementPolicy.set_plan` (readers on other
     threads see the old plan or the new one, never a mix)."""
 
-    placements: Dict[Hashable, Placement] = field(default_factory=dict)
-    """Placement per layer id; layers not named take the default."""
-    read_ahead: Dict[Hashable, Union[int, Tuple[int, ...]]] = field(default_factory=dict)
-    """Read-issue point per layer (NOTE [Write and read issue points]): layers ahead, or
-    one per site in save order; others use ``prefetch_layers``."""
-    sites: Dict[Hashable, int] = field(default_factory=dict)
-    """Per OFFLOAD / HOST layer, how many of its sites (a prefix) move; others: all."""
+    choices: Dict[Hashable, LayerChoice] = field(default_factory=dict)
+    """The plan's choice per layer id (placement, sites moved, read-ahead)."""
+    default: Optional[Placement] = None
+    """Placement of the layers the plan does not name; None: the ``keep_last_layers``
+    rule (:func:`~megatron_ssd.placement.default_placement`)."""
 
 
 class PlacementPolicy:
     """The plan the cache runs and the rules for everything it does not name.
 
     Args:
-        config: ``keep_last_layers`` and ``prefetch_layers``.
+        config: ``keep_last_layers``, ``prefetch_layers`` and ``min_tensor_bytes``.
         host_available: whether a host pool exists (``Placement.HOST`` needs one).
     """
 
@@ -74,81 +80,97 @@ class PlacementPolicy:
         self.state = PlanState()
         self.layers: List[Hashable] = []
         """Registered layer ids in forward order (for the ``keep_last_layers`` rule)."""
-        self.default: Optional[Placement] = None
-        """Placement of layers the plan does not name; None: the ``keep_last_layers`` rule."""
         self.resident_limit: Optional[int] = None
         """Most saved bytes the cache may hold in memory (NOTE [Capacity guard]); None: no limit."""
         self.rule: Optional[PeerRule] = rule_for(getattr(config, "peer", None))
         """The peer's rule for the tensors the plan keeps (``OffloadConfig.peer``); None: none."""
         self.rule_active = True
         """Whether :attr:`rule` applies now (a paired keep step turns it off)."""
+        self.parameters: Set[int] = set()
+        """Storages of the registered parameters (``TensorCache.register_parameters``)."""
 
-    def set_plan(self, placements: Mapping[Hashable, Union[Placement, str]],
-                 read_ahead: Optional[Mapping[Hashable, Union[int, Sequence[int]]]] = None,
-                 sites: Optional[Mapping[Hashable, int]] = None) -> None:
+    @property
+    def default(self) -> Optional[Placement]:
+        """Placement of the layers the plan does not name; None: the ``keep_last_layers`` rule."""
+        return self.state.default
+
+    def set_plan(self, plan: Mapping[Hashable, Union[LayerChoice, Placement, str]],
+                 default: Optional[Union[Placement, str]] = None) -> None:
         """Validate and swap in a plan (see ``TensorCache.set_plan``).
 
         Raises:
-            ConfigError: an unknown placement, ``host`` without a host pool, a read-ahead
-                below 1 (below 0 in a per-site list) or a negative site count, naming the
-                layer and the value.
+            ConfigError: an unknown placement, ``recompute`` for the tensors outside the
+                layers, ``host`` without a host pool, a read-ahead below 1 (below 0 in a
+                per-site list) or a negative site count, naming the layer and the value.
         """
-        ahead: Dict[Hashable, Union[int, Tuple[int, ...]]] = {}
-        for layer_id, depth in (read_ahead or {}).items():
-            if is_int(depth, 1):
-                ahead[layer_id] = depth  # type: ignore[assignment]
-            elif isinstance(depth, (list, tuple)) and depth and all(is_int(d, 0) for d in depth):
-                ahead[layer_id] = tuple(depth)
-            else:
-                raise ConfigError(f"read_ahead[{layer_id!r}] = {depth!r}: must be an integer >= 1 or a non-empty list "
-                                  "of integers >= 0, one per site")
-        limits: Dict[Hashable, int] = {}
-        for layer_id, count in (sites or {}).items():
-            if not is_int(count, 0):
-                raise ConfigError(f"sites[{layer_id!r}] = {count!r}: must be an integer >= 0 (sites to move)")
-            limits[layer_id] = count
-        plan: Dict[Hashable, Placement] = {}
-        for layer_id, placement in placements.items():
-            try:
-                plan[layer_id] = Placement(placement)
-            except ValueError:
-                raise ConfigError(
-                    f"plan[{layer_id!r}] = {placement!r}: must be one of {[p.value for p in Placement]}"
-                ) from None
-            if plan[layer_id] is Placement.RECOMPUTE and layer_id in OUTSIDE:
+        choices: Dict[Hashable, LayerChoice] = {}
+        for layer_id, value in plan.items():
+            choice = choices[layer_id] = LayerChoice.of(layer_id, value)
+            if choice.placement is Placement.RECOMPUTE and layer_id in OUTSIDE:
                 raise ConfigError(
                     f"plan[{layer_id!r}] = 'recompute': the tensors saved outside the layers cannot be recomputed "
                     "(docs/tensor-cache.md#sites-outside-the-layers); use keep, offload or host"
                 )
-            if plan[layer_id] is Placement.HOST and not self.host_available:
+            if choice.placement is Placement.HOST and not self.host_available:
                 raise ConfigError(
                     f"plan[{layer_id!r}] = 'host': OffloadConfig.host_pool_bytes = 0; the host placement needs a "
                     "host pool (e.g. offload.host_pool_bytes=8GiB)"
                 )
-        self.state = PlanState(plan, ahead, limits)
+        if default is not None:
+            default = LayerChoice.of("default", default).placement
+        self.state = PlanState(choices, default)
+
+    def left_to_autograd(self, t: torch.Tensor) -> bool:
+        """Whether the cache leaves a saved tensor to autograd, uncounted: parameters (and
+        views of them), leaves that need a gradient, meta tensors."""
+        if t.is_meta:
+            return True
+        if t.is_leaf and t.requires_grad:
+            return True
+        base = t._base
+        if base is not None and base.is_leaf and base.requires_grad:
+            return True
+        try:
+            return t.untyped_storage()._cdata in self.parameters
+        except (RuntimeError, NotImplementedError):  # a wrapper subclass without a storage
+            return False
+
+    def site_of(self, nbytes: int, unmovable: bool, taken: int) -> Optional[int]:
+        """The site of a new saved tensor of ``nbytes`` (NOTE [Sites] in
+        ``planner/profile.py``): ``taken``, the count of sites its layer has saved so far
+        this micro-batch, when the tensor may move (at least ``min_tensor_bytes`` and not
+        ``unmovable``, NOTE [Unmovable saved tensors] in ``identity.py``); else None: it
+        never moves."""
+        return taken if nbytes >= self.config.min_tensor_bytes and not unmovable else None
 
     def layer(self, layer_id: Hashable) -> Placement:
-        """The plan's placement of ``layer_id``, else the default (the last
-        ``keep_last_layers`` registered layers KEEP, the others OFFLOAD); tensors saved
-        outside the layers (``embedding``, ``head``, NOTE [Sites outside the layers]) KEEP
-        unless the plan names them."""
-        plan = self.state.placements
-        if layer_id in plan:
-            return plan[layer_id]
-        if layer_id is None or layer_id in OUTSIDE:
-            return Placement.KEEP
-        if self.default is not None:
-            return self.default
-        keep = self.config.keep_last_layers
-        if keep and layer_id in self.layers[len(self.layers) - keep:]:
-            return Placement.KEEP
-        return Placement.OFFLOAD
+        """The plan's placement of ``layer_id``, else the default
+        (:func:`~megatron_ssd.placement.default_placement`: the last ``keep_last_layers``
+        registered layers KEEP, the others OFFLOAD, or the plan's default for all of
+        them); tensors saved outside the layers (``embedding``, ``head``, NOTE [Sites
+        outside the layers]) KEEP unless the plan names them."""
+        state = self.state
+        choice = state.choices.get(layer_id)
+        if choice is not None:
+            return choice.placement
+        if state.default is not None:
+            return default_placement(layer_id, self.layers, 0, state.default)
+        return default_placement(layer_id, self.layers, self.config.keep_last_layers)
+
+    def moves(self, layer_id: Hashable) -> bool:
+        """Whether the plan moves at least one site of ``layer_id`` (OFFLOAD, or HOST with
+        a host pool, and not limited to 0 sites)."""
+        placement = self.layer(layer_id)
+        if placement not in MOVED or (placement is Placement.HOST and not self.host_available):
+            return False
+        choice = self.state.choices.get(layer_id)
+        return choice is None or choice.sites != 0
 
     def tensor(self, layer_id: Hashable, site: Optional[int], resident_after: int = 0,
                group: Optional[str] = None, elements: int = 0) -> Placement:
         """Where a new saved tensor of ``layer_id`` goes: its layer's placement when that
-        moves it, the tensor has a site (it is offloadable: at least
-        ``min_tensor_bytes``), the site is within the plan's count for the layer, and
+        moves it, the tensor has a site (:meth:`site_of`: it may move; a tensor without
+        one, small or unmovable, always stays), the site is within the plan's count for the layer, and
         for HOST a pool exists; else the peer's rule, when one is set, for an
         offloadable tensor of ``elements`` elements saved in module ``group``; else
         KEEP, unless keeping it would take the resident bytes (``resident_after``, with
@@ -165,7 +187,8 @@ class PlacementPolicy:
         placement = self.layer(layer_id)
         if placement not in MOVED or site is None:
             return Placement.KEEP
-        if site >= self.state.sites.get(layer_id, site + 1):
+        choice = self.state.choices.get(layer_id)
+        if choice is not None and choice.sites is not None and site >= choice.sites:
             return Placement.KEEP
         if placement is Placement.HOST and not self.host_available:  # a default placement of host, no pool
             return Placement.KEEP
@@ -177,7 +200,8 @@ class PlacementPolicy:
         ``prefetch_layers``; with no site (a tensor under ``min_tensor_bytes``, or
         one a later layer saved again), or a site past a per-site list, the layer's
         earliest."""
-        depth = self.state.read_ahead.get(layer_id)
+        choice = self.state.choices.get(layer_id)
+        depth = choice.read_ahead if choice is not None else None
         if depth is None and self.rule is not None:
             depth = self.rule.read_ahead(self.layers, layer_id, site)
         if depth is None:

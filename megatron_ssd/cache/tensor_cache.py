@@ -18,12 +18,12 @@ import logging
 import os
 import threading
 from functools import partial
-from typing import Dict, Hashable, Iterable, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Dict, Hashable, Iterable, Iterator, List, Mapping, Optional, Sequence, Union
 
 import torch
 
 from ..config import OffloadConfig
-from ..placement import EMBEDDING, HEAD, OUTSIDE, Placement
+from ..placement import EMBEDDING, HEAD, OUTSIDE, LayerChoice, Placement
 from ..errors import CacheStateError, ConfigError
 from ..io.base import Engine
 from .accounting import StepAccountant
@@ -35,7 +35,7 @@ from .pages import trim_heap
 from .record import Packed, Record
 from .stats import StepStats
 from .scopes import Scopes
-from .policy import PlacementPolicy
+from .policy import PlacementPolicy, PlanState
 from ..io import create_engine
 from ..io.host import HostEngine
 from ..io.store import BlobStore
@@ -118,7 +118,6 @@ class TensorCache:
         self.entries = EntryTable(config, self.policy, self.stores, self._return_pages, make_clock(self.binding))
         self.entries.release_at_staging = self.binding.device.type == "cuda"  # NOTE [Released at staging]
         """The saved tensors' state machine, its lock and the step's counters."""
-        self._param_storages: set = set()
         self._hook_handles: list = []
         self._closed = False
         self.scopes = Scopes(self.entries, self.policy, self, self.backward_started, self._return_freed_pages)
@@ -219,52 +218,42 @@ class TensorCache:
     def register_parameters(self, module: torch.nn.Module) -> None:
         """Never offload the parameters of ``module`` (or views of them)."""
         for p in module.parameters():
-            self._param_storages.add(p.untyped_storage()._cdata)
+            self.policy.parameters.add(p.untyped_storage()._cdata)
 
-    def set_plan(self, placements: Mapping[Hashable, Union[Placement, str]],
-                 read_ahead: Optional[Mapping[Hashable, Union[int, Sequence[int]]]] = None,
-                 sites: Optional[Mapping[Hashable, int]] = None) -> None:
-        """Set the placement of layers by id; unnamed layers keep the default.
+    def set_plan(self, plan: Mapping[Hashable, Union[LayerChoice, Placement, str]],
+                 default: Optional[Union[Placement, str]] = None) -> None:
+        """Set the plan: a :class:`~megatron_ssd.placement.LayerChoice` per layer id (a
+        bare placement is a choice that moves every site at the default read-ahead), and
+        the placement of the layers it does not name (None: the ``keep_last_layers``
+        rule). Replaces the previous plan whole.
 
-        ``read_ahead`` gives a layer's read-issue point: its read is issued when the
-        backward of the layer that many layers later starts (NOTE [Write and read issue
-        points] in ``planner/step_timeline.py``); or one such point per site in save order,
-        where 0 issues the site's read when its own layer's backward starts. Layers it
-        does not name read ``prefetch_layers`` ahead. ``sites`` limits an OFFLOAD or HOST layer to its first
-        k sites (offloadable tensors in save order, NOTE [Sites] in
-        ``planner/profile.py``); the rest are kept. Layers it does not name move all.
-        The plan applies from the next tensor saved; set it between steps.
+        A choice's ``read_ahead`` gives its layer's read-issue point: the read is issued
+        when the backward of the layer that many layers later starts (NOTE [Write and
+        read issue points] in ``planner/step_timeline.py``); or one such point per site in
+        save order, where 0 issues the site's read when its own layer's backward starts;
+        None reads ``prefetch_layers`` ahead. Its ``sites`` limits an OFFLOAD or HOST
+        layer to its first k sites (offloadable tensors in save order, NOTE [Sites] in
+        ``planner/profile.py``); the rest are kept; None moves all. The plan applies from
+        the next tensor saved; set it between steps.
 
         Raises:
             ConfigError: an unknown placement, ``host`` without a host pool, a read-ahead
                 below 1 (below 0 in a per-site list) or a negative site count.
         """
-        self.policy.set_plan(placements, read_ahead, sites)
+        self.policy.set_plan(plan, default)
 
-    def plan(self) -> Dict[Hashable, Placement]:
-        """A copy of the placements set with :meth:`set_plan`."""
-        return dict(self.policy.state.placements)
-
-    def read_ahead(self) -> Dict[Hashable, Union[int, Tuple[int, ...]]]:
-        """A copy of the read-aheads set with :meth:`set_plan` (per-site ones as tuples)."""
-        return dict(self.policy.state.read_ahead)
-
-    def sites(self) -> Dict[Hashable, int]:
-        """A copy of the per-layer site limits set with :meth:`set_plan`."""
-        return dict(self.policy.state.sites)
+    def plan(self) -> PlanState:
+        """The plan set with :meth:`set_plan` (frozen: its choices and its default)."""
+        return self.policy.state
 
     @property
     def default_placement(self) -> Optional[Placement]:
         """Placement of layers the plan does not name; None: the ``keep_last_layers`` rule."""
         return self.policy.default
 
-    @default_placement.setter
-    def default_placement(self, placement: Optional[Placement]) -> None:
-        self.policy.default = None if placement is None else Placement(placement)
-
     def placement(self, layer_id: Hashable) -> Placement:
-        """Where the saved tensors of ``layer_id`` go: the plan's choice, else the default
-        (the last ``keep_last_layers`` registered layers KEEP, the others OFFLOAD)."""
+        """Where the saved tensors of ``layer_id`` go: the plan's choice, else its default,
+        else the last ``keep_last_layers`` registered layers KEEP, the others OFFLOAD."""
         return self.policy.layer(layer_id)
 
     @property
@@ -298,22 +287,12 @@ class TensorCache:
         return EMBEDDING
 
     def _skippable(self, t: torch.Tensor) -> bool:
-        """Left to autograd, uncounted: parameters (and views of them), leaves that need a
-        gradient, meta tensors, tensors on another device."""
-        if t.is_meta:
-            return True
-        if not self.binding.accepts(t.device):
+        """Left to autograd, uncounted: tensors on another device, and what the policy
+        leaves to autograd (:meth:`PlacementPolicy.left_to_autograd`)."""
+        if not t.is_meta and not self.binding.accepts(t.device):
             self.accountant.foreign_device = t.device  # named if a whole step moves nothing (NOTE [A device that exists])
             return True
-        if t.is_leaf and t.requires_grad:
-            return True
-        base = t._base
-        if base is not None and base.is_leaf and base.requires_grad:
-            return True
-        try:
-            return t.untyped_storage()._cdata in self._param_storages
-        except (RuntimeError, NotImplementedError):  # a wrapper subclass without a storage
-            return False
+        return self.policy.left_to_autograd(t)
 
     def pack(self, record: Record, t: torch.Tensor) -> Union[torch.Tensor, Packed]:
         """Take a tensor autograd saves; return what autograd should hold instead."""

@@ -24,6 +24,7 @@ from ..placement import Placement
 from ..errors import ConfigError, MegatronSSDError
 from ..io.scratch import default_offload_dir, make_private_dir
 from ..io.throttle import BlkioThrottle, blkio_available, parse_rate
+from ..planner.plan import Plan
 from ..planner.profile import StageProfile
 from ..planner.step_timeline import predict
 from ..units import MiB
@@ -151,9 +152,9 @@ def _point(placement: str, reports: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
     planned = plans[0]
     if planned:
         plan = planned[-1]["plan"]
-        point["plan"] = [l["placement"] for l in plan["layers"]]
+        point["plan"] = [lp.placement.value for lp in Plan.from_dict(plan).layers]
         point["plan_same_every_round"] = all(
-            p and [l["placement"] for l in p[-1]["plan"]["layers"]] == point["plan"] for p in plans
+            p and [lp.placement.value for lp in Plan.from_dict(p[-1]["plan"]).layers] == point["plan"] for p in plans
         )
         point["predicted_exposed_s"] = plan["exposed_s"]
         point["predicted_step_s"] = plan["step_s"]

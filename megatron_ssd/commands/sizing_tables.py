@@ -327,7 +327,7 @@ def drive_markdown(rows: Sequence[Mapping[str, Any]]) -> str:
 
 def _partly(plan: Plan) -> int:
     """Transformer layers of ``plan`` that move only a prefix of their sites."""
-    return sum(1 for layer_id in plan.sites_by_layer() if layer_id not in OUTSIDE)
+    return sum(1 for layer_id, choice in plan.choices().items() if choice.sites is not None and layer_id not in OUTSIDE)
 
 
 def _placement_of(plan: Plan, layer_id: Any) -> Optional[str]:

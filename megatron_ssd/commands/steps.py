@@ -11,7 +11,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 from ..adaptive import profile_counts, profile_schedule
 from ..cache import StepStats
-from ..config import PlannerConfig, TrainConfig
+from ..config import OUTSIDE, PlannerConfig, TrainConfig
 from ..units import MiB
 from ..planner import Plan
 from .intervals import ratio_ci95
@@ -213,15 +213,14 @@ def plan_summary(plan: Optional[Dict[str, Any]]) -> str:
         return "no plan"
     groups: Dict[str, List[Any]] = {}
     partial: Dict[str, List[Any]] = {}
-    for layer in plan["layers"]:
-        if layer["layer_id"] in ("embedding", "head"):
+    for layer in Plan.from_dict(plan).layers:
+        if layer.layer_id in OUTSIDE:
             continue
-        sites = layer.get("offload_sites")
-        kind = layer["placement"]
-        if sites is not None and sites < layer.get("site_count", 1):
-            partial.setdefault(kind, []).append(layer["layer_id"])
+        kind = layer.placement.value
+        if layer.offload_sites is not None and layer.offload_sites < layer.site_count:
+            partial.setdefault(kind, []).append(layer.layer_id)
         else:
-            groups.setdefault(kind, []).append(layer["layer_id"])
+            groups.setdefault(kind, []).append(layer.layer_id)
     parts = []
     for kind in ("offload", "host", "recompute", "keep"):
         whole, part = groups.get(kind, []), partial.get(kind, [])

@@ -318,7 +318,7 @@ class TrainRecipe:
         (``final_loss`` stays the offload phase's). On a GPU each timed step's time is its
         CUDA-event time (NOTE [Device step time]), elsewhere its ``wall_s``.
         """
-        plan, read_ahead, sites, default = cache.plan(), cache.read_ahead(), cache.sites(), cache.default_placement
+        plan = cache.plan()
         keep_s: List[float] = []
         offload_s: List[float] = []
         written = {True: 0, False: 0}
@@ -327,8 +327,7 @@ class TrainRecipe:
         settle, recorded = self.config.paired_settle_steps, len(sink)
         for i in range(pairs):
             for keep in ((True, False) if i % 2 == 0 else (False, True)):
-                cache.set_plan({} if keep else plan, None if keep else read_ahead, None if keep else sites)
-                cache.default_placement = Placement.KEEP if keep else default
+                cache.set_plan({}, Placement.KEEP) if keep else cache.set_plan(plan.choices, plan.default)
                 cache.policy.rule_active = not keep  # a peer's rule too (OffloadConfig.peer)
                 for _ in range(settle + 1):  # the last one is timed
                     loss = run_step(step)
@@ -337,8 +336,7 @@ class TrainRecipe:
                 written[keep] += sink[-1].bytes_offloaded
             progress.step(step_line("pair", loss, sink[-1]))
         progress.close()
-        cache.set_plan(plan, read_ahead, sites)
-        cache.default_placement = default
+        cache.set_plan(plan.choices, plan.default)
         cache.policy.rule_active = True
         ratios = [o / k for o, k in zip(offload_s, keep_s)]
         return {"pairs": pairs, "settle_steps": settle, "steps_run": len(sink) - recorded,

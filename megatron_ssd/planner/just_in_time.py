@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from typing import Callable, List, Optional, Tuple
 
-from ..placement import MOVED, Placement
+from ..placement import MOVED, LayerChoice
 from .profile import StageProfile
-from .search import GOAL_MAX_OFFLOAD, Choice, PlanInfeasibleError
+from .search import GOAL_MAX_OFFLOAD, Choices, PlanInfeasibleError
 from .step_timeline import ReadAhead, Timeline, predict, use_order
 
 __all__ = ["just_in_time"]
@@ -55,13 +55,13 @@ def _depth_ladder(first: int, n: int) -> List[int]:
 
 def just_in_time(
     stage: StageProfile,
-    choose: Callable[[int], Tuple[Choice, str, Timeline]],
+    choose: Callable[[int], Tuple[Choices, str, Timeline]],
     prefetch_depth: int,
     safety_margin: float,
-    allowed: Callable[[List[Placement], List[Optional[int]], Timeline], bool],
-) -> Tuple[Choice, str, List[ReadAhead]]:
-    """Placements, goal and per-layer read-aheads for ``read_ahead="auto"`` (NOTE
-    [Just-in-time reads]).
+    allowed: Callable[[Choices, Timeline], bool],
+) -> Tuple[Choices, str]:
+    """The choices, each with its read-ahead, and the goal for ``read_ahead="auto"``
+    (NOTE [Just-in-time reads]).
 
     Args:
         stage: The stage planned.
@@ -69,8 +69,8 @@ def just_in_time(
             or raises :class:`PlanInfeasibleError`.
         prefetch_depth: The configured depth, tried with the ladder's.
         safety_margin: Bandwidth derating of the second judgement.
-        allowed: Whether a trial's placements, site counts and derated timeline keep the
-            plan's other bounds (wear, capacity).
+        allowed: Whether a trial's choices and derated timeline keep the plan's other
+            bounds (wear, capacity).
     """
     n = len(stage.layers)
     candidates = []
@@ -93,7 +93,7 @@ def just_in_time(
     else:
         best = min(candidates, key=lambda c: (round(c[2].step_s, 12), c[3], c[2].peak_bytes, c[4]))
     choice, goal, tl, _, depth = best
-    placements, sites = choice
+    placements, sites = [c.placement for c in choice], [c.sites for c in choice]
     depths: List[ReadAhead] = [depth] * n
     derated = stage.io.derated(safety_margin)
     judged = [tl, predict(stage, placements, depths, io=derated, sites=sites)]
@@ -108,7 +108,8 @@ def just_in_time(
                   predict(stage, placements, trial, io=derated, sites=counts)]
         if all(not t.forwarded and t.exposed_s <= j.exposed_s + 1e-12 and t.step_s <= j.step_s + 1e-12
                and (t.peak_bytes < j.peak_bytes if lower else t.peak_bytes <= j.peak_bytes)
-               for t, j in zip(trials, judged)) and allowed(placements, counts, trials[1]):
+               for t, j in zip(trials, judged)) and allowed([LayerChoice(p, k) for p, k in zip(placements, counts)],
+                                                        trials[1]):
             judged = trials
             return True
         return False
@@ -152,4 +153,5 @@ def just_in_time(
                 break
         if len(set(per_site)) == 1 and per_site[0] >= 1:
             depths[i] = per_site[0]  # one read-ahead for all its sites after all
-    return Choice(placements, sites), goal, depths
+    return [LayerChoice(p, k, d if isinstance(d, int) else tuple(d))
+            for p, k, d in zip(placements, sites, depths)], goal

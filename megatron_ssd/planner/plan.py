@@ -15,18 +15,19 @@ in, a :class:`Plan` out, no I/O. It searches placements with the timeline model 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import numbers
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from ..config import from_dict, to_dict
-from ..placement import MOVED, Placement
+from ..placement import MOVED, LayerChoice, Placement
 from ..errors import ConfigError
 from .profile import IOProfile, LayerId, StageProfile
 from .just_in_time import just_in_time
-from .search import (GOAL_CAPACITY, GOAL_MAX_OFFLOAD, GOAL_MEMORY_BUDGET, Choice, PlacementSearch,
-                     PlanInfeasibleError)
+from .search import (GOAL_CAPACITY, GOAL_MAX_OFFLOAD, GOAL_MEMORY_BUDGET, Choices, PlacementSearch,
+                     PlanInfeasibleError, replay)
 from .step_timeline import ReadAhead, Timeline, predict
 from ..units import MiB
 
@@ -42,8 +43,12 @@ __all__ = [
     "make_plan",
 ]
 
-PLAN_SCHEMA = "megatron_ssd.plan/1"
-"""Value of the ``schema`` key of a plan's JSON form."""
+PLAN_SCHEMA = "megatron_ssd.plan/2"
+"""Value of the ``schema`` key of a plan's JSON form (``plan/2``: each layer's decision
+is one ``choice`` object)."""
+_PLAN_SCHEMA_1 = "megatron_ssd.plan/1"
+"""The earlier form, still read: a layer's ``placement``, ``offload_sites``,
+``read_ahead`` and ``site_read_ahead`` side by side."""
 READ_AHEAD_MODES = ("fixed", "auto")
 """``make_plan``'s ``read_ahead``: one depth for every layer, or each layer's chosen."""
 
@@ -51,18 +56,21 @@ READ_AHEAD_MODES = ("fixed", "auto")
 
 @dataclass
 class LayerPlan:
-    """The placement of one layer and what the timeline model predicts for it."""
+    """What the plan decides for one layer and what the timeline model predicts for it."""
 
     layer_id: LayerId
     """The layer's id (as in the profile)."""
-    placement: Placement
-    """Where its saved activations live between forward and backward."""
+    choice: LayerChoice
+    """The decision (placement, sites moved, read-ahead): what ``TensorCache.set_plan``
+    applies (:meth:`Plan.choices`). Its ``read_ahead`` is an integer (layers ahead; on
+    a KEEP or RECOMPUTE layer, the plan's depth, unused), or, when the planner chose each
+    site's read-issue point (``read_ahead="auto"``, NOTE [Just-in-time reads] in
+    ``just_in_time.py``), one per site in save order: 0 issues the site's read when the
+    layer's own backward starts, to be done by the site's use point (NOTE [Site use
+    times]); sites the layer keeps carry the layer's earliest."""
     bytes: int
     """Offloadable saved bytes of the layer for one micro-batch (moved when OFFLOAD,
     not saved when RECOMPUTE)."""
-    offload_sites: Optional[int] = None
-    """OFFLOAD or HOST only: how many of the layer's sites, a prefix in save order, are
-    moved, the others kept (NOTE [Sites]); None: all of them."""
     site_count: int = 1
     """How many sites the layer has (offloadable tensors it saves)."""
     offloaded: int = 0
@@ -80,16 +88,32 @@ class LayerPlan:
     """Predicted forward wall time (with slowdown from concurrent I/O)."""
     backward_s: float = 0.0
     """Predicted backward wall time without the wait (with recompute and slowdown)."""
-    read_ahead: int = 1
-    """Its read is issued when the backward of the layer this many layers later starts
-    (NOTE [Write and read issue points]); chosen per layer by ``read_ahead="auto"``.
-    With ``site_read_ahead``, the earliest of its sites' (at least 1)."""
-    site_read_ahead: Optional[List[int]] = None
-    """Per site in save order, the read-ahead of that site's read when the planner chose
-    them one by one (``read_ahead="auto"``, NOTE [Just-in-time reads] in ``just_in_time.py``): 0 issues it
-    when the layer's own backward starts, to be done by the site's use point (NOTE
-    [Site use times]). Sites the layer keeps carry ``read_ahead``. None: every site at
-    ``read_ahead``."""
+
+    @property
+    def placement(self) -> Placement:
+        """Where its saved activations live between forward and backward."""
+        return self.choice.placement
+
+    @property
+    def offload_sites(self) -> Optional[int]:
+        """OFFLOAD or HOST only: how many of the layer's sites, a prefix in save order,
+        are moved, the others kept (NOTE [Sites]); None: all of them."""
+        return self.choice.sites
+
+    @property
+    def read_ahead(self) -> int:
+        """Its read is issued when the backward of the layer this many layers later
+        starts (NOTE [Write and read issue points]); with per-site read-aheads, the
+        earliest of its sites' (at least 1)."""
+        depth = self.choice.read_ahead
+        return depth if isinstance(depth, int) else max(1, max(depth or (1,)))
+
+    @property
+    def site_read_ahead(self) -> Optional[List[int]]:
+        """Per site in save order, the read-ahead of that site's read, when the planner
+        chose them one by one; None: every site at :attr:`read_ahead`."""
+        depth = self.choice.read_ahead
+        return None if depth is None or isinstance(depth, int) else list(depth)
 
     @property
     def read_ahead_text(self) -> str:
@@ -101,8 +125,8 @@ class LayerPlan:
 
     @property
     def issue_points(self) -> ReadAhead:
-        """Its read-ahead as :func:`~megatron_ssd.planner.step_timeline.predict` and
-        ``TensorCache.set_plan`` take it: the per-site list, else ``read_ahead``."""
+        """Its read-ahead as :func:`~megatron_ssd.planner.step_timeline.predict` takes
+        it: the per-site list, else :attr:`read_ahead`."""
         return list(self.site_read_ahead) if self.site_read_ahead is not None else self.read_ahead
 
     @property
@@ -194,21 +218,17 @@ class Plan:
         """Ids of the layers with ``placement``, in forward order."""
         return [lp.layer_id for lp in self.layers if lp.placement is Placement(placement)]
 
-    def read_ahead_by_layer(self) -> Dict[LayerId, ReadAhead]:
-        """Each OFFLOAD or HOST layer's read-ahead (a per-site list where the plan chose
-        one), for ``TensorCache.set_plan``."""
-        return {lp.layer_id: lp.issue_points for lp in self.layers if lp.placement in MOVED}
+    def choices(self) -> Dict[LayerId, LayerChoice]:
+        """Each layer's choice as ``TensorCache.set_plan`` applies it: an OFFLOAD or HOST
+        layer's whole, a KEEP or RECOMPUTE layer's placement alone (it reads nothing
+        back and moves no site)."""
+        return {lp.layer_id: lp.choice if lp.placement in MOVED else LayerChoice(lp.placement)
+                for lp in self.layers}
 
     @property
     def read_aheads(self) -> List[ReadAhead]:
         """Per layer in forward order, its read-ahead for :func:`predict`."""
         return [lp.issue_points for lp in self.layers]
-
-    def sites_by_layer(self) -> Dict[LayerId, int]:
-        """Each OFFLOAD or HOST layer that moves only some of its sites: how many, for
-        ``TensorCache.set_plan(..., sites=...)`` (NOTE [Sites])."""
-        return {lp.layer_id: lp.offload_sites for lp in self.layers
-                if lp.placement in MOVED and lp.offload_sites is not None}
 
     @property
     def sites(self) -> List[Optional[int]]:
@@ -246,8 +266,10 @@ class Plan:
         """Rebuild a plan from :meth:`to_dict` output; a wrong schema raises ConfigError."""
         data = dict(data)
         schema = data.pop("schema", None)
-        if schema != PLAN_SCHEMA:
-            raise ConfigError(f"Plan.schema = {schema!r}: must be {PLAN_SCHEMA!r}")
+        if schema not in (PLAN_SCHEMA, _PLAN_SCHEMA_1):
+            raise ConfigError(f"Plan.schema = {schema!r}: must be {PLAN_SCHEMA!r} (or {_PLAN_SCHEMA_1!r}, read too)")
+        if isinstance(data.get("layers"), list):
+            data["layers"] = [_with_choice(layer, schema) for layer in data["layers"]]
         return from_dict(cls, data)
 
     @classmethod
@@ -400,31 +422,31 @@ def make_plan(
     ):
         raise ConfigError(f"max_slowdown = {max_slowdown!r}: must be None or a number >= 0")
 
-    def choose(depth: int) -> Tuple[Choice, str, Timeline]:
+    def choose(depth: int) -> Tuple[Choices, str, Timeline]:
         search = PlacementSearch(stage, stage.io.derated(safety_margin), depth, max_write_bytes_per_s,
                                  host_budget_bytes or 0, max_slowdown)
         if memory_budget is None:
             choice, goal = search.max_offload(), GOAL_MAX_OFFLOAD
-            over = capacity_bytes is not None and search.check(*choice).peak_bytes > capacity_bytes
+            over = capacity_bytes is not None and search.check(choice).peak_bytes > capacity_bytes
         else:
             over = capacity_bytes is not None and memory_budget > capacity_bytes
             if not over:
                 choice, goal = search.meet_budget(memory_budget, allow_recompute), GOAL_MEMORY_BUDGET
         if over:  # the device's capacity binds: meet it as the budget
             choice, goal = search.meet_budget(capacity_bytes, allow_recompute, "capacity_bytes"), GOAL_CAPACITY
-        return choice, goal, predict(stage, choice.placements, depth, sites=choice.sites)
+        return choice, goal, replay(stage, choice, depth)
 
     n = len(stage.layers)
     if read_ahead == "fixed":
         choice, goal, _ = choose(prefetch_depth)
-        depths = [prefetch_depth] * n
+        choices = [dataclasses.replace(c, read_ahead=prefetch_depth) for c in choice]
     else:
         limits = PlacementSearch(stage, stage.io.derated(safety_margin), prefetch_depth, max_write_bytes_per_s,
                                  host_budget_bytes or 0)
-        choice, goal, depths = just_in_time(stage, choose, prefetch_depth, safety_margin, limits.allowed)
-    tl = predict(stage, choice.placements, depths, sites=choice.sites)
+        choices, goal = just_in_time(stage, choose, prefetch_depth, safety_margin, limits.allowed)
+    tl = replay(stage, choices, [c.read_ahead for c in choices])
     keep = predict(stage, [Placement.KEEP] * n, prefetch_depth)
-    plan = _build(stage, tl, keep, goal, memory_budget, safety_margin, prefetch_depth, depths, choice.sites)
+    plan = _build(stage, tl, keep, goal, memory_budget, safety_margin, prefetch_depth, choices)
     plan.read_ahead = read_ahead
     plan.max_write_bytes_per_s = max_write_bytes_per_s
     plan.capacity_bytes = capacity_bytes
@@ -441,20 +463,18 @@ def _build(
     memory_budget: Optional[int],
     safety_margin: float,
     prefetch_depth: int,
-    depths: Sequence[ReadAhead],
-    sites: Sequence[Optional[int]],
+    choices: Sequence[LayerChoice],
 ) -> Plan:
     layers = []
-    for layer, lt, depth, k in zip(stage.layers, tl.layers, depths, sites):
+    for layer, lt, choice in zip(stage.layers, tl.layers, choices):
         bandwidth = stage.io.host_bytes_per_s if lt.placement is Placement.HOST else stage.io.write_bytes_per_s
         write_s = 0.0 if lt.write_end is None else lt.offloaded_bytes / bandwidth  # type: ignore[operator]
         read_s = 0.0 if lt.read_end is None else lt.read_end - lt.read_start
         layers.append(
             LayerPlan(
                 layer_id=layer.layer_id,
-                placement=lt.placement,
+                choice=choice if choice.moved else dataclasses.replace(choice, sites=None),
                 bytes=layer.saved_bytes,
-                offload_sites=k if lt.placement in MOVED else None,
                 site_count=len(layer.sites),
                 offloaded=lt.offloaded_bytes,
                 write_s=write_s,
@@ -463,8 +483,6 @@ def _build(
                 forwarded=lt.forwarded,
                 forward_s=lt.forward_s,
                 backward_s=lt.backward_s,
-                read_ahead=depth if isinstance(depth, int) else max(1, max(depth)),
-                site_read_ahead=None if isinstance(depth, int) else list(depth),
             )
         )
     return Plan(
@@ -486,3 +504,19 @@ def _build(
         write_busy_s=tl.write_busy_s,
         read_busy_s=tl.read_busy_s,
     )
+
+
+def _with_choice(layer: Any, schema: str) -> Any:
+    """A JSON layer with its ``choice`` checked (:meth:`LayerChoice.from_dict`); a
+    ``plan/1`` layer's four decision fields become that one ``choice`` first."""
+    if not isinstance(layer, Mapping):
+        return layer  # from_dict names the bad entry
+    layer = dict(layer)
+    if schema == _PLAN_SCHEMA_1:
+        placement, sites = layer.pop("placement", None), layer.pop("offload_sites", None)
+        depth, per_site = layer.pop("read_ahead", 1), layer.pop("site_read_ahead", None)
+        layer["choice"] = {"placement": placement, "sites": sites,
+                           "read_ahead": per_site if per_site is not None else depth}
+    if "choice" in layer:
+        layer["choice"] = LayerChoice.from_dict(layer.get("layer_id"), layer["choice"])
+    return layer

@@ -25,7 +25,7 @@ from typing import Annotated, Any, Dict, List, Mapping, Optional, Union
 
 from ..config import AtLeast, Boolean, InRange, Integer, ListOf, NonNegative, Number, OneOfKinds, Positive, from_dict, to_dict
 from ..config import _broken, _fail, _settle
-from ..placement import Placement
+from ..placement import OUTSIDE, Placement, default_placement
 from ..errors import ConfigError
 
 __all__ = ["LayerId", "LayerProfile", "IOProfile", "StageProfile", "uniform_stage"]
@@ -258,13 +258,12 @@ class StageProfile:
         return [layer.layer_id for layer in self.layers]
 
     def fixed(self, placement: Placement, keep_last: int = 0) -> List[Placement]:
-        """The placements of a fixed mode, as the cache's policy applies it: ``placement``
-        for every transformer layer but the last ``keep_last`` (KEEP), and KEEP for the
-        tensors outside the layers (layers not ``recomputable``, NOTE [Sites outside the
-        layers])."""
-        inside = [i for i, layer in enumerate(self.layers) if layer.recomputable]
-        moved = set(inside[: max(len(inside) - keep_last, 0)])
-        return [placement if i in moved else Placement.KEEP for i in range(len(self.layers))]
+        """The placements of a fixed mode, as the cache's policy applies it
+        (:func:`~megatron_ssd.placement.default_placement`): ``placement`` for every
+        transformer layer but the last ``keep_last`` (KEEP), and KEEP for the tensors
+        outside the layers (NOTE [Sites outside the layers])."""
+        inside = [layer_id for layer_id in self.layer_ids if layer_id not in OUTSIDE]
+        return [default_placement(layer_id, inside, keep_last, placement) for layer_id in self.layer_ids]
 
     @property
     def saved_bytes(self) -> int:

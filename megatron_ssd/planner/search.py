@@ -13,8 +13,10 @@ safety margin to choose, and with the measured ones to check. Two searches:
   until the predicted peak fits, then undoing the moves the budget does not need and
   trimming each OFFLOAD or HOST layer to the fewest sites that still meet it (less wear).
 
-Both return a :class:`Choice`: a placement and, per OFFLOAD or HOST layer, how many of its
-sites it moves. With a host pool both also place layers HOST (NOTE [Host tier]).
+Both return one :class:`~megatron_ssd.placement.LayerChoice` per layer in forward order
+(:data:`Choices`): its placement and, for an OFFLOAD or HOST layer, how many of its sites it
+moves; the read-ahead is the search's depth, left unset. With a host pool both also place
+layers HOST (NOTE [Host tier]).
 
 Exhaustive search (3^n placements) is out of reach beyond a handful of layers, and the
 placement that matters is structured: the earliest layers have the most time on both
@@ -24,15 +26,15 @@ sides of their I/O, so greedy moves find it for the layer counts of real stages.
 from __future__ import annotations
 
 import heapq
-from typing import Callable, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple, Union
 
-from ..placement import MOVED, Placement
+from ..placement import MOVED, LayerChoice, Placement
 from ..errors import MegatronSSDError
 from .profile import IOProfile, StageProfile
-from .step_timeline import Timeline, predict
+from .step_timeline import ReadAhead, Timeline, predict
 from ..units import GiB
 
-__all__ = ["Choice", "PlanInfeasibleError", "PlacementSearch", "GOAL_MAX_OFFLOAD", "GOAL_MEMORY_BUDGET", "GOAL_CAPACITY"]
+__all__ = ["Choices", "PlanInfeasibleError", "PlacementSearch", "GOAL_MAX_OFFLOAD", "GOAL_MEMORY_BUDGET", "GOAL_CAPACITY"]
 
 GOAL_MAX_OFFLOAD = "max_offload"
 """Goal without a budget: offload every byte whose I/O hides behind compute."""
@@ -50,12 +52,17 @@ _EAGER_LAYERS = 32
 """Up to this many layers per stage the budget search re-scores every move after each step."""
 
 
-class Choice(NamedTuple):
-    """What a search chose: one placement per layer and one site count per layer (None:
-    all its sites; only OFFLOAD and HOST layers use it, NOTE [Sites])."""
+Choices = List[LayerChoice]
+"""What a search works on and chooses: one choice per layer in forward order."""
 
-    placements: List[Placement]
-    sites: List[Optional[int]]
+_KEEP = LayerChoice(Placement.KEEP)
+
+
+def replay(stage: StageProfile, choices: Sequence[LayerChoice], depth: Union[int, Sequence[ReadAhead]],
+           io: Optional[IOProfile] = None) -> Timeline:
+    """:func:`~megatron_ssd.planner.step_timeline.predict` of ``choices`` (their
+    placements and site counts) at read-ahead ``depth``."""
+    return predict(stage, [c.placement for c in choices], depth, io=io, sites=[c.sites for c in choices])
 
 
 def _largest(lo: int, hi: int, ok: Callable[[int], bool]) -> Optional[int]:
@@ -131,16 +138,15 @@ class PlacementSearch:
         # See wears_ok and within_bound: no placement's step is shorter than keeping everything.
         self._shortest_step_s = predict(stage, [Placement.KEEP] * self.n, depth).step_s
 
-    def wears_ok(self, placements: Sequence[Placement], sites: Optional[Sequence[Optional[int]]] = None) -> bool:
+    def wears_ok(self, choices: Sequence[LayerChoice]) -> bool:
         """The offloaded bytes per micro-batch stay within ``max_write_bytes_per_s``
         (NOTE [Wear model]) over keep-everything's step time at the measured bandwidths:
         offload and recompute only lengthen a step, so the bound holds for the plan's
         own step time whatever bandwidth judged it. Always true without a limit."""
         if self.max_write_bytes_per_s is None:
             return True
-        sites = sites or [None] * self.n
-        written = sum(layer.offloaded_bytes(k)
-                      for layer, p, k in zip(self.stage.layers, placements, sites) if p is Placement.OFFLOAD)
+        written = sum(layer.offloaded_bytes(c.sites)
+                      for layer, c in zip(self.stage.layers, choices) if c.placement is Placement.OFFLOAD)
         return written <= self.max_write_bytes_per_s * self._shortest_step_s * (1 + 1e-9)
 
     def hosts_ok(self, tl: Timeline) -> bool:
@@ -148,22 +154,22 @@ class PlacementSearch:
         [Host tier])."""
         return tl.hosted_bytes * (self.stage.microbatches_in_flight or 1) <= self.host_budget_bytes
 
-    def allowed(self, placements: Sequence[Placement], sites: Optional[Sequence[Optional[int]]], tl: Timeline) -> bool:
+    def allowed(self, choices: Sequence[LayerChoice], tl: Timeline) -> bool:
         """Within the drive-wear limit and the host pool, and nothing forwarded."""
-        return not tl.forwarded and self.wears_ok(placements, sites) and self.hosts_ok(tl)
+        return not tl.forwarded and self.wears_ok(choices) and self.hosts_ok(tl)
 
-    def judge(self, placements: Sequence[Placement], sites: Optional[Sequence[Optional[int]]] = None) -> Timeline:
+    def judge(self, choices: Sequence[LayerChoice]) -> Timeline:
         """Replay with derated bandwidths; remembers the smallest peak seen."""
-        tl = predict(self.stage, placements, self.depth, io=self.derated, sites=sites)
-        if self.allowed(placements, sites, tl) and (
+        tl = replay(self.stage, choices, self.depth, io=self.derated)
+        if self.allowed(choices, tl) and (
             self.smallest_peak is None or tl.peak_bytes < self.smallest_peak
         ):
             self.smallest_peak = tl.peak_bytes
         return tl
 
-    def check(self, placements: Sequence[Placement], sites: Optional[Sequence[Optional[int]]] = None) -> Timeline:
+    def check(self, choices: Sequence[LayerChoice]) -> Timeline:
         """Replay with the measured bandwidths."""
-        return predict(self.stage, placements, self.depth, sites=sites)
+        return replay(self.stage, choices, self.depth)
 
     @staticmethod
     def hidden(tl: Timeline) -> bool:
@@ -189,7 +195,7 @@ class PlacementSearch:
             return False
         return self.max_slowdown is None or tl.step_s <= self._shortest_step_s * (1 + self.max_slowdown) + 1e-12
 
-    def max_offload(self) -> Choice:
+    def max_offload(self) -> Choices:
         """The most OFFLOAD bytes whose I/O the model hides completely (within
         ``max_slowdown``, NOTE [Slowdown bound]), then with a host
         pool the most HOST bytes among the layers left (NOTE [Host tier]), less those
@@ -201,39 +207,37 @@ class PlacementSearch:
         # A layer that does not fit whole offloads the longest prefix of its sites that
         # does (NOTE [Sites]): hiding shrinks as a layer's bytes grow, so it is found by
         # bisection.
-        placements: List[Placement] = [Placement.KEEP] * self.n
-        sites: List[Optional[int]] = [None] * self.n
-        self._first_fit(placements, sites, Placement.OFFLOAD)
+        choices: Choices = [_KEEP] * self.n
+        self._first_fit(choices, Placement.OFFLOAD)
         if self.host_budget_bytes:  # what the SSDs could not take goes to the host pool
-            self._first_fit(placements, sites, Placement.HOST)
-        return self.without_idle_writes(placements, sites)
+            self._first_fit(choices, Placement.HOST)
+        return self.without_idle_writes(choices)
 
-    def _first_fit(self, placements: List[Placement], sites: List[Optional[int]], target: Placement) -> None:
+    def _first_fit(self, choices: Choices, target: Placement) -> None:
         """Move KEEP layers to ``target`` in forward order, each whole or the longest prefix
         of its sites that hides within the limits, then drop the latest moved until the
         measured bandwidths hide them too (in place)."""
         for i, layer in enumerate(self.stage.layers):
-            if layer.saved_bytes == 0 or placements[i] is not Placement.KEEP:
+            if layer.saved_bytes == 0 or choices[i].placement is not Placement.KEEP:
                 continue
             m = len(layer.sites)
 
             def fits_with(k: int) -> bool:
-                trial = _with(placements, i, target)
-                counts = _with(sites, i, None if k == m else k)
-                tl = self.judge(trial, counts)
-                return self.within_bound(tl) and self.allowed(trial, counts, tl)
+                trial = _with(choices, i, LayerChoice(target, None if k == m else k))
+                tl = self.judge(trial)
+                return self.within_bound(tl) and self.allowed(trial, tl)
 
             k = m if fits_with(m) else _largest(1, m - 1, fits_with)
             if k:
-                placements[i], sites[i] = target, None if k == m else k
+                choices[i] = LayerChoice(target, None if k == m else k)
         # Derating makes I/O slower, so the measured bandwidths normally agree; if
         # they do not (slowdown interplay), drop the latest admitted layers until they do.
-        while not self.within_bound(self.check(placements, sites)) and target in placements:
-            last = max(i for i, p in enumerate(placements) if p is target)
-            placements[last], sites[last] = Placement.KEEP, None
+        while not self.within_bound(self.check(choices)) and any(c.placement is target for c in choices):
+            last = max(i for i, c in enumerate(choices) if c.placement is target)
+            choices[last] = _KEEP
 
-    def without_idle_writes(self, placements: List[Placement], sites: Optional[List[Optional[int]]] = None) -> Choice:
-        """``placements`` less every offloaded site whose write buys no memory.
+    def without_idle_writes(self, choices: Sequence[LayerChoice]) -> Choices:
+        """``choices`` less every offloaded site whose write buys no memory.
 
         NOTE [Every offloaded byte buys memory]: a layer whose write completes after the
         peak, or whose read buffer is allocated before it, costs bandwidth and drive
@@ -242,35 +246,35 @@ class PlacementSearch:
         the derated nor at the measured bandwidths (the I/O still hidden), until every
         remaining offloaded site lowers it.
         """
-        placements = list(placements)
-        sites = list(sites) if sites is not None else [None] * self.n
-        peaks = (self.judge(placements, sites).peak_bytes, self.check(placements, sites).peak_bytes)
+        choices = list(choices)
+        peaks = (self.judge(choices).peak_bytes, self.check(choices).peak_bytes)
 
-        def trial(i: int, k: int) -> Tuple[List[Placement], List[Optional[int]]]:
+        def trial(i: int, k: int) -> Choices:
             if k == 0:
-                return _with(placements, i, Placement.KEEP), _with(sites, i, None)
-            return placements, _with(sites, i, None if k == len(self.stage.layers[i].sites) else k)
+                return _with(choices, i, _KEEP)
+            return _with(choices, i, LayerChoice(choices[i].placement, None if k == len(self.stage.layers[i].sites) else k))
 
         def no_higher(i: int, k: int) -> bool:
-            p, c = trial(i, k)
-            judged, checked = self.judge(p, c), self.check(p, c)
+            c = trial(i, k)
+            judged, checked = self.judge(c), self.check(c)
             return judged.peak_bytes <= peaks[0] and checked.peak_bytes <= peaks[1] and self.within_bound(judged)
 
         changed = True
         while changed:
             changed = False
             for i in range(self.n - 1, -1, -1):
-                if placements[i] not in MOVED:
+                if choices[i].placement not in MOVED:
                     continue
-                current = self.stage.layers[i].sites[: sites[i]] if sites[i] is not None else self.stage.layers[i].sites
+                sites = choices[i].sites
+                current = self.stage.layers[i].sites[: sites] if sites is not None else self.stage.layers[i].sites
                 k = _smallest(0, len(current), lambda k: no_higher(i, k))
                 if k < len(current):
-                    placements, sites = trial(i, k)
-                    peaks = (self.judge(placements, sites).peak_bytes, self.check(placements, sites).peak_bytes)
+                    choices = trial(i, k)
+                    peaks = (self.judge(choices).peak_bytes, self.check(choices).peak_bytes)
                     changed = True
-        return Choice(placements, sites)
+        return choices
 
-    def meet_budget(self, budget: int, allow_recompute: bool, limit_name: str = "memory_budget") -> Choice:
+    def meet_budget(self, budget: int, allow_recompute: bool, limit_name: str = "memory_budget") -> Choices:
         """Greedy moves until the predicted peak fits ``budget``; see the module docstring.
 
         A layer's moves (:func:`_moves`): to OFFLOAD whole, to OFFLOAD the longest
@@ -287,18 +291,17 @@ class PlacementSearch:
         cases and was never more than 8% slower in predicted step time, at a seventh of
         the planning time.
         """
-        placements: List[Placement] = [Placement.KEEP] * self.n
-        sites: List[Optional[int]] = [None] * self.n
-        tl = self.judge(placements, sites)
+        choices: Choices = [_KEEP] * self.n
+        tl = self.judge(choices)
         keep_peak = tl.peak_bytes
         eps = 1e-9 * tl.compute_s + 1e-12
         area = _byte_seconds(tl, self.stage)
-        heap: List[Tuple[Tuple[int, float, float, int, int], int, int, int, str, Optional[int]]] = []
+        heap: List[Tuple[Tuple[int, float, float, int, int], int, int, int, str, Optional[LayerChoice]]] = []
         version = 0
 
         def moves(i: int) -> List[str]:
             layer = self.stage.layers[i]
-            return _moves(placements[i], sites[i], len(layer.sites), allow_recompute and layer.recomputable,
+            return _moves(choices[i], len(layer.sites), allow_recompute and layer.recomputable,
                           self.host_budget_bytes > 0)
 
         def push_moves(i: int) -> None:
@@ -312,20 +315,20 @@ class PlacementSearch:
         for i in range(self.n):
             push_moves(i)
         refreshed = -1
-        while not self.fits(placements, tl, budget, sites):
+        while not self.fits(choices, tl, budget):
             taken = False
             while heap:
                 key, seen, i, rank, move, k = heapq.heappop(heap)
                 if move not in moves(i):
                     continue  # the layer moved since this entry was stored
                 if seen != version:
-                    target = self._resolve(placements, sites, tl, eps, i, move)
-                    key = self._score(tl, area, placements, sites, target, eps, i, rank)
-                    heapq.heappush(heap, (key, version, i, rank, move, target[1] if target else None))
+                    target = self._resolve(choices, tl, eps, i, move)
+                    key = self._score(tl, area, choices, target, eps, i, rank)
+                    heapq.heappush(heap, (key, version, i, rank, move, target))
                     continue
                 if key[0] < _NO_BENEFIT:
-                    placements, sites = _with(placements, i, _target_placement(move)), _with(sites, i, k)
-                    tl = self.judge(placements, sites)
+                    choices = _with(choices, i, k)
+                    tl = self.judge(choices)
                     area = _byte_seconds(tl, self.stage)
                     version += 1
                     push_moves(i)
@@ -344,39 +347,38 @@ class PlacementSearch:
                 break
             if not taken:
                 if allow_recompute:
-                    self.judge([Placement.RECOMPUTE if layer.recomputable else Placement.KEEP
+                    self.judge([LayerChoice(Placement.RECOMPUTE) if layer.recomputable else _KEEP
                                 for layer in self.stage.layers])
                 raise PlanInfeasibleError(budget, int(self.smallest_peak or keep_peak), self.stage, keep_peak,
                                           self.max_write_bytes_per_s, limit_name)
-        placements, sites = self._relax(placements, sites, tl, budget, eps)
-        return self._trim(placements, sites, budget, eps)
+        choices = self._relax(choices, tl, budget, eps)
+        return self._trim(choices, budget, eps)
 
-    def fits(self, placements: Sequence[Placement], tl: Timeline, budget: int,
-             sites: Optional[Sequence[Optional[int]]] = None) -> bool:
+    def fits(self, choices: Sequence[LayerChoice], tl: Timeline, budget: int) -> bool:
         """Peak within budget at derated (``tl``) and at measured bandwidths."""
-        return tl.peak_bytes <= budget and self.check(placements, sites).peak_bytes <= budget
+        return tl.peak_bytes <= budget and self.check(choices).peak_bytes <= budget
 
-    def _resolve(self, placements: List[Placement], sites: List[Optional[int]], tl: Timeline, eps: float,
-                 i: int, move: str) -> Optional[Tuple[Placement, Optional[int]]]:
-        """The placement and site count a move gives layer ``i`` (None: a part move with
-        no admissible prefix)."""
+    def _resolve(self, choices: Choices, tl: Timeline, eps: float, i: int, move: str) -> Optional[LayerChoice]:
+        """The choice a move gives layer ``i`` (None: a part move with no admissible
+        prefix)."""
         target = _target_placement(move)
         if not move.endswith("-part"):
-            return target, None
+            return LayerChoice(target)
         m = len(self.stage.layers[i].sites)
-        current = sites[i] if placements[i] is target and sites[i] is not None else 0
+        now = choices[i]
+        current = now.sites if now.placement is target and now.sites is not None else 0
 
         def free(k: int) -> bool:
-            trial, counts = _with(placements, i, target), _with(sites, i, k)
-            ttl = self.judge(trial, counts)
-            return self.allowed(trial, counts, ttl) and ttl.step_s <= tl.step_s + eps
+            trial = _with(choices, i, LayerChoice(target, k))
+            ttl = self.judge(trial)
+            return self.allowed(trial, ttl) and ttl.step_s <= tl.step_s + eps
 
         k = _largest(current + 1, m - 1, free)
-        return None if k is None else (target, k)
+        return None if k is None else LayerChoice(target, k)
 
     def _score(
-        self, tl: Timeline, area: float, placements: List[Placement], sites: List[Optional[int]],
-        target: Optional[Tuple[Placement, Optional[int]]], eps: float, i: int, rank: int,
+        self, tl: Timeline, area: float, choices: Choices, target: Optional[LayerChoice], eps: float, i: int,
+        rank: int,
     ) -> Tuple[int, float, float, int, int]:
         """Heap key of a move (smallest is best): its benefit per second of cost.
 
@@ -387,12 +389,12 @@ class PlacementSearch:
         """
         if target is None:
             return (_NO_BENEFIT, 0.0, 0.0, i, rank)
-        trial, counts = _with(placements, i, target[0]), _with(sites, i, target[1])
-        ttl = self.judge(trial, counts)
+        trial = _with(choices, i, target)
+        ttl = self.judge(trial)
         cost = max(ttl.step_s - tl.step_s, 0.0) + eps
         peak_drop = tl.peak_bytes - ttl.peak_bytes
         area_drop = area - _byte_seconds(ttl, self.stage)
-        if not self.allowed(trial, counts, ttl):
+        if not self.allowed(trial, ttl):
             return (_NO_BENEFIT, 0.0, 0.0, i, rank)
         if peak_drop > 0:
             return (0, -peak_drop / cost, -float(peak_drop), i, rank)
@@ -400,46 +402,46 @@ class PlacementSearch:
             return (1, -area_drop / cost, -area_drop, i, rank)
         return (_NO_BENEFIT, 0.0, 0.0, i, rank)
 
-    def _relax(self, placements: List[Placement], sites: List[Optional[int]], tl: Timeline, budget: int,
-               eps: float) -> Choice:
+    def _relax(self, choices: Choices, tl: Timeline, budget: int, eps: float) -> Choices:
         """Undo changes the budget does not need, when that does not slow the step."""
         changed = True
         while changed:
             changed = False
             for i in range(self.n - 1, -1, -1):
-                for target in _weaker(placements[i]):
-                    trial, counts = _with(placements, i, target), _with(sites, i, None)
-                    ttl = self.judge(trial, counts)
-                    if (ttl.step_s > tl.step_s + eps or not self.fits(trial, ttl, budget, counts)
-                            or not self.allowed(trial, counts, ttl)):
+                for target in _weaker(choices[i].placement):
+                    trial = _with(choices, i, LayerChoice(target))
+                    ttl = self.judge(trial)
+                    if (ttl.step_s > tl.step_s + eps or not self.fits(trial, ttl, budget)
+                            or not self.allowed(trial, ttl)):
                         continue
-                    placements, sites, tl, changed = trial, counts, ttl, True
+                    choices, tl, changed = trial, ttl, True
                     break
-        return Choice(placements, sites)
+        return choices
 
-    def _trim(self, placements: List[Placement], sites: List[Optional[int]], budget: int, eps: float) -> Choice:
+    def _trim(self, choices: Choices, budget: int, eps: float) -> Choices:
         """Each OFFLOAD layer cut to the fewest sites (a prefix, NOTE [Sites]) with which
         the budget is still met at no longer a predicted step: fewer bytes written for
         the same time and memory, so less drive wear. Last layer first."""
-        sites = list(sites)
-        step = self.judge(placements, sites).step_s
+        choices = list(choices)
+        step = self.judge(choices).step_s
         for i in range(self.n - 1, -1, -1):
             m = len(self.stage.layers[i].sites)
-            if placements[i] not in MOVED or m < 2:
+            placement = choices[i].placement
+            if placement not in MOVED or m < 2:
                 continue
-            current = m if sites[i] is None else sites[i]
+            current = m if choices[i].sites is None else choices[i].sites
 
             def ok(k: int) -> bool:
-                counts = _with(sites, i, None if k == m else k)
-                ttl = self.judge(placements, counts)
+                trial = _with(choices, i, LayerChoice(placement, None if k == m else k))
+                ttl = self.judge(trial)
                 return (not ttl.forwarded and ttl.step_s <= step + eps
-                        and ttl.peak_bytes <= budget and self.check(placements, counts).peak_bytes <= budget)
+                        and ttl.peak_bytes <= budget and self.check(trial).peak_bytes <= budget)
 
             k = _smallest(1, current, ok)
             if k < current:
-                sites[i] = None if k == m else k
-                step = self.judge(placements, sites).step_s
-        return Choice(placements, sites)
+                choices[i] = LayerChoice(placement, None if k == m else k)
+                step = self.judge(choices).step_s
+        return choices
 
 
 def _with(values: List, i: int, value) -> List:
@@ -447,11 +449,11 @@ def _with(values: List, i: int, value) -> List:
     return values[:i] + [value] + values[i + 1 :]
 
 
-def _moves(current: Placement, sites: Optional[int], site_count: int, allow_recompute: bool,
-           allow_host: bool) -> List[str]:
+def _moves(now: LayerChoice, site_count: int, allow_recompute: bool, allow_host: bool) -> List[str]:
     """The moves that make a layer hold fewer bytes, OFFLOAD whole first: ``offload``,
     ``offload-part`` (offload a longer prefix of its sites, NOTE [Sites]), ``host`` and
     ``host-part`` (the same into the host pool, NOTE [Host tier]) and ``recompute``."""
+    current, sites = now.placement, now.sites
     out = []
     for target in (Placement.OFFLOAD, Placement.HOST):
         if target is Placement.HOST and not allow_host:

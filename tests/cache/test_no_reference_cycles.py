@@ -60,7 +60,7 @@ def test_finished_microbatches_leave_no_cyclic_garbage(offload_dir, mode):
     g = torch.Generator().manual_seed(1)
     with TensorCache(cfg) as cache:
         cache.register_layers(model.layers)
-        cache.default_placement = Placement(mode)
+        cache.set_plan({}, Placement(mode))
 
         def steps() -> None:
             for _ in range(3):

@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from megatron_ssd.placement import LayerChoice
 from megatron_ssd import OffloadConfig, TensorCache
 from megatron_ssd.adaptive import stage_from_stats
 from megatron_ssd.config import EMBEDDING, HEAD, Placement
@@ -112,7 +113,7 @@ def test_the_outside_ids_cannot_be_recomputed_or_registered(offload_dir):
         with pytest.raises(ConfigError, match=r"register_layers: layer id 'head' is reserved"):
             cache.register_layers([torch.nn.Linear(2, 2)], ids=[HEAD])
         assert cache.placement(EMBEDDING) is Placement.KEEP and cache.placement(HEAD) is Placement.KEEP
-        cache.default_placement = Placement.OFFLOAD  # a fixed mode moves the layers only
+        cache.set_plan({}, Placement.OFFLOAD)  # a fixed mode moves the layers only
         assert cache.placement(EMBEDDING) is Placement.KEEP
-        cache.set_plan({HEAD: "offload"}, sites={HEAD: 1})
-        assert cache.placement(HEAD) is Placement.OFFLOAD and cache.sites() == {HEAD: 1}
+        cache.set_plan({HEAD: LayerChoice(Placement.OFFLOAD, sites=1)})
+        assert cache.placement(HEAD) is Placement.OFFLOAD and cache.plan().choices[HEAD].sites == 1

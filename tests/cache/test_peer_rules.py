@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+from megatron_ssd.placement import LayerChoice
 from megatron_ssd.cache.peer_rules import FineGrainedRule, FirstLayersRule, rule_for
 from megatron_ssd.cache.policy import PlacementPolicy
 from megatron_ssd.config import OffloadConfig, PeerConfig, Placement, PlannerConfig
@@ -122,7 +123,7 @@ def _policy(peer):
                            prefetch_layers=1)
     policy = PlacementPolicy(config, host_available=True)
     policy.layers.extend(LAYERS)
-    policy.default = Placement.KEEP  # what the keep mode sets
+    policy.set_plan({}, Placement.KEEP)  # what the keep mode sets
     return policy
 
 
@@ -131,13 +132,13 @@ def test_the_policy_asks_the_rule_only_for_offloadable_tensors_the_plan_keeps():
     assert policy.tensor(1, site=0, group=None, elements=10) is Placement.HOST
     assert policy.tensor(1, site=None, group=None, elements=10) is Placement.KEEP  # under min_tensor_bytes
     assert policy.tensor(3, site=0, group=None, elements=10) is Placement.KEEP
-    policy.set_plan({1: "offload"})
+    policy.set_plan({1: "offload"}, Placement.KEEP)
     assert policy.tensor(1, site=0, group=None, elements=10) is Placement.OFFLOAD  # the plan wins
-    policy.set_plan({})
+    policy.set_plan({}, Placement.KEEP)
     policy.rule_active = False  # a paired keep step
     assert policy.tensor(1, site=0, group=None, elements=10) is Placement.KEEP
     assert policy.read_ahead(1) == 1  # L - N - 1
-    policy.set_plan({}, read_ahead={1: 3})
+    policy.set_plan({1: LayerChoice(Placement.KEEP, read_ahead=3)}, Placement.KEEP)  # the tensors the rule moves
     assert policy.read_ahead(1) == 3  # the plan's read-ahead wins
     assert policy.read_ahead(4) == 1  # no say from the rule: prefetch_layers
 

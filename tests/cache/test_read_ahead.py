@@ -6,6 +6,7 @@ import copy
 import pytest
 import torch
 
+from megatron_ssd.placement import LayerChoice, Placement
 from megatron_ssd import OffloadConfig, TensorCache
 from megatron_ssd.errors import ConfigError
 
@@ -58,14 +59,15 @@ def test_the_cache_issues_each_read_at_its_read_ahead(offload_dir):
     config = OffloadConfig(paths=[offload_dir], min_tensor_bytes=4096, prefetch_layers=1)
     with TensorCache(config) as cache:
         cache.register_layers(model.layers)
-        cache.set_plan({i: "offload" for i in range(6)}, read_ahead={0: 4, 2: 3})
-        assert cache.read_ahead() == {0: 4, 2: 3}
+        cache.set_plan({**{i: "offload" for i in range(6)}, 0: LayerChoice(Placement.OFFLOAD, read_ahead=4),
+                        2: LayerChoice(Placement.OFFLOAD, read_ahead=3)})
+        assert [cache.plan().choices[i].read_ahead for i in range(6)] == [4, None, 3, None, None, None]
         calls = []
         spy(cache, "_prefetch", calls)
         run_step(model, cache, batch)
         with pytest.raises(ConfigError, match=r"read_ahead\[1\] = 0: must be an integer >= 1 or a non-empty list of "
                                               r"integers >= 0, one per site"):
-            cache.set_plan({}, read_ahead={1: 0})
+            cache.set_plan({1: LayerChoice(Placement.OFFLOAD, read_ahead=0)})
     assert same_gradients(model, reference, batch)
     # layer k is read when the backward of layer k + read_ahead starts (1 by default), needed first:
     # layer 2 (3 ahead) with layer 5, layer 0 (4 ahead) with layer 4; the tensors saved before
@@ -85,8 +87,9 @@ def test_each_site_is_read_when_its_own_read_ahead_comes(offload_dir):
         model.zero_grad()
         # layer 1: its first site 3 layers ahead, its second 1 ahead, the rest when its
         # own backward starts
-        cache.set_plan({i: "offload" for i in range(6)}, read_ahead={1: [3, 1] + [0] * (sites - 2)})
-        assert cache.read_ahead() == {1: (3, 1) + (0,) * (sites - 2)}
+        cache.set_plan({**{i: "offload" for i in range(6)},
+                        1: LayerChoice(Placement.OFFLOAD, read_ahead=[3, 1] + [0] * (sites - 2))})  # type: ignore[arg-type]
+        assert cache.plan().choices[1].read_ahead == (3, 1) + (0,) * (sites - 2)
         reads = []
         spy(cache, "_submit_read", reads)
         stats = run_step(model, cache, batch, before_backward=cache.entries.drain)  # every write done
@@ -104,4 +107,4 @@ def test_per_site_read_ahead_is_validated(offload_dir):
         for bad in ([], [1, -1], [1.5], (True,)):
             with pytest.raises(ConfigError, match=r"read_ahead\[2\] = .*: must be an integer >= 1 or a non-empty list "
                                                   r"of integers >= 0, one per site"):
-                cache.set_plan({2: "offload"}, read_ahead={2: bad})
+                cache.set_plan({2: LayerChoice(Placement.OFFLOAD, read_ahead=bad)})

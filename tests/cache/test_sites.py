@@ -8,6 +8,7 @@ import copy
 import pytest
 import torch
 
+from megatron_ssd.placement import LayerChoice
 from megatron_ssd import OffloadConfig, TensorCache
 from megatron_ssd.adaptive import stage_from_stats
 from megatron_ssd.config import Placement
@@ -42,11 +43,12 @@ def test_sites_are_numbered_stably_and_a_plan_moves_only_its_prefix(offload_dir)
         for i in range(4):
             assert sum(sites[i]) == keep.layers[i].saved_bytes
         # layer 1 moves its first two tensors, layer 2 all of them, layer 3 none (0 sites)
-        cache.set_plan({0: "keep", 1: "offload", 2: "offload", 3: "offload"}, sites={1: 2, 3: 0})
-        assert cache.sites() == {1: 2, 3: 0}
+        cache.set_plan({0: "keep", 1: LayerChoice(Placement.OFFLOAD, sites=2), 2: "offload",
+                        3: LayerChoice(Placement.OFFLOAD, sites=0)})
+        assert {k: c.sites for k, c in cache.plan().choices.items()} == {0: None, 1: 2, 2: None, 3: 0}
         split = run(cache, model, batches[1:])[0]
         with pytest.raises(ConfigError, match=r"sites\[1\] = -1: must be an integer >= 0"):
-            cache.set_plan({}, sites={1: -1})
+            cache.set_plan({1: LayerChoice(Placement.OFFLOAD, sites=-1)})
     assert {i: split.layers[i].site_bytes for i in range(4)} == sites  # the same numbering next step
     moved = {i: split.layers[i].offloaded_bytes for i in range(4)}
     assert moved == {0: 0, 1: sum(sites[1][:2]), 2: sum(sites[2]), 3: 0}
@@ -92,9 +94,9 @@ def test_the_profile_carries_the_measured_sites(offload_dir):
     config = OffloadConfig(paths=[offload_dir], min_tensor_bytes=4096)
     with TensorCache(config) as cache:
         cache.register_layers(model.layers)
-        cache.default_placement = Placement.KEEP
+        cache.set_plan({}, Placement.KEEP)
         keep = run(cache, model, batches[:1])
-        cache.default_placement = Placement.OFFLOAD
+        cache.set_plan({}, Placement.OFFLOAD)
         offload = run(cache, model, batches[1:])
     stage = stage_from_stats(keep, offload)
     # the token ids (4 x 64 int64, under min_tensor_bytes) are saved before layer 0

@@ -157,8 +157,9 @@ def test_plan_json_round_trip_and_schema():
     data = json.loads(plan.to_json())
     assert data["schema"] == PLAN_SCHEMA
     assert data["goal"] == "memory_budget"
-    assert {entry["placement"] for entry in data["layers"]} <= {"keep", "offload", "recompute"}
-    for key in ("layer_id", "placement", "bytes", "write_s", "read_s", "exposed_s"):
+    assert {entry["choice"]["placement"] for entry in data["layers"]} <= {"keep", "offload", "recompute"}
+    assert all(set(entry["choice"]) == {"placement", "sites", "read_ahead"} for entry in data["layers"])
+    for key in ("layer_id", "choice", "bytes", "write_s", "read_s", "exposed_s"):
         assert all(key in entry for entry in data["layers"])
     for key in ("peak_activation_bytes", "step_s", "keep_peak_activation_bytes", "keep_step_s", "io"):
         assert key in data
@@ -166,10 +167,28 @@ def test_plan_json_round_trip_and_schema():
     assert Plan.from_json(plan.to_json()) == plan
 
 
+def test_a_plan_written_in_the_first_schema_loads_as_the_same_plan():
+    """plan/1 held a layer's decision as four side-by-side fields; plan/2 as one choice."""
+    for plan in (make_plan(slow_stage(), memory_budget=3 * GB), make_plan(fast_stage(), read_ahead="auto")):
+        old = plan.to_dict()
+        old["schema"] = "megatron_ssd.plan/1"
+        for entry in old["layers"]:
+            choice = entry.pop("choice")
+            depth = choice["read_ahead"]
+            entry.update(placement=choice["placement"], offload_sites=choice["sites"],
+                         read_ahead=depth if isinstance(depth, int) else max(1, max(depth)),
+                         site_read_ahead=None if isinstance(depth, int) else depth)
+        assert Plan.from_json(json.dumps(old)) == plan
+
+
 def test_plan_json_rejects_wrong_schema_and_unknown_keys():
     data = make_plan(fast_stage()).to_dict()
-    with pytest.raises(ConfigError, match="schema"):
+    with pytest.raises(ConfigError, match=r"^megatron_ssd: Plan.schema = 'other/9': must be 'megatron_ssd.plan/2' "
+                                          r"\(or 'megatron_ssd.plan/1', read too\)$"):
         Plan.from_dict({**data, "schema": "other/9"})
+    bad = {**data, "layers": [{**data["layers"][0], "choice": {"placement": "offload", "sites": -2}}]}
+    with pytest.raises(ConfigError, match=r"sites\[0\] = -2: must be an integer >= 0"):
+        Plan.from_dict(bad)
     with pytest.raises(ConfigError, match="unknown key 'peak'"):
         Plan.from_dict({**data, "peak": 1})
 

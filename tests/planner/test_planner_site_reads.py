@@ -8,6 +8,7 @@ import pytest
 
 from megatron_ssd.config import Placement
 from megatron_ssd.errors import ConfigError
+from megatron_ssd.placement import LayerChoice
 from megatron_ssd.planner import IOProfile, LayerProfile, Plan, StageProfile, make_plan, predict
 from megatron_ssd.planner.simulate import spec_from_overrides, stage_profile
 
@@ -65,7 +66,7 @@ def test_auto_plan_reads_a_late_used_site_late():
     assert plan.placements == [O, K, K]
     lp = plan.layers[0]
     assert (lp.read_ahead, lp.site_read_ahead, lp.read_ahead_text) == (1, [0, 1], "0..1")
-    assert plan.read_ahead_by_layer() == {0: [0, 1]}
+    assert plan.choices() == {0: LayerChoice(O, None, (0, 1)), 1: LayerChoice(K), 2: LayerChoice(K)}
     assert plan.peak_activation_bytes == 200 and plan.exposed_s == 0.0 and plan.step_s == 9.0
     assert "0..1" in plan.table()
     again = Plan.from_json(plan.to_json())

@@ -8,6 +8,7 @@ import pytest
 
 from megatron_ssd.config import Placement
 from megatron_ssd.errors import ConfigError
+from megatron_ssd.placement import LayerChoice
 from megatron_ssd.planner import IOProfile, LayerProfile, Plan, StageProfile, make_plan, predict
 
 GB = 10**9
@@ -55,7 +56,8 @@ def test_max_offload_moves_the_longest_prefix_each_window_carries():
     assert make_plan(whole, read_ahead="fixed").layers_with(O) == []
     plan = make_plan(stage, read_ahead="fixed")
     assert [lp.placement_text for lp in plan.layers] == ["offload 2/4"] * 4 + ["keep"] * 4
-    assert plan.sites_by_layer() == {0: 2, 1: 2, 2: 2, 3: 2} and plan.sites == [2, 2, 2, 2, None, None, None, None]
+    assert plan.sites == [2, 2, 2, 2, None, None, None, None]
+    assert {i: c.sites for i, c in plan.choices().items()} == {i: 2 if i < 4 else None for i in range(8)}
     assert plan.offloaded_bytes == 4 * GB // 2 and plan.exposed_s == 0.0
     assert plan.step_s == pytest.approx(plan.keep_step_s)
     assert plan.peak_activation_bytes == plan.keep_peak_activation_bytes - 2 * GB
@@ -93,7 +95,7 @@ def test_under_a_wear_bound_a_budget_is_met_with_the_share_the_drives_can_take()
     by_layer = make_plan(whole, memory_budget=budget, max_write_bytes_per_s=limit, read_ahead="fixed")
     by_site = make_plan(stage, memory_budget=budget, max_write_bytes_per_s=limit, read_ahead="fixed")
     assert by_layer.offloaded_bytes == 0 and len(by_layer.layers_with(R)) == 2
-    assert by_site.sites_by_layer() == {0: 2} and by_site.offloaded_bytes == GB // 2
+    assert by_site.sites == [2] + [None] * (len(by_site.layers) - 1) and by_site.offloaded_bytes == GB // 2
     assert len(by_site.layers_with(R)) == 1
     assert by_site.step_s < by_layer.step_s and by_site.peak_activation_bytes <= budget
     loose = make_plan(stage, memory_budget=int(7.5 * GB), max_write_bytes_per_s=limit, read_ahead="fixed")
@@ -114,8 +116,8 @@ def test_a_budget_plan_writes_no_site_it_does_not_need():
 def test_plans_with_sites_round_trip_and_report_site_changes():
     plan = make_plan(split_stage(), read_ahead="fixed")
     again = Plan.from_json(plan.to_json())
-    assert again.sites_by_layer() == plan.sites_by_layer() and again.layers[0].offload_sites == 2
+    assert again.choices() == plan.choices() and again.layers[0].offload_sites == 2
     assert again.layers[0].site_count == 4 and again.layers[0].offloaded == GB // 2
     whole = Plan.from_json(plan.to_json())
-    whole.layers[0].offload_sites = None
+    whole.layers[0].choice = LayerChoice(Placement.OFFLOAD)
     assert plan.changes_from(whole) == ["layer 0: offload -> offload 2/4"]

@@ -294,22 +294,17 @@ def test_paired_steps_on_a_gpu_take_their_ratios_from_cuda_events():
 
     from megatron_ssd.commands.train import TrainRecipe
     from megatron_ssd.config import Placement, TrainConfig
+    from megatron_ssd.cache.policy import PlanState
+    from megatron_ssd.placement import LayerChoice
 
     class Cache:
-        default_placement = Placement.OFFLOAD
         policy = SimpleNamespace(rule_active=True)  # a peer's rule, switched off in keep steps
 
         def plan(self):
-            return {"L": Placement.OFFLOAD}
+            return PlanState({"L": LayerChoice(Placement.OFFLOAD)})
 
-        def read_ahead(self):
-            return None
-
-        def sites(self):
-            return None
-
-        def set_plan(self, plan, read_ahead=None, sites=None):
-            self.keep = plan == {}
+        def set_plan(self, plan, default=None):
+            self.keep = plan == {} and default is Placement.KEEP
 
     cache, sink = Cache(), []
     timer = StepTimer("cuda", event=FakeEvent)
