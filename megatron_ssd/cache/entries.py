@@ -2,7 +2,8 @@
 
 :class:`EntryTable` owns every entry and record, the lock all their transitions happen
 under, the step's counters and the count of resident bytes. It has one method per
-event of NOTE [Entry lifetime] (``record.py``):
+event of NOTE [Entry lifetime] (``record.py``); those of backward are handled by the
+:class:`~megatron_ssd.cache.backward.BackwardReads` it composes (``backward.py``):
 
 =====================  ==================================================================
 event                  method
@@ -13,7 +14,7 @@ tensor saved           :meth:`EntryTable.saved` (then :meth:`EntryTable.write` o
 write done             ``_write_done`` (an engine thread)
 layer backward starts  :meth:`EntryTable.backward_started` (issues the reads due)
 tensor needed          :meth:`EntryTable.needed` (backward unpacks it)
-read done              ``_read_done`` (an engine thread)
+read done              ``BackwardReads._read_done`` (an engine thread)
 tensor released        :meth:`EntryTable.released` (autograd dropped its last use)
 forward ends           :meth:`EntryTable.forward_ended`
 step ends              :meth:`EntryTable.take_step`
@@ -36,9 +37,10 @@ import torch
 
 from ..config import OffloadConfig
 from ..placement import MOVED, OUTSIDE, Placement
-from ..errors import CacheStateError, OffloadIOError, WriteCancelled
+from ..errors import CacheStateError, WriteCancelled
 from ..io.base import IOFuture
 from ..io.store import BlobStore
+from .backward import BackwardReads
 from .device import HostClock
 from .failures import WriteFailures
 from .identity import held_bytes, is_plain, storage_bytes, storage_weakref
@@ -48,10 +50,6 @@ from .record import Entry, EntryState, Record
 from .stats import Counters, LayerCounters
 
 __all__ = ["EntryTable"]
-
-
-class _NoRoom(Exception):
-    """A prefetch would take the resident bytes over the capacity guard's limit."""
 
 
 class EntryTable:
@@ -92,12 +90,11 @@ class EntryTable:
         """Records whose forward or backward is not finished, by key."""
         self.closed = False
         self._writes: Set[IOFuture] = set()
-        self._reads: Set[IOFuture] = set()
-        self._bwd_clock: Dict[int, Tuple[Hashable, Any]] = {}
-        """Per open record: the layer whose backward runs, and the clock's mark of its start."""
         self.failures = WriteFailures()
         """Warnings about failed writes, once per path then periodically (NOTE [Failed
         write warnings] in ``failures.py``)."""
+        self.backward = BackwardReads(self, policy, self._set_data, self._free_disk, self._cancel_write)
+        """Issues, serves and times the reads backward needs; owns the reads in flight."""
 
     # ------------------------------------------------------------------ records
 
@@ -362,7 +359,7 @@ class EntryTable:
         unneeded; their blobs are freed when they complete, so the step's disk bytes are
         counted after them."""
         with self.lock:
-            pending = list(self._writes) + list(self._reads)
+            pending = list(self._writes) + self.backward.in_flight()
         for future in pending:
             future.wait_settled()  # its callback records a failure and frees what it leaves
 
@@ -425,189 +422,19 @@ class EntryTable:
                     found.append(entry)
         return found
 
-    # ------------------------------------------------------------------ reads
+    # ------------------------------------------------------------------ backward
 
     def backward_started(self, record: Record, layer_id: Hashable) -> Optional[Hashable]:
-        """``layer_id``'s backward begins in ``record``: issue the reads due now,
-        needed-first (this layer's, then those of earlier layers whose sites' read-aheads
-        reach it, NOTE [Write and read issue points] in ``planner/step_timeline.py``).
+        """``layer_id``'s backward begins in ``record``: issue the reads due now
+        (:meth:`BackwardReads.backward_started`).
 
         Returns:
             The layer whose backward just ended in ``record`` (None: the first)."""
-        now = self.clock.mark()
-        with self.lock:
-            finished = self._clock_backward(record, layer_id, now)
-            order = record.layer_order
-            if layer_id not in order:
-                return finished
-            i = order.index(layer_id)
-            for k in range(i, -1, -1):
-                target = order[k]
-                if target in record.prefetched or (k != i and k + self.policy.read_ahead(target) < i):
-                    continue
-                try:
-                    if self._prefetch(record, target, i - k):
-                        record.prefetched.add(target)
-                except (torch.OutOfMemoryError, _NoRoom):  # NOTE [Prefetch under memory pressure]
-                    self.counters.prefetch_deferred += 1
-                    break
-            return finished
-
-    # NOTE [Prefetch under memory pressure]
-    # A prefetch allocates its read buffer when backward reaches the layer whose read-ahead
-    # is due, which can be while this layer's backward is at its own peak (gradients,
-    # temporaries). If that allocation fails, the read is not needed yet: the entry stays
-    # on the drive, the reads still due now are left for later (another layer's backward
-    # start issues them again, or backward's unpack reads the tensor when it needs it, a
-    # late read, when the peak has passed), and the step goes on. Raising from here would
-    # abort backward, because this runs in a gradient hook. Counted in
-    # ``prefetch_deferred``; an allocation that fails when the tensor is needed raises.
-    # A prefetch that would take the resident bytes over the capacity guard's limit (NOTE
-    # [Capacity guard] in ``policy.py``) is deferred the same way, before allocating.
-
-    def _clock_backward(self, record: Record, layer_id: Hashable, now: Any) -> Optional[Hashable]:
-        """Close the running layer's backward time, start ``layer_id``'s; the layer whose
-        backward ended (None: none ran yet)."""
-        last = self._bwd_clock.get(id(record))
-        if last is not None:
-            lc = self.counters.layers.get(last[0])
-            if lc is not None:
-                self.clock.add(last[1], now, partial(_add, lc, "backward_s"))
-        self._bwd_clock[id(record)] = (layer_id, now)
-        return None if last is None else last[0]
-
-    def _prefetch(self, record: Record, layer_id: Hashable, distance: int) -> bool:
-        """Issue the reads of ``layer_id``'s entries whose read-ahead reaches
-        ``distance`` layers (0: its own backward starts: all); True when none is left.
-
-        Last saved first: a layer's backward uses its saved tensors roughly in reverse
-        save order, so the engine's queue gets them in the order they are needed. Issuing
-        is idempotent per entry (a read in flight or a forwarded entry is left alone), so
-        an entry due earlier is skipped when its layer is visited again."""
-        done = True
-        for entry in reversed(record.layer_entries.get(layer_id, ())):
-            if distance and self.policy.read_ahead(layer_id, entry.site if entry.layer == layer_id else None) < distance:
-                done = False
-                continue
-            if entry.state is EntryState.ON_DISK:
-                limit = self.policy.resident_limit  # NOTE [Capacity guard] in policy.py
-                if limit is not None and self.resident + entry.nbytes > limit:
-                    raise _NoRoom()
-                self._submit_read(entry)
-            elif entry.state is EntryState.STAGED:  # read once its write lands (NOTE [Released at staging])
-                done = False
-            elif entry.state in (EntryState.WRITING, EntryState.LOADED):
-                self._note_forwarded(entry)
-        return done
-
-    def _submit_read(self, entry: Entry) -> None:
-        # Caller holds the lock.
-        dst, entry.read_future = entry.store.get(entry.handle, entry.device)
-        self._set_data(entry, dst)
-        entry.state = EntryState.READING
-        entry.reloaded = True
-        self._reads.add(entry.read_future)
-        entry.read_future.add_done_callback(partial(self._read_done, entry))
-
-    def _read_done(self, entry: Entry, future: IOFuture) -> None:
-        with self.lock:
-            self._reads.discard(future)
-            if future.error() is None:
-                entry.store.fetched(entry.handle)
-            if entry.state is EntryState.RELEASED:
-                self._free_disk(entry)
-                self._set_data(entry, None)
-                return
-            if future.error() is None:
-                entry.state = EntryState.LOADED
-                entry.read_future = None
-                self._free_disk(entry)
-
-    def _time_use(self, entry: Entry) -> None:
-        """Time the first unpack of a site from its layer's backward start (NOTE [Site use
-        times] in ``planner/profile.py``). Caller holds the lock."""
-        running = self._bwd_clock.get(id(entry.record))
-        if entry.site is None or running is None or running[0] != entry.layer:
-            return
-        lc = self.layer(entry.layer)
-        while len(lc.site_use_s) <= entry.site:
-            lc.site_use_s.append(0.0)
-            lc.site_uses.append(0)
-        self.clock.since(running[1], partial(_add_at, lc.site_use_s, entry.site))
-        lc.site_uses[entry.site] += 1
-
-    def _note_forwarded(self, entry: Entry) -> None:
-        if entry.placement in MOVED and not entry.wanted:
-            entry.wanted = True
-            if entry.state in (EntryState.WRITING, EntryState.LOADED) and not entry.reloaded:
-                self.counters.bytes_forwarded += entry.nbytes
-            self._cancel_write(entry)
+        return self.backward.backward_started(record, layer_id)
 
     def needed(self, entry: Entry, name: str = "") -> torch.Tensor:
-        """Backward unpacks ``entry``: its bytes, after waiting for its read (issued
-        now when none was: a late read), or first for its staged write (NOTE [Released at
-        staging]).
-
-        Raises:
-            CacheStateError: the cache is closed, or the entry has no data.
-            OffloadIOError: the read failed, or the write of a staged entry did (named
-                with ``name``, else the entry's layer).
-        """
-        while True:
-            future: Optional[IOFuture] = None
-            staged: Optional[IOFuture] = None
-            with self.lock:
-                if self.closed:
-                    raise CacheStateError("unpack after close(): the cache's files are gone")
-                if not entry.used:
-                    entry.used = True
-                    self._time_use(entry)
-                if entry.state is EntryState.LOST:
-                    raise self._named(OffloadIOError(f"its write failed after its device memory was released: "
-                                                     f"{entry.lost}"), entry, name)
-                if entry.state is EntryState.STAGED:
-                    staged = entry.write_future
-                elif entry.state is EntryState.ON_DISK:
-                    self.counters.late_reads += 1
-                    self._submit_read(entry)
-                if entry.state is EntryState.READING:
-                    future = entry.read_future
-                elif staged is None:
-                    self._note_forwarded(entry)
-                    data = entry.data
-            if staged is not None:  # wait for the drive, then read it back
-                self._waited(entry, staged.wait_settled)
-                continue
-            break
-        if future is not None:
-            try:
-                self._waited(entry, future.get)
-            except OffloadIOError as err:
-                raise self._named(err, entry, name) from err
-            data = entry.data
-        if data is None:
-            raise CacheStateError(f"saved tensor of layer {entry.layer!r} has no data (state {entry.state.value})")
-        if entry.on_host:
-            data = data.to(entry.device)
-        return data
-
-    def _waited(self, entry: Entry, wait: Any) -> None:
-        """``wait()``, its time added to the stalls of the layer whose backward runs."""
-        started = self.clock.mark()
-        try:
-            wait()
-        finally:
-            ended = self.clock.mark()
-            with self.lock:
-                running = self._bwd_clock.get(id(entry.record))
-                lc = self.counters.layers.get(running[0] if running else entry.layer)
-                self.clock.add(started, ended, partial(_add_stall, self.counters, lc))
-
-    @staticmethod
-    def _named(err: OffloadIOError, entry: Entry, name: str) -> OffloadIOError:
-        named = type(err)(f"{err} ({name or f'layer {entry.layer!r}'})")
-        named.errno = getattr(err, "errno", None)
-        return named
+        """Backward unpacks ``entry``: its bytes, once read (:meth:`BackwardReads.needed`)."""
+        return self.backward.needed(entry, name)
 
     # ------------------------------------------------------------------ release
 
@@ -652,9 +479,7 @@ class EntryTable:
             record.entries.clear()
             record.layer_entries.clear()
             record.prefetched.clear()
-            last = self._bwd_clock.pop(id(record), None)
-            if last is not None and last[0] in self.counters.layers:
-                self.clock.since(last[1], partial(_add, self.counters.layers[last[0]], "backward_s"))
+            self.backward.retired(record)
 
     # ------------------------------------------------------------------ step / close
 
@@ -675,17 +500,6 @@ class EntryTable:
         self.failures.flush()
 
 
-
 def _add(counters: Any, field: str, seconds: float) -> None:
     """A clock span's seconds added to ``counters.field`` (NOTE [Device time])."""
     setattr(counters, field, getattr(counters, field) + seconds)
-
-
-def _add_at(values: List[float], index: int, seconds: float) -> None:
-    values[index] += seconds
-
-
-def _add_stall(counters: Counters, layer: Optional[LayerCounters], seconds: float) -> None:
-    counters.stall_s += seconds
-    if layer is not None:
-        layer.stall_s += seconds

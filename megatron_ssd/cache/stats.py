@@ -174,7 +174,7 @@ class StepStats:
     prefetch_deferred: int = 0
     """Prefetches put off because their read buffer could not be allocated (out of device
     memory); the tensors were read when backward needed them instead (NOTE [Prefetch
-    under memory pressure] in ``cache/entries.py``)."""
+    under memory pressure] in ``cache/backward.py``)."""
     peak_saved_bytes: int = 0
     """Peak bytes of the saved tensors alive at once, wherever their bytes were (memory, a
     drive, the host pool): what keeping every tensor would have held, measured without

@@ -23,10 +23,10 @@ def six_layers():
 
 
 def spy(cache, method, log):
-    """Log ``(running layer, *what(args))`` on each call of ``cache.entries.<method>``,
+    """Log ``(running layer, *what(args))`` on each call of ``cache.entries.backward.<method>``,
     the running layer being the last whose backward started."""
     running = []
-    real, real_started = getattr(cache.entries, method), cache.entries.backward_started
+    real, real_started = getattr(cache.entries.backward, method), cache.entries.backward_started
 
     def call(*args):
         log.append((running[-1], *args))
@@ -36,7 +36,7 @@ def spy(cache, method, log):
         running.append(layer_id)
         return real_started(record, layer_id)
 
-    setattr(cache.entries, method, call)
+    setattr(cache.entries.backward, method, call)
     cache.entries.backward_started = started
 
 

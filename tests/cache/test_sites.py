@@ -72,13 +72,13 @@ def test_a_layer_is_read_back_last_saved_first(offload_dir):
         cache.register_layers(model.layers)
         cache.set_plan({0: "offload", 1: "keep"})
         order = []
-        real = cache.entries._submit_read
+        real = cache.entries.backward._submit_read
 
         def submit(entry):
             order.append(entry.site)
             return real(entry)
 
-        cache.entries._submit_read = submit
+        cache.entries.backward._submit_read = submit
         with cache.microbatch():
             loss = model(batch)
         cache.drain()
