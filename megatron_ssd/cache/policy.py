@@ -35,7 +35,7 @@ after queuing a write the forward waits while the resident bytes exceed the limi
 writes are in flight (``EntryTable.write``), so bytes waiting to be written count
 against the limit too. In backward a prefetch that would take the resident bytes over
 the limit is deferred until backward needs the tensor (NOTE [Prefetch under memory
-pressure] in ``entries.py``). Only bytes the cache cannot move (small and unmovable
+pressure] in ``backward.py``). Only bytes the cache cannot move (small and unmovable
 tensors, the tensors backward is using) can take it over.
 """
 
