@@ -16,7 +16,7 @@ from typing import Hashable, Mapping, Optional, Sequence, Tuple, Union
 
 from .errors import ConfigError
 
-__all__ = ["Placement", "MOVED", "EMBEDDING", "HEAD", "OUTSIDE", "LayerChoice", "default_placement"]
+__all__ = ["Placement", "MOVED", "EMBEDDING", "HEAD", "OUTSIDE", "LayerChoice", "default_placement", "placement_named"]
 
 
 class Placement(str, enum.Enum):
@@ -72,6 +72,8 @@ class LayerChoice:
     the layer's own backward starts). None: ``offload.prefetch_layers``."""
 
     def __post_init__(self) -> None:
+        if not isinstance(self.placement, Placement):  # a placement's name
+            object.__setattr__(self, "placement", placement_named("LayerChoice.placement", self.placement))
         if isinstance(self.read_ahead, list):  # from JSON: one hashable, comparable form
             object.__setattr__(self, "read_ahead", tuple(self.read_ahead))
 
@@ -84,12 +86,11 @@ class LayerChoice:
             ConfigError: an unknown placement, a read-ahead below 1 (below 0 in a
                 per-site list) or a negative site count, naming the layer and the value.
         """
-        choice = value if isinstance(value, LayerChoice) else LayerChoice(value)  # type: ignore[arg-type]
-        try:
-            placement = Placement(choice.placement)
-        except ValueError:
-            raise ConfigError(f"plan[{layer_id!r}] = {choice.placement!r}: must be one of "
-                              f"{[p.value for p in Placement]}") from None
+        if isinstance(value, LayerChoice):
+            choice = value
+        else:
+            choice = cls(placement_named(f"plan[{layer_id!r}]", value))
+        placement = choice.placement
         sites = choice.sites
         if sites is not None and not _is_int(sites, 0):
             raise ConfigError(f"sites[{layer_id!r}] = {sites!r}: must be an integer >= 0 (sites to move)")
@@ -106,24 +107,33 @@ class LayerChoice:
     @classmethod
     def from_dict(cls, layer_id: Hashable, data: object) -> "LayerChoice":
         """A checked choice from its JSON form (``{"placement": ..., "sites": ...,
-        "read_ahead": ...}``; ``sites`` and ``read_ahead`` may be left out).
+        "read_ahead": ...}``, all three keys).
 
         Raises:
-            ConfigError: not a mapping, an unknown or missing key, or a value
-                :meth:`of` refuses.
+            ConfigError: not a mapping of those keys, or a value :meth:`of` refuses.
         """
-        if not isinstance(data, Mapping):
-            raise ConfigError(f"plan[{layer_id!r}].choice = {data!r}: must be a mapping with placement, sites, read_ahead")
-        unknown = sorted(set(data) - {"placement", "sites", "read_ahead"})
-        if unknown or "placement" not in data:
-            raise ConfigError(f"plan[{layer_id!r}].choice keys = {sorted(data)}: must be placement and optionally "
-                              "sites and read_ahead")
-        return cls.of(layer_id, cls(**data))
+        keys = ["placement", "sites", "read_ahead"]
+        if not isinstance(data, Mapping) or sorted(data) != sorted(keys):
+            raise ConfigError(f"plan[{layer_id!r}].choice = {data!r}: must be a mapping of exactly {keys}")
+        placement = placement_named(f"plan[{layer_id!r}].choice.placement", data["placement"])
+        return cls.of(layer_id, cls(placement, data["sites"], data["read_ahead"]))
 
     @property
     def moved(self) -> bool:
         """Whether the layer's tensors leave compute-device memory (OFFLOAD or HOST)."""
         return self.placement in MOVED
+
+
+def placement_named(what: str, value: object) -> Placement:
+    """``value`` (a :class:`Placement` or its name) as a :class:`Placement`.
+
+    Raises:
+        ConfigError: not a placement's name, naming ``what`` and the value.
+    """
+    try:
+        return Placement(value)
+    except ValueError:
+        raise ConfigError(f"{what} = {value!r}: must be one of {[p.value for p in Placement]}") from None
 
 
 def default_placement(layer_id: Hashable, layers: Sequence[Hashable], keep_last: int,

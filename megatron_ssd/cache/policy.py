@@ -42,12 +42,13 @@ tensors, the tensors backward is using) can take it over.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Dict, Hashable, List, Mapping, Optional, Set, Union
 
 import torch
 
 from ..config import OffloadConfig
-from ..placement import MOVED, OUTSIDE, LayerChoice, Placement, default_placement
+from ..placement import MOVED, OUTSIDE, LayerChoice, Placement, default_placement, placement_named
 from ..errors import ConfigError
 from .peer_rules import PeerRule, rule_for
 
@@ -59,8 +60,8 @@ class PlanState:
     """One plan, swapped whole by :meth:`PlacementPolicy.set_plan` (readers on other
     threads see the old plan or the new one, never a mix)."""
 
-    choices: Dict[Hashable, LayerChoice] = field(default_factory=dict)
-    """The plan's choice per layer id (placement, sites moved, read-ahead)."""
+    choices: Mapping[Hashable, LayerChoice] = field(default_factory=lambda: MappingProxyType({}))
+    """The plan's choice per layer id (placement, sites moved, read-ahead); read-only."""
     default: Optional[Placement] = None
     """Placement of the layers the plan does not name; None: the ``keep_last_layers``
     rule (:func:`~megatron_ssd.placement.default_placement`)."""
@@ -117,8 +118,8 @@ class PlacementPolicy:
                     "host pool (e.g. offload.host_pool_bytes=8GiB)"
                 )
         if default is not None:
-            default = LayerChoice.of("default", default).placement
-        self.state = PlanState(choices, default)
+            default = placement_named("set_plan(default=...)", default)
+        self.state = PlanState(MappingProxyType(choices), default)
 
     def left_to_autograd(self, t: torch.Tensor) -> bool:
         """Whether the cache leaves a saved tensor to autograd, uncounted: parameters (and

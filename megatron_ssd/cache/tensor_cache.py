@@ -237,13 +237,14 @@ class TensorCache:
         the next tensor saved; set it between steps.
 
         Raises:
-            ConfigError: an unknown placement, ``host`` without a host pool, a read-ahead
-                below 1 (below 0 in a per-site list) or a negative site count.
+            ConfigError: an unknown placement, ``recompute`` for the tensors outside the
+                layers, ``host`` without a host pool, a read-ahead below 1 (below 0 in a
+                per-site list) or a negative site count.
         """
         self.policy.set_plan(plan, default)
 
     def plan(self) -> PlanState:
-        """The plan set with :meth:`set_plan` (frozen: its choices and its default)."""
+        """The plan set with :meth:`set_plan` (read-only: its choices and its default)."""
         return self.policy.state
 
     @property

@@ -11,7 +11,8 @@ from typing import Any, Dict, List, Optional, Sequence
 
 from ..adaptive import profile_counts, profile_schedule
 from ..cache import StepStats
-from ..config import OUTSIDE, PlannerConfig, TrainConfig
+from ..config import PlannerConfig, TrainConfig
+from ..placement import OUTSIDE
 from ..units import MiB
 from ..planner import Plan
 from .intervals import ratio_ci95

@@ -40,8 +40,8 @@ __all__ = ["just_in_time"]
 # goal, a layer the search cut to a prefix of its sites (its next site lowered no peak
 # when read with the layer) then gets its next sites back, one at a time at the
 # smallest read-ahead that passes, while each lowers the predicted peak. The cache
-# issues each site's read at its read-ahead (``TensorCache.set_plan(...,
-# read_ahead=...)``).
+# issues each site's read at its read-ahead (``LayerChoice.read_ahead`` in
+# ``TensorCache.set_plan``).
 
 
 def _depth_ladder(first: int, n: int) -> List[int]:

@@ -47,7 +47,7 @@ LayerId = Union[str, int]
 # their reads have the most time too. RECOMPUTE stays a whole-layer choice. The cache
 # numbers sites the same way (``Entry.site``), reports their bytes per layer
 # (``LayerCounters.site_bytes``) and applies a plan's site counts
-# (``TensorCache.set_plan(..., sites=...)``).
+# (``LayerChoice.sites`` in ``TensorCache.set_plan``).
 
 # NOTE [Site use times]
 # A layer's backward does not need all its saved tensors at once: it runs its ops in

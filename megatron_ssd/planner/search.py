@@ -173,8 +173,10 @@ class PlacementSearch:
 
     @staticmethod
     def hidden(tl: Timeline) -> bool:
-        """No stall (beyond float noise) and no forwarded layer."""
-        return not tl.forwarded and tl.exposed_s <= 1e-9 * tl.compute_s + 1e-12
+        """No stall (beyond float noise): backward waits for no read and no forward waits
+        for the in-flight bound (NOTE [In-flight bound] in ``step_timeline.py``); and no
+        forwarded layer."""
+        return not tl.forwarded and tl.exposed_s + tl.write_wait_s <= 1e-9 * tl.compute_s + 1e-12
 
     # NOTE [Slowdown bound]
     # "Hidden" I/O never stalls backward, but on a machine where the I/O engine shares
@@ -318,16 +320,16 @@ class PlacementSearch:
         while not self.fits(choices, tl, budget):
             taken = False
             while heap:
-                key, seen, i, rank, move, k = heapq.heappop(heap)
+                key, seen, i, rank, move, target = heapq.heappop(heap)
                 if move not in moves(i):
                     continue  # the layer moved since this entry was stored
                 if seen != version:
                     target = self._resolve(choices, tl, eps, i, move)
                     key = self._score(tl, area, choices, target, eps, i, rank)
-                    heapq.heappush(heap, (key, version, i, rank, move, target))
+                    heapq.heappush(heap, (key, version, i, rank, move, target))  # equal keys: equal targets
                     continue
                 if key[0] < _NO_BENEFIT:
-                    choices = _with(choices, i, k)
+                    choices = _with(choices, i, target)
                     tl = self.judge(choices)
                     area = _byte_seconds(tl, self.stage)
                     version += 1
@@ -338,12 +340,12 @@ class PlacementSearch:
                 elif refreshed != version:
                     # the best fresh move does not help: stored scores may be stale
                     # the other way, so score every move against the current placements
-                    heapq.heappush(heap, (key, seen, i, rank, move, k))
+                    heapq.heappush(heap, (key, seen, i, rank, move, target))
                     refreshed = version
                     rescore_all()
                     continue
                 else:
-                    heapq.heappush(heap, (key, seen, i, rank, move, k))
+                    heapq.heappush(heap, (key, seen, i, rank, move, target))
                 break
             if not taken:
                 if allow_recompute:

@@ -25,6 +25,14 @@ def test_a_layer_choice_is_checked_and_normalised():
     assert LayerChoice.of(3, "offload") == LayerChoice(O)
     assert LayerChoice.of(3, LayerChoice("host", 2, [0, 1])) == LayerChoice(Placement.HOST, 2, (0, 1))  # type: ignore[arg-type]
     assert LayerChoice(O, read_ahead=[2, 1]).read_ahead == (2, 1)  # type: ignore[arg-type]  # as JSON gives it
+    assert LayerChoice("offload").placement is O  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match=r"^megatron_ssd: LayerChoice.placement = 'ssd': must be one of"):
+        LayerChoice("ssd")  # type: ignore[arg-type]
+    assert LayerChoice.from_dict(3, {"placement": "host", "sites": 1, "read_ahead": [0, 2]}) == \
+        LayerChoice(Placement.HOST, 1, (0, 2))
+    with pytest.raises(ConfigError, match=r"plan\[3\].choice = \{'placement': 'keep'\}: must be a mapping of exactly "
+                                          r"\['placement', 'sites', 'read_ahead'\]"):
+        LayerChoice.from_dict(3, {"placement": "keep"})
     with pytest.raises(ConfigError, match=r"^megatron_ssd: plan\[3\] = 'ssd': must be one of \['keep', 'offload', "
                                           r"'recompute', 'host'\]$"):
         LayerChoice.of(3, "ssd")
@@ -48,7 +56,7 @@ def test_the_planner_models_the_default_the_cache_applies():
     ids = [EMBEDDING, 0, 1, 2, 3, 4]
     stage = StageProfile([LayerProfile(i, 1.0, 2.0, 100, recomputable=i not in (EMBEDDING, 2)) for i in ids],
                          IOProfile(1e9, 1e9))
-    for keep_last in (0, 1, 2):
+    for keep_last in (0, 1, 2, 7):  # 7: more than the layers (the cache kept only the last one before)
         for placement, default in ((O, None), (R, R), (O, O)):
             policy = _policy(keep_last_layers=keep_last)
             policy.set_plan({}, default)
@@ -63,8 +71,10 @@ def test_the_plan_is_swapped_whole_default_included():
     assert policy.default is K and policy.read_ahead(0) == 2 and policy.read_ahead(1) == 1
     policy.set_plan({1: "keep"})
     assert [policy.layer(i) for i in range(5)] == [O, K, O, O, K] and policy.default is None
-    with pytest.raises(ConfigError, match=r"plan\['default'\] = 'sdd': must be one of"):
+    with pytest.raises(ConfigError, match=r"^megatron_ssd: set_plan\(default=...\) = 'sdd': must be one of"):
         policy.set_plan({}, "sdd")
+    with pytest.raises(TypeError):
+        policy.state.choices[0] = LayerChoice(K)  # type: ignore[index]  # read-only
 
 
 def test_the_policy_decides_which_tensors_may_move():

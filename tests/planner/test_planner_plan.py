@@ -186,7 +186,7 @@ def test_plan_json_rejects_wrong_schema_and_unknown_keys():
     with pytest.raises(ConfigError, match=r"^megatron_ssd: Plan.schema = 'other/9': must be 'megatron_ssd.plan/2' "
                                           r"\(or 'megatron_ssd.plan/1', read too\)$"):
         Plan.from_dict({**data, "schema": "other/9"})
-    bad = {**data, "layers": [{**data["layers"][0], "choice": {"placement": "offload", "sites": -2}}]}
+    bad = {**data, "layers": [{**data["layers"][0], "choice": {"placement": "offload", "sites": -2, "read_ahead": 1}}]}
     with pytest.raises(ConfigError, match=r"sites\[0\] = -2: must be an integer >= 0"):
         Plan.from_dict(bad)
     with pytest.raises(ConfigError, match="unknown key 'peak'"):

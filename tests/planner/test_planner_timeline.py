@@ -7,6 +7,7 @@ import pytest
 from megatron_ssd.config import Placement
 from megatron_ssd.errors import ConfigError
 from megatron_ssd.planner.profile import IOProfile, LayerProfile, StageProfile
+from megatron_ssd.planner.plan import make_plan
 from megatron_ssd.planner.step_timeline import predict
 
 K, O, R = Placement.KEEP, Placement.OFFLOAD, Placement.RECOMPUTE
@@ -201,3 +202,19 @@ def test_a_site_larger_than_the_bound_waits_only_for_an_empty_queue():
 def test_the_bound_is_checked():
     with pytest.raises(ConfigError, match=r"IOProfile.max_inflight_bytes = 0: must be an integer > 0 or null"):
         IOProfile(1.0, 1.0, max_inflight_bytes=0)
+
+
+def test_the_hidden_offload_admits_no_write_wait():
+    """Four layers of two 50-byte sites, written at 100 B/s under a 100-byte bound: each
+    layer offloaded after the first makes the forward wait (0.8 s, then 1.7 s) while
+    backward's reads still hide. Before: ``max_offload`` took three layers, a step 1.7 s
+    longer than keep-everything's, as "hidden"; a wait is exposed I/O. A budget may still
+    buy memory with waits."""
+    layers = [LayerProfile(i, 0.1, 2.0, 100, site_bytes=[50, 50]) for i in range(4)]
+    stage = StageProfile(layers, IOProfile(100.0, 100.0, max_inflight_bytes=100), other_s=5.0)
+    waits = [predict(stage, [Placement.OFFLOAD] * n + [Placement.KEEP] * (4 - n)).write_wait_s for n in (1, 2, 3)]
+    assert waits == pytest.approx([0.0, 0.8, 1.7])
+    hidden = make_plan(stage, safety_margin=0.0)
+    assert hidden.placements == [Placement.KEEP] * 4 and hidden.step_s == hidden.keep_step_s  # layer 0 alone buys nothing
+    budget = make_plan(stage, memory_budget=300, safety_margin=0.0, allow_recompute=False)
+    assert budget.peak_activation_bytes <= 300 and budget.step_s == pytest.approx(budget.keep_step_s + 0.7)
