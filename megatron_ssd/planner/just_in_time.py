@@ -9,12 +9,12 @@ forwarding or higher peak; NOTE [Just-in-time reads] below says why and in what 
 
 from __future__ import annotations
 
-from typing import Callable, List, Optional, Tuple
+import dataclasses
+from typing import Any, Callable, List, Optional, Tuple
 
-from ..placement import MOVED, LayerChoice
 from .profile import StageProfile
-from .search import GOAL_MAX_OFFLOAD, Choices, PlanInfeasibleError
-from .step_timeline import ReadAhead, Timeline, predict, use_order
+from .search import GOAL_MAX_OFFLOAD, Choices, PlanInfeasibleError, replay
+from .step_timeline import Timeline, use_order
 
 __all__ = ["just_in_time"]
 
@@ -92,66 +92,64 @@ def just_in_time(
         best = min(hidden, key=lambda c: (c[2].peak_bytes, c[3], c[4]))
     else:
         best = min(candidates, key=lambda c: (round(c[2].step_s, 12), c[3], c[2].peak_bytes, c[4]))
-    choice, goal, tl, _, depth = best
-    placements, sites = [c.placement for c in choice], [c.sites for c in choice]
-    depths: List[ReadAhead] = [depth] * n
+    chosen, goal, tl, _, depth = best
+    choices = [dataclasses.replace(c, read_ahead=depth) for c in chosen]
     derated = stage.io.derated(safety_margin)
-    judged = [tl, predict(stage, placements, depths, io=derated, sites=sites)]
+    judged = [tl, replay(stage, choices, io=derated)]
 
-    def no_worse(trial: List[ReadAhead], counts: Optional[List[Optional[int]]] = None, lower: bool = False) -> bool:
-        """Whether ``trial`` (and ``counts``) adds no stall, forwarding or step time and
-        no peak (``lower``: lowers it) at both bandwidths, within ``allowed``; then it is
-        the new reference."""
+    def no_worse(trial: Choices, lower: bool = False) -> bool:
+        """Whether ``trial`` adds no stall, forwarding or step time and no peak
+        (``lower``: lowers it) at both bandwidths, within ``allowed``; then it is the new
+        reference."""
         nonlocal judged
-        counts = sites if counts is None else counts
-        trials = [predict(stage, placements, trial, sites=counts),
-                  predict(stage, placements, trial, io=derated, sites=counts)]
+        trials = [replay(stage, trial), replay(stage, trial, io=derated)]
         if all(not t.forwarded and t.exposed_s <= j.exposed_s + 1e-12 and t.step_s <= j.step_s + 1e-12
                and (t.peak_bytes < j.peak_bytes if lower else t.peak_bytes <= j.peak_bytes)
-               for t, j in zip(trials, judged)) and allowed([LayerChoice(p, k) for p, k in zip(placements, counts)],
-                                                        trials[1]):
+               for t, j in zip(trials, judged)) and allowed(trial, trials[1]):
             judged = trials
             return True
         return False
 
+    def changed(i: int, **change: Any) -> Choices:
+        """``choices`` with layer ``i``'s choice changed."""
+        return choices[:i] + [dataclasses.replace(choices[i], **change)] + choices[i + 1:]
+
     for i in range(n - 1, -1, -1):  # whole layers
-        if placements[i] not in MOVED:
+        if not choices[i].moved:
             continue
         for later in range(1, depth):
-            trial = depths[:i] + [later] + depths[i + 1:]
+            trial = changed(i, read_ahead=later)
             if no_worse(trial):
-                depths = trial
+                choices = trial
                 break
     for i in range(n - 1, -1, -1):  # then site by site, in the order backward uses them
         layer = stage.layers[i]
-        if placements[i] not in MOVED or not layer.sites:
+        if not choices[i].moved or not layer.sites:
             continue
-        whole = depths[i]
+        whole = choices[i].read_ahead
         assert isinstance(whole, int)
         m = len(layer.sites)
-        per_site = [whole] * m
-        moved = m if sites[i] is None else sites[i]
+        per_site: Tuple[int, ...] = (whole,) * m
+        moved = m if choices[i].sites is None else choices[i].sites
         for s in use_order(layer, moved):
             for later in range(0, whole):
-                trial_sites = per_site[:s] + [later] + per_site[s + 1:]
-                trial = depths[:i] + [trial_sites] + depths[i + 1:]
+                trial_sites = per_site[:s] + (later,) + per_site[s + 1:]
+                trial = changed(i, read_ahead=trial_sites)
                 if no_worse(trial):
-                    per_site, depths = trial_sites, trial
+                    per_site, choices = trial_sites, trial
                     break
         # a site the placement search cut because, read a whole layer's read-ahead early,
         # it lowered no peak, may lower it read later: move it back if it now does (only
         # when the goal is the lowest peak; under a budget fewer bytes written wins)
         while goal == GOAL_MAX_OFFLOAD and moved < m:
-            counts = sites[:i] + [None if moved + 1 == m else moved + 1] + sites[i + 1:]
             for later in range(0, whole + 1):
-                trial_sites = per_site[:moved] + [later] + per_site[moved + 1:]
-                trial = depths[:i] + [trial_sites] + depths[i + 1:]
-                if no_worse(trial, counts, lower=True):
-                    per_site, depths, sites, moved = trial_sites, trial, counts, moved + 1
+                trial_sites = per_site[:moved] + (later,) + per_site[moved + 1:]
+                trial = changed(i, sites=None if moved + 1 == m else moved + 1, read_ahead=trial_sites)
+                if no_worse(trial, lower=True):
+                    per_site, choices, moved = trial_sites, trial, moved + 1
                     break
             else:
                 break
         if len(set(per_site)) == 1 and per_site[0] >= 1:
-            depths[i] = per_site[0]  # one read-ahead for all its sites after all
-    return [LayerChoice(p, k, d if isinstance(d, int) else tuple(d))
-            for p, k, d in zip(placements, sites, depths)], goal
+            choices[i] = dataclasses.replace(choices[i], read_ahead=per_site[0])  # one read-ahead for all its sites
+    return choices, goal

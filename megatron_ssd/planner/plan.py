@@ -444,7 +444,7 @@ def make_plan(
         limits = PlacementSearch(stage, stage.io.derated(safety_margin), prefetch_depth, max_write_bytes_per_s,
                                  host_budget_bytes or 0)
         choices, goal = just_in_time(stage, choose, prefetch_depth, safety_margin, limits.allowed)
-    tl = replay(stage, choices, [c.read_ahead for c in choices])
+    tl = replay(stage, choices)
     keep = predict(stage, [Placement.KEEP] * n, prefetch_depth)
     plan = _build(stage, tl, keep, goal, memory_budget, safety_margin, prefetch_depth, choices)
     plan.read_ahead = read_ahead

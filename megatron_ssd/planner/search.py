@@ -58,11 +58,12 @@ Choices = List[LayerChoice]
 _KEEP = LayerChoice(Placement.KEEP)
 
 
-def replay(stage: StageProfile, choices: Sequence[LayerChoice], depth: Union[int, Sequence[ReadAhead]],
+def replay(stage: StageProfile, choices: Sequence[LayerChoice], depth: Union[None, int, Sequence[ReadAhead]] = None,
            io: Optional[IOProfile] = None) -> Timeline:
     """:func:`~megatron_ssd.planner.step_timeline.predict` of ``choices`` (their
-    placements and site counts) at read-ahead ``depth``."""
-    return predict(stage, [c.placement for c in choices], depth, io=io, sites=[c.sites for c in choices])
+    placements and site counts) at read-ahead ``depth``; None: each choice's own."""
+    depths = [c.read_ahead for c in choices] if depth is None else depth
+    return predict(stage, [c.placement for c in choices], depths, io=io, sites=[c.sites for c in choices])
 
 
 def _largest(lo: int, hi: int, ok: Callable[[int], bool]) -> Optional[int]:
