@@ -183,6 +183,7 @@ def stage_profile(spec: SimulationSpec) -> StageProfile:
         write_bytes_per_s=spec.ssd_count * spec.ssd_write_bytes_per_s / spec.gpus_per_array,
         read_bytes_per_s=spec.ssd_count * spec.ssd_read_bytes_per_s / spec.gpus_per_array,
         host_bytes_per_s=spec.host_bytes_per_s if spec.host_ram_bytes_per_node > 0 else None,
+        max_inflight_bytes=spec.max_inflight_bytes,
     )
     in_flight = min(spec.pp - spec.pipeline_rank, spec.num_microbatches)
     return StageProfile(

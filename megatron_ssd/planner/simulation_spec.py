@@ -15,7 +15,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Annotated, Any, Callable, Dict, Optional, Sequence
 
-from ..config import Bytes, InRange, NonNegative, Number, OneOf, Positive, field_docs, field_metadata, load_config
+from ..config import Bytes, InRange, Integer, NonNegative, Number, OneOf, Positive, field_docs, field_metadata, load_config
 from ..config import _broken, _settle
 from ..errors import ConfigError
 from .drives import DRIVES, DrivePreset, drive_preset
@@ -127,6 +127,12 @@ class SimulationSpec:
     """Copy bandwidth between one GPU and pinned host memory, each way (PCIe 4.0 x16 is
     32 GB/s raw, PCIe 5.0 x16 64 GB/s; 25e9 leaves headroom for the node's GPUs and
     NICs sharing the host's links)."""
+    max_inflight_bytes: Optional[Annotated[int, Bytes, Integer(Positive())]] = None
+    """The I/O engine's bound on write bytes queued or in flight per process (the
+    runtime's ``io.max_inflight_bytes``, 256 MiB by default, binding when
+    ``io.on_backpressure`` is ``wait``, the default): a forward that saves faster than
+    the array drains waits for it, and the ``max_offload`` goal admits no such wait
+    (NOTE [In-flight bound] in ``planner/step_timeline.py``). ``null``: no bound."""
     gpu_memory_bytes: Optional[Annotated[float, Number(Positive())]] = 80e9
     """Memory of one GPU (H100 SXM: 80e9, H200: 141e9, A100: 40e9 or 80e9): the plan must
     fit what remains for activations (NOTE [Simulated capacity]); ``None``: no limit."""

@@ -8,6 +8,7 @@ import math
 import pytest
 
 from megatron_ssd.errors import ConfigError
+from megatron_ssd.planner import predict
 from megatron_ssd.planner.simulate import (
     stage_parameters,
     SimulationSpec,
@@ -248,3 +249,17 @@ def test_target_lifetime_bounds_the_write_rate():
     worn = simulate(SimulationSpec(**spec, target_lifetime_years=3))
     assert worn.plan.write_bytes_per_s <= worn.plan.max_write_bytes_per_s
     assert worn.lifetime_years >= 3
+
+
+def test_the_in_flight_bound_reaches_the_model_and_costs_no_hidden_wait():
+    """NOTE [In-flight bound]: with the runtime's 256 MiB the plan of a GPT 7B at 32k on
+    four drives moves a shorter prefix of every layer, so no forward waits."""
+    free = simulate(spec_from_overrides(["ssd_count=4", "target_lifetime_years=null"], model="gpt-7b-32k"))
+    bound = simulate(spec_from_overrides(["ssd_count=4", "target_lifetime_years=null", "max_inflight_bytes=256MiB"],
+                                         model="gpt-7b-32k"))
+    assert free.stage.io.max_inflight_bytes is None and bound.stage.io.max_inflight_bytes == 256 << 20
+    timeline = predict(bound.stage, bound.plan.placements, bound.plan.read_aheads, sites=bound.plan.sites)
+    assert timeline.write_wait_s == 0.0 and bound.plan.step_s == pytest.approx(bound.plan.keep_step_s)
+    assert 0 < bound.plan.offloaded_bytes < free.plan.offloaded_bytes
+    with pytest.raises(ConfigError, match=r"SimulationSpec.max_inflight_bytes = 0: must be an integer > 0 bytes or null"):
+        spec_from_overrides(["max_inflight_bytes=0"])
