@@ -163,7 +163,8 @@ def test_a_zombie_owner_is_gone_and_a_sleeping_one_is_not(offload_dir):
             if run_owner._proc_state(zombie.pid) == "Z":
                 break
             time.sleep(0.01)
-        assert run_owner._proc_state(zombie.pid) == "Z" and run_owner._proc_state(sleeper.pid) in ("S", "R")
+        # a live child may be in any state but a dead one: D too, paging in its binary on a loaded machine
+        assert run_owner._proc_state(zombie.pid) == "Z" and run_owner._proc_state(sleeper.pid) not in ("Z", "X", None)
         dead = _plant(offload_dir, "msd-h-1-r0-00000011",
                       dict(me, pid=zombie.pid, proc_start=run_owner._proc_start_ticks(zombie.pid)))
         live = _plant(offload_dir, "msd-h-2-r0-00000012",
