@@ -28,7 +28,7 @@ from ..placement import MOVED
 from .device import HostClock
 from .policy import PlacementPolicy
 from .record import Entry, EntryState, Record
-from .stats import Counters, LayerCounters
+from .stats import Counters, LayerCounters, add_seconds
 
 __all__ = ["BackwardReads", "TableState"]
 
@@ -88,7 +88,7 @@ class BackwardReads:
         """``record`` retired: close its running layer's backward time. Caller holds the lock."""
         last = self._bwd_clock.pop(id(record), None)
         if last is not None and last[0] in self.table.counters.layers:
-            self.table.clock.since(last[1], partial(_add_backward, self.table.counters.layers[last[0]]))
+            self.table.clock.since(last[1], partial(add_seconds, self.table.counters.layers[last[0]], "backward_s"))
 
     def backward_started(self, record: Record, layer_id: Hashable) -> Optional[Hashable]:
         """``layer_id``'s backward begins in ``record``: issue the reads due now,
@@ -136,7 +136,7 @@ class BackwardReads:
         if last is not None:
             lc = self.table.counters.layers.get(last[0])
             if lc is not None:
-                self.table.clock.add(last[1], now, partial(_add_backward, lc))
+                self.table.clock.add(last[1], now, partial(add_seconds, lc, "backward_s"))
         self._bwd_clock[id(record)] = (layer_id, now)
         return None if last is None else last[0]
 
@@ -275,11 +275,6 @@ class BackwardReads:
         named = type(err)(f"{err} ({name or f'layer {entry.layer!r}'})")
         named.errno = getattr(err, "errno", None)
         return named
-
-
-def _add_backward(lc: LayerCounters, seconds: float) -> None:
-    """A clock span's seconds added to a layer's backward time (NOTE [Device time])."""
-    lc.backward_s += seconds
 
 
 def _add_at(values: List[float], index: int, seconds: float) -> None:

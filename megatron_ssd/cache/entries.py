@@ -47,7 +47,7 @@ from .identity import held_bytes, is_plain, storage_bytes, storage_weakref
 from .pages import allocator_owned, release_pages
 from .policy import PlacementPolicy
 from .record import Entry, EntryState, Record
-from .stats import Counters, LayerCounters
+from .stats import Counters, LayerCounters, add_seconds
 
 __all__ = ["EntryTable"]
 
@@ -234,7 +234,7 @@ class EntryTable:
         with self.lock:
             lc = self.layer(entry.layer)
             if future is None:
-                self.clock.add(started, self.clock.mark(), partial(_add, lc, "write_wait_s"))
+                self.clock.add(started, self.clock.mark(), partial(add_seconds, lc, "write_wait_s"))
                 entry.placement = Placement.KEEP
                 self.counters.backpressure_keeps += 1
                 self.counters.bytes_kept += entry.nbytes
@@ -249,7 +249,7 @@ class EntryTable:
         future.add_done_callback(partial(self._write_done, entry))
         self._wait_for_room()
         with self.lock:
-            self.clock.add(started, self.clock.mark(), partial(_add, lc, "write_wait_s"))
+            self.clock.add(started, self.clock.mark(), partial(add_seconds, lc, "write_wait_s"))
 
     def _wait_for_room(self) -> None:
         """Block while the resident bytes exceed the policy's limit and writes are in
@@ -498,8 +498,3 @@ class EntryTable:
             self.closed = True
             self.records.clear()
         self.failures.flush()
-
-
-def _add(counters: Any, field: str, seconds: float) -> None:
-    """A clock span's seconds added to ``counters.field`` (NOTE [Device time])."""
-    setattr(counters, field, getattr(counters, field) + seconds)

@@ -25,6 +25,7 @@ from .entries import EntryTable
 from .hooks import OffloadHooks
 from .policy import PlacementPolicy
 from .record import Packed, Record
+from .stats import add_seconds
 
 __all__ = ["Packer", "Scopes"]
 
@@ -147,7 +148,7 @@ class Scopes:
         ended = clock.mark()
         with self.entries.lock:
             lc = self.entries.layer(layer_id)
-            clock.add(started, ended, partial(_add_forward, lc))
+            clock.add(started, ended, partial(add_seconds, lc, "forward_s"))
             lc.microbatches += 1
         if outputs is not None and torch.is_grad_enabled():
             self.watch_backward(record, layer_id, outputs)
@@ -170,10 +171,6 @@ class Scopes:
 def _grad_hook(backward_started: Callable[[Record, Hashable], None], record: Record, layer_id: Hashable,
                grad: torch.Tensor) -> None:
     backward_started(record, layer_id)
-
-
-def _add_forward(lc: Any, seconds: float) -> None:
-    lc.forward_s += seconds
 
 
 def _flatten(obj: Any) -> Iterator[Any]:
