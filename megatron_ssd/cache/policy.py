@@ -43,7 +43,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Dict, Hashable, List, Mapping, Optional, Set, Union
+from typing import Dict, Hashable, List, Mapping, Optional, Set, Tuple, Union
 
 import torch
 
@@ -150,21 +150,25 @@ class PlacementPolicy:
         registered layers KEEP, the others OFFLOAD, or the plan's default for all of
         them); tensors saved outside the layers (``embedding``, ``head``, NOTE [Sites
         outside the layers]) KEEP unless the plan names them."""
+        return self._lookup(layer_id)[0]
+
+    def _lookup(self, layer_id: Hashable) -> Tuple[Placement, Optional[LayerChoice]]:
+        """The placement of ``layer_id`` and the plan's choice for it (None: the plan does
+        not name it), both read from one plan (NOTE [One placement policy])."""
         state = self.state
         choice = state.choices.get(layer_id)
         if choice is not None:
-            return choice.placement
+            return choice.placement, choice
         if state.default is not None:
-            return default_placement(layer_id, self.layers, 0, state.default)
-        return default_placement(layer_id, self.layers, self.config.keep_last_layers)
+            return default_placement(layer_id, self.layers, 0, state.default), None
+        return default_placement(layer_id, self.layers, self.config.keep_last_layers), None
 
     def moves(self, layer_id: Hashable) -> bool:
         """Whether the plan moves at least one site of ``layer_id`` (OFFLOAD, or HOST with
         a host pool, and not limited to 0 sites)."""
-        placement = self.layer(layer_id)
+        placement, choice = self._lookup(layer_id)
         if placement not in MOVED or (placement is Placement.HOST and not self.host_available):
             return False
-        choice = self.state.choices.get(layer_id)
         return choice is None or choice.sites != 0
 
     def tensor(self, layer_id: Hashable, site: Optional[int], resident_after: int = 0,
@@ -185,10 +189,9 @@ class PlacementPolicy:
         return placement
 
     def _planned(self, layer_id: Hashable, site: Optional[int]) -> Placement:
-        placement = self.layer(layer_id)
+        placement, choice = self._lookup(layer_id)
         if placement not in MOVED or site is None:
             return Placement.KEEP
-        choice = self.state.choices.get(layer_id)
         if choice is not None and choice.sites is not None and site >= choice.sites:
             return Placement.KEEP
         if placement is Placement.HOST and not self.host_available:  # a default placement of host, no pool
