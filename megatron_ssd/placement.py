@@ -86,23 +86,15 @@ class LayerChoice:
             ConfigError: an unknown placement, a read-ahead below 1 (below 0 in a
                 per-site list) or a negative site count, naming the layer and the value.
         """
-        if isinstance(value, LayerChoice):
-            choice = value
-        else:
-            choice = cls(placement_named(f"plan[{layer_id!r}]", value))
-        placement = choice.placement
-        sites = choice.sites
+        choice = value if isinstance(value, LayerChoice) else cls(placement_named(f"plan[{layer_id!r}]", value))
+        sites, depth = choice.sites, choice.read_ahead  # a list of read-aheads is a tuple by now (__post_init__)
         if sites is not None and not _is_int(sites, 0):
             raise ConfigError(f"sites[{layer_id!r}] = {sites!r}: must be an integer >= 0 (sites to move)")
-        depth = choice.read_ahead
-        if depth is None or _is_int(depth, 1):
-            ahead = depth
-        elif isinstance(depth, (list, tuple)) and depth and all(_is_int(d, 0) for d in depth):
-            ahead = tuple(depth)
-        else:
+        if not (depth is None or _is_int(depth, 1)
+                or (isinstance(depth, tuple) and depth and all(_is_int(d, 0) for d in depth))):
             raise ConfigError(f"read_ahead[{layer_id!r}] = {depth!r}: must be an integer >= 1 or a non-empty list "
                               "of integers >= 0, one per site")
-        return cls(placement, sites, ahead)  # type: ignore[arg-type]
+        return choice
 
     @classmethod
     def from_dict(cls, layer_id: Hashable, data: object) -> "LayerChoice":
