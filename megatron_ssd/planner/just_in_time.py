@@ -13,7 +13,7 @@ import dataclasses
 from typing import Any, Callable, List, Optional, Tuple
 
 from .profile import StageProfile
-from .search import GOAL_MAX_OFFLOAD, Choices, PlanInfeasibleError, replay
+from .search import GOAL_MAX_OFFLOAD, Choices, PlanInfeasibleError, replaced, replay
 from .step_timeline import Timeline, use_order
 
 __all__ = ["just_in_time"]
@@ -112,7 +112,7 @@ def just_in_time(
 
     def changed(i: int, **change: Any) -> Choices:
         """``choices`` with layer ``i``'s choice changed."""
-        return choices[:i] + [dataclasses.replace(choices[i], **change)] + choices[i + 1:]
+        return replaced(choices, i, dataclasses.replace(choices[i], **change))
 
     for i in range(n - 1, -1, -1):  # whole layers
         if not choices[i].moved:

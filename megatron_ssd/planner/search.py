@@ -34,7 +34,7 @@ from .profile import IOProfile, StageProfile
 from .step_timeline import ReadAhead, Timeline, predict
 from ..units import GiB
 
-__all__ = ["Choices", "PlanInfeasibleError", "PlacementSearch", "GOAL_MAX_OFFLOAD", "GOAL_MEMORY_BUDGET", "GOAL_CAPACITY"]
+__all__ = ["Choices", "PlanInfeasibleError", "PlacementSearch", "replaced", "replay", "GOAL_MAX_OFFLOAD", "GOAL_MEMORY_BUDGET", "GOAL_CAPACITY"]
 
 GOAL_MAX_OFFLOAD = "max_offload"
 """Goal without a budget: offload every byte whose I/O hides behind compute."""
@@ -226,7 +226,7 @@ class PlacementSearch:
             m = len(layer.sites)
 
             def fits_with(k: int) -> bool:
-                trial = _with(choices, i, LayerChoice(target, None if k == m else k))
+                trial = replaced(choices, i, LayerChoice(target, None if k == m else k))
                 tl = self.judge(trial)
                 return self.within_bound(tl) and self.allowed(trial, tl)
 
@@ -254,8 +254,8 @@ class PlacementSearch:
 
         def trial(i: int, k: int) -> Choices:
             if k == 0:
-                return _with(choices, i, _KEEP)
-            return _with(choices, i, LayerChoice(choices[i].placement, None if k == len(self.stage.layers[i].sites) else k))
+                return replaced(choices, i, _KEEP)
+            return replaced(choices, i, LayerChoice(choices[i].placement, None if k == len(self.stage.layers[i].sites) else k))
 
         def no_higher(i: int, k: int) -> bool:
             c = trial(i, k)
@@ -330,7 +330,7 @@ class PlacementSearch:
                     heapq.heappush(heap, (key, version, i, rank, move, target))  # equal keys: equal targets
                     continue
                 if key[0] < _NO_BENEFIT:
-                    choices = _with(choices, i, target)
+                    choices = replaced(choices, i, target)
                     tl = self.judge(choices)
                     area = _byte_seconds(tl, self.stage)
                     version += 1
@@ -372,7 +372,7 @@ class PlacementSearch:
         current = now.sites if now.placement is target and now.sites is not None else 0
 
         def free(k: int) -> bool:
-            trial = _with(choices, i, LayerChoice(target, k))
+            trial = replaced(choices, i, LayerChoice(target, k))
             ttl = self.judge(trial)
             return self.allowed(trial, ttl) and ttl.step_s <= tl.step_s + eps
 
@@ -392,7 +392,7 @@ class PlacementSearch:
         """
         if target is None:
             return (_NO_BENEFIT, 0.0, 0.0, i, rank)
-        trial = _with(choices, i, target)
+        trial = replaced(choices, i, target)
         ttl = self.judge(trial)
         cost = max(ttl.step_s - tl.step_s, 0.0) + eps
         peak_drop = tl.peak_bytes - ttl.peak_bytes
@@ -412,7 +412,7 @@ class PlacementSearch:
             changed = False
             for i in range(self.n - 1, -1, -1):
                 for target in _weaker(choices[i].placement):
-                    trial = _with(choices, i, LayerChoice(target))
+                    trial = replaced(choices, i, LayerChoice(target))
                     ttl = self.judge(trial)
                     if (ttl.step_s > tl.step_s + eps or not self.fits(trial, ttl, budget)
                             or not self.allowed(trial, ttl)):
@@ -435,7 +435,7 @@ class PlacementSearch:
             current = m if choices[i].sites is None else choices[i].sites
 
             def ok(k: int) -> bool:
-                trial = _with(choices, i, LayerChoice(placement, None if k == m else k))
+                trial = replaced(choices, i, LayerChoice(placement, None if k == m else k))
                 ttl = self.judge(trial)
                 return (not ttl.forwarded and ttl.step_s <= step + eps
                         and ttl.peak_bytes <= budget and self.check(trial).peak_bytes <= budget)
@@ -447,7 +447,7 @@ class PlacementSearch:
         return choices
 
 
-def _with(values: List, i: int, value) -> List:
+def replaced(values: List, i: int, value) -> List:
     """A copy of ``values`` with entry ``i`` replaced."""
     return values[:i] + [value] + values[i + 1 :]
 
