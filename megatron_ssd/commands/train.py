@@ -327,7 +327,10 @@ class TrainRecipe:
         settle, recorded = self.config.paired_settle_steps, len(sink)
         for i in range(pairs):
             for keep in ((True, False) if i % 2 == 0 else (False, True)):
-                cache.set_plan({}, Placement.KEEP) if keep else cache.set_plan(plan.choices, plan.default)
+                if keep:
+                    cache.set_plan({}, Placement.KEEP)
+                else:
+                    cache.set_plan(plan.choices, plan.default)
                 cache.policy.rule_active = not keep  # a peer's rule too (OffloadConfig.peer)
                 for _ in range(settle + 1):  # the last one is timed
                     loss = run_step(step)

@@ -32,6 +32,7 @@ What is measured (all above the level at :meth:`PhaseMemory.start`):
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Any, Dict, List, Optional
 
 from .rss import RSSPeak, current_rss_bytes
@@ -45,11 +46,8 @@ LIVE_BLOCK_SIZES = 12
 def live_block_sizes(snapshot: List[Dict[str, Any]], top: int = LIVE_BLOCK_SIZES) -> List[Dict[str, int]]:
     """``{"bytes", "count"}`` per block size of the live (``active_allocated``) blocks in a
     ``torch.cuda.memory_snapshot()``, the ``top`` largest totals first."""
-    counts: Dict[int, int] = {}
-    for segment in snapshot:
-        for block in segment.get("blocks", ()):
-            if block.get("state") == "active_allocated":
-                counts[block["size"]] = counts.get(block["size"], 0) + 1
+    counts = Counter(block["size"] for segment in snapshot for block in segment.get("blocks", ())
+                     if block.get("state") == "active_allocated")
     ranked = sorted(counts.items(), key=lambda kv: (-kv[0] * kv[1], -kv[0]))
     return [{"bytes": size, "count": n} for size, n in ranked[:top]]
 
