@@ -25,8 +25,12 @@
 #   --timeout PART=S   one part's timeout in seconds (defaults: install 120, environment 60,
 #                      copy-bandwidth 60, bench-io 90, pytest-gpu 150, train 270, pytest-pipeline 150)
 #   --install          install missing wheels even without a GPU (default: only with one)
+#   --print-python     print the interpreter the check would use and its mode (gpu or
+#                      no-gpu), then exit; OUT is not needed
 #   -h, --help         this text
-# Environment: PYTHON (default .venv/bin/python when it exists, else python3); the wheels
+# Environment: PYTHON, the interpreter (nothing else is tried when it is set). Unset, the
+# check tries the repository's .venv/bin/python and python3 on PATH, takes one that imports
+# torch and sees a CUDA device, else the first that imports torch (.venv first). The wheels
 # go into --target with pip --no-index --no-deps and are put on PYTHONPATH, so pip never
 # touches the interpreter's own packages (torch above all).
 # Exit status: 0 when no part failed, 1 when one did (or Python cannot import torch), 2 on a usage error.
@@ -52,6 +56,7 @@ TARGET="${TMPDIR:-/tmp}/megatron-ssd-gpu-check-site"
 BUDGET=480
 BENCH_SIZE=""
 INSTALL=0
+PRINT_PYTHON=0
 
 usage() {
     awk 'NR == 1 { next } /^# shellcheck/ { next } /^#/ { sub(/^# ?/, ""); if (!started && $0 == "") next; started = 1; print; next } { exit }' "${BASH_SOURCE[0]}"
@@ -101,6 +106,7 @@ parse_args() {
                 shift
                 ;;
             --install) INSTALL=1 ;;
+            --print-python) PRINT_PYTHON=1 ;;
             -*) die_usage "unknown option $1" ;;
             *)
                 [[ -z "$OUT" ]] || die_usage "one output folder only (got $OUT and $1)"
@@ -109,7 +115,7 @@ parse_args() {
         esac
         shift
     done
-    [[ -n "$OUT" ]] || die_usage "the output folder OUT is required"
+    [[ -n "$OUT" || "$PRINT_PYTHON" == 1 ]] || die_usage "the output folder OUT is required"
     if ! is_uint "$BUDGET" || ((10#$BUDGET == 0)); then
         die_usage "--budget $BUDGET: must be a whole number of seconds > 0"
     fi
@@ -119,20 +125,51 @@ parse_args() {
     fi
 }
 
+# torch_mode PYTHON: prints gpu or no-gpu (one start for both questions: torch imports, and a
+# CUDA device is visible); fails when PYTHON cannot import torch.
+torch_mode() {
+    "$1" -c 'import torch; print("gpu" if torch.cuda.is_available() else "no-gpu")' 2>/dev/null
+}
+
+# Sets PY and MODE. PYTHON, when set, is the interpreter. Unset: the repository's .venv (what
+# make builds) and python3 are tried; one that sees a CUDA device wins (a GPU machine's python3
+# over a CPU-only .venv copied there), else the first that imports torch (a CPU machine where
+# python3 has no torch and make built .venv).
 pick_python() {
-    PY="${PYTHON:-}"
-    if [[ -z "$PY" ]]; then
-        if [[ -x "$REPO/.venv/bin/python" ]]; then PY="$REPO/.venv/bin/python"; else PY=python3; fi
+    local candidate mode list
+    local -a tried=()
+    if [[ -n "${PYTHON:-}" ]]; then
+        PY="$PYTHON"
+        command -v "$PY" >/dev/null 2>&1 || {
+            printf '[gpu_check] ERROR: PYTHON=%s not found\n' "$PY" >&2
+            exit 1
+        }
+        MODE="$(torch_mode "$PY")" || {
+            printf '[gpu_check] ERROR: PYTHON=%s cannot import torch; the GPU check needs a Python with torch\n' \
+                "$PY" >&2
+            exit 1
+        }
+        return 0
     fi
-    command -v "$PY" >/dev/null 2>&1 || {
-        printf '[gpu_check] ERROR: PYTHON=%s not found\n' "$PY" >&2
+    PY=""
+    MODE=""
+    for candidate in "$REPO/.venv/bin/python" python3; do
+        if ! command -v "$candidate" >/dev/null 2>&1; then
+            tried+=("$candidate (not found)")
+        elif ! mode="$(torch_mode "$candidate")"; then
+            tried+=("$candidate (cannot import torch)")
+        elif [[ -z "$PY" || "$mode" == gpu ]]; then
+            PY="$candidate"
+            MODE="$mode"
+            [[ "$mode" == gpu ]] && break
+        fi
+    done
+    if [[ -z "$PY" ]]; then
+        list="$(printf '%s, ' "${tried[@]}")"
+        printf '[gpu_check] ERROR: no Python here imports torch: %s; run make to build .venv, or set PYTHON\n' \
+            "${list%, }" >&2
         exit 1
-    }
-    # one start for both questions: torch imports, and a CUDA device is visible
-    MODE="$("$PY" -c 'import torch; print("gpu" if torch.cuda.is_available() else "no-gpu")' 2>/dev/null)" || {
-        printf '[gpu_check] ERROR: %s cannot import torch; the GPU check needs a Python with torch (set PYTHON)\n' "$PY" >&2
-        exit 1
-    }
+    fi
 }
 
 # A JSON string of $1 (backslash, quote and control characters escaped).
@@ -289,6 +326,10 @@ main() {
     COMMAND_LINE="$0 $*"
     parse_args "$@"
     pick_python
+    if ((PRINT_PYTHON)); then
+        printf '%s %s\n' "$PY" "$MODE"
+        exit 0
+    fi
     cd "$REPO"
     mkdir -p "$OUT"
     OUT="$(cd "$OUT" && pwd)"

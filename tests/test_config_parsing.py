@@ -135,7 +135,10 @@ def test_unknown_key_in_a_yaml_section_names_its_dotted_key(tmp_path):
     ("data=/nonexistent/corpus.txt", "TrainConfig.data = '/nonexistent/corpus.txt': must be 'synthetic' or an "
                                      "existing text file"),
     ("offload.device=tpu", "OffloadConfig.device = 'tpu': must be auto, cpu, cuda or cuda:N"),
-    ("offload.paths=/tmp/a,/tmp/a/", "OffloadConfig.paths = ['/tmp/a', '/tmp/a/']: must not name a directory twice"),
+    ("offload.paths=/tmp/a,/tmp/a/", "OffloadConfig.paths = ['/tmp/a', '/tmp/a/']: must not name a directory twice: "
+                                     "'/tmp/a' and '/tmp/a/' are the same directory"),
+    ("offload.paths=/tmp/a,,/tmp/b", "OffloadConfig.paths = '/tmp/a,,/tmp/b': must not hold an empty entry: each entry "
+                                     "names an offload directory"),
     ("offload.planner.mode=host", "OffloadConfig.host_pool_bytes = 0: must be > 0 when planner.mode is host"),
 ])
 def test_every_rule_rejects_a_bad_value_with_its_message(override, message):

@@ -10,12 +10,13 @@ and its rules (:class:`Positive`, :class:`AtMost`, :class:`OneOf`, ...; :class:`
 from __future__ import annotations
 
 import abc
+import os
 from dataclasses import dataclass
-from typing import Annotated, Any, Optional, Tuple
+from typing import Annotated, Any, List, Optional, Sequence, Tuple
 
 __all__ = ["Unit", "Bytes", "Seconds", "ByteCount", "Duration", "Rule", "Positive", "NonNegative", "AtLeast",
            "AtMost", "MultipleOf", "InRange", "OneOf", "Switch", "Number", "Integer", "Boolean", "ListOf", "OneOfKinds",
-           "is_int"]
+           "Directories", "is_int", "same_directory"]
 
 
 @dataclass(frozen=True)
@@ -234,6 +235,57 @@ class OneOfKinds(Rule):
 
     def holds(self, value: Any) -> bool:
         return isinstance(value, self.kinds) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True)
+class Directories(Rule):
+    """A list of directory names, none of them empty (NOTE [Empty path entries]).
+
+    On the command line (and as a YAML string) the list is comma-separated and ``[]`` is
+    the empty list: :meth:`split` keeps empty entries, so that ``,`` or an empty value is
+    refused here instead of becoming ``[]``."""
+
+    text = "must not hold an empty entry: each entry names an offload directory"
+
+    def holds(self, value: Any) -> bool:
+        return isinstance(value, (list, tuple)) and all(isinstance(p, str) and p for p in value)
+
+    @staticmethod
+    def split(value: str) -> List[str]:
+        """``"a,b"`` -> ``["a", "b"]``, ``"[]"`` -> ``[]``, ``","`` -> ``["", ""]``."""
+        return [] if value.strip() == "[]" else value.split(",")
+
+
+# NOTE [Empty path entries]: other list fields drop the empty entries of a
+# comma-separated value (``compare=`` is no comparison), but in a list of directories an
+# empty entry is a mistake, never a wish: ``offload.paths=,`` or ``offload.paths=`` (a
+# variable that expanded to nothing) used to become ``[]`` and train into the default
+# directory, while ``--ssd-offload-paths ,`` was refused. So an empty entry is refused
+# wherever a path list is read (overrides, YAML lists and strings, the Megatron flags,
+# code), and only ``[]`` (or no ``paths`` at all) asks for the default directory.
+
+
+def _directory_key(path: str) -> Tuple[Any, ...]:
+    """What makes two paths one directory: device and inode where the path exists (a bind
+    mount, ``A/../A``, a second spelling), else the normalised absolute path."""
+    try:
+        st = os.stat(path)
+    except (OSError, ValueError):
+        return ("path", os.path.normpath(os.path.abspath(path)))
+    return ("inode", st.st_dev, st.st_ino)
+
+
+def same_directory(paths: Sequence[str]) -> Optional[Tuple[int, int]]:
+    """Indices ``(i, j)``, ``i < j``, of the first two of ``paths`` that are one directory
+    (compared by device and inode where they exist, by absolute path where they do not);
+    None when all differ."""
+    seen = {}
+    for j, path in enumerate(paths):
+        key = _directory_key(path)
+        if key in seen:
+            return seen[key], j
+        seen[key] = j
+    return None
 
 
 @dataclass(frozen=True, init=False)

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Annotated, Any, Dict, List, Mapping, Optional, Sequence, Tuple, Type, TypeVar
 
 from ..errors import ConfigError
-from .rules import Rule, Seconds, Switch, Unit, Bytes
+from .rules import Directories, Rule, Seconds, Switch, Unit, Bytes
 
 __all__ = [
     "load_config",
@@ -174,6 +174,19 @@ def validate(obj: Any) -> None:
 # ----------------------------------------------------------------- dict / YAML round trip
 
 
+def _split_list(cls_name: str, name: str, spec: _Spec, value: str) -> List[str]:
+    """A comma-separated list (an override, a YAML string): empty entries dropped, except
+    in a list of directories, where one is refused naming the value as given (NOTE [Empty
+    path entries] in ``rules.py``)."""
+    dirs = next((r for r in spec.rules if isinstance(r, Directories)), None)
+    if dirs is None:
+        return [v for v in value.split(",") if v]
+    items = dirs.split(value)
+    if dirs.check(items) is not None:
+        raise _fail(cls_name, name, value, dirs.text)
+    return items
+
+
 def _coerce(cls_name: str, name: str, hint: Any, value: Any) -> Any:
     """Convert a YAML / command-line value to the field's declared type; sizes, durations
     and switches are recognised by the field's ``Annotated`` metadata."""
@@ -190,7 +203,7 @@ def _coerce(cls_name: str, name: str, hint: Any, value: Any) -> Any:
         return from_dict(hint, value)
     if origin in (list, List, tuple, Tuple, Sequence):
         if isinstance(value, str):
-            value = [v for v in value.split(",") if v]
+            value = _split_list(cls_name, name, spec, value)
         if not isinstance(value, (list, tuple)):
             raise _fail(cls_name, name, value, "must be a list")
         inner = args[0] if args else Any

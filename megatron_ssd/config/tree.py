@@ -17,7 +17,8 @@ from typing import Annotated, Any, Dict, List, Mapping, Optional
 from ..errors import ConfigError
 from ..placement import Placement
 from ..units import KiB, MiB, gib
-from .rules import AtLeast, AtMost, ByteCount, Duration, InRange, MultipleOf, NonNegative, OneOf, Positive, Switch
+from .rules import (AtLeast, AtMost, ByteCount, Directories, Duration, InRange, MultipleOf, NonNegative, OneOf, Positive,
+                    Switch, same_directory)
 from .schema import _broken, _settle
 
 __all__ = [
@@ -296,9 +297,13 @@ class PeerConfig:
 class OffloadConfig:
     """What the tensor cache offloads, and where."""
 
-    paths: List[str] = field(default_factory=list)
+    paths: Annotated[List[str], Directories()] = field(default_factory=list)
     """Offload directories, one per drive; blocks are striped across them. A private
-    run directory per process is created under each."""
+    run directory per process is created under each. ``[]`` (the default; ``paths=[]``
+    on the command line) lets ``megatron-ssd train`` use its per-user default directory;
+    a tensor cache built directly and ``--ssd-offload`` need at least one. An empty entry
+    (``paths=,``, ``paths=``) is refused, and so are two entries that are one directory
+    (a bind mount of another, ``A/../A``)."""
 
     min_tensor_bytes: Annotated[ByteCount, NonNegative()] = 64 * 1024
     """Saved tensors smaller than this stay in memory (not worth a request)."""
@@ -352,8 +357,10 @@ class OffloadConfig:
     def _check(self) -> None:
         if self.device not in ("auto", "cpu", "cuda") and not _CUDA_DEVICE.fullmatch(self.device):
             raise _broken(self, "device", "must be auto, cpu, cuda or cuda:N")
-        if len(set(os.path.abspath(p) for p in self.paths)) != len(self.paths):
-            raise _broken(self, "paths", "must not name a directory twice")
+        twice = same_directory(self.paths)
+        if twice is not None:
+            a, b = (self.paths[i] for i in twice)
+            raise _broken(self, "paths", f"must not name a directory twice: {a!r} and {b!r} are the same directory")
         if self.planner.mode == "host" and self.host_pool_bytes == 0:
             raise _broken(self, "host_pool_bytes", "must be > 0 when planner.mode is host")
         if self.peer.rule != "none" and self.planner.mode != "keep":

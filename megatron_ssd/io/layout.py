@@ -26,7 +26,7 @@ from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 from ..config import IOConfig
 from ..errors import OffloadIOError
 from .base import ALIGN, Extent, align_up
-from .rundir import RunDir, check_offload_path, remove_stale_runs, resolve_rank
+from .rundir import RunDir, check_distinct_paths, check_offload_path, remove_stale_runs, resolve_rank
 from .watchdog import StallWatchdog, watched
 
 __all__ = ["Fault", "ExtentAllocator", "Layout", "ExtentLayout", "FileLayout", "make_layout",
@@ -172,6 +172,7 @@ class Layout(abc.ABC):
         rank = resolve_rank(rank)
         for p in paths:  # every path is checked before anything is created
             check_offload_path(p)
+        check_distinct_paths(paths)
         try:
             for p in paths:
                 with watched(watchdog, "stale-run cleanup", p):

@@ -28,8 +28,9 @@ import re
 import secrets
 import socket
 import struct
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+from ..config.rules import same_directory
 from ..errors import ConfigError, OffloadIOError
 from ..ranks import global_rank
 from ..units import gib
@@ -45,6 +46,7 @@ __all__ = [
     "resolve_rank",
     "check_offload_path",
     "check_offload_paths",
+    "check_distinct_paths",
     "check_free_space",
     "filesystem_type",
     "dio_alignment",
@@ -85,6 +87,20 @@ def check_offload_path(path: str) -> str:
     if not os.access(path, os.W_OK | os.X_OK):
         raise ConfigError(f"{name} is not writable: offload paths must be writable directories")
     return os.path.abspath(path)
+
+
+def check_distinct_paths(paths: Sequence[str]) -> None:
+    """No two of ``paths`` may be one directory, compared by device and inode: a bind
+    mount of another path, or another spelling of it, would stripe twice onto one disk.
+
+    Raises:
+        ConfigError: names both paths.
+    """
+    twice = same_directory(paths)
+    if twice is not None:
+        a, b = (paths[i] for i in twice)
+        raise ConfigError(f"OffloadConfig.paths = {list(paths)!r}: must not name a directory twice: {a!r} and {b!r} "
+                          "are the same directory")
 
 
 def check_free_space(path: str, min_free_bytes: int) -> int:
@@ -156,16 +172,18 @@ def filesystem_type(path: str) -> Optional[str]:
 def check_offload_paths(paths: List[str], min_free_bytes: int) -> None:
     """Check offload paths before a run starts.
 
-    Every path must be a usable directory (:func:`check_offload_path`) with at least
-    ``min_free_bytes`` free (:func:`check_free_space`). A path on a memory-backed
-    filesystem (tmpfs, ramfs) gets a warning, once per process: the bytes offloaded
-    there stay in RAM.
+    Every path must be a usable directory (:func:`check_offload_path`), no two of them
+    one directory (:func:`check_distinct_paths`), each with at least ``min_free_bytes``
+    free (:func:`check_free_space`). A path on a memory-backed filesystem (tmpfs, ramfs)
+    gets a warning, once per process: the bytes offloaded there stay in RAM.
 
     Raises:
         ConfigError: the first path that breaks a rule.
     """
     for path in paths:
         check_offload_path(path)
+    check_distinct_paths(paths)
+    for path in paths:
         check_free_space(path, min_free_bytes)
         fs = filesystem_type(path)
         real = os.path.realpath(path)

@@ -23,6 +23,7 @@ import re
 from typing import Any, Callable, List, NamedTuple, Optional, Tuple
 
 from ..config import OffloadConfig, PLANNER_MODES, load_config
+from ..config.rules import same_directory
 from ..errors import ConfigError
 from ..io.rundir import check_offload_path
 from ..ranks import process_ranks
@@ -249,7 +250,12 @@ def offload_config_from_args(
                 except OSError as e:
                     raise ConfigError(f"--ssd-offload-paths: {path!r} (from {raw!r}) cannot be created ({e.strerror}): "
                                       "offload paths must be writable directories") from None
-    # replace() validates again: the expanded paths must still be distinct.
+    twice = same_directory(paths)
+    if twice is not None:  # two ranks' placeholders, or a bind mount: name what each came from
+        (a, b), (raw_a, raw_b) = ([seq[i] for i in twice] for seq in (paths, config.paths))
+        raise ConfigError(
+            f"OffloadConfig.paths = {paths!r} (from {raw_a!r} and {raw_b!r} for rank {rank}, local rank "
+            f"{local_rank}): must not name a directory twice: {a!r} and {b!r} are the same directory")
     return dataclasses.replace(config, paths=paths)
 
 

@@ -159,7 +159,7 @@ ON = ["--ssd-offload", "--ssd-offload-paths", "/ok"]
         (["--ssd-offload-override", "io.threads=2"], ["--ssd-offload-override = 'io.threads=2'", "without"]),
         (["--ssd-offload-config", "x.yaml"], ["--ssd-offload-config = 'x.yaml'", "without --ssd-offload"]),
         (["--ssd-offload"], ["--ssd-offload-paths = None", "at least one offload directory"]),
-        (["--ssd-offload", "--ssd-offload-paths", ""], ["--ssd-offload-paths = ''", "at least one"]),
+        (["--ssd-offload", "--ssd-offload-paths", ""], ["--ssd-offload-paths = ''", "must not hold an empty entry"]),
         (ON + ["--ssd-offload-io-threads", "0"], ["--ssd-offload-io-threads = '0'", "IOConfig.threads", "> 0"]),
         (ON + ["--ssd-offload-block-size", "1000"], ["--ssd-offload-block-size = '1000'", "multiple of 4096"]),
         (ON + ["--ssd-offload-max-inflight", "lots"], ["--ssd-offload-max-inflight = 'lots'", "size such as 4MiB"]),

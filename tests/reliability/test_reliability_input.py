@@ -19,6 +19,9 @@ from megatron_ssd.io.rundir import filesystem_type
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import loopfs  # noqa: E402
+
 
 def _one_line(err: BaseException) -> str:
     msg = str(err)
@@ -474,3 +477,101 @@ def test_same_directory_twice_is_refused(offload_dir):
     with pytest.raises(ConfigError) as info:
         OffloadConfig(paths=[offload_dir, offload_dir + "/."])
     assert "must not name a directory twice" in _one_line(info.value)
+
+
+def _same_directory(a, b):
+    return f"must not name a directory twice: {a!r} and {b!r} are the same directory"
+
+
+def test_the_same_directory_spelled_two_ways_is_named_both_ways(offload_dir):
+    """``A`` and ``A/../A`` (no symbolic link involved) are one directory: the error names both."""
+    twice = os.path.join(offload_dir, "..", os.path.basename(offload_dir))
+    with pytest.raises(ConfigError) as info:
+        OffloadConfig(paths=[offload_dir, twice])
+    assert _one_line(info.value).endswith(_same_directory(offload_dir, twice))
+
+
+def test_a_bind_mount_of_a_path_is_the_same_directory(tmp_path):
+    """Item: ``paths=A,B`` with B a bind mount of A was accepted and striped twice onto one
+    disk; only ``A,A`` was refused. Paths are compared by device and inode, in the config,
+    before the cache starts, and after ``--ssd-offload-paths`` expands ``{rank}``."""
+    import argparse
+
+    from megatron_ssd.io.rundir import check_offload_paths
+    from megatron_ssd.megatron.args import add_ssd_offload_args, offload_config_from_args
+
+    loopfs.require("mount", "umount")
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    os.mkdir(a)
+    os.mkdir(os.path.join(a, "0"))
+    with loopfs.mounted(a, b, "bind"):
+        assert os.path.isdir(os.path.join(b, "0"))
+        with pytest.raises(ConfigError) as info:
+            OffloadConfig(paths=[a, b], min_free_bytes=0)
+        assert _one_line(info.value) == f"megatron_ssd: OffloadConfig.paths = {[a, b]!r}: " + _same_directory(a, b)
+        with pytest.raises(ConfigError) as info:
+            check_offload_paths([a, b], 0)
+        assert _one_line(info.value).endswith(_same_directory(a, b))
+        args = add_ssd_offload_args(argparse.ArgumentParser()).parse_args(
+            ["--ssd-offload", "--ssd-offload-paths", f"{a}/{{rank}},{b}/{{local_rank}}"])
+        with pytest.raises(ConfigError) as info:
+            offload_config_from_args(args, rank=0, local_rank=0)
+        msg = _one_line(info.value)
+        assert msg.endswith(_same_directory(f"{a}/0", f"{b}/0")), msg
+        assert f"(from {a + '/{rank}'!r} and {b + '/{local_rank}'!r} for rank 0, local rank 0)" in msg, msg
+        assert os.listdir(os.path.join(a, "0")) == []
+
+
+# ------------------------------------------------------------------ empty path entries
+
+_EMPTY_ENTRY = "must not hold an empty entry: each entry names an offload directory"
+
+
+@pytest.mark.parametrize("override, value", [("offload.paths=,", ","), ("offload.paths=", ""),
+                                             ("offload.paths=/a,,/b", "/a,,/b")])
+def test_an_empty_offload_path_is_refused_as_an_override(monkeypatch, capsys, override, value):
+    """Item: ``offload.paths=,`` and ``offload.paths=`` trained into the default directory,
+    where ``--ssd-offload-paths ,`` was refused."""
+    err = _refused_before_setup(monkeypatch, capsys, ["train", override])
+    assert err == f"megatron_ssd: OffloadConfig.paths = {value!r}: {_EMPTY_ENTRY}"
+
+
+@pytest.mark.parametrize("yaml_paths, value", [('[""]', [""]), ('","', ","), ("[/a, '']", ["/a", ""])])
+def test_an_empty_offload_path_is_refused_in_yaml(tmp_path, monkeypatch, capsys, yaml_paths, value):
+    offload = tmp_path / "offload.yaml"
+    offload.write_text(f"paths: {yaml_paths}\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(OffloadConfig, str(offload))
+    assert _one_line(info.value) == f"megatron_ssd: OffloadConfig.paths = {value!r}: {_EMPTY_ENTRY}"
+    train = tmp_path / "train.yaml"
+    train.write_text(f"offload:\n  paths: {yaml_paths}\n")
+    monkeypatch.chdir(tmp_path)
+    err = _refused_before_setup(monkeypatch, capsys, ["train", "--config", str(train)])
+    assert err == f"megatron_ssd: OffloadConfig.paths = {value!r}: {_EMPTY_ENTRY}"
+
+
+@pytest.mark.parametrize("flags, shown", [
+    (["--ssd-offload-paths", ","], "--ssd-offload-paths = ','"),
+    (["--ssd-offload-paths", ""], "--ssd-offload-paths = ''"),
+    (["--ssd-offload-paths", "/a,,/b"], "--ssd-offload-paths = '/a,,/b'"),
+    (["--ssd-offload-override", "paths=,"], "--ssd-offload-override = 'paths=,'"),
+])
+def test_an_empty_offload_path_is_refused_by_the_megatron_flags(flags, shown):
+    import argparse
+
+    from megatron_ssd.megatron.args import add_ssd_offload_args, validate_ssd_offload_args
+
+    args = add_ssd_offload_args(argparse.ArgumentParser()).parse_args(["--ssd-offload", *flags])
+    with pytest.raises(ConfigError) as info:
+        validate_ssd_offload_args(args)
+    value = flags[1].split("=", 1)[-1] if flags[0] == "--ssd-offload-override" else flags[1]
+    assert _one_line(info.value) == f"megatron_ssd: {shown}: OffloadConfig.paths = {value!r}: {_EMPTY_ENTRY}"
+
+
+def test_an_explicitly_empty_path_list_still_means_the_default_directory(tmp_path):
+    assert load_config(TrainConfig, None, ["offload.paths=[]"]).offload.paths == []
+    assert load_config(OffloadConfig, None, ["paths=[]"]).paths == []
+    f = tmp_path / "train.yaml"
+    f.write_text("offload:\n  paths: []\n")
+    assert load_config(TrainConfig, str(f)).offload.paths == []
+    assert OffloadConfig(paths=[]).paths == [] and OffloadConfig().paths == []

@@ -105,6 +105,69 @@ def test_a_python_without_torch_is_named(tmp_path):
     assert result.returncode == 1 and "PYTHON=/nonexistent/python not found" in result.stderr
 
 
+def _fake_python(path: Path, body: str) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(f"#!/bin/bash\n{body}\n")
+    path.chmod(0o755)
+    return path
+
+
+# what a stand-in interpreter does when asked whether torch imports and sees CUDA
+REAL, NO_TORCH = f'exec {sys.executable} "$@"', "echo \"No module named 'torch'\" >&2; exit 1"
+SEES_GPU = "echo gpu"
+
+
+@pytest.mark.parametrize("venv, python3, python, chosen, mode", [
+    # make built .venv; the PATH's python3 has no torch (before: "python3 cannot import torch")
+    (REAL, NO_TORCH, None, "venv", "no-gpu"),
+    # a GPU machine: no .venv, its own python3 with torch
+    (None, SEES_GPU, None, "python3", "gpu"),
+    # a CPU-only .venv copied to a GPU machine: the python3 that sees the GPU
+    (REAL, SEES_GPU, None, "python3", "gpu"),
+    # a .venv whose torch is missing (an interrupted make), python3 with torch
+    (NO_TORCH, REAL, None, "python3", "no-gpu"),
+    # both have torch, neither sees a GPU: the project's .venv
+    (REAL, REAL, None, "venv", "no-gpu"),
+    # PYTHON wins over both
+    (SEES_GPU, SEES_GPU, REAL, "PYTHON", "no-gpu"),
+])
+def test_the_interpreter_is_python_else_the_one_with_torch_that_sees_cuda_venv_first(tmp_path, venv, python3,
+                                                                                      python, chosen, mode):
+    """``--print-python`` on a copy of the script in a repository layout of its own: a
+    ``.venv/bin/python`` and a ``python3`` first on PATH, each a stand-in."""
+    repo, bin_dir = tmp_path / "repo", tmp_path / "bin"
+    (repo / "scripts").mkdir(parents=True)
+    (repo / "scripts" / "gpu_check.sh").write_text(SCRIPT.read_text())
+    paths = {"venv": repo / ".venv" / "bin" / "python", "python3": bin_dir / "python3",
+             "PYTHON": tmp_path / "chosen" / "python"}
+    for name, body in (("venv", venv), ("python3", python3), ("PYTHON", python)):
+        if body is not None:
+            _fake_python(paths[name], body)
+    bin_dir.mkdir(exist_ok=True)
+    env = {k: v for k, v in _env(PATH=f"{bin_dir}:/usr/bin:/bin").items() if k != "PYTHON"}
+    if python is not None:
+        env["PYTHON"] = str(paths["PYTHON"])
+    result = subprocess.run(["bash", str(repo / "scripts" / "gpu_check.sh"), "--print-python"], cwd=tmp_path,
+                            env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    expected = "python3" if chosen == "python3" else str(paths[chosen])
+    assert result.stdout == f"{expected} {mode}\n"
+
+
+def test_without_any_python_that_imports_torch_each_one_tried_is_named(tmp_path):
+    repo, bin_dir = tmp_path / "repo", tmp_path / "bin"
+    (repo / "scripts").mkdir(parents=True)
+    (repo / "scripts" / "gpu_check.sh").write_text(SCRIPT.read_text())
+    _fake_python(bin_dir / "python3", NO_TORCH)
+    env = {k: v for k, v in _env(PATH=f"{bin_dir}:/usr/bin:/bin").items() if k != "PYTHON"}
+    result = subprocess.run(["bash", str(repo / "scripts" / "gpu_check.sh"), str(tmp_path / "out")], cwd=tmp_path,
+                            env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1
+    assert result.stderr == (f"[gpu_check] ERROR: no Python here imports torch: {repo}/.venv/bin/python (not found), "
+                             "python3 (cannot import torch); run make to build .venv, or set PYTHON\n")
+    assert not (tmp_path / "out").exists()
+
+
 STUB_PYTHON = """#!/bin/bash
 # stands in for the interpreter: the environment part hangs, everything else is the real one
 [[ "${{3:-}}" == environment ]] && exec sleep 60
