@@ -106,9 +106,17 @@ def test_summary_table_has_a_unit_on_every_figure_and_one_unit_family():
     text = format_summary([dict(_phase("keep-everything", [1.0, 1.0]), bytes_written_per_step=0.0)])
     labels = [re.split(r"\s{2,}", line.strip())[0] for line in text.splitlines()[2:] if line.strip()]
     unitless = {"failed writes kept in memory", "final loss"}
+    decimal = {"SSD writes per day (TB)"}  # the unit drive endurance is rated in (TBW, DWPD)
     for label in labels:
-        assert label in unitless or label.endswith(("(MiB)", "(MiB/s)", "(s)")), label
+        assert label in unitless | decimal or label.endswith(("(MiB)", "(MiB/s)", "(s)")), label
     assert "GiB" not in text
+
+
+def test_ssd_writes_per_day_are_in_decimal_terabytes():
+    """Before: ``SSD writes per day (MiB)  7417086``, a number no drive rating is given in."""
+    phase = dict(_phase("offload (auto)", [1.0, 1.0]), ssd_bytes_written_per_day=7417086 * 2**20)
+    line = next(l for l in format_summary([phase]).splitlines() if l.startswith("SSD writes per day"))
+    assert re.split(r"\s{2,}", line.strip()) == ["SSD writes per day (TB)", "7.78"]
 
 
 def test_wear_and_host_rows_appear_only_when_they_apply():

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any, Dict, Sequence
 
 from ..io.smart import PathWear
-from ..units import MiB
+from ..units import TB, MiB
 from .bench_io import wear_lines
 from .steps import format_comparison
 
@@ -54,7 +54,8 @@ def format_summary(phases: Sequence[Dict[str, Any]]) -> str:
         ("read stall per step (s)", "stall_s_per_step", 1, "{:.3f}"),
         ("write wait per step (s)", "write_wait_s_per_step", 1, "{:.3f}"),
         ("peak SSD footprint (MiB)", "peak_ssd_bytes", 1 / MiB, "{:.1f}"),
-        ("SSD writes per day (MiB)", "ssd_bytes_written_per_day", 1 / MiB, "{:.0f}"),
+        # decimal TB, the unit of the drives' endurance ratings (TBW, DWPD x capacity)
+        ("SSD writes per day (TB)", "ssd_bytes_written_per_day", 1 / TB, "{:.2f}"),
         ("failed writes kept in memory", "write_fallbacks", 1, "{:.0f}"),
         ("final loss", "final_loss", 1, "{:.4f}"),
     ]
