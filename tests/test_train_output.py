@@ -355,3 +355,33 @@ def test_compare_needs_keep_everything(capsys):
             "'static', 'host']") in capsys.readouterr().err
     assert main(["train", "--config", "configs/gpt-tiny.yaml", "budget_of_keep=0.5", "steps=6"]) == 2
     assert "TrainConfig.steps = 6: the planner uses 1 warm-up" in capsys.readouterr().err  # a budget profiles recompute
+
+
+def test_megatron_cores_two_notices_are_hidden_and_megatron_ssds_own_warnings_are_not(tmp_path, caplog, recwarn,
+                                                                                      capsys):
+    """Before: every run printed ``GPTModel IS DEPRECATED ...`` (megatron-core 0.19 logs it for
+    each GPT built) and, at the first import without a cached ``.pyc``, a SyntaxWarning
+    from megatron-core's own ``kv_block_allocator.py``."""
+    import importlib.util
+    import logging
+    import warnings
+
+    caplog.set_level(logging.WARNING)
+    assert main(["train", "--config", os.path.join(REPO, "configs", "gpt-tiny.yaml"), *TINY, "num_microbatches=1",
+                 "steps=2", "baseline_steps=0", "offload.planner.mode=keep", f"offload.paths={tmp_path}"]) == 0
+    # what the first import compiles when no .pyc is cached (the module is imported by now)
+    source = importlib.util.find_spec("megatron.core.inference.contexts.kv_block_allocator").origin
+    with open(source, encoding="utf-8") as fh:
+        compile(fh.read(), source, "exec")
+    mine = str(tmp_path / "mine.py")
+    compile("'\\-'", mine, "exec")  # the same warning from a file outside megatron-core
+    logging.getLogger("megatron_ssd").warning("megatron_ssd's own notice")
+    warnings.warn("megatron_ssd's own warning")
+
+    messages = [r.getMessage() for r in caplog.records]
+    assert "megatron_ssd's own notice" in messages
+    assert not [m for m in messages if "GPTModel IS DEPRECATED" in m]
+    shown = [(w.category, str(w.message), w.filename) for w in recwarn]
+    assert (SyntaxWarning, "invalid escape sequence '\\-'", mine) in shown
+    assert (UserWarning, "megatron_ssd's own warning", __file__) in shown
+    assert not [w for w in shown if w[2] == source]

@@ -180,10 +180,11 @@ def _check_outputs(args: argparse.Namespace) -> None:
 
 def main(argv: Optional[List[str]] = None) -> int:
     """Entry point of the ``megatron-ssd`` command; returns the exit status."""
-    from .output import collapse_optional_dependency_warnings
+    from .output import collapse_optional_dependency_warnings, quiet_megatron_core_notices
 
     argv = list(sys.argv[1:] if argv is None else argv)
     collapse_optional_dependency_warnings()
+    quiet_megatron_core_notices()
     if argv and argv[0] == "pretrain-gpt":
         from ..megatron.launcher import main as launch
 

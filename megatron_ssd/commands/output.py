@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import platform
 import re
@@ -10,7 +11,8 @@ import sys
 import warnings
 from typing import Any, Dict, Optional
 
-__all__ = ["write_json", "machine_info", "Progress", "collapse_optional_dependency_warnings", "OPTIONAL_DEPENDENCY_LINE"]
+__all__ = ["write_json", "machine_info", "Progress", "collapse_optional_dependency_warnings", "OPTIONAL_DEPENDENCY_LINE",
+           "quiet_megatron_core_notices"]
 
 _OPTIONAL_DEPENDENCY = re.compile(
     r"Transformer Engine and Apex are not installed|Apex is not installed|absl\.logging is not installed")
@@ -19,6 +21,16 @@ _OPTIONAL_DEPENDENCY = re.compile(
 OPTIONAL_DEPENDENCY_LINE = (
     "megatron-core: Transformer Engine and Apex are not installed (optional); it uses its torch fallbacks "
     "(optimizers, norms, multi-tensor ops), and its further warnings about them are not shown")
+
+
+MEGATRON_CORE_SOURCE = r"(.*[/\\])?megatron[/\\.]core([/\\.]|$)"
+"""A warning's module inside megatron-core: a module name (``megatron.core.x``) or, for a
+warning the compiler raises, the source file's path without ``.py``."""
+
+GPT_MODEL_LOGGER = "megatron.core.models.gpt.gpt_model"
+"""The logger megatron-core's GPTModel constructor logs its deprecation notice to."""
+
+GPT_MODEL_DEPRECATED = "GPTModel IS DEPRECATED"
 
 
 def machine_info() -> Dict[str, Any]:
@@ -107,3 +119,35 @@ def collapse_optional_dependency_warnings(out: Optional[Any] = None) -> None:
 
     showwarning._megatron_ssd = True  # type: ignore[attr-defined]
     warnings.showwarning = showwarning
+
+
+class _DropPrefix(logging.Filter):
+    """A logger filter that drops the records whose message starts with ``prefix``."""
+
+    def __init__(self, prefix: str) -> None:
+        super().__init__()
+        self.prefix = prefix
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith(self.prefix)
+
+
+def quiet_megatron_core_notices() -> None:
+    """Hide two notices of megatron-core's that every run printed and no megatron-ssd user
+    can act on; every other warning and log record is shown as before.
+
+    - ``GPTModel IS DEPRECATED ...``: logged by GPTModel's constructor at WARNING (0.19),
+      for each model built; megatron-ssd builds the GPT itself. A filter on that one
+      logger drops records starting with :data:`GPT_MODEL_DEPRECATED`.
+    - ``SyntaxWarning: invalid escape sequence`` in megatron-core's own source
+      (``inference/contexts/kv_block_allocator.py`` in 0.19.2), raised while Python
+      compiles the file, that is at the first import without a cached ``.pyc``. A
+      warnings filter ignores that message from files under ``megatron/core`` only
+      (:data:`MEGATRON_CORE_SOURCE`).
+
+    Calling it again adds nothing.
+    """
+    warnings.filterwarnings("ignore", message="invalid escape sequence", module=MEGATRON_CORE_SOURCE)
+    logger = logging.getLogger(GPT_MODEL_LOGGER)
+    if not any(isinstance(f, _DropPrefix) for f in logger.filters):
+        logger.addFilter(_DropPrefix(GPT_MODEL_DEPRECATED))
