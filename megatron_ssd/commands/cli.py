@@ -7,7 +7,7 @@ Subcommands::
     megatron-ssd rok --config configs/gpt-ref-cpu.yaml [--json PATH] [--plot PATH] [--rounds N] [--placements A,B] [--budgets F,F] [--keep-last N,N] [--fractions F,F] [--te-layers N,N] [--match-peers] [--paired N] [--throttle RATE] [--host-throttle RATE]
     megatron-ssd simulate model=gpt-1.3b ssd_count=4 [key=value ...]
     megatron-ssd bench-io PATH [PATH ...]
-    megatron-ssd clean [PATH ...]
+    megatron-ssd clean [PATH ...] [--stall-warning-s S]
     megatron-ssd pretrain-gpt --megatron-path DIR <pretrain_gpt.py args> --ssd-offload ...
 
 Each subcommand's module is imported only when it runs: ``--help``, ``--version`` and
@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import errno
 import importlib.util
+import math
 import os
 import sys
 from typing import List, Optional
@@ -41,6 +42,17 @@ def _int_list(value: str) -> List[int]:
         return [int(x) for x in value.split(",") if x]
     except ValueError:
         raise argparse.ArgumentTypeError(f"{value!r}: must be whole numbers separated by commas, e.g. 1,3,5") from None
+
+
+def _seconds(value: str) -> float:
+    """A finite number of seconds >= 0; argparse turns the error into one usage line."""
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = float("nan")
+    if not math.isfinite(seconds) or seconds < 0:
+        raise argparse.ArgumentTypeError(f"{value!r}: must be a number of seconds >= 0, e.g. 0.5")
+    return seconds
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -113,6 +125,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("clean", help="remove stale offload run directories left by runs that died")
     p.add_argument("paths", nargs="*", help="offload paths (default: the directory `train` uses when "
                                             "offload.paths is empty)")
+    p.add_argument("--stall-warning-s", type=_seconds, default=None, metavar="S",
+                   help="name each listing, unlink or removal that makes no progress for S seconds (a frozen "
+                        "filesystem, a hung drive), again every S seconds while it lasts (default: that of "
+                        "offload.io.stall_warning_s, 60; 0: never)")
 
     sub.add_parser(
         "pretrain-gpt",
@@ -220,7 +236,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         if args.command == "clean":
             from .clean import run_clean
 
-            return run_clean(args.paths)
+            return run_clean(args.paths, args.stall_warning_s)
     except MegatronSSDError as err:
         print(err, file=sys.stderr)
         return 2

@@ -220,19 +220,25 @@ def dio_alignment(path: str, default: int = 4096) -> Tuple[int, int]:
     return mem, offset
 
 
-def remove_stale_runs(path: str) -> List[str]:
+def remove_stale_runs(path: str, watchdog: Optional[StallWatchdog] = None) -> List[str]:
     """Delete run directories under ``path`` left by processes that no longer exist.
 
     Only directories named ``msd-*`` and owned by this user are candidates, and of those
     only the ones NOTE [Stale runs] (``run_owner.py``) names are removed; anything else is untouched, and
     symbolic links are never followed.
 
+    Args:
+        path: The offload path.
+        watchdog: Names each listing, ownership check, unlink and removal that makes no
+            progress (``megatron-ssd clean --stall-warning-s``); None: unwatched.
+
     Returns:
         The removed directories.
     """
     removed: List[str] = []
     try:
-        entries = list(os.scandir(path))
+        with watched(watchdog, "listing", path):
+            entries = list(os.scandir(path))
     except OSError:
         return removed
     for entry in entries:
@@ -243,10 +249,11 @@ def remove_stale_runs(path: str) -> List[str]:
                 continue  # another user's run: never ours to judge
         except OSError:
             continue
-        why = _why_stale(entry.path)
+        with watched(watchdog, "ownership check", entry.path):  # reads its marker
+            why = _why_stale(entry.path)
         if why is None:
             continue
-        if remove_run_dir(entry.path):
+        if remove_run_dir(entry.path, watchdog):
             logger.warning("megatron_ssd: removed stale offload directory %s (%s)", entry.path, why)
             removed.append(entry.path)
     return removed
@@ -292,42 +299,68 @@ def _fsync_dir(fd: int) -> None:
 # too (or ``clean`` removes it) and the marker says whose the directory was.
 
 
-def _empty_dir(dir_fd: int) -> None:
-    """Unlink every entry of the directory open as ``dir_fd``, and the marker last, only
-    once a new listing shows nothing else (NOTE [Marker last]). Best effort: what cannot
-    be removed stays, with the marker."""
-    for name in os.listdir(dir_fd):
+def _empty_dir(dir_fd: int, path: str, watchdog: Optional[StallWatchdog] = None) -> Optional[OSError]:
+    """Unlink every entry of the directory ``path``, open as ``dir_fd``, and the marker
+    last, only once a new listing shows nothing else (NOTE [Marker last]). Best effort:
+    what cannot be removed stays, with the marker. Each listing and unlink is a request
+    of ``watchdog`` (None: unwatched).
+
+    Returns:
+        The first error met (EROFS, EIO, ...), or None.
+    """
+    first: Optional[OSError] = None
+    try:
+        with watched(watchdog, "listing", path):
+            names = os.listdir(dir_fd)
+    except OSError as e:
+        return e
+    for name in names:
         if name != MARKER:
             try:
-                _unlink(name, dir_fd)
-            except OSError:
+                with watched(watchdog, "unlink", os.path.join(path, name)):
+                    _unlink(name, dir_fd)
+            except FileNotFoundError:
                 pass
+            except OSError as e:
+                first = first or e
     try:
-        if any(name != MARKER for name in os.listdir(dir_fd)):
-            return
-        _unlink(MARKER, dir_fd)
-    except OSError:
+        with watched(watchdog, "listing", path):
+            if any(name != MARKER for name in os.listdir(dir_fd)):
+                return first
+        with watched(watchdog, "unlink", os.path.join(path, MARKER)):
+            _unlink(MARKER, dir_fd)
+    except FileNotFoundError:
         pass
+    except OSError as e:
+        first = first or e
+    return first
 
 
-def remove_run_dir(path: str) -> bool:
+def remove_run_dir(path: str, watchdog: Optional[StallWatchdog] = None) -> bool:
     """Delete the run directory ``path`` now: data files, then the marker, then the
     directory (NOTE [Marker last]). Takes no lock and needs no :class:`RunDir`, so the
-    signal path can call it; never follows a symbolic link.
+    signal path can call it (without ``watchdog``); never follows a symbolic link.
+
+    Args:
+        path: The run directory.
+        watchdog: Names each listing, unlink and removal that makes no progress; None:
+            unwatched.
 
     Returns:
         True when the directory is gone.
     """
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | _O_NOFOLLOW | _O_CLOEXEC)
+        with watched(watchdog, "open", path):
+            fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | _O_NOFOLLOW | _O_CLOEXEC)
     except OSError:
         return not os.path.lexists(path)
     try:
-        _empty_dir(fd)
+        _empty_dir(fd, path, watchdog)
     finally:
         os.close(fd)
     try:
-        os.rmdir(path)
+        with watched(watchdog, "rmdir", path):
+            os.rmdir(path)
     except OSError:
         pass
     return not os.path.lexists(path)
@@ -475,7 +508,7 @@ class RunDir:
         with watched(self.watchdog, "remove", self.path):
             if self._dirfd >= 0:
                 try:
-                    _empty_dir(self._dirfd)  # NOTE [Marker last]
+                    _empty_dir(self._dirfd, self.path)  # NOTE [Marker last]
                 finally:
                     os.close(self._dirfd)
                     self._dirfd = -1

@@ -11,7 +11,8 @@ It changes nothing else: a request that finishes late completes as usual.
 The calls around the data path are watched alike (:func:`watched`): creating the run
 directory, its marker and the data files, growing a file (``posix_fallocate`` /
 ``ftruncate``), flushing, unlinking and removing; a stalled drive or a frozen
-filesystem blocks those as surely as a read.
+filesystem blocks those as surely as a read. ``megatron-ssd clean`` watches its
+listings, unlinks and removals with a watchdog of its own (``--stall-warning-s``).
 """
 
 from __future__ import annotations
@@ -34,10 +35,14 @@ class StallWatchdog:
     Args:
         threshold_s: Seconds without progress before the first warning, and between
             warnings of one request (``io.stall_warning_s``; > 0).
+        setting: What the warning names as the source of ``threshold_s``.
+        waiter: What the warning says waits for the stuck request.
     """
 
-    def __init__(self, threshold_s: float) -> None:
+    def __init__(self, threshold_s: float, setting: str = "io.stall_warning_s", waiter: str = "training") -> None:
         self.threshold_s = threshold_s
+        self.setting = setting
+        self.waiter = waiter
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._ids = itertools.count()
@@ -84,8 +89,8 @@ class StallWatchdog:
             for op, file, offset, nbytes, waited in stuck:
                 what = f"{op} of {nbytes} bytes at offset {offset} of {file}" if nbytes else f"{op} of {file}"
                 logger.warning(
-                    "megatron_ssd: %s has made no progress for %.1f s (io.stall_warning_s = %g): the drive may "
-                    "be stalled; training waits for it", what, waited, self.threshold_s,
+                    "megatron_ssd: %s has made no progress for %.1f s (%s = %g): the drive may be stalled; %s "
+                    "waits for it", what, waited, self.setting, self.threshold_s, self.waiter,
                 )
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import errno
+import json
 import logging
 import os
 import shutil
@@ -409,6 +410,40 @@ def test_frozen_filesystem_is_named_while_the_engine_starts_and_while_it_unlinks
         finally:
             engine.close()
         assert os.listdir(mnt) == ["lost+found"]
+
+
+def test_clean_on_a_frozen_filesystem_names_each_removal_that_makes_no_progress(tmp_path, caplog, capsys):
+    """Item: ``megatron-ssd clean`` on a frozen filesystem said nothing for as long as the
+    freeze lasted (75 s), while training named the same stall. ``fsfreeze`` on an ext4
+    loop device while ``clean`` removes a stale run; the warning comes before the thaw."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import loopfs
+    from megatron_ssd.commands import cli
+    from megatron_ssd.io import rundir
+
+    caplog.set_level(logging.WARNING, logger="megatron_ssd")
+    with loopfs.ext4(str(tmp_path)) as mnt:
+        stale = os.path.join(mnt, "msd-gone-1-r0-00000000")
+        os.mkdir(stale, 0o700)
+        with open(os.path.join(stale, "extents.bin"), "wb") as fh:
+            fh.write(b"x" * 4096)
+        with open(os.path.join(stale, rundir.MARKER), "w") as fh:  # the machine restarted since
+            json.dump(dict(rundir._identity(), boot_id="an earlier boot"), fh)
+        unlinking = f"megatron_ssd: unlink of {stale}/extents.bin has made no progress for "
+        done = {}
+        with loopfs.frozen(mnt):
+            cleaner = threading.Thread(
+                target=lambda: done.update(code=cli.main(["clean", "--stall-warning-s", "0.5", mnt])))
+            cleaner.start()
+            named = lambda: any(m.startswith(unlinking) for m in _stall_warnings(caplog))  # noqa: E731
+            _wait_for(lambda: named() or not cleaner.is_alive())
+            assert named(), (_stall_warnings(caplog), done)
+        cleaner.join(timeout=60)
+        assert done == {"code": 0}
+        assert f"removed {stale}" in capsys.readouterr().out
+        assert os.listdir(mnt) == ["lost+found"]
+    for msg in _stall_warnings(caplog):
+        assert "(--stall-warning-s = 0.5): the drive may be stalled; megatron-ssd clean waits for it" in msg, msg
 
 
 # ------------------------------------------------------------------ a full disk, told once
