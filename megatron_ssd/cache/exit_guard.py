@@ -8,6 +8,7 @@ import logging
 import os
 import select
 import signal
+import sys
 import threading
 import weakref
 from typing import Any, Dict, List
@@ -47,6 +48,26 @@ logger = logging.getLogger("megatron_ssd")
 # or ``megatron-ssd clean`` removes what those leave
 # (:func:`megatron_ssd.io.rundir.remove_stale_runs`).
 
+# NOTE [Interrupts in finalisers]
+# Python's SIGINT handler raises KeyboardInterrupt in whatever Python code the main
+# thread runs when the signal is handled, and that can be a finaliser: a ``__del__``
+# (``Packed.__del__`` runs for every saved tensor autograd frees, thousands a step) or a
+# ``weakref.finalize`` callback, run from inside any allocation or ``del``. Python cannot
+# raise out of a finaliser: it prints "Exception ignored in ..." and goes on, so a Ctrl-C
+# landing there was lost and the run trained to its last step and exited 0 (2 of 7
+# interrupted ``megatron-ssd train`` runs). Which frame is a finaliser cannot be told
+# from the stack (its frame looks like any call), but every exception a finaliser
+# swallows goes through ``sys.unraisablehook``; so while the signal handlers are in, so
+# is :meth:`_ExitGuard._on_unraisable`, which keeps a KeyboardInterrupt (``interrupted``)
+# and prints nothing, and hands anything else to the previous hook. Posting the signal
+# again from there (``_thread.interrupt_main``) does not work: the main thread checks for
+# signals after that very call, still inside the finaliser, and loses it again. So the
+# cache raises it again itself, with :meth:`_ExitGuard.raise_interrupted`, where the
+# main thread runs ordinary code: at each micro-batch's and each layer's forward start,
+# at each step's end, and when the last cache closes. A run that trains goes through one
+# of those within a layer's forward. The hook comes and goes with the signal handlers,
+# and is put back only while it is still ours.
+
 
 class _ExitGuard:
     """Process-wide signal and atexit cleanup of open caches; see NOTE [Exit cleanup]."""
@@ -65,6 +86,10 @@ class _ExitGuard:
         self._atexit = False
         self._wake_w = self._done_r = -1  # pipes to the cleanup thread, while handlers are in
         self._cleaner_pid = -1  # a forked child shares the pipes, not the thread
+        self._unraisable: Any = None  # the sys.unraisablehook ours replaced, while it is in
+        self.interrupted = False
+        """A finaliser swallowed a KeyboardInterrupt that was not raised again yet (NOTE
+        [Interrupts in finalisers])."""
 
     def add(self, cache: Any) -> None:
         with self._lock:
@@ -80,24 +105,34 @@ class _ExitGuard:
                     continue
                 signal.signal(sig, self._on_signal)
                 self._previous[sig] = previous
+            if self._previous and self._unraisable is None:  # NOTE [Interrupts in finalisers]
+                self._unraisable = sys.unraisablehook
+                sys.unraisablehook = self._on_unraisable
             if self._previous and self._wake_w < 0:
                 self._start_cleaner()
 
     def discard(self, cache: Any) -> None:
         with self._lock:
             self._caches.discard(cache)
-            if len(self._caches) or not self._previous:
-                return
-            if threading.current_thread() is not threading.main_thread():
-                return
-            for sig, previous in self._previous.items():
-                if signal.getsignal(sig) == self._on_signal:
-                    signal.signal(sig, previous)
-            self._previous.clear()
-            if self._wake_w >= 0:
-                os.close(self._wake_w)  # the cleaner reads end of file and returns
-                os.close(self._done_r)
-                self._wake_w = self._done_r = -1
+            if not len(self._caches) and threading.current_thread() is threading.main_thread():
+                self._restore()
+        self.raise_interrupted()  # NOTE [Interrupts in finalisers]: before the close returns
+
+    def _restore(self) -> None:
+        """Put back the handlers and the unraisable hook ours replaced (the last cache
+        closed); stop the cleaner. Caller holds the lock, on the main thread."""
+        for sig, previous in self._previous.items():
+            if signal.getsignal(sig) == self._on_signal:
+                signal.signal(sig, previous)
+        self._previous.clear()
+        if self._unraisable is not None:
+            if sys.unraisablehook == self._on_unraisable:
+                sys.unraisablehook = self._unraisable
+            self._unraisable = None
+        if self._wake_w >= 0:
+            os.close(self._wake_w)  # the cleaner reads end of file and returns
+            os.close(self._done_r)
+            self._wake_w = self._done_r = -1
 
     def _start_cleaner(self) -> None:
         wake_r, self._wake_w = os.pipe()
@@ -141,6 +176,26 @@ class _ExitGuard:
                              "marker, so the next start or `megatron-ssd clean PATH` removes them\n").encode())
         signal.signal(signum, signal.SIG_DFL)
         os.kill(os.getpid(), signum)
+
+    def _on_unraisable(self, unraisable: Any) -> None:
+        """``sys.unraisablehook`` while the handlers are in: a KeyboardInterrupt a
+        finaliser swallowed is kept for :meth:`raise_interrupted`, anything else goes to
+        the previous hook (NOTE [Interrupts in finalisers])."""
+        if isinstance(unraisable.exc_type, type) and issubclass(unraisable.exc_type, KeyboardInterrupt):
+            self.interrupted = True
+            return
+        (self._unraisable or sys.__unraisablehook__)(unraisable)
+
+    def raise_interrupted(self) -> None:
+        """Raise the KeyboardInterrupt a finaliser swallowed, if any, on the main thread
+        (NOTE [Interrupts in finalisers]); the cache calls it where ordinary code runs.
+
+        Raises:
+            KeyboardInterrupt: a Ctrl-C landed in a finaliser since the last call.
+        """
+        if self.interrupted and threading.current_thread() is threading.main_thread():
+            self.interrupted = False
+            raise KeyboardInterrupt
 
     def _at_exit(self) -> None:
         for cache in list(self._caches):

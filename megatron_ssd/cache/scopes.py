@@ -22,6 +22,7 @@ import torch
 from ..errors import CacheStateError
 from ..placement import Placement
 from .entries import EntryTable
+from .exit_guard import EXIT_GUARD
 from .hooks import OffloadHooks
 from .policy import PlacementPolicy
 from .record import Packed, Record
@@ -72,6 +73,7 @@ class Scopes:
     @contextlib.contextmanager
     def microbatch(self, key: Optional[Hashable] = None) -> Iterator[Record]:
         """Run one micro-batch's forward with its saved tensors going to a new record."""
+        EXIT_GUARD.raise_interrupted()  # NOTE [Interrupts in finalisers] in exit_guard.py
         record = self.entries.open(key if key is not None else next(self._keys))
         previous = getattr(self._tls, "record", None)
         self._tls.record = record
@@ -125,6 +127,7 @@ class Scopes:
         ``inputs`` (the layer's arguments) give the size of its input, its first tensor:
         what the layer holds between forward and backward under RECOMPUTE
         (``LayerCounters.input_bytes``)."""
+        EXIT_GUARD.raise_interrupted()  # NOTE [Interrupts in finalisers] in exit_guard.py
         record = self.current_record()
         stack = self._tls.__dict__.setdefault("layers", [])
         stack.append((layer_id, self.entries.clock.mark()))  # NOTE [Device time] in device.py

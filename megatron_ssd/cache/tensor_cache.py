@@ -391,10 +391,16 @@ class TensorCache:
         """Close the step's accounting and return its numbers; counters start again.
 
         Waits for writes and reads still in flight first, so each step's bytes are its own.
+
+        Raises:
+            KeyboardInterrupt: a Ctrl-C landed in a finaliser during the step (NOTE
+                [Interrupts in finalisers] in ``exit_guard.py``).
         """
         self._check_open()
         self.drain()
-        return self.accountant.finish_step()
+        stats = self.accountant.finish_step()
+        EXIT_GUARD.raise_interrupted()
+        return stats
 
     @property
     def checksum(self) -> str:

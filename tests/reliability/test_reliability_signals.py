@@ -203,6 +203,90 @@ def test_sigterm_with_a_hung_unlink_exits_anyway_and_clean_finishes(tmp_path, of
     assert os.listdir(offload_dir) == []
 
 
+# A child whose SIGINT handler runs inside a finaliser: the guard's own handler, chained
+# to Python's (which raises KeyboardInterrupt where it runs), is called from a tensor's
+# ``Packed.__del__`` or from a ``weakref.finalize`` callback, as a Ctrl-C landing there
+# would. Python swallows an exception raised in a finaliser ("Exception ignored in ...").
+FINALISER_CHILD = textwrap.dedent(
+    """
+    import signal, sys, weakref
+    import torch
+    from megatron_ssd import OffloadConfig, TensorCache
+    from megatron_ssd.cache.exit_guard import EXIT_GUARD
+    from megatron_ssd.config import Placement
+
+    path, where = sys.argv[1], sys.argv[2]
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # whatever the parent left
+    cache = TensorCache(OffloadConfig(paths=[path], min_tensor_bytes=0, min_free_bytes=0))
+    cache.register_layers([torch.nn.Identity()], ids=["L"], install_hooks=False)
+    cache.set_plan({"L": Placement.OFFLOAD})
+
+    def ctrl_c(*args):
+        EXIT_GUARD._on_signal(signal.SIGINT, sys._getframe())
+
+    with cache.microbatch() as record:
+        with cache.layer("L"):
+            packed = cache.pack(record, torch.ones(1 << 16, dtype=torch.uint8))
+    cache.drain()
+    if where == "packed":
+        cache._unref = ctrl_c  # Packed.__del__ tells the cache
+        del packed
+    else:
+        class Owner:
+            pass
+        owner = Owner()
+        weakref.finalize(owner, ctrl_c)
+        del owner
+    with cache.microbatch():  # the run goes on to its next micro-batch
+        print("carried on", flush=True)
+    cache.close()
+    """
+)
+
+
+@pytest.mark.parametrize("where", ["packed", "weakref"])
+def test_ctrl_c_inside_a_finaliser_still_stops_the_process(tmp_path, offload_dir, where):
+    """Item: a Ctrl-C whose KeyboardInterrupt was raised inside ``Packed.__del__`` (2 of 7
+    interrupted ``megatron-ssd train`` runs) was swallowed by Python, and the run went on
+    to its last step and exit 0. Now the next micro-batch raises it again."""
+    script = tmp_path / "finaliser_child.py"
+    script.write_text(FINALISER_CHILD)
+    res = subprocess.run([sys.executable, str(script), offload_dir, where], capture_output=True, text=True,
+                         env=ENV, timeout=120)
+    assert res.returncode in (-signal.SIGINT, 1, 130) and "KeyboardInterrupt" in res.stderr, (res.returncode,
+                                                                                           res.stderr)
+    assert "carried on" not in res.stdout and "Exception ignored" not in res.stderr, res.stderr
+    assert os.listdir(offload_dir) == []
+
+
+def test_ctrl_c_stops_megatron_ssd_train(tmp_path, offload_dir):
+    """A real SIGINT to ``megatron-ssd train`` once its first step is printed ends the run
+    with KeyboardInterrupt, whatever frame it lands in; its 100000 steps never finish."""
+    cmd = [sys.executable, "-m", "megatron_ssd.commands.cli", "train", "--config",
+           os.path.join(REPO, "configs", "gpt-tiny.yaml"), "--no-baseline", "--allow-short",
+           "model.num_layers=2", "model.hidden_size=64", "model.seq_length=64", "model.vocab_size=512",
+           "micro_batch_size=2", "steps=100000", "offload.planner.mode=static", f"offload.paths={offload_dir}",
+           "offload.min_tensor_bytes=4096"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=dict(ENV, PYTHONUNBUFFERED="1"), cwd=str(tmp_path),
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        line = proc.stdout.readline()
+        while line and " 1/100000" not in line:
+            line = proc.stdout.readline()
+        assert line, proc.stderr.read()
+        proc.send_signal(signal.SIGINT)
+        code = proc.wait(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    err = proc.stderr.read()
+    assert code in (-signal.SIGINT, 1, 130) and "KeyboardInterrupt" in err, (code, err[-3000:])
+    assert "Exception ignored" not in err, err[-3000:]
+    assert os.listdir(offload_dir) == []
+
+
 def _no_other_open_caches():
     gc.collect()
     if len(exit_guard.EXIT_GUARD._caches):
@@ -217,16 +301,19 @@ def test_handlers_are_installed_while_open_and_restored_on_close(offload_dir):
                  signal.SIGINT: signal.signal(signal.SIGINT, signal.default_int_handler)}
     try:
         before = {s: signal.getsignal(s) for s in inherited}
+        hook = sys.unraisablehook
         cache = TensorCache(OffloadConfig(paths=[offload_dir], min_free_bytes=0))
         try:
             for s in before:
                 assert signal.getsignal(s) == exit_guard.EXIT_GUARD._on_signal
+            assert sys.unraisablehook == exit_guard.EXIT_GUARD._on_unraisable  # NOTE [Interrupts in finalisers]
             second = TensorCache(OffloadConfig(paths=[offload_dir], min_free_bytes=0))
             second.close()  # one cache still open: the handler stays
             assert signal.getsignal(signal.SIGTERM) == exit_guard.EXIT_GUARD._on_signal
         finally:
             cache.close()
         assert {s: signal.getsignal(s) for s in before} == before
+        assert sys.unraisablehook == hook
     finally:
         for s, handler in inherited.items():
             signal.signal(s, handler)
