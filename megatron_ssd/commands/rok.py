@@ -32,6 +32,7 @@ from .intervals import median_ci95, ratio_ci95
 from .dominance import (BUDGET, KEEP_LAST, MEGATRON_FULL, MEGATRON_OFFLOAD, MEGATRON_SELECTIVE, TE_OFFLOAD,
                         add_dominance, format_dominance)
 from .output import machine_info, write_json
+from .rok_plot import plot_rok
 from .steps import short_run_problems
 
 __all__ = ["run_rok", "rok_points", "PLACEMENTS", "PEERS", "PEER_HOST_POOL", "CURVES"]
@@ -424,59 +425,6 @@ def _throttle_for(config: TrainConfig, rate: str) -> BlkioThrottle:
     if nbytes <= 0:
         raise ConfigError(f"rok: --throttle {rate!r}: must be a rate > 0 such as 250MiB")
     return BlkioThrottle(path, nbytes, nbytes)
-
-
-def plot_rok(points: Sequence[Dict[str, Any]], path: str, title: str = "") -> None:
-    """A PNG of measured peak memory against median step time, one marker per placement.
-
-    Filled markers: the allocator timeline's peak of live tensor bytes; open markers: the
-    process's RSS above its pre-forward level (NOTE [Independent memory]); small crosses:
-    the cache's own count of activation bytes, for comparison.
-    """
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6.4, 4.4))
-    labelled = set()
-
-    def mark(x: float, y: Optional[int], label: str, **style: Any) -> None:
-        if y is None:
-            return
-        ax.scatter(x, y / MiB, label=None if label in labelled else label, **style)
-        labelled.add(label)
-
-    for i, p in enumerate(points):
-        if "median_step_s" not in p:
-            continue
-        x, color = p["median_step_s"], f"C{i % 10}"
-        main = p.get("allocator_peak_bytes")
-        mark(x, main, "live tensors (allocator timeline)", s=60, color=color)
-        mark(x, p.get("peak_rss_above_base_bytes"), "process RSS above pre-forward", s=60,
-             facecolors="none", edgecolors=color)
-        mark(x, p["peak_activation_bytes"], "cache's own count", s=30, marker="x", color=color)
-        anchor = main if main is not None else p.get("independent_peak_bytes") or p["peak_activation_bytes"]
-        ax.annotate(p["placement"], (x, anchor / MiB), textcoords="offset points", xytext=(6, 4), fontsize=9)
-    curves = (("keep the last N (live)", KEEP_LAST, "--"), ("Megatron fine-grained offload (live)",
-              MEGATRON_OFFLOAD + "-", ":"), ("Transformer Engine offload (live)", TE_OFFLOAD + "-", "-."),
-              ("planner budgets (live)", BUDGET + "-", "-"))
-    for label, prefix, style in curves:
-        line = sorted((q["median_step_s"], q["allocator_peak_bytes"] / MiB) for q in points
-                      if q["placement"].startswith(prefix) and "median_step_s" in q
-                      and q.get("allocator_peak_bytes") is not None)
-        if len(line) > 1:  # a curve: the same rule at several settings
-            ax.plot(*zip(*line), linestyle=style, color="0.5", linewidth=1, label=label)
-    ax.legend(fontsize=8)
-    ax.set_xlabel("median step time (s)")
-    ax.set_ylabel("peak memory above the pre-forward level (MiB)")
-    ax.set_title(title or "recompute / offload / keep")
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    os.makedirs(os.path.dirname(os.path.abspath(path)) or ".", exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    print(f"wrote {path}")
 
 
 def format_rok(points: Sequence[Dict[str, Any]]) -> str:
