@@ -18,8 +18,9 @@ under each field stays the source of the generated reference; and the core packa
 gains no runtime dependency (pydantic comes only with the ``megatron-lm`` extra).
 
 The package, one job per module: :mod:`.rules` (what a field's annotation may carry),
-:mod:`.schema` (validation, the dict / YAML round trip, the field docstrings), :mod:`.tree`
-(the configuration megatron-ssd reads); the placements they name are
+:mod:`.schema` (validation, the dict / YAML round trip, the field docstrings), :mod:`.files`
+(reading a config file, bounded: NOTE [Config file bounds]), :mod:`.tree` (the
+configuration megatron-ssd reads); the placements they name are
 :mod:`megatron_ssd.placement`'s. Every public name is importable from here.
 
 Example::

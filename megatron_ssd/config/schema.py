@@ -5,8 +5,8 @@ A config class is a dataclass whose fields carry their rules and unit in
 :data:`typing.Annotated` metadata (:mod:`.rules`), whose
 ``__post_init__`` calls :func:`_settle`, and which may add a ``_check`` method for rules
 that compare several fields and a ``_check_file`` classmethod for what a config file of
-it must hold. :mod:`.tree` is the tree megatron-ssd reads; :mod:`megatron_ssd.config`
-says why the schema is built this way.
+it must hold. :mod:`.tree` is the tree megatron-ssd reads, :mod:`.files` reads a config
+file; :mod:`megatron_ssd.config` says why the schema is built this way.
 """
 
 from __future__ import annotations
@@ -18,14 +18,14 @@ import enum
 import functools
 import inspect
 import math
-import os
 import re
 import textwrap
 import typing
 from dataclasses import dataclass
 from typing import Annotated, Any, Dict, List, Mapping, Optional, Sequence, Tuple, Type, TypeVar
 
-from ..errors import ConfigError
+from ..errors import ConfigError, shown
+from .files import read_config_file
 from .rules import Directories, Rule, Seconds, Switch, Unit, Bytes
 
 __all__ = [
@@ -46,7 +46,7 @@ T = TypeVar("T")
 # --------------------------------------------------------------------------- validation
 
 def _fail(cls_name: str, name: str, value: Any, rule: str) -> ConfigError:
-    return ConfigError(f"{cls_name}.{name} = {value!r}: {rule}")
+    return ConfigError(f"{cls_name}.{name} = {shown(value)}: {rule}")
 
 
 def _owner(obj: Any) -> str:
@@ -346,7 +346,7 @@ def _unknown_key(cls: type, key: str, root: Optional[type] = None, prefix: str =
     if best and rest and best[0] + rest in everywhere:  # planner.mode -> offload.planner.mode
         best = [best[0] + rest]
     hint = f"; did you mean {best[0]!r}?" if best else f"; known keys: {here}"
-    return ConfigError(f"{cls.__name__}: unknown key {prefix + key!r}{hint}")
+    return ConfigError(f"{cls.__name__}: unknown key {shown(prefix + key)}{hint}")
 
 
 def from_dict(cls: Type[T], data: Mapping[str, Any], _root: Optional[type] = None, _prefix: str = "") -> T:
@@ -358,7 +358,7 @@ def from_dict(cls: Type[T], data: Mapping[str, Any], _root: Optional[type] = Non
     kwargs = {}
     for key, value in data.items():
         if not isinstance(key, str):
-            raise ConfigError(f"{cls.__name__}: key {key!r} ({type(key).__name__}): keys must be field names, "
+            raise ConfigError(f"{cls.__name__}: key {shown(key)} ({type(key).__name__}): keys must be field names, "
                               f"known keys: {sorted(names)}")
         if key not in names:
             raise _unknown_key(cls, key, _root, _prefix)
@@ -392,7 +392,7 @@ def apply_overrides(cls: Type[T], data: Dict[str, Any], overrides: Sequence[str]
     data = dict(data)
     for item in overrides:
         if "=" not in item:
-            raise ConfigError(f"override {item!r}: must have the form key=value (e.g. io.threads=4)")
+            raise ConfigError(f"override {shown(item)}: must have the form key=value (e.g. io.threads=4)")
         dotted, value = item.split("=", 1)
         parts = dotted.strip().split(".")
         node, node_cls = data, cls
@@ -407,8 +407,8 @@ def apply_overrides(cls: Type[T], data: Dict[str, Any], overrides: Sequence[str]
                 hint = _type_hints(node_cls)[part]
                 if not dataclasses.is_dataclass(hint):
                     raise ConfigError(
-                        f"override {item!r}: {node_cls.__name__}.{part} is a value, not a section: it has no "
-                        f"key {parts[i + 1]!r} (set it as {'.'.join(parts[: i + 1])}=VALUE)"
+                        f"override {shown(item)}: {node_cls.__name__}.{part} is a value, not a section: it has no "
+                        f"key {shown(parts[i + 1])} (set it as {'.'.join(parts[: i + 1])}=VALUE)"
                     )
                 child = node.get(part)
                 child = dict(child) if isinstance(child, Mapping) else {}
@@ -421,82 +421,16 @@ def load_config(cls: Type[T], path: Optional[str] = None, overrides: Sequence[st
     """Load ``cls`` from a YAML file (optional) with ``key=value`` overrides on top."""
     data: Dict[str, Any] = {}
     if path is not None:
-        if os.path.isdir(path):
-            raise ConfigError(f"config file {path!r}: is a directory: --config must name a YAML file")
-        if not os.path.isfile(path):
-            raise ConfigError(f"config file {path!r}: does not exist")
-        loaded = _read_yaml(path)
+        loaded = read_config_file(path)
         if loaded is None:
             loaded = {}
         if not isinstance(loaded, Mapping):
-            raise ConfigError(f"config file {path!r}: top level must be a mapping")
+            raise ConfigError(f"config file {shown(path)}: top level must be a mapping")
         data = dict(loaded)
         check_file = getattr(cls, "_check_file", None)
         if check_file is not None:  # what a file of this class must hold
             check_file(data, path)
     return from_dict(cls, apply_overrides(cls, data, overrides))
-
-
-class _DuplicateKey(Exception):
-    """A mapping of a config file names one key twice."""
-
-    def __init__(self, key: Any, line: int, first: int) -> None:
-        super().__init__(key, line, first)
-        self.key, self.line, self.first = key, line, first
-
-
-@functools.lru_cache(maxsize=None)
-def _unique_key_loader() -> type:
-    """``yaml.SafeLoader`` that refuses a key given twice in one mapping (plain YAML lets
-    the last one win, silently); keys merged in with ``<<`` may still be overridden."""
-    import yaml
-
-    class UniqueKeyLoader(yaml.SafeLoader):
-        def construct_mapping(self, node: Any, deep: bool = False) -> Any:
-            seen: Dict[Any, int] = {}
-            for key_node, _ in node.value:
-                if key_node.tag == "tag:yaml.org,2002:merge":
-                    continue
-                key = self.construct_object(key_node, deep=True)
-                line = key_node.start_mark.line + 1
-                try:
-                    if key in seen:
-                        raise _DuplicateKey(key, line, seen[key])
-                    seen[key] = line
-                except TypeError:  # an unhashable key: construct_mapping names it
-                    continue
-            return super().construct_mapping(node, deep=deep)
-
-    return UniqueKeyLoader
-
-
-def _read_yaml(path: str) -> Any:
-    """The YAML document in ``path``: plain YAML only (``safe_load``, no ``!!python`` tags),
-    each key at most once per mapping."""
-    import yaml
-
-    try:
-        with open(path, "rb") as fh:
-            text = fh.read().decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise ConfigError(f"config file {path!r}: byte {e.object[e.start]:#04x} at offset {e.start} is not "
-                          "valid UTF-8: config files must be UTF-8 text") from None
-    try:
-        return yaml.load(text, Loader=_unique_key_loader())  # noqa: S506 - a SafeLoader subclass
-    except _DuplicateKey as e:
-        raise ConfigError(f"config file {path!r}: key {e.key!r} at line {e.line} is given twice (first at line "
-                          f"{e.first}): each key may appear once in a mapping") from None
-    except yaml.constructor.ConstructorError as e:
-        where = f" at line {e.problem_mark.line + 1}" if e.problem_mark else ""
-        tag = re.search(r"tag '([^']*)'", str(e.problem))
-        raise ConfigError(f"config file {path!r}: tag {tag.group(1) if tag else e.problem!r}{where} is not allowed: "
-                          "config files are plain YAML (no !!python or other object tags)") from None
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        problem = " ".join(str(getattr(e, "problem", None) or e).split())
-        raise ConfigError(f"config file {path!r}: invalid YAML{where} ({problem}): must be a YAML mapping "
-                          "of config fields") from None
 
 
 def field_docs(cls: type) -> Dict[str, str]:

@@ -134,6 +134,81 @@ def test_config_directory_is_named_as_a_directory(tmp_path, monkeypatch, capsys)
     assert err == f"megatron_ssd: config file {str(tmp_path)!r}: is a directory: --config must name a YAML file"
 
 
+def test_config_that_is_not_a_regular_file_is_named_so(tmp_path, monkeypatch, capsys):
+    """Item: ``--config /dev/null`` said the file does not exist."""
+    fifo = tmp_path / "fifo.yaml"
+    os.mkfifo(fifo)
+    for path, kind in [("/dev/null", "a character device"), (str(fifo), "a FIFO")]:
+        err = _refused_before_setup(monkeypatch, capsys, ["train", "--config", path])
+        assert err == f"megatron_ssd: config file {path!r}: is not a regular file ({kind}): --config must name a YAML file"
+    missing = str(tmp_path / "missing.yaml")
+    err = _refused_before_setup(monkeypatch, capsys, ["train", "--config", missing])
+    assert err == f"megatron_ssd: config file {missing!r}: does not exist"
+
+
+def _alias_bomb() -> str:
+    """``steps:`` as nine levels of nine aliases each: 9**9 items from ten lines."""
+    names = "abcdefghi"
+    lines = ["steps:", "  - &a [1, 1, 1, 1, 1, 1, 1, 1, 1]"]
+    lines += [f"  - &{name} [{', '.join([f'*{inner}'] * 9)}]" for inner, name in zip(names, names[1:])]
+    return "\n".join(lines) + "\n"
+
+
+@pytest.mark.parametrize("content, rule", [
+    (_alias_bomb(), "expands to more than 100000 YAML nodes (141166 by line 7, each alias counted as the nodes it "
+                   "names wherever it is used): must expand to at most 100000"),
+    ("steps: &a [1, *a]\n", "the alias at line 1 is used inside the value it names, so it expands without end"),
+    ("steps: " + "[" * 33 + "]" * 33 + "\n", "nests 33 levels deep at line 1 (aliases expanded): must nest at most 32"),
+    ("steps: " + "[" * 100_000 + "]" * 100_000 + "\n", "nests 33 levels deep at line 1"),
+    ("a: &a " + "[" * 20 + "]" * 20 + "\nsteps: " + "[" * 12 + "*a" + "]" * 12 + "\n", "nests 33 levels deep at line 2"),
+    ("steps: [" + "1, " * 100_000 + "1]\n", "expands to more than 100000 YAML nodes (100001 by line 1"),
+    ("steps: 3\n" + "# padding\n" * 104_858, "is 1048589 bytes: must be at most 1048576 bytes"),
+    ("steps: " + "9" * 5000 + "\n", "the integer at line 1 has 5000 digits: must have at most 4300"),
+    ("steps: 2024-13-45\n", "value '2024-13-45' at line 1 is not a valid timestamp (month must be in 1..12)"),
+    ("steps: !!bool maybe\n", "value 'maybe' at line 1 is not a valid bool"),
+])
+def test_config_files_are_bounded_before_they_are_built(tmp_path, monkeypatch, capsys, content, rule):
+    """Item: the alias bomb (``steps:`` of 9**9 items) wrote 2 GiB of error to stderr at
+    7.1 GB RSS; a 100000-deep list and a 5000-digit integer ended in tracebacks; a 50 MB
+    file was parsed for 39 s. Each is one short line naming the file and the bound
+    (NOTE [Config file bounds])."""
+    f = tmp_path / "big.yaml"
+    f.write_text(content)
+    err = _refused_before_setup(monkeypatch, capsys, ["train", "--config", str(f)])
+    assert err.startswith(f"megatron_ssd: config file {str(f)!r}: ") and rule in err, err
+    assert len(err) < 500, err
+
+
+def test_a_config_within_the_bounds_still_loads(tmp_path):
+    assert load_config(TrainConfig, os.path.join(REPO, "configs/gpt-tiny.yaml")).steps > 0
+    f = tmp_path / "aliases.yaml"  # aliases are plain YAML: a value named once, used twice
+    f.write_text("model:\n  recompute_modules: &modules [core_attn]\noffload:\n  peer:\n    offload_modules: *modules\n")
+    config = load_config(TrainConfig, str(f))
+    assert config.model.recompute_modules == config.offload.peer.offload_modules == ["core_attn"]
+    deep = tmp_path / "deep.yaml"  # the deepest nesting allowed, as a list the rules then refuse
+    deep.write_text("compare: " + "[" * 31 + "]" * 31 + "\n")
+    with pytest.raises(ConfigError, match=r"TrainConfig.compare = \[\[\[\["):
+        load_config(TrainConfig, str(deep))
+
+
+@pytest.mark.parametrize("source, shown_part", [
+    ("override", "TrainConfig.steps = 'xxxxxxxxxx"),
+    ("file", "ModelConfig.num_layers = [1, 1, 1"),
+])
+def test_an_error_about_a_long_value_prints_only_its_start(tmp_path, source, shown_part):
+    """Item: an error printed its whole value (``repr``), whatever its size."""
+    if source == "override":
+        args, length = (None, ["steps=" + "x" * 200_000]), "... (200000 characters): must be an integer"
+    else:
+        f = tmp_path / "long.yaml"
+        f.write_text("model:\n  num_layers: [" + "1, " * 20_000 + "1]\n")
+        args, length = (str(f), []), "... (20001 items): must be an integer"
+    with pytest.raises(ConfigError) as info:
+        load_config(TrainConfig, *args)
+    msg = _one_line(info.value)
+    assert shown_part in msg and length in msg and len(msg) < 400, msg
+
+
 @pytest.mark.parametrize(
     "override, message",
     [
