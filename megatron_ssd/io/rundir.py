@@ -31,7 +31,7 @@ import struct
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from ..config.rules import same_directory
-from ..errors import ConfigError, OffloadIOError
+from ..errors import ConfigError, OffloadIOError, shown
 from ..ranks import global_rank
 from ..units import gib
 from .run_owner import EMPTY_GRACE_S, MARKER, MARKER_TMP, _identity, _why_stale
@@ -76,7 +76,7 @@ def check_offload_path(path: str) -> str:
         ConfigError: the path is a symbolic link, does not exist, is not a directory
             or is not writable.
     """
-    name = f"OffloadConfig.paths: {path!r}"
+    name = f"OffloadConfig.paths: {shown(path)}"
     if os.path.islink(path):
         raise ConfigError(f"{name} is a symbolic link: offload paths must be real directories "
                           f"(pass the link's target, {os.path.realpath(path)!r})")
@@ -99,8 +99,8 @@ def check_distinct_paths(paths: Sequence[str]) -> None:
     twice = same_directory(paths)
     if twice is not None:
         a, b = (paths[i] for i in twice)
-        raise ConfigError(f"OffloadConfig.paths = {list(paths)!r}: must not name a directory twice: {a!r} and {b!r} "
-                          "are the same directory")
+        raise ConfigError(f"OffloadConfig.paths = {shown(list(paths))}: must not name a directory twice: {shown(a)} and "
+                          f"{shown(b)} are the same directory")
 
 
 def check_free_space(path: str, min_free_bytes: int) -> int:

@@ -209,6 +209,20 @@ def test_an_error_about_a_long_value_prints_only_its_start(tmp_path, source, sho
     assert shown_part in msg and length in msg and len(msg) < 400, msg
 
 
+def test_an_offload_path_error_prints_only_the_start_of_the_path():
+    """Item: ``offload.paths=`` a 100000-character name printed all of it, twice."""
+    from megatron_ssd.io.rundir import check_distinct_paths, check_offload_path
+
+    with pytest.raises(ConfigError) as info:
+        check_offload_path("x" * 100_000)
+    msg = _one_line(info.value)
+    assert "'xxxxxxxxxx" in msg and "... (100000 characters) does not exist" in msg and len(msg) < 400, msg
+    with pytest.raises(ConfigError) as info:
+        check_distinct_paths(["/" + "y" * 100_000, "/" + "y" * 100_000])
+    msg = _one_line(info.value)
+    assert "... (2 items): must not name a directory twice: '/yyyy" in msg and len(msg) < 800, msg
+
+
 @pytest.mark.parametrize(
     "override, message",
     [
