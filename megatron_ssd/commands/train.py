@@ -37,6 +37,7 @@ from ..cache.stats import median_or_zero as med
 from ..config import OffloadConfig, PlannerConfig, TrainConfig, from_dict, host_memory_bytes, load_config, to_dict
 from ..placement import Placement
 from ..errors import ConfigError
+from ..io.rundir import stranded_run_dirs
 from ..io.scratch import default_offload_dir, make_private_dir
 from ..io.smart import path_wear
 from ..megatron import get_forward_backward_func, offload_layer_spec
@@ -144,13 +145,15 @@ class TrainRecipe:
 
     Args:
         config: the job's configuration.
-        out: where progress and the summary go.
+        out: where progress and the summary go; None: ``sys.stdout`` as it is when the
+            recipe is made (not when this module was imported: a test's captured stream
+            may be closed since).
     """
 
-    def __init__(self, config: TrainConfig, out=sys.stdout, command: str = "train",
+    def __init__(self, config: TrainConfig, out: Any = None, command: str = "train",
                  tensorboard_dir: Optional[str] = None) -> None:
         self.config = config
-        self.out = out
+        self.out = sys.stdout if out is None else out
         self.command = command
         self.tensorboard_dir = tensorboard_dir
         self._initialized = False
@@ -360,6 +363,7 @@ class TrainRecipe:
         false) and return the summary."""
         cfg = self.config
         phases = []
+        stranded_before = len(stranded_run_dirs())
         if cfg.baseline_steps:
             keep = PlannerConfig(mode="keep")
             phases.append(self._phase("keep-everything", cfg.baseline_steps, keep))
@@ -378,6 +382,7 @@ class TrainRecipe:
             self._say(format_plans(self.planner_summary["events"], cfg.steps))
         summaries = [self._with_wear(p.summary()) for p in phases]
         identity = loss_identity(summaries)
+        stranded = stranded_run_dirs()[stranded_before:]  # NOTE [Stranded run directories] in io/rundir.py
         drives = [path_wear(path) for path in dict.fromkeys(self.offload.paths)]
         report = {
             "model_class": self.model_class,
@@ -392,6 +397,7 @@ class TrainRecipe:
             "steps": [{"kind": k, **s.to_dict()} for s, k in zip(offload.steps, offload.kinds)],
             "paired": self.paired,
             "drive_wear": [d.to_dict() for d in drives],
+            "stranded_run_dirs": [dict(s._asdict(), clean_command=s.clean_command) for s in stranded],
         }
         if not print_summary:
             return report
@@ -412,6 +418,8 @@ class TrainRecipe:
         wear = format_drive_wear(drives, self.config.offload.planner.drive_used_fraction)
         if wear:
             self._say(wear)
+        for left in stranded:  # the training was correct (exit status 0), but the disk holds what it left
+            self._say(f"WARNING: {left.describe()}")
         return report
 
     def cleanup(self) -> None:

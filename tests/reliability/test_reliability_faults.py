@@ -13,7 +13,9 @@ import json
 import logging
 import os
 import shutil
+import subprocess
 import sys
+import textwrap
 import threading
 import time
 
@@ -444,6 +446,162 @@ def test_clean_on_a_frozen_filesystem_names_each_removal_that_makes_no_progress(
         assert os.listdir(mnt) == ["lost+found"]
     for msg in _stall_warnings(caplog):
         assert "(--stall-warning-s = 0.5): the drive may be stalled; megatron-ssd clean waits for it" in msg, msg
+
+
+# ------------------------------------------------------------------ a filesystem that dies
+
+# A child that trains with the cache on MNT, has the filesystem aborted to read-only after
+# the first step (what ext4 does after an I/O error in its journal), trains on, closes,
+# and prints whether its losses equal a copy trained without the cache.
+ABORTED_CHILD = textwrap.dedent(
+    """
+    import copy, os, subprocess, sys
+    import torch
+    sys.path[:0] = [sys.argv[2], sys.argv[3]]
+    from tiny_model import TinyGPT, make_batches
+    from megatron_ssd import OffloadConfig, TensorCache
+    from megatron_ssd.config import IOConfig
+
+    mnt = sys.argv[1]
+    torch.manual_seed(0)
+    model = TinyGPT(layers=4, hidden=64, seq=64)
+    reference = copy.deepcopy(model)
+    batches = make_batches(steps=3, microbatches=2, batch=4, seq=64, vocab=256)
+
+    def train(model, steps, cache=None):
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        losses = []
+        for step in steps:
+            opt.zero_grad(set_to_none=True)
+            for mb in step:
+                if cache is None:
+                    loss = model(mb)
+                else:
+                    with cache.microbatch():
+                        loss = model(mb)
+                (loss / len(step)).backward()
+                losses.append(loss.detach().clone())
+            opt.step()
+            if cache is not None:
+                cache.finish_step()
+        return losses
+
+    expected = train(reference, batches)
+    config = OffloadConfig(paths=[mnt], min_tensor_bytes=4096, min_free_bytes=0,
+                           io=IOConfig(block_bytes=16384, file_grow_bytes=1 << 20))
+    with TensorCache(config) as cache:
+        cache.register_layers(model.layers)
+        losses = train(model, batches[:1], cache)
+        print(cache.engine.paths[0], flush=True)
+        subprocess.run(["mount", "-o", "remount,abort", mnt], check=True)
+        losses += train(model, batches[1:], cache)
+    same = len(losses) == len(expected) and all(torch.equal(a, b) for a, b in zip(losses, expected))
+    print("losses identical" if same else "losses differ", flush=True)
+    """
+)
+
+
+def _stranded_warnings(records):
+    return [m for m in records if " could not be removed (" in m]
+
+
+def test_a_filesystem_aborted_mid_run_names_what_it_strands_and_clean_removes_it(tmp_path, capsys):
+    """Item: the offload filesystem aborted to read-only mid-run (``mount -o remount,abort``
+    on ext4): the writes fell back and the losses stayed identical, but the run directory
+    (its data file and marker) stayed behind with exit status 0 and not a word of it. A
+    real ext4 on a loop device; once it is mounted again, ``megatron-ssd clean`` removes it."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import loopfs
+    from megatron_ssd.commands import cli
+
+    script = tmp_path / "aborted.py"
+    script.write_text(ABORTED_CHILD)
+    tests = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    repo = os.path.dirname(tests)
+    with loopfs.ext4(str(tmp_path), size_mib=32) as mnt:
+        res = subprocess.run([sys.executable, str(script), mnt, os.path.join(tests, "cache"), tests],
+                             capture_output=True, text=True, timeout=300, env=dict(os.environ, PYTHONPATH=repo))
+        out = res.stdout.splitlines()
+        assert res.returncode == 0 and len(out) == 2, res.stdout + res.stderr
+        run_dir, verdict = out
+        assert verdict == "losses identical", res.stderr
+        assert "EROFS" in res.stderr, "the writes after the abort failed and fell back"
+        warnings = _stranded_warnings(res.stderr.splitlines())
+        assert len(warnings) == 1, res.stderr
+        msg = warnings[0]
+        assert msg.startswith(f"megatron_ssd: run directory {run_dir} could not be removed (EROFS, "), msg
+        assert " bytes (" in msg and " stay there; once its filesystem is writable again, run " in msg, msg
+        assert msg.endswith(f"`megatron-ssd clean {mnt}`"), msg
+        assert os.path.isdir(run_dir)
+        device = loopfs.loop_device(mnt)
+        assert subprocess.run(["umount", mnt]).returncode == 0
+        assert subprocess.run(["mount", device, mnt]).returncode == 0  # writable again
+        assert cli.main(["clean", mnt]) == 0
+        assert f"removed {run_dir}" in capsys.readouterr().out
+        assert os.listdir(mnt) == ["lost+found"]
+
+
+def test_a_run_directory_that_cannot_be_removed_is_named_with_its_bytes(offload_dir, caplog, monkeypatch):
+    """The same through the removal's seam: every unlink answers EROFS at close."""
+    from megatron_ssd.io import rundir
+
+    def read_only(name, dir_fd):
+        raise OSError(errno.EROFS, "Read-only file system")
+
+    caplog.set_level(logging.WARNING, logger="megatron_ssd")
+    with PosixEngine(_config([offload_dir], file_grow_bytes=1 << 20)) as engine:
+        engine.write(_blob(100 * KiB)).get()
+        run_dir = engine.paths[0]
+        held = sum(os.path.getsize(os.path.join(run_dir, f)) for f in os.listdir(run_dir))
+        monkeypatch.setattr(rundir, "_unlink", read_only)
+    monkeypatch.undo()
+    try:
+        assert sorted(os.listdir(run_dir)) == [".megatron_ssd_run", "extents.bin"]
+        assert _stranded_warnings([r.getMessage() for r in caplog.records]) == [
+            f"megatron_ssd: run directory {run_dir} could not be removed (EROFS, Read-only file system): {held} bytes "
+            f"({held / (1 << 30):.2f} GiB) in 2 files stay there; once its filesystem is writable again, run "
+            f"`megatron-ssd clean {offload_dir}`"]
+        stranded = [s for s in rundir.stranded_run_dirs() if s.path == run_dir]
+        assert [(s.path, s.nbytes, s.error) for s in stranded] == [(run_dir, held, "EROFS, Read-only file system")]
+        assert stranded[0].clean_command == f"megatron-ssd clean {offload_dir}"
+    finally:
+        assert rundir.remove_run_dir(run_dir)
+
+
+def test_train_repeats_what_it_could_not_remove_under_its_summary(offload_dir, tmp_path, monkeypatch, capsys):
+    """``megatron-ssd train`` still exits 0 (its training was correct), but its summary ends
+    with the stranded directory and its JSON lists it."""
+    from megatron_ssd.commands import cli
+    from megatron_ssd.io import rundir
+
+    def read_only(name, dir_fd):
+        raise OSError(errno.EROFS, "Read-only file system")
+
+    out = tmp_path / "train.json"
+    monkeypatch.setattr(rundir, "_unlink", read_only)
+    monkeypatch.chdir(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    code = cli.main(["train", "--config", "configs/gpt-tiny.yaml", "model.num_layers=2", "model.hidden_size=64",
+                     "model.num_attention_heads=4", "model.seq_length=64", "model.vocab_size=256",
+                     "micro_batch_size=2", "offload.min_tensor_bytes=4096", f"offload.paths={offload_dir}",
+                     "offload.min_free_bytes=0", "offload.io.file_grow_bytes=1MiB", "offload.planner.mode=offload",
+                     "steps=2", "--no-baseline", "--allow-short", "--json", str(out)])
+    monkeypatch.undo()
+    printed = capsys.readouterr().out.strip().splitlines()
+    (name,) = os.listdir(offload_dir)
+    run_dir = os.path.join(offload_dir, name)
+    try:
+        assert code == 0
+        warned = [i for i, line in enumerate(printed) if line.startswith("WARNING: run directory ")]
+        assert len(warned) == 1 and warned[0] > printed.index(next(p for p in printed if p.startswith("final loss")))
+        line = printed[warned[0]]
+        assert line.startswith(f"WARNING: run directory {run_dir} could not be removed (EROFS, Read-only file system): ")
+        assert line.endswith(f"once its filesystem is writable again, run `megatron-ssd clean {offload_dir}`"), line
+        stranded = json.loads(out.read_text())["stranded_run_dirs"]
+        assert [(s["path"], s["error"], s["clean_command"]) for s in stranded] == [
+            (run_dir, "EROFS, Read-only file system", f"megatron-ssd clean {offload_dir}")]
+        assert stranded[0]["nbytes"] == sum(os.path.getsize(os.path.join(run_dir, f)) for f in os.listdir(run_dir))
+    finally:
+        assert rundir.remove_run_dir(run_dir)
 
 
 # ------------------------------------------------------------------ a full disk, told once
