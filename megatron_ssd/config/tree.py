@@ -45,6 +45,9 @@ PLANNER_MODES = ("auto", "static") + FIXED_MODES
 CAPACITY_RESERVE = 0.15
 """The share of a GPU's memory left out of the activation capacity by default
 (``offload.planner.capacity_reserve``; the what-if model leaves the same)."""
+PROFILE_STEPS_MAX = 1000
+"""The most steps of each kind an ``auto`` planner's profile runs (warm-up, measured,
+settle, recompute)."""
 
 
 @dataclass
@@ -128,21 +131,23 @@ class PlannerConfig:
     ``offload``, ``recompute``, ``host``: every layer placed alike (for comparisons;
     ``host`` needs ``offload.host_pool_bytes``)."""
 
-    warmup_steps: Annotated[int, NonNegative()] = 1
+    # The profiling schedule is a list of its steps (NOTE [Profiling steps]); a handful are
+    # enough, and a count past any run's length (1e30) would not fit in a list.
+    warmup_steps: Annotated[int, NonNegative(), AtMost(PROFILE_STEPS_MAX)] = 1
     """Steps run before profiling starts (allocator and page-cache warm-up), with the
     placement of the first profiling step."""
 
-    profile_steps: Annotated[int, NonNegative()] = 2
+    profile_steps: Annotated[int, NonNegative(), AtMost(PROFILE_STEPS_MAX)] = 2
     """Steps measured before the first plan (``auto`` mode): the first half (rounded up)
     with every layer kept, the rest with the default placement (offload)."""
 
-    settle_steps: Annotated[int, NonNegative()] = 1
+    settle_steps: Annotated[int, NonNegative(), AtMost(PROFILE_STEPS_MAX)] = 1
     """Untimed offload steps run between the kept and the offloaded profiling steps, so
     the first offloaded step measured does not inherit keep-everything's heap (NOTE
     [Profiling steps] in ``adaptive.py``). The warm-up steps run with every layer kept
     when there are kept profiling steps."""
 
-    recompute_profile_steps: Optional[Annotated[int, NonNegative()]] = None
+    recompute_profile_steps: Optional[Annotated[int, NonNegative(), AtMost(PROFILE_STEPS_MAX)]] = None
     """Measured steps with every layer placed RECOMPUTE (``auto`` mode), run between the
     kept and the offloaded profiling steps after ``settle_steps`` untimed ones; from them
     the profile prices RECOMPUTE per layer (``recompute_s``: one stage-wide factor, the

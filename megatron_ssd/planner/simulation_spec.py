@@ -15,7 +15,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Annotated, Any, Callable, Dict, Optional, Sequence
 
-from ..config import Bytes, InRange, Integer, NonNegative, Number, OneOf, Positive, field_docs, field_metadata, load_config
+from ..config import (AtLeast, AtMost, Bytes, InRange, Integer, NonNegative, Number, OneOf, Positive, field_docs,
+                      field_metadata, load_config)
 from ..config import _broken, _settle
 from ..errors import ConfigError
 from .drives import DRIVES, DrivePreset, drive_preset
@@ -23,6 +24,37 @@ from .drives import DRIVES, DrivePreset, drive_preset
 __all__ = ["GENERIC_DRIVE", "MODEL_PRESETS", "SimulationSpec", "simulate_help", "spec_from_overrides"]
 
 _ARCHS = ("gpt", "bert", "t5")
+
+# NOTE [Simulated bounds]: every count and size simulate is given is bounded, so a value
+# such as ``num_layers=1e30`` is one line naming the field and its bound instead of an
+# OverflowError from the estimates (``hidden=1e308`` overflowed a float, ``num_layers=1e30``
+# a list index) or a plan printed for a model nobody can build. Each bound is far past
+# any model trained today (96 to 126 layers, hidden 12288 to 20480, a 1M-token context,
+# 256k vocabularies, tens of thousands of GPUs); what stays inside them keeps every
+# estimate a finite float. Layers are bounded lowest because planning takes time in
+# their square and more (256 layers on one stage: about 40 s).
+
+MAX_LAYERS = 512
+"""The most layers (``num_layers``, ``decoder_num_layers``), and read-ahead depth."""
+MAX_WIDTH = 1 << 20
+"""The largest ``hidden`` and ``ffn_hidden``."""
+MAX_HEADS = 1 << 16
+"""The most attention heads."""
+MAX_TOKENS = 1 << 26
+"""The longest ``seq_len`` and ``decoder_seq_len`` (64M tokens)."""
+MAX_BATCH = 1 << 16
+"""The largest ``micro_batch``."""
+MAX_VOCAB = 1 << 24
+"""The largest ``vocab``."""
+MAX_PARALLEL = 1 << 20
+"""The largest ``tp``, ``pp``, ``cp``, ``dp`` and ``num_microbatches``."""
+MAX_DEVICES = 1 << 16
+"""The most drives in an array and GPUs sharing one or in a node."""
+MAX_BYTES = 1e18
+"""The largest size in bytes (an exabyte): drive endurance and capacity, GPU and host
+memory, the in-flight bound and the memory budget."""
+MIN_GPU_FLOPS = 10**9
+"""The slowest ``gpu_flops`` (1 GFLOP/s); below it a layer's time overflows a float."""
 
 
 @dataclass(frozen=True)
@@ -44,34 +76,34 @@ class SimulationSpec:
 
     arch: Annotated[str, OneOf(*_ARCHS)] = "gpt"
     """``gpt``, ``bert`` (same layers, bidirectional) or ``t5`` (encoder + decoder)."""
-    num_layers: Annotated[int, Number(Positive())] = 24
-    """Transformer layers (for T5: encoder layers)."""
-    decoder_num_layers: Optional[Annotated[int, Number(Positive())]] = None
-    """T5 decoder layers; ``None`` means ``num_layers``."""
-    hidden: Annotated[int, Number(Positive())] = 2048
-    """Hidden size h."""
-    ffn_hidden: Optional[Annotated[int, Number(Positive())]] = None
-    """MLP inner size; ``None`` means ``4 * hidden``."""
-    heads: Annotated[int, Number(Positive())] = 16
-    """Attention heads a."""
-    seq_len: Annotated[int, Number(Positive())] = 2048
-    """Sequence length s (T5: encoder length)."""
-    decoder_seq_len: Optional[Annotated[int, Number(Positive())]] = None
-    """T5 decoder length; ``None`` means ``seq_len``."""
-    micro_batch: Annotated[int, Number(Positive())] = 1
-    """Micro-batch size b."""
-    vocab: Annotated[int, Number(Positive())] = 50304
-    """Vocabulary size (output layer and loss cost on the last stage)."""
-    tp: Annotated[int, Number(Positive())] = 1
-    """Tensor-parallel size t."""
-    pp: Annotated[int, Number(Positive())] = 1
+    num_layers: Annotated[int, Number(Positive()), AtMost(MAX_LAYERS)] = 24
+    """Transformer layers (for T5: encoder layers); at most 512 (NOTE [Simulated bounds])."""
+    decoder_num_layers: Optional[Annotated[int, Number(Positive()), AtMost(MAX_LAYERS)]] = None
+    """T5 decoder layers, at most 512; ``None`` means ``num_layers``."""
+    hidden: Annotated[int, Number(Positive()), AtMost(MAX_WIDTH)] = 2048
+    """Hidden size h; at most 1048576."""
+    ffn_hidden: Optional[Annotated[int, Number(Positive()), AtMost(MAX_WIDTH)]] = None
+    """MLP inner size, at most 1048576; ``None`` means ``4 * hidden``."""
+    heads: Annotated[int, Number(Positive()), AtMost(MAX_HEADS)] = 16
+    """Attention heads a; at most 65536."""
+    seq_len: Annotated[int, Number(Positive()), AtMost(MAX_TOKENS)] = 2048
+    """Sequence length s (T5: encoder length); at most 67108864."""
+    decoder_seq_len: Optional[Annotated[int, Number(Positive()), AtMost(MAX_TOKENS)]] = None
+    """T5 decoder length, at most 67108864; ``None`` means ``seq_len``."""
+    micro_batch: Annotated[int, Number(Positive()), AtMost(MAX_BATCH)] = 1
+    """Micro-batch size b; at most 65536."""
+    vocab: Annotated[int, Number(Positive()), AtMost(MAX_VOCAB)] = 50304
+    """Vocabulary size (output layer and loss cost on the last stage); at most 16777216."""
+    tp: Annotated[int, Number(Positive()), AtMost(MAX_PARALLEL)] = 1
+    """Tensor-parallel size t; ``tp``, ``pp``, ``cp`` and ``dp`` are each at most 1048576."""
+    pp: Annotated[int, Number(Positive()), AtMost(MAX_PARALLEL)] = 1
     """Pipeline-parallel size; must divide the layer count."""
-    cp: Annotated[int, Number(Positive())] = 1
+    cp: Annotated[int, Number(Positive()), AtMost(MAX_PARALLEL)] = 1
     """Context-parallel size (Megatron's ``--context-parallel-size``): each GPU holds
     ``seq_len / cp`` tokens of every sequence and its queries attend to all of them. Needs
     ``flash_attention`` (Megatron runs context parallelism through fused attention) and a
     ``seq_len`` that is a multiple of ``2 * cp``."""
-    dp: Annotated[int, Number(Positive())] = 1
+    dp: Annotated[int, Number(Positive()), AtMost(MAX_PARALLEL)] = 1
     """Data-parallel size. With ``distributed_optimizer`` the fp32 master weights and Adam
     moments are sharded over the ``dp x cp`` GPUs of a replica group (NOTE [Simulated
     capacity])."""
@@ -82,22 +114,23 @@ class SimulationSpec:
     flash_attention: bool = True
     """Fused attention (FlashAttention, cuDNN / Transformer Engine fused attention) that
     saves no s x s score tensors (drops the 5as/h term); every current GPU run uses it."""
-    dtype_bytes: Annotated[int, Bytes, Number(Positive())] = 2
-    """Bytes per activation element (2 for fp16/bf16); the estimate scales linearly."""
-    num_microbatches: Annotated[int, Number(Positive())] = 1
-    """Micro-batches per iteration (gradient accumulation)."""
+    dtype_bytes: Annotated[int, Bytes, Number(Positive()), AtMost(8)] = 2
+    """Bytes per activation element (2 for fp16/bf16, at most 8); the estimate scales linearly."""
+    num_microbatches: Annotated[int, Number(Positive()), AtMost(MAX_PARALLEL)] = 1
+    """Micro-batches per iteration (gradient accumulation); at most 1048576."""
     pipeline_rank: int = 0
     """The stage to plan; stage 0 holds the most micro-batches under 1F1B."""
-    gpu_flops: Annotated[float, Number(Positive())] = 989e12
-    """Peak dense bf16 FLOP/s of one GPU (H100 SXM: 989e12, A100: 312e12, H200: 989e12)."""
-    mfu: Annotated[float, InRange(0, 1, lo_open=True)] = 0.45
-    """Fraction of the peak that the layers achieve (model FLOPs utilization)."""
-    ssd_count: Annotated[int, Number(Positive())] = 1
-    """Drives in the RAID0 array."""
-    gpus_per_array: Annotated[int, Number(Positive())] = 1
+    gpu_flops: Annotated[float, Number(Positive()), AtLeast(MIN_GPU_FLOPS)] = 989e12
+    """Peak dense bf16 FLOP/s of one GPU (H100 SXM: 989e12, A100: 312e12, H200: 989e12); at
+    least 1e9."""
+    mfu: Annotated[float, InRange(0.001, 1)] = 0.45
+    """Fraction of the peak that the layers achieve (model FLOPs utilization), in [0.001, 1]."""
+    ssd_count: Annotated[int, Number(Positive()), AtMost(MAX_DEVICES)] = 1
+    """Drives in the RAID0 array; this and the two GPU counts below are each at most 65536."""
+    gpus_per_array: Annotated[int, Number(Positive()), AtMost(MAX_DEVICES)] = 1
     """GPUs sharing that array (each gets an equal share of its bandwidth, capacity and
     endurance; 8 for a node's 8 GPUs on the node's drives)."""
-    gpus_per_node: Annotated[int, Number(Positive())] = 8
+    gpus_per_node: Annotated[int, Number(Positive()), AtMost(MAX_DEVICES)] = 8
     """GPUs per node: the host RAM that Megatron's CPU-only activation offloading would
     need for the same saving is reported per node."""
     drive: Optional[str] = None
@@ -109,43 +142,43 @@ class SimulationSpec:
     else 6.5e9)."""
     ssd_read_bytes_per_s: Optional[Annotated[float, Number(Positive()), _FromDrive(lambda d: d.read_bytes_per_s, 7.0e9)]] = None
     """Sustained sequential read bandwidth of one drive (None: the preset's, else 7.0e9)."""
-    ssd_tbw_bytes: Optional[Annotated[float, Number(Positive()), _FromDrive(lambda d: d.tbw_bytes, 7.0e15)]] = None
+    ssd_tbw_bytes: Optional[Annotated[float, Number(Positive()), AtMost(MAX_BYTES), _FromDrive(lambda d: d.tbw_bytes, 7.0e15)]] = None
     """Write endurance of one drive (TBW, in bytes; None: the preset's, else 7.0e15, a
-    3.84 TB drive at 1 DWPD x 5 years)."""
-    ssd_capacity_bytes: Optional[Annotated[float, Number(Positive()), _FromDrive(lambda d: d.capacity_bytes, 3.84e12)]] = None
-    """Capacity of one drive (None: the preset's, else 3.84e12)."""
+    3.84 TB drive at 1 DWPD x 5 years); at most 1e18, as are the sizes below."""
+    ssd_capacity_bytes: Optional[Annotated[float, Number(Positive()), AtMost(MAX_BYTES), _FromDrive(lambda d: d.capacity_bytes, 3.84e12)]] = None
+    """Capacity of one drive (None: the preset's, else 3.84e12); at most 1e18."""
     ssd_used_fraction: Annotated[float, Number(InRange(0, 1, hi_open=True))] = 0.0
     """Share of the drives' rated endurance already used, in [0, 1) (SMART
     ``percentage_used`` / 100): the wear bound and the lifetime count only the rest
     (NOTE [Wear model])."""
     duty_cycle: Annotated[float, InRange(0, 1, lo_open=True)] = 1.0
     """Fraction of each day the job trains (lifetime uses it)."""
-    host_ram_bytes_per_node: Annotated[float, Number(NonNegative())] = 0.0
+    host_ram_bytes_per_node: Annotated[float, Number(NonNegative()), AtMost(MAX_BYTES)] = 0.0
     """Host RAM a node lends the host tier (``Placement.HOST``, pinned buffers), shared
     equally by its ``gpus_per_node`` GPUs; 0: no host tier (NOTE [Host tier])."""
     host_bytes_per_s: Annotated[float, Number(Positive())] = 25e9
     """Copy bandwidth between one GPU and pinned host memory, each way (PCIe 4.0 x16 is
     32 GB/s raw, PCIe 5.0 x16 64 GB/s; 25e9 leaves headroom for the node's GPUs and
     NICs sharing the host's links)."""
-    max_inflight_bytes: Optional[Annotated[int, Bytes, Integer(Positive())]] = None
+    max_inflight_bytes: Optional[Annotated[int, Bytes, Integer(Positive()), AtMost(MAX_BYTES)]] = None
     """The I/O engine's bound on write bytes queued or in flight per process (the
     runtime's ``io.max_inflight_bytes``, 256 MiB by default, binding when
     ``io.on_backpressure`` is ``wait``, the default): a forward that saves faster than
     the array drains waits for it, and the ``max_offload`` goal admits no such wait
     (NOTE [In-flight bound] in ``planner/step_timeline.py``). ``null``: no bound."""
-    gpu_memory_bytes: Optional[Annotated[float, Number(Positive())]] = 80e9
+    gpu_memory_bytes: Optional[Annotated[float, Number(Positive()), AtMost(MAX_BYTES)]] = 80e9
     """Memory of one GPU (H100 SXM: 80e9, H200: 141e9, A100: 40e9 or 80e9): the plan must
     fit what remains for activations (NOTE [Simulated capacity]); ``None``: no limit."""
     target_lifetime_years: Optional[Annotated[float, Number(Positive())]] = 3.0
     """Years the drives must last: the planner writes no faster than their endurance
     allows (NOTE [Wear model]); ``null``: lifetime is reported, not constrained."""
-    memory_budget: Optional[Annotated[int, Bytes]] = None
+    memory_budget: Optional[Annotated[int, Bytes, Integer(NonNegative()), AtMost(MAX_BYTES)]] = None
     """Activation budget for the planner (``None``: offload what hides behind compute)."""
-    safety_margin: float = 0.1
-    """Bandwidth derating while planning."""
-    prefetch_depth: int = 1
+    safety_margin: Annotated[float, Number(InRange(0, 1, hi_open=True))] = 0.1
+    """Bandwidth derating while planning, in [0, 1)."""
+    prefetch_depth: Annotated[int, Integer(AtLeast(1)), AtMost(MAX_LAYERS)] = 1
     """Layers ahead that reads are issued (with ``read_ahead=fixed``; the first depth
-    tried with ``auto``)."""
+    tried with ``auto``); in [1, 512]."""
     read_ahead: Annotated[str, OneOf("auto", "fixed")] = "auto"
     """``auto``: each offloaded layer's read is issued just in time, chosen by the
     planner (NOTE [Just-in-time reads]); ``fixed``: ``prefetch_depth`` ahead for all."""

@@ -194,7 +194,7 @@ def test_prediction_error():
         ({"pp": 5}, r"pp = 5: must divide the layer count \(24\)"),
         ({"arch": "llama"}, "arch = 'llama'"),
         ({"hidden": 2050}, "hidden = 2050: must be a multiple of heads"),
-        ({"mfu": 1.5}, r"mfu = 1.5: must be in \(0, 1\]"),
+        ({"mfu": 1.5}, r"mfu = 1.5: must be in \[0.001, 1\]"),
         ({"ssd_count": 0}, "ssd_count = 0"),
         ({"pipeline_rank": 1}, "pipeline_rank = 1"),
     ],

@@ -430,6 +430,89 @@ def test_threads_bound_accepts_the_bound():
     assert IOConfig(threads=64).threads == 64
 
 
+# ------------------------------------------------------------------ simulate's inputs
+
+_HUGE = "9" * 400  # an integer past any float
+
+
+@pytest.mark.parametrize("override, field, rule", [
+    ("num_layers=1e30", "num_layers", "must be <= 512"),
+    ("num_layers=inf", "num_layers", "must be a finite integer"),
+    ("num_layers=nan", "num_layers", "must be a finite integer"),
+    ("num_layers=-1", "num_layers", "must be a number > 0"),
+    (f"num_layers={_HUGE}", "num_layers", "must be a finite integer"),
+    ("decoder_num_layers=1e30", "decoder_num_layers", "must be <= 512"),
+    ("hidden=1e308", "hidden", "must be <= 1048576"),
+    ("ffn_hidden=1e308", "ffn_hidden", "must be <= 1048576"),
+    ("heads=1e30", "heads", "must be <= 65536"),
+    ("seq_len=1e308", "seq_len", "must be <= 67108864"),
+    ("decoder_seq_len=1e30", "decoder_seq_len", "must be <= 67108864"),
+    ("micro_batch=1e308", "micro_batch", "must be <= 65536"),
+    ("vocab=1e30", "vocab", "must be <= 16777216"),
+    ("tp=1e30", "tp", "must be <= 1048576"),
+    ("pp=1e30", "pp", "must be <= 1048576"),
+    ("cp=1e30", "cp", "must be <= 1048576"),
+    ("dp=1e30", "dp", "must be <= 1048576"),
+    ("dtype_bytes=1e308", "dtype_bytes", "must be <= 8"),
+    ("num_microbatches=1e30", "num_microbatches", "must be <= 1048576"),
+    ("ssd_count=1e30", "ssd_count", "must be <= 65536"),
+    ("gpus_per_array=1e30", "gpus_per_array", "must be <= 65536"),
+    ("gpus_per_node=1e30", "gpus_per_node", "must be <= 65536"),
+    ("ssd_tbw_bytes=1e30", "ssd_tbw_bytes", "must be <= 1e+18"),
+    ("ssd_capacity_bytes=1e30", "ssd_capacity_bytes", "must be <= 1e+18"),
+    ("host_ram_bytes_per_node=1e30", "host_ram_bytes_per_node", "must be <= 1e+18"),
+    ("max_inflight_bytes=1e30", "max_inflight_bytes", "must be <= 1e+18"),
+    ("gpu_memory_bytes=1e30", "gpu_memory_bytes", "must be <= 1e+18"),
+    ("memory_budget=1e30", "memory_budget", "must be <= 1e+18"),
+    ("memory_budget=-1", "memory_budget", "must be an integer >= 0"),
+    ("prefetch_depth=1e30", "prefetch_depth", "must be <= 512"),
+    ("prefetch_depth=0", "prefetch_depth", "must be an integer >= 1"),
+    ("safety_margin=-1", "safety_margin", "must be a number in [0, 1)"),
+    ("gpu_flops=1e-300", "gpu_flops", "must be >= 1000000000"),
+    ("mfu=1e-300", "mfu", "must be in [0.001, 1]"),
+    ("pipeline_rank=1e30", "pipeline_rank", "must be in [0, pp=1)"),
+])
+def test_simulate_inputs_are_bounded_one_line_naming_the_field(capsys, override, field, rule):
+    """Item: ``simulate num_layers=1e30`` (and ``hidden``, ``seq_len``, ``micro_batch``,
+    ``dtype_bytes`` past a float) ended in an OverflowError traceback; ``tp=1e30`` and the
+    other counts and sizes printed a plan for them; ``gpu_flops=1e-300`` was refused
+    naming ``LayerProfile(layer_id=0).forward_s``, not the field given."""
+    from megatron_ssd.commands import cli
+
+    assert cli.main(["simulate", "model=gpt-1.3b", override]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"megatron_ssd: SimulationSpec.{field} = ") and "\n" not in err, err
+    assert err.endswith(rule) or f"{rule}:" in err or f"{rule} " in err, err
+    assert len(err) < 400, err
+
+
+@pytest.mark.parametrize("command", ["train", "plan"])
+@pytest.mark.parametrize("field", ["warmup_steps", "profile_steps", "settle_steps", "recompute_profile_steps"])
+def test_profiling_step_counts_are_bounded(monkeypatch, capsys, command, field):
+    """Item: ``plan`` and ``train`` with ``offload.planner.warmup_steps=1e30`` (or the
+    other profiling counts) ended in an OverflowError traceback building the schedule."""
+    err = _refused_before_setup(monkeypatch, capsys, [command, f"offload.planner.{field}=1e30"])
+    assert err.startswith(f"megatron_ssd: PlannerConfig.{field} = {int(1e30)}: must be <= 1000"), err
+
+
+def test_simulate_accepts_its_bounds(capsys):
+    from megatron_ssd.planner.simulation_spec import spec_from_overrides
+
+    spec = spec_from_overrides(["num_layers=512", "pp=8", "hidden=1048576", "heads=65536", "seq_len=67108864",
+                                "micro_batch=65536", "vocab=16777216", "dtype_bytes=8", "gpu_memory_bytes=1e18",
+                                "memory_budget=1e18", "gpu_flops=1e9", "mfu=0.001", "num_microbatches=1048576"])
+    assert (spec.num_layers, spec.seq_len, spec.micro_batch) == (512, 1 << 26, 1 << 16)
+
+
+def test_simulate_of_a_huge_count_exits_2_with_one_line():
+    """The command as a user runs it: exit status 2, one ``megatron_ssd:`` line, no traceback."""
+    exe = os.path.join(os.path.dirname(sys.executable), "megatron-ssd")
+    proc = subprocess.run([exe, "simulate", "num_layers=1e30"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    ours = [line for line in proc.stderr.splitlines() if line.startswith("megatron_ssd:")]
+    assert ours == [f"megatron_ssd: SimulationSpec.num_layers = {int(1e30)}: must be <= 512"], proc.stderr
+
+
 def test_clean_of_a_missing_path_is_an_error(tmp_path, capsys):
     from megatron_ssd.commands import cli
 
