@@ -164,14 +164,22 @@ class BackwardReads:
                 self._note_forwarded(entry)
         return done
 
-    def _submit_read(self, entry: Entry) -> None:
-        # Caller holds the lock.
-        dst, entry.read_future = entry.store.get(entry.handle, entry.device)
+    def _submit_read(self, entry: Entry) -> IOFuture:
+        """Read ``entry`` back into a fresh buffer; the read. Caller holds the lock."""
+        dst, future = entry.store.get(entry.handle, entry.device)
+        entry.read_future = future
         self._set_data(entry, dst)
         entry.state = EntryState.READING
         entry.reloaded = True
-        self._reads.add(entry.read_future)
-        entry.read_future.add_done_callback(partial(self._read_done, entry))
+        self._reads.add(future)
+        future.add_done_callback(partial(self._read_done, entry))  # may run now: the read may be done
+        return future
+
+    # NOTE [Failed reads]: a read that fails leaves the bytes where they were: the entry
+    # is ON_DISK again with its handle, its read buffer dropped, so the next unpack reads
+    # it again (and raises if that fails too) and its release frees the blob like any
+    # other. Before, it stayed READING with the buffer counted as resident, and its
+    # release, which leaves a READING entry to its read's callback, never freed the blob.
 
     def _read_done(self, entry: Entry, future: IOFuture) -> None:
         # See NOTE [Entry lifetime]. Runs on an engine thread.
@@ -183,10 +191,13 @@ class BackwardReads:
                 self._free_disk(entry)
                 self._set_data(entry, None)
                 return
+            entry.read_future = None
             if future.error() is None:
                 entry.state = EntryState.LOADED
-                entry.read_future = None
                 self._free_disk(entry)
+            else:  # NOTE [Failed reads]
+                entry.state = EntryState.ON_DISK
+                self._set_data(entry, None)
 
     def _time_use(self, entry: Entry) -> None:
         """Time the first unpack of a site from its layer's backward start (NOTE [Site use
@@ -235,10 +246,10 @@ class BackwardReads:
                     staged = entry.write_future
                 elif entry.state is EntryState.ON_DISK:
                     table.counters.late_reads += 1
-                    self._submit_read(entry)
-                if entry.state is EntryState.READING:
+                    future = self._submit_read(entry)  # done already, failed or not, with some engines
+                elif entry.state is EntryState.READING:
                     future = entry.read_future
-                elif staged is None:
+                if future is None and staged is None:
                     self._note_forwarded(entry)
                     data = entry.data
             if staged is not None:  # wait for the drive, then read it back

@@ -468,9 +468,9 @@ class EntryTable:
             self._maybe_retire(record)
 
     def _free_disk(self, entry: Entry) -> None:
-        if entry.handle is not None:
-            entry.store.discard(entry.handle)
-            entry.handle = None
+        handle, entry.handle = entry.handle, None  # NOTE [Freed once] in io/striped.py: off the entry first
+        if handle is not None:
+            entry.store.discard(handle)
 
     def _maybe_retire(self, record: Record) -> None:
         if record.forward_done and record.live <= 0 and self.records.get(record.key) is record:

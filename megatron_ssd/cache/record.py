@@ -3,16 +3,20 @@
 from __future__ import annotations
 
 import enum
+import logging
 from dataclasses import dataclass, field
 from typing import Any, Dict, Hashable, List, Optional
 
 import torch
 
+from ..errors import OffloadIOError
 from ..placement import Placement
 from ..io.base import IOFuture, SwapHandle
 from .identity import StorageKey, ViewMeta
 
 __all__ = ["EntryState", "Entry", "Record", "Packed"]
+
+logger = logging.getLogger("megatron_ssd")
 
 
 class EntryState(enum.Enum):
@@ -174,6 +178,18 @@ class Packed:
             "it and this backward, and make it out of place (docs/reliability.md#in-place-changes)")
 
     def __del__(self) -> None:
+        # NOTE [Quiet finalisers]: Python prints what a finaliser raises as "Exception
+        # ignored in ..." with a traceback, after the error that mattered was reported
+        # (a deleted run directory's ENOENT). Releasing a tensor loses nothing, so an I/O
+        # error here is logged at debug level and anything else as one line; a
+        # KeyboardInterrupt goes on to NOTE [Interrupts in finalisers] in exit_guard.py.
         cache = self.cache
-        if cache is not None:
+        if cache is None:
+            return
+        try:
             cache._unref(self.entry)
+        except (OffloadIOError, OSError) as e:
+            logger.debug("megatron_ssd: releasing a saved tensor of layer %r: %s", self.entry.layer, e)
+        except Exception as e:  # noqa: BLE001 - a finaliser cannot raise
+            logger.warning("megatron_ssd: releasing a saved tensor of layer %r failed: %s: %s",
+                           self.entry.layer, type(e).__name__, e)

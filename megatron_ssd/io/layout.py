@@ -331,7 +331,10 @@ class FileLayout(Layout):
                     os.close(fd)
         except BaseException:
             for index in created:
-                self.run_dirs[index].unlink(name)
+                try:
+                    self._unlink(index, name)
+                except OffloadIOError:
+                    pass  # the error raised is the creation's
             raise
         return out
 
@@ -342,7 +345,21 @@ class FileLayout(Layout):
                 done.add(e.file)
                 if self.on_unlink is not None:
                     self.on_unlink(e.file)
-                self.run_dirs[e.path_index].unlink(os.path.basename(e.file))
+                self._unlink(e.path_index, os.path.basename(e.file))
+
+    def _unlink(self, index: int, name: str) -> None:
+        """Delete a blob's file; one already gone (the run directory deleted under the
+        run) is freed all the same.
+
+        Raises:
+            OffloadIOError: the unlink failed otherwise, naming the file and the errno.
+        """
+        try:
+            self.run_dirs[index].unlink(name)
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            raise io_error("unlink", self.run_dirs[index].join(name), 0, 0, e, index) from e
 
 
 def make_layout(paths: Sequence[str], io: IOConfig, rank: Optional[int] = None,

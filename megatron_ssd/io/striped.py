@@ -134,6 +134,7 @@ class StripedEngine(Engine):
             )
         self._failed: Dict[int, str] = {}  # path index -> why it left the rotation
         self._fd_warned = False
+        self._unlink_warned = False
         try:
             self.backend = backend(self)
             """Moves the blocks (NOTE [Block backends])."""
@@ -224,6 +225,17 @@ class StripedEngine(Engine):
         self.fresh.add(buf)
         return buf[:nbytes]
 
+    # NOTE [Freed once]: a blob is freed once, also when deleting its file fails. The
+    # engine forgets the handle first (a second free of it is a CacheStateError, a
+    # bookkeeping bug), then gives its space back, which with the ``file`` layout unlinks
+    # the blob's file. A file already gone (the run directory deleted under the run) is
+    # what the unlink wanted; any other failed unlink leaves the file to the run
+    # directory's removal at close, with one warning. Before, such an unlink raised out
+    # of ``free`` after the handle was forgotten, the cache's entry kept the handle, and
+    # the entry's release freed it again: "free of a handle this engine does not hold
+    # (freed twice?)" from ``Packed.__del__`` after the ENOENT had been reported. The
+    # cache also takes the handle off its entry before freeing it (``EntryTable._free_disk``).
+
     def free(self, handle: SwapHandle) -> None:
         if not handle.extents:
             return
@@ -236,7 +248,14 @@ class StripedEngine(Engine):
                 raise CacheStateError(f"free of a handle with {reads} read(s) in flight")
             del self._live[key]
             self._stats.disk_bytes -= handle.disk_bytes
-        self._layout.free(handle.extents)
+        try:  # NOTE [Freed once]: the handle is forgotten, so this free must not fail
+            self._layout.free(handle.extents)
+        except OffloadIOError as e:
+            with self._cv:
+                told, self._unlink_warned = self._unlink_warned, True
+            (logger.debug if told else logger.warning)(
+                "megatron_ssd: a freed blob's file could not be deleted, it stays until the run directory is "
+                "removed at close%s: %s", "" if told else " (later such failures are logged at debug level)", e)
 
     def stats(self) -> EngineStats:
         with self._cv:

@@ -69,6 +69,10 @@ class Workers:
                 fn(*args)
             except BaseException:  # a task must never kill its worker
                 logger.exception("megatron_ssd: I/O task raised")
+            # An idle worker must not keep its last task: a failed read's error, raised
+            # in backward, carries the frames that hold the whole autograd graph, which
+            # stayed alive (every saved tensor with it) until this worker's next task.
+            fn = args = None
 
     def shutdown(self) -> None:
         for _ in self._threads:

@@ -2,6 +2,8 @@
 I/O completes when the test says, in the order it chooses, never by timing."""
 
 import copy
+import logging
+import sys
 
 import pytest
 import torch
@@ -9,7 +11,7 @@ import torch
 from megatron_ssd import OffloadConfig, TensorCache
 from megatron_ssd.config import OUTSIDE
 from megatron_ssd.cache.record import EntryState
-from megatron_ssd.errors import OffloadIOError
+from megatron_ssd.errors import CacheStateError, OffloadIOError
 
 from scripted import ScriptedEngine
 
@@ -219,3 +221,29 @@ def test_a_graph_dropped_before_its_writes_land_cancels_them():
         assert cache.open_records == [] and cache.resident_bytes == 0
     assert not engine.blobs and engine.freed == 0
     assert stats.bytes_write_cancelled == sum(e.nbytes for e in moved) and stats.bytes_offloaded == 0
+
+
+@pytest.mark.parametrize("error, level", [(OffloadIOError("megatron_ssd: unlink of f failed: EIO"), logging.DEBUG),
+                                          (CacheStateError("megatron_ssd: free of a handle ..."), logging.WARNING)],
+                         ids=["io", "bookkeeping"])
+def test_a_release_that_fails_is_logged_and_never_raised_from_the_finaliser(monkeypatch, caplog, error, level):
+    """NOTE [Quiet finalisers] in record.py: autograd dropping a saved tensor runs
+    ``Packed.__del__``; an error there was printed as "Exception ignored in ... Packed.__del__"
+    with a traceback. Now an I/O error is logged at debug level (the fault was reported
+    where it happened) and anything else as one warning line."""
+    unraisable = []
+    monkeypatch.setattr(sys, "unraisablehook", unraisable.append)
+    caplog.set_level(logging.DEBUG, logger="megatron_ssd")
+    engine, model, batch, _ = scripted()
+    with make_cache(engine, model) as cache:
+        loss, _ = forward(cache, model, batch)
+
+        def fails(entry):
+            raise error
+
+        cache._unref = fails
+        del loss  # every Packed goes
+        del cache._unref
+    assert unraisable == []
+    told = [r for r in caplog.records if "releasing a saved tensor" in r.getMessage()]
+    assert told and {r.levelno for r in told} == {level} and all(str(error) in r.getMessage() for r in told)

@@ -126,6 +126,30 @@ def test_a_read_that_fails_is_raised_with_the_name_given():
         table.needed(entry, "tensor [1024], layer 0")
 
 
+
+def test_a_failed_read_leaves_the_entry_on_disk_and_its_release_frees_it_once():
+    """NOTE [Failed reads] in backward.py: the bytes are still on the drive, so the entry
+    is ON_DISK again, its read buffer dropped; the next unpack reads it again, and its
+    release frees the blob once. Before, it stayed READING with the buffer counted as
+    resident, and its release never freed the blob."""
+    engine = ScriptedEngine()
+    engine.fail_reads = True
+    table = table_with(engine)
+    record, entry, t = saved_in_layer_0(table)
+    engine.complete_writes()
+    table.forward_ended(record)
+    table.backward_started(record, 1)  # layer 0's read is due one layer ahead: it fails
+    assert (entry.state, entry.data, entry.read_future, table.resident) == (EntryState.ON_DISK, None, None, 0)
+    with pytest.raises(OffloadIOError, match=r"scripted read failure"):
+        table.needed(entry)  # read again: fails again
+    assert (entry.state, engine.reads, engine.freed) == (EntryState.ON_DISK, 2, 0)
+    engine.fail_reads = False
+    assert torch.equal(table.needed(entry).view(torch.float32), t)  # a drive that answers again
+    table.released(entry)
+    assert (entry.state, entry.handle, engine.freed, table.resident) == (EntryState.RELEASED, None, 1, 0)
+    assert not engine.blobs and table.records == {}
+
+
 def test_a_kept_layer_saving_the_storage_again_pins_it():
     engine = ScriptedEngine()
     table = table_with(engine)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import shutil
 import subprocess
@@ -15,7 +16,7 @@ import pytest
 import torch
 
 from megatron_ssd.config import IOConfig, OffloadConfig
-from megatron_ssd.errors import ChecksumError, OffloadIOError
+from megatron_ssd.errors import CacheStateError, ChecksumError, OffloadIOError
 from megatron_ssd.io import PosixEngine
 from ondisk import flip_payload_bits
 
@@ -150,6 +151,45 @@ def test_done_callback_runs_once_and_may_free(offload_dir):
         engine.read(h, engine.alloc(h.nbytes, "cpu")).add_done_callback(on_read)
         assert done.wait(5) and len(seen) == 1 and torch.equal(seen[0], _blob(30 * KiB))
         assert engine.stats().disk_bytes == 0
+
+
+
+def test_free_after_the_run_directory_is_deleted_forgets_the_blob_once(offload_dir, caplog):
+    """NOTE [Freed once]: with the ``file`` layout, freeing a blob whose file went with its
+    run directory (``rm -rf`` under the run) succeeds quietly and forgets the handle; a
+    second free is the bookkeeping error it is. Before, the unlink's ENOENT was raised
+    after the engine had forgotten the handle, so its owner kept it and freed it again."""
+    with _engine(offload_dir, None, layout="file") as engine:
+        h = engine.write(_blob(40 * KiB)).get()
+        shutil.rmtree(engine.paths[0])
+        caplog.set_level(logging.DEBUG, logger="megatron_ssd")
+        engine.free(h)
+        stats = engine.stats()
+        assert (stats.extra["live_blobs"], stats.disk_bytes, caplog.records) == (0, 0, [])
+        with pytest.raises(CacheStateError, match=r"freed twice"):
+            engine.free(h)
+
+
+def test_free_whose_unlink_fails_warns_once_and_forgets_the_blob(offload_dir, caplog, monkeypatch):
+    """NOTE [Freed once]: an unlink that fails otherwise (EIO) leaves the file to the run
+    directory's removal at close, with one warning (later ones at debug level), and the
+    handle is forgotten all the same."""
+    with _engine(offload_dir, None, layout="file") as engine:
+        handles = [engine.write(_blob(n * KiB)).get() for n in (10, 20)]
+
+        def eio(name):
+            raise OSError(errno.EIO, "Input/output error")
+
+        monkeypatch.setattr(engine.layout.run_dirs[0], "unlink", eio)
+        caplog.set_level(logging.DEBUG, logger="megatron_ssd")
+        for h in handles:
+            engine.free(h)
+        assert engine.stats().extra["live_blobs"] == 0
+        told = [(r.levelno, r.getMessage()) for r in caplog.records if "could not be deleted" in r.getMessage()]
+        assert [level for level, _ in told] == [logging.WARNING, logging.DEBUG]
+        assert "unlink of" in told[0][1] and "EIO" in told[0][1] and "at close" in told[0][1]
+        monkeypatch.undo()
+    assert os.listdir(offload_dir) == []
 
 
 def test_reads_overtake_queued_writes(offload_dir):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import errno
+import gc
 import json
 import logging
 import os
@@ -255,6 +256,53 @@ def test_deleted_run_directory_is_dropped_and_training_continues(tmp_path, caplo
     warnings = _path_warnings(caplog)
     assert len(warnings) == 1 and paths[0] in warnings[0] and "ENOENT" in warnings[0]
     assert not os.path.exists(run_dir_1) and os.listdir(paths[0]) == []
+
+
+
+class RemoveOnFirstRead:
+    """Fault hook: the first read deletes the run directory (``rm -rf``) while holding its
+    file's descriptor, so that read completes and every later one finds its file gone."""
+
+    def __init__(self):
+        self.run_dir = None
+        self.lock = threading.Lock()
+        self.removed = False
+
+    def __call__(self, op, path, offset, nbytes):
+        with self.lock:
+            if op == "read" and not self.removed:
+                self.removed = True
+                shutil.rmtree(self.run_dir)
+        return None
+
+
+def test_run_directory_removed_during_backward_is_one_error_and_no_finaliser_raises(offload_dir, monkeypatch):
+    """Item: with ``io.layout=file``, the run directory removed during training gave the
+    one-line ENOENT error, then (3 of 4 runs) "Exception ignored in Packed.__del__ ...
+    CacheStateError: free of a handle this engine does not hold (freed twice?)". The read
+    that completed freed its blob: the engine forgot the handle, the unlink of the file
+    (gone already) raised, and the entry kept the handle, freed again when autograd
+    dropped the tensor. Every tensor autograd drops now is released quietly."""
+    unraisable = []
+    monkeypatch.setattr(sys, "unraisablehook", unraisable.append)  # "Exception ignored in ..."
+    hook = RemoveOnFirstRead()
+    model, _ = _models()
+    batch = make_batches(steps=1, microbatches=1, batch=4, seq=64, vocab=256)[0][0]
+    with _cache([offload_dir], hook, layout="file", block_bytes=4 << 20) as cache:  # one block per blob
+        hook.run_dir = cache.engine.paths[0]
+        cache.register_layers(model.layers)
+        with cache.microbatch():
+            loss = model(batch)
+        cache.drain()
+        with pytest.raises(OffloadIOError) as raised:
+            loss.backward()
+        message = str(raised.value)
+        del loss, raised  # autograd drops every saved tensor: the error's frames held the graph,
+        gc.collect()  # in a cycle with the read's future (IOFuture.get raises the error it keeps)
+        live = cache.engine.stats().extra["live_blobs"]
+    assert hook.removed and [f"{u.exc_type.__name__}: {u.exc_value}" for u in unraisable] == []
+    assert "\n" not in message and message.startswith("megatron_ssd: ") and "ENOENT" in message, message
+    assert live == 0, "a dropped tensor's blob is freed, whatever happened to its file"
 
 
 def test_single_path_is_never_dropped(offload_dir):
