@@ -321,8 +321,15 @@ ms_remove_job_dirs() {
 #   2. removes the gpu* and job<id> directories left empty by jobs that are over (squeue
 #      says so, or no longer knows the id); only empty ones, with rmdir, so another job's
 #      files are never touched;
-# and at the end the launching shell removes this job's emptied directories on its node
-# (ms_remove_job_dirs; the multi-node srun launcher runs a `launch_node.sh finish` step).
+# and at the end each rank, right after deleting its run directory, removes its gpu<r>
+# and then job<id> directory if they are empty (offload.remove_empty_parents=2, NOTE
+# [Emptied parents] in megatron_ssd/io/rundir.py): the last rank of the job on a drive
+# leaves nothing. The launching shell does the same once the ranks are gone
+# (ms_remove_job_dirs; the multi-node srun launcher runs a `launch_node.sh finish`
+# step) for the directories of ranks that never made a run directory. The shell alone
+# is not enough: on scancel SLURM sends SIGTERM to every process of the job and SIGKILL
+# KillWait seconds later, the batch shell included, and on a loaded node the launcher's
+# own shutdown after its ranks can outlast KillWait.
 
 # Everything a node does before training: check the roots, remove stale run
 # directories, check the free space, then create the per-GPU directories.
@@ -527,7 +534,9 @@ ms_configure_job() {
     fi
     TRAIN_CMD+=("${extra[@]}" "$@")
     if [[ "$SSD_OFFLOAD" == 1 ]]; then
-        TRAIN_CMD+=(--ssd-offload)
+        # The ranks remove their emptied gpu<r> and job<id> directories themselves (NOTE
+        # [Job directories]); OVERRIDES come after, so a user's value wins.
+        TRAIN_CMD+=(--ssd-offload --ssd-offload-override remove_empty_parents=2)
         if [[ -n "$CONFIG" ]]; then
             TRAIN_CMD+=(--ssd-offload-config "$CONFIG")
         fi

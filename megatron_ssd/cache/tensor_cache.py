@@ -39,7 +39,7 @@ from .policy import PlacementPolicy, PlanState
 from ..io import create_engine
 from ..io.host import HostEngine
 from ..io.store import BlobStore
-from ..io.rundir import check_offload_paths
+from ..io.rundir import check_offload_paths, remove_empty_parents
 
 __all__ = ["TensorCache", "active_cache", "resolve_device"]
 
@@ -110,6 +110,8 @@ class TensorCache:
         if self.host_store is not None:
             self.stores[Placement.HOST] = self.host_store
         self._pid = os.getpid()
+        self._run_parents = tuple(os.path.dirname(d) for d in engine.paths) if config.remove_empty_parents else ()
+        """Where the run directories are, for NOTE [Emptied parents]."""
         self.policy = PlacementPolicy(config, host_available=self.host is not None)
         """Decides every placement (NOTE [One placement policy])."""
         self._return_pages = config.return_freed_pages and self.binding.device.type == "cpu"
@@ -433,7 +435,13 @@ class TensorCache:
             store.close()
         self.entries.close()
         self._closed = True
+        self._remove_empty_parents()
         EXIT_GUARD.discard(self)
+
+    def _remove_empty_parents(self) -> None:
+        """NOTE [Emptied parents]: no locks, so the signal path may call it."""
+        for parent in self._run_parents:
+            remove_empty_parents(parent, self.config.remove_empty_parents)
 
     def _remove_files_now(self) -> None:
         """Delete the run directories at once, data before the marker: no waiting for
@@ -442,6 +450,7 @@ class TensorCache:
             return
         for store in self.stores.values():
             store.remove_files_now()
+        self._remove_empty_parents()
 
     def __enter__(self) -> "TensorCache":
         return self

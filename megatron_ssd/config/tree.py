@@ -341,6 +341,15 @@ class OffloadConfig:
     pages]). Without it freed activations stay resident and the process's RSS shows
     little of the saving. Ignored on CUDA and off glibc."""
 
+    remove_empty_parents: Annotated[int, NonNegative(), AtMost(16)] = 0
+    """When a process deletes its run directory (at close, at exit, on SIGTERM), also
+    remove this many directories above it while they are empty: 1 the offload path
+    itself, 2 its parent as well, and so on (NOTE [Emptied parents] in
+    ``io/rundir.py``). For launchers that make directories per job: the SLURM scripts
+    give 2, their ``gpu<r>`` and ``job<id>``, so a cancelled job's directories go with
+    its last process even when SLURM kills the batch shell first. 0: only the run
+    directory."""
+
     host_pool_bytes: Annotated[ByteCount, NonNegative()] = 0
     """Host memory the ``host`` placement may hold at once, per process (pinned on a
     GPU); 0: no host tier. A tensor that would overflow it stays where it is (kept).

@@ -5,7 +5,6 @@ from __future__ import annotations
 import copy
 import os
 import threading
-import time
 
 import pytest
 import torch
@@ -14,6 +13,7 @@ from megatron_ssd import OffloadConfig
 from megatron_ssd.cache import EntryState, OffloadHooks, Packed, TensorCache
 from megatron_ssd.config import IOConfig, Placement
 from megatron_ssd.errors import CacheStateError, ConfigError
+from waits import wait_until  # tests/waits.py
 
 from tiny_model import TinyGPT, make_batches
 
@@ -45,9 +45,7 @@ def _offload_and_restore(cache: TensorCache, t: torch.Tensor) -> torch.Tensor:
             packed = cache.pack(record, t)
     assert isinstance(packed, Packed)
     entry = packed.entry
-    deadline = time.time() + 30
-    while entry.state is EntryState.WRITING and time.time() < deadline:
-        time.sleep(0.005)
+    wait_until(lambda: entry.state is not EntryState.WRITING, "the write's completion")
     assert entry.state is EntryState.ON_DISK
     assert entry.data is None, "offloaded bytes must have left memory"
     return cache.unpack(packed)
@@ -268,3 +266,27 @@ def test_peak_ssd_footprint_is_reported(offload_dir):
     assert stats.bytes_offloaded == 2 * 256 * 256 * 4
     assert stats.peak_ssd_bytes >= stats.bytes_offloaded  # both on disk before backward
     assert stats.ssd_bytes == 0  # all freed after backward
+
+
+def test_emptied_parents_go_with_the_last_process_of_the_job(tmp_path):
+    """NOTE [Emptied parents]: each cache removes its run directory, then up to
+    ``remove_empty_parents`` levels above it while they are empty; a sibling's directory,
+    or anything else inside, stops it; 0 removes only the run directory."""
+    root = tmp_path / "megatron-ssd"
+    gpus = [root / "job7" / f"gpu{r}" for r in (0, 1)]
+    for d in gpus:
+        d.mkdir(parents=True)
+    caches = [TensorCache(OffloadConfig(paths=[str(d)], min_free_bytes=0, remove_empty_parents=2)) for d in gpus]
+    caches[0].close()
+    assert sorted(os.listdir(root / "job7")) == ["gpu1"]
+    caches[1].close()
+    assert os.listdir(root) == []
+    # Another job's file in the job directory, and the default of 0.
+    gpus[0].mkdir(parents=True)
+    (root / "job7" / "other.txt").write_text("not ours")
+    TensorCache(OffloadConfig(paths=[str(gpus[0])], min_free_bytes=0, remove_empty_parents=2)).close()
+    assert sorted(os.listdir(root / "job7")) == ["other.txt"]
+    gpus[0].mkdir()
+    TensorCache(OffloadConfig(paths=[str(gpus[0])], min_free_bytes=0)).close()
+    assert os.listdir(gpus[0]) == []
+

@@ -32,7 +32,7 @@ CHILD = textwrap.dedent(
     from megatron_ssd.config import Placement
 
     path, mode = sys.argv[1], sys.argv[2]
-    if mode in ("sigterm-default", "sigterm-logged", "sigterm-stuck"):
+    if mode in ("sigterm-default", "sigterm-logged", "sigterm-stuck", "sigterm-parents"):
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
     elif mode.startswith("default-"):  # whatever the parent left (nohup ignores SIGHUP)
         signal.signal(getattr(signal, mode[len("default-"):]), signal.SIG_DFL)
@@ -59,7 +59,9 @@ CHILD = textwrap.dedent(
             sys.exit(3)
         signal.signal(signal.SIGTERM, graceful)
 
-    cache = TensorCache(OffloadConfig(paths=[path], min_tensor_bytes=0, min_free_bytes=0))
+    levels = 2 if mode == "sigterm-parents" else 0  # NOTE [Emptied parents]
+    cache = TensorCache(OffloadConfig(paths=[path], min_tensor_bytes=0, min_free_bytes=0,
+                                      remove_empty_parents=levels))
     cache.register_layers([torch.nn.Identity()], ids=["L"], install_hooks=False)
     cache.set_plan({"L": Placement.OFFLOAD})
     with cache.microbatch() as record:
@@ -170,6 +172,20 @@ def test_other_terminating_signals_remove_the_files_before_exit(tmp_path, offloa
     proc.send_signal(sig)
     assert proc.wait(timeout=60) == -sig, proc.stderr.read()  # it still dies of the signal
     assert not os.path.exists(run_dir) and os.listdir(offload_dir) == []
+
+
+def test_sigterm_removes_the_emptied_job_directories_too(tmp_path):
+    """``remove_empty_parents=2`` (what the SLURM scripts set): on SIGTERM the process
+    removes its run directory, then its emptied ``gpu<r>`` and ``job<id>``, before it dies,
+    so nothing depends on the batch shell outliving SLURM's KillWait."""
+    root = tmp_path / "megatron-ssd"
+    gpu0 = root / "job7" / "gpu0"
+    gpu0.mkdir(parents=True)
+    proc = _spawn(tmp_path, str(gpu0), "sigterm-parents")
+    _run_dir_of(proc)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=60) == -signal.SIGTERM, proc.stderr.read()
+    assert os.listdir(root) == []
 
 
 def test_sigterm_removes_the_data_before_the_marker(tmp_path, offload_dir):

@@ -36,6 +36,7 @@ ROOT = Path(__file__).resolve().parents[2]
 SINGLE = ROOT / "scripts" / "slurm_single_node.sbatch"
 MULTI = ROOT / "scripts" / "slurm_multi_node.sbatch"
 IGNORE_SIGTERM = Path(__file__).parent / "fixtures" / "ignore_sigterm.sh"
+SLOW_TEARDOWN = Path(__file__).parent / "fixtures" / "slow_teardown.sh"
 REQUIRED = os.environ.get("MEGATRON_SSD_REQUIRE_SLURM") == "1"
 INDUCTOR_CACHE = os.path.join(tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}")
 """Every job shares the compile cache the suite's other Megatron-LM runs use (TMPDIR is per test)."""
@@ -229,12 +230,14 @@ def test_multi_node_job_trains_as_without_offload(slurm, checkout, baseline, tmp
 @pytest.fixture(scope="module")
 def cancelled(slurm, checkout, tmp_path_factory) -> Dict:
     """Two long jobs at once on node n1, sharing its scratch directory, both cancelled with
-    ``scancel`` while they offload: ``term`` stops on SLURM's SIGTERM; ``kill`` ignores
-    SIGTERM (its ranks start with it ignored, and have no data-loader worker processes whose
-    death would end them) and is ended by the SIGKILL after KillWait."""
+    ``scancel`` while they offload: ``term`` stops on SLURM's SIGTERM, and its ranks'
+    teardown then outlasts KillWait (``slow_teardown.sh``, as on a loaded node), so SLURM's
+    SIGKILL ends the batch shell before it could remove anything; ``kill`` ignores SIGTERM
+    (its ranks start with it ignored, and have no data-loader worker processes whose death
+    would end them) and is ended by the SIGKILL after KillWait."""
     scratch = tmp_path_factory.mktemp("cancel")
     jobs, outs = {}, {}
-    for name, pretrain, extra in (("term", "megatron-ssd pretrain-gpt", "--cpu"),
+    for name, pretrain, extra in (("term", f"bash {SLOW_TEARDOWN} megatron-ssd pretrain-gpt", "--cpu"),
                                   ("kill", f"bash {IGNORE_SIGTERM} megatron-ssd pretrain-gpt", "--cpu --num-workers 0")):
         outs[name] = scratch / f"{name}.out"
         env = _env(slurm, scratch, checkout, TRAIN_ARGS=_train_args(100000), PRETRAIN_CMD=pretrain, EXTRA_ARGS=extra)
@@ -269,11 +272,14 @@ def test_two_jobs_at_once_on_one_node_use_their_own_directories(cancelled):
 @pytest.mark.slow
 def test_scancel_while_offloading_leaves_no_offload_files(cancelled):
     """SIGTERM reaches every process of the job: each rank deletes its run directory
-    (NOTE [Exit cleanup]), the batch shell waits for them and removes the job's directories."""
+    (NOTE [Exit cleanup]) and then its emptied gpu<r> and job<id> directories (NOTE
+    [Emptied parents]). The batch shell, SIGKILLed while the ranks' teardown lingers, never
+    gets to remove anything itself."""
     fields, text = cancelled["fields"]["term"], _read(cancelled["outs"]["term"])
     assert fields["JobState"] == "CANCELLED", fields
     assert "[megatron-ssd] TERM: the job is stopping; waiting for the ranks to delete their offload files" in text
     assert len(_iterations(text)) >= 3 and "iteration   100000/" not in text
+    assert "the launcher exited with status" not in text  # the shell was killed before its own clean-up
     assert cancelled["left"]["term"] == []
     assert not (cancelled["scratch"] / "megatron-ssd" / f"job{cancelled['jobs']['term']}").exists()
 
@@ -315,6 +321,8 @@ def test_sigkill_leaves_run_directories_that_clean_and_the_next_start_remove(slu
     assert clean.returncode == 0, clean.stderr
     assert "megatron-ssd clean: 1 stale run directory removed" in clean.stdout and os.listdir(gpu1) == []
     # The next job on the node: its start-up clean, then a stand-in for the training.
+    left = sorted(scratch.glob("megatron-ssd/job*/gpu*"))
+    assert [str(p.relative_to(scratch)) for p in left] == [f"megatron-ssd/job{job}/gpu{r}" for r in (0, 1)], left
     out = scratch / "next.out"
     nxt = _submit(slurm, SINGLE, out, _env(slurm, scratch, checkout, PRETRAIN_CMD="true"), "--nodelist=n1")
     fields = slurm.wait(nxt)
