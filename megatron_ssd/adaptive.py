@@ -284,10 +284,14 @@ def _site_medians(per_step: List[List[int]]) -> Optional[List[int]]:
 
 
 def _io_profile(offload_steps: List[Any], layer_ids: List[Hashable], clean_compute: Optional[float]) -> IOProfile:
+    """The drives' bandwidths and the compute slowdown from the OFFLOAD steps: medians
+    over the steps that moved bytes (reads as writes where nothing was read back); both
+    bandwidths None where no step wrote a byte (NOTE [Unmeasured drives] in
+    ``planner/profile.py``)."""
     writes = [s.write_bytes_per_s for s in offload_steps if s.write_bytes_per_s > 0]
     reads = [s.read_bytes_per_s for s in offload_steps if s.read_bytes_per_s > 0]
-    write_bw = statistics.median(writes) if writes else float("inf")
-    read_bw = statistics.median(reads) if reads else write_bw
+    write_bw = statistics.median(writes) if writes else None
+    read_bw = (statistics.median(reads) if reads else write_bw) if write_bw is not None else None
     slowdown = 0.0
     if clean_compute and offload_steps:
         slowdown = statistics.median(_slowdown_in_flight(s, layer_ids, clean_compute) for s in offload_steps)

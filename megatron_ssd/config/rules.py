@@ -164,9 +164,6 @@ class Number(Rule):
     the dataclass itself does not enforce, declare it."""
 
     rule: Optional[Rule] = None
-    infinite: bool = False
-    """Whether ``+inf`` is a value too (a bandwidth nobody measured: moving bytes costs no
-    time); every other field refuses non-finite numbers (:func:`~megatron_ssd.config.schema.validate`)."""
     noun = "a number"
     plural = "numbers"
 

@@ -155,8 +155,7 @@ def validate(obj: Any) -> None:
     for f in dataclasses.fields(obj):
         value = getattr(obj, f.name)
         spec = specs[f.name]
-        if isinstance(value, float) and not math.isfinite(value) and not (
-                value == math.inf and any(getattr(rule, "infinite", False) for rule in spec.rules)):
+        if isinstance(value, float) and not math.isfinite(value):
             raise _fail(cls_name, f.name, value, "must be a finite number")
         if value is None and spec.optional:
             continue

@@ -61,8 +61,9 @@ class DriftDecision:
 class _Expected:
     """What the baseline expects a step to measure."""
 
-    write_bw: float
-    read_bw: float
+    write_bw: Optional[float]
+    read_bw: Optional[float]
+    """None: the drives were not measured (NOTE [Unmeasured drives] in ``profile.py``)."""
     forward_s: Dict[LayerId, float]
     backward_s: Dict[LayerId, float]
 
@@ -266,7 +267,7 @@ class DriftDetector:
         checks += [(f"backward:{k!r}", v, layer_threshold) for k, v in exp.backward_s.items()]
         for key, expected, threshold in checks:
             median = self._median(key)
-            if median is None or expected <= 0:
+            if median is None or expected is None or expected <= 0:
                 continue
             ratio = median / expected
             ratios[key], medians[key] = ratio, median
@@ -295,11 +296,13 @@ class DriftDetector:
     def _updated_profile(self, ratios: Dict[str, float], fell_behind: bool) -> StageProfile:
         """The baseline with measured medians applied (ratios of measured to expected)."""
         base = self.baseline
-        write = base.io.write_bytes_per_s * ratios.get("write_bw", 1.0)
-        if fell_behind:
-            write = min(write, base.io.write_bytes_per_s * (1.0 - self.threshold))
-        io = dataclasses.replace(base.io, write_bytes_per_s=write,
-                                 read_bytes_per_s=base.io.read_bytes_per_s * ratios.get("read_bw", 1.0))
+        io = base.io
+        if io.drives_measured:  # else nothing to scale (NOTE [Unmeasured drives] in profile.py)
+            write = io.write_bytes_per_s * ratios.get("write_bw", 1.0)
+            if fell_behind:
+                write = min(write, io.write_bytes_per_s * (1.0 - self.threshold))
+            io = dataclasses.replace(io, write_bytes_per_s=write,
+                                     read_bytes_per_s=io.read_bytes_per_s * ratios.get("read_bw", 1.0))
         layers = []
         for layer in base.layers:
             f = ratios.get(f"forward:{layer.layer_id!r}", 1.0)

@@ -321,6 +321,8 @@ class Plan:
             f"({step_ratio:.3f}x keep-everything); exposed I/O {self.exposed_s * 1e3:.2f} ms; "
             f"I/O slowdown {self.slowdown_s * 1e3:.2f} ms"
         )
+        if not self.io.drives_measured:  # NOTE [Unmeasured drives] in profile.py
+            rows.append("drives: not measured (no profiling step moved a byte to them), so nothing is placed on them")
         if self.hosted_bytes:
             rows.append(f"host pool {self.host_pool_bytes / MiB:.1f} MiB of "
                         f"{(self.host_budget_bytes or 0) / MiB:.1f} MiB ({self.hosted_bytes / MiB:.1f} MiB per micro-batch)")

@@ -153,17 +153,31 @@ _MARGIN = Number(InRange(0, 1, hi_open=True))
 """The rule of a bandwidth derating (``safety_margin``)."""
 
 
+# NOTE [Unmeasured drives]
+# The planner prices OFFLOAD with the drives' bandwidths, measured in the profile's OFFLOAD
+# steps. Those steps run the default placement, which keeps the last
+# ``offload.keep_last_layers`` layers: with that at least the layer count they move
+# nothing, and nothing is measured. Such a profile's bandwidths are ``None``, and a plan
+# from it places no layer on the drives (the search offers no OFFLOAD move, the timeline
+# refuses one) and its table says so. Before, they were +inf: the plan offloaded every
+# layer as if writing cost no time, and a plan holding +inf could not be read back from
+# JSON, so ``megatron-ssd train`` trained every step and then exited 2 with
+# "IOProfile.write_bytes_per_s = inf: must be a finite number" and no summary.
+
+
 @dataclass
 class IOProfile:
     """Measured speed of the SSD array as the I/O engine sees it."""
 
-    write_bytes_per_s: Annotated[float, Number(Positive(), infinite=True)]
+    write_bytes_per_s: Optional[Annotated[float, Number(Positive())]]
     """Sustained write bandwidth of the whole array, in bytes per second, measured with
-    the engine's block size and thread count (bytes written / time a write was in flight)."""
+    the engine's block size and thread count (bytes written / time a write was in flight).
+    ``None``: not measured, because no profiling step moved a byte to the drives
+    (NOTE [Unmeasured drives]); nothing is placed on them then."""
 
-    read_bytes_per_s: Annotated[float, Number(Positive(), infinite=True)]
-    """Sustained read bandwidth of the whole array, in bytes per second. Either may be
-    ``inf`` where no step measured it (moving bytes then costs no time)."""
+    read_bytes_per_s: Optional[Annotated[float, Number(Positive())]]
+    """Sustained read bandwidth of the whole array, in bytes per second; ``None`` exactly
+    when ``write_bytes_per_s`` is."""
 
     compute_slowdown: Annotated[float, Number(NonNegative())] = 0.0
     """Fractional slowdown of compute while any I/O is in flight: 0.25 means a layer
@@ -186,17 +200,28 @@ class IOProfile:
     def __post_init__(self) -> None:
         _settle(self)
 
+    def _check(self) -> None:
+        """The drives' speed is known in both directions or not at all."""
+        if (self.write_bytes_per_s is None) != (self.read_bytes_per_s is None):
+            raise _broken(self, "read_bytes_per_s", "must be null exactly when write_bytes_per_s is")
+
+    @property
+    def drives_measured(self) -> bool:
+        """Whether the drives' bandwidths are known, so OFFLOAD can be priced (NOTE
+        [Unmeasured drives])."""
+        return self.write_bytes_per_s is not None
+
     def derated(self, margin: float) -> "IOProfile":
-        """This profile with every bandwidth multiplied by ``1 - margin``."""
+        """This profile with every known bandwidth multiplied by ``1 - margin``."""
         broken = _MARGIN.check(margin)
         if broken is not None:
             raise ConfigError(f"safety_margin = {margin!r}: {broken}")
-        return dataclasses.replace(
-            self,
-            write_bytes_per_s=self.write_bytes_per_s * (1 - margin),
-            read_bytes_per_s=self.read_bytes_per_s * (1 - margin),
-            host_bytes_per_s=None if self.host_bytes_per_s is None else self.host_bytes_per_s * (1 - margin),
-        )
+        def scaled(bandwidth: Optional[float]) -> Optional[float]:
+            return None if bandwidth is None else bandwidth * (1 - margin)
+
+        return dataclasses.replace(self, write_bytes_per_s=scaled(self.write_bytes_per_s),
+                                   read_bytes_per_s=scaled(self.read_bytes_per_s),
+                                   host_bytes_per_s=scaled(self.host_bytes_per_s))
 
 
 @dataclass

@@ -101,7 +101,7 @@ class PlanInfeasibleError(MegatronSSDError):
 
     def __init__(
         self, memory_budget: int, smallest_peak: int, stage: StageProfile, keep_peak: int,
-        max_write_bytes_per_s: Optional[float] = None, limit_name: str = "memory_budget",
+        max_write_bytes_per_s: Optional[float] = None, limit_name: str = "memory_budget", drives: bool = True,
     ) -> None:
         self.memory_budget = memory_budget
         self.smallest_peak = smallest_peak
@@ -109,6 +109,9 @@ class PlanInfeasibleError(MegatronSSDError):
             f" within the drive-wear write limit of {max_write_bytes_per_s / 1e6:.1f} MB/s"
             if max_write_bytes_per_s is not None else ""
         )
+        if not drives:  # NOTE [Unmeasured drives] in profile.py
+            wear += (" without the drives (their bandwidth was not measured: no profiling step moved a byte to "
+                     "them; lower offload.keep_last_layers below the layer count)")
         super().__init__(
             f"{limit_name} = {memory_budget} bytes ({memory_budget / GiB:.2f} GiB) cannot be met{wear} on "
             f"pipeline stage {stage.pipeline_rank} of {stage.pipeline_size} "
@@ -134,6 +137,9 @@ class PlacementSearch:
         :meth:`max_offload` (NOTE [Slowdown bound]); None: no bound."""
         self.host_budget_bytes = host_budget_bytes if stage.io.host_bytes_per_s is not None else 0
         """Bytes the host pool may hold for this stage (0: no HOST placement)."""
+        self.drives = stage.io.drives_measured
+        """Whether OFFLOAD may be chosen: only with the drives' bandwidths measured (NOTE
+        [Unmeasured drives] in ``profile.py``)."""
         self.n = len(stage.layers)
         self.smallest_peak: Optional[int] = None
         # See wears_ok and within_bound: no placement's step is shorter than keeping everything.
@@ -211,7 +217,8 @@ class PlacementSearch:
         # does (NOTE [Sites]): hiding shrinks as a layer's bytes grow, so it is found by
         # bisection.
         choices: Choices = [_KEEP] * self.n
-        self._first_fit(choices, Placement.OFFLOAD)
+        if self.drives:
+            self._first_fit(choices, Placement.OFFLOAD)
         if self.host_budget_bytes:  # what the SSDs could not take goes to the host pool
             self._first_fit(choices, Placement.HOST)
         return self.without_idle_writes(choices)
@@ -305,7 +312,7 @@ class PlacementSearch:
         def moves(i: int) -> List[str]:
             layer = self.stage.layers[i]
             return _moves(choices[i], len(layer.sites), allow_recompute and layer.recomputable,
-                          self.host_budget_bytes > 0)
+                          self.host_budget_bytes > 0, self.drives)
 
         def push_moves(i: int) -> None:
             for rank, move in enumerate(moves(i)):
@@ -353,7 +360,7 @@ class PlacementSearch:
                     self.judge([LayerChoice(Placement.RECOMPUTE) if layer.recomputable else _KEEP
                                 for layer in self.stage.layers])
                 raise PlanInfeasibleError(budget, int(self.smallest_peak or keep_peak), self.stage, keep_peak,
-                                          self.max_write_bytes_per_s, limit_name)
+                                          self.max_write_bytes_per_s, limit_name, drives=self.drives)
         choices = self._relax(choices, tl, budget, eps)
         return self._trim(choices, budget, eps)
 
@@ -412,6 +419,8 @@ class PlacementSearch:
             changed = False
             for i in range(self.n - 1, -1, -1):
                 for target in _weaker(choices[i].placement):
+                    if target is Placement.OFFLOAD and not self.drives:
+                        continue
                     trial = replaced(choices, i, LayerChoice(target))
                     ttl = self.judge(trial)
                     if (ttl.step_s > tl.step_s + eps or not self.fits(trial, ttl, budget)
@@ -452,14 +461,16 @@ def replaced(values: List, i: int, value) -> List:
     return values[:i] + [value] + values[i + 1 :]
 
 
-def _moves(now: LayerChoice, site_count: int, allow_recompute: bool, allow_host: bool) -> List[str]:
+def _moves(now: LayerChoice, site_count: int, allow_recompute: bool, allow_host: bool,
+           allow_offload: bool = True) -> List[str]:
     """The moves that make a layer hold fewer bytes, OFFLOAD whole first: ``offload``,
-    ``offload-part`` (offload a longer prefix of its sites, NOTE [Sites]), ``host`` and
-    ``host-part`` (the same into the host pool, NOTE [Host tier]) and ``recompute``."""
+    ``offload-part`` (offload a longer prefix of its sites, NOTE [Sites]; with
+    ``allow_offload``), ``host`` and ``host-part`` (the same into the host pool, NOTE
+    [Host tier]; with ``allow_host``) and ``recompute``."""
     current, sites = now.placement, now.sites
     out = []
     for target in (Placement.OFFLOAD, Placement.HOST):
-        if target is Placement.HOST and not allow_host:
+        if (target is Placement.HOST and not allow_host) or (target is Placement.OFFLOAD and not allow_offload):
             continue
         partial = current is target and sites is not None
         if site_count and (current is Placement.KEEP or partial):

@@ -334,6 +334,9 @@ def predict(
     io = stage.io if io is None else io
     if io.host_bytes_per_s is None and Placement.HOST in placements:
         raise ConfigError("placements: 'host' needs IOProfile.host_bytes_per_s (the host tier's copy bandwidth)")
+    if not io.drives_measured and Placement.OFFLOAD in placements:  # NOTE [Unmeasured drives] in profile.py
+        raise ConfigError("placements: 'offload' needs the drives' measured bandwidths (IOProfile.write_bytes_per_s "
+                          "and read_bytes_per_s are null: no profiling step moved a byte to the drives)")
 
     queue = _DeviceQueue()
     link = _DeviceQueue()  # NOTE [Host tier]

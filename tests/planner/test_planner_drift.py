@@ -158,3 +158,18 @@ def test_bandwidth_from_a_short_burst_is_no_sample():
         short, long = burst.observe_step_stats(stats(0.1)), sustained.observe_step_stats(stats(5.0))
     assert not short.replan
     assert long.replan and any("write_bw" in r for r in long.reasons)
+
+
+def test_drives_not_measured_are_not_watched():
+    """A profile without bandwidths (nothing moved to the drives) has no bandwidth to drift
+    from: the steps' bandwidths are not compared, the layers' times still are."""
+    d = DriftDetector(threshold=0.15, window=3)
+    d.rebase(uniform_stage(4, 1.0, 2.0, GB, IOProfile(None, None)))
+    decisions = [d.observe(1.2 * GB, 4 * GB, [1.0] * 4, [2.0] * 4) for _ in range(3)]
+    assert not any(x.replan for x in decisions)
+    for _ in range(3):
+        d.report_fell_behind()
+        decision = d.observe(1.2 * GB, 4 * GB, [2.0] * 4, [2.0] * 4)
+    assert decision.replan and decision.profile.io == IOProfile(None, None)
+    assert decision.profile.layers[0].forward_s == pytest.approx(2.0)
+

@@ -226,3 +226,24 @@ def test_unequal_layers_skip_the_one_that_does_not_fit():
     assert plan.placement(1) is K
     assert plan.placement(0) is O and plan.placement(2) is O
     assert plan.exposed_s == 0.0
+
+
+def test_drives_not_measured_get_nothing_and_the_plan_says_so():
+    """An IOProfile without bandwidths (no profiling step moved a byte to the drives:
+    ``offload.keep_last_layers`` kept every layer) cannot price OFFLOAD, so no plan places a
+    layer there: without a budget every layer is kept, a budget is met by recomputing, and
+    one it cannot meet says why. Before, the bandwidths were +inf and every layer was
+    offloaded as if writing cost no time."""
+    unmeasured = uniform_stage(8, 1.0, 2.0, GB, IOProfile(None, None))
+    plan = make_plan(unmeasured)
+    assert plan.placements == [K] * 8 and plan.offloaded_bytes == 0
+    assert Plan.from_json(plan.to_json()) == plan
+    assert "drives: not measured (no profiling step moved a byte to them), so nothing is placed on them" in plan.table()
+    assert O not in make_plan(unmeasured, memory_budget=4 * GB).placements
+    with pytest.raises(PlanInfeasibleError, match=r"cannot be met without the drives \(their bandwidth was not "
+                                                    r"measured"):
+        make_plan(unmeasured, memory_budget=4 * GB, allow_recompute=False)
+    with pytest.raises(ConfigError, match=r"placements: 'offload' needs the drives' measured bandwidths"):
+        predict(unmeasured, [O] + [K] * 7)
+    assert "not measured" not in make_plan(fast_stage()).table()
+

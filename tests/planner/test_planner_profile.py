@@ -80,12 +80,22 @@ def test_validation_names_field_value_rule(make, match):
         make()
 
 
-def test_an_unmeasured_bandwidth_is_infinite_and_nothing_else_is():
-    """A profile from steps that wrote nothing has no measured bandwidth: +inf (moving
-    bytes costs no time). NaN, -inf and an infinite anything else stay refused."""
-    io = IOProfile(float("inf"), float("inf"))
-    assert io.write_bytes_per_s == io.read_bytes_per_s == float("inf")
-    for bad in (float("nan"), float("-inf")):
+def test_an_unmeasured_bandwidth_is_null_and_round_trips():
+    """A profile from steps that moved nothing to the drives has no bandwidth: null, not
+    +inf (which priced moving bytes at no time, and which no JSON reader takes back: a
+    ``megatron-ssd train`` that kept every layer planned from it, then exited 2 with
+    "IOProfile.write_bytes_per_s = inf: must be a finite number" and no summary). Both
+    bandwidths are known or neither is; NaN and infinities stay refused."""
+    io = IOProfile(None, None, 0.2)
+    assert (io.write_bytes_per_s, io.read_bytes_per_s) == (None, None)
+    assert io.derated(0.25) == io
+    stage = uniform_stage(2, 1.0, 2.0, 1, io)
+    assert StageProfile.from_json(stage.to_json()) == stage
+    assert json.loads(stage.to_json())["io"]["write_bytes_per_s"] is None
+    with pytest.raises(ConfigError, match=r"IOProfile.read_bytes_per_s = 1.0: must be null exactly when "
+                                          r"write_bytes_per_s is"):
+        IOProfile(None, 1.0)
+    for bad in (float("nan"), float("inf"), float("-inf")):
         with pytest.raises(ConfigError, match=r"IOProfile.write_bytes_per_s = -?(nan|inf): must be a finite number"):
             IOProfile(bad, 1.0)
     with pytest.raises(ConfigError, match=r"IOProfile.compute_slowdown = inf: must be a finite number"):

@@ -15,7 +15,7 @@ from megatron_ssd.config import PlannerConfig
 from megatron_ssd.workloads.parallel import destroy_parallel, init_parallel
 
 from planned_gpt import planned_run
-from megatron_ssd.planner import StageProfile
+from megatron_ssd.planner import IOProfile, StageProfile
 from megatron_ssd.adaptive import AdaptivePlanner, stage_from_stats
 
 VOCAB, SEQ, MBS, NMB, LAYERS = 128, 64, 4, 2, 4
@@ -176,6 +176,49 @@ def test_fixed_modes_place_every_layer(world, tmp_path):
             assert {cache.placement(l) for l in cache.layer_ids} == {Placement(mode)}
             written = stats[-1].bytes_offloaded
             assert (written > 0) == (mode == "offload")
+
+
+
+def test_a_profile_whose_steps_moved_nothing_has_no_drive_bandwidth():
+    """OFFLOAD steps that wrote and read nothing (``offload.keep_last_layers`` at least the
+    layer count keeps every layer) measure no bandwidth: the profile's are null, not +inf."""
+    from types import SimpleNamespace
+
+    from megatron_ssd.adaptive import _io_profile
+
+    def step(write_bps, read_bps):
+        layer = SimpleNamespace(forward_s=0.8, write_wait_s=0.0, backward_s=1.5, stall_s=0.0, microbatches=1)
+        return SimpleNamespace(layers={1: layer}, write_bytes_per_s=write_bps, read_bytes_per_s=read_bps,
+                               write_busy_s=0.0, read_busy_s=0.0, microbatches=1)
+
+    io = _io_profile([step(0.0, 0.0), step(0.0, 0.0)], [1], 2.0)
+    assert (io.write_bytes_per_s, io.read_bytes_per_s) == (None, None)
+    assert io.compute_slowdown == pytest.approx(0.15)
+    io = _io_profile([step(2e9, 0.0), step(4e9, 0.0)], [1], None)  # written, nothing read back: reads as writes
+    assert (io.write_bytes_per_s, io.read_bytes_per_s) == (3e9, 3e9)
+    assert _io_profile([], [1], None) == IOProfile(None, None)
+
+
+def test_auto_mode_keeping_every_layer_finishes_with_its_summary(tmp_path):
+    """``offload.keep_last_layers`` >= the layer count with the planner on ``auto``: its
+    OFFLOAD profiling steps move nothing, so the drives' bandwidth is not measured and the
+    plan keeps every layer, says why, and the run ends with its summary and exit 0.
+    Before, the plan offloaded every layer as if writing cost no time, and the run exited
+    2 after its last step with "IOProfile.write_bytes_per_s = inf: must be a finite
+    number" and no summary."""
+    out = tmp_path / "keep.json"
+    cmd = [sys.executable, "-m", "megatron_ssd.commands.cli", "train", "--config",
+           os.path.join(REPO, "configs", "gpt-tiny.yaml"), "--no-baseline", "--allow-short", *TINY_CLI,
+           "steps=6", "offload.keep_last_layers=99", f"offload.paths={tmp_path}", "--json", str(out)]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "final loss" in proc.stdout and "plan set after step 4 (profile):" in proc.stdout
+    assert "drives: not measured (no profiling step moved a byte to them), so nothing is placed on them" in proc.stdout
+    data = json.loads(out.read_text())
+    assert data["planner"]["profile"]["io"]["write_bytes_per_s"] is None
+    [event] = data["planner"]["events"]
+    assert {layer["choice"]["placement"] for layer in event["plan"]["layers"]} == {"keep"}
+    assert sum(s["bytes_offloaded"] for s in data["steps"]) == 0
 
 
 def test_stage_from_stats_needs_a_step():
