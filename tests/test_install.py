@@ -25,6 +25,7 @@ import torch
 from packaging.version import Version
 
 from megatron_ssd.megatron import compat
+from waits import HANG_S  # tests/waits.py
 
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 
@@ -68,7 +69,7 @@ def _environment_seeing_torch(tmp_path: Path, version: str) -> str:
     dist_info = Path(site, f"torch-{version}.dist-info")
     dist_info.mkdir()
     (dist_info / "METADATA").write_text(re.sub(r"(?m)^Version: .*$", f"Version: {version}", metadata, count=1))
-    shown = subprocess.run([python, "-m", "pip", "show", "torch"], capture_output=True, text=True, timeout=120)
+    shown = subprocess.run([python, "-m", "pip", "show", "torch"], capture_output=True, text=True, timeout=HANG_S)
     assert f"\nVersion: {version}\n" in shown.stdout, shown.stdout + shown.stderr[-2000:]
     return python
 

@@ -90,6 +90,8 @@ class RSSPeak:
         self._peak = self.base_bytes
         self._lock = threading.Lock()
         self._stop = threading.Event()
+        self.samples = 0
+        """How many times the sampling thread has read the RSS (``sampled`` only)."""
         self._thread: Optional[threading.Thread] = None
         if method == "sampled":
             self._thread = threading.Thread(target=self._sample, name="megatron_ssd-rss", daemon=True)
@@ -133,6 +135,7 @@ class RSSPeak:
             with self._lock:
                 if rss > self._peak:
                     self._peak = rss
+                self.samples += 1
 
     def __enter__(self) -> "RSSPeak":
         return self

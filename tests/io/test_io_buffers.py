@@ -10,6 +10,7 @@ import torch
 from megatron_ssd.config import IOConfig
 from megatron_ssd.io.base import ALIGN
 from megatron_ssd.io.buffers import BufferPool, aligned_empty, is_aligned, tensor_buffer
+from waits import HANG_S  # tests/waits.py
 
 
 @pytest.mark.parametrize("nbytes", [0, 1, 4095, 4096, 4097, 1 << 20])
@@ -46,7 +47,7 @@ def test_pool_blocks_when_empty_and_wakes_on_release():
     waiter.join(0.05)
     assert waiter.is_alive() and not got
     pool.release(first)
-    waiter.join(2)
+    waiter.join(HANG_S)
     assert got and got[0] is first
 
 

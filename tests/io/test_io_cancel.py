@@ -13,6 +13,7 @@ import torch
 from megatron_ssd.config import IOConfig, OffloadConfig
 from megatron_ssd.errors import WriteCancelled
 from megatron_ssd.io import PosixEngine
+from waits import HANG_S  # tests/waits.py
 
 KiB = 1024
 BLOCK = 16 * KiB
@@ -33,12 +34,12 @@ class Gate:
             with self.lock:
                 self.writes += 1
             self.arrived.release()
-            assert self.opened.wait(30), "the test never opened the gate"
+            assert self.opened.wait(HANG_S), "the test never opened the gate"
         return None
 
     def wait_arrivals(self, n: int) -> None:
         for _ in range(n):
-            assert self.arrived.acquire(timeout=30), "a write transfer never started"
+            assert self.arrived.acquire(timeout=HANG_S), "a write transfer never started"
 
     def open(self) -> None:
         self.opened.set()

@@ -20,6 +20,7 @@ from megatron_ssd.io.buffers import aligned_empty
 from megatron_ssd.io.cuda import H2D_PRIORITY
 
 from fake_cuda import FakeCuda
+from waits import HANG_S  # tests/waits.py
 
 KiB = 1024
 BLOCK = 64 * KiB
@@ -44,12 +45,12 @@ class Hold:
             n = self.writes
         if n > self.passing:
             self.arrived.release()
-            assert self.opened.wait(30), "the test never opened the hold"
+            assert self.opened.wait(HANG_S), "the test never opened the hold"
         return None
 
     def wait_held(self, n: int) -> None:
         for _ in range(n):
-            assert self.arrived.acquire(timeout=30), "a held write never arrived"
+            assert self.arrived.acquire(timeout=HANG_S), "a held write never arrived"
 
     def open(self) -> None:
         self.opened.set()
@@ -135,7 +136,7 @@ def test_staged_fires_once_every_block_is_in_the_ring_before_any_disk_write(offl
         staged = threading.Event()
         fut.add_staged_callback(lambda f: staged.set())
         hold.wait_held(4)  # every worker holds a block's disk write
-        assert staged.wait(30) and fut.staged() and not fut.done()
+        assert staged.wait(HANG_S) and fut.staged() and not fut.done()
         del src
         gc.collect()
         assert source.expired(), "the engine still holds the source after staging"
@@ -174,7 +175,7 @@ def test_a_write_that_finds_the_ring_full_returns_at_once_and_goes_block_by_bloc
         box = []
         submit = threading.Thread(target=lambda: box.append(engine.write(cuda.to_device(second, 0))))
         submit.start()
-        submit.join(30)
+        submit.join(HANG_S)
         assert not submit.is_alive() and box[0] is not None and not box[0].staged()
         hold.open()
         for f, want in ((fut, first), (box[0], second)):

@@ -15,6 +15,7 @@ import torch
 from megatron_ssd.config import IOConfig, OffloadConfig
 from megatron_ssd.errors import ConfigError
 from megatron_ssd.io import PosixEngine, create_engine, kvikio_backend, resolve_engine_name
+from waits import HANG_S  # tests/waits.py
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -53,7 +54,7 @@ def test_package_imports_without_kvikio():
         "import megatron_ssd.io, megatron_ssd.io.kvikio_backend\n"
         "print('kvikio' in sys.modules and sys.modules['kvikio'] is not None)"
     )
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=60)
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=HANG_S)
     assert res.returncode == 0 and res.stdout.strip() == "False", res.stderr
 
 
@@ -112,7 +113,7 @@ def test_posix_engine_frees_device_memory_at_staging_on_a_gpu(offload_dir):
     def hold(op, path, offset, nbytes):
         if op == "write":
             arrived.release()
-            assert held.wait(60)
+            assert held.wait(HANG_S)
         return None
 
     cfg = _cfg(offload_dir, engine="posix", block_bytes=1 << 20, staging_ring_bytes=8 << 20)
@@ -124,7 +125,7 @@ def test_posix_engine_frees_device_memory_at_staging_on_a_gpu(offload_dir):
         fut = engine.write(src)
         staged = threading.Event()
         fut.add_staged_callback(lambda f: staged.set())
-        assert staged.wait(60) and not fut.done()
+        assert staged.wait(HANG_S) and not fut.done()
         del src
         assert torch.cuda.memory_allocated() <= before - (8 << 20)
         held.set()

@@ -11,14 +11,16 @@ import sys
 import textwrap
 import threading
 import time
+import types
 
 import pytest
 import torch
 
 from megatron_ssd.config import IOConfig, OffloadConfig
 from megatron_ssd.errors import CacheStateError, ChecksumError, OffloadIOError
-from megatron_ssd.io import PosixEngine
+from megatron_ssd.io import PosixEngine, striped
 from ondisk import flip_payload_bits
+from waits import HANG_S  # tests/waits.py
 
 KiB = 1024
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -149,7 +151,7 @@ def test_done_callback_runs_once_and_may_free(offload_dir):
             done.set()
 
         engine.read(h, engine.alloc(h.nbytes, "cpu")).add_done_callback(on_read)
-        assert done.wait(5) and len(seen) == 1 and torch.equal(seen[0], _blob(30 * KiB))
+        assert done.wait(HANG_S) and len(seen) == 1 and torch.equal(seen[0], _blob(30 * KiB))
         assert engine.stats().disk_bytes == 0
 
 
@@ -194,39 +196,48 @@ def test_free_whose_unlink_fails_warns_once_and_forgets_the_blob(offload_dir, ca
 
 def test_reads_overtake_queued_writes(offload_dir):
     gate = threading.Event()
+    held_now = threading.Semaphore(0)
 
     def held(op, path, offset, nbytes):
         if op == "write" and not gate.is_set():
-            gate.wait(5)
+            held_now.release()
+            gate.wait(HANG_S)
 
     with _engine(offload_dir, held, threads=1) as engine:
         gate.set()
         h = engine.write(_blob(10 * KiB)).get()
         gate.clear()
         writes = [engine.write(_blob(10 * KiB, i)) for i in range(8)]
-        time.sleep(0.05)  # the two workers are now held inside writes 0 and 1
+        for _ in range(2):  # the two workers are now held inside writes 0 and 1; 2-7 queue
+            assert held_now.acquire(timeout=HANG_S)
         read = engine.read(h, engine.alloc(h.nbytes, "cpu"))
         gate.set()
-        assert torch.equal(read.get(5), _blob(10 * KiB))
-        last = [w.get(5) for w in writes]
+        assert torch.equal(read.get(HANG_S), _blob(10 * KiB))
+        last = [w.get(HANG_S) for w in writes]
         assert read.finished < writes[-1].finished and len(last) == 8
 
 
-def test_busy_time_is_the_union_of_intervals(offload_dir):
-    both = threading.Barrier(2, timeout=30)
+def test_busy_time_is_the_union_of_intervals(offload_dir, monkeypatch):
+    """Two writes in flight together over 2 s of the engine's clock are 2 busy seconds,
+    not 4. The clock is the test's own (moved only inside the writes), so nothing here
+    depends on how fast the machine runs."""
+    now = [100.0]
+    lock = threading.Lock()
+    both = threading.Barrier(2, timeout=HANG_S)
+    clock = {name: getattr(time, name) for name in dir(time) if not name.startswith("_")}
+    monkeypatch.setattr(striped, "time", types.SimpleNamespace(**dict(clock, perf_counter=lambda: now[0])))
 
     def slow(op, path, offset, nbytes):
         if op == "write":
             both.wait()  # both writes are in flight together, however late a worker starts
-            time.sleep(0.2)
+            with lock:
+                now[0] += 1.0
+            both.wait()  # neither ends before both moved the clock
 
     with _engine(offload_dir, slow, threads=2) as engine:
-        start = time.perf_counter()
         futs = [engine.write(_blob(4 * KiB, i)) for i in range(2)]
-        [f.get() for f in futs]
-        wall = time.perf_counter() - start
-        busy = engine.stats().write_busy_s
-        assert 0.19 <= busy <= wall + 1e-3 and busy < 0.35  # the sum would be >= 0.4
+        [f.get(HANG_S) for f in futs]
+        assert engine.stats().write_busy_s == 2.0  # one interval [100, 102]; the sum would be 4
 
 
 # -------------------------------------------------------------- a real, tiny filesystem
@@ -279,7 +290,7 @@ def test_real_enospc_on_a_tiny_filesystem(tmp_path):
         pytest.skip(f"unprivileged user namespaces unavailable: {probe.stderr.strip()}")
     cmd = f"mount -t tmpfs -o size=1m tmpfs {mnt} && exec {sys.executable} {script} {mnt}"
     env = dict(os.environ, PYTHONPATH=REPO)
-    res = subprocess.run(["unshare", "-rm", "sh", "-c", cmd], capture_output=True, text=True, env=env, timeout=120)
+    res = subprocess.run(["unshare", "-rm", "sh", "-c", cmd], capture_output=True, text=True, env=env, timeout=HANG_S)
     if res.returncode != 0 and "mount" in res.stderr and "TINY" not in res.stdout:
         pytest.skip(f"cannot mount a tmpfs in a user namespace: {res.stderr.strip()[-200:]}")
     assert res.returncode == 0 and "TINY-OK" in res.stdout, res.stdout + res.stderr
@@ -336,7 +347,7 @@ EMFILE_CHILD = textwrap.dedent(
     resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) - 1,
                                                 resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
     futures = [engine.read(h, d) for h, d in zip(handles, dsts)]
-    print("waited" if waiting.wait(60) else "never-waited", flush=True)
+    print("waited" if waiting.wait(600) else "never-waited", flush=True)
     os.close(spare)  # one descriptor for 4 workers and 32 blobs in flight
     ok = all(torch.equal(f.get()[: b.numel()], b) for f, b in zip(futures, blobs))
     print("OK" if ok else "DIFFERENT", engine.stats().read_errors, flush=True)
@@ -351,7 +362,7 @@ def test_reads_under_a_tiny_descriptor_limit_wait_and_succeed(tmp_path, offload_
     descriptor is free they all complete, every byte right."""
     script = tmp_path / "emfile.py"
     script.write_text(EMFILE_CHILD)
-    res = subprocess.run([sys.executable, str(script), offload_dir], capture_output=True, text=True, timeout=300,
+    res = subprocess.run([sys.executable, str(script), offload_dir], capture_output=True, text=True, timeout=HANG_S,
                          env=dict(os.environ, PYTHONPATH=REPO))
     assert res.returncode == 0 and res.stdout.split() == ["waited", "OK", "0"], res.stdout + res.stderr[-3000:]
     assert os.listdir(offload_dir) == []

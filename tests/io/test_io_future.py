@@ -10,6 +10,7 @@ import pytest
 
 from megatron_ssd.errors import WriteCancelled
 from megatron_ssd.io.base import IOFuture
+from waits import HANG_S  # tests/waits.py
 
 
 def test_wait_settled_waits_for_the_callbacks_get_does_not():
@@ -18,17 +19,17 @@ def test_wait_settled_waits_for_the_callbacks_get_does_not():
 
     def callback(f):
         entered.set()
-        assert gate.wait(30)
+        assert gate.wait(HANG_S)
         ran.append(f.get())
 
     fut.add_done_callback(callback)
     worker = threading.Thread(target=fut.set_result, args=("handle",))
     worker.start()
-    assert entered.wait(30)
-    assert fut.get(timeout=30) == "handle"  # the result is there, the callback still runs
+    assert entered.wait(HANG_S)
+    assert fut.get(timeout=HANG_S) == "handle"  # the result is there, the callback still runs
     assert not fut.wait_settled(timeout=0.01) and ran == []
     gate.set()
-    assert fut.wait_settled(timeout=30) and ran == ["handle"]
+    assert fut.wait_settled(timeout=HANG_S) and ran == ["handle"]
     worker.join()
 
 
@@ -79,21 +80,21 @@ def test_done_callbacks_wait_for_staged_callbacks_running_on_another_thread():
 
     def staged(f):
         entered.set()
-        assert gate.wait(30)
+        assert gate.wait(HANG_S)
         order.append("staged")
 
     fut.add_staged_callback(staged)
     fut.add_done_callback(lambda f: order.append("done"))
     stager = threading.Thread(target=fut.set_staged)
     stager.start()
-    assert entered.wait(30)
+    assert entered.wait(HANG_S)
     completer = threading.Thread(target=fut.set_result, args=("handle",))
     completer.start()
     completer.join(0.2)
     assert completer.is_alive() and order == []  # the done callbacks wait for the staged one
     gate.set()
-    stager.join(30)
-    completer.join(30)
+    stager.join(HANG_S)
+    completer.join(HANG_S)
     assert order == ["staged", "done"]
 
 
@@ -101,4 +102,4 @@ def test_a_staged_callback_may_complete_the_future_on_its_own_thread():
     fut: IOFuture = IOFuture(4)
     fut.add_staged_callback(lambda f: f.set_result("handle"))
     fut.set_staged()
-    assert fut.get(timeout=5) == "handle"
+    assert fut.get(timeout=HANG_S) == "handle"

@@ -20,6 +20,7 @@ from megatron_ssd.io.kvikio_backend import KvikioEngine
 from fake_cuda import FakeCuda
 from fake_kvikio import FakeKvikio
 from ondisk import flip_payload_bits
+from waits import HANG_S  # tests/waits.py
 
 KiB = 1024
 BLOCK = 64 * KiB
@@ -78,13 +79,13 @@ def test_each_worker_transfers_on_its_own_stream(offload_dir):
     def hold(op, path, offset, nbytes):
         if op == "write":
             arrived.release()
-            assert opened.wait(30)
+            assert opened.wait(HANG_S)
         return None
 
     with _engine(offload_dir, cuda, kv, fault=hold, threads=2) as engine:
         fut = engine.write(cuda.to_device(_bytes(4 * BLOCK), 0))
         for _ in range(4):  # four workers each hold one block: their transfers overlap
-            assert arrived.acquire(timeout=30)
+            assert arrived.acquire(timeout=HANG_S)
         opened.set()
         fut.get()
     streams = {e[2] for e in kv.named("raw_write_async")}

@@ -17,6 +17,7 @@ from megatron_ssd.errors import CacheStateError, ConfigError, OffloadIOError
 from megatron_ssd.io import PosixEngine, SwapHandle
 from megatron_ssd.io.base import ALIGN
 from megatron_ssd.io.buffers import aligned_empty
+from waits import HANG_S  # tests/waits.py
 
 SIZES = [1, 10, 100, 1000, 1024, 4095, 4096, 4097, 40960, 10_000_019]
 KiB = 1024
@@ -210,16 +211,16 @@ def test_non_blocking_write_returns_none_when_full(offload_dir):
 
     def held(op, path, offset, nbytes):
         if op == "write":
-            gate.wait(5)
+            gate.wait(HANG_S)
 
     with _engine([offload_dir], fault=held, max_inflight_bytes=64 * KiB) as engine:
         big = engine.write(_blob(200 * KiB), block=False)  # over the bound, admitted: nothing in flight
         assert big is not None
         assert engine.write(_blob(100), block=False) is None
         gate.set()
-        big.get(timeout=5)
+        big.get(timeout=HANG_S)
         first = engine.write(_blob(64 * KiB), block=False)
-        assert first is not None and first.get(timeout=5).nbytes == 64 * KiB
+        assert first is not None and first.get(timeout=HANG_S).nbytes == 64 * KiB
         assert engine.stats().extra["inflight_bytes"] == 0
 
 

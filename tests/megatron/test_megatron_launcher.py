@@ -21,6 +21,7 @@ from megatron_ssd.megatron import integration
 from megatron_ssd.megatron.args import add_ssd_offload_args
 from megatron_ssd.megatron.launcher import check_megatron_core, find_pretrain_script, main, split_megatron_path
 from megatron_ssd.megatron.schedules import OffloadSchedule, get_default_cache
+from waits import HANG_S  # tests/waits.py
 
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 
@@ -260,7 +261,7 @@ def fake_checkout(tmp_path_factory):
 
 def _launch(checkout, out, *argv):
     cmd = [sys.executable, "-m", "megatron_ssd.megatron.launcher", "--megatron-path", str(checkout), *argv]
-    return subprocess.run(cmd, env=_env(FAKE_OUT=str(out)), capture_output=True, text=True, timeout=300)
+    return subprocess.run(cmd, env=_env(FAKE_OUT=str(out)), capture_output=True, text=True, timeout=HANG_S)
 
 
 @pytest.mark.slow

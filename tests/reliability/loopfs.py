@@ -14,10 +14,11 @@ import subprocess
 from typing import Iterator, List
 
 import pytest
+from waits import HANG_S  # tests/waits.py
 
 
 def _run(*cmd: str) -> subprocess.CompletedProcess:
-    return subprocess.run(list(cmd), capture_output=True, text=True, timeout=120)
+    return subprocess.run(list(cmd), capture_output=True, text=True, timeout=HANG_S)
 
 
 def require(*tools: str) -> None:

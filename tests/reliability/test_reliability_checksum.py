@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import time
 
 import pytest
 import torch
@@ -13,6 +12,7 @@ from megatron_ssd.cache import EntryState, Packed
 from megatron_ssd.config import IOConfig, Placement, load_config
 from megatron_ssd.errors import ChecksumError, ConfigError
 from megatron_ssd.io.checksum import Digest, digest
+from waits import wait_until  # tests/waits.py
 from ondisk import flip_payload_bits
 
 MiB = 1 << 20
@@ -32,9 +32,7 @@ def _offload(cache, t):
         with cache.layer("L"):
             packed = cache.pack(record, t)
     assert isinstance(packed, Packed)
-    deadline = time.time() + 30
-    while packed.entry.state is EntryState.WRITING and time.time() < deadline:
-        time.sleep(0.002)
+    wait_until(lambda: packed.entry.state is not EntryState.WRITING, "the write's completion")
     assert packed.entry.state is EntryState.ON_DISK
     return packed
 

@@ -27,6 +27,7 @@ from megatron_ssd.io.rundir import EMPTY_GRACE_S, MARKER, MARKER_TMP
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import loopfs  # noqa: E402
+from waits import HANG_S  # tests/waits.py
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ENV = dict(os.environ, PYTHONPATH=REPO)
@@ -85,7 +86,7 @@ def test_crash_image_holds_a_complete_marker_and_clean_removes_the_run(tmp_path)
             image = loopfs.crash_image(loopfs.loop_device(mnt), str(tmp_path / "crash.img"))
         finally:
             proc.kill()
-            proc.wait(timeout=60)
+            proc.wait(timeout=HANG_S)
         run_clean([act])  # the live filesystem: the killed run is gone too
         assert os.listdir(act) == []
     with loopfs.attached(image) as device, loopfs.mounted(device, str(tmp_path / "crash")) as crash:
@@ -165,7 +166,7 @@ def test_sigterm_on_fuse_keeps_the_marker_until_the_directory_is_empty_and_clean
     with loopfs.bindfs(str(source), str(tmp_path / "fuse")) as mnt:
         proc, run_dir = _spawn(tmp_path, mnt, "plain")
         proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=60) == -signal.SIGTERM, proc.stderr.read()
+        assert proc.wait(timeout=HANG_S) == -signal.SIGTERM, proc.stderr.read()
         if os.path.exists(run_dir):
             assert MARKER in os.listdir(run_dir), f"left without its marker: {os.listdir(run_dir)}"
         removed = rundir.remove_stale_runs(mnt)

@@ -28,6 +28,7 @@ from megatron_ssd.cache import EntryState
 from megatron_ssd.config import IOConfig
 from megatron_ssd.errors import ChecksumError, OffloadIOError
 from megatron_ssd.io import PosixEngine, create_engine
+from waits import HANG_S, wait_until  # tests/waits.py
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "cache"))
 from tiny_model import TinyGPT, make_batches  # noqa: E402
@@ -132,9 +133,9 @@ def _forward_to_disk(cache, model, batch):
     with cache.microbatch() as record:
         loss = model(batch)
     cache.drain()
-    deadline = time.time() + 10  # completion callbacks run just after the futures resolve
-    while any(e.state is EntryState.WRITING for e in record.entries.values()) and time.time() < deadline:
-        time.sleep(0.002)
+    # completion callbacks run just after the futures resolve
+    wait_until(lambda: not any(e.state is EntryState.WRITING for e in record.entries.values()),
+               "the writes' completion callbacks")
     on_disk = [e for e in record.entries.values() if e.state is EntryState.ON_DISK]
     assert on_disk, "nothing was offloaded"
     return loss, on_disk
@@ -363,7 +364,7 @@ def test_stalled_write_is_named_repeatedly_and_training_ends_bit_identical(offlo
             time.sleep(0.01)
         warnings = stuck_warnings()
         stall.release.set()  # the drive answers again
-        trainer.join(timeout=120)
+        trainer.join(timeout=HANG_S)
         assert not trainer.is_alive()
     assert len(warnings) >= 2, "the warning repeats while the request stays stuck"
     for msg in _stall_warnings(caplog):
@@ -424,7 +425,7 @@ def test_stalled_preallocation_is_named_and_the_write_then_completes(offload_dir
             assert _wait_for(named), _stall_warnings(caplog)
         finally:
             release.set()  # the drive answers again
-        writer.join(timeout=60)
+        writer.join(timeout=HANG_S)
         handle = done["handle"]
         assert torch.equal(engine.read(handle, engine.alloc(handle.nbytes, "cpu", handle)).get(), blob)
     assert os.listdir(offload_dir) == []
@@ -446,7 +447,7 @@ def test_frozen_filesystem_is_named_while_the_engine_starts_and_while_it_unlinks
             creating = f"megatron_ssd: create of {mnt}/msd-"
             assert _wait_for(lambda: any(m.startswith(creating) for m in _stall_warnings(caplog))), \
                 _stall_warnings(caplog)
-        starter.join(timeout=60)
+        starter.join(timeout=HANG_S)
         engine = started["engine"]
         try:
             handle = engine.write(_blob(64 * KiB)).get()
@@ -456,7 +457,7 @@ def test_frozen_filesystem_is_named_while_the_engine_starts_and_while_it_unlinks
                 freer.start()
                 assert _wait_for(lambda: any(m.startswith(unlinking) for m in _stall_warnings(caplog))), \
                     _stall_warnings(caplog)
-            freer.join(timeout=60)
+            freer.join(timeout=HANG_S)
         finally:
             engine.close()
         assert os.listdir(mnt) == ["lost+found"]
@@ -488,7 +489,7 @@ def test_clean_on_a_frozen_filesystem_names_each_removal_that_makes_no_progress(
             named = lambda: any(m.startswith(unlinking) for m in _stall_warnings(caplog))  # noqa: E731
             _wait_for(lambda: named() or not cleaner.is_alive())
             assert named(), (_stall_warnings(caplog), done)
-        cleaner.join(timeout=60)
+        cleaner.join(timeout=HANG_S)
         assert done == {"code": 0}
         assert f"removed {stale}" in capsys.readouterr().out
         assert os.listdir(mnt) == ["lost+found"]
@@ -568,7 +569,7 @@ def test_a_filesystem_aborted_mid_run_names_what_it_strands_and_clean_removes_it
     repo = os.path.dirname(tests)
     with loopfs.ext4(str(tmp_path), size_mib=32) as mnt:
         res = subprocess.run([sys.executable, str(script), mnt, os.path.join(tests, "cache"), tests],
-                             capture_output=True, text=True, timeout=300, env=dict(os.environ, PYTHONPATH=repo))
+                             capture_output=True, text=True, timeout=HANG_S, env=dict(os.environ, PYTHONPATH=repo))
         out = res.stdout.splitlines()
         assert res.returncode == 0 and len(out) == 2, res.stdout + res.stderr
         run_dir, verdict = out

@@ -16,6 +16,7 @@ from megatron_ssd import OffloadConfig, TensorCache
 from megatron_ssd.config import IOConfig, TrainConfig, load_config
 from megatron_ssd.errors import ConfigError
 from megatron_ssd.io.rundir import filesystem_type
+from waits import HANG_S  # tests/waits.py
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -408,7 +409,7 @@ def test_json_on_a_read_only_filesystem_is_refused_before_the_run(tmp_path):
     script.write_text(_READ_ONLY_OUTPUT)
     cmd = f"mount -t tmpfs -o ro,size=1m tmpfs {ro} && exec {sys.executable} {script} {ro}"
     res = subprocess.run(["unshare", "-rm", "sh", "-c", cmd], capture_output=True, text=True, cwd=REPO,
-                         env=dict(os.environ, PYTHONPATH=REPO), timeout=120)
+                         env=dict(os.environ, PYTHONPATH=REPO), timeout=HANG_S)
     if res.returncode != 2 and "mount" in res.stderr and "megatron_ssd" not in res.stderr:
         pytest.skip(f"cannot mount a tmpfs in a user namespace: {res.stderr.strip()[-200:]}")
     assert res.returncode == 2 and res.stdout.strip() == "train imported: False", res.stdout + res.stderr
@@ -507,7 +508,7 @@ def test_simulate_accepts_its_bounds(capsys):
 def test_simulate_of_a_huge_count_exits_2_with_one_line():
     """The command as a user runs it: exit status 2, one ``megatron_ssd:`` line, no traceback."""
     exe = os.path.join(os.path.dirname(sys.executable), "megatron-ssd")
-    proc = subprocess.run([exe, "simulate", "num_layers=1e30"], capture_output=True, text=True, timeout=300)
+    proc = subprocess.run([exe, "simulate", "num_layers=1e30"], capture_output=True, text=True, timeout=HANG_S)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
     ours = [line for line in proc.stderr.splitlines() if line.startswith("megatron_ssd:")]
     assert ours == [f"megatron_ssd: SimulationSpec.num_layers = {int(1e30)}: must be <= 512"], proc.stderr
@@ -622,7 +623,7 @@ def test_read_only_and_too_small_filesystems_are_refused(tmp_path):
     cmd = (f"mount -t tmpfs -o ro,size=1m tmpfs {ro} && mount -t tmpfs -o size=1m tmpfs {tiny} "
            f"&& exec {sys.executable} {script} {ro} {tiny}")
     res = subprocess.run(["unshare", "-rm", "sh", "-c", cmd], capture_output=True, text=True,
-                         env=dict(os.environ, PYTHONPATH=REPO), timeout=120)
+                         env=dict(os.environ, PYTHONPATH=REPO), timeout=HANG_S)
     if res.returncode != 0 and "mount" in res.stderr and "ERR" not in res.stdout:
         pytest.skip(f"cannot mount a tmpfs in a user namespace: {res.stderr.strip()[-200:]}")
     lines = res.stdout.splitlines()

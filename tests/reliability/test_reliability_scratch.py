@@ -17,6 +17,7 @@ from megatron_ssd.config import TrainConfig, load_config
 from megatron_ssd.errors import ConfigError
 from megatron_ssd.io import scratch
 from megatron_ssd.io.rundir import MARKER, filesystem_type
+from waits import HANG_S  # tests/waits.py
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TINY = ["model.num_layers=2", "model.hidden_size=64", "model.num_attention_heads=4", "model.seq_length=64",
@@ -53,22 +54,22 @@ def test_default_dir_is_cleaned_after_sigkill_and_emptied_after_sigterm(tmp_path
     killed = _train(root)
     run_dir = _wait_for_run_dir(killed, default)
     killed.send_signal(signal.SIGKILL)
-    killed.wait(timeout=60)
+    killed.wait(timeout=HANG_S)
     assert os.path.isfile(os.path.join(run_dir, MARKER)), "SIGKILL cannot be caught: the run stays"
     res = subprocess.run([sys.executable, "-m", "megatron_ssd.commands.cli", "clean"], capture_output=True, text=True,
-                         env=env, timeout=120)
+                         env=env, timeout=HANG_S)
     assert res.returncode == 0 and f"removed {run_dir}" in res.stdout, res.stdout + res.stderr
     assert os.listdir(root) == [], "clean with no path removes the emptied default directory too"
 
     termed = _train(root)
     _wait_for_run_dir(termed, default)
     termed.send_signal(signal.SIGTERM)
-    assert termed.wait(timeout=60) == -signal.SIGTERM
+    assert termed.wait(timeout=HANG_S) == -signal.SIGTERM
     # The run directory is gone; the fixed per-user directory stays for the user's other
     # runs (NOTE [Default offload directory]), empty, and clean removes it.
     assert os.listdir(root) == [os.path.basename(default)] and os.listdir(default) == []
     res = subprocess.run([sys.executable, "-m", "megatron_ssd.commands.cli", "clean"], capture_output=True, text=True,
-                         env=env, timeout=120)
+                         env=env, timeout=HANG_S)
     assert res.returncode == 0 and os.listdir(root) == []
 
 

@@ -18,6 +18,7 @@ from megatron_ssd import OffloadConfig, TensorCache
 from megatron_ssd.cache import exit_guard
 from megatron_ssd.io import rundir
 from megatron_ssd.io.rundir import MARKER
+from waits import HANG_S  # tests/waits.py
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ENV = dict(os.environ, PYTHONPATH=REPO)
@@ -95,7 +96,7 @@ def _run_dir_of(proc):
 def _killed_run(tmp_path, path):
     proc = _spawn(tmp_path, path, "sigkill")
     run_dir = _run_dir_of(proc)
-    assert proc.wait(timeout=60) == -signal.SIGKILL
+    assert proc.wait(timeout=HANG_S) == -signal.SIGKILL
     assert os.path.isdir(run_dir), "SIGKILL cannot be caught: the directory stays"
     return run_dir
 
@@ -131,7 +132,7 @@ def test_megatron_ssd_clean_removes_only_stale_runs(tmp_path, offload_dir):
     stale = _killed_run(tmp_path, offload_dir)
     keep = _neighbours(offload_dir)
     res = subprocess.run([sys.executable, "-m", "megatron_ssd.commands.cli", "clean", offload_dir],
-                         capture_output=True, text=True, env=ENV, timeout=120)
+                         capture_output=True, text=True, env=ENV, timeout=HANG_S)
     assert res.returncode == 0, res.stderr
     assert f"removed {stale}" in res.stdout and "1 stale run directory removed" in res.stdout
     assert not os.path.exists(stale)
@@ -150,7 +151,7 @@ def test_sigterm_and_sigint_remove_the_files_before_exit(tmp_path, offload_dir, 
     proc = _spawn(tmp_path, offload_dir, mode)
     run_dir = _run_dir_of(proc)
     proc.send_signal(sig)
-    code = proc.wait(timeout=60)
+    code = proc.wait(timeout=HANG_S)
     out, err = proc.stdout.read(), proc.stderr.read()
     if status is None:  # KeyboardInterrupt: Python exits through SIGINT itself (or 1)
         assert code in (-signal.SIGINT, 1, 130) and "KeyboardInterrupt" in err, (code, err)
@@ -170,7 +171,7 @@ def test_other_terminating_signals_remove_the_files_before_exit(tmp_path, offloa
     proc = _spawn(tmp_path, offload_dir, f"default-{signal.Signals(sig).name}")
     run_dir = _run_dir_of(proc)
     proc.send_signal(sig)
-    assert proc.wait(timeout=60) == -sig, proc.stderr.read()  # it still dies of the signal
+    assert proc.wait(timeout=HANG_S) == -sig, proc.stderr.read()  # it still dies of the signal
     assert not os.path.exists(run_dir) and os.listdir(offload_dir) == []
 
 
@@ -184,7 +185,7 @@ def test_sigterm_removes_the_emptied_job_directories_too(tmp_path):
     proc = _spawn(tmp_path, str(gpu0), "sigterm-parents")
     _run_dir_of(proc)
     proc.send_signal(signal.SIGTERM)
-    assert proc.wait(timeout=60) == -signal.SIGTERM, proc.stderr.read()
+    assert proc.wait(timeout=HANG_S) == -signal.SIGTERM, proc.stderr.read()
     assert os.listdir(root) == []
 
 
@@ -194,7 +195,7 @@ def test_sigterm_removes_the_data_before_the_marker(tmp_path, offload_dir):
     run_dir = _run_dir_of(proc)
     files = sorted(os.listdir(run_dir))
     proc.send_signal(signal.SIGTERM)
-    assert proc.wait(timeout=60) == -signal.SIGTERM, proc.stderr.read()
+    assert proc.wait(timeout=HANG_S) == -signal.SIGTERM, proc.stderr.read()
     order = log.read_text().split()
     assert sorted(order) == files and order[-1] == MARKER and "extents.bin" in order[:-1], order
     assert os.listdir(offload_dir) == []
@@ -208,13 +209,13 @@ def test_sigterm_with_a_hung_unlink_exits_anyway_and_clean_finishes(tmp_path, of
     proc = _spawn(tmp_path, offload_dir, "sigterm-stuck", str(log))
     run_dir = _run_dir_of(proc)
     proc.send_signal(signal.SIGTERM)
-    assert proc.wait(timeout=60) == -signal.SIGTERM
+    assert proc.wait(timeout=HANG_S) == -signal.SIGTERM
     err = proc.stderr.read()
     assert "megatron_ssd: removing the offload files did not finish within 0.5 s; exiting anyway" in err, err
     assert MARKER not in log.read_text().split(), "the marker must not go before the data"
     assert os.path.isfile(os.path.join(run_dir, MARKER)) and "extents.bin" in os.listdir(run_dir)
     res = subprocess.run([sys.executable, "-m", "megatron_ssd.commands.cli", "clean", offload_dir],
-                         capture_output=True, text=True, env=ENV, timeout=120)
+                         capture_output=True, text=True, env=ENV, timeout=HANG_S)
     assert res.returncode == 0 and f"removed {run_dir}" in res.stdout, res.stdout + res.stderr
     assert os.listdir(offload_dir) == []
 
@@ -268,7 +269,7 @@ def test_ctrl_c_inside_a_finaliser_still_stops_the_process(tmp_path, offload_dir
     script = tmp_path / "finaliser_child.py"
     script.write_text(FINALISER_CHILD)
     res = subprocess.run([sys.executable, str(script), offload_dir, where], capture_output=True, text=True,
-                         env=ENV, timeout=120)
+                         env=ENV, timeout=HANG_S)
     assert res.returncode in (-signal.SIGINT, 1, 130) and "KeyboardInterrupt" in res.stderr, (res.returncode,
                                                                                            res.stderr)
     assert "carried on" not in res.stdout and "Exception ignored" not in res.stderr, res.stderr
@@ -292,7 +293,7 @@ def test_ctrl_c_stops_megatron_ssd_train(tmp_path, offload_dir):
             line = proc.stdout.readline()
         assert line, proc.stderr.read()
         proc.send_signal(signal.SIGINT)
-        code = proc.wait(timeout=300)
+        code = proc.wait(timeout=HANG_S)
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -402,7 +403,7 @@ def test_bench_io_files_are_removed_on_sigterm_and_sigint(tmp_path, offload_dir,
     assert line, proc.stderr.read()
     assert os.path.isfile(line[1]) and line[1].startswith(offload_dir)
     proc.send_signal(sig)
-    code = proc.wait(timeout=120)
+    code = proc.wait(timeout=HANG_S)
     err = proc.stderr.read()
     if sig == signal.SIGTERM:
         assert code == -signal.SIGTERM, err

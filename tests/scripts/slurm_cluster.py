@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Dict, List, Optional
 
 from megatron_ssd.megatron.cpu_pretrain import free_port
+from waits import HANG_S  # tests/waits.py
 
 DAEMONS = ("munged", "slurmctld", "slurmd")
 CLIENTS = ("sbatch", "srun", "scancel", "scontrol", "squeue", "sinfo")
@@ -234,7 +235,7 @@ class PrivateSlurm:
     def sbatch(self, script: Path, *options: str, env: Dict[str, str], cwd: Optional[Path] = None) -> str:
         """Submit ``script`` with ``options``; return the job id."""
         done = subprocess.run(["sbatch", "--parsable", *options, str(script)], env=env, capture_output=True,
-                              text=True, timeout=60, cwd=cwd)
+                              text=True, timeout=HANG_S, cwd=cwd)
         if done.returncode != 0:
             raise SlurmError(f"sbatch {' '.join(options)} {script}: {done.stderr.strip()}")
         return done.stdout.strip().split(";")[0]

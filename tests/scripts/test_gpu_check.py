@@ -24,6 +24,7 @@ from megatron_ssd.commands import gpu_check, gpu_check_report, gpu_check_train
 from megatron_ssd.commands.gpu_check_report import NO_CUDA
 from megatron_ssd.commands.timing import StepTimer, synchronized
 from megatron_ssd.errors import MegatronSSDError
+from waits import HANG_S  # tests/waits.py
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "gpu_check.sh"
@@ -38,7 +39,7 @@ def _env(**extra) -> dict:
     return env
 
 
-def _script(*args, env=None, timeout=300):
+def _script(*args, env=None, timeout=HANG_S):
     return subprocess.run(["bash", str(SCRIPT), *map(str, args)], cwd=ROOT, env=env or _env(), capture_output=True,
                           text=True, timeout=timeout)
 
@@ -56,7 +57,7 @@ def test_without_a_gpu_the_script_measures_the_path_and_skips_each_gpu_part_with
     out, path = tmp_path / "out", tmp_path / "offload"
     path.mkdir()
     result = subprocess.run(["make", "-s", "gpu-check", f"GPU_CHECK_OUT={out}", f"GPU_CHECK_ARGS=--path {path}"],
-                            cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
+                            cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=HANG_S)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert sorted(os.listdir(out)) == ["gpu-check.json", "gpu-check.log"]  # nothing else comes back
     report = json.loads((out / "gpu-check.json").read_text())
@@ -148,7 +149,7 @@ def test_the_interpreter_is_python_else_the_one_with_torch_that_sees_cuda_venv_f
     if python is not None:
         env["PYTHON"] = str(paths["PYTHON"])
     result = subprocess.run(["bash", str(repo / "scripts" / "gpu_check.sh"), "--print-python"], cwd=tmp_path,
-                            env=env, capture_output=True, text=True, timeout=120)
+                            env=env, capture_output=True, text=True, timeout=HANG_S)
     assert result.returncode == 0, result.stderr
     expected = "python3" if chosen == "python3" else str(paths[chosen])
     assert result.stdout == f"{expected} {mode}\n"
@@ -161,7 +162,7 @@ def test_without_any_python_that_imports_torch_each_one_tried_is_named(tmp_path)
     _fake_python(bin_dir / "python3", NO_TORCH)
     env = {k: v for k, v in _env(PATH=f"{bin_dir}:/usr/bin:/bin").items() if k != "PYTHON"}
     result = subprocess.run(["bash", str(repo / "scripts" / "gpu_check.sh"), str(tmp_path / "out")], cwd=tmp_path,
-                            env=env, capture_output=True, text=True, timeout=120)
+                            env=env, capture_output=True, text=True, timeout=HANG_S)
     assert result.returncode == 1
     assert result.stderr == (f"[gpu_check] ERROR: no Python here imports torch: {repo}/.venv/bin/python (not found), "
                              "python3 (cannot import torch); run make to build .venv, or set PYTHON\n")
@@ -287,7 +288,7 @@ def test_the_wheel_script_downloads_pinned_wheels_for_the_gpu_image_and_keeps_on
     folder.mkdir()
     (folder / "megatron_core-0.16.1-cp312-cp312-manylinux_2_28_x86_64.whl").write_text("")  # an older pin
     result = subprocess.run(["bash", str(WHEELS_SCRIPT), "--dir", str(folder)], cwd=ROOT, capture_output=True,
-                            text=True, env=_env(PYTHON=stub), timeout=60)
+                            text=True, env=_env(PYTHON=stub), timeout=HANG_S)
     assert result.returncode == 0, result.stderr
     call = log.read_text()
     core = next(line.split(":=")[1].strip() for line in (ROOT / "Makefile").read_text().splitlines()
@@ -302,7 +303,7 @@ def test_the_wheel_script_downloads_pinned_wheels_for_the_gpu_image_and_keeps_on
     assert "of the 65536 KiB a GPU run carries" in result.stdout
     log.unlink()
     result = subprocess.run(["bash", str(WHEELS_SCRIPT), "--dir", str(folder), "--no-kvikio"], cwd=ROOT,
-                            capture_output=True, text=True, env=_env(PYTHON=stub), timeout=60)
+                            capture_output=True, text=True, env=_env(PYTHON=stub), timeout=HANG_S)
     assert result.returncode == 0 and "kvikio" not in log.read_text()
 
 
@@ -413,7 +414,7 @@ def test_a_junit_file_becomes_counts_skip_reasons_and_a_status(tmp_path):
     junit = tmp_path / "j.xml"
     rc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--rootdir", str(tmp_path),
                          f"--junitxml={junit}", str(tmp_path / "test_demo.py")], cwd=tmp_path,
-                        capture_output=True, timeout=120).returncode
+                        capture_output=True, timeout=HANG_S).returncode
     counts = gpu_check_report.parse_junit(str(junit))
     assert (counts["passed"], counts["failed"], counts["errors"], counts["skipped"]) == (1, 1, 0, 2)
     assert counts["skip_reasons"] == {"needs a CUDA device; none is visible": 1, "needs kvikio": 1}

@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from waits import HANG_S  # tests/waits.py
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS_DIR = ROOT / "scripts"
@@ -36,7 +37,7 @@ def _shellcheck() -> str | None:
     return str(candidate) if candidate.is_file() else None
 
 
-def _run(args, env=None, cwd=ROOT, timeout=30):
+def _run(args, env=None, cwd=ROOT, timeout=HANG_S):
     return subprocess.run(
         [str(a) for a in args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
     )

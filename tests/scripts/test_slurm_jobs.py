@@ -31,6 +31,7 @@ import pytest
 from megatron_ssd.megatron.integration import ITERATION_LINE, STEP_LINE
 
 from slurm_cluster import FINISHED, PrivateSlurm, SlurmError, unavailable  # tests/scripts/
+from waits import HANG_S  # tests/waits.py
 
 ROOT = Path(__file__).resolve().parents[2]
 SINGLE = ROOT / "scripts" / "slurm_single_node.sbatch"
@@ -253,7 +254,7 @@ def cancelled(slurm, checkout, tmp_path_factory) -> Dict:
     run_dirs = sorted(str(p.relative_to(scratch)) for p in (scratch / "megatron-ssd").glob("job*/gpu*/msd-*"))
     both = [slurm.job(jobs[name]) for name in ("term", "kill")]
     slurm.run(["scancel", jobs["term"], jobs["kill"]])
-    fields = {name: slurm.wait(job, timeout=120) for name, job in jobs.items()}
+    fields = {name: slurm.wait(job, timeout=HANG_S) for name, job in jobs.items()}
     return {"scratch": scratch, "jobs": jobs, "outs": outs, "fields": fields, "running": both,
             "run_dirs_while_both_ran": run_dirs,
             "left": {name: _files_under(scratch / "megatron-ssd" / f"job{job}") for name, job in jobs.items()}}
@@ -317,7 +318,7 @@ def test_sigkill_leaves_run_directories_that_clean_and_the_next_start_remove(slu
     # zombie), so wait for that, as an operator would see with ps.
     _wait_for_owners_to_exit(gpu1)
     clean = subprocess.run([str(Path(sys.executable).parent / "megatron-ssd"), "clean", str(gpu1)],
-                           capture_output=True, text=True, timeout=120)
+                           capture_output=True, text=True, timeout=HANG_S)
     assert clean.returncode == 0, clean.stderr
     assert "megatron-ssd clean: 1 stale run directory removed" in clean.stdout and os.listdir(gpu1) == []
     # The next job on the node: its start-up clean, then a stand-in for the training.
@@ -356,7 +357,7 @@ def test_usr1_saves_a_checkpoint_and_the_requeued_job_starts_clean(slurm, checko
     job = _submit(slurm, SINGLE, out, env, "--requeue", "--signal=B:USR1@60", *options)
     _wait_for(lambda: len(_iterations(_read(out))) >= 2, 240, "the job training")
     slurm.run(["scancel", "--batch", "--signal=USR1", job])
-    fields = slurm.wait(job, timeout=300, restarts=1)
+    fields = slurm.wait(job, timeout=HANG_S, restarts=1)
     text = _read(out)
     assert fields["JobState"] == "COMPLETED" and fields["Restarts"] == "1", text[-3000:]
     first, second = text.split(f"[megatron-ssd] job {job}: ")[1:]

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 from test_scripts_shell import SCRIPTS_DIR, FakeCluster, _rank_lines, _run  # tests/scripts/
+from waits import HANG_S  # tests/waits.py
 
 SINGLE = SCRIPTS_DIR / "slurm_single_node.sbatch"
 
@@ -77,7 +78,7 @@ def _start(fake: FakeCluster, **env) -> subprocess.Popen:
     _stub(fake, "scancel", STUB_SCANCEL)
     proc = subprocess.Popen(["bash", str(SINGLE)], env=fake.env(TORCHRUN=launcher, **env), cwd=fake.tmp,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + HANG_S
     while _launcher_log(fake) != ["started"]:
         assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0]
         time.sleep(0.05)
@@ -157,7 +158,7 @@ def test_usr1_stops_the_launcher_then_requeues_the_job(tmp_path):
     fake = FakeCluster(tmp_path, drives=1)
     proc = _start(fake, GPUS_PER_NODE=2)
     proc.send_signal(signal.SIGUSR1)
-    out = proc.communicate(timeout=30)[0]
+    out = proc.communicate(timeout=HANG_S)[0]
     assert proc.returncode == 0, out
     assert _launcher_log(fake) == ["started", "term"]
     assert Path(f"{fake.log}.scontrol").read_text() == "requeue 4242\n"
@@ -173,7 +174,7 @@ def test_usr1_under_srun_signals_the_steps_not_srun(tmp_path):
     fake = FakeCluster(tmp_path, drives=1)
     proc = _start(fake, GPUS_PER_NODE=2, LAUNCHER="srun")
     proc.send_signal(signal.SIGUSR1)
-    out = proc.communicate(timeout=30)[0]
+    out = proc.communicate(timeout=HANG_S)[0]
     assert proc.returncode == 0, out
     assert _launcher_log(fake) == ["started", "tasks-ended"]
     assert Path(f"{fake.log}.scancel").read_text() == "scancel --signal=TERM 4242\n"
@@ -191,7 +192,7 @@ def test_sigterm_under_slurm_is_left_to_slurm_and_waited_for(tmp_path):
     pids = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
     assert len(pids) == 1
     os.kill(int(pids[0]), signal.SIGTERM)  # as SLURM does
-    out = proc.communicate(timeout=30)[0]
+    out = proc.communicate(timeout=HANG_S)[0]
     assert proc.returncode == 143, out
     assert _launcher_log(fake) == ["started", "term"]
     assert "[megatron-ssd] TERM: the job is stopping; waiting for the ranks to delete their offload files" in out
@@ -202,7 +203,7 @@ def test_sigterm_outside_slurm_is_passed_to_the_launcher(tmp_path):
     fake = FakeCluster(tmp_path, drives=1)
     proc = _start(fake, GPUS_PER_NODE=2, SLURM_JOB_ID="")
     proc.send_signal(signal.SIGTERM)
-    out = proc.communicate(timeout=30)[0]
+    out = proc.communicate(timeout=HANG_S)[0]
     assert proc.returncode == 143, out
     assert _launcher_log(fake) == ["started", "term"]
     assert os.listdir(fake.mounts[0] / "megatron-ssd") == []  # pid<N> removed
