@@ -17,13 +17,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import numbers
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from ..config import from_dict, to_dict
 from ..placement import MOVED, LayerChoice, Placement
-from ..errors import ConfigError
+from ..errors import ConfigError, shown
 from .profile import IOProfile, LayerId, StageProfile
 from .just_in_time import just_in_time
 from .search import (GOAL_CAPACITY, GOAL_MAX_OFFLOAD, GOAL_MEMORY_BUDGET, Choices, PlacementSearch,
@@ -270,7 +271,9 @@ class Plan:
             raise ConfigError(f"Plan.schema = {schema!r}: must be {PLAN_SCHEMA!r} (or {_PLAN_SCHEMA_1!r}, read too)")
         if isinstance(data.get("layers"), list):
             data["layers"] = [_with_choice(layer, schema) for layer in data["layers"]]
-        return from_dict(cls, data)
+        plan = from_dict(cls, data)
+        _check_loaded(plan)
+        return plan
 
     @classmethod
     def from_json(cls, text: str) -> "Plan":
@@ -522,3 +525,41 @@ def _with_choice(layer: Any, schema: str) -> Any:
     if "choice" in layer:
         layer["choice"] = LayerChoice.from_dict(layer.get("layer_id"), layer["choice"])
     return layer
+
+
+_LAYER_AMOUNTS = ("bytes", "offloaded", "site_count", "write_s", "read_s", "exposed_s", "forward_s", "backward_s")
+_PLAN_AMOUNTS = ("peak_activation_bytes", "step_s", "exposed_s", "slowdown_s", "keep_peak_activation_bytes",
+                 "keep_step_s", "write_busy_s", "read_busy_s")
+
+
+def _check_loaded(plan: Plan) -> None:
+    """What a plan read back must hold (a plan the planner made always does): amounts
+    that are finite and not negative, at most the layer's sites moved, each layer once,
+    integer layer ids not negative, a stage inside its pipeline.
+
+    Raises:
+        ConfigError: naming the field, the value and the rule.
+    """
+    def amount(owner: str, name: str, value: Any) -> None:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+            raise ConfigError(f"{owner}.{name} = {shown(value)}: must be a finite number >= 0")
+
+    for name in _PLAN_AMOUNTS:
+        amount("Plan", name, getattr(plan, name))
+    if plan.microbatches_in_flight < 1 or not 0 <= plan.pipeline_rank < max(plan.pipeline_size, 1):
+        raise ConfigError(f"Plan.pipeline_rank = {plan.pipeline_rank}: must be in [0, pipeline_size = "
+                          f"{plan.pipeline_size}), with microbatches_in_flight = {plan.microbatches_in_flight} >= 1")
+    seen = set()
+    for lp in plan.layers:
+        owner = f"Plan.layers[{lp.layer_id!r}]"
+        if isinstance(lp.layer_id, int) and not isinstance(lp.layer_id, bool) and lp.layer_id < 0:
+            raise ConfigError(f"{owner}.layer_id = {lp.layer_id}: must be >= 0 (or a name such as 'embedding')")
+        if str(lp.layer_id) in seen:
+            raise ConfigError(f"{owner}.layer_id = {lp.layer_id!r}: must name each layer once")
+        seen.add(str(lp.layer_id))
+        for name in _LAYER_AMOUNTS:
+            amount(owner, name, getattr(lp, name))
+        if lp.choice.sites is not None and lp.choice.sites > lp.site_count:
+            raise ConfigError(f"{owner}.choice.sites = {lp.choice.sites}: must be at most site_count = "
+                              f"{lp.site_count}")
+

@@ -193,6 +193,25 @@ def test_plan_json_rejects_wrong_schema_and_unknown_keys():
         Plan.from_dict({**data, "peak": 1})
 
 
+@pytest.mark.parametrize("change, match", [
+    (lambda d: d["layers"][0].update(bytes=-5), r"Plan.layers\[0\].bytes = -5: must be a finite number >= 0"),
+    (lambda d: d["layers"][1].update(write_s=float("inf")), r"write_s = inf: must be a finite number"),
+    (lambda d: d.update(peak_activation_bytes=-1), r"Plan.peak_activation_bytes = -1: must be a finite number"),
+    (lambda d: d["layers"][2].update(layer_id=-3), r"Plan.layers\[-3\].layer_id = -3: must be >= 0"),
+    (lambda d: d["layers"][2].update(layer_id=d["layers"][1]["layer_id"]), r"layer_id = 1: must name each layer once"),
+    (lambda d: d["layers"][0].update(site_count=2, choice={"placement": "offload", "sites": 5, "read_ahead": 1}),
+     r"Plan.layers\[0\].choice.sites = 5: must be at most site_count = 2"),
+    (lambda d: d.update(pipeline_rank=4, pipeline_size=2), r"Plan.pipeline_rank = 4: must be in \[0, pipeline_size"),
+])
+def test_a_plan_read_back_is_checked_like_a_config(change, match):
+    """``Plan.from_json`` is a library call with no command behind it: what it reads is
+    checked all the same (docs/reliability.md, Known limits)."""
+    data = json.loads(make_plan(fast_stage()).to_json())
+    change(data)
+    with pytest.raises(ConfigError, match=match):
+        Plan.from_json(json.dumps(data))
+
+
 def test_table_lists_every_layer():
     plan = make_plan(fast_stage(), memory_budget=3 * GB)
     text = plan.table()
