@@ -1,4 +1,5 @@
-"""Machinery shared by the block engines: striping, backpressure, completion, stats.
+"""Machinery shared by the block engines: striping, completion, stats; the in-flight bound
+on writes is its :class:`~megatron_ssd.io.admission.Admission` (NOTE [Backpressure]).
 
 A blob of ``n`` bytes is cut into blocks of ``io.block_bytes``; block ``i`` goes to path
 ``(start + i) % len(paths)`` (RAID0-like; ``start`` rotates per blob so small blobs
@@ -29,20 +30,20 @@ import torch
 
 from ..config import OffloadConfig
 from ..errors import CacheStateError, ConfigError, OffloadIOError, WriteCancelled
+from .admission import Admission
 from .backend import BlockBackend, BlockServices
 from .base import Engine, EngineStats, Extent, IOFuture, SwapHandle, align_up
 from .blocks import BlobOp, Block, check_blob, check_read_target
 from .buffers import copy_bytes
 from .cuda import CUDA, CopyStreams, CudaOps, FreshBuffers
 from .layout import Fault, Layout, io_error, make_layout
+from .mapped import mapped_empty
 from .watchdog import StallWatchdog
 from .workers import READ, WRITE, Workers
-from .mapped import mapped_empty
 
 __all__ = ["Block", "BlobOp", "StripedEngine"]
 
 logger = logging.getLogger(__name__)
-
 
 
 def _shutdown(workers: Workers, layout: Layout, watchdog: Optional[StallWatchdog]) -> None:
@@ -116,8 +117,9 @@ class StripedEngine(Engine):
             raise OffloadIOError(f"cannot start the I/O engine's {2 * config.io.threads} worker threads "
                                  f"(io.threads = {config.io.threads}): {e}") from e
         self._finalizer = weakref.finalize(self, _shutdown, self._workers, self._layout, self._watchdog)
-        self._cv = threading.Condition()
-        self._inflight = 0
+        self.admission = Admission(config.io.max_inflight_bytes)
+        """Bounds the bytes of writes in flight (NOTE [Backpressure])."""
+        self._lock = threading.Lock()  # the stats, the live handles, the rotation's next path, the checksum switch
         self._closed = False
         self._stats = EngineStats(extra={"inflight_peak_bytes": 0, "zero_copy_bytes": 0, "staged_bytes": 0,
                                          "checksum_s": 0.0, "write_cpu_s": 0.0, "read_cpu_s": 0.0,
@@ -159,11 +161,11 @@ class StripedEngine(Engine):
         n = check_blob(src, "write(src)").numel()
         if n == 0:
             return IOFuture.completed(SwapHandle(0, ()))
-        if not self._admit(n, block):
+        if not self.admission.admit(n, block):  # NOTE [Backpressure]
             return None
         fut: IOFuture[SwapHandle] = IOFuture(n)
         bb = self.io.block_bytes
-        with self._cv:
+        with self._lock:
             healthy = [i for i in range(len(self._layout.run_dirs)) if i not in self._failed]
             start, self._next_path = self._next_path, self._next_path + 1
             checksum = self._checksum
@@ -175,15 +177,15 @@ class StripedEngine(Engine):
         try:
             where = self._layout.allocate([(p, align_up(k + nb)) for (_, nb, p), k in zip(plan, skews)])
         except Exception as e:  # reported through the future, like any failed write
-            self._admit_release(n)
-            with self._cv:
+            self.admission.release(n)
+            with self._lock:
                 self._stats.write_errors += 1
             if isinstance(e, OSError):
                 self._path_failed(getattr(e, "path_index", None), e)
             fut.set_error(e if isinstance(e, OffloadIOError) else self._wrap("write", n, e))
             return fut
         blocks = [Block(off, nb, p, f, o, skew=k) for (off, nb, p), (f, o), k in zip(plan, where, skews)]
-        with self._cv:
+        with self._lock:
             self._stats.disk_bytes += sum(b.length for b in blocks)
         op = BlobOp("write", src, blocks, fut, device=self.cuda.device_of(src), checksum=checksum,
                     unstaged=len(blocks))
@@ -199,7 +201,7 @@ class StripedEngine(Engine):
             fut.set_result(dst)
             return fut
         key = self._key(handle)
-        with self._cv:
+        with self._lock:
             if key not in self._live:
                 raise CacheStateError("read of a handle this engine does not hold (freed, or from another engine)")
             self._live[key] += 1
@@ -240,7 +242,7 @@ class StripedEngine(Engine):
         if not handle.extents:
             return
         key = self._key(handle)
-        with self._cv:
+        with self._lock:
             reads = self._live.get(key)
             if reads is None:
                 raise CacheStateError("free of a handle this engine does not hold (freed twice?)")
@@ -251,35 +253,36 @@ class StripedEngine(Engine):
         try:  # NOTE [Freed once]: the handle is forgotten, so this free must not fail
             self._layout.free(handle.extents)
         except OffloadIOError as e:
-            with self._cv:
+            with self._lock:
                 told, self._unlink_warned = self._unlink_warned, True
             (logger.debug if told else logger.warning)(
                 "megatron_ssd: a freed blob's file could not be deleted, it stays until the run directory is "
                 "removed at close%s: %s", "" if told else " (later such failures are logged at debug level)", e)
 
     def stats(self) -> EngineStats:
-        with self._cv:
+        with self._lock:
             snap = copy.deepcopy(self._stats)
             now = time.perf_counter()
             for kind, (count, since) in self._busy.items():
                 if count:
                     setattr(snap, f"{kind}_busy_s", getattr(snap, f"{kind}_busy_s") + now - since)
             snap.cpu_s = snap.extra["write_cpu_s"] + snap.extra["read_cpu_s"]
-            snap.extra["inflight_bytes"] = self._inflight
+            inflight, snap.extra["inflight_peak_bytes"], snap.backpressure_wait_s = self.admission.snapshot()
+            snap.extra["inflight_bytes"] = inflight
             snap.extra["live_blobs"] = len(self._live)
             snap.extra["checksum"] = "on" if self._checksum else "off"
             snap.extra["failed_paths"] = [self._layout.run_dirs[i].parent for i in sorted(self._failed)]
         return snap
 
     def set_checksum(self, enabled: bool) -> None:
-        with self._cv:
+        with self._lock:
             self._checksum = bool(enabled)
 
     def close(self) -> None:
-        with self._cv:
+        with self._lock:
             already = self._closed
             self._closed = True
-            self._cv.notify_all()
+        self.admission.close()  # wakes the writers held back; they raise
         self._finalizer()
         backend = getattr(self, "backend", None)
         if backend is not None and not already:
@@ -296,32 +299,6 @@ class StripedEngine(Engine):
         first = handle.extents[0]
         return (first.file, first.offset)
 
-    def _admit(self, n: int, block: bool) -> bool:
-        """Reserve ``n`` in-flight bytes; see NOTE [Backpressure]."""
-        # NOTE [Backpressure]: a write is admitted while in-flight payload + n stays
-        # within io.max_inflight_bytes, or when nothing is in flight at all (a blob
-        # bigger than the bound must not wait forever). The bytes are released by the
-        # worker finishing the blob, before its future completes (NOTE [Blob completion]).
-        bound = self.io.max_inflight_bytes
-        with self._cv:
-            fits = lambda: self._closed or self._inflight == 0 or self._inflight + n <= bound  # noqa: E731
-            if not fits():
-                if not block:
-                    return False
-                start = time.perf_counter()
-                self._cv.wait_for(fits)
-                self._stats.backpressure_wait_s += time.perf_counter() - start
-                self._check_open()
-            self._inflight += n
-            extra = self._stats.extra
-            extra["inflight_peak_bytes"] = max(extra["inflight_peak_bytes"], self._inflight)
-        return True
-
-    def _admit_release(self, n: int) -> None:
-        with self._cv:
-            self._inflight -= n
-            self._cv.notify_all()
-
     def _busy_change(self, kind: str, delta: int) -> None:
         # Busy time is the union of intervals with >= 1 op of this kind in flight.
         now = time.perf_counter()
@@ -334,7 +311,7 @@ class StripedEngine(Engine):
 
     def _submit(self, op: BlobOp, priority: int) -> None:
         op.remaining = len(op.blocks)
-        with self._cv:
+        with self._lock:
             self._busy_change(op.kind, +1)
         try:
             self.backend.prepare(op)
@@ -470,8 +447,8 @@ class StripedEngine(Engine):
                 self._layout.free([self._extent(b) for b in op.blocks])
             else:
                 result = SwapHandle(op.future.nbytes, tuple(self._extent(b) for b in op.blocks))
-            self._admit_release(op.future.nbytes)
-        with self._cv:
+            self.admission.release(op.future.nbytes)  # NOTE [Backpressure]
+        with self._lock:
             self._busy_change(op.kind, -1)
             if op.kind == "write" and error is None:
                 self._stats.bytes_written += op.future.nbytes
@@ -552,7 +529,7 @@ class StripedEngine(Engine):
     # on a dropped path stay readable there; blobs in flight to it fail on their own.
 
     def _path_failed(self, index: Optional[int], error: BaseException) -> None:
-        with self._cv:
+        with self._lock:
             npaths = len(self._layout.run_dirs)
             if index is None or index in self._failed or len(self._failed) + 1 >= npaths:
                 return
@@ -606,5 +583,5 @@ class StripedEngine(Engine):
 
     def count(self, name: str, nbytes: int) -> None:
         """Add ``nbytes`` (or seconds) to the extra stat ``name``."""
-        with self._cv:
+        with self._lock:
             self._stats.extra[name] = self._stats.extra.get(name, 0) + nbytes
