@@ -1,12 +1,14 @@
 # shellcheck shell=bash
-# Shared helpers of the megatron-ssd launch scripts (sourced, never executed).
+# Shared wiring of the megatron-ssd launch scripts (sourced, never executed): settings from
+# the environment, the launch commands, and the shell's signal handling. What needs tests
+# lives in scripts/offload_dirs.py (each rank's directories, the checks, the start-up clean).
 #
 # Usage (from another script in scripts/):
 #   source "$SCRIPTS_DIR/common.sh"
 #
-# Everything here is a function or a read-only constant; sourcing has no side effects.
-# Functions are prefixed with "ms_" and global state set by ms_configure_job is in
-# upper-case variables documented in slurm_single_node.sbatch.
+# Everything here is a function; sourcing has no side effects. Functions are prefixed with
+# "ms_"; the settings ms_configure_job fills in are the upper-case variables documented in
+# slurm_single_node.sbatch.
 
 # ------------------------------------------------------------------------ logging
 
@@ -49,15 +51,6 @@ ms_run() {
     "$@"
 }
 
-# Print a command with a "+ " prefix, then replace the shell by it unless DRY_RUN=1.
-ms_exec() {
-    printf '+ %s\n' "$(ms_quote_cmd "$@")"
-    if ms_is_dry_run; then
-        exit 0
-    fi
-    exec "$@"
-}
-
 # The default offload directories of this node, one per line: for each mount in
 # NVME_MOUNTS, its OFFLOAD_SUBDIR (default megatron-ssd) when that exists, else the mount.
 ms_default_offload_dirs() {
@@ -92,17 +85,6 @@ ms_require_uint() {
 }
 
 # ------------------------------------------------------------------ SLURM helpers
-
-# This host's name, with SLURM's node name when that differs (several slurmd on one host).
-ms_node() {
-    local h
-    h="$(hostname)"
-    if [[ -n "${SLURMD_NODENAME:-}" && "$SLURMD_NODENAME" != "$h" && "$SLURMD_NODENAME" != "${h%%.*}" ]]; then
-        printf '%s (node %s)\n' "$h" "$SLURMD_NODENAME"
-    else
-        printf '%s\n' "$h"
-    fi
-}
 
 # First host name of the job (the rendezvous host).
 ms_first_host() {
@@ -142,270 +124,15 @@ ms_detect_gpus_per_node() {
     printf '%s\n' "$n"
 }
 
-# ------------------------------------------------------------ offload path layout
+# ------------------------------------------------------------- offload directories
 
-# ms_rank_paths_table GPUS SUBDIR MOUNT...: one line per local rank, holding that rank's
-# offload directories joined by commas.
-#   * one mount (a RAID0 array): every GPU gets MOUNT/SUBDIR/gpu<r>;
-#   * fewer drives than GPUs: GPU r gets drive (r mod drives);
-#   * at least as many drives as GPUs: GPU r gets every drive d with d mod GPUS == r,
-#     and the engine stripes its blocks across them.
-ms_rank_paths_table() {
-    local gpus="$1" subdir="$2"
-    shift 2
-    local -a mounts=("$@")
-    local n=${#mounts[@]} r d line
-    for ((r = 0; r < gpus; r++)); do
-        line=""
-        if ((n >= gpus)); then
-            for ((d = r; d < n; d += gpus)); do
-                line+="${line:+,}${mounts[d]%/}/$subdir/gpu$r"
-            done
-        else
-            line="${mounts[r % n]%/}/$subdir/gpu$r"
-        fi
-        printf '%s\n' "$line"
-    done
-}
-
-# ms_mount_gpu_count GPUS MOUNT_INDEX MOUNT_COUNT: how many GPUs write to that mount.
-ms_mount_gpu_count() {
-    local gpus="$1" idx="$2" n="$3" r count=0
-    for ((r = 0; r < gpus; r++)); do
-        if ((n >= gpus)); then
-            if ((idx % gpus == r)); then
-                count=$((count + 1))
-            fi
-        elif ((r % n == idx)); then
-            count=$((count + 1))
-        fi
-    done
-    printf '%s\n' "$count"
-}
-
-ms_free_kib() {
-    df -Pk "$1" | awk 'NR == 2 { print $4 }'
-}
-
-ms_fs_type() {
-    stat -f -c %T "$1" 2>/dev/null || printf 'unknown\n'
-}
-
-# ms_is_mount_point DIR: something is mounted on DIR itself (a bind mount counts).
-ms_is_mount_point() {
-    local path
-    path="$(cd "$1" 2>/dev/null && pwd -P)" || return 1
-    if command -v mountpoint >/dev/null 2>&1; then
-        mountpoint -q "$path"
-        return
-    fi
-    awk -v p="$path" '{ m = $5; gsub(/\\040/, " ", m); if (m == p) found = 1 } END { exit !found }' /proc/self/mountinfo
-}
-
-# ms_check_mount ROOT: exists, node-local, writable; with NVME_MOUNTS given, a mount point
-# (ALLOW_NON_MOUNT=1 takes a plain directory).
-ms_check_mount() {
-    local mount="$1" subdir="${OFFLOAD_SUBDIR}" fstype probe target
-    if [[ "${MS_ROOTS_ARE_MOUNTS:-1}" == "1" ]]; then
-        [[ -e "$mount" ]] || ms_die "offload mount $mount does not exist on $(ms_node) (NVME_MOUNTS=$NVME_MOUNTS)"
-    else
-        [[ -e "$mount" ]] || ms_die "node-local scratch directory $mount does not exist on $(ms_node) (NVME_MOUNTS is unset; set NVME_MOUNTS to the NVMe mounts)"
-    fi
-    [[ -d "$mount" ]] || ms_die "offload mount $mount is not a directory"
-    if [[ "${MS_ROOTS_ARE_MOUNTS:-1}" == "1" && "${ALLOW_NON_MOUNT:-0}" != "1" ]] && ! ms_is_mount_point "$mount"; then
-        if ms_is_dry_run; then
-            ms_warn "NVME_MOUNTS entry $mount is not a mount point on $(ms_node) (a real run stops here)"
-        else
-            ms_die "NVME_MOUNTS entry $mount is not a mount point on $(ms_node): mount the NVMe drive there (findmnt $mount), or set ALLOW_NON_MOUNT=1 to use the directory as it is"
-        fi
-    fi
-    fstype="$(ms_fs_type "$mount")"
-    case "$fstype" in
-        tmpfs | ramfs) ms_warn "$mount is on $fstype (memory, not SSD): offloading there saves no memory" ;;
-        nfs* | lustre | gpfs | cifs | smb* | fuse* | ceph*)
-            ms_warn "$mount is on $fstype, a network filesystem: offload directories should be node-local NVMe" ;;
-    esac
-    if [[ "${MS_ROOTS_ARE_MOUNTS:-1}" == "1" && "$(stat -c %d "$mount")" == "$(stat -c %d /)" ]]; then
-        ms_warn "$mount is on the root filesystem: is the NVMe drive mounted there?"
-    fi
-    target="$mount/$subdir"
-    [[ -d "$target" ]] || target="$mount"
-    probe="$(mktemp "$target/.megatron_ssd_probe.XXXXXX" 2>/dev/null)" ||
-        ms_die "$target is not writable by $(id -un) on $(ms_node) (create $mount/$subdir with mode 1777, see scripts/setup_nvme_raid0.sh)"
-    rm -f "$probe"
-    ms_log "  $mount: $fstype, writable"
-}
-
-# ms_check_free MOUNT GPUS_ON_IT: at least MIN_FREE_GB free for each GPU using it.
-ms_check_free() {
-    local mount="$1" users="$2" free_kib need_kib msg
-    free_kib="$(ms_free_kib "$mount")"
-    need_kib=$((MIN_FREE_GB * 1024 * 1024 * users))
-    if ((free_kib < need_kib)); then
-        msg="$mount has $((free_kib / 1024 / 1024)) GiB free on $(ms_node), below MIN_FREE_GB=$MIN_FREE_GB x $users GPU(s)"
-        if ms_is_dry_run; then
-            ms_warn "$msg (a real run stops here unless cleaning frees space)"
-            return 0
-        fi
-        ms_die "$msg"
-    fi
-    ms_log "  $mount: $((free_kib / 1024 / 1024)) GiB free for $users GPU(s)"
-}
-
-# ms_job_dir_active NAME: whether the job that owns the job directory NAME (job<id>,
-# pid<pid> outside SLURM) may still use it. Unsure (no squeue, squeue failing) counts as
-# active: such a directory is kept.
-ms_job_dir_active() {
-    local name="$1" id out
-    [[ "$name" != "$MS_JOB_DIR" ]] || return 0
-    case "$name" in
-        job*)
-            id="${name#job}"
-            [[ "$id" =~ ^[0-9]+$ ]] || return 0
-            command -v squeue >/dev/null 2>&1 || return 0
-            if ! out="$(squeue -h -t all -j "$id" -o %T 2>&1)"; then
-                [[ "$out" == *"Invalid job id"* ]] && return 1 # finished long ago: purged
-                return 0
-            fi
-            case "$out" in
-                "" | COMPLETED | CANCELLED | FAILED | TIMEOUT | NODE_FAIL | PREEMPTED | BOOT_FAIL | DEADLINE | OUT_OF_MEMORY) return 1 ;;
-            esac
-            return 0
-            ;;
-        pid*)
-            id="${name#pid}"
-            [[ "$id" =~ ^[0-9]+$ ]] || return 0
-            kill -0 "$id" 2>/dev/null
-            ;;
-        *) return 0 ;;
-    esac
-}
-
-# ms_rmdir_tree DIR: remove DIR's empty gpu* subdirectories, then DIR if empty; print
-# what is left (non-empty directories).
-ms_rmdir_tree() {
-    local dir="$1" d
-    [[ -d "$dir" && ! -L "$dir" ]] || return 0
-    for d in "$dir"/gpu*; do
-        if [[ -d "$d" && ! -L "$d" ]]; then
-            rmdir "$d" 2>/dev/null || printf '%s\n' "$d"
-        fi
-    done
-    rmdir "$dir" 2>/dev/null || true
-}
-
-# This node's job directories of this job (ROOT/OFFLOAD_SUBDIR/MS_JOB_DIR), emptied
-# directories removed; whatever still holds files is named in a warning (NOTE [Job
-# directories]).
-ms_remove_job_dirs() {
-    local -a roots left=()
-    local root
-    ms_split_words roots "$MS_OFFLOAD_ROOTS"
-    for root in "${roots[@]}"; do
-        mapfile -t -O "${#left[@]}" left < <(ms_rmdir_tree "${root%/}/$OFFLOAD_SUBDIR/$MS_JOB_DIR")
-    done
-    if ((${#left[@]} > 0)); then
-        ms_warn "left in place on $(ms_node): ${left[*]} (the next job's start-up clean, or '${MEGATRON_SSD_CMD[*]} clean DIR', removes run directories whose process is gone)"
-    fi
-}
-
-# NOTE [Job directories]
-# Every job writes under ROOT/OFFLOAD_SUBDIR/job<SLURM_JOB_ID>/gpu<local rank> (outside
-# SLURM pid<pid of the script>), so two jobs on one node never share a directory, and a
-# requeued job (same id) finds its own. Inside, each process makes its private run
-# directory (msd-*, with the marker .megatron_ssd_run) and deletes it at exit, on SIGTERM
-# and SIGINT too; SIGKILL leaves it. So at start every node:
-#   1. runs `megatron-ssd clean` on every gpu* directory under its roots (this job's,
-#      other jobs', and the gpu* of the layout without job directories): it removes the
-#      run directories whose process is provably gone, nothing else;
-#   2. removes the gpu* and job<id> directories left empty by jobs that are over (squeue
-#      says so, or no longer knows the id); only empty ones, with rmdir, so another job's
-#      files are never touched;
-# and at the end each rank, right after deleting its run directory, removes its gpu<r>
-# and then job<id> directory if they are empty (offload.remove_empty_parents=2, NOTE
-# [Emptied parents] in megatron_ssd/io/rundir.py): the last rank of the job on a drive
-# leaves nothing. The launching shell does the same once the ranks are gone
-# (ms_remove_job_dirs; the multi-node srun launcher runs a `launch_node.sh finish`
-# step) for the directories of ranks that never made a run directory. The shell alone
-# is not enough: on scancel SLURM sends SIGTERM to every process of the job and SIGKILL
-# KillWait seconds later, the batch shell included, and on a loaded node the launcher's
-# own shutdown after its ranks can outlast KillWait.
-
-# Everything a node does before training: check the roots, remove stale run
-# directories, check the free space, then create the per-GPU directories.
-ms_prepare_node() {
-    local -a mounts rank_paths parts users=() dirs=() stale=() left=()
-    local i n d line
-    ms_split_words mounts "$MS_OFFLOAD_ROOTS"
-    n=${#mounts[@]}
-    ms_log "node $(ms_node): checking $n offload root(s) for $GPUS_PER_NODE GPU(s)"
-    for ((i = 0; i < n; i++)); do
-        users[i]="$(ms_mount_gpu_count "$GPUS_PER_NODE" "$i" "$n")"
-        if ((users[i] == 0)); then
-            ms_warn "${mounts[i]}: no GPU uses it"
-            continue
-        fi
-        ms_check_mount "${mounts[i]}"
-    done
-    if ((n > 1)); then
-        local -A seen=()
-        local dev
-        for d in "${mounts[@]}"; do
-            dev="$(stat -c %d "$d")"
-            if [[ -n "${seen[$dev]:-}" ]]; then
-                ms_warn "$d and ${seen[$dev]} are on the same filesystem: they share one drive's bandwidth"
-            fi
-            seen[$dev]="$d"
-        done
-    fi
-    for d in "${mounts[@]}"; do
-        for line in "${d%/}/$OFFLOAD_SUBDIR"/gpu* "${d%/}/$OFFLOAD_SUBDIR"/job*/gpu* "${d%/}/$OFFLOAD_SUBDIR"/pid*/gpu*; do
-            if [[ -d "$line" && ! -L "$line" ]]; then
-                stale+=("$line")
-            fi
-        done
-    done
-    # NOTE [Job directories]
-    if [[ "${SKIP_CLEAN:-0}" == "1" ]]; then
-        ms_log "SKIP_CLEAN=1: not removing stale offload run directories"
-    else
-        if ((${#stale[@]} > 0)); then
-            ms_log "start-up clean: ${#stale[@]} offload director$( ((${#stale[@]} == 1)) && echo y || echo ies) on this node; removing the run directories of processes that are gone"
-            ms_run "${MEGATRON_SSD_CMD[@]}" clean "${stale[@]}" ||
-                ms_die "'${MEGATRON_SSD_CMD[*]} clean' failed on $(ms_node)"
-        else
-            ms_log "start-up clean: no offload directories left by earlier runs"
-        fi
-        if ! ms_is_dry_run; then
-            for d in "${mounts[@]}"; do
-                for line in "${d%/}/$OFFLOAD_SUBDIR"/job* "${d%/}/$OFFLOAD_SUBDIR"/pid*; do
-                    if [[ -d "$line" && ! -L "$line" ]] && ! ms_job_dir_active "${line##*/}"; then
-                        mapfile -t -O "${#left[@]}" left < <(ms_rmdir_tree "$line")
-                        [[ -e "$line" ]] || ms_log "  removed the emptied directory of ${line##*/}, which is over: $line"
-                    fi
-                done
-            done
-            if ((${#left[@]} > 0)); then
-                ms_warn "kept, still holding files after the clean (no run directory of a process known to be gone): ${left[*]}"
-            fi
-        fi
-    fi
-    for ((i = 0; i < n; i++)); do
-        if ((users[i] > 0)); then
-            ms_check_free "${mounts[i]}" "${users[i]}"
-        fi
-    done
-    mapfile -t rank_paths < <(ms_rank_paths_table "$GPUS_PER_NODE" "$OFFLOAD_SUBDIR/$MS_JOB_DIR" "${mounts[@]}")
-    for line in "${rank_paths[@]}"; do
-        IFS=',' read -r -a parts <<<"$line"
-        dirs+=("${parts[@]}")
-    done
-    ms_run mkdir -p "${dirs[@]}"
-    if ! ms_is_dry_run; then
-        for line in "${dirs[@]}"; do
-            [[ -w "$line" ]] || ms_die "$line is not writable by $(id -un)"
-        done
-    fi
+# ms_offload_dirs paths|prepare|finish: scripts/offload_dirs.py with this job's settings
+# (exported by ms_configure_job). paths: each local rank's directories, one line per rank;
+# prepare: check this node's roots, the start-up clean, check the free space, create the
+# directories; finish: remove the directories the job left empty (NOTE [Job directories]
+# there). A refusal is its one ERROR line and exit status 1.
+ms_offload_dirs() {
+    python3 "$SCRIPTS_DIR/offload_dirs.py" "$@"
 }
 
 # --------------------------------------------------------------- job configuration
@@ -441,7 +168,8 @@ ms_configure_job() {
     [[ "$SSD_OFFLOAD" == 0 || "$SSD_OFFLOAD" == 1 ]] || ms_die "SSD_OFFLOAD=$SSD_OFFLOAD: must be 1 (offload) or 0 (the same job without --ssd-offload)"
 
     # The offload roots: the NVMe mounts, or without them the node-local scratch directory
-    # the site gives jobs; this job's directory under each (NOTE [Job directories]).
+    # the site gives jobs; this job's directory under each (NOTE [Job directories] in
+    # offload_dirs.py).
     local -a mounts
     if [[ -n "${NVME_MOUNTS//[[:space:]]/}" ]]; then
         MS_ROOTS_ARE_MOUNTS=1
@@ -535,7 +263,7 @@ ms_configure_job() {
     TRAIN_CMD+=("${extra[@]}" "$@")
     if [[ "$SSD_OFFLOAD" == 1 ]]; then
         # The ranks remove their emptied gpu<r> and job<id> directories themselves (NOTE
-        # [Job directories]); OVERRIDES come after, so a user's value wins.
+        # [Job directories] in offload_dirs.py); OVERRIDES come after, so a user's value wins.
         TRAIN_CMD+=(--ssd-offload --ssd-offload-override remove_empty_parents=2)
         if [[ -n "$CONFIG" ]]; then
             TRAIN_CMD+=(--ssd-offload-config "$CONFIG")
@@ -546,10 +274,14 @@ ms_configure_job() {
         done
     fi
 
-    mapfile -t RANK_PATHS < <(ms_rank_paths_table "$GPUS_PER_NODE" "$OFFLOAD_SUBDIR/$MS_JOB_DIR" "${mounts[@]}")
-    MEGATRON_SSD_RANK_PATHS="${RANK_PATHS[*]}"
-    export MEGATRON_SSD_RANK_PATHS NNODES GPUS_PER_NODE NVME_MOUNTS OFFLOAD_SUBDIR MIN_FREE_GB LAUNCHER
+    export NNODES GPUS_PER_NODE NVME_MOUNTS OFFLOAD_SUBDIR MIN_FREE_GB LAUNCHER
     export MS_OFFLOAD_ROOTS MS_ROOTS_ARE_MOUNTS MS_JOB_DIR
+    command -v python3 >/dev/null 2>&1 || ms_die "python3 not found on PATH (the launch scripts run scripts/offload_dirs.py with it)"
+    local table
+    table="$(ms_offload_dirs paths)" || exit
+    mapfile -t RANK_PATHS <<<"$table"
+    MEGATRON_SSD_RANK_PATHS="${RANK_PATHS[*]}"
+    export MEGATRON_SSD_RANK_PATHS
 }
 
 ms_print_plan() {
@@ -643,26 +375,22 @@ ms_preview_node_step() {
     ms_log "---- end of node step ----"
 }
 
+
 # ----------------------------------------------------------------- job signals
 
 # NOTE [Job signals]
 # The launching shells (the batch script, launch_node.sh) run the launcher as a child and
 # wait for it, instead of exec'ing it, so that they can act on signals and tidy up after:
 #   * SIGTERM / SIGINT (scancel, a time limit, Ctrl-C): under SLURM every process of the
-#     step gets the signal from SLURM itself, so the shell only notes it and waits; each
-#     rank deletes its run directories (NOTE [Exit cleanup] in megatron_ssd/cache/
-#     exit_guard.py), or, with CHECKPOINT_DIR, Megatron's --exit-signal-handler saves a
-#     checkpoint at the end of the iteration and exits. Outside SLURM the shell passes
-#     the signal on to its child. SIGKILL (after SLURM's KillWait) leaves run
-#     directories; the next start cleans them (NOTE [Job directories]).
-#   * SIGUSR1 (sbatch --signal=B:USR1@SECONDS: to the batch shell only, before the time
-#     limit or a pre-emption): the batch shell has the ranks sent SIGTERM, which stops
-#     them as above, then removes its emptied directories and requeues the job with
-#     `scontrol requeue`; the requeued job (same id) starts with the start-up clean and,
-#     with CHECKPOINT_DIR, loads the checkpoint. A torchrun child gets the SIGTERM and
-#     passes it to its ranks; an srun child must not get it (srun takes a SIGTERM as
-#     "kill the step" and SIGKILLs the tasks: no checkpoint, run directories left), so
-#     then `scancel --signal=TERM JOBID` signals the job's steps, not the batch shell.
+#     job gets the signal from SLURM itself, so the shell only notes it and waits; the
+#     ranks delete their run directories (with CHECKPOINT_DIR, after Megatron's
+#     --exit-signal-handler saved a checkpoint). Outside SLURM the shell passes the signal
+#     on to its child. SIGKILL leaves run directories for the next start-up clean.
+#   * SIGUSR1 (sbatch --signal=B:USR1@SECONDS, to the batch shell only): the shell has the
+#     ranks sent SIGTERM, which stops them as above, then requeues the job (scontrol
+#     requeue). A torchrun child gets the SIGTERM and passes it on; an srun child must not
+#     (srun takes SIGTERM as "kill the step": SIGKILL to its tasks), so then `scancel
+#     --signal=TERM JOBID` signals the job's steps instead.
 # The child starts with SIGINT and SIGQUIT at their defaults: bash would otherwise give a
 # background command SIGINT ignored, and Python would then never see Ctrl-C.
 MS_CHILD=""

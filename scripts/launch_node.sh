@@ -42,14 +42,13 @@ main() {
     for var in NNODES GPUS_PER_NODE MS_OFFLOAD_ROOTS MS_JOB_DIR OFFLOAD_SUBDIR MIN_FREE_GB MEGATRON_SSD_RANK_PATHS MASTER_ADDR MASTER_PORT; do
         [[ -n "${!var:-}" ]] || ms_die "launch_node.sh: $var is not set (run it from the sbatch scripts)"
     done
-    ms_split_words MEGATRON_SSD_CMD "${MEGATRON_SSD:-megatron-ssd}"
     ms_split_words TORCHRUN_CMD "${TORCHRUN:-torchrun}"
     if [[ "$mode" == "finish" ]]; then
-        ms_remove_job_dirs # NOTE [Job directories]
+        ms_offload_dirs finish # NOTE [Job directories] in offload_dirs.py
         return 0
     fi
     ms_trap_job_signals # NOTE [Job signals]
-    ms_prepare_node
+    ms_offload_dirs prepare || exit
     if [[ "$mode" == "prepare" ]]; then
         return 0
     fi
@@ -59,12 +58,12 @@ main() {
     local -a cmd
     local rc=0
     ms_torchrun_cmd cmd
-    ms_log "node $(ms_node): starting $GPUS_PER_NODE GPU process(es)"
+    ms_log "node ${SLURMD_NODENAME:-$(hostname)}: starting $GPUS_PER_NODE GPU process(es)"
     ms_launch "${cmd[@]}" || rc=$?
     if ms_is_dry_run; then
         exit 0
     fi
-    ms_remove_job_dirs
+    ms_offload_dirs finish || true
     exit "$rc"
 }
 

@@ -394,7 +394,7 @@ def remove_empty_parents(path: str, levels: int) -> List[str]:
 
 # NOTE [Emptied parents]
 # A launcher that makes directories for one job (the SLURM scripts' ``job<id>/gpu<r>``
-# under each drive, NOTE [Job directories] in scripts/common.sh) wants them gone with
+# under each drive, NOTE [Job directories] in scripts/offload_dirs.py) wants them gone with
 # the job. Removing them from the launching shell after the processes exit is not
 # enough: on a cancelled job SLURM sends SIGTERM to every process, then SIGKILL to all
 # that remain after KillWait, the batch shell included, and on a loaded node the ranks'
