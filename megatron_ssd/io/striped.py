@@ -8,7 +8,8 @@ spread too). Each block is one task for a pool of workers (``io/workers.py``) th
 parallel and the blob's future completes when the last is done. Reads overtake queued
 writes: a prefetch must not wait behind the forward pass's offload traffic.
 A path whose write fails is dropped from the rotation while another path remains
-(NOTE [Failed paths]).
+(NOTE [Failed paths]). Each transfer holds its file's descriptor through the engine's
+:class:`~megatron_ssd.io.descriptors.Descriptors` (NOTE [Descriptors]).
 How one block is written or read is a :class:`~megatron_ssd.io.backend.BlockBackend`'s
 job (NOTE [Block backends]); the POSIX and kvikio backends are peers under this class.
 Every CUDA call goes through the engine's :class:`~megatron_ssd.io.cuda.CudaOps` (``cuda``),
@@ -18,7 +19,6 @@ which tests replace with a recording fake.
 from __future__ import annotations
 
 import copy
-import errno
 import logging
 import threading
 import time
@@ -36,7 +36,8 @@ from .base import Engine, EngineStats, Extent, IOFuture, SwapHandle, align_up
 from .blocks import BlobOp, Block, check_blob, check_read_target
 from .buffers import copy_bytes
 from .cuda import CUDA, CopyStreams, CudaOps, FreshBuffers
-from .layout import Fault, Layout, io_error, make_layout
+from .descriptors import Descriptors
+from .layout import Fault, Layout, make_layout
 from .mapped import mapped_empty
 from .watchdog import StallWatchdog
 from .workers import READ, WRITE, Workers
@@ -119,6 +120,8 @@ class StripedEngine(Engine):
         self._finalizer = weakref.finalize(self, _shutdown, self._workers, self._layout, self._watchdog)
         self.admission = Admission(config.io.max_inflight_bytes)
         """Bounds the bytes of writes in flight (NOTE [Backpressure])."""
+        self.descriptors = Descriptors(self._layout)
+        """Lends each transfer its file's descriptor (NOTE [Descriptors])."""
         self._lock = threading.Lock()  # the stats, the live handles, the rotation's next path, the checksum switch
         self._closed = False
         self._stats = EngineStats(extra={"inflight_peak_bytes": 0, "zero_copy_bytes": 0, "staged_bytes": 0,
@@ -135,7 +138,6 @@ class StripedEngine(Engine):
                 ", ".join(config.paths),
             )
         self._failed: Dict[int, str] = {}  # path index -> why it left the rotation
-        self._fd_warned = False
         self._unlink_warned = False
         try:
             self.backend = backend(self)
@@ -323,34 +325,6 @@ class StripedEngine(Engine):
         for b in op.blocks:
             self._workers.submit(priority, self._run_block, op, b)
 
-    # NOTE [Descriptors]: a block's file descriptor is taken by the worker that moves the
-    # block, just before the transfer, and given back right after it, so descriptors in
-    # use are bounded by the workers (2 x io.threads) plus the extent layout's one file
-    # per path, never by the blobs in flight. The layout shares one descriptor per file
-    # between the workers using it (reference counts). A worker that finds the process out
-    # of descriptors (EMFILE, ENFILE) waits for others to be given back and tries again,
-    # for up to FD_WAIT_S, with one warning: the data is intact, only the fd is missing.
-
-    FD_WAIT_S = 60.0
-    """How long a worker waits for a file descriptor when the process has none left."""
-
-    def _acquire_fd(self, op: BlobOp, block: Block) -> int:
-        delay, waited = 0.001, 0.0
-        while True:
-            try:
-                return self._layout.acquire(block.file, block.path_index)
-            except OSError as e:
-                if e.errno not in (errno.EMFILE, errno.ENFILE) or waited >= self.FD_WAIT_S:
-                    raise io_error("open", block.file, block.offset, block.nbytes, e, block.path_index) from e
-                if not self._fd_warned:
-                    self._fd_warned = True
-                    logger.warning("megatron_ssd: no file descriptor left to open %s (%s); I/O waits for "
-                                   "descriptors to be closed (raise `ulimit -n`, or lower io.threads)",
-                                   block.file, errno.errorcode[e.errno])
-                time.sleep(delay)
-                waited += delay
-                delay = min(2 * delay, 0.1)
-
     # NOTE [Cancelled writes]: a write is worth finishing only while its tensor may still
     # be read back. When backward takes the tensor from memory first (forwarding), a KEEP
     # layer saves it too, or autograd releases it, the cache cancels the write
@@ -373,16 +347,12 @@ class StripedEngine(Engine):
             self._discard_block(op, block)
         else:
             try:
-                block.fd = self._acquire_fd(op, block)  # NOTE [Descriptors]
-                try:
+                with self.descriptors.held(block):  # NOTE [Descriptors]
                     if op.kind == "write":
                         self.backend.write_block(op, block)
                         block.written = True
                     else:
                         self.backend.read_block(op, block)
-                finally:
-                    self._layout.release(block.file)
-                    block.fd = -1
             except BaseException as e:
                 with op.lock:
                     if op.error is None:
@@ -509,13 +479,9 @@ class StripedEngine(Engine):
                 return None
             back = Block(b.blob_offset, b.nbytes, b.path_index, b.file, b.offset, expected=b.checksum, skew=b.skew,
                          algo=b.algo)
-            rop = BlobOp("read", host, [back], IOFuture(b.nbytes))
             try:
-                back.fd = self._acquire_fd(rop, back)
-                try:
-                    self.backend.read_block(rop, back)
-                finally:
-                    self._layout.release(back.file)
+                with self.descriptors.held(back):
+                    self.backend.read_block(BlobOp("read", host, [back], IOFuture(b.nbytes)), back)
             except Exception as e:  # noqa: BLE001 - the write's own error is what the caller gets
                 logger.warning("megatron_ssd: a failed write's block could not be read back from %s: %s", b.file, e)
                 return None
