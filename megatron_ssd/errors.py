@@ -114,7 +114,7 @@ class ChecksumError(OffloadIOError):
 
 class WriteCancelled(OffloadIOError):
     """A write was cancelled before all its bytes reached the disk (NOTE [Cancelled
-    writes] in ``io/striped.py``); nothing of it stays allocated."""
+    writes] in ``io/recovery.py``); nothing of it stays allocated."""
 
 
 class CacheStateError(MegatronSSDError, RuntimeError):

@@ -3,7 +3,8 @@
 # Check everything the GPU paths need in one short GPU window (docs/getting-started.md,
 # "GPU check"): install what is missing from a wheel folder, run the gpu/kvikio/te tests
 # and the Megatron pipeline tests, train a GPT sized for the GPU with keep, recompute,
-# offload-all and the planner (POSIX engine, and kvikio when it imports), measure the
+# offload-all and the planner (POSIX engine, and kvikio when it imports), run Megatron-LM's
+# own pretrain_gpt.py without and with --ssd-offload and with selective recompute, measure the
 # offload path (bench-io) and the host/device copy bandwidth; write OUT/gpu-check.json
 # (one entry per part: passed, failed or skipped, the reason, its numbers) and
 # OUT/gpu-check.log, and print a one-screen summary. Without a CUDA device it runs the
@@ -23,7 +24,8 @@
 #   --budget SECONDS   time for the whole run (default 480); each part has its own timeout inside it
 #   --bench-size SIZE  bytes bench-io writes per setting (default 1GiB with a GPU, 64MiB without)
 #   --timeout PART=S   one part's timeout in seconds (defaults: install 120, environment 60,
-#                      copy-bandwidth 60, bench-io 90, pytest-gpu 150, train 270, pytest-pipeline 150)
+#                      copy-bandwidth 60, bench-io 90, pytest-gpu 150, train 270, pretrain 240,
+#                      pytest-pipeline 150)
 #   --install          install missing wheels even without a GPU (default: only with one)
 #   --print-python     print the interpreter the check would use and its mode (gpu or
 #                      no-gpu), then exit; OUT is not needed
@@ -38,12 +40,12 @@ set -euo pipefail
 
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 REPO="$(cd "$HERE/.." && pwd)"
-PARTS=(install environment copy-bandwidth bench-io pytest-gpu train pytest-pipeline)
+PARTS=(install environment copy-bandwidth bench-io pytest-gpu train pretrain pytest-pipeline)
 declare -A TIMEOUT=([install]=120 [environment]=60 [copy-bandwidth]=60 [bench-io]=90 [pytest-gpu]=150
-    [train]=270 [pytest-pipeline]=150)
+    [train]=270 [pretrain]=240 [pytest-pipeline]=150)
 # A part whose timeout the budget cuts below this is not started.
 declare -A MINIMUM=([install]=10 [environment]=10 [copy-bandwidth]=10 [bench-io]=15 [pytest-gpu]=30
-    [train]=60 [pytest-pipeline]=30)
+    [train]=60 [pretrain]=90 [pytest-pipeline]=30)
 SUMMARY_RESERVE=15 # seconds kept for writing the JSON and the summary
 NO_CUDA="no CUDA device visible"
 PIPELINE_TESTS=(tests/megatron/test_megatron_offload.py tests/megatron/test_megatron_parallel.py)
@@ -306,6 +308,13 @@ run_all() {
             --budget-s "$(($(part_timeout train) - TRAIN_MARGIN))"
     else
         skip_part train "$NO_CUDA"
+    fi
+    # Megatron-LM's pretrain_gpt.py from ../shared, shared/ or the wheel folder (MEGATRON_LM_PATH wins).
+    if ((gpu)); then
+        run_part pretrain "$PY" -m megatron_ssd.commands.gpu_check_pretrain --mode gpu --path "$OFFLOAD" \
+            --wheels "$WHEELS" --budget-s "$(($(part_timeout pretrain) - TRAIN_MARGIN))"
+    else
+        skip_part pretrain "$NO_CUDA: its CPU mode (three pretrain_gpt.py --cpu runs) is a test (make test runs it)"
     fi
     # These compare Megatron's schedules over gloo on the CPU, hiding CUDA themselves (the
     # cpu_only fixture of tests/megatron/conftest.py): the installed megatron-core on this torch.

@@ -297,7 +297,7 @@ class EntryTable:
             if entry.state is EntryState.STAGED:
                 self._staged_write_done(entry, future, error)
                 return
-            if isinstance(error, WriteCancelled):  # NOTE [Cancelled writes] in io/striped.py
+            if isinstance(error, WriteCancelled):  # NOTE [Cancelled writes] in io/recovery.py
                 self.counters.bytes_write_cancelled += entry.nbytes
                 if entry.state is not EntryState.RELEASED:
                     entry.state = EntryState.LOADED  # wanted or pinned: its data stays in memory
@@ -349,7 +349,7 @@ class EntryTable:
     def _cancel_write(self, entry: Entry) -> None:
         """``entry``'s write in flight is no longer worth finishing: its bytes stay in
         memory until released, or nobody needs them (NOTE [Cancelled writes] in
-        ``io/striped.py``). Caller holds the lock; the write's callback completes it."""
+        ``io/recovery.py``). Caller holds the lock; the write's callback completes it."""
         if entry.write_future is not None and (entry.state is not EntryState.STAGED):
             entry.write_future.cancel()  # a STAGED write is the only copy (NOTE [Released at staging])
 
@@ -468,7 +468,7 @@ class EntryTable:
             self._maybe_retire(record)
 
     def _free_disk(self, entry: Entry) -> None:
-        handle, entry.handle = entry.handle, None  # NOTE [Freed once] in io/striped.py: off the entry first
+        handle, entry.handle = entry.handle, None  # NOTE [Freed once] in io/recovery.py: off the entry first
         if handle is not None:
             entry.store.discard(handle)
 

@@ -172,7 +172,7 @@ class StepStats:
     bytes_write_cancelled: int = 0
     """Bytes of offloaded tensors whose write was cancelled before it completed, because
     backward used them from memory or autograd released them first (NOTE [Cancelled
-    writes] in ``io/striped.py``); not in ``bytes_offloaded``."""
+    writes] in ``io/recovery.py``); not in ``bytes_offloaded``."""
     bytes_discarded: int = 0
     """Bytes of saved tensors whose owner freed and refilled the storage itself (Megatron's
     output discarding), served by reference instead of moved (NOTE [Discarded storages]

@@ -200,11 +200,7 @@ def _part_line(p: Dict[str, Any]) -> str:
                       f"{_mib(n.get('bytes'))} MiB each)")
         elif p["name"].startswith("pytest"):
             detail = f"{n.get('passed')} passed, {n.get('skipped')} skipped"
-        elif p["name"] == "train":
-            detail = n.get("headline", "")
-        elif p["name"] == "install":
-            detail = n.get("headline", "")
-        elif p["name"] == "environment":
+        else:  # the part's own one-line headline (install, environment, train, pretrain, ...)
             detail = n.get("headline", "")
     seconds = p.get("seconds")
     took = f"{seconds:5.0f} s" if seconds is not None else "      "
@@ -249,6 +245,8 @@ def format_summary(report: Dict[str, Any]) -> str:
     train = next((p for p in report["parts"] if p["name"] == "train"), None)
     if train is not None:
         lines += _train_table(train.get("numbers", {}))
+    for p in report["parts"]:  # a part's own table (the job part's rows and gates)
+        lines += p.get("numbers", {}).get("summary_lines") or []
     out = report.get("out")
     if out:
         lines.append(f"wrote {os.path.join(out, 'gpu-check.json')} and {os.path.join(out, 'gpu-check.log')}")

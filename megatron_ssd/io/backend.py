@@ -1,13 +1,15 @@
 """Block backends: how one block of a blob moves between memory and a file.
 
 NOTE [Block backends]: :class:`~megatron_ssd.io.striped.StripedEngine` owns everything the
-ways of moving bytes share: the layout and its file descriptors, striping, the worker
-pool and its I/O slots (NOTE [I/O slots]), backpressure, blob completion, failed paths,
+ways of moving bytes share: the layout and its file descriptors (through
+:class:`~megatron_ssd.io.descriptors.Descriptors`), striping, the worker pool and its I/O
+slots (NOTE [I/O slots]), backpressure (:class:`~megatron_ssd.io.admission.Admission`),
+blob completion, failed paths and writes (:class:`~megatron_ssd.io.recovery.Recovery`),
 checksum bookkeeping, the stall watchdog and the stats. A backend moves one block, on a
-worker thread, with what the engine lends it, :class:`BlockServices` and nothing more: ``io_slots`` (held only around the
-transfer itself), ``fault`` (the fault-injection hook, consulted before each transfer),
-``watch`` / ``watch_progress`` / ``watch_end`` (the stall watchdog) and ``count`` (an
-extra stat). :class:`~megatron_ssd.io.posix.PosixBackend` (O_DIRECT ``pwrite`` /
+worker thread, with what the engine lends it, :class:`BlockServices` and nothing more:
+``io_slots`` (held only around the transfer itself), ``fault`` (the fault-injection
+hook, consulted before each transfer), ``watch`` / ``watch_progress`` / ``watch_end`` (the
+stall watchdog) and ``count`` (an extra stat). :class:`~megatron_ssd.io.posix.PosixBackend` (O_DIRECT ``pwrite`` /
 ``preadv``, CUDA memory through pinned staging) and
 :class:`~megatron_ssd.io.kvikio_backend.KvikioBackend` (cuFile for CUDA memory, a POSIX
 backend of its own for host memory) are peers under it; another

@@ -138,7 +138,7 @@ class IOFuture(Generic[R]):
 
     def cancel(self) -> bool:
         """Ask the engine to drop the parts of this I/O not started yet (NOTE [Cancelled
-        writes] in ``io/striped.py``). The future still completes through the engine: with
+        writes] in ``io/recovery.py``). The future still completes through the engine: with
         :class:`~megatron_ssd.errors.WriteCancelled` when a part was dropped, as usual when
         every part had started. Never blocks and never runs callbacks itself. Returns
         False when the future is done or its engine cannot cancel."""

@@ -135,7 +135,7 @@ class PosixBackend(BlockBackend):
     # the blob is larger) are copied by their worker into its own staging buffer just
     # before their write, as each comes up. When every block is in host memory, before any
     # error or cancel, the engine drops the source and stages the future early (NOTE
-    # [Staged writes] in ``base.py``, NOTE [Failed staged writes] in ``striped.py``): the
+    # [Staged writes] in ``base.py``, NOTE [Failed staged writes] in ``recovery.py``): the
     # caller may free the device memory then, at PCIe speed, while
     # the workers still write the slices, each slice going back to the ring after its
     # block's write. The caller never waits for the ring, and a worker never waits for a

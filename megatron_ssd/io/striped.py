@@ -1,5 +1,5 @@
-"""Machinery shared by the block engines: striping, completion, stats; the in-flight bound
-on writes is its :class:`~megatron_ssd.io.admission.Admission` (NOTE [Backpressure]).
+"""Machinery shared by the block engines: striping, completion, stats, and the parts
+each engine composes.
 
 A blob of ``n`` bytes is cut into blocks of ``io.block_bytes``; block ``i`` goes to path
 ``(start + i) % len(paths)`` (RAID0-like; ``start`` rotates per blob so small blobs
@@ -7,9 +7,13 @@ spread too). Each block is one task for a pool of workers (``io/workers.py``) th
 ``io.threads`` requests in flight (NOTE [I/O slots]), so the blocks of one blob proceed in
 parallel and the blob's future completes when the last is done. Reads overtake queued
 writes: a prefetch must not wait behind the forward pass's offload traffic.
-A path whose write fails is dropped from the rotation while another path remains
-(NOTE [Failed paths]). Each transfer holds its file's descriptor through the engine's
-:class:`~megatron_ssd.io.descriptors.Descriptors` (NOTE [Descriptors]).
+The engine holds three parts with one job each and delegates to them:
+:class:`~megatron_ssd.io.admission.Admission` bounds the bytes of writes in flight
+(NOTE [Backpressure]), :class:`~megatron_ssd.io.descriptors.Descriptors` lends each
+transfer its file's descriptor (NOTE [Descriptors]), and
+:class:`~megatron_ssd.io.recovery.Recovery` handles what did not go as asked: a failing
+path leaves the rotation while another remains (NOTE [Failed paths]), failed and
+cancelled writes, and frees that must not fail (NOTE [Freed once]).
 How one block is written or read is a :class:`~megatron_ssd.io.backend.BlockBackend`'s
 job (NOTE [Block backends]); the POSIX and kvikio backends are peers under this class.
 Every CUDA call goes through the engine's :class:`~megatron_ssd.io.cuda.CudaOps` (``cuda``),
@@ -34,11 +38,11 @@ from .admission import Admission
 from .backend import BlockBackend, BlockServices
 from .base import Engine, EngineStats, Extent, IOFuture, SwapHandle, align_up
 from .blocks import BlobOp, Block, check_blob, check_read_target
-from .buffers import copy_bytes
 from .cuda import CUDA, CopyStreams, CudaOps, FreshBuffers
 from .descriptors import Descriptors
 from .layout import Fault, Layout, make_layout
 from .mapped import mapped_empty
+from .recovery import Recovery
 from .watchdog import StallWatchdog
 from .workers import READ, WRITE, Workers
 
@@ -122,6 +126,8 @@ class StripedEngine(Engine):
         """Bounds the bytes of writes in flight (NOTE [Backpressure])."""
         self.descriptors = Descriptors(self._layout)
         """Lends each transfer its file's descriptor (NOTE [Descriptors])."""
+        self.recovery = Recovery(self._layout, self.descriptors)
+        """Failed paths, failed and cancelled writes, frees that must not fail."""
         self._lock = threading.Lock()  # the stats, the live handles, the rotation's next path, the checksum switch
         self._closed = False
         self._stats = EngineStats(extra={"inflight_peak_bytes": 0, "zero_copy_bytes": 0, "staged_bytes": 0,
@@ -137,8 +143,6 @@ class StripedEngine(Engine):
                 "byte on the drive would reach training unnoticed; remove the setting to verify them",
                 ", ".join(config.paths),
             )
-        self._failed: Dict[int, str] = {}  # path index -> why it left the rotation
-        self._unlink_warned = False
         try:
             self.backend = backend(self)
             """Moves the blocks (NOTE [Block backends])."""
@@ -167,8 +171,8 @@ class StripedEngine(Engine):
             return None
         fut: IOFuture[SwapHandle] = IOFuture(n)
         bb = self.io.block_bytes
+        healthy = self.recovery.healthy()  # NOTE [Failed paths]
         with self._lock:
-            healthy = [i for i in range(len(self._layout.run_dirs)) if i not in self._failed]
             start, self._next_path = self._next_path, self._next_path + 1
             checksum = self._checksum
         skew = self.backend.skew(src)  # NOTE [Skewed blocks]: only the first block is skewed
@@ -182,16 +186,14 @@ class StripedEngine(Engine):
             self.admission.release(n)
             with self._lock:
                 self._stats.write_errors += 1
-            if isinstance(e, OSError):
-                self._path_failed(getattr(e, "path_index", None), e)
-            fut.set_error(e if isinstance(e, OffloadIOError) else self._wrap("write", n, e))
+            fut.set_error(self.recovery.allocation_failed(n, e))
             return fut
         blocks = [Block(off, nb, p, f, o, skew=k) for (off, nb, p), (f, o), k in zip(plan, where, skews)]
         with self._lock:
             self._stats.disk_bytes += sum(b.length for b in blocks)
         op = BlobOp("write", src, blocks, fut, device=self.cuda.device_of(src), checksum=checksum,
                     unstaged=len(blocks))
-        fut.on_cancel(partial(self._cancel, op))  # NOTE [Cancelled writes]
+        fut.on_cancel(partial(self.recovery.cancel, op))  # NOTE [Cancelled writes] in recovery.py
         self._submit(op, WRITE)
         return fut
 
@@ -229,17 +231,6 @@ class StripedEngine(Engine):
         self.fresh.add(buf)
         return buf[:nbytes]
 
-    # NOTE [Freed once]: a blob is freed once, also when deleting its file fails. The
-    # engine forgets the handle first (a second free of it is a CacheStateError, a
-    # bookkeeping bug), then gives its space back, which with the ``file`` layout unlinks
-    # the blob's file. A file already gone (the run directory deleted under the run) is
-    # what the unlink wanted; any other failed unlink leaves the file to the run
-    # directory's removal at close, with one warning. Before, such an unlink raised out
-    # of ``free`` after the handle was forgotten, the cache's entry kept the handle, and
-    # the entry's release freed it again: "free of a handle this engine does not hold
-    # (freed twice?)" from ``Packed.__del__`` after the ENOENT had been reported. The
-    # cache also takes the handle off its entry before freeing it (``EntryTable._free_disk``).
-
     def free(self, handle: SwapHandle) -> None:
         if not handle.extents:
             return
@@ -252,14 +243,7 @@ class StripedEngine(Engine):
                 raise CacheStateError(f"free of a handle with {reads} read(s) in flight")
             del self._live[key]
             self._stats.disk_bytes -= handle.disk_bytes
-        try:  # NOTE [Freed once]: the handle is forgotten, so this free must not fail
-            self._layout.free(handle.extents)
-        except OffloadIOError as e:
-            with self._lock:
-                told, self._unlink_warned = self._unlink_warned, True
-            (logger.debug if told else logger.warning)(
-                "megatron_ssd: a freed blob's file could not be deleted, it stays until the run directory is "
-                "removed at close%s: %s", "" if told else " (later such failures are logged at debug level)", e)
+        self.recovery.free(handle.extents)  # NOTE [Freed once] in recovery.py: forgotten first, never fails
 
     def stats(self) -> EngineStats:
         with self._lock:
@@ -273,7 +257,7 @@ class StripedEngine(Engine):
             snap.extra["inflight_bytes"] = inflight
             snap.extra["live_blobs"] = len(self._live)
             snap.extra["checksum"] = "on" if self._checksum else "off"
-            snap.extra["failed_paths"] = [self._layout.run_dirs[i].parent for i in sorted(self._failed)]
+        snap.extra["failed_paths"] = self.recovery.failed_paths()
         return snap
 
     def set_checksum(self, enabled: bool) -> None:
@@ -325,21 +309,9 @@ class StripedEngine(Engine):
         for b in op.blocks:
             self._workers.submit(priority, self._run_block, op, b)
 
-    # NOTE [Cancelled writes]: a write is worth finishing only while its tensor may still
-    # be read back. When backward takes the tensor from memory first (forwarding), a KEEP
-    # layer saves it too, or autograd releases it, the cache cancels the write
-    # (``IOFuture.cancel``): the blob's blocks not yet started are skipped, blocks in a
-    # transfer finish, and the blob completes as a failed write does (its extents freed,
-    # its in-flight bytes released) but with :class:`WriteCancelled`, counted as
-    # ``cancelled_write_bytes`` and not as an error. A cancel that comes after every block
-    # started changes nothing. Without it a slow disk spent its bandwidth on tensors
-    # nobody would read again, and the next writes queued behind them kept their tensors
-    # in memory longer, past a plan's budget in the plan's first step (measured:
-    # docs/performance.md#run-2026-11-24-cancelled-writes).
-
     def _run_block(self, op: BlobOp, block: Block) -> None:
         started = time.thread_time()
-        if op.error is None and op.cancelled:
+        if op.error is None and op.cancelled:  # NOTE [Cancelled writes] in recovery.py
             with op.lock:
                 op.skipped_bytes += block.nbytes
             self._discard_block(op, block)
@@ -362,13 +334,6 @@ class StripedEngine(Engine):
         # every worker task is a block: its CPU time, completion callbacks included,
         # is the engine's cpu_s (EngineStats), split by direction
         self.count(f"{op.kind}_cpu_s", time.thread_time() - started)
-
-    def _cancel(self, op: BlobOp) -> None:
-        """``op.future.cancel()``: skip the blocks not started, unless the write was staged
-        early (its staging is then the only copy of the bytes: NOTE [Failed staged writes])."""
-        with op.lock:
-            if not op.staged_early:
-                op.cancelled = True
 
     def _discard_block(self, op: BlobOp, block: Block) -> None:
         try:
@@ -397,22 +362,9 @@ class StripedEngine(Engine):
         # release in-flight bytes so blocked writers proceed; drop the tensor; complete
         # the future. Done-callbacks run on this worker thread: they must not block on
         # this engine (a blocking write there can wait for workers that never come).
-        error = op.error
-        if op.kind == "write" and isinstance(error, OSError):
-            self._path_failed(op.failed_path, error)
-        if error is not None and not isinstance(error, OffloadIOError):
-            error = self._wrap(op.kind, op.future.nbytes, error)
-        if error is not None and getattr(error, "path_index", None) is None and op.failed_path is not None:
-            error.path_index = op.failed_path  # type: ignore[attr-defined]  # which path it was (NOTE [Failed write warnings])
-        if error is None and op.skipped_bytes:  # NOTE [Cancelled writes]
-            error = WriteCancelled(f"write of a {op.future.nbytes}-byte blob cancelled, "
-                                   f"{op.skipped_bytes} bytes not written")
+        error = self.recovery.outcome(op, self.backend.read_block)  # failed, cancelled, its host copy
         result: Any = None
         if op.kind == "write":
-            if error is not None and op.staged_early:  # NOTE [Failed staged writes]
-                host_copy = self._recover(op)
-                if host_copy is not None:
-                    error.host_copy = host_copy  # type: ignore[attr-defined]
             if error is not None:
                 self._layout.free([self._extent(b) for b in op.blocks])
             else:
@@ -443,75 +395,6 @@ class StripedEngine(Engine):
         else:
             op.future.set_result(result)
 
-    # NOTE [Failed staged writes]: once a CUDA write is staged early its caller may have
-    # freed the source, so the staging holds the only copy of the bytes: the write is not
-    # cancelled any more (``cancel`` changes nothing then), and if it fails the engine
-    # hands the bytes back as the error's ``host_copy`` (a CPU ``uint8`` tensor of the
-    # blob's length) so nothing is lost. A block whose write failed, or that is skipped
-    # after the failure, copies its staged bytes into it before its staging goes back
-    # (``keep_bytes``); the blocks already on disk are read back when the blob completes,
-    # before their extents are freed. If any of that fails there is no ``host_copy``. An
-    # error or a cancel before every block was copied stops early staging: the future is
-    # then staged only as it completes, and the caller still has its source.
-
-    def keep_bytes(self, op: BlobOp, block: Block, data: torch.Tensor) -> None:
-        """For backends: ``data`` holds ``block``'s bytes in host memory and is about to
-        be given back; keep them if ``op`` was staged early (NOTE [Failed staged writes])."""
-        if not op.staged_early:
-            return
-        with op.lock:
-            if op.host_copy is None:
-                op.host_copy = mapped_empty(op.future.nbytes)[: op.future.nbytes]
-            host = op.host_copy
-        copy_bytes(host[block.blob_offset : block.blob_offset + block.nbytes], data)
-        block.kept = True
-
-    def _recover(self, op: BlobOp) -> Optional[torch.Tensor]:
-        """The bytes of a failed, early-staged write: the kept blocks, and the written
-        ones read back from disk (NOTE [Failed staged writes]); None when one is missing."""
-        if op.host_copy is None:
-            op.host_copy = mapped_empty(op.future.nbytes)[: op.future.nbytes]
-        host = op.host_copy
-        for b in op.blocks:
-            if b.kept:
-                continue
-            if not b.written:
-                return None
-            back = Block(b.blob_offset, b.nbytes, b.path_index, b.file, b.offset, expected=b.checksum, skew=b.skew,
-                         algo=b.algo)
-            try:
-                with self.descriptors.held(back):
-                    self.backend.read_block(BlobOp("read", host, [back], IOFuture(b.nbytes)), back)
-            except Exception as e:  # noqa: BLE001 - the write's own error is what the caller gets
-                logger.warning("megatron_ssd: a failed write's block could not be read back from %s: %s", b.file, e)
-                return None
-        return host
-
-    # NOTE [Failed paths]: a write that fails on one path (EIO, ENOSPC, the directory
-    # gone) takes that path out of the rotation for later blobs, with one warning, as
-    # long as another path remains: a dead drive must not fail every blob striped over
-    # it. The last path is never dropped, so with one path each failed write just
-    # falls back (the cache keeps the tensor) and later writes try again. Blobs already
-    # on a dropped path stay readable there; blobs in flight to it fail on their own.
-
-    def _path_failed(self, index: Optional[int], error: BaseException) -> None:
-        with self._lock:
-            npaths = len(self._layout.run_dirs)
-            if index is None or index in self._failed or len(self._failed) + 1 >= npaths:
-                return
-            self._failed[index] = str(error)
-            remaining = [d.parent for i, d in enumerate(self._layout.run_dirs) if i not in self._failed]
-        logger.warning(
-            "megatron_ssd: offload path %s failed, later writes go to %s: %s",
-            self._layout.run_dirs[index].parent, ", ".join(remaining), error,
-        )
-
-    @staticmethod
-    def _wrap(kind: str, nbytes: int, error: BaseException) -> OffloadIOError:
-        wrapped = OffloadIOError(f"{kind} of a {nbytes}-byte blob failed: {error!r}")
-        wrapped.__cause__ = error
-        return wrapped
-
     @staticmethod
     def _extent(b: Block) -> Extent:
         return Extent(b.path_index, b.offset, b.length, b.blob_offset, b.file, b.checksum, b.skew, b.algo)
@@ -533,13 +416,20 @@ class StripedEngine(Engine):
         if token is not None:
             self._watchdog.end(token)  # type: ignore[union-attr]
 
+    def keep_bytes(self, op: BlobOp, block: Block, data: torch.Tensor) -> None:
+        """For backends: ``data`` holds ``block``'s bytes in host memory and is about to
+        be given back; keep them if ``op`` was staged early (NOTE [Failed staged writes]
+        in ``recovery.py``)."""
+        self.recovery.keep_bytes(op, block, data)
+
     def blocks_staged(self, op: BlobOp, n: int) -> None:
         """``n`` more blocks of the write ``op`` no longer read its source; with the last,
         the engine drops the source and stages the future (NOTE [Staged writes])."""
         with op.lock:
             before = op.unstaged
             op.unstaged -= n
-            # an error or a cancel first: staged at completion, the source kept (NOTE [Failed staged writes])
+            # an error or a cancel first: staged at completion, the source kept (NOTE [Failed
+            # staged writes] in recovery.py)
             last = before > 0 and op.unstaged <= 0 and op.error is None and not op.cancelled
             if last:
                 op.staged_early = True

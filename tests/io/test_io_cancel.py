@@ -1,4 +1,4 @@
-"""Cancelled writes (NOTE [Cancelled writes] in ``io/striped.py``): a blob's blocks not
+"""Cancelled writes (NOTE [Cancelled writes] in ``io/recovery.py``): a blob's blocks not
 started when the write is cancelled are skipped, and the blob leaves nothing behind.
 Which blocks have started is fixed by a fault hook that holds the first transfers until
 the test lets them go, never by timing."""

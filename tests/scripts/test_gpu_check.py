@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_ssd.commands import gpu_check, gpu_check_report, gpu_check_train
+from megatron_ssd.commands import gpu_check, gpu_check_array, gpu_check_report, gpu_check_train
 from megatron_ssd.commands.gpu_check_report import NO_CUDA
 from megatron_ssd.commands.timing import StepTimer, synchronized
 from megatron_ssd.errors import MegatronSSDError
@@ -29,7 +29,9 @@ from waits import HANG_S  # tests/waits.py
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "gpu_check.sh"
 WHEELS_SCRIPT = ROOT / "scripts" / "gpu_wheels.sh"
-GPU_PARTS = ["copy-bandwidth", "pytest-gpu", "train", "pytest-pipeline"]
+GPU_PARTS = ["copy-bandwidth", "pytest-gpu", "train", "pretrain"]
+_NO_STANDIN = gpu_check_array.standin_unavailable()
+"""Why the array part skips here (root, losetup, mkfs.ext4, a cgroup throttle), or empty."""
 
 
 def _env(**extra) -> dict:
@@ -63,8 +65,8 @@ def test_without_a_gpu_the_script_measures_the_path_and_skips_each_gpu_part_with
     report = json.loads((out / "gpu-check.json").read_text())
     assert report["mode"] == "no-gpu" and report["status"] == "passed"
     parts = {p["name"]: p for p in report["parts"]}
-    assert list(parts) == ["install", "environment", "copy-bandwidth", "bench-io", "pytest-gpu", "train",
-                           "pytest-pipeline"]
+    assert list(parts) == ["install", "environment", "copy-bandwidth", "bench-io", "pytest-gpu", "train", "job",
+                           "pretrain", "array"]
     for name in GPU_PARTS:
         assert parts[name]["status"] == "skipped" and parts[name]["reason"].startswith(NO_CUDA), parts[name]
     assert parts["install"]["status"] == "skipped" and "nothing is installed" in parts["install"]["reason"]
@@ -75,7 +77,18 @@ def test_without_a_gpu_the_script_measures_the_path_and_skips_each_gpu_part_with
     assert bench["numbers"]["bytes"] == 64 << 20 and len(bench["numbers"]["results"]) == 4
     assert bench["numbers"]["best_write_bytes_per_s"] > 0 and bench["numbers"]["best_read_bytes_per_s"] > 0
     assert bench["seconds"] >= 0 and bench["timeout_s"] == 90
-    assert report["counts"] == {"passed": 2, "failed": 0, "skipped": 5}
+    # the array part runs its stand-in without a GPU (2 drives, bench-io), as root
+    assert (parts["array"]["status"], parts["array"]["reason"]) == (("skipped", _NO_STANDIN) if _NO_STANDIN
+                                                                    else ("passed", ""))
+    # the job part runs its tiny GPT on the CPU: keep ran, each GPU-only row skipped with the reason
+    job = parts["job"]
+    assert job["status"] == "passed", job["reason"]
+    rows = {(r["placement"], r["cap"]): r for r in job["numbers"]["rows"]}
+    assert rows[("keep", "none")]["status"] == "ran" and set(job["numbers"]["caps"]) == {"50%", "30%"}
+    for key in (("keep", "50%"), ("keep", "30%"), ("megatron-offload", "30%")):
+        assert rows[key]["status"] == "skipped" and rows[key]["reason"].startswith(NO_CUDA), rows[key]
+    assert "job gates (reported, not enforced" in result.stdout
+    assert report["counts"] == {"passed": 3 + (not _NO_STANDIN), "failed": 0, "skipped": 5 + bool(_NO_STANDIN)}
     assert "NO GPU: 5 parts skipped (no CUDA device visible)" in result.stdout
     assert "this run checked the script, not the GPU paths" in result.stdout
     log = (out / "gpu-check.log").read_text()
@@ -183,7 +196,7 @@ def test_a_part_past_its_timeout_fails_and_a_failing_part_fails_the_run(tmp_path
     out, path = tmp_path / "out", tmp_path / "offload"
     path.mkdir()
     result = _script(out, "--path", path, "--timeout", "environment=2", "--bench-size", "1000000TiB",
-                     env=_env(PYTHON=stub))
+                     "--timeout", "array=1", env=_env(PYTHON=stub))
     assert result.returncode == 1, result.stdout[-3000:] + result.stderr[-3000:]
     parts = _parts(out)
     assert parts["environment"]["status"] == "failed"
@@ -191,7 +204,8 @@ def test_a_part_past_its_timeout_fails_and_a_failing_part_fails_the_run(tmp_path
     assert parts["environment"]["timeout_s"] == 2 and parts["environment"]["exit_status"] == 124
     assert parts["bench-io"]["status"] == "failed" and "free space" in parts["bench-io"]["reason"]
     assert all(parts[n]["status"] == "skipped" for n in GPU_PARTS)
-    assert "megatron-ssd GPU check: FAILED (0 passed, 2 failed, 5 skipped)" in result.stdout
+    assert parts["array"]["reason"] == "timed out after 1 s (see the log)"  # while it started: nothing made
+    assert "megatron-ssd GPU check: FAILED (0 passed, 3 failed, 6 skipped)" in result.stdout
 
 
 def test_a_spent_budget_skips_the_parts_it_cannot_fit(tmp_path):
@@ -488,8 +502,7 @@ def test_the_training_part_reports_memory_time_bytes_predictions_and_loss_identi
     assert all(f"offload.paths={tmp_path}" in r[1] and "device=cuda" in r[1] for r in ran)
     assert "offload.io.engine=posix" in ran[3][1] and ran[0][2] == 60
     rows = {r["placement"]: r for r in entry["numbers"]["placements"]}
-    assert rows["planner-kvikio"] == {"placement": "planner-kvikio", "status": "skipped",
-                                      "reason": "kvikio is not installed (test)"}
+    assert list(rows) == ["keep", "recompute", "offload-all", "planner"]  # no second planner run (kvikio)
     assert rows["keep"]["x_keep"] == 1.0 and "losses_identical_to_keep" not in rows["keep"]
     planner = rows["planner"]
     assert planner["losses_identical_to_keep"] is True and planner["losses_compared"] == 3
@@ -501,7 +514,6 @@ def test_the_training_part_reports_memory_time_bytes_predictions_and_loss_identi
     assert json.loads(result.read_text())["reason"] == "interrupted after planner"  # the last partial write
     table = gpu_check_report.format_summary({"status": "passed", "counts": {"passed": 1, "failed": 0, "skipped": 0},
                                              "mode": "gpu", "parts": [entry]})
-    assert "  planner-kvikio  skipped: kvikio is not installed (test)" in table
     assert any(line.startswith("  planner  ") and line.endswith("same") for line in table.splitlines())
 
 
@@ -609,3 +621,518 @@ def test_recompute_above_keeps_peak_fails_the_training_part(tmp_path, monkeypatc
         assert entry["reason"] == ("recompute: peaked at 120.0 MiB of CUDA memory above the pre-forward level, "
                                    "not below keep's 100.0 MiB (it holds only each layer's input between forward "
                                    "and backward)")
+
+
+# ------------------------------------------------------------------ the pretrain part (Megatron-LM's pretrain_gpt.py)
+
+# Lines of ``megatron-ssd pretrain-gpt --cpu`` on core_v0.19.0 (the documented CPU GPT, every
+# layer offloaded), as Megatron and megatron-ssd print them; the memory line is in the format
+# of Megatron's report_memory with the numbers of a CUDA run (the CPU counts 0.00).
+PRETRAIN_LOG = """\
+  ssd_offload_device_memory_cap ................... None
+  ssd_offload_memory_budget ....................... None
+[megatron-ssd] offloading activations to /tmp/act (planner offload, engine auto)
+[megatron-ssd] rank 0 step 0: offloaded 1.5 MiB (write 9 MiB/s), reloaded 1.5 MiB (read 33 MiB/s), forwarded 0.0 MiB, \
+dedup 0.4 MiB, peak resident 0.8 MiB, stall 13 ms
+ [2026-11-28 02:58:29.121840] iteration        1/       3 | consumed samples:            4 | elapsed time per \
+iteration (ms): 2193.4 | learning rate: 6.666667E-05 | global batch size:     4 | lm loss: 4.869491E+00 | loss scale: \
+1.0 | grad norm: 1.873 | number of skipped iterations:   0 | number of nan iterations:   0 |
+Theoretical memory footprints: weight and optimizer=1.84 MB, activation=0.31 MB, total=2.15 MB
+[Rank 0] (after 1 iterations) memory (MB) | allocated: 17204.53 | max allocated: 22611.07 | reserved: 23552.00 | \
+max reserved: 23552.00
+[megatron-ssd] rank 0 step 1: offloaded 1.5 MiB (write 10 MiB/s), reloaded 1.2 MiB (read 109 MiB/s), forwarded \
+0.3 MiB, dedup 0.4 MiB, peak resident 0.8 MiB, stall 0 ms
+ [2026-11-28 02:58:30.708590] iteration        2/       3 | consumed samples:            8 | elapsed time per \
+iteration (ms): 1890.1 | learning rate: 3.333333E-05 | global batch size:     4 | lm loss: 4.859228E+00 | loss scale: \
+1.0 | grad norm: 1.607 | number of skipped iterations:   0 | number of nan iterations:   0 |
+[Rank 0] (after 2 iterations) memory (MB) | allocated: 17210.00 | max allocated: 22700.50 | reserved: 23552.00 | \
+max reserved: 24576.00
+"""
+
+
+def test_pretrain_log_lines_give_losses_times_cuda_memory_and_bytes_moved():
+    from megatron_ssd.commands.gpu_check_pretrain import device_cap, parse_log
+    from megatron_ssd.megatron.integration import ITERATION_LINE, STEP_LINE
+
+    got = parse_log(PRETRAIN_LOG)
+    assert got["iterations"] == [
+        {"iteration": 1, "time_ms": 2193.4, "lm_loss": "4.869491E+00", "grad_norm": "1.873"},
+        {"iteration": 2, "time_ms": 1890.1, "lm_loss": "4.859228E+00", "grad_norm": "1.607"}]
+    # the same losses and grad norms as the project's own parsers read
+    assert [(str(i["iteration"]), i["lm_loss"], i["grad_norm"]) for i in got["iterations"]] == \
+        ITERATION_LINE.findall(PRETRAIN_LOG)
+    assert [(str(s["step"]), *map(str, (s["offloaded_mib"], s["reloaded_mib"], s["forwarded_mib"])))
+            for s in got["steps"]] == STEP_LINE.findall(PRETRAIN_LOG)
+    assert got["steps"][1] == {"step": 1, "offloaded_mib": 1.5, "reloaded_mib": 1.2, "forwarded_mib": 0.3}
+    assert got["memory"] == {"after_iteration": 2, "allocated_bytes": round(17210.00 * 2**20),
+                             "max_allocated_bytes": round(22700.50 * 2**20), "reserved_bytes": 23552 * 2**20,
+                             "max_reserved_bytes": 24576 * 2**20}  # the last line: the run's peak so far
+    assert got["theoretical"] == {"weight_and_optimizer_bytes": round(1.84 * 2**20),
+                                  "activation_bytes": round(0.31 * 2**20), "total_bytes": round(2.15 * 2**20)}
+    assert got["cap_flag"] is True
+    assert parse_log(PRETRAIN_LOG.replace("ssd_offload_device_memory_cap", "ssd_offload_other"))["cap_flag"] is False
+    cap, how = device_cap(got)  # persistent + 0.6 x what a step adds on top
+    assert cap == int((17210.00 + 0.6 * (22700.50 - 17210.00)) * 2**20) and how.startswith("measured: ")
+    cpu = parse_log(PRETRAIN_LOG.replace("17210.00", "0.00").replace("22700.50", "0.00"))
+    assert device_cap(cpu)[0] == int((1.84 + 0.6 * (2.15 - 1.84)) * 2**20)  # Megatron's estimate on a CPU
+    assert device_cap(parse_log(""))[0] is None
+
+
+def test_pretrain_part_finds_megatron_lm_beside_inside_or_in_the_wheel_folder(tmp_path):
+    from megatron_ssd.commands.gpu_check_pretrain import find_megatron_lm
+
+    repo, wheels = tmp_path / "repo", tmp_path / "repo" / ".whl"
+    wheels.mkdir(parents=True)
+    found, why = find_megatron_lm(str(wheels), environ={}, repo=str(repo), line="0.19")
+    assert found is None and why.startswith("no Megatron-LM of megatron-core 0.19: set MEGATRON_LM_PATH")
+    assert "copy ../shared/megatron-lm/Megatron-LM-core_v0.19.*.tar.gz into the wheel folder" in why
+    (wheels / "Megatron-LM-core_v0.19.0.tar.gz").write_bytes(b"")
+    (wheels / "Megatron-LM-core_v0.16.1.tar.gz").write_bytes(b"")  # another release line: not this one
+    assert find_megatron_lm(str(wheels), environ={}, repo=str(repo), line="0.19")[0] == \
+        str(wheels / "Megatron-LM-core_v0.19.0.tar.gz")
+    beside = tmp_path / "shared" / "megatron-lm"
+    beside.mkdir(parents=True)
+    (beside / "Megatron-LM-core_v0.19.0.tar.gz").write_bytes(b"")
+    assert find_megatron_lm(str(wheels), environ={}, repo=str(repo), line="0.19")[0] == \
+        str(beside / "Megatron-LM-core_v0.19.0.tar.gz")
+    checkout = tmp_path / "Megatron-LM"
+    checkout.mkdir()
+    env = {"MEGATRON_LM_PATH": str(checkout)}
+    assert "neither a Megatron-LM checkout" in find_megatron_lm(str(wheels), environ=env, repo=str(repo))[1]
+    (checkout / "pretrain_gpt.py").write_text("")
+    assert find_megatron_lm(str(wheels), environ=env, repo=str(repo)) == (str(checkout), "")
+
+
+def _pretrain_log(losses, offloaded=0.0, max_allocated=0.0, cap_flag=False):
+    """What ``megatron-ssd pretrain-gpt`` prints for one run: an iteration line per loss."""
+    lines = ["  ssd_offload_device_memory_cap ................... None"] if cap_flag else []
+    for i, loss in enumerate(losses, 1):
+        if offloaded:
+            lines.append(f"[megatron-ssd] rank 0 step {i - 1}: offloaded {offloaded} MiB (write 9 MiB/s), reloaded "
+                         f"{offloaded} MiB (read 9 MiB/s), forwarded 0.0 MiB, dedup 0.0 MiB")
+        lines.append(f" [t] iteration {i:8d}/{len(losses):8d} | elapsed time per iteration (ms): {100.0 + i:.1f} | "
+                     f"lm loss: {loss} | loss scale: 1.0 | grad norm: 1.5 |")
+        lines.append(f"[Rank 0] (after {i} iterations) memory (MB) | allocated: 100.00 | max allocated: "
+                     f"{max_allocated:.2f} | reserved: 200.00 | max reserved: {max_allocated + 10:.2f}")
+    return "\n".join(lines) + "\n"
+
+
+def _fake_pretrain(monkeypatch, tmp_path, logs):
+    """Each run 'prints' ``logs[name]`` and exits 0; the arguments each run got are returned."""
+    from megatron_ssd.commands import gpu_check_pretrain
+
+    checkout = tmp_path / "Megatron-LM"
+    checkout.mkdir()
+    (checkout / "pretrain_gpt.py").write_text("")
+    monkeypatch.setenv("MEGATRON_LM_PATH", str(checkout))
+    monkeypatch.setattr(gpu_check_pretrain, "_cuda_available", lambda: True)
+    ran = []
+
+    def run_pretrain(name, command, env, timeout_s, out=None):
+        ran.append((name, command))
+        return logs[name](command) if callable(logs[name]) else (0, logs[name])
+
+    monkeypatch.setattr(gpu_check_pretrain, "run_pretrain", run_pretrain)
+    return ran
+
+
+def test_pretrain_part_caps_the_offload_run_and_fails_when_its_losses_differ(tmp_path, monkeypatch):
+    from megatron_ssd.commands import gpu_check_pretrain
+
+    losses = ["5.0E+00", "4.9E+00", "4.8E+00", "4.7E+00", "4.6E+00", "4.5E+00", "4.4E+00", "4.3E+00"]
+    logs = {"plain": _pretrain_log(losses, max_allocated=1000.0, cap_flag=True),
+            "offload": _pretrain_log(losses, offloaded=64.0, max_allocated=500.0, cap_flag=True),
+            "selective": _pretrain_log(losses, max_allocated=800.0, cap_flag=True)}
+    offload_dir = tmp_path / "act"
+    offload_dir.mkdir()
+    ran = _fake_pretrain(monkeypatch, tmp_path, logs)
+    entry = gpu_check_pretrain.pretrain_part(str(tmp_path / "r.json"), "gpu", str(offload_dir), str(tmp_path), 400,
+                                             out=io.StringIO())
+    assert entry["status"] == "passed", entry["reason"]
+    assert [name for name, _ in ran] == ["plain", "offload", "selective"]
+    plain, offload, selective = (command for _, command in ran)
+    assert plain[1:5] == ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1"]
+    for flag in ("--bf16", "--transformer-impl", "--no-gradient-accumulation-fusion", "--no-masked-softmax-fusion"):
+        assert flag in plain and flag in offload and flag in selective
+    cap = int((100 + 0.6 * 900) * 2**20)  # persistent 100 MiB + 0.6 x the 900 MiB a step adds
+    assert offload[offload.index("--ssd-offload-device-memory-cap") + 1] == str(cap)
+    assert "--ssd-offload" not in plain and selective[-2:] == ["--recompute-granularity", "selective"]
+    numbers = entry["numbers"]
+    assert numbers["device_memory_cap"]["applied"] and numbers["device_memory_cap"]["enforced"]
+    rows = {r["run"]: r for r in numbers["runs"]}
+    assert rows["offload"]["losses_identical_to_plain"] is True and rows["offload"]["offloaded_bytes"] == 8 * 64 << 20
+    assert rows["offload"]["reloaded_bytes"] == 8 * 64 << 20 and rows["plain"]["offloaded_bytes"] == 0
+    assert rows["offload"]["median_iteration_ms"] == 105.0  # iterations 2-8: the first one warms up
+    assert rows["offload"]["cuda_max_allocated_bytes"] == 500 << 20 and rows["offload"]["peak_over_plain"] == 0.5
+    assert numbers["expectations"] == {"offload_peak_below_plain": True, "selective_peak_below_plain": True,
+                                       "offload_within_cap": True, "plain_peak_above_cap": True}
+    assert {f["flag"]: f["reason"] for f in numbers["gpu_flags"]}["--no-gradient-accumulation-fusion"].startswith(
+        "the fusion needs apex's fused_weight_gradient_mlp_cuda")
+    assert numbers["files_left"] == 0 and os.listdir(offload_dir) == []
+    table = gpu_check_pretrain.format_table(numbers)
+    assert "  8          4.3E+00 (108)" in table and "DIFFER" not in table
+
+    # One loss printed differently, and a megatron-ssd without the cap flag
+    logs["offload"] = _pretrain_log(losses[:5] + ["4.500001E+00"] + losses[6:], offloaded=64.0)
+    logs["plain"] = _pretrain_log(losses, max_allocated=1000.0)
+    ran.clear()
+    entry = gpu_check_pretrain.pretrain_part(str(tmp_path / "r.json"), "gpu", str(offload_dir), str(tmp_path), 400,
+                                             out=io.StringIO())
+    assert entry["status"] == "failed"
+    assert entry["reason"] == "offload: lm loss or grad norm differs from the plain run's at iteration 6"
+    assert "--ssd-offload-device-memory-cap" not in ran[1][1]
+    cap_info = entry["numbers"]["device_memory_cap"]
+    assert cap_info["applied"] is False and cap_info["reason"].startswith(
+        "not applied: this megatron-ssd has no --ssd-offload-device-memory-cap")
+
+
+def test_pretrain_part_skips_with_the_missing_module_and_stops_after_a_failed_plain_run(tmp_path, monkeypatch):
+    from megatron_ssd.commands import gpu_check_pretrain
+
+    missing = ("megatron_ssd: Megatron-LM's training scripts need the module 'pydantic', which is not installed; "
+               "pip install 'megatron-ssd[megatron-lm]' installs what they import\n")
+    ran = _fake_pretrain(monkeypatch, tmp_path, {"plain": lambda command: (2, missing)})
+    entry = gpu_check_pretrain.pretrain_part(str(tmp_path / "r.json"), "gpu", str(tmp_path), str(tmp_path), 400,
+                                             out=io.StringIO())
+    assert entry["status"] == "skipped" and [name for name, _ in ran] == ["plain"]
+    assert entry["reason"] == ("Megatron-LM's training scripts need the module 'pydantic', which is not installed: "
+                               "put its wheel in the wheel folder")
+    monkeypatch.setattr(gpu_check_pretrain, "run_pretrain", lambda *a, **k: (None, "started\n"))
+    entry = gpu_check_pretrain.pretrain_part(str(tmp_path / "r.json"), "gpu", str(tmp_path), str(tmp_path), 400,
+                                             out=io.StringIO())
+    assert entry["status"] == "failed" and entry["reason"].startswith("plain: timed out after 80 s; offload: not run")
+    monkeypatch.setattr(gpu_check_pretrain, "_cuda_available", lambda: False)
+    assert gpu_check_pretrain.pretrain_part(str(tmp_path / "r.json"), "gpu", str(tmp_path), str(tmp_path),
+                                            400)["reason"] == NO_CUDA
+
+
+@pytest.mark.slow
+@pytest.mark.megatron_lm
+def test_pretrain_part_without_a_gpu_trains_megatron_lm_the_same_with_and_without_offload(tmp_path):
+    """The part's no-GPU mode, as CI runs it: Megatron-LM's pretrain_gpt.py three times on
+    the CPU (``--cpu``), the offload run moving real bytes and printing the plain run's losses."""
+    from megatron_ssd.commands import gpu_check_pretrain
+
+    offload_dir, log = tmp_path / "act", io.StringIO()
+    offload_dir.mkdir()
+    entry = gpu_check_pretrain.pretrain_part(str(tmp_path / "r.json"), "no-gpu", str(offload_dir),
+                                             str(tmp_path), HANG_S, out=log)
+    assert entry["status"] == "passed", (entry["reason"], log.getvalue()[-3000:])
+    rows = {r["run"]: r for r in entry["numbers"]["runs"]}
+    assert list(rows) == ["plain", "offload", "selective"]
+    assert [i["iteration"] for i in rows["plain"]["iterations"]] == [1, 2, 3]
+    assert rows["offload"]["losses_identical_to_plain"] is True
+    assert rows["selective"]["losses_identical_to_plain"] is True  # core attention recomputed: the same numbers
+    assert all(i["time_ms"] > 0 for r in rows.values() for i in r["iterations"])
+    steps = rows["offload"]["steps"]
+    assert [s["step"] for s in steps] == [0, 1, 2] and rows["offload"]["offloaded_bytes"] > 0
+    for s in steps:  # every offloaded byte comes back, read or served from memory
+        assert s["offloaded_mib"] > 0 and abs(s["reloaded_mib"] + s["forwarded_mib"] - s["offloaded_mib"]) <= 0.15
+    assert rows["plain"]["offloaded_bytes"] == 0 and not rows["plain"]["steps"]
+    assert rows["plain"]["cuda_max_allocated_bytes"] == 0  # Megatron's memory line, counting no CUDA memory
+    cap = entry["numbers"]["device_memory_cap"]
+    assert cap["bytes"] > 0 and cap["sized_from"].startswith("theoretical: ") and cap["enforced"] is False
+    assert entry["numbers"]["files_left"] == 0 and os.listdir(offload_dir) == []
+    assert "[pretrain offload] [megatron-ssd] offloading activations to" in log.getvalue()
+
+
+# ------------------------------------------------------------------ the array part
+
+
+def test_the_array_part_measures_4_and_8_gen4_and_gen5_drives_with_a_gpu():
+    assert [(c.name, c.preset, c.read_bytes_per_s, c.write_bytes_per_s) for c in gpu_check_array.cases("gpu")] == [
+        ("4xgen4", "micron-7450-pro-3.84tb", 6.8e9, 5.3e9), ("8xgen4", "micron-7450-pro-3.84tb", 6.8e9, 5.3e9),
+        ("4xgen5", "14e9:10e9", 14e9, 10e9), ("8xgen5", "14e9:10e9", 14e9, 10e9)]
+    assert [c.name for c in gpu_check_array.cases("no-gpu")] == ["2xgen4"]
+
+
+def test_the_array_part_is_skipped_with_the_reason_without_root(tmp_path, monkeypatch):
+    monkeypatch.setattr(gpu_check_array.os, "geteuid", lambda: 1000)
+    entry = gpu_check_array.array_part(str(tmp_path / "r.json"), "no-gpu", 100, out=io.StringIO())
+    assert entry["status"] == "skipped"
+    assert entry["reason"] == "the array stand-in needs root (loop devices, mounts, cgroups); running as uid 1000"
+    assert entry["numbers"]["emulated"] is True and len(entry["numbers"]["not_modelled"]) == 5
+
+
+@pytest.mark.skipif(bool(_NO_STANDIN), reason=f"the array stand-in cannot run here: {_NO_STANDIN}")
+def test_the_array_part_without_a_gpu_measures_two_stand_in_drives_and_leaves_nothing(tmp_path):
+    result = tmp_path / "array.json"
+    proc = subprocess.run([sys.executable, "-m", "megatron_ssd.commands.gpu_check_array", "--result", str(result),
+                           "--mode", "no-gpu", "--budget-s", "600"], cwd=ROOT, env=_env(), capture_output=True,
+                          text=True, timeout=HANG_S)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    entry = json.loads(result.read_text())
+    assert entry["status"] == "passed", entry["reason"]
+    numbers = entry["numbers"]
+    assert numbers["emulated"] is True and any(m.startswith("GPUDirect Storage") for m in numbers["not_modelled"])
+    (case,) = numbers["cases"]
+    assert (case["name"], case["drives"], case["teardown"]) == ("2xgen4", 2, "clean")
+    assert sorted(case["limits"].values()) == [[6800000000, 5300000000]] * 2  # the preset's rates on each drive
+    (bench,) = case["bench"]
+    assert (bench["engine"], bench["device"], bench["bytes"]) == ("posix", "cpu", 64 << 20)
+    for drive in bench["bytes_per_drive"]:  # the 64 MiB striped over both drives, out and back
+        assert drive["written_bytes"] >= 16 << 20 and drive["read_bytes"] >= 16 << 20, bench["bytes_per_drive"]
+    assert bench["write_cpu_s_per_gb"] > 0 and bench["read_cpu_s_per_gb"] > 0
+    assert case["planner"] == {"status": "skipped", "reason": NO_CUDA}
+    assert gpu_check_array.leftovers({"cgroup": [case["cgroup"]]}, os.path.dirname(case["paths"][0])) == []
+    assert not os.path.exists(os.path.dirname(case["paths"][0]))
+    assert numbers["headline"].startswith("emulated array (loop devices over tmpfs, block-throttled): 2xgen4: write ")
+
+
+@pytest.mark.skipif(bool(_NO_STANDIN), reason=f"the array stand-in cannot run here: {_NO_STANDIN}")
+def test_with_a_gpu_the_planner_trains_on_the_stand_in_inside_its_cgroup(tmp_path, monkeypatch, cpu_reports):
+    """The GPU mode on the CPU: the planner's run is the CPU report of one, and sees the
+    stand-in's paths, the cap, and the cgroup its parent joined."""
+    monkeypatch.setattr(gpu_check_array, "_cuda_available", lambda: True)
+    monkeypatch.setattr(gpu_check_array, "DEVICE", "cpu")
+    monkeypatch.setattr(gpu_check_array, "cases", lambda mode: [gpu_check_array.Case(2, "gen4", "64MiB:32MiB",
+                                                                                      64 << 20, 32 << 20)])
+    monkeypatch.setattr(gpu_check_array, "BENCH_BYTES", {"gpu": 64 << 20})
+    monkeypatch.setattr(gpu_check_train, "_kvikio_importable", lambda timeout_s=60: "kvikio is not installed (test)")
+    ran = []
+
+    def run_placement(name, overrides, json_path, timeout_s, out=None):
+        with open("/proc/self/cgroup", encoding="ascii") as fh:
+            ran.append((name, overrides, [l.strip() for l in fh if ":blkio:" in l or l.startswith("0::")]))
+        return cpu_reports["planner"], ""
+
+    monkeypatch.setattr(gpu_check_train, "run_placement", run_placement)
+    entry = gpu_check_array.array_part(str(tmp_path / "r.json"), "gpu", 600, out=io.StringIO())
+    assert entry["status"] == "passed", entry["reason"]
+    (case,) = entry["numbers"]["cases"]
+    ((name, overrides, groups),) = ran
+    assert name == "planner-2xgen4" and f"offload.paths={','.join(case['paths'])}" in overrides
+    assert "offload.planner.activation_capacity_bytes=2147483648" in overrides and "offload.io.threads=4" in overrides
+    assert any(g.endswith(os.path.basename(case["cgroup"])) for g in groups)  # the run was paced with the drives
+    assert case["kvikio"] == "kvikio is not installed (test)" and [b["engine"] for b in case["bench"]] == ["posix"]
+    planner = case["planner"]
+    assert planner["status"] == "passed" and planner["predicted_over_measured_step"] > 0
+    assert planner["predicted_over_measured_peak"] > 0 and planner["bytes_written"] >= 0
+    assert set(planner["charged_bytes_per_drive"]) == set(case["limits"]) and case["teardown"] == "clean"
+    assert "planner predicted/measured step" in entry["numbers"]["headline"]
+
+
+# ------------------------------------------------------------------ the job part (caps, peers, the planner)
+
+MIB = 2**20
+TINY_CONFIG = str(ROOT / "configs" / "gpt-tiny.yaml")
+
+
+def _gpu_report(report, base_mib, above_mib, step_s):
+    """A CPU report given a GPU run's numbers: CUDA peaks (above a base) and CUDA-event steps."""
+    r = copy.deepcopy(report)
+    phase = r["phases"][-1]
+    phase.update(cuda_base_allocated_bytes=base_mib * MIB, cuda_peak_allocated_above_base_bytes=above_mib * MIB,
+                 median_device_step_s=step_s, device_step_s=[step_s * 0.99, step_s, step_s * 1.01])
+    r["peak_device_bytes"] = (base_mib + above_mib) * MIB
+    return r
+
+
+OOM = (None, 1, "Traceback (most recent call last):\ntorch.OutOfMemoryError: CUDA out of memory. Tried to "
+                "allocate 64.00 MiB")
+# label -> (report kind, MiB above the 1000 MiB base, CUDA step s), or OOM; caps: 50% 1200 MiB, 30% 1120 MiB
+# (in the order they run)
+GPU_RUNS = {"keep": ("keep", 400, 0.100), "keep @50%": OOM,
+            "recompute @30%": ("keep", 100, 0.120), "megatron-full @30%": ("keep", 100, 0.118),
+            "megatron-selective @30%": OOM,
+            "planner-host @30%": ("planner", 90, 0.110), "planner-ssd @30%": ("planner", 110, 0.130),
+            "planner-host @50%": ("planner", 180, 0.104), "planner-ssd @50%": ("planner", 190, 0.120),
+            "megatron-selective @50%": ("keep", 150, 0.105),
+            "planner-host @=megatron-selective": ("planner", 140, 0.104)}
+
+
+@pytest.fixture
+def job_gpu(monkeypatch, cpu_reports):
+    """The job part as on a GPU: each run answers with a CPU report given GPU_RUNS' numbers."""
+    from megatron_ssd.commands import gpu_check_job, rok_largest
+
+    monkeypatch.setattr(gpu_check_job, "_cuda_available", lambda: True)
+    monkeypatch.setattr(gpu_check_job, "_cap_field", lambda: True)
+    monkeypatch.setattr(gpu_check_job, "fine_grained_reason", lambda: "Transformer Engine is not installed (test)")
+    monkeypatch.setattr(gpu_check_job, "_host_pool", lambda: "8GiB")
+    if not rok_largest.cap_supported():  # the runs are fakes; the overrides must still load
+        monkeypatch.setattr(rok_largest, "CAP_FIELD", "planner.activation_capacity_bytes")
+    ran = []
+
+    def runner(label, cmd, timeout_s):
+        ran.append((label, cmd))
+        spec = GPU_RUNS[label]
+        if spec is OOM:
+            return OOM
+        kind, above, step = spec
+        return _gpu_report(cpu_reports[kind], 1000, above, step), 0, ""
+
+    return gpu_check_job, runner, ran
+
+
+def test_the_job_part_caps_each_placement_records_keeps_oom_and_matches_the_planner_to_each_peer(tmp_path, job_gpu):
+    gpu_check_job, runner, ran = job_gpu
+    entry = gpu_check_job.job_part(str(tmp_path / "r.json"), str(tmp_path), 400, config_path=TINY_CONFIG,
+                                   out=io.StringIO(), runner=runner)
+    n = entry["numbers"]
+    assert n["caps"] == {"50%": 1200 * MIB, "30%": 1120 * MIB}  # the base plus a fraction of keep's peak above it
+    assert [label for label, _ in ran] == list(GPU_RUNS)
+    cmds = dict(ran)
+    from megatron_ssd.commands.rok_largest import CAP_FIELD
+
+    assert f"offload.{CAP_FIELD}={1200 * MIB}" in cmds["keep @50%"] and "offload.planner.mode=keep" in cmds["keep"]
+    assert all("paired_steps=0" in c for c in cmds.values())  # a pair's keep step would not fit a cap
+    assert "offload.host_pool_bytes=8GiB" in cmds["planner-host @30%"]
+    assert "offload.host_pool_bytes=0" in cmds["planner-ssd @30%"]
+    assert "model.recompute_granularity=full" in cmds["megatron-full @30%"]
+    rows = {(r["placement"], r["cap"]): r for r in n["rows"]}
+    assert rows[("keep", "50%")]["status"] == "out of memory" and rows[("keep", "50%")]["fits"] is False
+    assert rows[("keep", "50%")]["reason"].startswith("OutOfMemoryError: torch.OutOfMemoryError: CUDA out of memory")
+    assert (rows[("keep", "30%")]["status"], rows[("keep", "30%")]["reason"]) == (
+        "inferred", "out of memory: it ran out under the larger 50% cap")
+    assert rows[("recompute", "50%")]["status"] == "inferred" and rows[("recompute", "50%")]["fits"] is True
+    assert rows[("megatron-selective", "30%")]["status"] == "out of memory"
+    assert rows[("megatron-selective", "50%")]["status"] == "ran" and rows[("megatron-selective", "50%")]["fits"]
+    assert rows[("megatron-offload", "30%")] == {
+        "placement": "megatron-offload", "cap": "30%", "cap_bytes": None, "status": "skipped", "fits": None,
+        "reason": "Transformer Engine is not installed (test)"}
+    # the planner at 50% held 1180 MiB, more than selective's 1150: one more run capped at that peak
+    matched = rows[("planner-host", "=megatron-selective")]
+    assert matched["matches"] == "megatron-selective" and matched["cap_bytes"] == 1150 * MIB
+    assert matched["profile"] and matched["plan"]
+    gates = {(g["gate"], g["detail"].split(":")[0]): g for g in n["gates"]}
+    for label in ("planner-host @30%", "planner-ssd @30%", "planner-host @50%", "planner-ssd @50%",
+                  "planner-host @=megatron-selective"):
+        assert gates[("within-cap", label)]["status"] == "passed"
+        assert gates[("profile-saved", label)]["status"] == "passed"
+    for peer, planner in (("recompute @30%", "planner-host @30%"), ("megatron-full @30%", "planner-host @30%"),
+                          ("megatron-selective @50%", "planner-host @=megatron-selective")):
+        gate = gates[("no-slower-than-peer", peer)]
+        assert gate["status"] == "passed" and gate["planner"] == planner and gate["timing"] == "cuda_events"
+    assert gates[("recompute-below-keep", "recompute @30%")]["status"] == "passed"
+    predictions = [g for g in n["gates"] if g["gate"] == "prediction"]
+    assert [g["detail"].split(":")[0] for g in predictions] == [
+        "keep", "recompute @30%", "planner-host @30%", "planner-ssd @30%", "planner-host @50%", "planner-ssd @50%",
+        "planner-host @=megatron-selective"]
+    # on a GPU the gates are enforced: the part fails exactly when one did not pass
+    missed = [g for g in n["gates"] if g["status"] != "passed"]
+    assert n["gates_enforced"] is True and entry["status"] == ("failed" if missed else "passed")
+    if missed:
+        assert entry["reason"].startswith(f"gate {missed[0]['gate']} {missed[0]['status']}: ")
+    table = "\n".join(n["summary_lines"])
+    assert "  keep                    50%  out of memory  OutOfMemoryError" in table
+    assert "job gates (enforced" in table and "  passed      within-cap            planner-host @30%: " in table
+    assert json.loads((tmp_path / "r.json").read_text())["reason"].startswith("interrupted after ")
+
+
+def test_without_the_cap_field_the_capped_rows_skip_and_on_a_gpu_the_part_fails(tmp_path, job_gpu, monkeypatch):
+    gpu_check_job, runner, ran = job_gpu
+    monkeypatch.setattr(gpu_check_job, "_cap_field", lambda: False)
+    entry = gpu_check_job.job_part(str(tmp_path / "r.json"), str(tmp_path), 400, config_path=TINY_CONFIG,
+                                   out=io.StringIO(), runner=runner)
+    assert [label for label, _ in ran] == ["keep"]
+    rows = entry["numbers"]["rows"]
+    assert all(r["status"] == "skipped" and "offload.device_memory_cap" in r["reason"] for r in rows[1:]
+               if r["placement"] != "megatron-offload")
+    assert entry["status"] == "failed" and "gate within-cap not checked" in entry["reason"]
+
+
+def test_job_gates_hold_predictions_to_ten_percent_and_the_planner_to_each_peers_step():
+    from megatron_ssd.commands.gpu_check_job_gates import gates
+
+    def row(name, cap, peak, step, **more):
+        return {"placement": name, "cap": cap, "cap_bytes": 1200, "status": "ran", "fits": peak <= 1200,
+                "measured_peak_bytes": peak, "measured_peak_source": "cuda_max_memory_allocated",
+                "step_time": step, "step_times": [step] * 3, "step_timing": "cuda_events", "profile": {"x": 1},
+                **more}
+
+    keep = {**row("keep", "none", 2000, 1.0), "cap_bytes": None, "peak_above_base_bytes": 1000,
+            "predicted_over_measured_step": 1.09, "predicted_over_measured_peak": 0.95}
+    rows = [keep,
+            row("recompute", "30%", 1100, 1.2, peak_above_base_bytes=1000, predicted_over_measured_step=1.2,
+                predicted_over_measured_peak=1.0),
+            row("megatron-full", "30%", 1000, 1.1),
+            row("planner-host", "30%", 1250, 1.3, profile=None, predicted_over_measured_step=1.0,
+                predicted_over_measured_peak=1.0)]
+    found = {(g["gate"], g["detail"].split(":")[0]): g for g in gates(rows, keep)}
+    assert found[("prediction", "keep")]["status"] == "passed"
+    assert found[("prediction", "recompute @30%")]["status"] == "failed"
+    assert found[("within-cap", "planner-host @30%")]["status"] == "failed"  # 1250 > 1200
+    assert found[("profile-saved", "planner-host @30%")]["status"] == "failed"
+    assert found[("recompute-below-keep", "recompute @30%")]["status"] == "failed"  # 1000, not below 1000
+    assert found[("no-slower-than-peer", "recompute @30%")]["detail"].endswith("no planner run @30% fit the cap")
+    # a planner that fits in less memory than the peer, slower beyond noise, fails; within noise, passes
+    rows[3].update(measured_peak_bytes=900, fits=True)
+    found = {(g["gate"], g["detail"].split(":")[0]): g for g in gates(rows, keep)}
+    assert found[("no-slower-than-peer", "megatron-full @30%")]["status"] == "failed"
+    assert found[("no-slower-than-peer", "megatron-full @30%")]["detail"].endswith("slower beyond noise")
+    rows[3]["step_times"] = [1.0, 1.3, 1.6]
+    rows[2]["step_times"] = [1.0, 1.1, 1.4]
+    found = {(g["gate"], g["detail"].split(":")[0]): g for g in gates(rows, keep)}
+    assert found[("no-slower-than-peer", "megatron-full @30%")]["status"] == "passed"
+    assert found[("no-slower-than-peer", "megatron-full @30%")]["detail"].endswith("within noise")
+
+
+def test_without_a_gpu_the_job_runs_the_tiny_job_and_skips_each_gpu_only_row_with_the_reason(tmp_path, monkeypatch,
+                                                                                            cpu_reports):
+    """No-GPU mode, each run answered by a CPU report: what needs CUDA is skipped, each fixed
+    placement's one run is held to both caps, and the gates are reported, not enforced."""
+    from megatron_ssd.commands import gpu_check_job
+
+    peaks = {"keep": 40 * MIB, "recompute @30%": 8 * MIB, "megatron-full @30%": 9 * MIB,
+             "megatron-selective @30%": 16 * MIB}
+    ran = []
+
+    def runner(label, cmd, timeout_s):
+        ran.append((label, cmd))
+        report = copy.deepcopy(cpu_reports["keep"])
+        report["phases"][-1]["allocator_peak_bytes"] = peaks[label]
+        return report, 0, ""
+
+    monkeypatch.setattr(gpu_check_job, "_cuda_available", lambda: False)
+    monkeypatch.setattr(gpu_check_job, "_cap_field", lambda: False)
+    entry = gpu_check_job.job_part(str(tmp_path / "r.json"), str(tmp_path), 400, out=io.StringIO(), runner=runner)
+    assert entry["status"] == "passed", entry["reason"]
+    assert [label for label, _ in ran] == list(peaks)
+    assert all("model.num_layers=4" in cmd and "device=cpu" in cmd and "allocator_timeline=true" in cmd
+               for _, cmd in ran)
+    n = entry["numbers"]
+    assert n["caps"] == {"50%": 20 * MIB, "30%": 12 * MIB} and n["gates_enforced"] is False
+    rows = {(r["placement"], r["cap"]): r for r in n["rows"]}
+    assert rows[("keep", "50%")]["status"] == "skipped" and rows[("keep", "50%")]["reason"].startswith(NO_CUDA)
+    assert rows[("megatron-offload", "30%")]["reason"].startswith(NO_CUDA)
+    assert rows[("planner-host", "30%")]["reason"].startswith("needs offload.device_memory_cap")
+    sel30, sel50 = rows[("megatron-selective", "30%")], rows[("megatron-selective", "50%")]
+    assert (sel30["status"], sel30["fits"], sel50["status"], sel50["fits"]) == ("ran", False, "inferred", True)
+    assert sel50["reason"] == "one run serves both caps on a CPU (nothing enforced)"
+    assert "(reported, not enforced without a GPU)" in n["headline"]
+
+
+def test_megatrons_own_fine_grained_offloading_is_skipped_with_the_reason_without_transformer_engine(monkeypatch):
+    from megatron_ssd.commands import gpu_check_job
+
+    monkeypatch.setattr(gpu_check_job.importlib.util, "find_spec", lambda name: None)
+    assert gpu_check_job.fine_grained_reason() == (
+        "megatron-core 0.19's fine-grained activation offloading needs Transformer Engine: its "
+        "PipelineOffloadManager enters transformer_engine.pytorch's cpu_offload context and raises 'TE CPU "
+        "offload is not available' without it; Transformer Engine is not installed")
+
+
+@pytest.mark.skipif(bool(_NO_STANDIN), reason=f"the array stand-in cannot run here: {_NO_STANDIN}")
+def test_the_array_part_stopped_at_its_timeout_tears_its_stand_in_down(tmp_path):
+    """gpu_check.sh's timeout sends SIGTERM (NOTE [Stand-in teardown]): the part ends with
+    143 and its stand-in is down, wherever the signal found it after ``up``."""
+    proc = subprocess.Popen([sys.executable, "-m", "megatron_ssd.commands.gpu_check_array", "--result",
+                             str(tmp_path / "r.json"), "--mode", "no-gpu", "--budget-s", "600"], cwd=ROOT, env=_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        directory = state = None
+        for line in proc.stdout:
+            if " up 2 micron-7450-pro-3.84tb --dir " in line:
+                directory = line.split(" --dir ")[1].split()[0]
+            if "offload.paths (on stdout):" in line:  # up has finished
+                state = (Path(directory) / "array-standin.state").read_text()
+                proc.send_signal(subprocess.signal.SIGTERM)
+                break
+        rest = proc.communicate(timeout=HANG_S)[0]
+    finally:
+        proc.kill()
+    assert proc.returncode == 143 and state is not None, rest[-3000:]
+    records = dict(line.split("\t", 1) for line in state.splitlines()[1:] if "\t" in line)
+    assert "torn down" in rest and not os.path.exists(directory)
+    assert not os.path.exists(records["backing"]) and not os.path.exists(records["cgroup"])
