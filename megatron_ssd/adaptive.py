@@ -534,9 +534,11 @@ class AdaptivePlanner:
 
     def host_budget(self) -> Optional[int]:
         """Bytes of the cache's host pool the plan may use (NOTE [Host tier]): the pool's
-        size on a CUDA device; None on a CPU, where the host tier saves nothing (the
-        compute device's memory is host memory), and without a pool."""
-        if self.cache.host is None or self.cache.device.type != "cuda":
+        size on a CUDA device (``auto`` already sized by the cache: NOTE [Auto host pool]);
+        None on a CPU, where the host tier saves nothing (the compute device's memory is
+        host memory), without a pool, and with a pool left unpinned because pinning
+        failed, whose pageable copies block the forward pass (NOTE [Pinning fails])."""
+        if self.cache.host is None or self.cache.device.type != "cuda" or not getattr(self.cache.host, "pinned", True):
             return None
         return self.cache.host.capacity_bytes
 

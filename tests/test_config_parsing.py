@@ -95,7 +95,7 @@ def test_unknown_key_in_a_yaml_section_names_its_dotted_key(tmp_path):
     ("offload.keep_last_layers=-1", "OffloadConfig.keep_last_layers = -1: must be >= 0"),
     ("offload.prefetch_layers=-1", "OffloadConfig.prefetch_layers = -1: must be >= 0"),
     ("offload.min_free_bytes=-1GiB", "OffloadConfig.min_free_bytes = -1073741824: must be >= 0"),
-    ("offload.host_pool_bytes=-1", "OffloadConfig.host_pool_bytes = -1: must be >= 0"),
+    ("offload.host_pool_bytes=-1", "OffloadConfig.host_pool_bytes = -1: must be >= 0 or auto"),
     ("offload.io.stall_warning_s=-1s", "IOConfig.stall_warning_s = -1.0: must be >= 0"),
     # >= 1
     ("offload.planner.drive_sharing=0", "PlannerConfig.drive_sharing = 0: must be >= 1"),
@@ -139,7 +139,9 @@ def test_unknown_key_in_a_yaml_section_names_its_dotted_key(tmp_path):
                                      "'/tmp/a' and '/tmp/a/' are the same directory"),
     ("offload.paths=/tmp/a,,/tmp/b", "OffloadConfig.paths = '/tmp/a,,/tmp/b': must not hold an empty entry: each entry "
                                      "names an offload directory"),
-    ("offload.planner.mode=host", "OffloadConfig.host_pool_bytes = 0: must be > 0 when planner.mode is host"),
+    ("offload.planner.mode=host", "OffloadConfig.host_pool_bytes = 'auto': must be > 0 when planner.mode is host (auto "
+                                  "is sized when the cache starts, and is 0 on a CPU device: a placement that needs "
+                                  "the pool needs its size, e.g. 8GiB)"),
 ])
 def test_every_rule_rejects_a_bad_value_with_its_message(override, message):
     with pytest.raises(ConfigError) as info:

@@ -255,6 +255,9 @@ def test_train_labels_its_steps_and_writes_tensorboard_scalars(tmp_path):
     assert "offload (auto) 2/6: profile, loss " in stdout and "offload (auto) 5/6: measured, loss " in stdout
     assert "plan set after step 4 (profile):" in stdout
     assert "WARNING: from 2 and 1 measured steps, too few" in stdout
+    # NOTE [Auto host pool]: the planner phase's pool, and why, in the summary and the JSON
+    assert "\nhost pool: 0 (auto: CPU device, the host is the same memory)\n" in stdout
+    assert (data["host_pool"]["bytes"], data["host_pool"]["setting"]) == (0, "auto")
 
     acc = event_accumulator.EventAccumulator(str(tb))
     acc.Reload()
@@ -306,8 +309,10 @@ def test_the_offload_phase_starts_from_keep_everythings_weights(tmp_path):
     out = tmp_path / "train.json"
     printed = _cli(tmp_path, "train", "--config", "configs/gpt-tiny.yaml", *TINY, "steps=5", "baseline_steps=3",
                    "offload.planner.mode=offload", "--json", str(out))
-    keep, off = json.loads(out.read_text())["phases"]
+    report = json.loads(out.read_text())
+    keep, off = report["phases"]
     assert keep["losses"] == off["losses"][:3]
+    assert report["host_pool"]["line"] == "host pool: 0 (not built: planner.mode offload places nothing on the host)"
     assert ("losses of the same steps (1-3, same weights and data): offload (offload): identical to keep-everything, "
             "bit for bit") in printed
 

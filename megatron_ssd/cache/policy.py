@@ -113,8 +113,10 @@ class PlacementPolicy:
                     "(docs/tensor-cache.md#sites-outside-the-layers); use keep, offload or host"
                 )
             if choice.placement is Placement.HOST and not self.host_available:
+                setting = self.config.host_pool_bytes
                 raise ConfigError(
-                    f"plan[{layer_id!r}] = 'host': OffloadConfig.host_pool_bytes = 0; the host placement needs a "
+                    f"plan[{layer_id!r}] = 'host': OffloadConfig.host_pool_bytes = {setting!r}"
+                    f"{', which gave no pool here' if setting == 'auto' else ''}; the host placement needs a "
                     "host pool (e.g. offload.host_pool_bytes=8GiB)"
                 )
         if default is not None:

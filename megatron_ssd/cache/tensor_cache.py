@@ -22,7 +22,7 @@ from typing import Dict, Hashable, Iterable, Iterator, List, Mapping, Optional, 
 
 import torch
 
-from ..config import OffloadConfig
+from ..config import NodeMemory, OffloadConfig, size_host_pool
 from ..placement import EMBEDDING, HEAD, OUTSIDE, LayerChoice, Placement
 from ..errors import CacheStateError, ConfigError
 from ..io.base import Engine
@@ -37,7 +37,7 @@ from .stats import StepStats
 from .scopes import Scopes
 from .policy import PlacementPolicy, PlanState
 from ..io import create_engine
-from ..io.host import HostEngine
+from ..io.host import open_host_pool
 from ..io.store import BlobStore
 from ..io.rundir import check_offload_paths, remove_empty_parents
 
@@ -98,13 +98,17 @@ class TensorCache:
         self.engine = engine
         self.ssd = BlobStore(engine, "ssd")
         """The SSD engine's blobs (``Placement.OFFLOAD``)."""
-        self.host: Optional[Engine] = None
-        """The host-memory tier's engine (``Placement.HOST``), when ``config.host_pool_bytes`` > 0."""
+        engine_bytes = sum(v for k, v in config.startup_host_bytes().items() if k != "host_pool_bytes")
+        self.host, self.host_pool = open_host_pool(  # NOTE [Auto host pool], NOTE [Pinning fails]
+            size_host_pool(config.host_pool_bytes, self.binding.device.type, NodeMemory.read(), engine_bytes),
+            config.host_copy_bytes_per_s)
+        """The host-memory tier's engine (``Placement.HOST``), when the pool is not 0; and
+        :attr:`host_pool`, its size and why (``offload.host_pool_bytes``, ``auto`` sized)."""
         self.host_store: Optional[BlobStore] = None
         """Its blobs."""
-        if config.host_pool_bytes:
-            self.host = HostEngine(config.host_pool_bytes, copy_bytes_per_s=config.host_copy_bytes_per_s)
+        if self.host is not None:
             self.host_store = BlobStore(self.host, "host")
+        logger.info("megatron_ssd: %s", self.host_pool.line())
         self.stores: Dict[Placement, BlobStore] = {Placement.OFFLOAD: self.ssd}
         """The store each moved placement's tensors go to (NOTE [Blob stores])."""
         if self.host_store is not None:

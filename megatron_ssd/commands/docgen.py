@@ -11,7 +11,7 @@ import typing
 from typing import List
 
 from ..config import (IOConfig, ModelConfig, OffloadConfig, PeerConfig, PlannerConfig, TrainConfig, field_docs,
-                     is_duration_field, is_size_field, to_dict)
+                     is_duration_field, is_size_field, takes_auto, to_dict)
 
 __all__ = ["configuration_reference"]
 
@@ -29,6 +29,8 @@ def _kind(cls: type, name: str, hint) -> str:
     """The type column: the type, and the unit of byte and second fields (declared by
     their ``Bytes`` / ``Seconds`` annotation)."""
     text = _type_name(hint)
+    if takes_auto(cls, name):
+        text = f"`auto` or {text}"
     if is_size_field(cls, name):
         return f"{text} (bytes; sizes such as `4MiB`)"
     if is_duration_field(cls, name):

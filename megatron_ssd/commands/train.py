@@ -21,6 +21,7 @@ import copy
 import dataclasses
 import gc
 import math
+import os
 import statistics
 import sys
 from dataclasses import dataclass, field
@@ -34,7 +35,8 @@ from ..cache import StepStats, TensorCache
 from ..cache.device import check_device
 from ..cache.pages import trim_heap
 from ..cache.stats import median_or_zero as med
-from ..config import OffloadConfig, PlannerConfig, TrainConfig, from_dict, host_memory_bytes, load_config, to_dict
+from ..config import (HostPoolChoice, OffloadConfig, PlannerConfig, TrainConfig, from_dict, host_memory_bytes,
+                      load_config, local_ranks, to_dict)
 from ..placement import Placement
 from ..errors import ConfigError
 from ..io.rundir import stranded_run_dirs
@@ -245,7 +247,11 @@ class TrainRecipe:
         result = PhaseResult(name, kinds=step_kinds(planner_config, steps))
         metrics = self._metrics_writer() if planner_config is cfg.offload.planner else None
         memory = PhaseMemory(self.device)
-        with TensorCache(self.offload) as cache, _closing(memory):
+        offload = self.offload if _may_use_host(planner_config, self.offload) else _with_host_pool(self.offload, 0)
+        with TensorCache(offload) as cache, _closing(memory):
+            self.host_pool = cache.host_pool if offload is self.offload else HostPoolChoice(
+                0, self.offload.host_pool_bytes, f"not built: planner.mode {planner_config.mode} places nothing on "
+                                                 "the host", local_ranks(os.environ)[0])
             planner = AdaptivePlanner(cache, planner_config)
             sink: List[StepStats] = result.steps
 
@@ -396,6 +402,7 @@ class TrainRecipe:
             "planner": self.planner_summary,
             "steps": [{"kind": k, **s.to_dict()} for s, k in zip(offload.steps, offload.kinds)],
             "paired": self.paired,
+            "host_pool": self.host_pool.to_dict(),  # the planner phase's (NOTE [Auto host pool])
             "drive_wear": [d.to_dict() for d in drives],
             "stranded_run_dirs": [dict(s._asdict(), clean_command=s.clean_command) for s in stranded],
         }
@@ -406,6 +413,7 @@ class TrainRecipe:
             self._say(format_choices(summaries, plan, cfg))
         else:
             self._say(format_summary(report["phases"]))
+        self._say(self.host_pool.line())
         if identity:
             self._say(format_loss_identity(identity))
         for phase in phases:
@@ -552,6 +560,17 @@ def check_model_fits(config: TrainConfig, device: str, memory: int) -> None:
         f"{cls}.{name} = {value!r}: must be <= {low} here: the model needs at least {gib(need)} on {device} (parameters "
         f"and their gradients {gib(params)}, one micro-batch's logits and MLP activations {gib(activations)}), and "
         f"{'this machine' if device == 'cpu' else 'the CUDA device'} has {gib(memory)}")
+
+
+def _may_use_host(planner: PlannerConfig, offload: OffloadConfig) -> bool:
+    """Whether a phase run with ``planner`` can place anything on the host tier: the
+    planner's own modes and ``host``, or a peer's rule. The other phases get no pool, so a
+    node-sized ``auto`` pool is not pinned (and unpinned) for each of them."""
+    return planner.mode in ("auto", "host") or offload.peer.rule != "none"
+
+
+def _with_host_pool(offload: OffloadConfig, nbytes: int) -> OffloadConfig:
+    return dataclasses.replace(offload, host_pool_bytes=nbytes)
 
 
 def _with_paths(offload: Any, paths: List[str]) -> Any:

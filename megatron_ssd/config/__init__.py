@@ -20,7 +20,8 @@ gains no runtime dependency (pydantic comes only with the ``megatron-lm`` extra)
 The package, one job per module: :mod:`.rules` (what a field's annotation may carry),
 :mod:`.schema` (validation, the dict / YAML round trip, the field docstrings), :mod:`.files`
 (reading a config file, bounded: NOTE [Config file bounds]), :mod:`.tree` (the
-configuration megatron-ssd reads); the placements they name are
+configuration megatron-ssd reads), :mod:`.host_pool` (``host_pool_bytes: auto`` sized
+from the node); the placements they name are
 :mod:`megatron_ssd.placement`'s. Every public name is importable from here.
 
 Example::
@@ -30,10 +31,11 @@ Example::
 
 from ..placement import EMBEDDING, HEAD, MOVED, OUTSIDE, Placement
 from ..units import MiB
+from .host_pool import HostPoolChoice, NodeMemory, local_ranks, size_host_pool
 from .rules import (AtLeast, AtMost, Boolean, ByteCount, Bytes, Duration, InRange, Integer, ListOf, MultipleOf, NonNegative,
-                    Number, OneOf, OneOfKinds, Positive, Rule, Seconds, Switch, Unit, is_int)
+                    Number, OneOf, OneOfKinds, OrAuto, Positive, Rule, Seconds, Switch, Unit, is_int)
 from .schema import (apply_overrides, field_docs, field_metadata, from_dict, is_duration_field, is_size_field, load_config, to_dict,
-                     validate)
+                     takes_auto, validate)
 from .schema import _broken, _fail, _parse_size, _settle  # noqa: F401 - private, imported from here by io, commands, planner and tests
 from .tree import (CAPACITY_RESERVE, FIXED_MODES, MICROBATCH_RECORD_BYTES, PLANNER_MODES, STEP_RECORD_BYTES, IOConfig,
                    ModelConfig, OffloadConfig, PeerConfig, PlannerConfig, TrainConfig, host_memory_bytes)
@@ -60,6 +62,12 @@ __all__ = [
     "field_metadata",
     "is_size_field",
     "is_duration_field",
+    "takes_auto",
+    "OrAuto",
+    "HostPoolChoice",
+    "NodeMemory",
+    "local_ranks",
+    "size_host_pool",
     "Unit",
     "Bytes",
     "Seconds",

@@ -14,7 +14,7 @@ import os
 from dataclasses import dataclass
 from typing import Annotated, Any, List, Optional, Sequence, Tuple
 
-__all__ = ["Unit", "Bytes", "Seconds", "ByteCount", "Duration", "Rule", "Positive", "NonNegative", "AtLeast",
+__all__ = ["Unit", "Bytes", "Seconds", "ByteCount", "Duration", "OrAuto", "Rule", "Positive", "NonNegative", "AtLeast",
            "AtMost", "MultipleOf", "InRange", "OneOf", "Switch", "Number", "Integer", "Boolean", "ListOf", "OneOfKinds",
            "Directories", "is_int", "same_directory"]
 
@@ -38,6 +38,15 @@ Seconds = Unit("seconds")
 
 ByteCount = Annotated[int, Bytes]
 Duration = Annotated[float, Seconds]
+
+
+@dataclass(frozen=True)
+class OrAuto:
+    """Field metadata: besides the values of its type, the field takes the word ``auto``
+    (any case), kept as the string ``"auto"`` and resolved where the value is used; the
+    field's rules judge every other value (``host_pool_bytes``: ``auto``, ``16GiB`` or 0)."""
+
+    word = "auto"
 
 
 class Rule(abc.ABC):

@@ -26,7 +26,7 @@ from typing import Annotated, Any, Dict, List, Mapping, Optional, Sequence, Tupl
 
 from ..errors import ConfigError, shown
 from .files import read_config_file
-from .rules import Directories, Rule, Seconds, Switch, Unit, Bytes
+from .rules import Directories, OrAuto, Rule, Seconds, Switch, Unit, Bytes
 
 __all__ = [
     "load_config",
@@ -38,6 +38,7 @@ __all__ = [
     "field_metadata",
     "is_size_field",
     "is_duration_field",
+    "takes_auto",
 ]
 
 T = TypeVar("T")
@@ -72,12 +73,14 @@ def _type_hints(cls: type) -> Dict[str, Any]:
 @dataclass(frozen=True)
 class _Spec:
     """A field's annotation taken apart: its type without ``Optional`` and ``Annotated``,
-    whether None is allowed, its unit and its rules (in the order declared)."""
+    whether None is allowed, its unit, its rules (in the order declared) and whether it
+    also takes ``auto`` (:class:`~.rules.OrAuto`)."""
 
     base: Any
     optional: bool
     unit: Optional[Unit]
     rules: Tuple[Rule, ...]
+    auto: bool = False
 
 
 def _unwrap(hint: Any) -> Tuple[Any, bool, List[Any]]:
@@ -112,7 +115,8 @@ def field_metadata(cls: type, kind: type) -> Dict[str, Any]:
 def _spec(hint: Any) -> _Spec:
     hint, optional, meta = _unwrap(hint)
     units = [m for m in meta if isinstance(m, Unit)]
-    return _Spec(hint, optional, units[0] if units else None, tuple(m for m in meta if isinstance(m, Rule)))
+    return _Spec(hint, optional, units[0] if units else None, tuple(m for m in meta if isinstance(m, Rule)),
+                 any(isinstance(m, OrAuto) for m in meta))
 
 
 @functools.lru_cache(maxsize=None)
@@ -133,6 +137,11 @@ def is_duration_field(cls: type, name: str) -> bool:
     return _specs(cls)[name].unit == Seconds
 
 
+def takes_auto(cls: type, name: str) -> bool:
+    """Whether field ``name`` of ``cls`` also takes the word ``auto`` (:class:`~.rules.OrAuto`)."""
+    return _specs(cls)[name].auto
+
+
 def _settle(obj: Any) -> None:
     """What every config's ``__post_init__`` does: normalise :class:`Switch` fields
     (``true`` -> ``on``), then :func:`validate`."""
@@ -148,8 +157,9 @@ def validate(obj: Any) -> None:
 
     First each field's own rules, read from its ``Annotated`` metadata, in field order (a
     None in an ``Optional`` field skips them; on an ``Optional`` field the rule's text
-    adds the unit and ``or null``: ``must be > 0 bytes or null``), then the class's
-    ``_check`` for rules that compare several fields."""
+    adds the unit and ``or null``: ``must be > 0 bytes or null``; ``auto`` in a field that
+    takes it skips them too, and their text adds ``or auto``), then the class's ``_check``
+    for rules that compare several fields."""
     cls_name = _owner(obj)
     specs = _specs(type(obj))
     for f in dataclasses.fields(obj):
@@ -159,11 +169,15 @@ def validate(obj: Any) -> None:
             raise _fail(cls_name, f.name, value, "must be a finite number")
         if value is None and spec.optional:
             continue
+        if spec.auto and value == OrAuto.word:
+            continue
         for rule in spec.rules:
             text = rule.check(value)
             if text is not None:
                 if spec.optional:
                     text = f"{text} {spec.unit.word} or null" if spec.unit else f"{text} or null"
+                if spec.auto:
+                    text = f"{text} or {OrAuto.word}"
                 raise _fail(cls_name, f.name, value, text)
     check = getattr(obj, "_check", None)
     if check is not None:
@@ -192,6 +206,8 @@ def _coerce(cls_name: str, name: str, hint: Any, value: Any) -> Any:
     spec = _spec(hint)
     if spec.optional and (value is None or (isinstance(value, str) and value.lower() in ("none", "null"))):
         return None
+    if spec.auto and isinstance(value, str) and value.strip().lower() == OrAuto.word:
+        return OrAuto.word
     hint = spec.base
     origin, args = typing.get_origin(hint), typing.get_args(hint)
     if dataclasses.is_dataclass(hint):
@@ -236,7 +252,7 @@ def _coerce(cls_name: str, name: str, hint: Any, value: Any) -> Any:
             return int(value)
         if isinstance(value, str):
             if spec.unit == Bytes:
-                return _parse_size(cls_name, name, value)
+                return _parse_size(cls_name, name, value, spec.auto)
             return _parse_count(cls_name, name, value)
         raise _fail(cls_name, name, value, "must be an integer")
     if hint is float:
@@ -294,8 +310,9 @@ def _parse_duration(cls_name: str, name: str, text: str) -> float:
     return seconds
 
 
-def _parse_size(cls_name: str, name: str, text: str) -> int:
-    """Parse ``123``, ``4MiB``, ``4M``, ``1.5GiB`` or ``1e6`` into an int."""
+def _parse_size(cls_name: str, name: str, text: str, auto: bool = False) -> int:
+    """Parse ``123``, ``4MiB``, ``4M``, ``1.5GiB`` or ``1e6`` into an int (``auto``: the
+    field also takes ``auto``, and the error says so)."""
     s = text.strip().lower().replace("_", "")
     for tail in ("ib", "b"):
         if s.endswith(tail) and len(s) > len(tail) and s[-len(tail) - 1] in _SUFFIXES:
@@ -307,7 +324,8 @@ def _parse_size(cls_name: str, name: str, text: str) -> int:
     try:
         number = float(s)
     except ValueError:
-        raise _fail(cls_name, name, text, "must be an integer or a size such as 4MiB")
+        raise _fail(cls_name, name, text, "must be auto, an integer or a size such as 4MiB" if auto
+                    else "must be an integer or a size such as 4MiB")
     value = number * mult
     if not math.isfinite(value):
         raise _fail(cls_name, name, text, "must be a finite integer")

@@ -17,8 +17,9 @@ from typing import Annotated, Any, Dict, List, Mapping, Optional
 from ..errors import ConfigError
 from ..placement import Placement
 from ..units import KiB, MiB, gib
-from .rules import (AtLeast, AtMost, ByteCount, Directories, Duration, InRange, MultipleOf, NonNegative, OneOf, Positive,
-                    Switch, same_directory)
+from .host_pool import local_ranks
+from .rules import (AtLeast, AtMost, ByteCount, Directories, Duration, InRange, MultipleOf, NonNegative, OneOf, OrAuto,
+                    Positive, Switch, same_directory)
 from .schema import _broken, _settle
 
 __all__ = [
@@ -350,10 +351,16 @@ class OffloadConfig:
     its last process even when SLURM kills the batch shell first. 0: only the run
     directory."""
 
-    host_pool_bytes: Annotated[ByteCount, NonNegative()] = 0
+    host_pool_bytes: Annotated[ByteCount, NonNegative(), OrAuto()] = "auto"
     """Host memory the ``host`` placement may hold at once, per process (pinned on a
     GPU); 0: no host tier. A tensor that would overflow it stays where it is (kept).
-    Sizes such as ``16GiB`` are accepted; host RAM is shared by the node's GPUs."""
+    ``auto``: on a CUDA device, half of the node's MemAvailable less 8 GiB and the I/O
+    engines' buffers, divided among the node's local ranks (``LOCAL_WORLD_SIZE``, else
+    SLURM's tasks per node), within RLIMIT_MEMLOCK where one is set, and none under
+    256 MiB; on a CPU 0, since the host is the same memory (NOTE [Auto host pool] in
+    ``config/host_pool.py``). Sizes such as ``16GiB`` are taken as given; host RAM is
+    shared by the node's GPUs. If pinning fails, a size falls back to an unpinned pool
+    and ``auto`` to no host tier, with one warning (docs/troubleshooting.md)."""
 
     host_copy_bytes_per_s: Optional[Annotated[ByteCount, Positive()]] = None
     """The host tier's copy rate, each way, in bytes per second: each copy completes no
@@ -375,21 +382,31 @@ class OffloadConfig:
         if twice is not None:
             a, b = (self.paths[i] for i in twice)
             raise _broken(self, "paths", f"must not name a directory twice: {a!r} and {b!r} are the same directory")
-        if self.planner.mode == "host" and self.host_pool_bytes == 0:
-            raise _broken(self, "host_pool_bytes", "must be > 0 when planner.mode is host")
+        if self.planner.mode == "host" and not self.has_host_pool_size():
+            raise _broken(self, "host_pool_bytes", "must be > 0 when planner.mode is host" + _AUTO_IS_NO_SIZE[
+                self.host_pool_bytes == "auto"])
         if self.peer.rule != "none" and self.planner.mode != "keep":
             raise _broken(self.planner, "mode", f"must be keep with peer.rule {self.peer.rule}: the rule decides what "
                                                 "moves, every other tensor is kept")
-        if self.peer.rule != "none" and self.host_pool_bytes == 0:
+        if self.peer.rule != "none" and not self.has_host_pool_size():
             raise _broken(self, "host_pool_bytes", f"must be > 0 with peer.rule {self.peer.rule}: the rule moves "
-                                                   "tensors to the host tier")
+                                                   "tensors to the host tier" + _AUTO_IS_NO_SIZE[
+                                                       self.host_pool_bytes == "auto"])
         self._check_host_memory()
 
+    def has_host_pool_size(self) -> bool:
+        """Whether ``host_pool_bytes`` is a size > 0 (not 0, not ``auto``, which is sized
+        when the cache starts and may be 0 there)."""
+        return self.host_pool_bytes != "auto" and self.host_pool_bytes > 0
+
     def startup_host_bytes(self) -> Dict[str, int]:
-        """Host memory the I/O engine and the host tier allocate when a cache starts, by
-        the field that sizes it (NOTE [Bounds from the machine])."""
+        """Host memory the I/O engine and the host tier allocate when a cache starts, per
+        process, by the field that sizes it (NOTE [Bounds from the machine]); an ``auto``
+        pool counts 0 here, since it is sized within what the node has left (NOTE [Auto
+        host pool])."""
         io = self.io
-        parts = {"io.block_bytes": 2 * io.threads * io.block_bytes, "host_pool_bytes": self.host_pool_bytes}
+        pool = 0 if self.host_pool_bytes == "auto" else self.host_pool_bytes
+        parts = {"io.block_bytes": 2 * io.threads * io.block_bytes, "host_pool_bytes": pool}
         if self.device != "cpu":  # the staging ring, wherever CUDA tensors may come
             parts["io.staging_ring_bytes"] = min(io.staging_ring_bytes, io.max_inflight_bytes) // io.block_bytes \
                 * io.block_bytes
@@ -399,21 +416,24 @@ class OffloadConfig:
         memory = host_memory_bytes()
         parts = self.startup_host_bytes()
         total = sum(parts.values())
-        if not memory or 2 * total <= memory:
+        ranks, source = local_ranks(os.environ)  # every local rank starts an engine of its own
+        if not memory or 2 * total * ranks <= memory:
             return
         key = max(parts, key=lambda k: parts[k])
         owner = self.io if key.startswith("io.") else self
         name = key.split(".")[-1]
-        room = max(memory // 2 - (total - parts[key]), 0)
+        room = max(memory // 2 // ranks - (total - parts[key]), 0)
         limit, what = {
             "io.block_bytes": (room // (2 * self.io.threads) // 4096 * 4096,
                                f"its {2 * self.io.threads} block buffers (2 x io.threads x block_bytes)"),
             "host_pool_bytes": (room, "the host tier's pool"),
             "io.staging_ring_bytes": (room, "the pinned staging ring"),
         }[key]
+        each = "" if ranks == 1 else f" in each of the node's {ranks} local ranks ({source})"
+        that = "that" if ranks == 1 else f"{ranks} times that"
         raise _broken(owner, name, f"must be <= {limit}: the I/O engine allocates {gib(total)} of host memory when "
-                                   f"it starts, {gib(parts[key])} of it for {what}, and that must fit in half of "
-                                   f"this machine's {gib(memory)}")
+                                   f"it starts{each}, {gib(parts[key])} of it for {what}, and {that} must fit in half "
+                                   f"of this machine's {gib(memory)}")
 
 
 @dataclass
@@ -523,8 +543,9 @@ class TrainConfig:
         if (self.compare or self.budget_of_keep is not None) and not self.baseline_steps:
             raise _broken(self, "baseline_steps", "must be > 0 with compare or budget_of_keep: both measure "
                                                   "against keep-everything")
-        if "host" in self.compare and not self.offload.host_pool_bytes:
-            raise _broken(self.offload, "host_pool_bytes", "must be > 0 when compare names host")
+        if "host" in self.compare and not self.offload.has_host_pool_size():
+            raise _broken(self.offload, "host_pool_bytes", "must be > 0 when compare names host" + _AUTO_IS_NO_SIZE[
+                self.offload.host_pool_bytes == "auto"])
         if self.budget_of_keep is not None and self.offload.planner.mode != "auto":
             raise _broken(self, "budget_of_keep", "must be null unless offload.planner.mode is auto (a budget is "
                                                   "the planner's)")
@@ -580,6 +601,10 @@ class TrainConfig:
                                                     f"this machine's {gib(2 * budget)}")
 
 
+_AUTO_IS_NO_SIZE = {False: "", True: " (auto is sized when the cache starts, and is 0 on a CPU device: a placement "
+                                    "that needs the pool needs its size, e.g. 8GiB)"}
+
+
 # NOTE [Bounds from the machine]: a count or size with no natural limit is bounded by what
 # the machine can hold, so a value such as ``steps=1e30`` or ``io.block_bytes=1TiB`` is one
 # line naming the field before anything runs instead of an OverflowError, a failed 1 TiB
@@ -589,7 +614,11 @@ class TrainConfig:
 # (STEP_RECORD_BYTES, measured at 13 KiB a step for a 2-layer model, more per layer),
 # Megatron's schedule each micro-batch's loss until its step ends
 # (MICROBATCH_RECORD_BYTES), and the I/O engine allocates its block buffers, its staging
-# ring and the host tier's pool when it starts (``OffloadConfig.startup_host_bytes``).
+# ring and the host tier's pool when it starts (``OffloadConfig.startup_host_bytes``), in
+# each of the node's local ranks (``local_ranks``: LOCAL_WORLD_SIZE, else SLURM's tasks per
+# node), all of them against the one node's memory: eight ranks that each fit alone can
+# together not. An ``auto`` pool counts 0 there: it is sized within half of what the node
+# has available, less the engines (NOTE [Auto host pool] in ``host_pool.py``).
 # Whether the model itself fits its device is checked by the train job before it builds
 # the model (``check_model_fits`` in ``commands/train.py``).
 

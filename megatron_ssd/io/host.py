@@ -48,6 +48,7 @@ ratio for comparisons.
 from __future__ import annotations
 
 import itertools
+import logging
 import mmap
 import threading
 import time
@@ -56,6 +57,7 @@ from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
 
+from ..config.host_pool import HostPoolChoice, size_text
 from ..errors import CacheStateError, ConfigError
 from .base import Engine, EngineStats, Extent, IOFuture, SwapHandle
 from .buffers import copy_bytes
@@ -66,7 +68,9 @@ from .pinned import HostSlab
 from .blocks import check_blob, check_read_target
 from .throttle import RateLimiter
 
-__all__ = ["HostEngine", "HOST_PATH_INDEX", "SLAB_GRANULARITY", "host_blob"]
+__all__ = ["HostEngine", "HOST_PATH_INDEX", "SLAB_GRANULARITY", "host_blob", "open_host_pool"]
+
+logger = logging.getLogger("megatron_ssd")
 
 HOST_PATH_INDEX = -1
 """``Extent.path_index`` of a host blob: it lives on no offload path."""
@@ -320,3 +324,53 @@ def host_blob(nbytes: int) -> torch.Tensor:
     mapping = mmap.mmap(-1, capacity, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS,
                         prot=mmap.PROT_READ | mmap.PROT_WRITE)
     return torch.frombuffer(mapping, dtype=torch.uint8)[:nbytes]
+
+
+# NOTE [Pinning fails]: the pool is pinned once, when the engine is built (``HostSlab``:
+# an anonymous mapping, then ``cudaHostRegister``). Either can fail on a machine that
+# looked big enough: a memlock limit the driver honours, a container's cap on pinned
+# memory (Docker on WSL2 stops near 0.5-1 GiB), an mmap refused under strict overcommit,
+# or fragmentation. A host tier is an optimisation, so a failure never ends the job: one
+# warning line names the pool, the error's first line and what happens instead. A size
+# the user gave becomes an unpinned pool of that size (each blob an mmap of its own; its
+# copies are pageable, so they block the forward thread while they run, and the planner
+# gives the tier no budget: ``AdaptivePlanner.host_budget``), since the user asked for
+# that tier; an ``auto`` pool becomes no host tier, since ``auto`` asks for the tier only
+# where it pays, which pageable copies do not. The choice records the error, so the train
+# summary and its JSON say what happened.
+
+_PIN_ERRORS = (RuntimeError, OSError, MemoryError, ValueError)
+"""What building a pinned pool raises when it fails: ``torch.cuda.CudaError`` (a
+RuntimeError) from ``cudaHostRegister``, OSError / MemoryError from the mapping."""
+
+
+def open_host_pool(choice: HostPoolChoice, copy_bytes_per_s: Optional[float] = None,
+                   cuda: Optional[CudaOps] = None) -> Tuple[Optional[HostEngine], HostPoolChoice]:
+    """Build the host tier ``choice`` sized (:func:`~megatron_ssd.config.host_pool.size_host_pool`),
+    falling back when pinning fails (NOTE [Pinning fails]).
+
+    Args:
+        choice: The pool's size and why (0: no host tier).
+        copy_bytes_per_s: Passed to :class:`HostEngine`.
+        cuda: The CUDA calls (tests pass a fake whose ``host_register`` fails).
+
+    Returns:
+        The engine (None: no host tier) and the choice as built: its bytes, whether it is
+        pinned, and the pinning error if there was one.
+    """
+    if not choice.bytes:
+        return None, choice
+    try:
+        engine = HostEngine(choice.bytes, cuda=cuda, copy_bytes_per_s=copy_bytes_per_s)
+    except _PIN_ERRORS as err:
+        first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        size = size_text(choice.bytes)
+        if choice.setting == "auto":
+            logger.warning("megatron_ssd: the host pool (%s, offload.host_pool_bytes auto) could not be pinned: %s; "
+                           "training goes on without a host tier (docs/troubleshooting.md)", size, first)
+            return None, choice.built(0, False, first, f"{choice.reason}; pinning {size} failed, no host tier")
+        logger.warning("megatron_ssd: the host pool (%s, offload.host_pool_bytes) could not be pinned: %s; it is "
+                       "unpinned instead, its copies block the forward pass (docs/troubleshooting.md)", size, first)
+        engine = HostEngine(choice.bytes, pin=False, cuda=cuda, copy_bytes_per_s=copy_bytes_per_s)
+        return engine, choice.built(choice.bytes, False, first, f"{choice.reason}; pinning failed")
+    return engine, choice.built(choice.bytes, engine.pinned)

@@ -71,8 +71,10 @@ SSD_FLAGS: Tuple[_Flag, ...] = (
     ),
     _Flag(
         "--ssd-offload-host-pool", "host_pool_bytes", "SIZE", None, str,
-        "Pinned host memory per process that the host placement may hold at once, e.g. "
-        "16GiB; host RAM is shared by the node's GPUs. [host_pool_bytes]",
+        "Pinned host memory per process that the host placement may hold at once: auto "
+        "(the default: on a GPU half of the node's available memory less 8 GiB, divided "
+        "among its local ranks; 0 on a CPU), a size such as 16GiB, or 0 (no host tier). "
+        "[host_pool_bytes]",
     ),
     _Flag(
         "--ssd-offload-memory-budget", "planner.memory_budget", "SIZE", None, str,

@@ -122,13 +122,28 @@ def test_a_full_host_pool_keeps_tensors_and_stays_bit_identical(offload_dir):
 
 
 def test_host_placement_without_a_pool_is_one_clear_error(offload_dir):
-    cfg = OffloadConfig(paths=[offload_dir], min_free_bytes=0)
+    cfg = OffloadConfig(paths=[offload_dir], min_free_bytes=0, host_pool_bytes=0)
     with TensorCache(cfg) as cache:
         cache.register_layers([torch.nn.Identity()])
         with pytest.raises(ConfigError, match=r"plan\[0\] = 'host': OffloadConfig.host_pool_bytes = 0"):
             cache.set_plan({0: Placement.HOST})
     with pytest.raises(ConfigError, match=r"host_pool_bytes = 0: must be > 0 when planner.mode is host"):
-        OffloadConfig(paths=[offload_dir], planner=PlannerConfig(mode="host"))
+        OffloadConfig(paths=[offload_dir], host_pool_bytes=0, planner=PlannerConfig(mode="host"))
+
+
+def test_the_default_pool_is_auto_and_on_a_cpu_device_is_none(offload_dir):
+    """NOTE [Auto host pool]: on a CPU the host is the same memory, so ``auto`` builds no
+    pool, the cache says why, and a plan naming host is one line naming the setting."""
+    with TensorCache(OffloadConfig(paths=[offload_dir], min_free_bytes=0, device="cpu")) as cache:
+        assert cache.host is None and cache.host_pool.bytes == 0
+        assert cache.host_pool.line() == "host pool: 0 (auto: CPU device, the host is the same memory)"
+        cache.register_layers([torch.nn.Identity()])
+        with pytest.raises(ConfigError, match=r"plan\[0\] = 'host': OffloadConfig.host_pool_bytes = 'auto', which "
+                                              r"gave no pool here; the host placement needs a host pool"):
+            cache.set_plan({0: Placement.HOST})
+    with TensorCache(OffloadConfig(paths=[offload_dir], min_free_bytes=0, host_pool_bytes=1 << 20)) as cache:
+        assert cache.host.capacity_bytes == 1 << 20 and cache.host_pool.bytes == 1 << 20
+        assert cache.host_pool.line() == "host pool: 1 MiB unpinned (set: offload.host_pool_bytes)"
 
 
 @pytest.mark.gpu

@@ -147,6 +147,10 @@ def test_a_peer_rule_needs_keep_and_a_host_pool():
     with pytest.raises(ConfigError, match=r"PlannerConfig.mode = 'auto': must be keep with peer.rule te-cpu-offload"):
         OffloadConfig(paths=["/tmp"], host_pool_bytes=1 << 20, peer=PeerConfig(rule="te-cpu-offload"))
     with pytest.raises(ConfigError, match=r"OffloadConfig.host_pool_bytes = 0: must be > 0 with peer.rule"):
+        OffloadConfig(paths=["/tmp"], host_pool_bytes=0, planner=PlannerConfig(mode="keep"),
+                      peer=PeerConfig(rule="megatron-fine-grained"))
+    with pytest.raises(ConfigError, match=r"OffloadConfig.host_pool_bytes = 'auto': must be > 0 with peer.rule .*: "
+                                          r"the rule moves tensors to the host tier \(auto is sized when"):
         OffloadConfig(paths=["/tmp"], planner=PlannerConfig(mode="keep"), peer=PeerConfig(rule="megatron-fine-grained"))
     with pytest.raises(ConfigError, match=r"PeerConfig.offload_modules = \['attn_proj'\]: must name core_attn"):
         PeerConfig(offload_modules=["attn_proj"])

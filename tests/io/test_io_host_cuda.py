@@ -1,14 +1,19 @@
 """The host tier's CUDA path on a CPU, through the fake CUDA calls (``fake_cuda.py``): one
 pinned slab of the pool's size, pinned at construction and carved per blob; its own write
 and high-priority read streams; blocking events waited for under the tensor's device;
-copies ordered after the producer; fresh read buffers that do not wait."""
+copies ordered after the producer; fresh read buffers that do not wait; a pool that cannot be
+pinned falls back instead of failing (NOTE [Pinning fails])."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import torch
 
+from megatron_ssd.adaptive import AdaptivePlanner
+from megatron_ssd.config import HostPoolChoice
 from megatron_ssd.io.cuda import H2D_PRIORITY
-from megatron_ssd.io.host import SLAB_GRANULARITY, HostEngine
+from megatron_ssd.io.host import SLAB_GRANULARITY, HostEngine, open_host_pool
 
 from fake_cuda import FakeCuda
 
@@ -81,3 +86,58 @@ def test_a_blob_the_fragmented_slab_cannot_place_is_refused():
         host.free(b)
         h = host.write(cuda.to_device(_bytes(8192), 0), block=False).get()
         host.free(h)
+
+
+def _planner_of(host: HostEngine) -> SimpleNamespace:
+    """What ``AdaptivePlanner.host_budget`` reads: a CUDA cache holding ``host``."""
+    return SimpleNamespace(cache=SimpleNamespace(host=host, device=torch.device("cuda")))
+
+
+class _PinRefused(FakeCuda):
+    """A device whose ``cudaHostRegister`` fails, as under a memlock limit the driver
+    honours or a container's cap on pinned memory (NOTE [Pinning fails])."""
+
+    def host_register(self, t: torch.Tensor) -> None:
+        raise RuntimeError("CUDA error: out of memory\nCUDA kernel errors might be asynchronously reported")
+
+
+def test_a_pool_that_cannot_be_pinned_falls_back_in_one_warning_line(caplog):
+    """NOTE [Pinning fails]: a size given becomes an unpinned pool of that size, which
+    still round-trips; ``auto`` becomes no host tier. Each says so in one line."""
+    cuda = _PinRefused()
+    given = HostPoolChoice(1 << 20, 1 << 20, "set: offload.host_pool_bytes")
+    with caplog.at_level("WARNING", logger="megatron_ssd"):
+        host, built = open_host_pool(given, cuda=cuda)
+    try:
+        assert host is not None and not host.pinned and host.capacity_bytes == 1 << 20 and cuda.registered == {}
+        assert (built.bytes, built.pinned, built.pin_error) == (1 << 20, False, "CUDA error: out of memory")
+        assert built.line() == "host pool: 1 MiB unpinned (set: offload.host_pool_bytes; pinning failed)"
+        h = host.write(cuda.to_device(_bytes(70_001), 0), block=False).get()
+        assert torch.equal(host.read(h, host.alloc(70_001, "cuda:0")).get(), _bytes(70_001))
+        # the planner gives an unpinned pool no budget: its copies would block the forward pass
+        assert AdaptivePlanner.host_budget(_planner_of(host)) is None
+    finally:
+        host.close()
+    auto = HostPoolChoice(1 << 30, "auto", "auto: half of 40.0 GiB available less 8.0 GiB reserve, over 1 local rank")
+    with caplog.at_level("WARNING", logger="megatron_ssd"):
+        none, built = open_host_pool(auto, cuda=cuda)
+    assert none is None and built.bytes == 0 and built.pin_error == "CUDA error: out of memory"
+    assert built.line() == ("host pool: 0 (auto: half of 40.0 GiB available less 8.0 GiB reserve, over 1 local rank; "
+                            "pinning 1.0 GiB failed, no host tier)")
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert warnings == [
+        "megatron_ssd: the host pool (1 MiB, offload.host_pool_bytes) could not be pinned: CUDA error: out of memory; "
+        "it is unpinned instead, its copies block the forward pass (docs/troubleshooting.md)",
+        "megatron_ssd: the host pool (1.0 GiB, offload.host_pool_bytes auto) could not be pinned: CUDA error: out of "
+        "memory; training goes on without a host tier (docs/troubleshooting.md)"]
+    assert all("\n" not in w for w in warnings)
+
+
+def test_a_pool_that_pins_reports_it():
+    cuda = FakeCuda()
+    host, built = open_host_pool(HostPoolChoice(2 << 20, "auto", "auto: ..."), cuda=cuda)
+    with host:
+        assert host.pinned and cuda.registered_sizes == [2 << 20]
+        assert AdaptivePlanner.host_budget(_planner_of(host)) == 2 << 20
+        assert (built.bytes, built.pinned, built.pin_error) == (2 << 20, True, None)
+    assert open_host_pool(HostPoolChoice(0, "auto", "auto: CPU device, the host is the same memory"), cuda=cuda)[0] is None
