@@ -3,7 +3,8 @@
 The domain vocabulary every part of megatron-ssd speaks: the planner's plans, the tensor
 cache's policy, the configuration and the reports name placements with
 :class:`Placement`, one layer's share of a plan with :class:`LayerChoice`, and the
-tensors saved outside the layers with :data:`EMBEDDING` and :data:`HEAD`.
+tensors saved outside the layers with :data:`EMBEDDING` and :data:`HEAD`, and the modules
+of a layer that may be recomputed inside it with :data:`RECOMPUTE_MODULES`.
 :func:`default_placement` is the rule for the layers a plan does not name, the one the
 cache applies and the planner models.
 """
@@ -16,7 +17,8 @@ from typing import Hashable, Mapping, Optional, Sequence, Tuple, Union
 
 from .errors import ConfigError
 
-__all__ = ["Placement", "MOVED", "EMBEDDING", "HEAD", "OUTSIDE", "LayerChoice", "default_placement", "placement_named"]
+__all__ = ["Placement", "MOVED", "EMBEDDING", "HEAD", "OUTSIDE", "RECOMPUTE_MODULES", "LayerChoice",
+           "default_placement", "placement_named"]
 
 
 class Placement(str, enum.Enum):
@@ -50,6 +52,12 @@ OUTSIDE = (EMBEDDING, HEAD)
 plan names them."""
 
 
+RECOMPUTE_MODULES = ("core_attn", "mlp")
+"""The modules of a layer a plan may recompute inside it (``LayerChoice.recompute``), by
+megatron-core's ``recompute_modules`` names: ``core_attn``, the core attention (the
+attention scores, softmax and dropout between the QKV and output projections); ``mlp``,
+the whole MLP. NOTE [Recompute inside a layer] in ``planner/module_recompute.py``."""
+
 IssuePoint = Union[int, Tuple[int, ...]]
 """A read-issue point (NOTE [Write and read issue points] in ``planner/step_timeline.py``):
 layers ahead, or one per site in save order."""
@@ -70,12 +78,19 @@ class LayerChoice:
     """OFFLOAD or HOST only: the read is issued when the backward of the layer this many
     layers later starts (>= 1), or one such point per site in save order (>= 0; 0: when
     the layer's own backward starts). None: ``offload.prefetch_layers``."""
+    recompute: Tuple[str, ...] = ()
+    """KEEP, OFFLOAD or HOST: the modules of the layer recomputed inside it, of
+    :data:`RECOMPUTE_MODULES` (megatron-core's selective recompute, switched on for this
+    layer alone). Their saved tensors are not saved, so the layer has fewer sites, and
+    ``sites`` counts among those left. Empty: none."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.placement, Placement):  # a placement's name
             object.__setattr__(self, "placement", placement_named("LayerChoice.placement", self.placement))
         if isinstance(self.read_ahead, list):  # from JSON: one hashable, comparable form
             object.__setattr__(self, "read_ahead", tuple(self.read_ahead))
+        if isinstance(self.recompute, list):
+            object.__setattr__(self, "recompute", tuple(self.recompute))
 
     @classmethod
     def of(cls, layer_id: Hashable, value: Union["LayerChoice", Placement, str]) -> "LayerChoice":
@@ -84,7 +99,9 @@ class LayerChoice:
 
         Raises:
             ConfigError: an unknown placement, a read-ahead below 1 (below 0 in a
-                per-site list) or a negative site count, naming the layer and the value.
+                per-site list), a negative site count, or a recompute list that is not
+                distinct names of :data:`RECOMPUTE_MODULES` on a KEEP, OFFLOAD or HOST
+                transformer layer, naming the layer and the value.
         """
         choice = value if isinstance(value, LayerChoice) else cls(placement_named(f"plan[{layer_id!r}]", value))
         sites, depth = choice.sites, choice.read_ahead  # a list of read-aheads is a tuple by now (__post_init__)
@@ -94,21 +111,29 @@ class LayerChoice:
                 or (isinstance(depth, tuple) and depth and all(_is_int(d, 0) for d in depth))):
             raise ConfigError(f"read_ahead[{layer_id!r}] = {depth!r}: must be an integer >= 1 or a non-empty list "
                               "of integers >= 0, one per site")
+        _check_recompute(layer_id, choice)
         return choice
 
     @classmethod
     def from_dict(cls, layer_id: Hashable, data: object) -> "LayerChoice":
         """A checked choice from its JSON form (``{"placement": ..., "sites": ...,
-        "read_ahead": ...}``, all three keys).
+        "read_ahead": ..., "recompute": [...]}``: the first three keys always,
+        ``recompute`` where the layer recomputes modules inside it; missing, as in every
+        choice written before it existed, it is empty).
 
         Raises:
             ConfigError: not a mapping of those keys, or a value :meth:`of` refuses.
         """
         keys = ["placement", "sites", "read_ahead"]
-        if not isinstance(data, Mapping) or sorted(data) != sorted(keys):
-            raise ConfigError(f"plan[{layer_id!r}].choice = {data!r}: must be a mapping of exactly {keys}")
+        if not isinstance(data, Mapping) or sorted(k for k in data if k != "recompute") != sorted(keys):
+            raise ConfigError(f"plan[{layer_id!r}].choice = {data!r}: must be a mapping of exactly {keys}, and "
+                              "'recompute' where the layer recomputes modules inside it")
         placement = placement_named(f"plan[{layer_id!r}].choice.placement", data["placement"])
-        return cls.of(layer_id, cls(placement, data["sites"], data["read_ahead"]))
+        recompute = data.get("recompute", ())
+        if not isinstance(recompute, (list, tuple)):
+            raise ConfigError(f"plan[{layer_id!r}].choice.recompute = {recompute!r}: must be a list of module names "
+                              f"of {list(RECOMPUTE_MODULES)}")
+        return cls.of(layer_id, cls(placement, data["sites"], data["read_ahead"], tuple(recompute)))
 
     @property
     def moved(self) -> bool:
@@ -139,6 +164,29 @@ def default_placement(layer_id: Hashable, layers: Sequence[Hashable], keep_last:
     if keep_last and layer_id in layers[max(len(layers) - keep_last, 0):]:
         return Placement.KEEP
     return others
+
+
+def _check_recompute(layer_id: Hashable, choice: LayerChoice) -> None:
+    """The rules of ``choice.recompute`` (:meth:`LayerChoice.of`)."""
+    names = choice.recompute
+    if isinstance(names, tuple) and not names:
+        return
+    what = f"plan[{layer_id!r}].recompute = {list(names) if isinstance(names, tuple) else names!r}"
+    if not isinstance(names, tuple):
+        raise ConfigError(f"{what}: must be a list of module names of {list(RECOMPUTE_MODULES)}")
+    unknown = [n for n in names if n not in RECOMPUTE_MODULES]
+    if unknown:
+        why = (" (megatron-core's layernorm recompute frees the norm's output itself after the next op saved it, "
+               "NOTE [Output discarding])" if unknown[0] == "layernorm" else "")
+        raise ConfigError(f"{what}: {unknown[0]!r} is not a module a plan can recompute inside a layer{why}; must be "
+                          f"names of {list(RECOMPUTE_MODULES)}")
+    if len(set(names)) != len(names):
+        raise ConfigError(f"{what}: must name each module once")
+    if choice.placement is Placement.RECOMPUTE:
+        raise ConfigError(f"{what}: the placement 'recompute' recomputes the whole layer already; recompute inside a "
+                          "layer goes with keep, offload or host")
+    if layer_id in OUTSIDE:
+        raise ConfigError(f"{what}: the tensors saved outside the layers have no modules to recompute")
 
 
 def _is_int(value: object, minimum: int) -> bool:

@@ -18,7 +18,8 @@ from .plan import (
     PlanInfeasibleError,
     make_plan,
 )
-from .profile import IOProfile, LayerProfile, StageProfile, uniform_stage
+from .module_recompute import recomputed_layer, with_recompute
+from .profile import IOProfile, LayerProfile, ModuleProfile, StageProfile, uniform_stage
 from .simulate import (
     MODEL_PRESETS,
     SimulationResult,
@@ -44,6 +45,7 @@ __all__ = [
     "LayerProfile",
     "LayerTimeline",
     "MODEL_PRESETS",
+    "ModuleProfile",
     "PLAN_SCHEMA",
     "Plan",
     "PlanInfeasibleError",
@@ -57,8 +59,10 @@ __all__ = [
     "make_plan",
     "predict",
     "prediction_error",
+    "recomputed_layer",
     "simulate",
     "spec_from_overrides",
     "stage_profile",
     "uniform_stage",
+    "with_recompute",
 ]

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable, List, Optional, Tuple
 
+from .module_recompute import recomputed_layer
 from .profile import StageProfile
 from .search import GOAL_MAX_OFFLOAD, Choices, PlanInfeasibleError, replaced, replay
 from .step_timeline import Timeline, use_order
@@ -123,7 +124,7 @@ def just_in_time(
                 choices = trial
                 break
     for i in range(n - 1, -1, -1):  # then site by site, in the order backward uses them
-        layer = stage.layers[i]
+        layer = recomputed_layer(stage.layers[i], choices[i].recompute)  # the sites it saves (NOTE [Sites])
         if not choices[i].moved or not layer.sites:
             continue
         whole = choices[i].read_ahead

@@ -27,6 +27,7 @@ from ..placement import MOVED, LayerChoice, Placement
 from ..errors import ConfigError, shown
 from .profile import IOProfile, LayerId, StageProfile
 from .just_in_time import just_in_time
+from .module_recompute import with_recompute
 from .search import (GOAL_CAPACITY, GOAL_MAX_OFFLOAD, GOAL_MEMORY_BUDGET, Choices, PlacementSearch,
                      PlanInfeasibleError, replay)
 from .step_timeline import ReadAhead, Timeline, predict
@@ -46,7 +47,10 @@ __all__ = [
 
 PLAN_SCHEMA = "megatron_ssd.plan/2"
 """Value of the ``schema`` key of a plan's JSON form (``plan/2``: each layer's decision
-is one ``choice`` object)."""
+is one ``choice`` object). A choice that recomputes modules inside its layer carries a
+``recompute`` list too; the key is written only then, so a plan without it reads as
+before, and a choice without it (every plan written before it existed) recomputes no
+module (``LayerChoice.from_dict``)."""
 _PLAN_SCHEMA_1 = "megatron_ssd.plan/1"
 """The earlier form, still read: a layer's ``placement``, ``offload_sites``,
 ``read_ahead`` and ``site_read_ahead`` side by side."""
@@ -71,9 +75,11 @@ class LayerPlan:
     times]); sites the layer keeps carry the layer's earliest."""
     bytes: int
     """Offloadable saved bytes of the layer for one micro-batch (moved when OFFLOAD,
-    not saved when RECOMPUTE)."""
+    not saved when RECOMPUTE); with modules recomputed inside it, those left."""
     site_count: int = 1
-    """How many sites the layer has (offloadable tensors it saves)."""
+    """How many sites the layer has (offloadable tensors it saves); with modules
+    recomputed inside it, those left (NOTE [Recompute inside a layer] in
+    ``module_recompute.py``)."""
     offloaded: int = 0
     """Bytes moved off the device and back per micro-batch: to the SSDs (OFFLOAD) or to
     the host pool (HOST)."""
@@ -133,10 +139,12 @@ class LayerPlan:
     @property
     def placement_text(self) -> str:
         """``keep``, ``offload``, ``host``, ``recompute``, or ``offload 3/7`` for a layer
-        offloading 3 of its 7 sites (``host 3/7`` alike)."""
+        offloading 3 of its 7 sites (``host 3/7`` alike); ``+core_attn`` after it for each
+        module recomputed inside the layer."""
+        text = self.placement.value
         if self.placement in MOVED and self.offload_sites is not None:
-            return f"offload {self.offload_sites}/{self.site_count}"
-        return self.placement.value
+            text = f"offload {self.offload_sites}/{self.site_count}"
+        return text + "".join(f" +{m}" for m in self.choice.recompute)
 
 
 @dataclass
@@ -221,10 +229,10 @@ class Plan:
 
     def choices(self) -> Dict[LayerId, LayerChoice]:
         """Each layer's choice as ``TensorCache.set_plan`` applies it: an OFFLOAD or HOST
-        layer's whole, a KEEP or RECOMPUTE layer's placement alone (it reads nothing
-        back and moves no site)."""
-        return {lp.layer_id: lp.choice if lp.placement in MOVED else LayerChoice(lp.placement)
-                for lp in self.layers}
+        layer's whole, a KEEP or RECOMPUTE layer's placement and the modules it
+        recomputes inside it (it reads nothing back and moves no site)."""
+        return {lp.layer_id: lp.choice if lp.placement in MOVED
+                else LayerChoice(lp.placement, recompute=lp.choice.recompute) for lp in self.layers}
 
     @property
     def read_aheads(self) -> List[ReadAhead]:
@@ -255,8 +263,13 @@ class Plan:
     # ------------------------------------------------------------------ JSON
 
     def to_dict(self) -> Dict[str, Any]:
-        """A JSON-ready dict; ``placement`` values are ``keep``, ``offload``, ``recompute``."""
-        return {"schema": PLAN_SCHEMA, **to_dict(self)}
+        """A JSON-ready dict; ``placement`` values are ``keep``, ``offload``, ``recompute``;
+        a choice's ``recompute`` only where it names a module (:data:`PLAN_SCHEMA`)."""
+        data = {"schema": PLAN_SCHEMA, **to_dict(self)}
+        for layer in data["layers"]:
+            if not layer["choice"]["recompute"]:
+                del layer["choice"]["recompute"]
+        return data
 
     def to_json(self, indent: Optional[int] = 2) -> str:
         """The plan as JSON text (see ``docs/planner.md`` for the schema)."""
@@ -291,20 +304,21 @@ class Plan:
         out = []
         for lp in self.layers:
             was = before.get(str(lp.layer_id))
-            if was is None or (was.placement, was.offload_sites) != (lp.placement, lp.offload_sites):
+            if was is None or (was.placement, was.offload_sites, was.choice.recompute) != (
+                    lp.placement, lp.offload_sites, lp.choice.recompute):
                 out.append(f"layer {lp.layer_id}: {was.placement_text if was is not None else 'new'} "
                            f"-> {lp.placement_text}")
         return out
 
     def table(self) -> str:
         """A per-layer table and a summary line, for logs and the command line."""
-        rows = [f"{'layer':>8}  {'placement':<13}  {'MiB':>9}  {'write ms':>9}  {'read ms':>9}  {'exposed ms':>10}"
+        rows = [f"{'layer':>8}  {'placement':<22}  {'MiB':>9}  {'write ms':>9}  {'read ms':>9}  {'exposed ms':>10}"
                 f"  {'read ahead':>10}"]
         for lp in self.layers:
             note = "  (forwarded)" if lp.forwarded else ""
             ahead = f"{lp.read_ahead_text:>10}" if lp.placement in MOVED else f"{'':>10}"
             rows.append(
-                f"{str(lp.layer_id):>8}  {lp.placement_text:<13}  {lp.bytes / MiB:9.1f}  {lp.write_s * 1e3:9.2f}"
+                f"{str(lp.layer_id):>8}  {lp.placement_text:<22}  {lp.bytes / MiB:9.1f}  {lp.write_s * 1e3:9.2f}"
                 f"  {lp.read_s * 1e3:9.2f}  {lp.exposed_s * 1e3:10.2f}  {ahead}{note}"
             )
         peak_ratio = self.peak_activation_bytes / self.keep_peak_activation_bytes if self.keep_peak_activation_bytes else 1.0
@@ -471,7 +485,7 @@ def _build(
     choices: Sequence[LayerChoice],
 ) -> Plan:
     layers = []
-    for layer, lt, choice in zip(stage.layers, tl.layers, choices):
+    for layer, lt, choice in zip(with_recompute(stage, choices).layers, tl.layers, choices):
         bandwidth = stage.io.host_bytes_per_s if lt.placement is Placement.HOST else stage.io.write_bytes_per_s
         write_s = 0.0 if lt.write_end is None else lt.offloaded_bytes / bandwidth  # type: ignore[operator]
         read_s = 0.0 if lt.read_end is None else lt.read_end - lt.read_start

@@ -23,12 +23,13 @@ import json
 from dataclasses import dataclass
 from typing import Annotated, Any, Dict, List, Mapping, Optional, Union
 
-from ..config import AtLeast, Boolean, InRange, Integer, ListOf, NonNegative, Number, OneOfKinds, Positive, from_dict, to_dict
+from ..config import (AtLeast, Boolean, InRange, Integer, ListOf, NonNegative, Number, OneOf, OneOfKinds, Positive,
+                      from_dict, to_dict)
 from ..config import _broken, _fail, _settle
-from ..placement import OUTSIDE, Placement, default_placement
+from ..placement import OUTSIDE, RECOMPUTE_MODULES, Placement, default_placement
 from ..errors import ConfigError
 
-__all__ = ["LayerId", "LayerProfile", "IOProfile", "StageProfile", "uniform_stage"]
+__all__ = ["LayerId", "LayerProfile", "ModuleProfile", "IOProfile", "StageProfile", "uniform_stage"]
 
 LayerId = Union[str, int]
 """How a layer is named: its index in the stage or a module path."""
@@ -61,6 +62,34 @@ LayerId = Union[str, int]
 # that site's read, and the planner issues each site's read as late as that allows
 # (NOTE [Just-in-time reads] in ``just_in_time.py``), down to the start of the layer's own
 # backward.
+
+
+@dataclass
+class ModuleProfile:
+    """What recomputing one module inside a layer changes (NOTE [Recompute inside a layer]
+    in ``module_recompute.py``), measured in the steps that keep every layer."""
+
+    name: Annotated[str, OneOf(*RECOMPUTE_MODULES)]
+    """The module, by megatron-core's ``recompute_modules`` name."""
+
+    forward_s: Annotated[float, Number(NonNegative())]
+    """Its forward time per micro-batch, in seconds: what recomputing it adds to the
+    layer's backward."""
+
+    freed_sites: Annotated[List[int], ListOf(Integer(NonNegative()))]
+    """The layer's sites (indices in save order, NOTE [Sites]) that recomputing it frees:
+    the tensors saved while it ran that are not its inputs (its checkpoint saves those)."""
+
+    held_bytes: Annotated[int, Integer(NonNegative())] = 0
+    """Bytes of its inputs that its checkpoint saves and the layer saves nowhere else
+    (0 on megatron-core's layers: the module saves them itself)."""
+
+    def __post_init__(self) -> None:
+        _settle(self)
+
+    def _check(self) -> None:
+        if len(set(self.freed_sites)) != len(self.freed_sites):
+            raise _broken(self, "freed_sites", "must name each site once")
 
 
 @dataclass
@@ -110,6 +139,16 @@ class LayerProfile:
     its first layer (layer id ``embedding``, NOTE [Sites outside the layers]): nothing
     runs their forward again."""
 
+    modules: Optional[List[ModuleProfile]] = None
+    """The modules a plan may recompute inside this layer (``LayerChoice.recompute``),
+    each with what recomputing it frees and costs (NOTE [Recompute inside a layer] in
+    ``module_recompute.py``). ``None``: none (profiles written before the field)."""
+
+    rebuilt_bytes: Annotated[int, Integer(NonNegative())] = 0
+    """Bytes the layer's backward rebuilds by recomputing modules inside it, held from its
+    backward's start to its end. 0 in a measured profile; set on the layer a plan's
+    ``LayerChoice.recompute`` derives from it (``module_recompute.recomputed_layer``)."""
+
     def __post_init__(self) -> None:
         _settle(self)
 
@@ -123,6 +162,13 @@ class LayerProfile:
             raise _broken(self, "site_bytes", f"must sum to saved_bytes = {self.saved_bytes}")
         if self.site_use is not None and len(self.site_use) != len(self.sites):
             raise _broken(self, "site_use", f"must have one entry per site ({len(self.sites)})")
+        if self.modules is not None:
+            names = [m.name for m in self.modules if isinstance(m, ModuleProfile)]
+            if len(names) != len(self.modules) or len(set(names)) != len(names):
+                raise _broken(self, "modules", "must be ModuleProfile entries, one per module name")
+            beyond = [s for m in self.modules for s in m.freed_sites if s >= len(self.sites)]
+            if beyond:
+                raise _broken(self, "modules", f"freed_sites must be sites of the layer (< {len(self.sites)})")
 
     @property
     def sites(self) -> List[int]:

@@ -30,6 +30,7 @@ from typing import Callable, List, Optional, Sequence, Tuple, Union
 
 from ..placement import MOVED, LayerChoice, Placement
 from ..errors import MegatronSSDError
+from .module_recompute import MODULE_MOVE, ModuleMoves, with_recompute
 from .profile import IOProfile, StageProfile
 from .step_timeline import ReadAhead, Timeline, predict
 from ..units import GiB
@@ -61,9 +62,11 @@ _KEEP = LayerChoice(Placement.KEEP)
 def replay(stage: StageProfile, choices: Sequence[LayerChoice], depth: Union[None, int, Sequence[ReadAhead]] = None,
            io: Optional[IOProfile] = None) -> Timeline:
     """:func:`~megatron_ssd.planner.step_timeline.predict` of ``choices`` (their
-    placements and site counts) at read-ahead ``depth``; None: each choice's own."""
+    placements, site counts and modules recomputed inside a layer, NOTE [Recompute inside
+    a layer] in ``module_recompute.py``) at read-ahead ``depth``; None: each choice's own."""
     depths = [c.read_ahead for c in choices] if depth is None else depth
-    return predict(stage, [c.placement for c in choices], depths, io=io, sites=[c.sites for c in choices])
+    return predict(with_recompute(stage, choices), [c.placement for c in choices], depths, io=io,
+                   sites=[c.sites for c in choices])
 
 
 def _largest(lo: int, hi: int, ok: Callable[[int], bool]) -> Optional[int]:
@@ -121,8 +124,9 @@ class PlanInfeasibleError(MegatronSSDError):
         )
 
 
-class PlacementSearch:
-    """Placement search over the timeline model (derated I/O judges, measured I/O checks)."""
+class PlacementSearch(ModuleMoves):
+    """Placement search over the timeline model (derated I/O judges, measured I/O checks);
+    its moves that recompute a module inside a layer are :class:`ModuleMoves`'."""
 
     def __init__(
         self, stage: StageProfile, derated: IOProfile, depth: int, max_write_bytes_per_s: Optional[float] = None,
@@ -152,8 +156,8 @@ class PlacementSearch:
         own step time whatever bandwidth judged it. Always true without a limit."""
         if self.max_write_bytes_per_s is None:
             return True
-        written = sum(layer.offloaded_bytes(c.sites)
-                      for layer, c in zip(self.stage.layers, choices) if c.placement is Placement.OFFLOAD)
+        written = sum(layer.offloaded_bytes(c.sites) for layer, c in zip(with_recompute(self.stage, choices).layers,
+                                                                         choices) if c.placement is Placement.OFFLOAD)
         return written <= self.max_write_bytes_per_s * self._shortest_step_s * (1 + 1e-9)
 
     def hosts_ok(self, tl: Timeline) -> bool:
@@ -301,6 +305,7 @@ class PlacementSearch:
         cases and was never more than 8% slower in predicted step time, at a seventh of
         the planning time.
         """
+        self._modules_start()
         choices: Choices = [_KEEP] * self.n
         tl = self.judge(choices)
         keep_peak = tl.peak_bytes
@@ -312,7 +317,7 @@ class PlacementSearch:
         def moves(i: int) -> List[str]:
             layer = self.stage.layers[i]
             return _moves(choices[i], len(layer.sites), allow_recompute and layer.recomputable,
-                          self.host_budget_bytes > 0, self.drives)
+                          self.host_budget_bytes > 0, self.drives) + self._module_moves(i, choices[i], allow_recompute)
 
         def push_moves(i: int) -> None:
             for rank, move in enumerate(moves(i)):
@@ -337,7 +342,7 @@ class PlacementSearch:
                     heapq.heappush(heap, (key, version, i, rank, move, target))  # equal keys: equal targets
                     continue
                 if key[0] < _NO_BENEFIT:
-                    choices = replaced(choices, i, target)
+                    choices = self._take(choices, i, target)
                     tl = self.judge(choices)
                     area = _byte_seconds(tl, self.stage)
                     version += 1
@@ -356,13 +361,15 @@ class PlacementSearch:
                     heapq.heappush(heap, (key, seen, i, rank, move, target))
                 break
             if not taken:
+                self._modules_reset()
                 if allow_recompute:
                     self.judge([LayerChoice(Placement.RECOMPUTE) if layer.recomputable else _KEEP
                                 for layer in self.stage.layers])
                 raise PlanInfeasibleError(budget, int(self.smallest_peak or keep_peak), self.stage, keep_peak,
                                           self.max_write_bytes_per_s, limit_name, drives=self.drives)
         choices = self._relax(choices, tl, budget, eps)
-        return self._trim(choices, budget, eps)
+        choices = self._trim(choices, budget, eps)
+        return self._modules_finish(choices, lambda c, t: self.fits(c, t, budget) and self.allowed(c, t), eps)
 
     def fits(self, choices: Sequence[LayerChoice], tl: Timeline, budget: int) -> bool:
         """Peak within budget at derated (``tl``) and at measured bandwidths."""
@@ -371,6 +378,8 @@ class PlacementSearch:
     def _resolve(self, choices: Choices, tl: Timeline, eps: float, i: int, move: str) -> Optional[LayerChoice]:
         """The choice a move gives layer ``i`` (None: a part move with no admissible
         prefix)."""
+        if move.startswith(MODULE_MOVE):
+            return self._resolve_module(choices, i, move)
         target = _target_placement(move)
         if not move.endswith("-part"):
             return LayerChoice(target)

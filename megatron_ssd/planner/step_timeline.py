@@ -98,8 +98,11 @@ _EPS = 1e-12
 # NOTE [Sites]) throughout and its offloaded bytes until its write completes, then each
 # site's bytes again from its read issue (the read buffer) to the layer's backward end;
 # RECOMPUTE holds boundary bytes, plus saved + kept bytes during its backward (the rerun
-# forward materializes them). Events at the same instant release before they allocate.
-# Bytes inside a running layer that are not saved for backward are not counted.
+# forward materializes them). A layer that recomputes modules inside it holds the bytes
+# they rebuild (``LayerProfile.rebuilt_bytes``) during its backward too (NOTE [Recompute
+# inside a layer] in ``module_recompute.py``). Events at the same instant release before
+# they allocate. Bytes inside a running layer that are not saved for backward are not
+# counted.
 
 # NOTE [Pipeline micro-batches]
 # One micro-batch is replayed. A pipeline stage running 1F1B holds up to m micro-batches
@@ -510,6 +513,7 @@ def _admitted(writing: List[Tuple[float, int]], t: float, nbytes: int, bound: in
 
 def _account(layer: LayerProfile, lt: LayerTimeline, hold: Callable[[float, float, int], None]) -> None:
     """Record the layer's resident intervals; see NOTE [Memory accounting]."""
+    hold(lt.backward_start, lt.backward_end, layer.rebuilt_bytes)
     if lt.placement is Placement.KEEP:
         hold(lt.forward_end, lt.backward_end, layer.saved_bytes + layer.kept_bytes)
     elif lt.placement is Placement.RECOMPUTE:

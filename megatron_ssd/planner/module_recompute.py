@@ -1,0 +1,222 @@
+"""Recompute inside a layer: the modules a plan recomputes in one layer's backward.
+
+A :class:`~megatron_ssd.placement.LayerChoice` may name modules of its layer to recompute
+(``recompute``, of :data:`~megatron_ssd.placement.RECOMPUTE_MODULES`), with KEEP, OFFLOAD
+or HOST for the layer's other sites. Here that choice is priced: :func:`recomputed_layer`
+is the layer as the plan sees it then (fewer sites, a longer backward, the freed bytes
+rebuilt during that backward), :func:`with_recompute` a stage of such layers, which the
+timeline model replays like any other; and :class:`ModuleMoves` gives the placement
+search its moves "recompute module M in layer i", priced like the others.
+
+# NOTE [Recompute inside a layer]
+Megatron's selective recompute (``recompute_granularity="selective"``) runs some modules of
+every layer under a checkpoint: their forward saves nothing but their inputs, and backward
+runs them again. For ``core_attn`` those are the attention's scores, softmax and dropout
+tensors, of ``s^2`` elements per head: on a long sequence the largest share of a layer's
+activations, for a small share of its compute. Here the same switch is a per-layer
+choice the planner makes with the rest of the layer's placement, so every point of a peer
+that recomputes selectively is inside the planner's space:
+
+- The profile measures, per layer and module, in the steps that keep every layer (NOTE
+  [Module timing] in ``cache/scopes.py``): the module's forward time, the sites it
+  saved, and which of them are its inputs (the checkpoint saves those instead). Sites are
+  numbered in save order and a module runs in one piece, so its sites are a contiguous
+  range; recomputing it frees the range less its inputs (``ModuleProfile.freed_sites``).
+  Nothing is estimated: bytes are the cache's sites, time the cache's clock.
+- The plan sees the layer with those sites gone (:func:`recomputed_layer`): its other
+  sites keep their order and are renumbered, so a choice's ``sites`` counts among them,
+  as the cache numbers them at run time (the module saves nothing then); its backward is
+  longer by the modules' forward times; and the freed bytes are held again while its
+  backward runs (``LayerProfile.rebuilt_bytes``, NOTE [Memory accounting] in
+  ``step_timeline.py``), as a recomputed layer's are.
+- The search (:class:`ModuleMoves`) offers "recompute M in layer i" beside the tier
+  moves, scored the same way, peak removed per second of step time added, and combined
+  with the layer's OFFLOAD or HOST of the sites left (their prefix is carried over). A
+  module recompute costs its forward every step, so it is chosen only where moving the
+  same bytes would expose more time; after the budget fits, each one that is not needed
+  is undone where the step is no slower. Full recompute of the layer supersedes it: a
+  layer that recomputes a module is not offered RECOMPUTE, and a RECOMPUTE layer no
+  module.
+- The runtime switches megatron-core's own attributes of that layer
+  (``megatron/module_recompute.py``), so the recomputation is megatron-core's code.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Dict, List, Optional, Sequence, Tuple
+
+from ..errors import ConfigError
+from ..placement import MOVED, LayerChoice, Placement
+from .profile import LayerProfile, ModuleProfile, StageProfile
+
+__all__ = ["MODULE_MOVE", "ModuleMoves", "recomputed_layer", "with_recompute"]
+
+MODULE_MOVE = "recompute:"
+"""Prefix of a search move that recomputes one module inside a layer (``recompute:core_attn``)."""
+
+
+def _kept_sites(layer: LayerProfile, modules: Sequence[str]) -> List[int]:
+    """The layer's sites (indices) left when ``modules`` are recomputed inside it.
+
+    Raises:
+        ConfigError: a module the profile did not measure in the layer.
+    """
+    known: Dict[str, ModuleProfile] = {m.name: m for m in layer.modules or ()}
+    missing = [m for m in modules if m not in known]
+    if missing:
+        raise ConfigError(f"recompute[{layer.layer_id!r}] = {list(modules)!r}: the profile measured no "
+                          f"{missing[0]!r} in this layer (LayerProfile.modules: {sorted(known)})")
+    freed = {s for m in modules for s in known[m].freed_sites}
+    return [s for s in range(len(layer.sites)) if s not in freed]
+
+
+def recomputed_layer(layer: LayerProfile, modules: Sequence[str]) -> LayerProfile:
+    """``layer`` as a plan that recomputes ``modules`` inside it sees it (NOTE [Recompute
+    inside a layer]): the sites the modules free are gone and the others renumbered in
+    order, the modules' forward is added to the backward and their freed bytes are rebuilt
+    during it, and the modules left may still be recomputed (their sites renumbered). It
+    may not be recomputed whole. ``layer`` itself when ``modules`` is empty.
+
+    Raises:
+        ConfigError: a module the profile did not measure in the layer.
+    """
+    if not modules:
+        return layer
+    kept = _kept_sites(layer, modules)
+    renumbered = {old: new for new, old in enumerate(kept)}
+    sites = layer.sites
+    chosen = [m for m in layer.modules or () if m.name in modules]
+    rest = [dataclasses.replace(m, freed_sites=[renumbered[s] for s in m.freed_sites if s in renumbered])
+            for m in layer.modules or () if m.name not in modules]
+    site_bytes = [sites[s] for s in kept]
+    return dataclasses.replace(
+        layer,
+        saved_bytes=sum(site_bytes),
+        site_bytes=site_bytes,
+        site_use=None if layer.site_use is None or not kept else [layer.site_use[s] for s in kept],
+        kept_bytes=layer.kept_bytes + sum(m.held_bytes for m in chosen),
+        backward_s=layer.backward_s + sum(m.forward_s for m in chosen),
+        rebuilt_bytes=layer.rebuilt_bytes + sum(sites) - sum(site_bytes),
+        modules=rest,
+        recomputable=False,
+    )
+
+
+def with_recompute(stage: StageProfile, choices: Sequence[LayerChoice]) -> StageProfile:
+    """``stage`` with each layer as its choice's ``recompute`` derives it
+    (:func:`recomputed_layer`); ``stage`` itself when no choice recomputes a module."""
+    if not any(c.recompute for c in choices):
+        return stage
+    if len(choices) != len(stage.layers):
+        raise ConfigError(f"choices: {len(choices)} given for {len(stage.layers)} layers; need one per layer")
+    return dataclasses.replace(stage, layers=[recomputed_layer(layer, c.recompute)
+                                              for layer, c in zip(stage.layers, choices)])
+
+
+def _prefix_after(layer: LayerProfile, modules: Sequence[str], sites: Optional[int], more: Sequence[str]) -> Optional[int]:
+    """The site count of a prefix in ``layer`` recomputing ``modules`` carried over to
+    ``layer`` recomputing ``more``: the count that moves the same sites, less those the
+    new set frees, plus those it no longer frees inside the prefix. None stays None."""
+    if sites is None:
+        return None
+    before, after = _kept_sites(layer, modules), _kept_sites(layer, more)
+    moved = set(before[:sites])
+    if not moved:
+        return 0
+    last = max(moved)
+    return len([s for s in after if s <= last])
+
+
+class ModuleMoves:
+    """The placement search's moves that recompute a module inside a layer (NOTE
+    [Recompute inside a layer]), for :class:`~megatron_ssd.planner.search.PlacementSearch`.
+
+    While a greedy search runs, its ``stage`` is the measured stage with each layer as its
+    recomputed modules so far derive it, and its choices carry no ``recompute``: the tier
+    moves, the clean-up and the timeline see the derived layers as any others. A module
+    move's target is the layer's choice with ``recompute`` naming the one module more
+    (the replay derives it from the current layer); taking it derives the stage's layer
+    anew. When the search ends, each choice gets its layer's modules back and ``stage``
+    is the measured one again.
+    """
+
+    stage: StageProfile
+    n: int
+
+    def _modules_start(self) -> None:
+        """Start a search from the measured stage, no module recomputed."""
+        self._base: StageProfile = getattr(self, "_base", self.stage)
+        self.stage = self._base
+        self._recomputed: List[Tuple[str, ...]] = [()] * self.n
+
+    def _modules_reset(self) -> None:
+        """The measured stage again (before judging placements of it whole)."""
+        self.stage = getattr(self, "_base", self.stage)
+
+    def _module_moves(self, i: int, now: LayerChoice, allowed: bool) -> List[str]:
+        """``recompute:<module>`` for each module of layer ``i`` left to recompute that
+        frees a site, when recompute is ``allowed`` and the layer is not RECOMPUTE."""
+        if not allowed or now.placement is Placement.RECOMPUTE:
+            return []
+        return [MODULE_MOVE + m.name for m in self.stage.layers[i].modules or () if m.freed_sites]
+
+    def _resolve_module(self, choices: Sequence[LayerChoice], i: int, move: str) -> LayerChoice:
+        """The target of a module move: layer ``i``'s choice recomputing that module too,
+        its moved prefix carried over; KEEP when no moved site is left."""
+        name = move[len(MODULE_MOVE):]
+        now, layer = choices[i], self.stage.layers[i]
+        kept = _kept_sites(layer, (name,))
+        if now.placement not in MOVED:
+            return LayerChoice(now.placement, None, now.read_ahead, (name,))
+        sites = _prefix_after(layer, (), now.sites, (name,))
+        if not kept or sites == 0:
+            return LayerChoice(Placement.KEEP, None, now.read_ahead, (name,))
+        return LayerChoice(now.placement, None if sites == len(kept) else sites, now.read_ahead, (name,))
+
+    def _take(self, choices: List[LayerChoice], i: int, target: LayerChoice) -> List[LayerChoice]:
+        """``choices`` with layer ``i``'s set to ``target``; a module move's also derives
+        the stage's layer anew (its choice then carries no ``recompute``)."""
+        if target.recompute:
+            self._recomputed[i] = self._recomputed[i] + target.recompute
+            self._set_layer(i, self._recomputed[i])
+            target = dataclasses.replace(target, recompute=())
+        return choices[:i] + [target] + choices[i + 1:]
+
+    def _set_layer(self, i: int, modules: Tuple[str, ...]) -> None:
+        layers = list(self.stage.layers)
+        layers[i] = recomputed_layer(self._base.layers[i], modules)
+        self.stage = dataclasses.replace(self.stage, layers=layers)
+
+    def _modules_finish(self, choices: List[LayerChoice], fits, eps: float) -> List[LayerChoice]:
+        """Undo each module recompute the limit does not need where the step is no
+        slower, last layer first; then each choice with its layer's modules, and the
+        measured stage again.
+
+        Args:
+            choices: The search's choices (no ``recompute``).
+            fits: ``fits(choices, timeline)``: the trial still meets the limit and the
+                search's other bounds.
+            eps: Step-time slack.
+        """
+        step = self.judge(choices).step_s  # type: ignore[attr-defined]
+        for i in range(self.n - 1, -1, -1):
+            for name in tuple(self._recomputed[i]):
+                fewer = tuple(m for m in self._recomputed[i] if m != name)
+                before, stage = self._recomputed[i], self.stage
+                now = choices[i]
+                sites = now.sites if now.placement in MOVED else None
+                carried = _prefix_after(self._base.layers[i], before, sites, fewer)
+                trial = list(choices)
+                trial[i] = dataclasses.replace(now, sites=None if carried == len(_kept_sites(
+                    self._base.layers[i], fewer)) else carried)
+                self._recomputed[i] = fewer
+                self._set_layer(i, fewer)
+                tl = self.judge(trial)  # type: ignore[attr-defined]
+                if tl.step_s <= step + eps and fits(trial, tl):
+                    choices, step = trial, tl.step_s
+                else:
+                    self._recomputed[i], self.stage = before, stage
+        out = [dataclasses.replace(c, recompute=r) for c, r in zip(choices, self._recomputed)]
+        self._modules_reset()
+        return out
