@@ -158,7 +158,7 @@ class BackwardReads:
                 if limit is not None and self.table.resident + entry.nbytes > limit:
                     raise _NoRoom()
                 self._submit_read(entry)
-            elif entry.state is EntryState.STAGED:  # read once written (NOTE [Released at staging] in entries.py)
+            elif entry.state is EntryState.STAGED:  # read once written (NOTE [Released at staging] in writes.py)
                 done = False
             elif entry.state in (EntryState.WRITING, EntryState.LOADED):
                 self._note_forwarded(entry)
@@ -222,7 +222,7 @@ class BackwardReads:
     def needed(self, entry: Entry, name: str = "") -> torch.Tensor:
         """Backward unpacks ``entry``: its bytes, after waiting for its read (issued
         now when none was: a late read), or first for its staged write (NOTE [Released at
-        staging] in ``entries.py``).
+        staging] in ``writes.py``).
 
         Raises:
             CacheStateError: the cache is closed, or the entry has no data.

@@ -2,16 +2,18 @@
 
 :class:`EntryTable` owns every entry and record, the lock all their transitions happen
 under, the step's counters and the count of resident bytes. It has one method per
-event of NOTE [Entry lifetime] (``record.py``); those of backward are handled by the
-:class:`~megatron_ssd.cache.backward.BackwardReads` it composes (``backward.py``):
+event of NOTE [Entry lifetime] (``record.py``); those of a write are handled by the
+:class:`~megatron_ssd.cache.writes.ForwardWrites` it composes (``writes.py``), those of
+backward by its :class:`~megatron_ssd.cache.backward.BackwardReads` (``backward.py``):
 
 =====================  ==================================================================
 event                  method
 =====================  ==================================================================
 micro-batch opens      :meth:`EntryTable.open`
 tensor saved           :meth:`EntryTable.saved` (then :meth:`EntryTable.write` outside the
-                       lock, when the entry moves)
-write done             ``_write_done`` (an engine thread)
+                       lock, when the entry moves: :meth:`ForwardWrites.write`)
+write staged           ``ForwardWrites._write_staged`` (an engine thread)
+write done             ``ForwardWrites._write_done`` (an engine thread)
 layer backward starts  :meth:`EntryTable.backward_started` (issues the reads due)
 tensor needed          :meth:`EntryTable.needed` (backward unpacks it)
 read done              ``BackwardReads._read_done`` (an engine thread)
@@ -30,24 +32,23 @@ I/O in chosen orders.
 from __future__ import annotations
 
 import threading
-from functools import partial
-from typing import Any, Dict, Hashable, List, Mapping, Optional, Set, Tuple
+from typing import Any, Dict, Hashable, List, Mapping, Optional, Tuple
 
 import torch
 
 from ..config import OffloadConfig
 from ..placement import MOVED, OUTSIDE, Placement
-from ..errors import CacheStateError, WriteCancelled
+from ..errors import CacheStateError
 from ..io.base import IOFuture
 from ..io.store import BlobStore
 from .backward import BackwardReads
 from .device import HostClock
-from .failures import WriteFailures
 from .identity import held_bytes, is_plain, storage_bytes, storage_weakref
-from .pages import allocator_owned, release_pages
+from .pages import allocator_owned
 from .policy import PlacementPolicy
 from .record import Entry, EntryState, Record
-from .stats import Counters, LayerCounters, add_seconds
+from .stats import Counters, LayerCounters
+from .writes import ForwardWrites
 
 __all__ = ["EntryTable"]
 
@@ -56,18 +57,16 @@ class EntryTable:
     """Entries and records of the micro-batches in flight, and their transitions.
 
     Args:
-        config: ``min_tensor_bytes`` (what has a site) and ``io.on_backpressure``.
+        config: ``io.on_backpressure``, for its writes.
         policy: decides each new entry's placement and read-aheads.
-        stores: the blob store of each moved placement.
+        stores: the blob store of each moved placement, for its writes.
         return_pages: give a written entry's pages back to the system (NOTE [Returning
             freed pages]).
     """
 
     def __init__(self, config: OffloadConfig, policy: PlacementPolicy, stores: Mapping[Placement, BlobStore],
                  return_pages: bool, clock: Optional[HostClock] = None) -> None:
-        self.config = config
         self.policy = policy
-        self.stores = stores
         self.return_pages = return_pages
         self.clock = clock or HostClock()
         """Times backward, stalls, write waits and site uses (NOTE [Device time] in
@@ -83,17 +82,13 @@ class EntryTable:
         the host pool): what keeping everything would hold."""
         self.release_at_staging = False
         """Drop a written tensor's memory once the engine has staged its bytes, not when
-        they reach the drive (a device tensor; NOTE [Released at staging])."""
-        self._room = threading.Condition(self.lock)
-        """Notified when resident bytes may have dropped (NOTE [Capacity guard] in ``policy.py``)."""
+        they reach the drive (a device tensor; NOTE [Released at staging] in ``writes.py``)."""
         self.records: Dict[Hashable, Record] = {}
         """Records whose forward or backward is not finished, by key."""
         self.closed = False
-        self._writes: Set[IOFuture] = set()
-        self.failures = WriteFailures()
-        """Warnings about failed writes, once per path then periodically (NOTE [Failed
-        write warnings] in ``failures.py``)."""
-        self.backward = BackwardReads(self, policy, self._set_data, self._free_disk, self._cancel_write)
+        self.writes = ForwardWrites(self, config, policy, stores, self._set_data, self._free_disk)
+        """Queues, completes and cancels the writes; owns the writes in flight."""
+        self.backward = BackwardReads(self, policy, self._set_data, self._free_disk, self.writes.cancel)
         """Issues, serves and times the reads backward needs; owns the reads in flight."""
 
     # ------------------------------------------------------------------ records
@@ -171,7 +166,7 @@ class EntryTable:
             entry.record.add_layer_entry(layer_id, entry)
             if self.policy.layer(layer_id) not in MOVED:
                 entry.pinned = True
-                self._cancel_write(entry)
+                self.writes.cancel(entry)
 
     def _new_entry(self, record: Record, key: Any, t: torch.Tensor, layer_id: Hashable, unmovable: bool,
                    group: Optional[str] = None) -> Entry:
@@ -216,142 +211,14 @@ class EntryTable:
         if self.resident > self.counters.peak_resident_bytes:
             self.counters.peak_resident_bytes = self.resident
         if new < old:
-            self._room.notify_all()
+            self.writes.resident_dropped()
 
     # ------------------------------------------------------------------ writes
 
     def write(self, entry: Entry) -> None:
-        """Queue a new moved entry's write to its placement's store.
-
-        Called without the lock: a blocking write waits for engine threads whose
-        completion callbacks take it. A write the store refuses (backpressure) keeps the
-        entry in memory.
-        """
-        store = self.stores[entry.placement]
-        block = self.config.io.on_backpressure == "wait"
-        started = self.clock.mark()
-        future = store.put(entry.data, block=block)  # the host pool never blocks (NOTE [Host pool bound])
-        with self.lock:
-            lc = self.layer(entry.layer)
-            if future is None:
-                self.clock.add(started, self.clock.mark(), partial(add_seconds, lc, "write_wait_s"))
-                entry.placement = Placement.KEEP
-                self.counters.backpressure_keeps += 1
-                self.counters.bytes_kept += entry.nbytes
-                return
-            lc.add_queued(store.kind, entry.nbytes)
-            entry.store = store
-            entry.state = EntryState.WRITING
-            entry.write_future = future
-            self._writes.add(future)
-        if self.release_at_staging:
-            future.add_staged_callback(partial(self._write_staged, entry))
-        future.add_done_callback(partial(self._write_done, entry))
-        self._wait_for_room()
-        with self.lock:
-            self.clock.add(started, self.clock.mark(), partial(add_seconds, lc, "write_wait_s"))
-
-    def _wait_for_room(self) -> None:
-        """Block while the resident bytes exceed the policy's limit and writes are in
-        flight that would lower them (NOTE [Capacity guard] in ``policy.py``)."""
-        limit = self.policy.resident_limit
-        if limit is None:
-            return
-        with self._room:
-            while self.resident > limit and self._writes and not self.closed:
-                self.counters.capacity_waits += 1
-                self._room.wait()
-
-    # NOTE [Released at staging]
-    # A device tensor's write first copies its bytes to pinned host staging on a copy
-    # stream, then writes them to the drives at the drives' speed. Its device memory can
-    # go as soon as the copy is done (the engine *stages* the write, NOTE [Staged writes]
-    # in ``io/base.py``), so device memory is freed at PCIe speed and the in-flight bytes
-    # that count against the device are those not yet copied. The entry is then STAGED:
-    # no data, write in flight. Nothing may cancel that write any more (the staging is
-    # the only copy) until autograd releases the entry; a backward that wants the tensor
-    # before the write completes waits for it and reads it back (the bytes are not in
-    # device memory to forward); a later layer that saves the same storage again does
-    # not pin it (its bytes come back from the drive like any other). If the write then
-    # fails, the bytes are lost unless the engine hands back its host copy (the error's
-    # ``host_copy``), which the entry then keeps and copies back to the device when
-    # backward needs it; without one the entry is LOST and its unpack raises, naming the
-    # write's error. CPU tensors are written in place, so for them staging is completion.
-
-    def _write_staged(self, entry: Entry, future: IOFuture) -> None:
-        """The engine staged ``entry``'s bytes (NOTE [Released at staging]). Runs on an
-        engine thread, before the write's completion."""
-        with self.lock:
-            if entry.state is not EntryState.WRITING or entry.wanted or future.done():
-                return
-            entry.state = EntryState.STAGED
-            self._set_data(entry, None)
-
-    def _write_done(self, entry: Entry, future: IOFuture) -> None:
-        # See NOTE [Entry lifetime]. Runs on an engine thread.
-        error = future.error()
-        with self.lock:
-            entry.write_future = None
-            self._writes.discard(future)
-            self._room.notify_all()
-            if entry.state is EntryState.STAGED:
-                self._staged_write_done(entry, future, error)
-                return
-            if isinstance(error, WriteCancelled):  # NOTE [Cancelled writes] in io/recovery.py
-                self.counters.bytes_write_cancelled += entry.nbytes
-                if entry.state is not EntryState.RELEASED:
-                    entry.state = EntryState.LOADED  # wanted or pinned: its data stays in memory
-                return
-            if error is not None:
-                self.counters.write_fallbacks += 1
-                self.counters.bytes_fallen_back += entry.nbytes
-                self.failures.failed(entry.store, entry.nbytes, entry.layer, "kept in memory instead", error)
-                if entry.state is not EntryState.RELEASED:
-                    entry.state = EntryState.RESIDENT
-                    entry.placement = Placement.KEEP
-                return
-            entry.handle = future.get()
-            entry.store.stored(entry.handle)
-            if entry.state is EntryState.RELEASED:
-                self._free_disk(entry)
-            elif entry.pinned or entry.wanted:
-                entry.state = EntryState.LOADED
-                self._free_disk(entry)
-            else:
-                entry.state = EntryState.ON_DISK
-                if entry.releasable:  # NOTE [Returning freed pages]
-                    self.counters.bytes_returned += release_pages(entry.data)
-                self._set_data(entry, None)
-
-    def _staged_write_done(self, entry: Entry, future: IOFuture, error: Optional[BaseException]) -> None:
-        """A STAGED entry's write completed (NOTE [Released at staging]). Caller holds the lock."""
-        if error is None:
-            entry.handle = future.get()
-            entry.store.stored(entry.handle)
-            entry.state = EntryState.ON_DISK
-            return
-        self.counters.write_fallbacks += 1
-        self.counters.bytes_fallen_back += entry.nbytes
-        host_copy = getattr(error, "host_copy", None)
-        if isinstance(host_copy, torch.Tensor):
-            self.failures.failed(entry.store, entry.nbytes, entry.layer,
-                                 "after its device memory was released; kept in host memory instead", error)
-            entry.on_host = True  # host memory: not counted as resident on the device
-            entry.data = host_copy
-            entry.state = EntryState.RESIDENT
-            entry.placement = Placement.KEEP
-            return
-        self.failures.failed(entry.store, entry.nbytes, entry.layer,
-                             "after its device memory was released; lost, backward cannot have it", error)
-        entry.state = EntryState.LOST
-        entry.lost = error
-
-    def _cancel_write(self, entry: Entry) -> None:
-        """``entry``'s write in flight is no longer worth finishing: its bytes stay in
-        memory until released, or nobody needs them (NOTE [Cancelled writes] in
-        ``io/recovery.py``). Caller holds the lock; the write's callback completes it."""
-        if entry.write_future is not None and (entry.state is not EntryState.STAGED):
-            entry.write_future.cancel()  # a STAGED write is the only copy (NOTE [Released at staging])
+        """Queue a new moved entry's write (:meth:`ForwardWrites.write`); called without
+        the lock."""
+        self.writes.write(entry)
 
     def drain(self) -> None:
         """Wait until every queued write, and every read in flight, has completed (or
@@ -359,7 +226,7 @@ class EntryTable:
         unneeded; their blobs are freed when they complete, so the step's disk bytes are
         counted after them."""
         with self.lock:
-            pending = list(self._writes) + self.backward.in_flight()
+            pending = self.writes.in_flight() + self.backward.in_flight()
         for future in pending:
             future.wait_settled()  # its callback records a failure and frees what it leaves
 
@@ -388,7 +255,7 @@ class EntryTable:
         with self.lock:
             for entry in self._entries_of_storage(cdata):
                 if entry.write_future is not None:
-                    self._cancel_write(entry)
+                    self.writes.cancel(entry)
                     pending.append(entry.write_future)
         return pending
 
@@ -460,7 +327,7 @@ class EntryTable:
                 if entry.write_future is None:
                     self._free_disk(entry)
                 else:
-                    self._cancel_write(entry)
+                    self.writes.cancel(entry)
             record = entry.record
             if record.entries.get(entry.key) is entry:
                 del record.entries[entry.key]
@@ -497,4 +364,4 @@ class EntryTable:
         with self.lock:
             self.closed = True
             self.records.clear()
-        self.failures.flush()
+        self.writes.failures.flush()

@@ -2,7 +2,7 @@
 
 NOTE [Failed write warnings]: a write that fails keeps its tensor in memory (or in host
 memory, or loses it after its device memory went: NOTE [Released at staging] in
-``entries.py``), and each such failure used to log one line: a full disk gave about 24
+``writes.py``), and each such failure used to log one line: a full disk gave about 24
 a step, for as long as the run lasted. Now the first failure on each offload path is
 told in full (bytes, layer, file, offset, errno), and the ones after it on the same
 path are counted: at most one line per path every ``period_s`` (60 s) gives how many

@@ -28,7 +28,7 @@ class EntryState(enum.Enum):
     """In memory, write in flight."""
     STAGED = "staged"
     """Write in flight, memory released: the bytes are in the engine's host staging (a
-    device tensor, NOTE [Released at staging] in ``entries.py``)."""
+    device tensor, NOTE [Released at staging] in ``writes.py``)."""
     LOST = "lost"
     """Its write failed after its memory was released at staging: the bytes are gone."""
     ON_DISK = "on_disk"
@@ -106,7 +106,7 @@ class Entry:
     ``min_tensor_bytes`` or saved outside any layer."""
     on_host: bool = False
     """Its bytes are a host copy the engine handed back after a failed staged write (NOTE
-    [Released at staging] in ``entries.py``): not counted as resident, copied to
+    [Released at staging] in ``writes.py``): not counted as resident, copied to
     ``device`` when backward needs them."""
     lost: Optional[BaseException] = None
     """Why a LOST entry's bytes are gone (its write's error)."""

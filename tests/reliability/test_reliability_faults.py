@@ -670,9 +670,9 @@ def test_a_full_disk_is_told_once_per_path_then_every_period_with_counts(tmp_pat
     with loopfs.ext4(str(tmp_path), size_mib=4) as mnt:
         with _cache([mnt], file_grow_bytes=1 << 20) as cache:
             cache.register_layers(model.layers)
-            cache.entries.failures.clock = lambda: now[0]
+            cache.entries.writes.failures.clock = lambda: now[0]
             losses, stats = _train(model, batches[:2], cache)
-            now[0] += cache.entries.failures.period_s  # a period passes
+            now[0] += cache.entries.writes.failures.period_s  # a period passes
             more, more_stats = _train(model, batches[2:], cache)
         stats += more_stats
         losses += more
