@@ -1,5 +1,6 @@
 """A scripted I/O engine for the entry state machine's tests: I/O completes when the
-test says, in the order it chooses, never by timing."""
+test says, in the order it chooses, never by timing. And stand-ins for the entry table
+that its two sides (``cache/backward.py``, ``cache/writes.py``) are tested over."""
 
 import errno
 import threading
@@ -7,10 +8,12 @@ from typing import List, Optional, Tuple
 
 import torch
 
+from megatron_ssd.cache.device import HostClock
+from megatron_ssd.cache.stats import Counters, LayerCounters
 from megatron_ssd.errors import OffloadIOError, WriteCancelled
 from megatron_ssd.io.base import Engine, EngineStats, Extent, IOFuture, SwapHandle
 
-__all__ = ["ScriptedEngine", "io_error"]
+__all__ = ["ScriptedEngine", "ScriptedTable", "ScriptedWriteTable", "io_error"]
 
 
 def io_error(message: str, code: int) -> OffloadIOError:
@@ -153,3 +156,46 @@ class ScriptedEngine(Engine):
 
     def close(self) -> None:
         pass
+
+
+class ScriptedTable:
+    """Exactly the members of ``TableState`` (``cache/backward.py``), plus the table's
+    transitions that its sides are given, which log each call."""
+
+    __slots__ = ("lock", "clock", "counters", "resident", "closed", "calls")
+
+    def __init__(self) -> None:
+        self.lock = threading.RLock()
+        self.clock = HostClock()
+        self.counters = Counters()
+        self.resident = 0
+        self.closed = False
+        self.calls = []
+
+    def layer(self, layer_id):
+        return self.counters.layers.setdefault(layer_id, LayerCounters())
+
+    def set_data(self, entry, data):
+        self.calls.append(("set_data", data is not None))
+        self.resident += (entry.nbytes if data is not None else 0) - (entry.nbytes if entry.data is not None else 0)
+        entry.data = data
+
+    def free_disk(self, entry):
+        self.calls.append(("free_disk", entry.handle is not None))
+        if entry.handle is not None:
+            entry.store.discard(entry.handle)
+            entry.handle = None
+
+    def cancel_write(self, entry):
+        self.calls.append(("cancel_write", entry.write_future is not None))
+
+
+class ScriptedWriteTable(ScriptedTable):
+    """Exactly the members of ``WriteTable`` (``cache/writes.py``): those of
+    ``TableState`` and ``release_at_staging``."""
+
+    __slots__ = ("release_at_staging",)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.release_at_staging = False

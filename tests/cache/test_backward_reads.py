@@ -2,52 +2,18 @@
 over a table that has only the members of :class:`TableState`, and the three transitions
 it is given, so it is shown to need nothing else of the entry table."""
 
-import threading
-
 import torch
 
 from megatron_ssd.cache.backward import BackwardReads
-from megatron_ssd.cache.device import HostClock
 from megatron_ssd.cache.policy import PlacementPolicy
 from megatron_ssd.cache.record import Entry, EntryState, Record
-from megatron_ssd.cache.stats import Counters, LayerCounters
+from megatron_ssd.cache.stats import Counters
 from megatron_ssd.config import OffloadConfig, Placement
 from megatron_ssd.io.store import BlobStore
 
-from scripted import ScriptedEngine
+from scripted import ScriptedEngine, ScriptedTable
 
 NBYTES = 4096
-
-
-class Table:
-    """Exactly the members of ``TableState``, plus the transitions, which log each call."""
-
-    __slots__ = ("lock", "clock", "counters", "resident", "closed", "calls")
-
-    def __init__(self) -> None:
-        self.lock = threading.RLock()
-        self.clock = HostClock()
-        self.counters = Counters()
-        self.resident = 0
-        self.closed = False
-        self.calls = []
-
-    def layer(self, layer_id):
-        return self.counters.layers.setdefault(layer_id, LayerCounters())
-
-    def set_data(self, entry, data):
-        self.calls.append(("set_data", data is not None))
-        self.resident += (entry.nbytes if data is not None else 0) - (entry.nbytes if entry.data is not None else 0)
-        entry.data = data
-
-    def free_disk(self, entry):
-        self.calls.append(("free_disk", entry.handle is not None))
-        if entry.handle is not None:
-            entry.store.discard(entry.handle)
-            entry.handle = None
-
-    def cancel_write(self, entry):
-        self.calls.append(("cancel_write", entry.write_future is not None))
 
 
 def reads_over(engine: ScriptedEngine, limit=None):
@@ -58,7 +24,7 @@ def reads_over(engine: ScriptedEngine, limit=None):
     policy.layers = [0, 1]
     policy.set_plan({0: "offload", 1: "offload"})
     policy.resident_limit = limit
-    table = Table()
+    table = ScriptedTable()
     reads = BackwardReads(table, policy, table.set_data, table.free_disk, table.cancel_write)
     store = BlobStore(engine, "ssd")
     t = torch.arange(NBYTES // 4, dtype=torch.float32)

@@ -3,50 +3,18 @@ table that has only the members of :class:`WriteTable`, and the two transitions 
 given, so it is shown to need nothing else of the entry table. Writes complete when the
 scripted store says so."""
 
-import threading
-
 import torch
 
-from megatron_ssd.cache.device import HostClock
 from megatron_ssd.cache.policy import PlacementPolicy
 from megatron_ssd.cache.record import Entry, EntryState, Record
-from megatron_ssd.cache.stats import Counters, LayerCounters
+from megatron_ssd.cache.stats import Counters
 from megatron_ssd.cache.writes import ForwardWrites
 from megatron_ssd.config import IOConfig, OffloadConfig, Placement
 from megatron_ssd.io.store import BlobStore
 
-from scripted import ScriptedEngine
+from scripted import ScriptedEngine, ScriptedWriteTable
 
 NBYTES = 4096
-
-
-class Table:
-    """Exactly the members of ``WriteTable``, plus the transitions, which log each call."""
-
-    __slots__ = ("lock", "clock", "counters", "resident", "closed", "release_at_staging", "calls")
-
-    def __init__(self) -> None:
-        self.lock = threading.RLock()
-        self.clock = HostClock()
-        self.counters = Counters()
-        self.resident = 0
-        self.closed = False
-        self.release_at_staging = False
-        self.calls = []
-
-    def layer(self, layer_id):
-        return self.counters.layers.setdefault(layer_id, LayerCounters())
-
-    def set_data(self, entry, data):
-        self.calls.append(("set_data", data is not None))
-        self.resident += (entry.nbytes if data is not None else 0) - (entry.nbytes if entry.data is not None else 0)
-        entry.data = data
-
-    def free_disk(self, entry):
-        self.calls.append(("free_disk", entry.handle is not None))
-        if entry.handle is not None:
-            entry.store.discard(entry.handle)
-            entry.handle = None
 
 
 def writes_over(engine: ScriptedEngine, on_backpressure="wait"):
@@ -54,7 +22,7 @@ def writes_over(engine: ScriptedEngine, on_backpressure="wait"):
     memory (counted as resident)."""
     config = OffloadConfig(paths=["/unused"], min_tensor_bytes=1024, io=IOConfig(on_backpressure=on_backpressure))
     policy = PlacementPolicy(config, host_available=False)
-    table = Table()
+    table = ScriptedWriteTable()
     writes = ForwardWrites(table, config, policy, {Placement.OFFLOAD: BlobStore(engine, "ssd")},
                            table.set_data, table.free_disk)
     t = torch.arange(NBYTES // 4, dtype=torch.float32)
