@@ -5,7 +5,8 @@
 # and the Megatron pipeline tests, train a GPT sized for the GPU with keep, recompute,
 # offload-all and the planner (POSIX engine, and kvikio when it imports), run Megatron-LM's
 # own pretrain_gpt.py without and with --ssd-offload and with selective recompute, measure the
-# offload path (bench-io) and the host/device copy bandwidth; write OUT/gpu-check.json
+# offload path (bench-io) and the host/device copy bandwidth, and the engines and the planner on
+# an emulated 4- and 8-drive NVMe array (scripts/array_standin.sh; root); write OUT/gpu-check.json
 # (one entry per part: passed, failed or skipped, the reason, its numbers) and
 # OUT/gpu-check.log, and print a one-screen summary. Without a CUDA device it runs the
 # parts that need none and marks every GPU part skipped with the reason.
@@ -25,7 +26,7 @@
 #   --bench-size SIZE  bytes bench-io writes per setting (default 1GiB with a GPU, 64MiB without)
 #   --timeout PART=S   one part's timeout in seconds (defaults: install 120, environment 60,
 #                      copy-bandwidth 60, bench-io 90, pytest-gpu 150, train 270, pretrain 240,
-#                      pytest-pipeline 150)
+#                      array 300, pytest-pipeline 150)
 #   --install          install missing wheels even without a GPU (default: only with one)
 #   --print-python     print the interpreter the check would use and its mode (gpu or
 #                      no-gpu), then exit; OUT is not needed
@@ -40,12 +41,12 @@ set -euo pipefail
 
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 REPO="$(cd "$HERE/.." && pwd)"
-PARTS=(install environment copy-bandwidth bench-io pytest-gpu train pretrain pytest-pipeline)
+PARTS=(install environment copy-bandwidth bench-io pytest-gpu train pretrain array pytest-pipeline)
 declare -A TIMEOUT=([install]=120 [environment]=60 [copy-bandwidth]=60 [bench-io]=90 [pytest-gpu]=150
-    [train]=270 [pretrain]=240 [pytest-pipeline]=150)
+    [train]=270 [pretrain]=240 [array]=300 [pytest-pipeline]=150)
 # A part whose timeout the budget cuts below this is not started.
 declare -A MINIMUM=([install]=10 [environment]=10 [copy-bandwidth]=10 [bench-io]=15 [pytest-gpu]=30
-    [train]=60 [pretrain]=90 [pytest-pipeline]=30)
+    [train]=60 [pretrain]=90 [array]=90 [pytest-pipeline]=30)
 SUMMARY_RESERVE=15 # seconds kept for writing the JSON and the summary
 NO_CUDA="no CUDA device visible"
 PIPELINE_TESTS=(tests/megatron/test_megatron_offload.py tests/megatron/test_megatron_parallel.py)
@@ -316,6 +317,10 @@ run_all() {
     else
         skip_part pretrain "$NO_CUDA: its CPU mode (three pretrain_gpt.py --cpu runs) is a test (make test runs it)"
     fi
+    # An emulated NVMe array, one loop device over tmpfs per drive, block-throttled: bench-io on
+    # it, and with a GPU the planner; without one, 2 drives at small sizes (skipped without root).
+    run_part array "$PY" -m megatron_ssd.commands.gpu_check_array --mode "$MODE" \
+        --budget-s "$(($(part_timeout array) - TRAIN_MARGIN))"
     # These compare Megatron's schedules over gloo on the CPU, hiding CUDA themselves (the
     # cpu_only fixture of tests/megatron/conftest.py): the installed megatron-core on this torch.
     if ((gpu)); then

@@ -18,8 +18,9 @@ bound starts from (NOTE [Wear model]).
 from __future__ import annotations
 
 import os
+import resource
 import time
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -60,22 +61,33 @@ class _ExitGuarded:
         self.engine.close()
 
 
-def measure_path(path: str, total_bytes: int, threads: int, block_bytes: int, blob_bytes: int = 64 * MiB) -> Dict[str, Any]:
-    """Write then read ``total_bytes`` under ``path``; return bytes/s of each direction."""
-    io = IOConfig(engine="posix", threads=threads, block_bytes=block_bytes, max_inflight_bytes=4 * blob_bytes)
-    config = OffloadConfig(paths=[path], io=io, device="cpu")
-    blob = torch.randint(0, 256, (blob_bytes,), dtype=torch.uint8)
+def _cpu_s() -> float:
+    """This process's user + system CPU seconds so far (its I/O worker threads included)."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def measure_path(path: Union[str, Sequence[str]], total_bytes: int, threads: int, block_bytes: int,
+                 blob_bytes: int = 64 * MiB, engine_name: str = "posix", device: str = "cpu") -> Dict[str, Any]:
+    """Write then read ``total_bytes`` under ``path`` (several paths: blocks striped over
+    them, as ``offload.paths`` does); return bytes/s and the process's CPU seconds of each
+    direction (``resource.getrusage``: the engine's threads count, so does any other
+    thread of this process)."""
+    paths = [path] if isinstance(path, str) else list(path)
+    io = IOConfig(engine=engine_name, threads=threads, block_bytes=block_bytes, max_inflight_bytes=4 * blob_bytes)
+    config = OffloadConfig(paths=paths, io=io, device=device)
+    blob = torch.randint(0, 256, (blob_bytes,), dtype=torch.uint8).to(device)
     count = max(1, total_bytes // blob_bytes)
     engine = create_engine(config)
     guard = _ExitGuarded(engine)
     EXIT_GUARD.add(guard)
     try:
-        started = time.perf_counter()
+        started, cpu = time.perf_counter(), _cpu_s()
         handles = [f.get() for f in [engine.write(blob) for _ in range(count)]]
-        write_s = time.perf_counter() - started
+        write_s, write_cpu_s = time.perf_counter() - started, _cpu_s() - cpu
         # one source, so one skew: targets placed like the tensor cache places them
-        dst = [engine.alloc(blob_bytes, torch.device("cpu"), handles[0]) for _ in range(min(4, count))]
-        started = time.perf_counter()
+        dst = [engine.alloc(blob_bytes, torch.device(device), handles[0]) for _ in range(min(4, count))]
+        started, cpu = time.perf_counter(), _cpu_s()
         pending = []
         for i, h in enumerate(handles):
             pending.append(engine.read(h, dst[i % len(dst)]))
@@ -83,7 +95,7 @@ def measure_path(path: str, total_bytes: int, threads: int, block_bytes: int, bl
                 pending.pop(0).get()
         for f in pending:
             f.get()
-        read_s = time.perf_counter() - started
+        read_s, read_cpu_s = time.perf_counter() - started, _cpu_s() - cpu
         if not torch.equal(dst[(count - 1) % len(dst)][:blob_bytes], blob):
             raise ConfigError(f"bench-io: data read back from {path!r} differs from what was written")
     finally:
@@ -91,7 +103,8 @@ def measure_path(path: str, total_bytes: int, threads: int, block_bytes: int, bl
         EXIT_GUARD.discard(guard)
     nbytes = count * blob_bytes
     return {"threads": threads, "block_bytes": block_bytes, "bytes": nbytes,
-            "write_bytes_per_s": nbytes / write_s, "read_bytes_per_s": nbytes / read_s}
+            "write_bytes_per_s": nbytes / write_s, "read_bytes_per_s": nbytes / read_s,
+            "write_cpu_s": write_cpu_s, "read_cpu_s": read_cpu_s}
 
 
 def check_size(text: str, total: int, path: str) -> None:
