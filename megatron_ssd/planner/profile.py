@@ -234,14 +234,24 @@ class IOProfile:
     host_bytes_per_s: Optional[Annotated[float, Number(Positive())]] = None
     """Copy bandwidth between the compute device and the host-memory pool, in bytes per
     second each way (a GPU's PCIe link to pinned memory: about 25e9 on PCIe 4 x16, 50e9
-    on PCIe 5 x16). ``None``: no host tier to plan with (``Placement.HOST``). Host copies
-    have their own queue and do not slow compute (a GPU's copy engines run them)."""
+    on PCIe 5 x16). ``None``: no host tier to plan with (``Placement.HOST``) and no link
+    that SSD traffic crosses. Host copies do not slow compute (a GPU's copy engines run
+    them); with ``shared_host_link`` the SSD's requests cross the same link (NOTE [Shared
+    link] in ``step_timeline.py``)."""
 
     max_inflight_bytes: Optional[Annotated[int, Integer(Positive())]] = None
     """Most bytes of SSD writes the engine holds queued or in flight
     (``io.max_inflight_bytes`` with ``io.on_backpressure: wait``); a forward whose next
     tensor would take them over waits until enough writes complete (NOTE [In-flight bound]
     in ``step_timeline.py``). ``None``: no bound (profiles written before the field)."""
+
+    shared_host_link: Annotated[bool, Boolean()] = True
+    """Whether the SSD's writes and reads cross the host link too, each occupying it for
+    its bytes / ``host_bytes_per_s`` (NOTE [Shared link] in ``step_timeline.py``): true on
+    a GPU, whose SSD bytes cross its PCIe link to the host (staged through pinned memory,
+    or by GPUDirect Storage over the same link); false on a CPU, where the drives are
+    written from memory in place and a paced host tier (``offload.host_copy_bytes_per_s``)
+    is a link of its own. Without ``host_bytes_per_s`` it has no effect."""
 
     def __post_init__(self) -> None:
         _settle(self)

@@ -4,19 +4,24 @@
 (:func:`~megatron_ssd.planner.step_timeline.predict`): with the SSD bandwidths derated by the
 safety margin to choose, and with the measured ones to check. Two searches:
 
-- :meth:`PlacementSearch.max_offload`: first fit in forward order, OFFLOAD only, no
-  stall, no forwarding and no more predicted step time than ``max_slowdown`` allows
-  (NOTE [Slowdown bound]); a layer whose sites do not all fit offloads the longest
-  prefix of them that does (NOTE [Sites]);
-- :meth:`PlacementSearch.meet_budget`: greedy single-layer moves (KEEP -> OFFLOAD,
-  KEEP -> RECOMPUTE, OFFLOAD -> RECOMPUTE) by memory benefit per second of step time,
-  until the predicted peak fits, then undoing the moves the budget does not need and
-  trimming each OFFLOAD or HOST layer to the fewest sites that still meet it (less wear).
+- :meth:`PlacementSearch.max_offload`: first fit in forward order, the host pool first
+  and then the SSDs, no stall, no forwarding and no more predicted step time than
+  ``max_slowdown`` allows (NOTE [Slowdown bound]); a layer whose sites do not all fit
+  moves the longest prefix of them that does (NOTE [Sites]); then layers the host tier
+  could not take are given to it in exchange for a hosted layer the SSDs can take
+  (NOTE [Tier preference]);
+- :meth:`PlacementSearch.meet_budget`: greedy single-layer moves (KEEP -> HOST,
+  KEEP -> OFFLOAD, KEEP -> RECOMPUTE, HOST or OFFLOAD -> RECOMPUTE) by memory benefit per
+  second of step time, until the predicted peak fits, then undoing the moves the budget
+  does not need (a recomputed layer turned kept, hosted or offloaded where that is no
+  slower), hosting what the SSDs carry where the pool allows, and trimming each OFFLOAD
+  or HOST layer to the fewest sites that still meet it (less wear).
 
 Both return one :class:`~megatron_ssd.placement.LayerChoice` per layer in forward order
 (:data:`Choices`): its placement and, for an OFFLOAD or HOST layer, how many of its sites it
 moves; the read-ahead is the search's depth, left unset. With a host pool both also place
-layers HOST (NOTE [Host tier]).
+layers HOST (NOTE [Host tier] in ``step_timeline.py``), preferring it to the SSDs (NOTE
+[Tier preference]).
 
 Exhaustive search (3^n placements) is out of reach beyond a handful of layers, and the
 placement that matters is structured: the earliest layers have the most time on both
@@ -208,24 +213,101 @@ class PlacementSearch(ModuleMoves):
             return False
         return self.max_slowdown is None or tl.step_s <= self._shortest_step_s * (1 + self.max_slowdown) + 1e-12
 
+    # NOTE [Tier preference]
+    # Where the host pool and the SSDs would both hide a layer's bytes, the layer is
+    # hosted: a host copy costs no drive wear and, at a link faster than the drives, less
+    # time, and on a shared link an SSD request spends as much link time as a host copy
+    # of the same bytes (NOTE [Shared link] in ``step_timeline.py``). The SSDs take what
+    # the pool cannot: bytes beyond its budget, or, where the link is the host tier's own,
+    # copies it is too busy to hide. But the pool is bytes and the SSDs are time: a pool
+    # filled with the earliest layers, which the SSDs would also hide, can leave a later
+    # layer that only the faster copy hides with nowhere to go. So the tiers are ranked
+    # by what the plan costs, not by a fixed order:
+    # - ``max_offload`` fills the pool first, then the SSDs, each first fit in forward
+    #   order; then, forward, each layer still kept is offered to the pool in exchange for
+    #   a hosted layer moved to the SSDs (earliest first: the SSDs hide early layers best),
+    #   taken when the predicted peak drops with everything still hidden; the first layer
+    #   no exchange helps ends the pass (hiding only gets harder for later layers). The
+    #   plan that fills the SSDs first and the pool after (the order this goal used
+    #   before) is built too, and kept only when its predicted peak is lower, or equal
+    #   with fewer bytes written to the SSDs;
+    # - ``meet_budget`` scores every move by the peak it removes per second of step time
+    #   it adds; of two moves with equal score the host one comes first. A recompute costs
+    #   its forward, a move that hides costs nothing, so recompute is chosen only where
+    #   moving would expose more time. The clean-up then turns each recomputed layer kept,
+    #   hosted or offloaded (in that order) where the step is no slower and the budget
+    #   still holds, hosted through the same exchange where the pool is full, and turns
+    #   offloaded layers hosted where the pool has room and the step is no slower. The
+    #   same search with ties going to the SSDs runs too, and the plan with the shorter
+    #   predicted step is kept, on equal steps the one writing fewer SSD bytes.
+    # Each alternative costs one more search, run only when both tiers are there.
+
     def max_offload(self) -> Choices:
-        """The most OFFLOAD bytes whose I/O the model hides completely (within
-        ``max_slowdown``, NOTE [Slowdown bound]), then with a host
-        pool the most HOST bytes among the layers left (NOTE [Host tier]), less those
-        that do not lower the predicted peak (:meth:`without_idle_writes`)."""
+        """The most HOST, then OFFLOAD, bytes whose copies and I/O the model hides
+        completely (within ``max_slowdown``, NOTE [Slowdown bound]), exchanged where a full
+        pool keeps the SSDs from hiding more (NOTE [Tier preference]), less those that do
+        not lower the predicted peak (:meth:`without_idle_writes`)."""
         # First fit in forward order: an earlier layer's write has the most forward
         # compute left to drain behind and its read is needed last, so for layers of
         # equal size and time the admitted set is the longest admissible prefix; with
         # unequal layers a layer that does not fit is skipped and later ones still tried.
-        # A layer that does not fit whole offloads the longest prefix of its sites that
+        # A layer that does not fit whole moves the longest prefix of its sites that
         # does (NOTE [Sites]): hiding shrinks as a layer's bytes grow, so it is found by
         # bisection.
         choices: Choices = [_KEEP] * self.n
-        if self.drives:
-            self._first_fit(choices, Placement.OFFLOAD)
-        if self.host_budget_bytes:  # what the SSDs could not take goes to the host pool
+        if self.host_budget_bytes:
             self._first_fit(choices, Placement.HOST)
-        return self.without_idle_writes(choices)
+        if self.drives:  # what the pool could not take goes to the SSDs
+            self._first_fit(choices, Placement.OFFLOAD)
+        if not (self.host_budget_bytes and self.drives):
+            return self.without_idle_writes(choices)
+        peaks = [self.judge(choices).peak_bytes, self.check(choices).peak_bytes]
+
+        def lower(trial: Choices, tl: Timeline) -> bool:
+            if not (self.within_bound(tl) and self.allowed(trial, tl)) or tl.peak_bytes >= peaks[0]:
+                return False
+            checked = self.check(trial)
+            if not self.within_bound(checked) or checked.peak_bytes > peaks[1]:
+                return False
+            peaks[:] = [tl.peak_bytes, checked.peak_bytes]
+            return True
+
+        kept = [i for i, layer in enumerate(self.stage.layers) if layer.saved_bytes]
+        hosted_first = self.without_idle_writes(self._exchange(choices, kept, Placement.KEEP, lower))
+        by_order: Choices = [_KEEP] * self.n  # the SSDs first, then the pool
+        self._first_fit(by_order, Placement.OFFLOAD)
+        self._first_fit(by_order, Placement.HOST)
+        by_order = self.without_idle_writes(by_order)
+
+        def price(c: Choices) -> Tuple[int, int, int]:
+            tl = self.judge(c)
+            return tl.peak_bytes, self.check(c).peak_bytes, tl.offloaded_bytes
+
+        return by_order if price(by_order) < price(hosted_first) else hosted_first
+
+    def _exchange(self, choices: Choices, layers: Sequence[int], placed: Placement,
+                  better: Callable[[Choices, Timeline], bool]) -> Choices:
+        """Forward through ``layers``, each still ``placed``: host it whole where
+        ``better`` says so, alone or with one hosted layer moved to the SSDs (its sites
+        kept, the earliest that works); stop at the first layer neither helps (NOTE [Tier
+        preference])."""
+        for i in layers:
+            if choices[i].placement is not placed:
+                continue
+            alone = replaced(choices, i, LayerChoice(Placement.HOST))
+            if better(alone, self.judge(alone)):
+                choices = alone
+                continue
+            for j, c in enumerate(choices):
+                if c.placement is not Placement.HOST:
+                    continue
+                trial = replaced(alone, j, LayerChoice(Placement.OFFLOAD, c.sites))
+                if better(trial, self.judge(trial)):
+                    choices = trial
+                    break
+            else:
+                break
+        return choices
 
     def _first_fit(self, choices: Choices, target: Placement) -> None:
         """Move KEEP layers to ``target`` in forward order, each whole or the longest prefix
@@ -289,12 +371,32 @@ class PlacementSearch(ModuleMoves):
         return choices
 
     def meet_budget(self, budget: int, allow_recompute: bool, limit_name: str = "memory_budget") -> Choices:
-        """Greedy moves until the predicted peak fits ``budget``; see the module docstring.
+        """Greedy moves until the predicted peak fits ``budget``, then the clean-up; see
+        the module docstring. With both tiers, the search runs twice, ties going to the
+        host tier and then to the SSDs, and keeps the plan with the shorter predicted step,
+        on equal steps the one writing fewer SSD bytes (NOTE [Tier preference]).
 
-        A layer's moves (:func:`_moves`): to OFFLOAD whole, to OFFLOAD the longest
-        prefix of its sites that adds no predicted step time (``part``, NOTE [Sites];
-        the share of the layer its window carries, and under a wear bound the share the
-        drives can take), and to RECOMPUTE. Each step takes the move with the best score
+        Raises:
+            PlanInfeasibleError: no placement reaches ``budget``.
+        """
+        choices = self._greedy(budget, allow_recompute, limit_name, host_first=True)
+        if not (self.host_budget_bytes and self.drives):
+            return choices
+        other = self._greedy(budget, allow_recompute, limit_name, host_first=False)
+        tl, tl_other = self.judge(choices), self.judge(other)
+        eps = 1e-9 * tl.compute_s + 1e-12
+        if tl_other.step_s < tl.step_s - eps or (
+                tl_other.step_s <= tl.step_s + eps and tl_other.offloaded_bytes < tl.offloaded_bytes):
+            return other
+        return choices
+
+    def _greedy(self, budget: int, allow_recompute: bool, limit_name: str, host_first: bool) -> Choices:
+        """One greedy search and its clean-up, ties going to the host tier or to the SSDs.
+
+        A layer's moves (:func:`_moves`): to HOST or OFFLOAD whole, to HOST or OFFLOAD the
+        longest prefix of its sites that adds no predicted step time (``part``, NOTE
+        [Sites]; the share of the layer its window carries, and under a wear bound the
+        share the drives can take), and to RECOMPUTE. Each step takes the move with the best score
         (:meth:`_score`) against the current placement. Up to ``_EAGER_LAYERS`` layers
         every move is scored again after each step: O(n) timeline replays per step,
         O(n^3) work in all. Beyond, scoring is lazy (as in lazy greedy submodular
@@ -317,7 +419,8 @@ class PlacementSearch(ModuleMoves):
         def moves(i: int) -> List[str]:
             layer = self.stage.layers[i]
             return _moves(choices[i], len(layer.sites), allow_recompute and layer.recomputable,
-                          self.host_budget_bytes > 0, self.drives) + self._module_moves(i, choices[i], allow_recompute)
+                          self.host_budget_bytes > 0, self.drives, host_first
+                          ) + self._module_moves(i, choices[i], allow_recompute)
 
         def push_moves(i: int) -> None:
             for rank, move in enumerate(moves(i)):
@@ -368,6 +471,8 @@ class PlacementSearch(ModuleMoves):
                 raise PlanInfeasibleError(budget, int(self.smallest_peak or keep_peak), self.stage, keep_peak,
                                           self.max_write_bytes_per_s, limit_name, drives=self.drives)
         choices = self._relax(choices, tl, budget, eps)
+        if self.host_budget_bytes:  # NOTE [Tier preference]
+            choices = self._to_host(choices, budget, eps)
         choices = self._trim(choices, budget, eps)
         return self._modules_finish(choices, lambda c, t: self.fits(c, t, budget) and self.allowed(c, t), eps)
 
@@ -422,13 +527,16 @@ class PlacementSearch(ModuleMoves):
         return (_NO_BENEFIT, 0.0, 0.0, i, rank)
 
     def _relax(self, choices: Choices, tl: Timeline, budget: int, eps: float) -> Choices:
-        """Undo changes the budget does not need, when that does not slow the step."""
+        """Undo changes the budget does not need, when that does not slow the step: a
+        moved layer back to KEEP, a recomputed one to KEEP, HOST or OFFLOAD (NOTE [Tier
+        preference])."""
         changed = True
         while changed:
             changed = False
             for i in range(self.n - 1, -1, -1):
                 for target in _weaker(choices[i].placement):
-                    if target is Placement.OFFLOAD and not self.drives:
+                    if (target is Placement.OFFLOAD and not self.drives) or (
+                            target is Placement.HOST and not self.host_budget_bytes):
                         continue
                     trial = replaced(choices, i, LayerChoice(target))
                     ttl = self.judge(trial)
@@ -437,6 +545,29 @@ class PlacementSearch(ModuleMoves):
                         continue
                     choices, tl, changed = trial, ttl, True
                     break
+        return choices
+
+    def _to_host(self, choices: Choices, budget: int, eps: float) -> Choices:
+        """The clean-up's host passes (NOTE [Tier preference]): each recomputed layer
+        still left hosted through an exchange where the pool is full, then each OFFLOAD
+        layer hosted (its sites kept) where the pool has room; each change only where
+        the step is no slower and the budget still holds."""
+        step = [self.judge(choices).step_s]
+
+        def no_slower(trial: Choices, tl: Timeline) -> bool:
+            if not self.allowed(trial, tl) or tl.step_s > step[0] + eps or not self.fits(trial, tl, budget):
+                return False
+            step[0] = tl.step_s
+            return True
+
+        if self.drives:
+            recomputed = [i for i, c in enumerate(choices) if c.placement is Placement.RECOMPUTE]
+            choices = self._exchange(choices, recomputed, Placement.RECOMPUTE, no_slower)
+        for i, c in enumerate(choices):
+            if c.placement is Placement.OFFLOAD:
+                trial = replaced(choices, i, LayerChoice(Placement.HOST, c.sites))
+                if no_slower(trial, self.judge(trial)):
+                    choices = trial
         return choices
 
     def _trim(self, choices: Choices, budget: int, eps: float) -> Choices:
@@ -471,14 +602,16 @@ def replaced(values: List, i: int, value) -> List:
 
 
 def _moves(now: LayerChoice, site_count: int, allow_recompute: bool, allow_host: bool,
-           allow_offload: bool = True) -> List[str]:
-    """The moves that make a layer hold fewer bytes, OFFLOAD whole first: ``offload``,
-    ``offload-part`` (offload a longer prefix of its sites, NOTE [Sites]; with
-    ``allow_offload``), ``host`` and ``host-part`` (the same into the host pool, NOTE
-    [Host tier]; with ``allow_host``) and ``recompute``."""
+           allow_offload: bool = True, host_first: bool = True) -> List[str]:
+    """The moves that make a layer hold fewer bytes, in the order that breaks a tie of
+    scores (NOTE [Tier preference]): ``host`` and ``host-part`` (into the host pool, whole
+    or a longer prefix of its sites, NOTE [Sites]; with ``allow_host``), ``offload`` and
+    ``offload-part`` (the same onto the SSDs; with ``allow_offload``), the SSDs' first
+    without ``host_first``; then ``recompute``."""
     current, sites = now.placement, now.sites
     out = []
-    for target in (Placement.OFFLOAD, Placement.HOST):
+    tiers = (Placement.HOST, Placement.OFFLOAD) if host_first else (Placement.OFFLOAD, Placement.HOST)
+    for target in tiers:
         if (target is Placement.HOST and not allow_host) or (target is Placement.OFFLOAD and not allow_offload):
             continue
         partial = current is target and sites is not None
@@ -496,9 +629,10 @@ def _target_placement(move: str) -> Placement:
 
 
 def _weaker(current: Placement) -> List[Placement]:
-    """Placements that hold more bytes than ``current``, KEEP first."""
+    """Placements that hold more bytes than ``current``, KEEP first, then HOST before
+    OFFLOAD (NOTE [Tier preference])."""
     if current is Placement.RECOMPUTE:
-        return [Placement.KEEP, Placement.OFFLOAD]
+        return [Placement.KEEP, Placement.HOST, Placement.OFFLOAD]
     if current in MOVED:
         return [Placement.KEEP]
     return []

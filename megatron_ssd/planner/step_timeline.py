@@ -13,6 +13,7 @@ discusses their limits.
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass, field
 from typing import Callable, List, Optional, Sequence, Tuple, Union
 
@@ -73,11 +74,31 @@ _EPS = 1e-12
 # NOTE [Host tier]
 # HOST layers are OFFLOAD layers whose bytes go to a bounded pool of host memory over the
 # device's host link instead of to the SSD array: same issue points, same memory
-# accounting, same forwarding rule, but their own FIFO queue at ``host_bytes_per_s``
-# each way, which the SSD queue does not wait for (a GPU copies to pinned memory on a
-# copy engine while GPUDirect Storage or the SSD engine's staging runs). Host copies do
-# not slow compute. The pool's bound is a planning constraint (the bytes one micro-batch
-# hosts times the micro-batches in flight), checked by the search, not by the replay.
+# accounting, same forwarding rule, but on the link (NOTE [Shared link]) at
+# ``host_bytes_per_s``, one copy at a time in either direction, not on the SSD queue.
+# Host copies do not slow compute (a GPU's copy engines run them). The pool's bound is a
+# planning constraint (the bytes one micro-batch hosts times the micro-batches in flight),
+# checked by the search, not by the replay.
+
+# NOTE [Shared link]
+# On a GPU every byte that leaves the device crosses one PCIe link: a host copy, and an
+# SSD request too, which the engine stages through pinned host memory (GPUDirect Storage
+# moves it over the same link). So with ``IOProfile.shared_host_link`` each SSD request
+# also occupies the link for its bytes / ``host_bytes_per_s``: a write's staging from the
+# time its request starts on the array, a read's copy back likewise (both stream block by
+# block beside the array's transfer), and the request ends when both its array transfer
+# and its link transfer have. The link carries one transfer at a time, each taking the
+# earliest idle span from its start on that is long enough (requests issued in time order
+# queue first come, first served, as on the array; a read staged behind a busy array
+# leaves the link free for copies issued before it starts). So host copies wait behind
+# SSD staging and SSD staging behind host copies, and the link caps both tiers together:
+# offloading a layer to the SSD spends as much link time as hosting it. Where the link is
+# faster than the array in both directions and carries nothing else, nothing changes: one
+# SSD request at a time needs less link time than array time. Without a link rate
+# (``host_bytes_per_s`` is None: a CPU with no paced host tier) there is no link and the
+# SSD queue alone bounds the drives' traffic. On a CPU (``shared_host_link`` false) the
+# drives are written from memory in place and a paced host tier's copies are a link of
+# their own: the host tier's copies use the link, the SSD requests do not.
 
 # NOTE [Compute slowdown]
 # While any request is in flight, compute advances at 1 / (1 + compute_slowdown) of its
@@ -257,6 +278,39 @@ class _DeviceQueue:
         return start, end
 
 
+class _Link:
+    """The device's host link: transfers one at a time, each in the earliest idle span
+    from its start on that is long enough (NOTE [Shared link])."""
+
+    def __init__(self) -> None:
+        self.busy: List[Tuple[float, float]] = []  # disjoint, in time order
+        self.free_at = 0.0
+        """When the last transfer ends (or the last host copy's layer finished saving)."""
+
+    def reserve(self, start: float, duration: float) -> Tuple[float, float]:
+        """Book ``duration`` seconds from ``start`` on; returns the transfer's (start, end)."""
+        if duration <= 0:
+            return start, start
+        i = bisect.bisect_right(self.busy, (start, float("inf"))) - 1
+        i = max(i, 0)
+        for j in range(i, len(self.busy)):
+            begin, end = self.busy[j]
+            if end <= start + _EPS:
+                continue
+            if start + duration <= begin + _EPS:
+                break
+            start = max(start, end)
+        bisect.insort(self.busy, (start, start + duration))
+        self.free_at = max(self.free_at, start + duration)
+        return start, start + duration
+
+    def extend_to(self, end: float, request_end: float) -> float:
+        """A host copy ends no earlier than ``end`` (its layer's last tensor is saved then),
+        though the link idles meanwhile; returns when it ends."""
+        self.free_at = max(self.free_at, end)
+        return max(request_end, end)
+
+
 class _Compute:
     """Replays compute segments, slowed while the queue is busy (NOTE [Compute slowdown])."""
 
@@ -342,14 +396,28 @@ def predict(
                           "and read_bytes_per_s are null: no profiling step moved a byte to the drives)")
 
     queue = _DeviceQueue()
-    link = _DeviceQueue()  # NOTE [Host tier]
+    link = _Link()  # NOTE [Host tier], NOTE [Shared link]
+    shared = io.host_bytes_per_s is not None and io.shared_host_link
     compute = _Compute(queue, io.compute_slowdown)
 
-    def channel(placement: Placement) -> Tuple[_DeviceQueue, float, float]:
+    def channel(placement: Placement) -> Tuple[Union[_DeviceQueue, _Link], float, float]:
         """The queue and the write and read bandwidths of a moved placement."""
         if placement is Placement.HOST:
             return link, io.host_bytes_per_s, io.host_bytes_per_s  # type: ignore[return-value]
         return queue, io.write_bytes_per_s, io.read_bytes_per_s
+
+    def transfer(q: Union[_DeviceQueue, _Link], issue: float, nbytes: int, bandwidth: float) -> Tuple[float, float]:
+        """(start, end) of ``nbytes`` moved through ``q`` from ``issue`` on: a host copy on
+        the link; an SSD request on the array, and on a shared link across it too (NOTE
+        [Shared link])."""
+        if q is link:
+            return link.reserve(issue, nbytes / bandwidth)
+        start, end = queue.submit(issue, nbytes / bandwidth)
+        if shared:
+            crossed = link.reserve(start, nbytes / io.host_bytes_per_s)[1]  # type: ignore[operator]
+            if crossed > end:  # the array waits for its bytes
+                end = queue.extend_to(crossed)
+        return start, end
     events: List[Tuple[float, int, int]] = []  # (time, 0 = release / 1 = allocate, delta)
 
     def hold(start: float, end: float, nbytes: int) -> None:
@@ -372,12 +440,12 @@ def predict(
                 first = None
                 for size in layer.sites[: len(layer.sites) if k is None else k]:
                     admitted = _admitted(writing, admitted, size, bound)
-                    request = q.submit(admitted, size / write_bw)
+                    request = transfer(q, admitted, size, write_bw)
                     writing.append((request[1], size))
                     first = request[0] if first is None else first
                 streamed = (first, request[1])
             else:
-                streamed = q.submit(start, nbytes / write_bw)  # NOTE [Write and read issue points]
+                streamed = transfer(q, start, nbytes, write_bw)  # NOTE [Write and read issue points]
             if q is queue:
                 write_busy += nbytes / write_bw
             else:
@@ -388,13 +456,14 @@ def predict(
                            write_wait_s=t - computed)
         write_wait += lt.write_wait_s
         if streamed is not None:
-            lt.write_start, lt.write_end = streamed[0], q.extend_to(t)
+            lt.write_start = streamed[0]
+            lt.write_end = link.extend_to(t, streamed[1]) if q is link else queue.extend_to(t)
             if writing and q is queue:  # the last site cannot complete before it is saved
                 writing[-1] = (lt.write_end, writing[-1][1])
         out.append(lt)
     head_start, t = t, compute.run(t, stage.other_s)
     hold(head_start, t, stage.head_bytes)  # the output layer's and loss's saved tensors
-    gap = _pipeline_gap(stage, placements, moved, queue, link, t, io)
+    gap = _pipeline_gap(stage, placements, moved, transfer, queue, link, t, io)
     t += gap
 
     def issue_read(i: int, s: int, now: float) -> None:
@@ -408,7 +477,7 @@ def predict(
         q, _, read_bw = channel(lt.placement)
         nbytes = layers[i].sites[s]
         duration = nbytes / read_bw
-        start, end = q.submit(now, duration)
+        start, end = transfer(q, now, nbytes, read_bw)
         lt.reads.append(SiteRead(s, nbytes, now, start, end))
         if lt.read_issue is None:
             lt.read_issue, lt.read_start = now, start
@@ -472,9 +541,11 @@ def predict(
 
 
 def _pipeline_gap(stage: StageProfile, placements: Sequence[Placement], moved: Sequence[int],
-                  queue: "_DeviceQueue", link: "_DeviceQueue", now: float, io: IOProfile) -> float:
+                  transfer: Callable[..., Tuple[float, float]], queue: "_DeviceQueue", link: "_Link", now: float,
+                  io: IOProfile) -> float:
     """The 1F1B wait between the replayed micro-batch's forward and its backward, with
-    the other micro-batches' I/O queued in it (NOTE [Pipeline micro-batches])."""
+    the other micro-batches' I/O queued in it (NOTE [Pipeline micro-batches]) through
+    ``transfer`` (NOTE [Shared link])."""
     m = stage.microbatches_in_flight or 1
     if m <= 1:
         return 0.0
@@ -487,11 +558,11 @@ def _pipeline_gap(stage: StageProfile, placements: Sequence[Placement], moved: S
     hosted = sum(b for b, p in zip(moved, placements) if p is Placement.HOST)
     for k in range(m - 1):
         if offloaded:
-            queue.submit(now + k * slot, offloaded / io.write_bytes_per_s)
-            queue.submit(now + k * slot + forward, offloaded / io.read_bytes_per_s)
+            transfer(queue, now + k * slot, offloaded, io.write_bytes_per_s)
+            transfer(queue, now + k * slot + forward, offloaded, io.read_bytes_per_s)
         if hosted:
-            link.submit(now + k * slot, hosted / io.host_bytes_per_s)  # type: ignore[operator]
-            link.submit(now + k * slot + forward, hosted / io.host_bytes_per_s)  # type: ignore[operator]
+            transfer(link, now + k * slot, hosted, io.host_bytes_per_s)
+            transfer(link, now + k * slot + forward, hosted, io.host_bytes_per_s)
     return (m - 1) * slot
 
 

@@ -1,6 +1,7 @@
 """The host tier in the plan (NOTE [Host tier]): HOST layers copy to a bounded host pool
-over their own link, the planner uses them for what the SSDs cannot take, within the
-pool's budget, on constructed profiles."""
+over the device's host link, which SSD requests cross too (NOTE [Shared link]); the
+planner hosts what both tiers would hide and gives the SSDs what the pool cannot take,
+within the pool's budget (NOTE [Tier preference]), on constructed profiles."""
 
 from __future__ import annotations
 
@@ -14,25 +15,27 @@ GB = 10**9
 K, O, H, R = Placement.KEEP, Placement.OFFLOAD, Placement.HOST, Placement.RECOMPUTE
 
 
-def stage(host_bytes_per_s=GB / 0.004, n=8, in_flight=1) -> StageProfile:
+def stage(host_bytes_per_s=GB / 0.004, n=8, in_flight=1, write_s=0.035, read_s=0.035,
+          shared=True) -> StageProfile:
     """n layers of 1 GB in 4 tensors, 10 ms forward and 20 ms backward; the SSDs take
     35 ms per layer each way (no whole layer hides with one layer of read-ahead), the
     host link 4 ms."""
     q = GB // 4
-    io = IOProfile(GB / 0.035, GB / 0.035, host_bytes_per_s=host_bytes_per_s)
+    io = IOProfile(GB / write_s, GB / read_s, host_bytes_per_s=host_bytes_per_s, shared_host_link=shared)
     return StageProfile(layers=[LayerProfile(i, 0.010, 0.020, GB, site_bytes=[q] * 4) for i in range(n)], io=io,
                         pipeline_size=in_flight, pipeline_rank=0)
 
 
-def test_host_copies_run_on_their_own_link():
+def test_host_copies_run_on_the_link_not_on_the_ssd_queue():
     st = stage()
     ssd, host = predict(st, [O] + [K] * 7), predict(st, [H] + [K] * 7)
     assert (ssd.write_busy_s, ssd.read_busy_s, ssd.host_busy_s) == pytest.approx((0.035, 0.035, 0.0))
     assert (host.write_busy_s, host.read_busy_s, host.host_busy_s) == pytest.approx((0.0, 0.0, 0.008))
     assert host.hosted_bytes == GB and host.offloaded_bytes == 0 and ssd.offloaded_bytes == GB
-    # an SSD write in flight does not delay a host copy
+    # an SSD write in flight does not queue a host copy behind it: its staging used the
+    # link for 4 ms of its 35, and the host copy starts when its forward does
     both = predict(st, [O, H] + [K] * 6)
-    assert both.layers[1].write_end == pytest.approx(0.020)  # its forward's end, not after the SSD write
+    assert (both.layers[1].write_start, both.layers[1].write_end) == pytest.approx((0.010, 0.020))
     with pytest.raises(ConfigError, match="'host' needs IOProfile.host_bytes_per_s"):
         predict(stage(host_bytes_per_s=None), [H] + [K] * 7)
 
@@ -46,12 +49,13 @@ def test_without_a_host_budget_nothing_is_hosted():
         make_plan(stage(), host_budget_bytes=-1)
 
 
-def test_the_host_pool_takes_what_the_ssds_could_not_within_its_budget():
+def test_the_host_pool_takes_what_it_hides_within_its_budget_and_the_ssds_the_rest():
     st = stage()
     ssd_only = make_plan(st, read_ahead="fixed")
     plan = make_plan(st, read_ahead="fixed", host_budget_bytes=3 * GB)
-    assert plan.offloaded_bytes == ssd_only.offloaded_bytes  # the SSDs' share is unchanged
-    assert 0 < plan.hosted_bytes <= 3 * GB and plan.host_pool_bytes <= 3 * GB
+    assert [lp.placement for lp in plan.layers[:3]] == [H, H, H]  # the pool, full, takes the earliest
+    assert 0 < plan.offloaded_bytes < ssd_only.offloaded_bytes  # the SSDs take part of what is left
+    assert plan.hosted_bytes == 3 * GB and plan.host_pool_bytes == 3 * GB
     assert plan.peak_activation_bytes < ssd_only.peak_activation_bytes
     assert plan.exposed_s == 0.0 and plan.step_s == pytest.approx(plan.keep_step_s)
     hosted = [lp for lp in plan.layers if lp.placement is H]
@@ -78,3 +82,95 @@ def test_a_budget_is_met_through_the_host_pool_before_recompute():
     assert with_host.hosted_bytes > 0 and with_host.peak_activation_bytes <= 4 * GB
     assert with_host.step_s == pytest.approx(with_host.keep_step_s)
     assert with_host.step_s < without.step_s and with_host.host_pool_bytes <= 4 * GB
+
+
+# NOTE [Shared link] and NOTE [Tier preference]: pricing the two tiers
+
+
+def test_an_ssd_request_occupies_the_shared_link_and_a_host_copy_waits_behind_it():
+    """A 15 ms link: layer 0's SSD write stages its 1 GB over the link from 0 to 15 ms, so
+    layer 1's host copy, issued when its forward starts at 10 ms, runs from 15 to 30 ms;
+    on a CPU (``shared_host_link`` false) the copy starts at 10 ms, and without a link
+    rate nothing but the SSD queue bounds the SSD write."""
+    shared = predict(stage(host_bytes_per_s=GB / 0.015), [O, H] + [K] * 6)
+    assert (shared.layers[1].write_start, shared.layers[1].write_end) == pytest.approx((0.015, 0.030))
+    assert shared.layers[0].write_end == pytest.approx(0.035)  # the drives, slower than the link, bound it
+    own = predict(stage(host_bytes_per_s=GB / 0.015, shared=False), [O, H] + [K] * 6)
+    assert (own.layers[1].write_start, own.layers[1].write_end) == pytest.approx((0.010, 0.025))
+    # a link slower than the drives caps the SSD too: the write ends when its staging does
+    slow = predict(stage(host_bytes_per_s=GB / 0.050), [O] + [K] * 7)
+    assert (slow.layers[0].write_end, slow.layers[0].read_end - slow.layers[0].read_start) == pytest.approx(
+        (0.050, 0.050))
+    no_link = predict(stage(host_bytes_per_s=None), [O] + [K] * 7)
+    assert no_link.layers[0].write_end == pytest.approx(0.035)
+
+
+def test_a_link_faster_than_the_drives_leaves_ssd_only_predictions_unchanged():
+    """Where the link carries no host copy and is faster than the drives both ways, an
+    SSD-only placement replays as it does without a link."""
+    placements = [O, O, O, K, O, K, K, K]
+    fast = predict(stage(), placements)
+    alone = predict(stage(host_bytes_per_s=None), placements)
+    assert (fast.step_s, fast.exposed_s, fast.peak_bytes, fast.io_end_s) == pytest.approx(
+        (alone.step_s, alone.exposed_s, alone.peak_bytes, alone.io_end_s))
+    assert [(lt.write_end, lt.read_end) for lt in fast.layers] == [(lt.write_end, lt.read_end) for lt in alone.layers]
+
+
+def test_a_plan_on_both_tiers_prices_the_host_copies_behind_the_ssd_staging():
+    """8 ms of link per GB, the SSDs 25 ms per GB written, a 3 GB pool and a 3 GB budget:
+    the plan offloads layers 0 and 1 and hosts 2 to 4. Layer 1's write waits for the
+    drives until 25 ms and stages over the link until 33 ms, so layer 2's host copy,
+    issued at 20 ms, runs from 33 to 41 ms; the plan still hides it and meets the budget.
+    On a link of the host tier's own (a CPU) the copy starts at 20 ms."""
+    st = stage(host_bytes_per_s=GB / 0.008, write_s=0.025, read_s=0.010)
+    plan = make_plan(st, memory_budget=3 * GB, read_ahead="fixed", host_budget_bytes=3 * GB)
+    placements = [lp.placement for lp in plan.layers]
+    assert placements == [O, O, H, H, H, K, K, K]
+    assert plan.peak_activation_bytes <= 3 * GB and plan.exposed_s == 0.0
+    tl = predict(st, placements)
+    assert (tl.layers[2].write_start, tl.layers[2].write_end) == pytest.approx((0.033, 0.041))
+    own = predict(stage(host_bytes_per_s=GB / 0.008, write_s=0.025, read_s=0.010, shared=False), placements)
+    assert (own.layers[2].write_start, own.layers[2].write_end) == pytest.approx((0.020, 0.030))
+
+
+def test_a_hidden_host_copy_beats_the_ssd():
+    """The SSDs hide whole layers here (20 ms writes, 10 ms reads): without a pool the
+    planner offloads four; with room in the pool it hosts them instead (no drive wear,
+    a faster copy), under either goal."""
+    st = stage(write_s=0.020, read_s=0.010, host_bytes_per_s=GB / 0.005)
+    ssd_only = make_plan(st, read_ahead="fixed")
+    assert ssd_only.layers_with(O) and ssd_only.hosted_bytes == 0
+    hosted = make_plan(st, read_ahead="fixed", host_budget_bytes=8 * GB)
+    assert hosted.offloaded_bytes == 0 and hosted.hosted_bytes >= ssd_only.offloaded_bytes
+    assert hosted.peak_activation_bytes <= ssd_only.peak_activation_bytes and hosted.exposed_s == 0.0
+    budget = make_plan(st, memory_budget=5 * GB, read_ahead="fixed", host_budget_bytes=8 * GB)
+    assert budget.offloaded_bytes == 0 and budget.hosted_bytes == 3 * GB
+    assert budget.step_s == pytest.approx(budget.keep_step_s)
+
+
+def test_a_full_pool_spills_to_the_ssds():
+    """A 3 GB pool on a stage where the SSDs hide three whole layers and the link every
+    one: the pool takes three layers and the SSDs two more, a 3 GB peak, where filling
+    the SSDs first (three layers) left the pool one layer whose copy still lowered the
+    peak (4 GB). Under a 3 GB budget the plan meets it without recompute."""
+    st = stage(write_s=0.025, read_s=0.010, host_bytes_per_s=GB / 0.005)
+    plan = make_plan(st, read_ahead="fixed", host_budget_bytes=3 * GB)
+    assert plan.hosted_bytes == 3 * GB and plan.offloaded_bytes == 2 * GB
+    assert plan.peak_activation_bytes == 3 * GB and plan.exposed_s == 0.0
+    assert plan.peak_activation_bytes < make_plan(st, read_ahead="fixed").peak_activation_bytes
+    budget = make_plan(st, memory_budget=3 * GB, read_ahead="fixed", host_budget_bytes=3 * GB)
+    assert budget.layers_with(R) == [] and budget.hosted_bytes == 3 * GB and budget.offloaded_bytes > 0
+    assert budget.step_s == pytest.approx(budget.keep_step_s)
+
+
+def test_the_clean_up_turns_a_recomputed_layer_into_a_host_one_when_that_is_free():
+    """No drives; a 2.4 GB budget of the 8 GB kept. The greedy search recomputes layer 1
+    while its host copy would not yet lower the peak; once the layers around it are
+    recomputed, hosting it holds the budget and saves its 5 ms recompute, so the
+    clean-up hosts it (before, it stayed recomputed: a 0.26 s step)."""
+    sizes = [(0.020, 0.020, 2), (0.005, 0.040, 1), (0.020, 0.020, 1), (0.010, 0.020, 2), (0.010, 0.040, 2)]
+    st = StageProfile(layers=[LayerProfile(i, f, b, g * GB) for i, (f, b, g) in enumerate(sizes)],
+                      io=IOProfile(None, None, host_bytes_per_s=50 * GB))
+    plan = make_plan(st, memory_budget=int(2.4 * GB), host_budget_bytes=8 * GB)
+    assert [lp.placement for lp in plan.layers] == [R, H, R, R, K]
+    assert plan.step_s == pytest.approx(0.255) and plan.peak_activation_bytes <= int(2.4 * GB)
