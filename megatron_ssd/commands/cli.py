@@ -5,6 +5,7 @@ Subcommands::
     megatron-ssd train --config configs/gpt-tiny.yaml [key=value ...] [--json PATH] [--allow-short] [--tensorboard-dir DIR]
     megatron-ssd plan --config configs/gpt-ref-cpu.yaml [--json PATH]
     megatron-ssd rok --config configs/gpt-ref-cpu.yaml [--json PATH] [--plot PATH] [--rounds N] [--placements A,B] [--budgets F,F] [--keep-last N,N] [--fractions F,F] [--te-layers N,N] [--match-peers] [--paired N] [--throttle RATE] [--host-throttle RATE]
+    megatron-ssd rok --config configs/gpt-ref-cpu.yaml --largest-within CAP [--largest-by micro-batch|seq-length] [--largest-limit N] [--placements A,B] [--json PATH]
     megatron-ssd simulate model=gpt-1.3b ssd_count=4 [key=value ...]
     megatron-ssd bench-io PATH [PATH ...]
     megatron-ssd clean [PATH ...] [--stall-warning-s S]
@@ -111,6 +112,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="limit the offload disk's reads and writes to RATE (e.g. 250MiB, per second) with a "
                         "cgroup-v1 blkio group while rok runs, to reproduce a GPU's compute/I-O ratio on a CPU "
                         "machine; needs root and /sys/fs/cgroup/blkio (docs/io.md)")
+    p.add_argument("--largest-within", metavar="CAP",
+                   help="instead of the curve: per placement, the largest micro-batch whose run fits a device "
+                        "memory cap of CAP (e.g. 20GiB), and its tokens per second; each probe a short run in a "
+                        "fresh process (on a GPU the cap is enforced, on a CPU the measured peak is compared)")
+    p.add_argument("--largest-by", choices=("micro-batch", "seq-length"), default="micro-batch",
+                   help="what --largest-within varies: sequences per micro-batch (default) or the sequence "
+                        "length, in steps of 64 tokens")
+    p.add_argument("--largest-limit", type=int, default=64, metavar="N",
+                   help="the largest size --largest-within tries, in its units (default 64)")
 
     p = sub.add_parser("simulate", help="what-if: plan, overhead and SSD lifetime for hardware you describe",
                        epilog=simulate_help(), formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -194,6 +204,20 @@ def _check_outputs(args: argparse.Namespace) -> None:
         check_output_dir("--tensorboard-dir", args.tensorboard_dir)
 
 
+def _refuse_with_largest(args: argparse.Namespace) -> None:
+    """``rok --largest-within`` searches sizes; the curve's options have nothing to act on there.
+
+    Raises:
+        ConfigError: one of them is given.
+    """
+    given = [flag for flag, on in (("--plot", args.plot), ("--rounds", args.rounds != 1), ("--paired", args.paired),
+                                   ("--keep-last", args.keep_last), ("--fractions", args.fractions),
+                                   ("--te-layers", args.te_layers), ("--match-peers", args.match_peers)) if on]
+    if given:
+        raise ConfigError(f"rok: --largest-within with {', '.join(given)}: the search measures each placement's "
+                          "largest size, not the curve; drop them")
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     """Entry point of the ``megatron-ssd`` command; returns the exit status."""
     from .output import collapse_optional_dependency_warnings, quiet_megatron_core_notices
@@ -217,6 +241,13 @@ def main(argv: Optional[List[str]] = None) -> int:
             from .plan import run_plan
 
             return run_plan(args.config, args.overrides, json_path=args.json)
+        if args.command == "rok" and args.largest_within is not None:
+            from .rok_largest import run_largest
+
+            _refuse_with_largest(args)
+            return run_largest(args.config, args.overrides, args.largest_within, by=args.largest_by,
+                               limit=args.largest_limit, placements=args.placements, json_path=args.json,
+                               throttle=args.throttle, host_throttle=args.host_throttle)
         if args.command == "rok":
             from .rok import run_rok
 

@@ -35,14 +35,23 @@ from .output import machine_info, write_json
 from .rok_plot import plot_rok
 from .steps import short_run_problems
 
-__all__ = ["run_rok", "rok_points", "PLACEMENTS", "PEERS", "PEER_HOST_POOL", "CURVES"]
+__all__ = ["run_rok", "rok_points", "train_command", "PLACEMENTS", "PEERS", "PEER_HOST_POOL", "CURVES"]
+
+
+def train_command(config_path: Optional[str], overrides: Sequence[str], json_path: str,
+                  timeline: bool = True) -> List[str]:
+    """The ``megatron-ssd train`` command line of one placement's run: no keep-everything
+    phase of its own, and with ``timeline`` the allocator timeline's extra step (NOTE
+    [Independent memory])."""
+    return [sys.executable, "-m", "megatron_ssd.commands.cli", "train",
+            *(["--config", config_path] if config_path else []), *overrides, "baseline_steps=0",
+            f"allocator_timeline={'true' if timeline else 'false'}", "--json", json_path]
 
 
 def _train_in_subprocess(config_path: Optional[str], overrides: Sequence[str]) -> Dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="megatron-ssd-rok-") as tmp:
         out = os.path.join(tmp, "point.json")
-        cmd = [sys.executable, "-m", "megatron_ssd.commands.cli", "train", *(["--config", config_path] if config_path else []),
-               *overrides, "baseline_steps=0", "allocator_timeline=true", "--json", out]
+        cmd = train_command(config_path, overrides, out)
         print("$ " + " ".join(cmd), flush=True)
         load_before = os.getloadavg()
         proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -219,7 +228,9 @@ def rok_points(config_path: Optional[str], overrides: Sequence[str], budgets: Se
     pairs of steps to the run of every placement but keep and :data:`UNPAIRED`, budgets
     included (NOTE [Paired steps]), pooled over rounds into each point's
     ``paired_x_keep``. ``host_throttle`` paces the host tier's copies of every run to that
-    rate (``offload.host_copy_bytes_per_s``, NOTE [Host copy rate]).
+    rate (``offload.host_copy_bytes_per_s``, NOTE [Host copy rate]) and gives the planner's
+    runs (``planner`` and the budgets) the host-tier peers' pool, which the planner then
+    plans with (NOTE [Paced host tier] in ``adaptive.py``).
     """
     known = [*PLACEMENTS, *PEERS, BUDGET]
     names = list(placements or [*PLACEMENTS, BUDGET])
@@ -253,8 +264,11 @@ def rok_points(config_path: Optional[str], overrides: Sequence[str], budgets: Se
         common.append(f"offload.host_copy_bytes_per_s={rate}")
     pool = [] if any(o.startswith("offload.host_pool_bytes=") for o in overrides) else [
         f"offload.host_pool_bytes={PEER_HOST_POOL}"]
-    base = {**PLACEMENTS, **{name: [*extra, *(pool if name in (MEGATRON_OFFLOAD, TE_OFFLOAD) else [])]
-                             for name, extra in PEERS.items()}}
+    # with the host tier paced the planner plans it too (NOTE [Paced host tier] in adaptive.py):
+    # its runs get the peers' pool, so both use the same tier
+    planned_pool = pool if host_throttle is not None else []
+    base = {**PLACEMENTS, "planner": [*PLACEMENTS["planner"], *planned_pool],
+            **{name: [*extra, *(pool if name in (MEGATRON_OFFLOAD, TE_OFFLOAD) else [])] for name, extra in PEERS.items()}}
     selected = {name: [*base[name], *(pairs if name != "keep" and name not in UNPAIRED else [])] for name in names}
     for curve, values in settings.items():  # one point per setting, where the placement stood in the order
         if not values:
@@ -285,7 +299,8 @@ def rok_points(config_path: Optional[str], overrides: Sequence[str], budgets: Se
                 if peer is not None:
                     matches.setdefault(name, []).append(peer)
                 if all(name != n for n, _ in extra_runs):
-                    extra_runs.append((name, ["offload.planner.mode=auto", f"offload.planner.memory_budget={budget}",
+                    extra_runs.append((name, ["offload.planner.mode=auto", *planned_pool,
+                                              f"offload.planner.memory_budget={budget}",
                                               *pairs]))
         for name, extra in extra_runs:
             if name in infeasible:  # refused once: the budget is below what can be reached
