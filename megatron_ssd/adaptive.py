@@ -22,11 +22,11 @@ import torch
 
 from .cache.stats import median_or_zero
 from .config import FIXED_MODES, PlannerConfig
-from .placement import EMBEDDING, HEAD, OUTSIDE, Placement
+from .placement import EMBEDDING, HEAD, OUTSIDE, RECOMPUTE_MODULES, Placement
 from .errors import ConfigError
 from .planner.drift import DriftDetector
 from .planner.plan import Plan, make_plan
-from .planner.profile import IOProfile, LayerProfile, StageProfile
+from .planner.profile import IOProfile, LayerProfile, ModuleProfile, StageProfile
 from .planner.wear import write_limit_for
 from .io.rundir import check_space_for_plan
 
@@ -170,7 +170,9 @@ def stage_from_stats(
     Compute times come from ``keep_steps`` when there are any (no I/O interference),
     else from ``offload_steps`` with read stalls and write waits subtracted. Bandwidth and
     compute slowdown come from ``offload_steps``; each recomputable layer's
-    ``recompute_s`` from ``recompute_steps`` when given (NOTE [Pricing recompute]);
+    ``recompute_s`` from ``recompute_steps`` when given (NOTE [Pricing recompute]); what
+    recomputing a module inside a layer frees and costs from the steps the compute times
+    come from (``LayerProfile.modules``, NOTE [Module timing] in ``cache/scopes.py``);
     ``max_inflight_bytes`` is the engine's bound on writes in flight, which a forward
     waits for (NOTE [In-flight bound] in ``planner/step_timeline.py``; None: none).
     """
@@ -219,6 +221,7 @@ def stage_from_stats(
                 site_use=m["use"],
                 boundary_bytes=int(m["input"]),
                 recomputable=layer_id != EMBEDDING,
+                modules=_module_profiles(source, layer_id, len(m["sites"]) if m["sites"] else None),
             )
         )
     factor = _recompute_factor(recompute_steps or [], layers, per_layer)
@@ -235,6 +238,33 @@ def stage_from_stats(
     other = max(0.0, statistics.median(s.wall_s for s in source) / mbs - layer_s)
     return StageProfile(layers=layers, io=io, pipeline_rank=pipeline_rank, pipeline_size=pipeline_size, other_s=other,
                         head_bytes=head)
+
+
+def _module_profiles(steps: List[Any], layer_id: Hashable, site_count: Optional[int]) -> Optional[List[ModuleProfile]]:
+    """What recomputing each module inside ``layer_id`` frees and costs, per micro-batch
+    (NOTE [Module timing] in ``cache/scopes.py``): its forward time and held bytes, the
+    medians over ``steps``; its freed sites, where every step measured the same ones
+    within the layer's ``site_count`` sites (None: the steps disagree on the layer's
+    sites, so none is offered). None when no module was measured."""
+    if site_count is None:
+        return None
+    found: Dict[str, List[Any]] = {}
+    for s in steps:
+        lc = s.layers.get(layer_id)
+        for name, mc in (lc.modules.items() if lc is not None else ()):
+            if mc.microbatches:
+                found.setdefault(name, []).append(mc)
+    out = []
+    for name in RECOMPUTE_MODULES:
+        counters = found.get(name, [])
+        if not counters or len(counters) != len(steps):
+            continue
+        sites = counters[-1].freed_sites
+        if any(c.freed_sites != sites for c in counters) or any(site >= site_count for site in sites):
+            continue
+        out.append(ModuleProfile(name, median_or_zero(_per_mb(c.forward_s, c.microbatches) for c in counters),
+                                 list(sites), int(median_or_zero(_per_mb(c.held_bytes, c.microbatches) for c in counters))))
+    return out or None
 
 
 def _recompute_factor(recompute_steps: List[Any], layers: List[LayerProfile], per_layer: Any) -> Optional[float]:

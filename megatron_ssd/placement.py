@@ -176,8 +176,8 @@ def _check_recompute(layer_id: Hashable, choice: LayerChoice) -> None:
         raise ConfigError(f"{what}: must be a list of module names of {list(RECOMPUTE_MODULES)}")
     unknown = [n for n in names if n not in RECOMPUTE_MODULES]
     if unknown:
-        why = (" (megatron-core's layernorm recompute frees the norm's output itself after the next op saved it, "
-               "NOTE [Output discarding])" if unknown[0] == "layernorm" else "")
+        why = (" (megatron-core's layernorm recompute frees the norm's output itself after the next op saved it: "
+               "docs/megatron.md#recompute-inside-a-layer-per-the-plan)" if unknown[0] == "layernorm" else "")
         raise ConfigError(f"{what}: {unknown[0]!r} is not a module a plan can recompute inside a layer{why}; must be "
                           f"names of {list(RECOMPUTE_MODULES)}")
     if len(set(names)) != len(names):

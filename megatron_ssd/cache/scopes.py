@@ -1,5 +1,5 @@
-"""The tensor cache's scopes: micro-batch forward, layer forward, module group, start of a
-layer's backward.
+"""The tensor cache's scopes: micro-batch forward, layer forward, module group, timed
+module, start of a layer's backward.
 
 :class:`Scopes` says, per thread, which record, layer and module group a saved tensor
 belongs to; the entry table holds the rest. It is built with the narrow state it works
@@ -26,7 +26,7 @@ from .exit_guard import EXIT_GUARD
 from .hooks import OffloadHooks
 from .policy import PlacementPolicy
 from .record import Packed, Record
-from .stats import add_seconds
+from .stats import ModuleCounters, add_seconds
 
 __all__ = ["Packer", "Scopes"]
 
@@ -111,6 +111,69 @@ class Scopes:
         """The innermost module group open on this thread, if any."""
         stack = self._tls.__dict__.get("groups")
         return stack[-1] if stack else None
+
+    # NOTE [Module timing]
+    # What recomputing a module inside a layer frees and costs (NOTE [Recompute inside a
+    # layer] in ``planner/module_recompute.py``) is measured while the module runs
+    # saving, as in the steps that keep every layer: its forward pre-hook calls
+    # :meth:`enter_module` with its arguments and its forward hook :meth:`exit_module`.
+    # Sites are numbered in save order and the module runs in one piece, so the sites its
+    # layer numbered in between are the tensors it saved; less those whose storage is
+    # one of its arguments' (its checkpoint saves those anyway), they are what
+    # recomputing it frees (``ModuleCounters.freed_sites``). Its arguments' storages
+    # that no saved tensor of the micro-batch holds when it ends would be saved by the
+    # checkpoint alone (``held_bytes``). The span between the two calls is timed on the
+    # cache's clock (device time on a GPU, NOTE [Device time] in ``device.py``). Nothing
+    # is counted where the module saves nothing of its own: under a checkpoint (grad off:
+    # megatron-core's own selective recompute, or this plan's), in a RECOMPUTE layer
+    # (the layer's checkpoint keeps its saved tensors from the cache), in a layer whose
+    # plan recomputes a module (its sites are numbered without that module's), or outside
+    # a micro-batch forward.
+
+    def enter_module(self, name: str, inputs: Any) -> None:
+        """Module ``name`` of the current layer starts its forward on this thread (NOTE
+        [Module timing]); ``inputs``: its arguments."""
+        record, layer_id = self.current_record(), self.current_layer()
+        choice = self.policy.state.choices.get(layer_id)
+        counted = (record is not None and layer_id is not None and torch.is_grad_enabled()
+                   and self.policy.layer(layer_id) is not Placement.RECOMPUTE
+                   and not (choice is not None and choice.recompute))
+        storages = {}
+        if counted:
+            for t in _flatten(inputs):
+                if isinstance(t, torch.Tensor) and not self.policy.left_to_autograd(t):
+                    try:
+                        storage = t.untyped_storage()
+                    except (RuntimeError, NotImplementedError):  # a wrapper subclass without a storage
+                        continue
+                    storages[storage._cdata] = storage.nbytes()
+        start = record.sites.get(layer_id, 0) if counted else 0  # type: ignore[union-attr]
+        self._tls.__dict__.setdefault("modules", []).append(
+            (name, layer_id if counted else None, start, storages, self.entries.clock.mark() if counted else None))
+
+    def exit_module(self, name: str) -> None:
+        """Module ``name`` ended its forward (or raised) on this thread: count what it
+        saved and its time in its layer's counters (NOTE [Module timing])."""
+        stack = self._tls.__dict__.get("modules") or []
+        if not stack or stack[-1][0] != name:
+            raise CacheStateError(f"module {name!r} closed out of order (open: {[m[0] for m in stack]})")
+        _, layer_id, start, storages, started = stack.pop()
+        record = self.current_record()
+        if layer_id is None or record is None:
+            return
+        clock = self.entries.clock
+        ended = clock.mark()
+        with self.entries.lock:
+            end = record.sites.get(layer_id, 0)
+            freed = sorted(e.site for e in record.layer_entries.get(layer_id, ())
+                           if e.layer == layer_id and e.site is not None and start <= e.site < end
+                           and e.key[0] not in storages)
+            saved = {key[0] for key in record.entries}
+            held = sum(n for cdata, n in storages.items()
+                       if cdata not in saved and self.policy.site_of(n, False, 0) is not None)
+            mc = self.entries.layer(layer_id).modules.setdefault(name, ModuleCounters())
+            mc.freed_sites, mc.microbatches, mc.held_bytes = freed, mc.microbatches + 1, mc.held_bytes + held
+            clock.add(started, ended, partial(add_seconds, mc, "forward_s"))
 
     def current_record(self) -> Optional[Record]:
         """The record of the micro-batch forward running on this thread, if any."""

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, Iterable, List
 from ..units import MiB
 
-__all__ = ["StepStats", "Counters", "LayerCounters", "add_seconds", "median_or_zero"]
+__all__ = ["StepStats", "Counters", "LayerCounters", "ModuleCounters", "add_seconds", "median_or_zero"]
 
 
 def add_seconds(counters: Any, field: str, seconds: float) -> None:
@@ -21,6 +21,23 @@ def median_or_zero(xs: Iterable[float]) -> float:
     """The median of ``xs``; 0.0 when there is nothing to summarise (no step wrote, ...)."""
     xs = list(xs)
     return statistics.median(xs) if xs else 0.0
+
+
+@dataclass
+class ModuleCounters:
+    """One step's measurements of a module a plan may recompute inside its layer (NOTE
+    [Module timing] in ``scopes.py``), over the micro-batches that ran it saving."""
+
+    forward_s: float = 0.0
+    """Time inside the module's forward, summed."""
+    microbatches: int = 0
+    """How many micro-batch forwards ran it with its saved tensors counted."""
+    freed_sites: List[int] = field(default_factory=list)
+    """The layer's sites saved while it ran, less its inputs (the last micro-batch's):
+    what recomputing it frees."""
+    held_bytes: int = 0
+    """Bytes of its movable inputs that no saved tensor of the micro-batch held when it
+    ended, summed: what its checkpoint would add."""
 
 
 @dataclass
@@ -61,6 +78,9 @@ class LayerCounters:
     """Time the layer's backward waited for reads (included in ``backward_s``)."""
     write_wait_s: float = 0.0
     """Time the layer's forward waited for room in the write queue (in ``forward_s``)."""
+    modules: Dict[str, ModuleCounters] = field(default_factory=dict)
+    """Per module a plan may recompute inside the layer (``core_attn``, ``mlp``), its
+    measurements (NOTE [Module timing] in ``scopes.py``)."""
 
     def add_queued(self, kind: str, nbytes: int) -> None:
         """Count ``nbytes`` queued to the blob store of ``kind`` (``ssd`` or ``host``)."""

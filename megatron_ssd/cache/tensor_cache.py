@@ -188,6 +188,16 @@ class TensorCache:
         """The innermost module group open on this thread, if any."""
         return self.scopes.current_group()
 
+    def enter_module(self, name: str, inputs: object = None) -> None:
+        """A module a plan may recompute inside its layer starts its forward on this
+        thread, with arguments ``inputs`` (:meth:`Scopes.enter_module`, NOTE [Module
+        timing] in ``scopes.py``)."""
+        self.scopes.enter_module(name, inputs)
+
+    def exit_module(self, name: str) -> None:
+        """That module ended its forward (or raised) on this thread."""
+        self.scopes.exit_module(name)
+
     # ------------------------------------------------------------------ layers and plan
 
     def register_layers(

@@ -11,7 +11,9 @@ offload-aware, so a model gets them through Megatron's own builders::
 The layers do nothing different until a :class:`~megatron_ssd.cache.TensorCache` record
 is open on the thread (the wrapped schedule of :mod:`megatron_ssd.megatron.schedules`
 opens one per micro-batch); then each layer's forward runs in the cache's layer scope,
-placed KEEP, OFFLOAD or RECOMPUTE by the cache's plan.
+placed KEEP, OFFLOAD or RECOMPUTE by the cache's plan, with the modules the plan
+recomputes inside it switched on (NOTE [Selective recompute per layer] in
+``module_recompute.py``).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from ..placement import Placement
 from ..errors import ConfigError
 from . import compat, discard
 from .groups import label_module_groups
+from .module_recompute import ModuleRecompute
 from .recompute import checkpoint_layer
 
 __all__ = [
@@ -82,7 +85,10 @@ class OffloadLayerMixin:
     virtual stages). Backward prefetch is armed on the layer's output: when its gradient
     arrives, this layer's backward is about to start and the cache reads back the
     layers before it. Its submodules label the tensors they save with their module group
-    (NOTE [Module groups] in ``groups.py``), for a peer's placement rule. Building one
+    (NOTE [Module groups] in ``groups.py``), for a peer's placement rule. The modules a
+    plan may recompute inside the layer are timed, and switched on per the plan's
+    choice before each forward (NOTE [Selective recompute per layer] in
+    ``module_recompute.py``). Building one
     with a config that captures CUDA graphs raises
     :class:`~megatron_ssd.errors.ConfigError` (NOTE [CUDA graphs]).
     """
@@ -96,6 +102,8 @@ class OffloadLayerMixin:
         super().__init__(config, *args, **kwargs)  # type: ignore[call-arg]
         self.ssd_module_groups = label_module_groups(self)  # type: ignore[arg-type]
         """The module groups whose saved tensors are labelled, in forward order."""
+        self.ssd_module_recompute = ModuleRecompute(self)  # type: ignore[arg-type]
+        """The modules a plan may recompute inside this layer, and their switch."""
 
     @property
     def layer_id(self) -> Any:
@@ -105,9 +113,12 @@ class OffloadLayerMixin:
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         cache = active_cache()
         if cache is None:
+            self.ssd_module_recompute.apply(())
             return super().forward(*args, **kwargs)  # type: ignore[misc]
         discard.install()  # NOTE [Output discarding]
         layer_id = self.layer_id
+        choice = cache.plan().choices.get(layer_id)
+        self.ssd_module_recompute.apply(choice.recompute if choice is not None else (), layer_id)
         cache.enter_layer(layer_id, (args, kwargs.get("hidden_states")))
         outputs = None
         try:
