@@ -20,6 +20,7 @@ from typing import Any, Dict, Hashable, List, Optional
 
 import torch
 
+from .cache.memory_cap import capacity_under_cap
 from .cache.stats import median_or_zero
 from .config import FIXED_MODES, PlannerConfig
 from .placement import EMBEDDING, HEAD, OUTSIDE, RECOMPUTE_MODULES, Placement
@@ -85,7 +86,8 @@ class PlanEvent:
 # NOTE [Profiling within the capacity]
 # No step may hold more saved bytes than the device's activation capacity
 # (``activation_capacity_bytes``, or on a CUDA device its free memory measured before the
-# first step), the warm-up and profiling steps included: a KEEP profiling step on a
+# first step, either bounded by ``offload.device_memory_cap``: NOTE [Device memory cap]),
+# the warm-up and profiling steps included: a KEEP profiling step on a
 # device that cannot hold keep-everything is an out-of-memory error before any plan
 # exists. So when a capacity is known, the first step runs every layer OFFLOAD under the
 # cache's capacity guard (NOTE [Capacity guard] in ``cache/policy.py``), which holds it
@@ -552,15 +554,23 @@ class AdaptivePlanner:
         """The hard limit on the plan's predicted peak: ``activation_capacity_bytes`` when
         set; on a CUDA device, its total memory less ``capacity_reserve`` and less what is
         allocated now, between steps (parameters, gradients, optimizer state: activations
-        are freed by then); on a CPU, None."""
+        are freed by then); on a CPU, None. With ``offload.device_memory_cap`` set, at most
+        the cap less the same reserve and the same allocated bytes (NOTE [Device memory
+        cap]), on a CPU too."""
+        limits = []
         if self.config.activation_capacity_bytes is not None:
-            return self.config.activation_capacity_bytes
-        if self.cache.device.type != "cuda":
-            return None
-        device = self.cache.binding.resolved()
-        total = torch.cuda.get_device_properties(device).total_memory
-        usable = int(total * (1.0 - self.config.capacity_reserve)) - torch.cuda.memory_allocated(device)
-        return max(usable, 0)
+            limits.append(self.config.activation_capacity_bytes)
+        cap = getattr(self.cache.config, "device_memory_cap", None)
+        resident = 0
+        if self.cache.device.type == "cuda" and (cap is not None or not limits):
+            device = self.cache.binding.resolved()
+            resident = torch.cuda.memory_allocated(device)
+            if not limits:
+                total = torch.cuda.get_device_properties(device).total_memory
+                limits.append(max(int(total * (1.0 - self.config.capacity_reserve)) - resident, 0))
+        if cap is not None:
+            limits.append(capacity_under_cap(cap, self.config.capacity_reserve, resident))
+        return min(limits) if limits else None
 
     def host_budget(self) -> Optional[int]:
         """Bytes of the cache's host pool the plan may use (NOTE [Host tier]): the pool's

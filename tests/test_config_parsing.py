@@ -209,5 +209,5 @@ def test_sizes_and_durations_follow_the_shipped_annotations():
              if is_size_field(cls, name)}
     assert sizes == {"block_bytes", "max_inflight_bytes", "file_grow_bytes", "memory_budget",
                      "activation_capacity_bytes", "drive_tbw_bytes", "min_tensor_bytes", "min_free_bytes",
-                     "host_pool_bytes", "staging_ring_bytes", "host_copy_bytes_per_s"}
+                     "host_pool_bytes", "staging_ring_bytes", "host_copy_bytes_per_s", "device_memory_cap"}
     assert [n for n in IOConfig.__dataclass_fields__ if is_duration_field(IOConfig, n)] == ["stall_warning_s"]

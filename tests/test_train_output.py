@@ -390,3 +390,50 @@ def test_megatron_cores_two_notices_are_hidden_and_megatron_ssds_own_warnings_ar
     assert (SyntaxWarning, "invalid escape sequence '\\-'", mine) in shown
     assert (UserWarning, "megatron_ssd's own warning", __file__) in shown
     assert not [w for w in shown if w[2] == source]
+
+
+def test_a_placement_that_runs_out_of_memory_is_recorded_and_the_others_run(monkeypatch, tmp_path):
+    """NOTE [Out of memory, recorded]: keep-everything under a device-memory cap that is too
+    small raises ``torch.OutOfMemoryError`` on a GPU; here the second micro-batch of the
+    recompute phase's first step raises it, in-process, after its forward saved its
+    activations. That phase is recorded (its error's first line, its step), the job says
+    so, and the phases after it run from the same weights with losses identical to
+    keep-everything's. The cap itself is reported as not enforced on a CPU."""
+    import torch
+
+    from megatron_ssd.commands import train as train_module
+
+    real, calls = train_module.gpt_forward_step, []
+
+    def forward_step(*args, **kwargs):
+        out = real(*args, **kwargs)
+        calls.append(1)
+        if len(calls) == 6:  # keep-everything ran calls 1-4 (2 steps x 2 micro-batches)
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total "
+                                         "capacity of 79.10 GiB\nOf the allocated memory ...")
+        return out
+
+    monkeypatch.setattr(train_module, "gpt_forward_step", forward_step)
+    config = load_config(TrainConfig, os.path.join(REPO, "configs", "gpt-tiny.yaml"), TINY + [
+        "device=cpu", "compare=recompute,offload", "baseline_steps=2", "steps=2", "offload.planner.mode=offload",
+        f"offload.paths={tmp_path}", "offload.min_free_bytes=0", "offload.device_memory_cap=1GiB"])
+    out = io.StringIO()
+    report = train_module.TrainRecipe(config, out=out).run()
+    printed = out.getvalue()
+    keep, recompute, offload_all, final = report["phases"]
+    assert (recompute["name"], recompute["oom"], recompute["oom_step"]) == (
+        "recompute", "CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79.10 GiB", 1)
+    assert recompute["median_step_s"] is None and recompute["peak_activation_bytes"] is None
+    assert all(p.get("oom") is None and p["measured_steps"] == 1 for p in (keep, offload_all, final))
+    assert ("recompute: out of device memory at step 1 (CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a "
+            "total capacity of 79.10 GiB); recorded, the other phases run") in printed
+    row = next(line for line in printed.splitlines() if line.startswith("recompute "))
+    assert row.endswith("out of device memory at step 1: CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a "
+                        "total capacity of 79.10 GiB")
+    identity = report["losses_identical"]
+    assert identity["reference"] == "keep-everything" and set(identity["phases"]) == {"offload-all", final["name"]}
+    assert all(r["first_difference"] is None for r in identity["phases"].values())
+    assert report["device_memory_cap"] == {
+        "bytes": 1 << 30, "device": "cpu", "enforced": False, "fraction": None,
+        "line": "device memory cap: 1.00 GiB, not enforced on a CPU device (the planner reads it as its capacity)"}
+    assert "\ndevice memory cap: 1.00 GiB, not enforced on a CPU device" in printed

@@ -30,6 +30,7 @@ from .accounting import StepAccountant
 from .device import CudaCalls, DeviceBinding, HostClock, check_device, make_clock, parse_device
 from .entries import EntryTable
 from .exit_guard import EXIT_GUARD
+from .memory_cap import apply_device_memory_cap
 from .identity import do_not_offload, is_plain, restore, storage_bytes, storage_key, version_probe, view_meta
 from .pages import trim_heap
 from .record import Packed, Record
@@ -82,7 +83,8 @@ class TensorCache:
     Raises:
         ConfigError: no paths, or a path is missing, not a writable directory, or has
             less than ``config.min_free_bytes`` free; ``config.device`` names a CUDA
-            device this machine does not have (NOTE [A device that exists]).
+            device this machine does not have (NOTE [A device that exists]);
+            ``config.device_memory_cap`` is above the device's memory.
     """
 
     def __init__(self, config: OffloadConfig, engine: Optional[Engine] = None, rank: Optional[int] = None) -> None:
@@ -92,6 +94,9 @@ class TensorCache:
         self.config = config
         self.binding = DeviceBinding(parse_device(config.device))
         """The device served (NOTE [Binding the device] in ``device.py``)."""
+        self.memory_fraction = apply_device_memory_cap(config.device_memory_cap, self.binding.resolved())
+        """The fraction of the device's memory this process is capped at (NOTE [Device
+        memory cap]); None: no cap, or a CPU device, where it is not enforced."""
         if engine is None:
             check_offload_paths(config.paths, config.min_free_bytes)
             engine = create_engine(config, rank=rank)

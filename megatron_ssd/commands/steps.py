@@ -160,12 +160,14 @@ def loss_identity(phases: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
     """Whether each later phase's losses equal the first phase's (keep-everything's),
     step for step over the steps both ran (NOTE [Same start] in ``train.py``): per phase
     ``None`` when all are equal (bit for bit), else the first step (1-based) that differs
-    with both losses."""
-    if len(phases) < 2:
+    with both losses. A phase that ran out of memory is left out (NOTE [Out of memory,
+    recorded]); when keep-everything did, the first phase that ran is the reference."""
+    ran = [p for p in phases if p.get("oom") is None]
+    if len(ran) < 2:
         return {}
-    reference = phases[0].get("losses") or []
-    out: Dict[str, Any] = {"reference": phases[0]["name"], "phases": {}}
-    for p in phases[1:]:
+    reference = ran[0].get("losses") or []
+    out: Dict[str, Any] = {"reference": ran[0]["name"], "phases": {}}
+    for p in ran[1:]:
         losses = p.get("losses") or []
         n = min(len(losses), len(reference))
         first = next((i for i in range(n) if losses[i] != reference[i]), None)
@@ -242,7 +244,7 @@ def format_choices(phases: Sequence[Dict[str, Any]], plan: Optional[Dict[str, An
     keep-everything with the ratio's 95% interval, and what it placed; then the line on
     the losses (:func:`format_loss_identity`)."""
     keep = phases[0]
-    source = keep.get("independent_peak_source") or ""
+    source = next((p.get("independent_peak_source") for p in phases if p.get("independent_peak_source")), "")
     measure = ("torch.cuda.max_memory_allocated above the pre-forward level" if source in _INDEPENDENT
                else "process RSS above the pre-forward level")
     name_w = max(len(p["name"]) for p in phases) + 2
@@ -250,9 +252,13 @@ def format_choices(phases: Sequence[Dict[str, Any]], plan: Optional[Dict[str, An
                  f"{'95% interval':>15}  placement",
              f"{'':<{name_w}}{'MiB':>12}{'MiB':>13}{'s':>9}"]
     for p in phases:
+        if p.get("oom") is not None:  # NOTE [Out of memory, recorded]
+            lines.append(f"{p['name']:<{name_w}}{'-':>12}{'-':>13}{'-':>9}{'-':>8}{'':>15}  out of device memory at "
+                         f"step {p['oom_step']}: {p['oom']}")
+            continue
         peak = p.get("independent_peak_bytes")
         ratio = p["median_step_s"] / keep["median_step_s"] if keep["median_step_s"] else float("nan")
-        if p is keep:
+        if p is keep or keep.get("oom") is not None:
             interval = ""
         else:
             lo, hi = ratio_ci95([p["step_s"]], [keep["step_s"]])
@@ -263,10 +269,11 @@ def format_choices(phases: Sequence[Dict[str, Any]], plan: Optional[Dict[str, An
             what = f"last {config.offload.keep_last_layers} kept, the others offloaded"
         else:
             what = _FIXED_WORDS.get(p["name"], "")
+        ratio_text = "-" if keep.get("oom") is not None else f"{ratio:.2f}"  # no reference to divide by
         lines.append(f"{p['name']:<{name_w}}{'-' if peak is None else f'{peak / MiB:.1f}':>12}"
-                     f"{p['peak_activation_bytes'] / MiB:>13.1f}{p['median_step_s']:>9.3f}{ratio:>8.2f}"
+                     f"{p['peak_activation_bytes'] / MiB:>13.1f}{p['median_step_s']:>9.3f}{ratio_text:>8}"
                      f"{interval:>15}  {what}")
-    steps = min(p.get("measured_steps", 0) for p in phases)
+    steps = min((p.get("measured_steps", 0) for p in phases if p.get("oom") is None), default=0)
     lines.append(f"peak memory: {measure}; cache count: the saved activations the cache held; step: median of "
                  f"the measured steps (at least {steps} per phase), its ratio to keep-everything's with a 95% interval")
     return "\n".join(lines)

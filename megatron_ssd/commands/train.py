@@ -33,6 +33,7 @@ from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from ..adaptive import AdaptivePlanner
 from ..cache import StepStats, TensorCache
 from ..cache.device import check_device
+from ..cache.memory_cap import apply_device_memory_cap, out_of_memory
 from ..cache.pages import trim_heap
 from ..cache.stats import median_or_zero as med
 from ..config import (HostPoolChoice, OffloadConfig, PlannerConfig, TrainConfig, from_dict, host_memory_bytes,
@@ -80,11 +81,18 @@ class PhaseResult:
     """What each step was (NOTE [Step kinds]): ``warm-up``, ``profile`` or ``measured``."""
     device_step_s: List[float] = field(default_factory=list)
     """On a GPU, each step's CUDA-event time (NOTE [Device step time]); empty on a CPU."""
+    oom: Optional[str] = None
+    """The first line of the out-of-memory error that ended the phase (NOTE [Out of memory,
+    recorded]); None: it ran all its steps."""
+    oom_step: Optional[int] = None
+    """The step (1-based) that ran out of memory."""
 
     @property
     def measured_kind(self) -> str:
         """``measured``; for a short run (``--allow-short``), the kind of its last step,
-        which the summary then comes from."""
+        which the summary then comes from; ``oom`` for a phase that ran out of memory."""
+        if self.oom is not None:
+            return "oom"
         return "measured" if "measured" in self.kinds else (self.kinds[-1] if self.kinds else "measured")
 
     @property
@@ -104,7 +112,13 @@ class PhaseResult:
         return m or self.steps[-1:]
 
     def summary(self) -> Dict[str, Any]:
-        """Medians over the measured steps; peaks over them."""
+        """Medians over the measured steps; peaks over them. A phase that ran out of
+        memory has no figures to compare: its error, its step and the losses before it."""
+        if self.oom is not None:
+            return {"name": self.name, "oom": self.oom, "oom_step": self.oom_step, "measured_kind": "oom",
+                    "measured_steps": 0, "peak_activation_bytes": None, "independent_peak_bytes": None,
+                    "median_step_s": None, "step_s": [], "device_step_s": None, "median_device_step_s": None,
+                    "final_loss": None, "losses": list(self.losses), **self.memory}
         m = self.measured
         step_s = med([s.wall_s for s in m])
         device = [t for t, k in zip(self.device_step_s, self.kinds) if k == "measured"] or self.device_step_s[-1:]
@@ -173,7 +187,12 @@ class TrainRecipe:
         if self.device == "cpu" and cfg.model.params_dtype == "fp16":
             raise ConfigError("ModelConfig.params_dtype = 'fp16': fp16 training needs a GPU; use fp32 or bf16 on CPU")
         check_device(cfg.offload.device, "OffloadConfig.device", need_cuda=True)  # NOTE [A device that exists]
-        check_model_fits(cfg, self.device, device_memory_bytes(self.device))
+        memory = device_memory_bytes(self.device)
+        cap = cfg.offload.device_memory_cap
+        if cap is not None and self.device == "cuda" and cap > memory:  # NOTE [Device memory cap]
+            raise ConfigError(f"OffloadConfig.device_memory_cap = {cap}: must be <= {memory}, the memory of the CUDA "
+                              f"device ({gib(memory)}): a cap above the device bounds nothing")
+        check_model_fits(cfg, self.device, memory)
 
     def setup(self) -> None:
         """Initialise torch.distributed / Megatron state, build the model and the cache."""
@@ -192,6 +211,7 @@ class TrainRecipe:
         self.offload = offload
         self.info = init_parallel(seed=cfg.seed, backend="nccl" if self.device == "cuda" else "gloo")
         self._initialized = True
+        self.memory_cap = self._apply_memory_cap()
         torch.manual_seed(cfg.seed)
         m = cfg.model
         recompute: Dict[str, Any] = {}
@@ -229,6 +249,22 @@ class TrainRecipe:
         # not change a loss, which ``loss_identity`` checks bit for bit.
         self._initial = {name: t.detach().clone() for name, t in self._state()}
 
+    def _apply_memory_cap(self) -> Optional[Dict[str, Any]]:
+        """Cap this process's device memory before the model is built (NOTE [Device memory
+        cap]); what was set, for the summary and the JSON (None: no cap)."""
+        cap = self.config.offload.device_memory_cap
+        if cap is None:
+            return None
+        device = torch.device("cuda", torch.cuda.current_device()) if self.device == "cuda" else torch.device("cpu")
+        fraction = apply_device_memory_cap(cap, device)
+        if fraction is None:
+            line = f"device memory cap: {gib(cap)}, not enforced on a CPU device (the planner reads it as its capacity)"
+        else:
+            line = (f"device memory cap: {gib(cap)}, enforced on {device} (set_per_process_memory_fraction "
+                    f"{fraction:.4f} of {gib(cap / fraction)})")
+        return {"bytes": cap, "device": str(device), "enforced": fraction is not None, "fraction": fraction,
+                "line": line}
+
     # ------------------------------------------------------------------ train
 
     def _state(self) -> List[Tuple[str, torch.Tensor]]:
@@ -242,6 +278,27 @@ class TrainRecipe:
         torch.manual_seed(self.config.seed)
 
     def _phase(self, name: str, steps: int, planner_config: PlannerConfig, pairs: int = 0) -> PhaseResult:
+        """Run one phase; one that runs out of device memory is a result, not the job's end.
+
+        NOTE [Out of memory, recorded]: a placement that does not fit the device (keep-
+        everything under ``offload.device_memory_cap``, the measurement that cap exists for)
+        raises ``torch.OutOfMemoryError`` in one of its steps. That phase ends there: its
+        result records the error's first line, the step and, on a GPU, the peak allocated
+        before it; the job says so in one line, the summary table and the JSON show it in
+        the phase's place (``oom``), and the other phases run. The error is dropped before
+        the next phase starts, so the tensors its traceback held are freed with it, and the
+        allocator's cache is emptied. Any other error still ends the job.
+        """
+        result = self._run_phase(name, steps, planner_config, pairs)
+        if result.oom is not None:
+            gc.collect()
+            if self.device == "cuda":
+                torch.cuda.empty_cache()
+            self._say(f"{name}: out of device memory at step {result.oom_step} ({result.oom}); recorded, the other "
+                      "phases run")
+        return result
+
+    def _run_phase(self, name: str, steps: int, planner_config: PlannerConfig, pairs: int) -> PhaseResult:
         cfg = self.config
         self._restart()
         result = PhaseResult(name, kinds=step_kinds(planner_config, steps))
@@ -286,7 +343,14 @@ class TrainRecipe:
             progress = Progress(name, steps, self.out)
             for step in range(steps):
                 memory.step_begin()
-                loss = run_step(step)
+                try:
+                    loss = run_step(step)
+                except BaseException as err:  # NOTE [Out of memory, recorded]
+                    result.oom = out_of_memory(err)
+                    if result.oom is None:
+                        raise
+                    result.oom_step = step + 1
+                    break
                 memory.step_end()
                 result.losses.append(loss)
                 if timer.enabled:
@@ -296,6 +360,10 @@ class TrainRecipe:
             if metrics is not None:
                 metrics.flush()
             self.planner_summary = planner.summary()
+            if result.oom is not None:  # NOTE [Out of memory, recorded]
+                result.memory = {"oom_peak_allocated_bytes":
+                                 torch.cuda.max_memory_allocated() if self.device == "cuda" else None}
+                return result
             next_step = steps
             if cfg.allocator_timeline:
                 sink = []
@@ -359,6 +427,8 @@ class TrainRecipe:
 
     def _with_wear(self, summary: Dict[str, Any]) -> Dict[str, Any]:
         """Add the drives' projected lifetime at the phase's write rate (NOTE [Wear model])."""
+        if summary.get("oom") is not None:
+            return summary
         rate = summary["bytes_written_per_step"] / summary["median_step_s"] if summary["median_step_s"] else 0.0
         years = lifetime_for(self.config.offload.planner, len(self.config.offload.paths), rate)
         summary["drive_lifetime_years"] = None if years is None or math.isinf(years) else years
@@ -378,7 +448,10 @@ class TrainRecipe:
             phases.append(self._phase(COMPARE_MODES[name], cfg.baseline_steps, fixed))
         self.paired: Optional[Dict[str, Any]] = None
         planner, label = cfg.offload.planner, f"offload ({cfg.offload.planner.mode})"
-        if cfg.budget_of_keep is not None:  # a fraction of keep-everything's measured peak
+        if cfg.budget_of_keep is not None and phases[0].oom is not None:  # NOTE [Out of memory, recorded]
+            self._say(f"budget_of_keep = {cfg.budget_of_keep}: keep-everything ran out of device memory, so the "
+                      "planner runs without a budget, within its capacity")
+        elif cfg.budget_of_keep is not None:  # a fraction of keep-everything's measured peak
             budget = max(1, int(phases[0].summary()["peak_activation_bytes"] * cfg.budget_of_keep))
             planner = dataclasses.replace(planner, memory_budget=budget)
             label = f"planner, budget {budget / MiB:.1f} MiB"
@@ -403,6 +476,7 @@ class TrainRecipe:
             "steps": [{"kind": k, **s.to_dict()} for s, k in zip(offload.steps, offload.kinds)],
             "paired": self.paired,
             "host_pool": self.host_pool.to_dict(),  # the planner phase's (NOTE [Auto host pool])
+            "device_memory_cap": self.memory_cap,  # NOTE [Device memory cap]
             "drive_wear": [d.to_dict() for d in drives],
             "stranded_run_dirs": [dict(s._asdict(), clean_command=s.clean_command) for s in stranded],
         }
@@ -413,11 +487,16 @@ class TrainRecipe:
             self._say(format_choices(summaries, plan, cfg))
         else:
             self._say(format_summary(report["phases"]))
+        for phase in phases:
+            if phase.oom is not None:  # NOTE [Out of memory, recorded]
+                self._say(f"{phase.name}: out of device memory at step {phase.oom_step}: {phase.oom}")
         self._say(self.host_pool.line())
+        if self.memory_cap is not None:
+            self._say(self.memory_cap["line"])
         if identity:
             self._say(format_loss_identity(identity))
         for phase in phases:
-            if phase.measured_kind != "measured":
+            if phase.measured_kind not in ("measured", "oom"):
                 what = "the planner's placement" if "profile" in phase.kinds else "its placement"
                 self._say(f"WARNING: {phase.name}: no measured step (steps: {', '.join(phase.kinds)}); its column "
                           f"shows its last {phase.measured_kind} step, not {what}")

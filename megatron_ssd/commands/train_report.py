@@ -77,7 +77,7 @@ def format_summary(phases: Sequence[Dict[str, Any]]) -> str:
             v = p.get(key)
             cells.append(("-" if v is None else fmt.format(v * scale)).rjust(colw))
         lines.append(label.ljust(width) + "".join(cells))
-    if len(phases) >= 2 and phases[0]["peak_activation_bytes"]:
+    if len(phases) >= 2 and phases[0]["peak_activation_bytes"] and phases[-1].get("oom") is None:
         keep, off = phases[0], phases[-1]
         lines.append("\n" + format_comparison(keep, off))  # NOTE [Headline memory] in steps.py
     return "\n".join(lines)

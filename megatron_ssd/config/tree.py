@@ -325,6 +325,17 @@ class OffloadConfig:
     """Compute device whose tensors are offloaded: ``auto`` (CUDA when available,
     else CPU), ``cpu``, ``cuda`` or ``cuda:N``. Tensors on other devices are kept."""
 
+    device_memory_cap: Optional[Annotated[ByteCount, Positive()]] = None
+    """The most device memory this process may allocate, e.g. ``24GiB``. On CUDA it is
+    enforced when the tensor cache (or the train job) starts, as
+    ``torch.cuda.set_per_process_memory_fraction(cap / total)``: an allocation past it
+    raises out-of-memory as on a smaller GPU (PyTorch's allocator only: CUDA's context and
+    NCCL's buffers are not counted); a cap above the device's memory is refused. On a CPU
+    it is not enforced (one info line says so). Either way the planner reads it as its
+    capacity: the smaller of its capacity without the cap and the cap less
+    ``planner.capacity_reserve`` and what is allocated between steps (NOTE [Device memory
+    cap] in ``cache/memory_cap.py``). None: no cap."""
+
     io: IOConfig = field(default_factory=IOConfig)
     """I/O engine settings."""
 

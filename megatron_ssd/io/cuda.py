@@ -3,7 +3,8 @@
 Every engine takes a :class:`CudaOps` (default :data:`CUDA`, the real one) and makes
 each CUDA call through it: which device a tensor lives on, device and stream contexts,
 streams, events, copies, ``record_stream``, device allocations and page-locking host
-memory. A recording fake with the same methods (``tests/io/fake_cuda.py``) runs the
+memory; and the process's device-memory cap (``offload.device_memory_cap``). A
+recording fake with the same methods (``tests/io/fake_cuda.py``) runs the
 engines' CUDA paths on a CPU-only machine, checking the ordering rules below::
 
     cuda = CudaOps()
@@ -118,6 +119,16 @@ class CudaOps:
     def host_unregister(self, ptr: int) -> None:
         """Undo :meth:`host_register` of the memory at address ``ptr``."""
         torch.cuda.check_error(torch.cuda.cudart().cudaHostUnregister(ptr))
+
+    def total_memory(self, dev: torch.device) -> int:
+        """The memory of device ``dev`` in bytes."""
+        return int(torch.cuda.get_device_properties(dev).total_memory)
+
+    def set_memory_fraction(self, fraction: float, dev: torch.device) -> None:
+        """Bound the caching allocator of this process on ``dev`` to ``fraction`` of its
+        memory (``torch.cuda.set_per_process_memory_fraction``; NOTE [Device memory cap]
+        in ``cache/memory_cap.py``)."""
+        torch.cuda.set_per_process_memory_fraction(fraction, dev)
 
 
 CUDA = CudaOps()

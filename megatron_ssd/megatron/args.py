@@ -77,6 +77,12 @@ SSD_FLAGS: Tuple[_Flag, ...] = (
         "[host_pool_bytes]",
     ),
     _Flag(
+        "--ssd-offload-device-memory-cap", "device_memory_cap", "SIZE", None, str,
+        "The most device memory this process may allocate, e.g. 24GiB: enforced on a GPU "
+        "(torch.cuda.set_per_process_memory_fraction; past it an allocation runs out of "
+        "memory), read by the planner as its capacity. [device_memory_cap]",
+    ),
+    _Flag(
         "--ssd-offload-memory-budget", "planner.memory_budget", "SIZE", None, str,
         "Peak saved-activation bytes allowed per process, e.g. 24GiB; the auto planner "
         "offloads or recomputes layers to stay under it. 'none' plans for zero exposed I/O "

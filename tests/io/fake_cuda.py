@@ -128,6 +128,8 @@ class FakeCuda:
         self.registered: Dict[int, int] = {}  # pinned: data_ptr -> nbytes
         self.registered_sizes: List[int] = []  # every page-locked size, in order
         self.unregistered: List[int] = []
+        self.memory = 80 << 30  # each fake device's memory (total_memory)
+        self.fractions: List[Tuple[float, int]] = []  # set_memory_fraction calls: (fraction, device index)
 
     # ------------------------------------------------------------------ test helpers
 
@@ -296,3 +298,12 @@ class FakeCuda:
                 raise AssertionError(f"unregister of {ptr:#x}: not registered")
             del self.registered[ptr]
             self.unregistered.append(ptr)
+
+    def total_memory(self, dev: torch.device) -> int:
+        self._call("total_memory", torch.device(dev).index)
+        return self.memory
+
+    def set_memory_fraction(self, fraction: float, dev: torch.device) -> None:
+        self._call("set_memory_fraction", torch.device(dev).index, fraction=fraction)
+        with self.lock:
+            self.fractions.append((fraction, torch.device(dev).index))

@@ -1,0 +1,104 @@
+"""The device-memory cap (``offload.device_memory_cap``): enforced on CUDA, read by the
+planner as its capacity everywhere, and an out-of-memory error told apart from others.
+
+::
+
+    apply_device_memory_cap(24 << 30, torch.device("cuda", 0))   # returns the fraction set
+    capacity = capacity_under_cap(24 << 30, reserve=0.15, resident=torch.cuda.memory_allocated())
+
+NOTE [Device memory cap]: on a CUDA device the cap is
+``torch.cuda.set_per_process_memory_fraction(cap / total, device)``, set when a tensor
+cache starts and when the train job starts (before it builds its model), so everything
+this process allocates through PyTorch's caching allocator on that device (parameters,
+gradients, optimizer state, activations, read-back buffers, temporaries) stays within
+it: past it an allocation raises ``torch.OutOfMemoryError`` as on a smaller GPU, which is
+what lets a GPU measure "keep-everything does not fit", and what a user sharing a GPU
+needs. CUDA's own context, cuBLAS workspaces and NCCL buffers are not counted (they are
+not the caching allocator's). The cap is the process's: it stays set after the cache
+closes. A cap above the device's memory is refused, since a fraction above 1 bounds
+nothing. On a CPU nothing can enforce it (the "device" is the process's memory); one
+info line says so, and the planner still reads it.
+
+The planner reads it as a bound on its capacity (``AdaptivePlanner.activation_capacity``):
+the capacity is the smaller of what it is without the cap (``activation_capacity_bytes``,
+or on CUDA the device's memory less ``capacity_reserve`` and less what is allocated
+between steps) and the cap less the same reserve and the same resident bytes
+(:func:`capacity_under_cap`). The reserve is kept under the cap too: it is room for what
+is not activations and not allocated between steps (temporaries, the logits,
+communication buffers, fragmentation), which an enforced cap counts as well. On a CPU
+nothing is measured as resident, so the capacity is the cap less the reserve.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+import torch
+
+from ..errors import ConfigError
+from ..io.cuda import CUDA, CudaOps
+from ..units import gib
+
+__all__ = ["apply_device_memory_cap", "capacity_under_cap", "out_of_memory"]
+
+logger = logging.getLogger("megatron_ssd")
+
+_TOLD_CPU = set()
+"""Caps the CPU info line was given for (once per process and value)."""
+
+
+def apply_device_memory_cap(cap: Optional[int], device: torch.device, cuda: Optional[CudaOps] = None
+                            ) -> Optional[float]:
+    """Enforce ``cap`` on ``device`` (NOTE [Device memory cap]).
+
+    Args:
+        cap: ``offload.device_memory_cap`` in bytes; None: no cap, nothing is done.
+        device: The compute device (a CUDA device with its index, or the CPU).
+        cuda: The CUDA calls (tests pass a recording fake).
+
+    Returns:
+        The fraction of the device's memory set, or None (no cap, or a CPU device, where
+        one info line says the cap is not enforced).
+
+    Raises:
+        ConfigError: ``cap`` is above the device's memory.
+    """
+    if cap is None:
+        return None
+    if device.type != "cuda":
+        if cap not in _TOLD_CPU:
+            _TOLD_CPU.add(cap)
+            logger.info("megatron_ssd: offload.device_memory_cap = %d (%s) is not enforced on a CPU device; the "
+                        "planner reads it as its capacity", cap, gib(cap))
+        return None
+    cuda = cuda if cuda is not None else CUDA
+    total = cuda.total_memory(device)
+    if cap > total:
+        raise ConfigError(f"OffloadConfig.device_memory_cap = {cap}: must be <= {total}, the memory of {device} "
+                          f"({gib(total)}): a cap above the device bounds nothing")
+    fraction = cap / total
+    cuda.set_memory_fraction(fraction, device)
+    return fraction
+
+
+def capacity_under_cap(cap: int, reserve: float, resident: int) -> int:
+    """The planner's activation capacity under ``cap``: the cap less ``reserve`` (a
+    fraction, ``capacity_reserve``) and less ``resident``, what is allocated between
+    steps; at least 0 (NOTE [Device memory cap])."""
+    return max(int(cap * (1.0 - reserve)) - resident, 0)
+
+
+def out_of_memory(err: BaseException) -> Optional[str]:
+    """The first line of ``err`` when it, or an error it was raised from, is a device
+    out-of-memory error (``torch.OutOfMemoryError``, or a RuntimeError saying ``CUDA out
+    of memory`` / ``CUDA error: out of memory``); else None."""
+    seen = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        text = str(err)
+        if isinstance(err, torch.OutOfMemoryError) or (
+                isinstance(err, RuntimeError) and ("CUDA out of memory" in text or "CUDA error: out of memory" in text)):
+            return (text.strip().splitlines() or [type(err).__name__])[0]
+        err = err.__cause__ or err.__context__
+    return None
