@@ -15,7 +15,10 @@ it: past it an allocation raises ``torch.OutOfMemoryError`` as on a smaller GPU,
 what lets a GPU measure "keep-everything does not fit", and what a user sharing a GPU
 needs. CUDA's own context, cuBLAS workspaces and NCCL buffers are not counted (they are
 not the caching allocator's). The cap is the process's: it stays set after the cache
-closes. A cap above the device's memory is refused, since a fraction above 1 bounds
+closes. It goes to the cache's device when the cache is built: ``cuda:N``, or for
+``cuda`` / ``auto`` the current device then (NOTE [Binding the device] in ``device.py``),
+so a cache built before ``torch.cuda.set_device`` names its device; Megatron-LM's path
+builds the cache after ``initialize_megatron`` has set it. A cap above the device's memory is refused, since a fraction above 1 bounds
 nothing. On a CPU nothing can enforce it (the "device" is the process's memory); one
 info line says so, and the planner still reads it.
 
