@@ -308,9 +308,12 @@ class DriftDetector:
             f = ratios.get(f"forward:{layer.layer_id!r}", 1.0)
             b = ratios.get(f"backward:{layer.layer_id!r}", 1.0)
             recompute = None if layer.recompute_s is None else layer.recompute_s * b
+            modules = None if layer.modules is None else [  # a module recomputed runs its forward again
+                dataclasses.replace(m, forward_s=m.forward_s * f) for m in layer.modules]
             layers.append(
                 dataclasses.replace(
-                    layer, forward_s=layer.forward_s * f, backward_s=layer.backward_s * b, recompute_s=recompute
+                    layer, forward_s=layer.forward_s * f, backward_s=layer.backward_s * b, recompute_s=recompute,
+                    modules=modules,
                 )
             )
         return dataclasses.replace(base, layers=layers, io=io)

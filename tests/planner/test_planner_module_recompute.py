@@ -146,3 +146,15 @@ def test_predict_refuses_nothing_new_for_layers_without_modules():
     plan = make_plan(plain, memory_budget=100 * MB)
     assert all(not c.recompute for c in plan.choices().values())
     assert predict(plain, [K] * 4).peak_bytes == 160 * MB
+
+
+def test_a_drifted_forward_scales_the_modules_recompute_price():
+    from megatron_ssd.planner import DriftDetector
+
+    profile = stage(1e9, n=1)
+    detector = DriftDetector(window=1)
+    detector.rebase(profile)
+    decision = detector.observe(forward_s=[2.0], backward_s=[2.0])  # forward twice as slow
+    assert decision.replan
+    modules = decision.profile.layers[0].modules
+    assert [m.forward_s for m in modules] == pytest.approx([0.1, 1.0])
