@@ -153,6 +153,12 @@ class PlacementSearch(ModuleMoves):
         self.smallest_peak: Optional[int] = None
         # See wears_ok and within_bound: no placement's step is shorter than keeping everything.
         self._shortest_step_s = predict(stage, [Placement.KEEP] * self.n, depth).step_s
+        self.both_tiers = bool(self.host_budget_bytes) and self.drives and any(
+            layer.sites and self.wears_ok(replaced([_KEEP] * self.n, i, LayerChoice(Placement.OFFLOAD, 1)))
+            for i, layer in enumerate(stage.layers))
+        """Whether the host pool and the SSDs can each take bytes: the pool has a budget and
+        the drives, measured, can take at least one layer's first site within the wear
+        bound; only then is there a choice between them (NOTE [Tier preference])."""
 
     def wears_ok(self, choices: Sequence[LayerChoice]) -> bool:
         """The offloaded bytes per micro-batch stay within ``max_write_bytes_per_s``
@@ -259,7 +265,7 @@ class PlacementSearch(ModuleMoves):
             self._first_fit(choices, Placement.HOST)
         if self.drives:  # what the pool could not take goes to the SSDs
             self._first_fit(choices, Placement.OFFLOAD)
-        if not (self.host_budget_bytes and self.drives):
+        if not self.both_tiers:
             return self.without_idle_writes(choices)
         peaks = [self.judge(choices).peak_bytes, self.check(choices).peak_bytes]
 
@@ -380,11 +386,13 @@ class PlacementSearch(ModuleMoves):
             PlanInfeasibleError: no placement reaches ``budget``.
         """
         choices = self._greedy(budget, allow_recompute, limit_name, host_first=True)
-        if not (self.host_budget_bytes and self.drives):
-            return choices
-        other = self._greedy(budget, allow_recompute, limit_name, host_first=False)
-        tl, tl_other = self.judge(choices), self.judge(other)
+        tl = self.judge(choices)
         eps = 1e-9 * tl.compute_s + 1e-12
+        if not self.both_tiers or (
+                tl.step_s <= self._shortest_step_s + eps and tl.offloaded_bytes == 0):
+            return choices  # one tier, or a plan no other can beat: keep-everything's step, nothing written
+        other = self._greedy(budget, allow_recompute, limit_name, host_first=False)
+        tl_other = self.judge(other)
         if tl_other.step_s < tl.step_s - eps or (
                 tl_other.step_s <= tl.step_s + eps and tl_other.offloaded_bytes < tl.offloaded_bytes):
             return other
@@ -560,7 +568,7 @@ class PlacementSearch(ModuleMoves):
             step[0] = tl.step_s
             return True
 
-        if self.drives:
+        if self.both_tiers:
             recomputed = [i for i, c in enumerate(choices) if c.placement is Placement.RECOMPUTE]
             choices = self._exchange(choices, recomputed, Placement.RECOMPUTE, no_slower)
         for i, c in enumerate(choices):

@@ -291,18 +291,23 @@ class _Link:
         """Book ``duration`` seconds from ``start`` on; returns the transfer's (start, end)."""
         if duration <= 0:
             return start, start
-        i = bisect.bisect_right(self.busy, (start, float("inf"))) - 1
-        i = max(i, 0)
-        for j in range(i, len(self.busy)):
-            begin, end = self.busy[j]
-            if end <= start + _EPS:
-                continue
-            if start + duration <= begin + _EPS:
-                break
-            start = max(start, end)
-        bisect.insort(self.busy, (start, start + duration))
-        self.free_at = max(self.free_at, start + duration)
-        return start, start + duration
+        busy = self.busy
+        if not busy or start >= busy[-1][1] - _EPS:  # the usual case: after every booked transfer
+            start = max(start, busy[-1][1]) if busy else start
+        else:
+            for begin, end in busy[max(bisect.bisect_right(busy, (start, float("inf"))) - 1, 0):]:
+                if end <= start + _EPS:
+                    continue
+                if start + duration <= begin + _EPS:
+                    break
+                start = max(start, end)
+        end = start + duration
+        if busy and abs(busy[-1][1] - start) <= _EPS:  # joins the last span
+            busy[-1] = (busy[-1][0], end)
+        else:
+            bisect.insort(busy, (start, end))
+        self.free_at = max(self.free_at, end)
+        return start, end
 
     def extend_to(self, end: float, request_end: float) -> float:
         """A host copy ends no earlier than ``end`` (its layer's last tensor is saved then),
