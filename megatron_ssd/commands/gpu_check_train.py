@@ -2,7 +2,7 @@
 
 ``python -m megatron_ssd.commands.gpu_check train --result R --path DIR --budget-s 250``
 (run by ``scripts/gpu_check.sh``) trains ``configs/gpt-gpu-check.yaml`` with keep,
-recompute, offload-all and the planner (POSIX engine, and kvikio when it imports), each as
+recompute, offload-all and the planner (:data:`DEFAULT_PLACEMENTS`), each as
 ``megatron-ssd train`` in its own process under its own timeout, and reports per placement
 CUDA ``max_memory_allocated`` above the pre-forward level, the step time and its ratio to
 keep (paired steps timed by CUDA events, NOTE [Device step time]), the bytes moved, the
@@ -27,7 +27,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 from ..units import MiB
 from .gpu_check_report import NO_CUDA, part, write_part
 
-__all__ = ["CONFIG", "PLACEMENTS", "train_part", "run_placement", "compare_losses", "placement_row"]
+__all__ = ["CONFIG", "PLACEMENTS", "DEFAULT_PLACEMENTS", "train_part", "run_placement", "compare_losses",
+           "placement_row"]
 
 CONFIG = "configs/gpt-gpu-check.yaml"
 """The GPU check's workload (the file's comment gives the arithmetic behind its size)."""
@@ -49,6 +50,11 @@ PLACEMENTS: Dict[str, List[str]] = {
 """Each training placement's overrides of :data:`CONFIG`, in the order they run. The
 fixed placements run fewer steps than the planner (it profiles four steps before its
 plan); losses are compared over the steps every run has."""
+
+DEFAULT_PLACEMENTS = ("keep", "recompute", "offload-all", "planner")
+"""What the part trains unless told otherwise: ``planner-kvikio``, a second planner run
+with the kvikio engine, is left out of the GPU window (the ``kvikio`` tests of the
+pytest-gpu part run that engine on the GPU; the job part needs the time)."""
 
 PLACEMENT_TIMEOUT_S = {"keep": 60, "recompute": 60, "offload-all": 100, "planner": 80, "planner-kvikio": 80}
 """The most each placement's process may take, start-up included (less when the part's
@@ -196,7 +202,7 @@ def train_part(result_path: str, path: str, budget_s: float, config_path: str = 
     if not _cuda_available():
         return part("train", "skipped", NO_CUDA)
     deadline = clock() + budget_s
-    names = list(placements or PLACEMENTS)
+    names = list(placements or DEFAULT_PLACEMENTS)
     common = [f"offload.paths={path}", "baseline_steps=0", "device=cuda", "allocator_timeline=false"]
     config = load_config(TrainConfig, config_path, common)
     numbers: Dict[str, Any] = {"config": config_path, "workload": _workload(config), "offload_path": path,

@@ -24,7 +24,8 @@ not the free pages a heap keeps), or without one the process's RSS above its lev
 before the first forward. Weights and the gradients that live between steps are not in
 either, so on a CPU the cap bounds what a step adds. A run the planner ends because no
 plan meets the cap (``cannot be met``), or that the model-size check refuses, does not
-fit either. Any other failure stops that placement's search; its row says why. Where
+fit either, nor one whose out-of-memory error ``train`` recorded and survived (NOTE [Out of
+memory, recorded]). Any other failure stops that placement's search; its row says why. Where
 ``offload.device_memory_cap`` is not in this build, a GPU probe is compared like a CPU
 one (``enforced: false``), and the planner, whose capacity the cap is, is skipped with
 that reason.
@@ -47,7 +48,7 @@ from ..units import MiB
 from .steps import short_run_problems
 
 __all__ = ["SEARCH_BY", "Probe", "Search", "largest_within", "probe_bound", "cap_supported", "run_probe",
-           "largest_rows", "format_largest", "NOT_FITTING", "CAP_FIELD"]
+           "largest_rows", "format_largest", "recorded_oom", "NOT_FITTING", "CAP_FIELD"]
 
 CAP_FIELD = "device_memory_cap"
 """The ``OffloadConfig`` field that sets the device-memory cap (NOTE [Fits within a cap])."""
@@ -211,6 +212,15 @@ def run_train(cmd: Sequence[str], json_path: str, timeout_s: Optional[float] = N
     return None, rc, output
 
 
+def recorded_oom(report: Dict[str, Any]) -> Optional[str]:
+    """Why a run's placement ran out of device memory, when ``train`` recorded that (NOTE
+    [Out of memory, recorded] in ``train.py``: the run then ends normally); else None."""
+    phase = report["phases"][-1]
+    if phase.get("oom") is None:
+        return None
+    return f"out of device memory at step {phase.get('oom_step')}: {phase['oom']}"
+
+
 def probe_numbers(report: Dict[str, Any]) -> Dict[str, Any]:
     """What a probe's ``train`` report says about memory and speed."""
     phase = report["phases"][-1]
@@ -269,6 +279,10 @@ def run_probe(config_path: Optional[str], overrides: Sequence[str], by: str, siz
         if match:
             return Probe(size, False, f"{match.group(0)}: {_tail(output, 1)}")
         return Probe(size, None, f"megatron-ssd train exited {rc}: {_tail(output)}")
+    oom = recorded_oom(report)
+    if oom is not None:
+        return Probe(size, False, oom,
+                     {"oom_peak_allocated_bytes": report["phases"][-1].get("oom_peak_allocated_bytes")})
     numbers = probe_numbers(report)
     peak, source = measured_peak(numbers, device)
     numbers.update(measured_peak_bytes=peak, measured_peak_source=source, cap_bytes=cap,

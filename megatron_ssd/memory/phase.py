@@ -137,6 +137,7 @@ class PhaseMemory:
 
             out["cuda_live_blocks_after"] = live_block_sizes(torch.cuda.memory_snapshot())
             out["cuda_peak_allocated_bytes"] = max(s["cuda_peak_allocated_bytes"] for s in self.steps)
+            out["cuda_base_allocated_bytes"] = self.cuda_base_allocated  # the level the peaks are above
             out["independent_peak_bytes"] = out["cuda_peak_allocated_above_base_bytes"]
             out["independent_peak_source"] = "cuda_max_memory_allocated"
         else:

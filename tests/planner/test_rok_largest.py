@@ -116,6 +116,10 @@ def _report(peak_device=None, allocator=3 * MiB, rss=40 * MiB, device_step=None)
     ((_report(allocator=None, rss=5 * MiB), 0, ""), False,
      "measured peak 5.0 MiB (peak_rss_above_base_bytes) above the cap 4.0 MiB"),
     ((_report(), 0, ""), True, ""),
+    # train ran on after the error and recorded it (NOTE [Out of memory, recorded])
+    (({"phases": [{"oom": "CUDA out of memory. Tried to allocate 2.00 GiB", "oom_step": 2,
+                   "oom_peak_allocated_bytes": 5 * MiB}]}, 0, ""), False,
+     "out of device memory at step 2: CUDA out of memory. Tried to allocate 2.00 GiB"),
 ])
 def test_a_run_fits_when_it_ends_within_the_cap_and_does_not_when_it_runs_out_of_memory(monkeypatch, ending, fits,
                                                                                          reason):

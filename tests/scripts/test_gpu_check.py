@@ -196,7 +196,7 @@ def test_a_part_past_its_timeout_fails_and_a_failing_part_fails_the_run(tmp_path
     out, path = tmp_path / "out", tmp_path / "offload"
     path.mkdir()
     result = _script(out, "--path", path, "--timeout", "environment=2", "--bench-size", "1000000TiB",
-                     "--timeout", "array=1", env=_env(PYTHON=stub))
+                     "--timeout", "array=1", "--timeout", "job=1", env=_env(PYTHON=stub))
     assert result.returncode == 1, result.stdout[-3000:] + result.stderr[-3000:]
     parts = _parts(out)
     assert parts["environment"]["status"] == "failed"
@@ -205,6 +205,7 @@ def test_a_part_past_its_timeout_fails_and_a_failing_part_fails_the_run(tmp_path
     assert parts["bench-io"]["status"] == "failed" and "free space" in parts["bench-io"]["reason"]
     assert all(parts[n]["status"] == "skipped" for n in GPU_PARTS)
     assert parts["array"]["reason"] == "timed out after 1 s (see the log)"  # while it started: nothing made
+    assert parts["job"]["reason"] == "timed out after 1 s (see the log)"  # its tiny GPT runs in the test above
     counts = {s: sum(p["status"] == s for p in parts.values()) for s in ("passed", "failed", "skipped")}
     assert counts["failed"] >= 3  # environment, bench-io, array (and any other part its stub cut short)
     assert (f"megatron-ssd GPU check: FAILED ({counts['passed']} passed, {counts['failed']} failed, "
@@ -933,9 +934,10 @@ def _gpu_report(report, base_mib, above_mib, step_s):
 
 OOM = (None, 1, "Traceback (most recent call last):\ntorch.OutOfMemoryError: CUDA out of memory. Tried to "
                 "allocate 64.00 MiB")
+RECORDED_OOM = "recorded"  # train ran on and recorded the error (NOTE [Out of memory, recorded])
 # label -> (report kind, MiB above the 1000 MiB base, CUDA step s), or OOM; caps: 50% 1200 MiB, 30% 1120 MiB
 # (in the order they run)
-GPU_RUNS = {"keep": ("keep", 400, 0.100), "keep @50%": OOM,
+GPU_RUNS = {"keep": ("keep", 400, 0.100), "keep @50%": RECORDED_OOM,
             "recompute @30%": ("keep", 100, 0.120), "megatron-full @30%": ("keep", 100, 0.118),
             "megatron-selective @30%": OOM,
             "planner-host @30%": ("planner", 90, 0.110), "planner-ssd @30%": ("planner", 110, 0.130),
@@ -947,14 +949,12 @@ GPU_RUNS = {"keep": ("keep", 400, 0.100), "keep @50%": OOM,
 @pytest.fixture
 def job_gpu(monkeypatch, cpu_reports):
     """The job part as on a GPU: each run answers with a CPU report given GPU_RUNS' numbers."""
-    from megatron_ssd.commands import gpu_check_job, rok_largest
+    from megatron_ssd.commands import gpu_check_job
 
     monkeypatch.setattr(gpu_check_job, "_cuda_available", lambda: True)
     monkeypatch.setattr(gpu_check_job, "_cap_field", lambda: True)
     monkeypatch.setattr(gpu_check_job, "fine_grained_reason", lambda: "Transformer Engine is not installed (test)")
     monkeypatch.setattr(gpu_check_job, "_host_pool", lambda: "8GiB")
-    if not rok_largest.cap_supported():  # the runs are fakes; the overrides must still load
-        monkeypatch.setattr(rok_largest, "CAP_FIELD", "planner.activation_capacity_bytes")
     ran = []
 
     def runner(label, cmd, timeout_s):
@@ -962,6 +962,11 @@ def job_gpu(monkeypatch, cpu_reports):
         spec = GPU_RUNS[label]
         if spec is OOM:
             return OOM
+        if spec == RECORDED_OOM:
+            report = copy.deepcopy(cpu_reports["keep"])
+            report["phases"][-1] = {"name": "offload (keep)", "oom": "CUDA out of memory. Tried to allocate 2.00 GiB",
+                                    "oom_step": 1, "oom_peak_allocated_bytes": 1190 * MIB, "measured_kind": "oom"}
+            return report, 0, ""
         kind, above, step = spec
         return _gpu_report(cpu_reports[kind], 1000, above, step), 0, ""
 
@@ -985,7 +990,11 @@ def test_the_job_part_caps_each_placement_records_keeps_oom_and_matches_the_plan
     assert "model.recompute_granularity=full" in cmds["megatron-full @30%"]
     rows = {(r["placement"], r["cap"]): r for r in n["rows"]}
     assert rows[("keep", "50%")]["status"] == "out of memory" and rows[("keep", "50%")]["fits"] is False
-    assert rows[("keep", "50%")]["reason"].startswith("OutOfMemoryError: torch.OutOfMemoryError: CUDA out of memory")
+    assert rows[("keep", "50%")]["reason"] == ("out of device memory at step 1: CUDA out of memory. Tried to "
+                                               "allocate 2.00 GiB")
+    assert rows[("keep", "50%")]["oom_peak_allocated_bytes"] == 1190 * MIB
+    assert rows[("megatron-selective", "30%")]["reason"].startswith(  # a run that ended in the error
+        "OutOfMemoryError: torch.OutOfMemoryError: CUDA out of memory")
     assert (rows[("keep", "30%")]["status"], rows[("keep", "30%")]["reason"]) == (
         "inferred", "out of memory: it ran out under the larger 50% cap")
     assert rows[("recompute", "50%")]["status"] == "inferred" and rows[("recompute", "50%")]["fits"] is True
@@ -1018,7 +1027,7 @@ def test_the_job_part_caps_each_placement_records_keeps_oom_and_matches_the_plan
     if missed:
         assert entry["reason"].startswith(f"gate {missed[0]['gate']} {missed[0]['status']}: ")
     table = "\n".join(n["summary_lines"])
-    assert "  keep                    50%  out of memory  OutOfMemoryError" in table
+    assert "  keep                    50%  out of memory  out of device memory at step 1" in table
     assert "job gates (enforced" in table and "  passed      within-cap            planner-host @30%: " in table
     assert json.loads((tmp_path / "r.json").read_text())["reason"].startswith("interrupted after ")
 
@@ -1078,17 +1087,16 @@ def test_without_a_gpu_the_job_runs_the_tiny_job_and_skips_each_gpu_only_row_wit
     from megatron_ssd.commands import gpu_check_job
 
     peaks = {"keep": 40 * MIB, "recompute @30%": 8 * MIB, "megatron-full @30%": 9 * MIB,
-             "megatron-selective @30%": 16 * MIB}
+             "megatron-selective @30%": 16 * MIB, "planner-ssd @30%": 11 * MIB, "planner-ssd @50%": 21 * MIB}
     ran = []
 
     def runner(label, cmd, timeout_s):
         ran.append((label, cmd))
-        report = copy.deepcopy(cpu_reports["keep"])
+        report = copy.deepcopy(cpu_reports["planner" if label.startswith("planner") else "keep"])
         report["phases"][-1]["allocator_peak_bytes"] = peaks[label]
         return report, 0, ""
 
     monkeypatch.setattr(gpu_check_job, "_cuda_available", lambda: False)
-    monkeypatch.setattr(gpu_check_job, "_cap_field", lambda: False)
     entry = gpu_check_job.job_part(str(tmp_path / "r.json"), str(tmp_path), 400, out=io.StringIO(), runner=runner)
     assert entry["status"] == "passed", entry["reason"]
     assert [label for label, _ in ran] == list(peaks)
@@ -1099,7 +1107,12 @@ def test_without_a_gpu_the_job_runs_the_tiny_job_and_skips_each_gpu_only_row_wit
     rows = {(r["placement"], r["cap"]): r for r in n["rows"]}
     assert rows[("keep", "50%")]["status"] == "skipped" and rows[("keep", "50%")]["reason"].startswith(NO_CUDA)
     assert rows[("megatron-offload", "30%")]["reason"].startswith(NO_CUDA)
-    assert rows[("planner-host", "30%")]["reason"].startswith("needs offload.device_memory_cap")
+    assert rows[("planner-host", "30%")]["reason"] == ("the host tier saves nothing on a CPU: the device's memory "
+                                                       "is host memory")
+    assert f"offload.device_memory_cap={12 * MIB}" in dict(ran)["planner-ssd @30%"]  # the planner's capacity
+    assert [(g["status"], g["detail"].split(":")[0]) for g in n["gates"] if g["gate"] == "within-cap"] == [
+        ("not checked", "planner-host @30%"), ("passed", "planner-ssd @30%"),
+        ("not checked", "planner-host @50%"), ("failed", "planner-ssd @50%")]  # 21 MiB > 20: reported, not enforced
     sel30, sel50 = rows[("megatron-selective", "30%")], rows[("megatron-selective", "50%")]
     assert (sel30["status"], sel30["fits"], sel50["status"], sel50["fits"]) == ("ran", False, "inferred", True)
     assert sel50["reason"] == "one run serves both caps on a CPU (nothing enforced)"
