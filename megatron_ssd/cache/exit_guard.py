@@ -48,6 +48,32 @@ logger = logging.getLogger("megatron_ssd")
 # or ``megatron-ssd clean`` removes what those leave
 # (:func:`megatron_ssd.io.rundir.remove_stale_runs`).
 
+# NOTE [Cleanup before the handler runs]
+# Python runs a signal's handler on the main thread between bytecodes, so a main thread
+# inside one long C call (a collective waiting on a peer that is gone, a kernel, a
+# ``cudaStreamSynchronize``) runs it only when the call returns, and a process that is
+# starved of CPU runs it late. SLURM's scancel gives the job's processes ``KillWait``
+# seconds (30 by default) after SIGTERM, then SIGKILLs them: a rank whose handler had
+# not run by then stranded its run directory (seen under load: a cancelled job's rank 1
+# left its 256 MiB ``extents.bin`` and marker). So while the handlers are in, the guard
+# also gives Python a wakeup fd (``signal.set_wakeup_fd``): Python's C-level handler
+# writes the signal's number to it the moment the signal arrives, whatever the main
+# thread does, and the cleanup thread, which waits on it, deletes the run directories at
+# once when the signal is one of SIGNALS whose previous action is SIG_DFL, i.e. one
+# that will kill the process. A signal that a previous Python handler takes (a
+# launcher's graceful exit, Python's SIGINT handler: the process may carry on) deletes
+# nothing early. From then on the process is dying: :attr:`_ExitGuard.dying` is set,
+# and the failed-write warnings of the I/O that still runs are not printed. The handler
+# itself, when it runs, deletes again (nothing left) and kills the process as before.
+# Only one wakeup fd exists per process: where another is set (an asyncio loop on the
+# main thread), the guard leaves it and relies on the handler alone. A forked child
+# gets the wakeup fd taken away (``os.register_at_fork``), or its signals would delete
+# the parent's files. What remains is a window of microseconds: a signal that reaches a
+# child between its ``fork`` and that hook is written to the parent's pipe (and CPython
+# drops the child's own handling of it), so the parent deletes its files as if it had
+# been signalled. Signalling a process the instant it is forked is what a whole-job
+# SIGTERM does, and then the parent is signalled too; nothing else does it.
+
 # NOTE [Interrupts in finalisers]
 # Python's SIGINT handler raises KeyboardInterrupt in whatever Python code the main
 # thread runs when the signal is handled, and that can be a finaliser: a ``__del__``
@@ -85,6 +111,10 @@ class _ExitGuard:
         self._previous: Dict[int, Any] = {}
         self._atexit = False
         self._wake_w = self._done_r = -1  # pipes to the cleanup thread, while handlers are in
+        self._signal_w = -1  # the wakeup fd given to Python, while it is ours (NOTE [Cleanup before the handler runs])
+        self.dying = False
+        """A signal that kills the process arrived and the run directories are being
+        deleted (NOTE [Cleanup before the handler runs]): failed I/O is not reported."""
         self._cleaner_pid = -1  # a forked child shares the pipes, not the thread
         self._unraisable: Any = None  # the sys.unraisablehook ours replaced, while it is in
         self.interrupted = False
@@ -129,6 +159,12 @@ class _ExitGuard:
             if sys.unraisablehook == self._on_unraisable:
                 sys.unraisablehook = self._unraisable
             self._unraisable = None
+        if self._signal_w >= 0:
+            current = signal.set_wakeup_fd(-1)
+            if current != self._signal_w:  # another's by now: leave it there
+                signal.set_wakeup_fd(current)
+            os.close(self._signal_w)
+            self._signal_w = -1
         if self._wake_w >= 0:
             os.close(self._wake_w)  # the cleaner reads end of file and returns
             os.close(self._done_r)
@@ -138,29 +174,78 @@ class _ExitGuard:
         wake_r, self._wake_w = os.pipe()
         self._cleaner_pid = os.getpid()
         self._done_r, done_w = os.pipe()
-        threading.Thread(target=self._cleaner, args=(wake_r, done_w), name="megatron_ssd-exit-cleanup",
+        signal_r = self._take_wakeup_fd()
+        threading.Thread(target=self._cleaner, args=(wake_r, done_w, signal_r), name="megatron_ssd-exit-cleanup",
                          daemon=True).start()
 
-    def _cleaner(self, wake_r: int, done_w: int) -> None:
-        """Daemon thread: on a byte from the handler, delete every open cache's files."""
+    def _take_wakeup_fd(self) -> int:
+        """Give Python a wakeup fd of ours, unless another is set; return its reading end
+        (-1: none). NOTE [Cleanup before the handler runs]."""
+        signal_r, signal_w = os.pipe()
+        os.set_blocking(signal_w, False)
         try:
-            while os.read(wake_r, 1):
-                caches: List[Any] = []
-                for _ in range(3):  # another thread may open or close a cache meanwhile
-                    try:
-                        caches = list(self._caches)
-                        break
-                    except RuntimeError:
-                        continue
-                for cache in caches:
-                    try:
-                        cache._remove_files_now()
-                    except Exception:  # noqa: BLE001 - best effort; the marker stays for clean
-                        pass
-                os.write(done_w, b"x")
+            replaced = signal.set_wakeup_fd(signal_w, warn_on_full_buffer=False)
+        except (ValueError, OSError):
+            replaced = None
+        if replaced != -1:  # another's (or none could be set): leave it, the handler alone cleans up
+            if replaced is not None:
+                signal.set_wakeup_fd(replaced)
+            os.close(signal_r)
+            os.close(signal_w)
+            return -1
+        self._signal_w = signal_w
+        if not _ExitGuard._fork_hook:
+            os.register_at_fork(after_in_child=_forget_wakeup_fd_in_child)
+            _ExitGuard._fork_hook = True
+        return signal_r
+
+    _fork_hook = False
+
+    def _kills(self, signum: int) -> bool:
+        """Whether ``signum`` arriving now will kill the process (one of SIGNALS whose
+        previous action is SIG_DFL; NOTE [Cleanup before the handler runs])."""
+        previous = self._previous.get(signum)
+        return previous is not None and not callable(previous)
+
+    def _cleaner(self, wake_r: int, done_w: int, signal_r: int) -> None:
+        """Daemon thread: on a byte from the handler, delete every open cache's files and
+        say so; on a deadly signal's number from Python's wakeup fd, delete them at once
+        (NOTE [Cleanup before the handler runs])."""
+        sources = [wake_r] + ([signal_r] if signal_r >= 0 else [])
+        try:
+            while True:
+                ready, _, _ = select.select(sources, [], [])
+                if signal_r in ready:
+                    numbers = os.read(signal_r, 64)
+                    if not numbers:
+                        sources.remove(signal_r)
+                    elif os.getpid() == self._cleaner_pid and any(self._kills(n) for n in numbers):
+                        self.dying = True
+                        self._remove_all_now()
+                if wake_r in ready:
+                    if not os.read(wake_r, 1):
+                        return
+                    self._remove_all_now()
+                    os.write(done_w, b"x")
         finally:
             os.close(wake_r)
             os.close(done_w)
+            if signal_r >= 0:
+                os.close(signal_r)
+
+    def _remove_all_now(self) -> None:
+        caches: List[Any] = []
+        for _ in range(3):  # another thread may open or close a cache meanwhile
+            try:
+                caches = list(self._caches)
+                break
+            except RuntimeError:
+                continue
+        for cache in caches:
+            try:
+                cache._remove_files_now()
+            except Exception:  # noqa: BLE001 - best effort; the marker stays for clean
+                pass
 
     def _on_signal(self, signum: int, frame: Any) -> None:
         previous = self._previous.get(signum, signal.SIG_DFL)
@@ -204,6 +289,17 @@ class _ExitGuard:
                     cache.close()
                 except Exception:  # noqa: BLE001 - exiting anyway; the next start cleans up
                     logger.exception("megatron_ssd: closing a tensor cache at exit failed")
+
+
+def _forget_wakeup_fd_in_child() -> None:
+    """After a fork, in the child: the parent's wakeup fd is the parent's (NOTE [Cleanup
+    before the handler runs]); the child's signals must not reach its cleanup thread."""
+    if EXIT_GUARD._signal_w >= 0:
+        try:
+            signal.set_wakeup_fd(-1)
+        except (ValueError, OSError):
+            pass
+        EXIT_GUARD._signal_w = -1
 
 
 EXIT_GUARD = _ExitGuard()

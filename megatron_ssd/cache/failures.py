@@ -19,6 +19,8 @@ import threading
 import time
 from typing import Any, Callable, Dict, Hashable, List, Optional
 
+from .exit_guard import EXIT_GUARD
+
 __all__ = ["WriteFailures"]
 
 logger = logging.getLogger("megatron_ssd")
@@ -63,7 +65,10 @@ class WriteFailures:
 
     def failed(self, store: Any, nbytes: int, layer: Hashable, outcome: str, error: BaseException) -> None:
         """A write of ``nbytes`` (layer ``layer``) failed with ``error``; ``outcome`` says
-        where its tensor is now (``kept in memory instead``, ...)."""
+        where its tensor is now (``kept in memory instead``, ...). Nothing is said while
+        the process is dying of a signal (NOTE [Cleanup before the handler runs])."""
+        if EXIT_GUARD.dying:
+            return
         key = self.path_of(store, error)
         now = self.clock()
         with self._lock:

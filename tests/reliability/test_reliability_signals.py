@@ -18,7 +18,7 @@ from megatron_ssd import OffloadConfig, TensorCache
 from megatron_ssd.cache import exit_guard
 from megatron_ssd.io import rundir
 from megatron_ssd.io.rundir import MARKER
-from waits import HANG_S  # tests/waits.py
+from waits import HANG_S, wait_until  # tests/waits.py
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ENV = dict(os.environ, PYTHONPATH=REPO)
@@ -187,6 +187,86 @@ def test_sigterm_removes_the_emptied_job_directories_too(tmp_path):
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=HANG_S) == -signal.SIGTERM, proc.stderr.read()
     assert os.listdir(root) == []
+
+
+# A child with an open cache whose main thread never runs Python's handler: SIGTERM is
+# blocked there (after the cleanup thread started, which does not block it), so the
+# signal goes to another thread, as when the main thread sits in one long C call (a
+# collective waiting on a dead peer) while SLURM's KillWait runs out. ``fork`` mode
+# instead forks a child that sleeps, for the test to signal.
+STUCK_CHILD = textwrap.dedent(
+    """
+    import os, signal, sys, threading, time
+    import torch
+    from megatron_ssd import OffloadConfig, TensorCache
+    from megatron_ssd.config import Placement
+
+    path, mode = sys.argv[1], sys.argv[2]
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    cache = TensorCache(OffloadConfig(paths=[path], min_tensor_bytes=0, min_free_bytes=0))
+    cache.register_layers([torch.nn.Identity()], ids=["L"], install_hooks=False)
+    cache.set_plan({"L": Placement.OFFLOAD})
+    with cache.microbatch() as record:
+        with cache.layer("L"):
+            packed = cache.pack(record, torch.ones(1 << 20, dtype=torch.uint8))
+    cache.drain()
+    if mode == "fork":
+        pid = os.fork()
+        if pid == 0:
+            print("forked child ready", flush=True)  # past the fork's after-child hooks
+            time.sleep(600)
+            os._exit(0)
+        print(cache.engine.paths[0], pid, flush=True)
+        os.waitpid(pid, 0)
+        print("child gone", flush=True)
+        threading.Event().wait()
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    print(cache.engine.paths[0], flush=True)
+    threading.Event().wait()  # the handler can never run here
+    """
+)
+
+
+def test_sigterm_deletes_the_files_even_when_the_main_thread_never_runs_the_handler(tmp_path, offload_dir):
+    """NOTE [Cleanup before the handler runs]: the cleanup thread hears the signal from
+    Python's wakeup fd and deletes the run directory without the main thread."""
+    script = tmp_path / "stuck.py"
+    script.write_text(STUCK_CHILD)
+    proc = subprocess.Popen([sys.executable, str(script), offload_dir, "stuck"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=ENV)
+    try:
+        run_dir = _run_dir_of(proc)
+        proc.send_signal(signal.SIGTERM)
+        wait_until(lambda: not os.path.exists(run_dir) or proc.poll() is not None, "the run directory's removal")
+        assert proc.poll() is None, proc.stderr.read()  # alive: its handler never ran
+        assert os.listdir(offload_dir) == []
+    finally:
+        proc.kill()
+        proc.wait(timeout=HANG_S)
+
+
+def test_a_forked_childs_signal_deletes_nothing_of_its_parent(tmp_path, offload_dir):
+    """The wakeup fd is taken away in a forked child: its SIGTERM must not reach the
+    parent's cleanup thread (NOTE [Cleanup before the handler runs])."""
+    script = tmp_path / "stuck.py"
+    script.write_text(STUCK_CHILD)
+    proc = subprocess.Popen([sys.executable, str(script), offload_dir, "fork"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=ENV)
+    try:
+        lines = [proc.stdout.readline(), proc.stdout.readline()]  # the two processes', in either order
+        assert "forked child ready\n" in lines, (lines, proc.stderr.read())
+        line = next(x for x in lines if x != "forked child ready\n").split()
+        assert len(line) == 2, proc.stderr.read()
+        run_dir, child = line[0], int(line[1])
+        os.kill(child, signal.SIGTERM)
+        assert proc.stdout.readline().strip() == "child gone", proc.stderr.read()
+        assert os.path.isdir(run_dir) and proc.poll() is None  # the parent's files are still there
+        proc.send_signal(signal.SIGTERM)  # and its own SIGTERM still removes them
+        assert proc.wait(timeout=HANG_S) == -signal.SIGTERM
+        assert os.listdir(offload_dir) == []
+    finally:
+        if proc.poll() is None:
+            proc.kill()
 
 
 def test_sigterm_removes_the_data_before_the_marker(tmp_path, offload_dir):
