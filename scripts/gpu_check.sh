@@ -26,6 +26,8 @@
 #   --budget SECONDS   time for the whole run (default 480); each part has its own timeout inside it
 #   --bench-size SIZE  bytes bench-io writes per setting (default 1GiB with a GPU, 64MiB without)
 #   --timeout PART=S   one part's timeout in seconds (defaults: the table below)
+#   --parts LIST       run only these parts (comma-separated, in the order below); each other
+#                      part is skipped with the reason (default: every part)
 #   --install          install missing wheels even without a GPU (default: only with one)
 #   --print-python     print the interpreter the check would use and its mode (gpu or
 #                      no-gpu), then exit; OUT is not needed
@@ -74,6 +76,7 @@ BUDGET=480
 BENCH_SIZE=""
 INSTALL=0
 PRINT_PYTHON=0
+SELECTED="" # --parts: the parts to run, comma-separated; empty: all
 
 usage() {
     awk 'NR == 1 { next } /^# shellcheck/ { next } /^#/ { sub(/^# ?/, ""); if (!started && $0 == "") next; started = 1; print; next } { exit }' "${BASH_SOURCE[0]}"
@@ -100,7 +103,7 @@ parse_args() {
                 usage
                 exit 0
                 ;;
-            --path | --wheels | --target | --budget | --bench-size | --timeout)
+            --path | --wheels | --target | --budget | --bench-size | --timeout | --parts)
                 (($# >= 2)) || die_usage "$1 needs a value"
                 case "$1" in
                     --path) OFFLOAD="$2" ;;
@@ -108,6 +111,14 @@ parse_args() {
                     --target) TARGET="$2" ;;
                     --budget) BUDGET="$2" ;;
                     --bench-size) BENCH_SIZE="$2" ;;
+                    --parts)
+                        local part
+                        [[ -n "$2" ]] || die_usage "--parts needs a comma-separated list of ${PARTS[*]}"
+                        for part in ${2//,/ }; do
+                            [[ -n "${TIMEOUT[$part]+set}" ]] || die_usage "--parts $2: '$part' is not a part (${PARTS[*]})"
+                        done
+                        SELECTED=",$2,"
+                        ;;
                     --timeout)
                         name="${2%%=*}"
                         value="${2#*=}"
@@ -223,6 +234,17 @@ timing() {
     printf '%s\t%s\t%s\t%s\n' "$1" "$2" "$3" "$4" >>"$WORK/timings.tsv"
 }
 
+# selected NAME: true when --parts left NAME in (or was not given).
+selected() {
+    [[ -z "$SELECTED" || "$SELECTED" == *",$1,"* ]]
+}
+
+# not_selected NAME: true, after writing NAME's skipped entry, when --parts left it out.
+not_selected() {
+    selected "$1" && return 1
+    skip_part "$1" "not among --parts ${SELECTED:1:${#SELECTED}-2}"
+}
+
 # skip_part NAME REASON: a skipped entry, written here (no Python start for it).
 skip_part() {
     next_result "$1"
@@ -240,6 +262,7 @@ record() {
 run_part() {
     local name="$1" t rc=0 started
     shift
+    not_selected "$name" && return 0
     t="$(part_timeout "$name")"
     if ((t < TIMEOUT[$name] && t < MINIMUM[$name])); then # the budget cut it below what the part needs
         skip_part "$name" "time budget: $((BUDGET - $(elapsed))) s left of $BUDGET s, this part needs at least ${MINIMUM[$name]} s"
@@ -270,6 +293,7 @@ pytest_part() {
     local name="$1" what="$2" t rc=0 started junit
     local -a envs=()
     shift 2
+    not_selected "$name" && return 0
     while (($# > 0)) && [[ "$1" != "--" ]]; do
         envs+=("$1")
         shift

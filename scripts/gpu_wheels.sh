@@ -18,9 +18,10 @@
 #   -h, --help            this text
 # Environment: PYTHON (default .venv/bin/python when it exists, else python3) runs pip.
 # Not included, on purpose: Transformer Engine (hundreds of MiB of CUDA libraries; its
-# tests skip with a reason), pydantic (only Megatron-LM's own scripts import it; the check
-# runs none), and what kvikio's METADATA asks for that the image has (cupy-cuda13x, numpy,
-# packaging, the CUDA 13 cuFile library behind cuda-toolkit[cufile]).
+# tests skip with a reason) and what kvikio's METADATA asks for that the image has
+# (cupy-cuda13x, numpy, packaging, the CUDA 13 cuFile library behind cuda-toolkit[cufile]).
+# pydantic and what it needs are included: the pretrain part runs Megatron-LM's own
+# pretrain_gpt.py, whose training package imports it.
 # Exit status: 0 when every wheel is in the folder, 1 when pip failed, 2 on a usage error.
 set -euo pipefail
 
@@ -32,6 +33,9 @@ CORE_VERSION=""
 # kvikio-cu13 26.10.0 requires libkvikio-cu13==26.10.*; libkvikio-cu13 requires rapids-logger==0.3.*
 # and cuda-pathfinder (read from their METADATA Requires-Dist).
 KVIKIO_WHEELS=(kvikio-cu13==26.10.0 libkvikio-cu13==26.10.0 rapids-logger==0.3.0 cuda-pathfinder==1.9.1)
+# pydantic 2.14.4 requires pydantic-core==2.50.5, annotated-types>=0.6 and typing-inspection>=0.4.2
+# (typing-extensions is in the image); the versions make's environment installs.
+PRETRAIN_WHEELS=(pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5)
 PLATFORMS=(manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_24_x86_64 manylinux_2_17_x86_64
     manylinux2014_x86_64 manylinux1_x86_64)
 CARRY_LIMIT=$((64 * 1024 * 1024)) # what a GPU run carries: the tree plus the wheels
@@ -100,7 +104,7 @@ main() {
     if [[ -z "$py" ]]; then
         if [[ -x "$REPO/.venv/bin/python" ]]; then py="$REPO/.venv/bin/python"; else py=python3; fi
     fi
-    local -a reqs=("megatron-core==$CORE_VERSION") platform_args=()
+    local -a reqs=("megatron-core==$CORE_VERSION" "${PRETRAIN_WHEELS[@]}") platform_args=()
     if ((KVIKIO)); then
         reqs+=("${KVIKIO_WHEELS[@]}")
     fi

@@ -96,6 +96,21 @@ def test_without_a_gpu_the_script_measures_the_path_and_skips_each_gpu_part_with
     assert os.listdir(path) == []  # bench-io removed its files
 
 
+def test_parts_runs_only_the_parts_named_and_skips_the_others_with_the_reason(tmp_path):
+    """``--parts`` (a short GPU window spent on the parts that changed): the parts named run,
+    every other is a skipped entry naming the list, in the usual order."""
+    out, path = tmp_path / "out", tmp_path / "offload"
+    path.mkdir()
+    result = _script(out, "--path", path, "--parts", "environment,bench-io")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    parts = _parts(out)
+    assert list(parts) == ["install", "environment", "copy-bandwidth", "bench-io", "pytest-gpu", "train", "job",
+                           "pretrain", "array"]
+    assert parts["environment"]["status"] == "passed" and parts["bench-io"]["status"] == "passed"
+    for name in ("job", "array"):
+        assert (parts[name]["status"], parts[name]["reason"]) == ("skipped", "not among --parts environment,bench-io")
+
+
 @pytest.mark.parametrize("args, message", [
     ([], "the output folder OUT is required"),
     (["o", "p"], "one output folder only"),
@@ -106,6 +121,8 @@ def test_without_a_gpu_the_script_measures_the_path_and_skips_each_gpu_part_with
     (["o", "--timeout", "train=-1"], "--timeout train=-1: SECONDS must be a whole number > 0"),
     (["o", "--path", "/nonexistent/act"], "--path /nonexistent/act: not a directory"),
     (["o", "--frobnicate"], "unknown option --frobnicate"),
+    (["o", "--parts", "train,lunch"], "--parts train,lunch: 'lunch' is not a part (install environment"),
+    (["o", "--parts", ""], "--parts needs a comma-separated list of install"),
 ])
 def test_bad_arguments_are_refused_before_anything_runs(tmp_path, args, message):
     result = _script(*args, env=_env(PYTHON="/nonexistent/python"))  # never reached
@@ -313,7 +330,8 @@ def test_the_wheel_script_downloads_pinned_wheels_for_the_gpu_image_and_keeps_on
                 if line.startswith("CORE_VERSION"))
     for flag in ("download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp",
                  "--platform manylinux_2_28_x86_64", "--platform manylinux2014_x86_64", f"-d {folder}",
-                 f"megatron-core=={core}", "kvikio-cu13==", "libkvikio-cu13==", "rapids-logger==", "cuda-pathfinder=="):
+                 f"megatron-core=={core}", "kvikio-cu13==", "libkvikio-cu13==", "rapids-logger==", "cuda-pathfinder==",
+                 "pydantic==", "pydantic-core=="):
         assert flag in call, flag
     names = sorted(os.listdir(folder))
     assert not any(n.startswith("megatron_core-0.16.1") for n in names)
