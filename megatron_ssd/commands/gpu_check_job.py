@@ -366,15 +366,13 @@ def job_part(result_path: str, path: str, budget_s: float, config_path: Optional
                 row.update(cap_bytes=caps[small], fits=row["measured_peak_bytes"] <= caps[small])
             peer_rows[name] = row
             save(name)
-        why = fine_grained_reason() if gpu else f"{NO_CUDA}: it copies on CUDA streams"
-        native = "megatron-offload"
-        if why:
-            job.skip(native, small, why)
-            job.skip(native, big, why)
-        else:
-            job.skip(native, small, "Transformer Engine is installed, but this check has no run of megatron-core's "
-                                    "own schedule with its fine-grained offloading (the train command refuses it: "
-                                    "its offload and this cache's would both hook the saved tensors)")
+        # Megatron's own fine-grained offloading: never run here (the reason, named)
+        why = (fine_grained_reason() or "Transformer Engine is installed, but this check has no run of "
+               "megatron-core's own schedule with its fine-grained offloading (the train command refuses it: its "
+               "offload and this cache's would both hook the saved tensors)") if gpu else (
+            f"{NO_CUDA}: it copies on CUDA streams")
+        for cap in (small, big):
+            job.skip("megatron-offload", cap, why)
         # the planner, host tier and SSD-only, under each cap
         host_why = "" if gpu else "the host tier saves nothing on a CPU: the device's memory is host memory"
         planners = (("planner-host", ["offload.planner.mode=auto", f"offload.host_pool_bytes={_host_pool()}"]),
@@ -399,8 +397,9 @@ def job_part(result_path: str, path: str, budget_s: float, config_path: Optional
             else:
                 peer_rows[name] = job.run(name, big, PEERS[name], "peer", caps[big], essential=False)
                 save(f"{name} @{big}")
-        # the planner at a peer's peak, where it held more than the peer under the same cap
-        _matched(job, peer_rows, save)
+        # on a GPU, the planner at a peer's peak where it held more than the peer under the same cap
+        if gpu:
+            _matched(job, peer_rows, save)
     return _finish(job, numbers, gpu, keep, "")
 
 
