@@ -76,6 +76,11 @@ ARRAY_BYTES = {"gpu": 8 * GiB, "no-gpu": GiB}
 """RAM the stand-in's drives may fill together, split between them (sparse files: RAM
 is used only as bytes are written). Each drive needs room for its share of what is
 written plus the extent file's growth step (``io.file_grow_bytes``, 256 MiB)."""
+MIN_DRIVE_BYTES = {"gpu": 2 * GiB, "no-gpu": 0}
+"""The least each drive gets where the planner trains on it: ext4 keeps about 7% of a
+small file system, and training refuses a path with less than ``offload.min_free_bytes``
+(1 GiB) free, as it did on the H200 for 8 drives of 1 GiB (0.93 GiB free). The files are
+sparse, so a larger drive takes no more RAM until written."""
 
 BENCH_BYTES = {"gpu": GiB, "no-gpu": 64 * MiB}
 """Bytes bench-io writes and reads back per engine."""
@@ -219,7 +224,7 @@ def _planner_run(case: Case, paths: Sequence[str], threads: int, timeout_s: floa
 def run_case(case: Case, mode: str, deadline: float, tmp: str, out: Any,
              clock: Callable[[], float] = time.monotonic) -> Dict[str, Any]:
     """Bring up one stand-in, measure on it, tear it down; its entry in ``cases``."""
-    size = ARRAY_BYTES[mode] // case.drives
+    size = max(ARRAY_BYTES[mode] // case.drives, MIN_DRIVE_BYTES[mode])
     row: Dict[str, Any] = {**asdict(case), "name": case.name, "drive_bytes": size,
                            "threads": min(64, 2 * case.drives),
                            "array_read_bytes_per_s": case.drives * case.read_bytes_per_s,

@@ -153,9 +153,14 @@ class Job:
         self.essential_left = 0
 
     def _timeout(self, kind: str, essential: bool) -> float:
+        """The run's timeout: on a GPU what is left less ``MIN_RUN_S`` for each essential run
+        still to come, but never below ``MIN_RUN_S`` while that much is left, so a short budget
+        runs the first runs (keep, the reference, first of all) and skips the last."""
+        left = self.deadline - self.clock()
+        if self.device != "cuda":
+            return left
         later = max(self.essential_left - (1 if essential else 0), 0)
-        left = self.deadline - self.clock() - (MIN_RUN_S * later if self.device == "cuda" else 0)
-        return min(RUN_TIMEOUT_S[kind], left) if self.device == "cuda" else left
+        return min(RUN_TIMEOUT_S[kind], max(left - MIN_RUN_S * later, min(left, MIN_RUN_S)))
 
     def run(self, name: str, cap: str, extra: Sequence[str], kind: str, cap_bytes: Optional[int] = None,
             essential: bool = True, **fields: Any) -> Dict[str, Any]:

@@ -106,8 +106,22 @@ CAP_FLAG = "--ssd-offload-device-memory-cap"
 CAP_FRACTION = 0.6
 """The offload run's cap: the plain run's persistent memory (``allocated`` after its last
 iteration: parameters, gradients, optimizer state) plus this fraction of what a step adds
-on top of it (its ``max allocated`` minus that). Keep-everything needs all of it; with every
-layer offloaded a step adds the logits, the layers read back ahead and the copies in flight."""
+on top of it (its ``max allocated`` minus that), or above the first iteration's peak where
+that is higher (NOTE [Pretrain cap]). Keep-everything needs all of it; with every layer
+offloaded a step adds the logits, the layers read back ahead and the copies in flight.
+
+NOTE [Pretrain cap]
+Megatron's optimizer creates Adam's two state tensors at its first step, and the step's
+multi-tensor arithmetic allocates temporaries as large as one of them (``_foreach_sqrt`` of
+the second moments): on the H200 the check's 0.88B GPT peaked at 18588 MiB after its first
+iteration, 3340 MiB above the 15248 MiB it keeps between steps, while a later step's
+activations peaked at 19788 MiB. No activation placement lowers that first peak (the first
+forward runs before the states exist, so its activations add to less), and a cap of the
+persistent memory plus 0.6 of what a step adds (17972 MiB) ran the offload run out of
+memory in the optimizer, not in a layer. So where the first memory line's ``max
+allocated`` is above the persistent memory, the cap is that plus the fraction of what later
+steps add above it; where it is the run's peak there is no cap between the two, and the
+run offloads without one, saying why."""
 
 RUN_TIMEOUT_S = {"gpu": {"plain": 80, "offload": 130, "selective": 80},
                  "no-gpu": {"plain": 300, "offload": 300, "selective": 300}}
@@ -218,7 +232,8 @@ def parse_log(text: str) -> Dict[str, Any]:
         it, allocated, max_allocated, reserved, max_reserved = found[-1]
         memory = {"after_iteration": int(it), "allocated_bytes": _mib_bytes(allocated),
                   "max_allocated_bytes": _mib_bytes(max_allocated), "reserved_bytes": _mib_bytes(reserved),
-                  "max_reserved_bytes": _mib_bytes(max_reserved)}
+                  "max_reserved_bytes": _mib_bytes(max_reserved),
+                  "first_max_allocated_bytes": _mib_bytes(found[0][2])}
     theoretical = None
     estimates = THEORETICAL.findall(text)
     if estimates:
@@ -250,8 +265,18 @@ def device_cap(plain: Dict[str, Any], fraction: float = CAP_FRACTION) -> Tuple[O
     from)``, or ``(None, why not)``. Measured CUDA memory when the run had some, else
     Megatron's theoretical footprint (the CPU mode counts no CUDA memory)."""
     memory, theory = plain.get("memory"), plain.get("theoretical")
-    if memory and memory["max_allocated_bytes"] > 0:
+    if memory and memory["max_allocated_bytes"] > 0:  # NOTE [Pretrain cap]
         base, peak, source = memory["allocated_bytes"], memory["max_allocated_bytes"], "measured"
+        first = memory.get("first_max_allocated_bytes") or 0
+        if first >= peak:
+            return None, (f"measured: the first iteration's peak ({first / MiB:.1f} MiB, the optimizer's first "
+                          f"step) is the run's peak, so no cap lets an activation placement fit where plain does "
+                          f"not")
+        if first > base:
+            return int(first + fraction * (peak - first)), (
+                f"measured: the first iteration's {first / MiB:.1f} MiB (the optimizer's first step, which no "
+                f"activation placement lowers) + {fraction:g} x the {(peak - first) / MiB:.1f} MiB a later step "
+                f"adds on top (peak {peak / MiB:.1f} MiB)")
     elif theory and theory["total_bytes"] > 0:
         base, peak, source = theory["weight_and_optimizer_bytes"], theory["total_bytes"], "theoretical"
     else:

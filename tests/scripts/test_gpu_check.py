@@ -688,13 +688,23 @@ def test_pretrain_log_lines_give_losses_times_cuda_memory_and_bytes_moved():
     assert got["steps"][1] == {"step": 1, "offloaded_mib": 1.5, "reloaded_mib": 1.2, "forwarded_mib": 0.3}
     assert got["memory"] == {"after_iteration": 2, "allocated_bytes": round(17210.00 * 2**20),
                              "max_allocated_bytes": round(22700.50 * 2**20), "reserved_bytes": 23552 * 2**20,
-                             "max_reserved_bytes": 24576 * 2**20}  # the last line: the run's peak so far
+                             "max_reserved_bytes": 24576 * 2**20,  # the last line: the run's peak so far
+                             "first_max_allocated_bytes": round(22611.07 * 2**20)}
     assert got["theoretical"] == {"weight_and_optimizer_bytes": round(1.84 * 2**20),
                                   "activation_bytes": round(0.31 * 2**20), "total_bytes": round(2.15 * 2**20)}
     assert got["cap_flag"] is True
     assert parse_log(PRETRAIN_LOG.replace("ssd_offload_device_memory_cap", "ssd_offload_other"))["cap_flag"] is False
-    cap, how = device_cap(got)  # persistent + 0.6 x what a step adds on top
-    assert cap == int((17210.00 + 0.6 * (22700.50 - 17210.00)) * 2**20) and how.startswith("measured: ")
+    # above the first iteration's peak (the optimizer's first step: NOTE [Pretrain cap]) by 0.6 x what later
+    # steps add on top of it
+    cap, how = device_cap(got)
+    assert cap == int(round(22611.07 * 2**20) + 0.6 * (round(22700.50 * 2**20) - round(22611.07 * 2**20)))
+    assert how.startswith("measured: the first iteration's 22611.1 MiB (the optimizer's first step")
+    # a first iteration below the persistent memory: persistent + 0.6 x what a step adds on top
+    low = parse_log(PRETRAIN_LOG.replace("22611.07", "17000.00"))
+    assert device_cap(low)[0] == int((17210.00 + 0.6 * (22700.50 - 17210.00)) * 2**20)
+    # the first iteration's peak is the run's: no cap fits offload where plain does not
+    flat = device_cap(parse_log(PRETRAIN_LOG.replace("22611.07", "22700.50")))
+    assert flat[0] is None and "is the run's peak" in flat[1]
     cpu = parse_log(PRETRAIN_LOG.replace("17210.00", "0.00").replace("22700.50", "0.00"))
     assert device_cap(cpu)[0] == int((1.84 + 0.6 * (2.15 - 1.84)) * 2**20)  # Megatron's estimate on a CPU
     assert device_cap(parse_log(""))[0] is None
@@ -734,8 +744,9 @@ def _pretrain_log(losses, offloaded=0.0, max_allocated=0.0, cap_flag=False):
                          f"{offloaded} MiB (read 9 MiB/s), forwarded 0.0 MiB, dedup 0.0 MiB")
         lines.append(f" [t] iteration {i:8d}/{len(losses):8d} | elapsed time per iteration (ms): {100.0 + i:.1f} | "
                      f"lm loss: {loss} | loss scale: 1.0 | grad norm: 1.5 |")
+        peak = max_allocated if i > 1 else min(max_allocated, 100.0)  # the first at the persistent level
         lines.append(f"[Rank 0] (after {i} iterations) memory (MB) | allocated: 100.00 | max allocated: "
-                     f"{max_allocated:.2f} | reserved: 200.00 | max reserved: {max_allocated + 10:.2f}")
+                     f"{peak:.2f} | reserved: 200.00 | max reserved: {peak + 10:.2f}")
     return "\n".join(lines) + "\n"
 
 
@@ -1170,3 +1181,20 @@ def test_the_array_part_stopped_at_its_timeout_tears_its_stand_in_down(tmp_path)
     records = dict(line.split("\t", 1) for line in state.splitlines()[1:] if "\t" in line)
     assert "torn down" in rest and not os.path.exists(directory)
     assert not os.path.exists(records["backing"]) and not os.path.exists(records["cgroup"])
+
+
+def test_a_short_job_budget_runs_the_first_runs_and_skips_the_last():
+    """On a GPU each run's timeout keeps MIN_RUN_S for every essential run still to come, but
+    never leaves the current run below MIN_RUN_S while that much is left: with 200 s for
+    nine essential runs keep (the reference) gets 30 s; before, it was skipped ('200 s left,
+    a run needs at least 30 s') and with it the whole part."""
+    from megatron_ssd.commands.gpu_check_job import MIN_RUN_S, RUN_TIMEOUT_S, Job
+    now = [0.0]
+    job = Job("c.yaml", [], "cuda", deadline=200.0, tmp="/nonexistent", out=io.StringIO(), clock=lambda: now[0])
+    job.essential_left = 9
+    assert job._timeout("keep", True) == MIN_RUN_S
+    job.essential_left = 2  # one more after this one: 200 - 30
+    assert job._timeout("planner", True) == min(RUN_TIMEOUT_S["planner"], 170)
+    now[0] = 190.0  # 10 s left: below MIN_RUN_S, run() skips it
+    assert job._timeout("keep", True) == 10
+    assert Job("c.yaml", [], "cpu", 200.0, "/nonexistent", io.StringIO(), lambda: 0.0)._timeout("keep", True) == 200
