@@ -94,7 +94,8 @@ class TensorCache:
         self.config = config
         self.binding = DeviceBinding(parse_device(config.device))
         """The device served (NOTE [Binding the device] in ``device.py``)."""
-        self.memory_fraction = apply_device_memory_cap(config.device_memory_cap, self.binding.resolved())
+        self.memory_fraction = (None if config.device_memory_cap is None else  # resolved only for a cap
+                                apply_device_memory_cap(config.device_memory_cap, self.binding.resolved()))
         """The fraction of the device's memory this process is capped at (NOTE [Device
         memory cap]); None: no cap, or a CPU device, where it is not enforced."""
         if engine is None:
