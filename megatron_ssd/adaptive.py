@@ -526,8 +526,9 @@ class AdaptivePlanner:
                                        self._recompute_steps,
                                        io.max_inflight_bytes if io.on_backpressure == "wait" else None)
         host_budget = self.host_budget()
-        if host_budget and profile.io.host_bytes_per_s is None:
-            profile = profile.with_io(dataclasses.replace(profile.io, host_bytes_per_s=self.host_bandwidth()))
+        if host_budget and profile.io.host_bytes_per_s is None:  # NOTE [Shared link]: a GPU's SSD bytes cross it
+            profile = profile.with_io(dataclasses.replace(profile.io, host_bytes_per_s=self.host_bandwidth(),
+                                                          shared_host_link=self.cache.device.type == "cuda"))
         self.profile = profile
         plan = make_plan(  # PlanInfeasibleError propagates: the budget cannot be met
             profile,
@@ -572,22 +573,45 @@ class AdaptivePlanner:
             limits.append(capacity_under_cap(cap, self.config.capacity_reserve, resident))
         return min(limits) if limits else None
 
+    # NOTE [Paced host tier]
+    # On a CPU the host tier's blobs are in the same memory as the compute device's, so by
+    # the process's RSS hosting saves nothing, and without more the planner gives the pool
+    # no budget. With its copies paced (``offload.host_copy_bytes_per_s``, ``rok
+    # --host-throttle``, NOTE [Host copy rate] in ``io/throttle.py``) the tier stands in
+    # for a GPU's: its blobs are not the compute device's live tensors (NOTE [Host blobs
+    # are not device memory] in ``io/host.py``), the measure the ``rok`` comparison uses,
+    # and a copy takes as long as at the paced rate. The planner then plans it as on a
+    # GPU: its budget is the pool, its bandwidth the pace, and its link is its own
+    # (``IOProfile.shared_host_link`` false: the drives are written from memory in place,
+    # not over the paced link), so the planner and the host-tier peers (Megatron's
+    # fine-grained offloading, Transformer Engine's CPU offload) use the same tier.
+
     def host_budget(self) -> Optional[int]:
         """Bytes of the cache's host pool the plan may use (NOTE [Host tier]): the pool's
-        size on a CUDA device (``auto`` already sized by the cache: NOTE [Auto host pool]);
-        None on a CPU, where the host tier saves nothing (the compute device's memory is
-        host memory), without a pool, and with a pool left unpinned because pinning
+        size on a CUDA device (``auto`` already sized by the cache: NOTE [Auto host pool]),
+        and on a CPU where its copies are paced (NOTE [Paced host tier]); None on a CPU
+        otherwise, where the host tier saves nothing (the compute device's memory is host
+        memory), without a pool, and on CUDA with a pool left unpinned because pinning
         failed, whose pageable copies block the forward pass (NOTE [Pinning fails])."""
-        if self.cache.host is None or self.cache.device.type != "cuda" or not getattr(self.cache.host, "pinned", True):
+        if self.cache.host is None:
+            return None
+        if self.cache.device.type != "cuda":
+            return self.cache.host.capacity_bytes if self.cache.config.host_copy_bytes_per_s is not None else None
+        if not getattr(self.cache.host, "pinned", True):
             return None
         return self.cache.host.capacity_bytes
 
     def host_bandwidth(self) -> float:
-        """The copy bandwidth between the device and pinned host memory, measured once
-        (:func:`measure_host_bandwidth`)."""
+        """The copy bandwidth between the device and the host pool: on CUDA that of pinned
+        memory, measured once (:func:`measure_host_bandwidth`), or the pace of
+        ``offload.host_copy_bytes_per_s`` where that is lower; on a CPU the pace (NOTE
+        [Paced host tier])."""
+        pace = self.cache.config.host_copy_bytes_per_s
+        if self.cache.device.type != "cuda":
+            return float(pace)
         if self._host_bw is None:
             self._host_bw = measure_host_bandwidth(self.cache.binding.resolved())
-        return self._host_bw
+        return self._host_bw if pace is None else min(self._host_bw, float(pace))
 
     def _check_space(self, plan: Plan) -> None:
         """Refuse a plan whose SSD footprint does not fit the offload paths' free space.

@@ -527,6 +527,19 @@ def test_the_host_tier_is_planned_on_a_gpu_only_and_runs_bit_identical(world, tm
     assert all(torch.equal(a, b) for a, b in zip(stock.losses, planned.losses, strict=True))
 
 
+def test_a_paced_host_tier_is_planned_on_a_cpu(world, tmp_path):
+    """With the host tier's copies paced (NOTE [Paced host tier] in ``adaptive.py``) the
+    CPU planner's host budget is the pool and its bandwidth the pace, on a link of its
+    own; before, a CPU planner gave the pool no budget whatever the pace."""
+    cfg = OffloadConfig(paths=[str(tmp_path)], min_tensor_bytes=4096, host_pool_bytes=64 << 20,
+                        host_copy_bytes_per_s=1 << 30, io=IOConfig(max_inflight_bytes=1 << 20))
+    with TensorCache(cfg) as cache:
+        _, _, planner = _run(cache, PlannerConfig(mode="auto", warmup_steps=1, profile_steps=2), steps=4)
+        assert planner.host_budget() == 64 << 20 and planner.host_bandwidth() == float(1 << 30)
+        assert planner.plan.host_budget_bytes == 64 << 20
+        assert planner.profile.io.host_bytes_per_s == float(1 << 30) and planner.profile.io.shared_host_link is False
+
+
 @pytest.mark.gpu
 def test_host_link_bandwidth_is_measured_on_the_gpu():
     from megatron_ssd.adaptive import measure_host_bandwidth

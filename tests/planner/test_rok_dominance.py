@@ -161,3 +161,21 @@ def test_rok_runs_each_peer_at_its_settings_and_matches_a_budget_to_it(tmp_path)
     assert data["host_copy_bytes_per_s"] == 1 << 30
     assert all(len(p["load_average"]) == 1 for p in data["points"] if "load_average" in p)
     assert len({p["final_loss"] for p in data["points"] if "final_loss" in p}) == 1
+
+
+def test_rok_with_a_paced_host_tier_lets_the_planner_host_layers(tmp_path):
+    """``--host-throttle`` on a 2-layer GPT: the planner's run gets the host-tier peers'
+    pool and plans it at the paced rate on its own link (NOTE [Paced host tier] in
+    ``adaptive.py``), so its plan hosts a layer, which the run copies to the pool; the
+    loss is keep's."""
+    out = tmp_path / "rok.json"
+    cmd = [sys.executable, "-m", "megatron_ssd.commands.cli", "rok", "--config", TINY, *TINY_CLI, "steps=5",
+           "--placements", "keep,planner", "--host-throttle", "1GiB", "--json", str(out)]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    by = {p["placement"]: p for p in json.loads(out.read_text())["points"]}
+    planner = by["planner"]
+    assert "host" in planner["plan"], planner["plan"]
+    assert planner["plan_io"]["host_bytes_per_s"] == 1 << 30 and planner["plan_io"]["shared_host_link"] is False
+    assert planner["bytes_to_host"] > 0 and by["keep"]["bytes_to_host"] == 0
+    assert planner["final_loss"] == by["keep"]["final_loss"]
