@@ -22,9 +22,14 @@ of keep's peak is that level plus ``f`` times keep's measured peak above it
 (``cuda_base_allocated_bytes`` + ``f`` x ``cuda_peak_allocated_above_base_bytes``); on a
 CPU, ``f`` times keep's live tensor bytes above the step's start (NOTE [Fits within a
 cap]). Runs go in an order that lets one run stand for another: keep runs out of memory
-under the 50% cap, so it would under 30% too (inferred, not run); a peer that fits 30%
-fits 50% (inferred from its 30% run). On a CPU one run of each fixed placement serves both
-caps, since nothing enforced changes its peak. Each planner run is capped at its own cap;
+under the 50% cap, so it would under 30% too (inferred, not run); likewise a peer that
+runs out under 50% is inferred to under 30%, and only a peer that fits 50% runs under 30%.
+The larger cap comes first because it is where the comparison is: on the H200 (16 layers,
+hidden 2048, sequence 2048) the 30% cap left 1.4 GiB above the weights, below what full
+recompute needs (sixteen 128 MiB layer inputs and the logits), so every peer ran out of
+memory there, and the budget ended before their 50% runs. The planners run under 50%,
+then 30%, then the peers' 30% runs that are still open. On a CPU one run of each fixed
+placement serves both caps, since nothing enforced changes its peak. Each planner run is capped at its own cap;
 where a planner run held more than a peer it is compared with, one more planner run
 capped at that peer's measured peak is made while time allows (NOTE [Planner against a
 peer]). Paired steps are off under a cap: their keep steps would not fit.
@@ -56,14 +61,20 @@ NO_GPU_OVERRIDES = ["model.num_layers=4", "model.hidden_size=64", "model.num_att
                     "offload.min_tensor_bytes=4096", "device=cpu"]
 """The no-GPU mode's tiny GPT: every run a few seconds of compute on two busy cores."""
 HOST_POOL = "8GiB"
-"""The planner's host pool where ``offload.host_pool_bytes`` does not take ``auto``: room
-for all of the GPU check's activations (4.4 GB)."""
+"""The planner-host runs' pool: room for all of the GPU check's activations (4.4 GB). Not
+``auto``, which on the H200 machine pins half its free memory (about 55 GiB) at every
+run's start; both planner-host runs there timed out at 30 s while the SSD-only runs,
+without a pool, reached their first step."""
 FIXED_STEPS = 4
 """Steps of a fixed placement's run: one warm-up, three measured."""
 RUN_TIMEOUT_S = {"keep": 60, "peer": 60, "planner": 90}
 """The most one run may take on a GPU, start-up included (less when the budget is short)."""
 MIN_RUN_S = 30
-"""A run is not started with less time than this left for it (on a GPU)."""
+"""A run is not started with less time than this left for it (on a GPU), and each essential
+run still to come keeps this much of the budget."""
+MIN_PLANNER_RUN_S = 60
+"""A planner run's least time on a GPU: it profiles, plans and runs seven steps (on the H200
+both planner-host runs, squeezed to 30 s, timed out)."""
 
 PEERS: Dict[str, List[str]] = {
     "recompute": ["offload.planner.mode=recompute"],
@@ -85,18 +96,6 @@ def _cap_field() -> bool:
     from .rok_largest import cap_supported
 
     return cap_supported()
-
-
-def _host_pool() -> str:
-    """``auto`` where ``offload.host_pool_bytes`` takes it, else :data:`HOST_POOL`."""
-    from ..config import OffloadConfig, load_config
-    from ..errors import ConfigError
-
-    try:
-        load_config(OffloadConfig, None, ["host_pool_bytes=auto"])
-        return "auto"
-    except ConfigError:
-        return HOST_POOL
 
 
 def fine_grained_reason(timeout_s: float = 60) -> str:
@@ -160,7 +159,8 @@ class Job:
         if self.device != "cuda":
             return left
         later = max(self.essential_left - (1 if essential else 0), 0)
-        return min(RUN_TIMEOUT_S[kind], max(left - MIN_RUN_S * later, min(left, MIN_RUN_S)))
+        least = MIN_PLANNER_RUN_S if kind == "planner" else MIN_RUN_S
+        return min(RUN_TIMEOUT_S[kind], max(left - MIN_RUN_S * later, min(left, least)))
 
     def run(self, name: str, cap: str, extra: Sequence[str], kind: str, cap_bytes: Optional[int] = None,
             essential: bool = True, **fields: Any) -> Dict[str, Any]:
@@ -172,9 +172,10 @@ class Job:
         timeout = self._timeout(kind, essential)
         if essential:
             self.essential_left -= 1
-        if timeout < (MIN_RUN_S if self.device == "cuda" else 1):
+        least = MIN_PLANNER_RUN_S if kind == "planner" else MIN_RUN_S
+        if timeout < (least if self.device == "cuda" else 1):
             row.update(status="skipped", fits=None, reason=f"time budget: {max(0.0, self.deadline - self.clock()):.0f}"
-                                                           f" s left, a run needs at least {MIN_RUN_S} s")
+                                                           f" s left, a run needs at least {least} s")
             return self._add(row)
         overrides = [*self.common, *extra, "paired_steps=0"]
         if cap_bytes is not None:
@@ -360,15 +361,16 @@ def job_part(result_path: str, path: str, budget_s: float, config_path: Optional
             else:
                 job.run("keep", small, ["offload.planner.mode=keep"], "keep", caps[small], essential=False)
         save("keep capped")
-        # the peers, under the smaller cap first
+        # the peers under the larger cap first (NOTE [Caps of the job part]): one that runs out of
+        # memory there would under the smaller one too
         peer_rows: Dict[str, Dict[str, Any]] = {}
         for name, extra in PEERS.items():
             if gpu and not cap_field:
-                peer_rows[name] = job.skip(name, small, no_cap)
+                peer_rows[name] = job.skip(name, big, no_cap)
                 continue
-            row = job.run(name, small, extra, "peer", caps[small] if gpu else None)
+            row = job.run(name, big, extra, "peer", caps[big] if gpu else None)
             if not gpu and row["status"] == "ran":  # nothing enforced: the run's peak against the cap
-                row.update(cap_bytes=caps[small], fits=row["measured_peak_bytes"] <= caps[small])
+                row.update(cap_bytes=caps[big], fits=row["measured_peak_bytes"] <= caps[big])
             peer_rows[name] = row
             save(name)
         # Megatron's own fine-grained offloading: never run here (the reason, named)
@@ -376,13 +378,13 @@ def job_part(result_path: str, path: str, budget_s: float, config_path: Optional
                "megatron-core's own schedule with its fine-grained offloading (the train command refuses it: its "
                "offload and this cache's would both hook the saved tensors)") if gpu else (
             f"{NO_CUDA}: it copies on CUDA streams")
-        for cap in (small, big):
+        for cap in (big, small):
             job.skip("megatron-offload", cap, why)
         # the planner, host tier and SSD-only, under each cap
         host_why = "" if gpu else "the host tier saves nothing on a CPU: the device's memory is host memory"
-        planners = (("planner-host", ["offload.planner.mode=auto", f"offload.host_pool_bytes={_host_pool()}"]),
+        planners = (("planner-host", ["offload.planner.mode=auto", f"offload.host_pool_bytes={HOST_POOL}"]),
                     ("planner-ssd", ["offload.planner.mode=auto", "offload.host_pool_bytes=0"]))
-        for cap in (small, big):
+        for cap in (big, small):
             for name, extra in planners:
                 if not cap_field:
                     job.skip(name, cap, "needs offload.device_memory_cap, the planner's capacity (not in this "
@@ -392,16 +394,22 @@ def job_part(result_path: str, path: str, budget_s: float, config_path: Optional
                 else:
                     job.run(name, cap, extra, "planner", caps[cap])
                 save(f"{name} @{cap}")
-        # the peers under the larger cap: inferred where they fit the smaller
+        # the peers under the smaller cap: inferred where they ran out of memory under the larger
+        small_rows: Dict[str, Dict[str, Any]] = {}
         for name, row in peer_rows.items():
             if row["status"] == "skipped":
-                job.skip(name, big, row["reason"])
-            elif row["status"] in ("ran", "inferred") and (row.get("fits") or not gpu):
-                job.inferred(row, big, caps[big], f"fits: it ran within the smaller {small} cap" if row.get("fits")
-                             else "one run serves both caps on a CPU (nothing enforced)")
+                small_rows[name] = job.skip(name, small, row["reason"])
+            elif row["status"] in ("out of memory", "inferred") and gpu:
+                small_rows[name] = job.inferred(row, small, caps[small],
+                                                f"out of memory: it ran out under the larger {big} cap")
+            elif not gpu and row["status"] == "ran":
+                small_rows[name] = job.inferred(row, small, caps[small], "one run serves both caps on a CPU "
+                                                                         "(nothing enforced)")
             else:
-                peer_rows[name] = job.run(name, big, PEERS[name], "peer", caps[big], essential=False)
-                save(f"{name} @{big}")
+                small_rows[name] = job.run(name, small, PEERS[name], "peer", caps[small] if gpu else None,
+                                           essential=False)
+                save(f"{name} @{small}")
+        peer_rows = {**peer_rows, **{f"{name} @{small}": row for name, row in small_rows.items()}}
         # on a GPU, the planner at a peer's peak where it held more than the peer under the same cap
         if gpu:
             _matched(job, peer_rows, save)
@@ -421,7 +429,7 @@ def _matched(job: Job, peer_rows: Dict[str, Dict[str, Any]], save: Callable[[str
         if any(abs(cap - d) <= 0.01 * d for d in done):  # one run covers peers within 1% of each other
             continue
         done.append(cap)
-        extra = ["offload.planner.mode=auto", f"offload.host_pool_bytes={_host_pool()}"]
+        extra = ["offload.planner.mode=auto", f"offload.host_pool_bytes={HOST_POOL}"]
         job.run(PLANNER, f"={name}", extra, "planner", cap, essential=False, matches=name)
         save(f"{PLANNER} at {name}'s peak")
     for r in job.rows:  # every peer a matched run covers

@@ -967,11 +967,13 @@ RECORDED_OOM = "recorded"  # train ran on and recorded the error (NOTE [Out of m
 # label -> (report kind, MiB above the 1000 MiB base, CUDA step s), or OOM; caps: 50% 1200 MiB, 30% 1120 MiB
 # (in the order they run)
 GPU_RUNS = {"keep": ("keep", 400, 0.100), "keep @50%": RECORDED_OOM,
+            "recompute @50%": ("keep", 100, 0.120), "megatron-full @50%": ("keep", 100, 0.118),
+            "megatron-selective @50%": ("keep", 150, 0.105),
+            "planner-host @50%": ("planner", 180, 0.104), "planner-ssd @50%": ("planner", 190, 0.120),
+            "planner-host @30%": ("planner", 90, 0.110), "planner-ssd @30%": ("planner", 110, 0.130),
             "recompute @30%": ("keep", 100, 0.120), "megatron-full @30%": ("keep", 100, 0.118),
             "megatron-selective @30%": OOM,
-            "planner-host @30%": ("planner", 90, 0.110), "planner-ssd @30%": ("planner", 110, 0.130),
-            "planner-host @50%": ("planner", 180, 0.104), "planner-ssd @50%": ("planner", 190, 0.120),
-            "megatron-selective @50%": ("keep", 150, 0.105),
+            "planner-host @=recompute": ("planner", 95, 0.110),
             "planner-host @=megatron-selective": ("planner", 140, 0.104)}
 
 
@@ -983,7 +985,6 @@ def job_gpu(monkeypatch, cpu_reports):
     monkeypatch.setattr(gpu_check_job, "_cuda_available", lambda: True)
     monkeypatch.setattr(gpu_check_job, "_cap_field", lambda: True)
     monkeypatch.setattr(gpu_check_job, "fine_grained_reason", lambda: "Transformer Engine is not installed (test)")
-    monkeypatch.setattr(gpu_check_job, "_host_pool", lambda: "8GiB")
     ran = []
 
     def runner(label, cmd, timeout_s):
@@ -1014,9 +1015,9 @@ def test_the_job_part_caps_each_placement_records_keeps_oom_and_matches_the_plan
 
     assert f"offload.{CAP_FIELD}={1200 * MIB}" in cmds["keep @50%"] and "offload.planner.mode=keep" in cmds["keep"]
     assert all("paired_steps=0" in c for c in cmds.values())  # a pair's keep step would not fit a cap
-    assert "offload.host_pool_bytes=8GiB" in cmds["planner-host @30%"]
+    assert "offload.host_pool_bytes=8GiB" in cmds["planner-host @30%"]  # not auto: HOST_POOL's reason
     assert "offload.host_pool_bytes=0" in cmds["planner-ssd @30%"]
-    assert "model.recompute_granularity=full" in cmds["megatron-full @30%"]
+    assert "model.recompute_granularity=full" in cmds["megatron-full @50%"]
     rows = {(r["placement"], r["cap"]): r for r in n["rows"]}
     assert rows[("keep", "50%")]["status"] == "out of memory" and rows[("keep", "50%")]["fits"] is False
     assert rows[("keep", "50%")]["reason"] == ("out of device memory at step 1: CUDA out of memory. Tried to "
@@ -1026,30 +1027,36 @@ def test_the_job_part_caps_each_placement_records_keeps_oom_and_matches_the_plan
         "OutOfMemoryError: torch.OutOfMemoryError: CUDA out of memory")
     assert (rows[("keep", "30%")]["status"], rows[("keep", "30%")]["reason"]) == (
         "inferred", "out of memory: it ran out under the larger 50% cap")
-    assert rows[("recompute", "50%")]["status"] == "inferred" and rows[("recompute", "50%")]["fits"] is True
+    # the peers under 50% first; each that fits runs under 30% too
+    assert rows[("recompute", "50%")]["status"] == "ran" and rows[("recompute", "50%")]["fits"] is True
+    assert rows[("recompute", "30%")]["status"] == "ran" and rows[("recompute", "30%")]["fits"] is True
     assert rows[("megatron-selective", "30%")]["status"] == "out of memory"
     assert rows[("megatron-selective", "50%")]["status"] == "ran" and rows[("megatron-selective", "50%")]["fits"]
     assert rows[("megatron-offload", "30%")] == {
         "placement": "megatron-offload", "cap": "30%", "cap_bytes": None, "status": "skipped", "fits": None,
         "reason": "Transformer Engine is not installed (test)"}
-    # the planner at 50% held 1180 MiB, more than selective's 1150: one more run capped at that peak
+    # the planner at 50% held 1180 MiB, more than selective's 1150 and recompute's 1100: one more run capped
+    # at each peak (megatron-full's 1100 is recompute's)
+    assert rows[("planner-host", "=recompute")]["cap_bytes"] == 1100 * MIB
     matched = rows[("planner-host", "=megatron-selective")]
     assert matched["matches"] == "megatron-selective" and matched["cap_bytes"] == 1150 * MIB
     assert matched["profile"] and matched["plan"]
     gates = {(g["gate"], g["detail"].split(":")[0]): g for g in n["gates"]}
     for label in ("planner-host @30%", "planner-ssd @30%", "planner-host @50%", "planner-ssd @50%",
-                  "planner-host @=megatron-selective"):
+                  "planner-host @=recompute", "planner-host @=megatron-selective"):
         assert gates[("within-cap", label)]["status"] == "passed"
         assert gates[("profile-saved", label)]["status"] == "passed"
     for peer, planner in (("recompute @30%", "planner-host @30%"), ("megatron-full @30%", "planner-host @30%"),
+                          ("recompute @50%", "planner-host @=recompute"),
+                          ("megatron-full @50%", "planner-host @=recompute"),
                           ("megatron-selective @50%", "planner-host @=megatron-selective")):
         gate = gates[("no-slower-than-peer", peer)]
         assert gate["status"] == "passed" and gate["planner"] == planner and gate["timing"] == "cuda_events"
-    assert gates[("recompute-below-keep", "recompute @30%")]["status"] == "passed"
+    assert gates[("recompute-below-keep", "recompute @50%")]["status"] == "passed"
     predictions = [g for g in n["gates"] if g["gate"] == "prediction"]
     assert [g["detail"].split(":")[0] for g in predictions] == [
-        "keep", "recompute @30%", "planner-host @30%", "planner-ssd @30%", "planner-host @50%", "planner-ssd @50%",
-        "planner-host @=megatron-selective"]
+        "keep", "recompute @50%", "planner-host @50%", "planner-ssd @50%", "planner-host @30%", "planner-ssd @30%",
+        "recompute @30%", "planner-host @=recompute", "planner-host @=megatron-selective"]
     # on a GPU the gates are enforced: the part fails exactly when one did not pass
     missed = [g for g in n["gates"] if g["status"] != "passed"]
     assert n["gates_enforced"] is True and entry["status"] == ("failed" if missed else "passed")
@@ -1115,8 +1122,8 @@ def test_without_a_gpu_the_job_runs_the_tiny_job_and_skips_each_gpu_only_row_wit
     placement's one run is held to both caps, and the gates are reported, not enforced."""
     from megatron_ssd.commands import gpu_check_job
 
-    peaks = {"keep": 40 * MIB, "recompute @30%": 8 * MIB, "megatron-full @30%": 9 * MIB,
-             "megatron-selective @30%": 16 * MIB, "planner-ssd @30%": 11 * MIB, "planner-ssd @50%": 21 * MIB}
+    peaks = {"keep": 40 * MIB, "recompute @50%": 8 * MIB, "megatron-full @50%": 9 * MIB,
+             "megatron-selective @50%": 16 * MIB, "planner-ssd @50%": 21 * MIB, "planner-ssd @30%": 11 * MIB}
     ran = []
 
     def runner(label, cmd, timeout_s):
@@ -1140,11 +1147,11 @@ def test_without_a_gpu_the_job_runs_the_tiny_job_and_skips_each_gpu_only_row_wit
                                                        "is host memory")
     assert f"offload.device_memory_cap={12 * MIB}" in dict(ran)["planner-ssd @30%"]  # the planner's capacity
     assert [(g["status"], g["detail"].split(":")[0]) for g in n["gates"] if g["gate"] == "within-cap"] == [
-        ("not checked", "planner-host @30%"), ("passed", "planner-ssd @30%"),
-        ("not checked", "planner-host @50%"), ("failed", "planner-ssd @50%")]  # 21 MiB > 20: reported, not enforced
+        ("not checked", "planner-host @50%"), ("failed", "planner-ssd @50%"),  # 21 MiB > 20: reported, not enforced
+        ("not checked", "planner-host @30%"), ("passed", "planner-ssd @30%")]
     sel30, sel50 = rows[("megatron-selective", "30%")], rows[("megatron-selective", "50%")]
-    assert (sel30["status"], sel30["fits"], sel50["status"], sel50["fits"]) == ("ran", False, "inferred", True)
-    assert sel50["reason"] == "one run serves both caps on a CPU (nothing enforced)"
+    assert (sel50["status"], sel50["fits"], sel30["status"], sel30["fits"]) == ("ran", True, "inferred", False)
+    assert sel30["reason"] == "one run serves both caps on a CPU (nothing enforced)"
     assert "(reported, not enforced without a GPU)" in n["headline"]
 
 
