@@ -56,7 +56,7 @@ test:
 	$(MAKE) --no-print-directory -j2 -O test-default test-oldest
 
 test-default: $(VENV)/.installed
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q --durations=25 $(PYTEST_ARGS)
 
 test-oldest: $(OLDEST)/.installed
 	$(OLDEST_PY) -m pytest -q tests/megatron tests/test_install.py $(PYTEST_ARGS)
