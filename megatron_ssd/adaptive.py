@@ -20,7 +20,7 @@ from typing import Any, Dict, Hashable, List, Optional
 
 import torch
 
-from .cache.memory_cap import capacity_under_cap
+from .cache.memory_cap import WorkingSet, capacity_under_cap
 from .cache.stats import median_or_zero
 from .config import FIXED_MODES, PlannerConfig
 from .placement import EMBEDDING, HEAD, OUTSIDE, RECOMPUTE_MODULES, Placement
@@ -29,7 +29,9 @@ from .planner.drift import DriftDetector
 from .planner.plan import Plan, make_plan
 from .planner.profile import IOProfile, LayerProfile, ModuleProfile, StageProfile
 from .planner.wear import write_limit_for
+from .io.cuda import CUDA, CudaOps
 from .io.rundir import check_space_for_plan
+from .units import gib
 
 __all__ = ["AdaptivePlanner", "PlanEvent", "ProfileCounts", "ProfileStep", "profile_counts", "profile_schedule",
            "stage_from_stats"]
@@ -100,6 +102,44 @@ class PlanEvent:
 # OFFLOAD steps. Without KEEP steps the profile takes keep-everything's compute times
 # from the OFFLOAD steps with their read stalls and write waits taken out (``stage_from_
 # stats``), so keep-everything is priced without being run.
+# Under ``offload.device_memory_cap`` on CUDA the capacity itself is measured in that
+# first step: NOTE [Working set under a cap].
+
+# NOTE [Working set under a cap]
+# An enforced cap (NOTE [Device memory cap]) counts everything the step allocates, not
+# only the activations the cache holds: the logits chain (vocabulary x tokens x 4 B per
+# fp32 copy, several for the loss and its gradient), attention scores, a layer's
+# temporaries, and the caching allocator's reserved but unallocated blocks. A fraction of
+# the cap (``capacity_reserve``) as room for them shrinks with the cap while they do not.
+# Measured on an H200 (benchmarks/results/gpu-check-h200-job.log, the job part): the
+# check's GPT (16 layers, hidden 2048, seq 2048, vocab 32768, bf16, micro-batch 1, SGD)
+# under a cap of 4.67 GiB with 3.27 GiB allocated between steps got 4.67 x 0.85 - 3.27 =
+# 0.70 GiB of capacity; its first step, every layer offloaded within that guard, ran out
+# of memory (4.42 GiB allocated and 157.80 MiB reserved but unallocated when it asked
+# for 128 MiB more: one fp32 logits copy is 256 MiB, the attention scores 128 MiB).
+# So on CUDA under a cap the first step runs with the cache's guard at
+# ``FIRST_STEP_GUARD`` (0 bytes) and its peak is measured through the CUDA calls
+# (``CudaOps.reset_peak_memory`` before it, ``peak_memory`` and ``memory_allocated``
+# after): the working set W is the peak allocated less the resident bytes less the
+# guard's limit (which bounds what the cache held of the tensors it may move; the small
+# ones it always keeps stay in W, as in every step), the fragmentation F is the peak
+# reserved less the peak allocated, and from then on the capacity is cap - resident - W -
+# F (:class:`WorkingSet`, ``capacity_under_cap``), still at most the capacity without the
+# cap. The guard at 0 is what makes W an upper bound: the cache keeps no tensor it may
+# move, the forward waits for each write while anything is resident, and backward reads
+# each tensor when it needs it (NOTE [Capacity guard] in ``cache/policy.py``). Any
+# larger limit is unknown room (one layer's bytes are not known before the first step)
+# that W would leave out. The price is a slow first step, a warm-up step by default
+# (``warmup_steps = 1``), whose times no profile uses. When even that step leaves no room
+# (resident + W + F >= the cap) one warning line names the cap, the resident bytes and
+# the need, and the guard stays at 0; when it runs out of memory, the train command
+# records it (NOTE [Out of memory, recorded]). Without a cap, or on a CPU, nothing of
+# this runs.
+
+
+FIRST_STEP_GUARD = 0
+"""The cache's capacity guard in the first step under a cap on CUDA (NOTE [Working set
+under a cap])."""
 
 
 @dataclass(frozen=True)
@@ -390,6 +430,7 @@ class AdaptivePlanner:
         config: planner settings.
         prefetch_depth: layers read ahead during backward (the cache's ``prefetch_layers``).
         pipeline_rank, pipeline_size: this process's pipeline stage.
+        cuda: the CUDA calls that measure device memory (tests pass a fake).
     """
 
     def __init__(
@@ -399,8 +440,10 @@ class AdaptivePlanner:
         prefetch_depth: Optional[int] = None,
         pipeline_rank: int = 0,
         pipeline_size: int = 1,
+        cuda: Optional[CudaOps] = None,
     ) -> None:
         self.cache = cache
+        self.cuda = cuda if cuda is not None else CUDA
         self.config = config
         self.prefetch_depth = prefetch_depth or max(1, cache.config.prefetch_layers)
         self.pipeline_rank = pipeline_rank
@@ -423,8 +466,14 @@ class AdaptivePlanner:
         else:
             self._fixed = None
         self.capacity_at_start: Optional[int] = None
-        """The activation capacity measured before the first step (None: none applies);
-        the cache's guard holds every step within it (NOTE [Profiling within the capacity])."""
+        """The activation capacity measured before the first step, under a cap on CUDA
+        after it (None: none applies); the cache's guard holds every step within it (NOTE
+        [Profiling within the capacity], NOTE [Working set under a cap])."""
+        self.working_set: Optional[WorkingSet] = None
+        """What the first step needed beyond its activations, under a cap on CUDA (NOTE
+        [Working set under a cap]); None: not measured."""
+        self._measure_first = (self._fixed is None and cache.device.type == "cuda"
+                               and getattr(cache.config, "device_memory_cap", None) is not None)
         self.fits: Dict[str, bool] = {}
         """Whether keep-everything and RECOMPUTE fit the capacity, decided after the first
         step (empty: no capacity, or not decided yet)."""
@@ -436,6 +485,11 @@ class AdaptivePlanner:
         if self._fixed is None:
             self.capacity_at_start = self.activation_capacity()
             self.cache.policy.resident_limit = self.capacity_at_start
+        self._resident_at_start = 0
+        if self._measure_first:  # NOTE [Working set under a cap]
+            self.cache.policy.resident_limit = FIRST_STEP_GUARD
+            self._resident_at_start = self.cuda.memory_allocated(self.cache.binding.resolved())
+            self.cuda.reset_peak_memory(self.cache.binding.resolved())
         self.before_step()
 
     def before_step(self) -> None:
@@ -485,6 +539,39 @@ class AdaptivePlanner:
                 keep / 2**20, capacity / 2**20,
                 "" if self.fits["recompute"] else f", and RECOMPUTE (about {recompute / 2**20:.1f} MiB) does not fit either")
 
+    def _measure_working_set(self) -> None:
+        """After the first step under a cap on CUDA: its working set, and from it the
+        capacity and the guard for every later step (NOTE [Working set under a cap])."""
+        device = self.cache.binding.resolved()
+        peak_allocated, peak_reserved = self.cuda.peak_memory(device)
+        self.working_set = WorkingSet(self.cuda.memory_allocated(device), FIRST_STEP_GUARD, peak_allocated,
+                                      peak_reserved)
+        cap = self.cache.config.device_memory_cap
+        short = self.working_set.shortfall(cap)
+        if short is not None:
+            logger.warning(short)
+        self.capacity_at_start = self.activation_capacity()
+        self.cache.policy.resident_limit = self.capacity_at_start
+        logger.info("megatron_ssd: the first step under offload.device_memory_cap = %s needed a working set of %s "
+                    "and %s of fragmentation beyond %s allocated between steps: activation capacity %s",
+                    gib(cap), gib(self.working_set.working_bytes), gib(self.working_set.fragmentation_bytes),
+                    gib(self.working_set.resident), gib(self.capacity_at_start))
+
+    def out_of_memory_line(self) -> Optional[str]:
+        """When the first step under a cap on CUDA, run with the guard at
+        ``FIRST_STEP_GUARD``, ran out of memory: one line naming the cap, the bytes
+        allocated before it and what it had reserved when it failed, less than it needs
+        (NOTE [Working set under a cap]); else None. The train command adds it to its
+        record (NOTE [Out of memory, recorded])."""
+        if not self._measure_first or self._steps_seen:
+            return None
+        cap = self.cache.config.device_memory_cap
+        _, reserved = self.cuda.peak_memory(self.cache.binding.resolved())
+        return (f"megatron_ssd: offload.device_memory_cap = {cap} ({gib(cap)}) does not hold the first step with "
+                f"the cache holding at most {FIRST_STEP_GUARD} bytes of activations: {self._resident_at_start} bytes "
+                f"({gib(self._resident_at_start)}) allocated before it, and it had reserved {reserved} "
+                f"({gib(reserved)}) when it needed more")
+
     def _place_all(self, placement: Optional[Placement]) -> None:
         """Place every layer alike; None restores the cache's ``keep_last_layers`` rule."""
         self.cache.set_plan({}, placement)
@@ -499,6 +586,8 @@ class AdaptivePlanner:
             if not self.events:
                 self.events.append(PlanEvent(step, self.config.mode))
             return
+        if step == 0 and self._measure_first:
+            self._measure_working_set()
         if step < len(self._schedule):  # NOTE [Profiling steps]
             planned = self._schedule[step]
             if step == 0 and self.capacity_at_start is not None:
@@ -556,8 +645,9 @@ class AdaptivePlanner:
         set; on a CUDA device, its total memory less ``capacity_reserve`` and less what is
         allocated now, between steps (parameters, gradients, optimizer state: activations
         are freed by then); on a CPU, None. With ``offload.device_memory_cap`` set, at most
-        the cap less the same reserve and the same allocated bytes (NOTE [Device memory
-        cap]), on a CPU too."""
+        the cap less the same allocated bytes and less, once the first step measured it,
+        that step's working set and fragmentation (NOTE [Working set under a cap]), before
+        it and on a CPU the same reserve (NOTE [Device memory cap])."""
         limits = []
         if self.config.activation_capacity_bytes is not None:
             limits.append(self.config.activation_capacity_bytes)
@@ -565,12 +655,13 @@ class AdaptivePlanner:
         resident = 0
         if self.cache.device.type == "cuda" and (cap is not None or not limits):
             device = self.cache.binding.resolved()
-            resident = torch.cuda.memory_allocated(device)
+            resident = self.cuda.memory_allocated(device)
             if not limits:
-                total = torch.cuda.get_device_properties(device).total_memory
+                total = self.cuda.total_memory(device)
                 limits.append(max(int(total * (1.0 - self.config.capacity_reserve)) - resident, 0))
         if cap is not None:
-            limits.append(capacity_under_cap(cap, self.config.capacity_reserve, resident))
+            measured = self.working_set.room if self.working_set is not None else None
+            limits.append(capacity_under_cap(cap, self.config.capacity_reserve, resident, measured))
         return min(limits) if limits else None
 
     # NOTE [Paced host tier]
@@ -634,6 +725,9 @@ class AdaptivePlanner:
             "profile_placements": list(self.placed),
             "fits": dict(self.fits),
             "fit_bytes": dict(self.fit_bytes),
+            "working_set": None if self.working_set is None else {
+                **dataclasses.asdict(self.working_set), "working_bytes": self.working_set.working_bytes,
+                "fragmentation_bytes": self.working_set.fragmentation_bytes},
             "replans": self.replans,
             "fell_behind": self.fell_behind,
             "events": [

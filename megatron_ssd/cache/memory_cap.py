@@ -25,16 +25,20 @@ info line says so, and the planner still reads it.
 The planner reads it as a bound on its capacity (``AdaptivePlanner.activation_capacity``):
 the capacity is the smaller of what it is without the cap (``activation_capacity_bytes``,
 or on CUDA the device's memory less ``capacity_reserve`` and less what is allocated
-between steps) and the cap less the same reserve and the same resident bytes
-(:func:`capacity_under_cap`). The reserve is kept under the cap too: it is room for what
-is not activations and not allocated between steps (temporaries, the logits,
-communication buffers, fragmentation), which an enforced cap counts as well. On a CPU
-nothing is measured as resident, so the capacity is the cap less the reserve.
+between steps) and the cap less the resident bytes and less room for what is neither
+activations nor allocated between steps (temporaries, the logits and their gradient,
+communication buffers, the allocator's reserved but unallocated blocks), which an
+enforced cap counts as well (:func:`capacity_under_cap`). On CUDA that room is the
+step's working set and fragmentation, measured in the first step (:class:`WorkingSet`,
+NOTE [Working set under a cap] in ``adaptive.py``): a fraction of the cap shrinks with
+the cap while the working set does not. Before that step, and on a CPU (where nothing is
+measured as resident), the room is the ``capacity_reserve`` fraction of the cap.
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -43,7 +47,7 @@ from ..errors import ConfigError
 from ..io.cuda import CUDA, CudaOps
 from ..units import gib
 
-__all__ = ["apply_device_memory_cap", "capacity_under_cap", "out_of_memory"]
+__all__ = ["WorkingSet", "apply_device_memory_cap", "capacity_under_cap", "out_of_memory"]
 
 logger = logging.getLogger("megatron_ssd")
 
@@ -85,11 +89,76 @@ def apply_device_memory_cap(cap: Optional[int], device: torch.device, cuda: Opti
     return fraction
 
 
-def capacity_under_cap(cap: int, reserve: float, resident: int) -> int:
-    """The planner's activation capacity under ``cap``: the cap less ``reserve`` (a
-    fraction, ``capacity_reserve``) and less ``resident``, what is allocated between
-    steps; at least 0 (NOTE [Device memory cap])."""
-    return max(int(cap * (1.0 - reserve)) - resident, 0)
+def capacity_under_cap(cap: int, reserve: float, resident: int, working_set: Optional[int] = None) -> int:
+    """The planner's activation capacity under ``cap``, at least 0 (NOTE [Device memory
+    cap], NOTE [Working set under a cap] in ``adaptive.py``).
+
+    Args:
+        cap: ``offload.device_memory_cap`` in bytes.
+        reserve: ``capacity_reserve``, a fraction of the cap kept free when no working set
+            was measured.
+        resident: What is allocated between steps (parameters, gradients, optimizer state).
+        working_set: What a step needs beyond ``resident`` and its activations, measured
+            (:attr:`WorkingSet.room`); None: not measured, the ``reserve`` fraction stands in.
+
+    Returns:
+        ``cap - resident - working_set``, or without a working set ``cap x (1 - reserve) -
+        resident``.
+    """
+    if working_set is None:
+        return max(int(cap * (1.0 - reserve)) - resident, 0)
+    return max(cap - resident - working_set, 0)
+
+
+@dataclass(frozen=True)
+class WorkingSet:
+    """What one step allocated beyond the bytes allocated between steps and the
+    activations the cache held, measured in the first step under a cap, with the cache's
+    guard at ``guard`` (NOTE [Working set under a cap] in ``adaptive.py``)."""
+
+    resident: int
+    """Bytes allocated between steps, right after the step (``memory_allocated``)."""
+    guard: int
+    """The cache's capacity guard during the step: at most what it held of the peak."""
+    peak_allocated: int
+    """The step's ``max_memory_allocated``."""
+    peak_reserved: int
+    """The step's ``max_memory_reserved``."""
+
+    @property
+    def working_bytes(self) -> int:
+        """The step's transient working set: its peak less the resident bytes and less the
+        guard's limit (at least 0)."""
+        return max(self.peak_allocated - self.resident - self.guard, 0)
+
+    @property
+    def fragmentation_bytes(self) -> int:
+        """Reserved but unallocated at the step's peak, which an enforced cap counts too:
+        ``max_memory_reserved - max_memory_allocated`` (at least 0)."""
+        return max(self.peak_reserved - self.peak_allocated, 0)
+
+    @property
+    def room(self) -> int:
+        """What a step needs beyond the resident bytes and its activations: the working
+        set and the fragmentation."""
+        return self.working_bytes + self.fragmentation_bytes
+
+    @property
+    def need(self) -> int:
+        """What a step holding no activations needs under the cap: resident bytes and room."""
+        return self.resident + self.room
+
+    def shortfall(self, cap: int) -> Optional[str]:
+        """One line naming the cap, the resident bytes and the measured need when the
+        need leaves the cap no room for activations; else None."""
+        if self.need < cap:
+            return None
+        return (f"megatron_ssd: offload.device_memory_cap = {cap} ({gib(cap)}) leaves no room for activations: "
+                f"{self.resident} bytes ({gib(self.resident)}) allocated between steps, a working set of "
+                f"{self.working_bytes} ({gib(self.working_bytes)}) and {self.fragmentation_bytes} "
+                f"({gib(self.fragmentation_bytes)}) reserved but unallocated, measured in the first step with the "
+                f"cache holding at most {self.guard} bytes, need {self.need} ({gib(self.need)}); every later step "
+                "offloads as the first did, and a plan needs a larger cap")
 
 
 def out_of_memory(err: BaseException) -> Optional[str]:

@@ -285,7 +285,10 @@ class TrainRecipe:
         raises ``torch.OutOfMemoryError`` in one of its steps. That phase ends there: its
         result records the error's first line, the step and, on a GPU, the peak allocated
         before it; the job says so in one line, the summary table and the JSON show it in
-        the phase's place (``oom``), and the other phases run. The error is dropped before
+        the phase's place (``oom``), and the other phases run; when it was the planner's
+        first step under the cap, one more line names the cap, the bytes allocated before
+        it and what it had reserved (NOTE [Working set under a cap] in ``adaptive.py``).
+        The error is dropped before
         the next phase starts, so the tensors its traceback held are freed with it, and the
         allocator's cache is emptied. Any other error still ends the job.
         """
@@ -350,6 +353,9 @@ class TrainRecipe:
                     if result.oom is None:
                         raise
                     result.oom_step = step + 1
+                    told = planner.out_of_memory_line()  # NOTE [Working set under a cap] in adaptive.py
+                    if told is not None:
+                        self._say(f"{name}: {told}")
                     break
                 memory.step_end()
                 result.losses.append(loss)

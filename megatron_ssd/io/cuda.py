@@ -130,6 +130,19 @@ class CudaOps:
         in ``cache/memory_cap.py``)."""
         torch.cuda.set_per_process_memory_fraction(fraction, dev)
 
+    def memory_allocated(self, dev: torch.device) -> int:
+        """Bytes the caching allocator has handed out on ``dev`` now."""
+        return int(torch.cuda.memory_allocated(dev))
+
+    def reset_peak_memory(self, dev: torch.device) -> None:
+        """Start the peaks :meth:`peak_memory` reports afresh on ``dev``."""
+        torch.cuda.reset_peak_memory_stats(dev)
+
+    def peak_memory(self, dev: torch.device) -> Tuple[int, int]:
+        """The most bytes allocated and the most reserved on ``dev`` since the last
+        :meth:`reset_peak_memory` (NOTE [Working set under a cap] in ``adaptive.py``)."""
+        return int(torch.cuda.max_memory_allocated(dev)), int(torch.cuda.max_memory_reserved(dev))
+
 
 CUDA = CudaOps()
 """The real CUDA calls; what every engine uses unless given another :class:`CudaOps`."""

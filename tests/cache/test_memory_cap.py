@@ -15,9 +15,10 @@ import torch
 from megatron_ssd import OffloadConfig, TensorCache
 from megatron_ssd.adaptive import AdaptivePlanner
 from megatron_ssd.cache import memory_cap
-from megatron_ssd.cache.memory_cap import apply_device_memory_cap, capacity_under_cap, out_of_memory
+from megatron_ssd.cache.memory_cap import WorkingSet, apply_device_memory_cap, capacity_under_cap, out_of_memory
 from megatron_ssd.config import PlannerConfig, load_config
 from megatron_ssd.errors import ConfigError
+from megatron_ssd.io.cuda import CUDA
 from megatron_ssd.planner.plan import GOAL_CAPACITY, make_plan
 from megatron_ssd.planner.profile import IOProfile, uniform_stage
 
@@ -71,7 +72,7 @@ def _planner(planner: PlannerConfig, offload: OffloadConfig, device: str = "cpu"
     """What ``AdaptivePlanner.activation_capacity`` reads: its config and a cache's."""
     binding = SimpleNamespace(resolved=lambda: torch.device(device, 0) if device == "cuda" else torch.device("cpu"))
     return SimpleNamespace(config=planner, cache=SimpleNamespace(config=offload, device=torch.device(device),
-                                                                 binding=binding))
+                                                                 binding=binding), cuda=CUDA, working_set=None)
 
 
 def test_the_planner_reads_the_cap_as_its_capacity_on_a_cpu():
@@ -91,6 +92,18 @@ def test_on_cuda_the_capacity_is_the_cap_less_the_reserve_and_what_is_allocated_
     assert AdaptivePlanner.activation_capacity(capped) == int(10 * GB * 0.85) - 2 * GB
     loose = _planner(PlannerConfig(), OffloadConfig(device_memory_cap=80 * GB), "cuda")  # the device binds first
     assert AdaptivePlanner.activation_capacity(loose) == int(80 * GB * 0.85) - 2 * GB
+
+
+def test_a_measured_working_set_replaces_the_reserve_under_the_cap():
+    """NOTE [Working set under a cap]: the H200 check's numbers, constructed."""
+    cap, resident = int(4.67 * GiB), 3346 << 20
+    measured = WorkingSet(resident, 0, peak_allocated=int(4.55 * GiB), peak_reserved=int(4.55 * GiB) + (40 << 20))
+    assert measured.room == measured.working_bytes + measured.fragmentation_bytes == int(4.55 * GiB) + (40 << 20) - resident
+    assert capacity_under_cap(cap, 0.15, resident, measured.room) == cap - resident - measured.room == 86_905_979
+    assert capacity_under_cap(cap, 0.15, resident) == int(cap * 0.85) - resident  # not measured: the reserve
+    assert capacity_under_cap(cap, 0.15, resident, cap) == 0 and measured.shortfall(cap) is None
+    assert WorkingSet(resident, 0, cap, cap).shortfall(cap).startswith(
+        f"megatron_ssd: offload.device_memory_cap = {cap} (4.67 GiB) leaves no room for activations: {resident} bytes")
 
 
 def test_a_plan_under_the_cap_fits_it_where_the_uncapped_plan_does_not():

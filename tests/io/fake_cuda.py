@@ -130,6 +130,9 @@ class FakeCuda:
         self.unregistered: List[int] = []
         self.memory = 80 << 30  # each fake device's memory (total_memory)
         self.fractions: List[Tuple[float, int]] = []  # set_memory_fraction calls: (fraction, device index)
+        self.allocated = 0  # memory_allocated
+        self.peak = (0, 0)  # peak_memory: (max allocated, max reserved) since the last reset
+        self.peak_resets: List[int] = []  # reset_peak_memory calls: device index
 
     # ------------------------------------------------------------------ test helpers
 
@@ -307,3 +310,16 @@ class FakeCuda:
         self._call("set_memory_fraction", torch.device(dev).index, fraction=fraction)
         with self.lock:
             self.fractions.append((fraction, torch.device(dev).index))
+
+    def memory_allocated(self, dev: torch.device) -> int:
+        self._call("memory_allocated", torch.device(dev).index)
+        return self.allocated
+
+    def reset_peak_memory(self, dev: torch.device) -> None:
+        self._call("reset_peak_memory", torch.device(dev).index)
+        with self.lock:
+            self.peak_resets.append(torch.device(dev).index)
+
+    def peak_memory(self, dev: torch.device) -> Tuple[int, int]:
+        self._call("peak_memory", torch.device(dev).index)
+        return self.peak

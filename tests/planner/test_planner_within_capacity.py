@@ -1,20 +1,31 @@
 """NOTE [Profiling within the capacity] and NOTE [Capacity guard]: a run given an
 activation capacity below keep-everything's peak never holds more than the capacity, its
 warm-up and profiling steps included, by the cache's count and by the allocator's live
-bytes; keep-everything is priced without being run."""
+bytes; keep-everything is priced without being run. NOTE [Working set under a cap]: on CUDA
+under a cap the first step's measured working set sets the capacity."""
 
 from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from megatron_ssd import IOConfig, OffloadConfig, TensorCache
+from megatron_ssd.adaptive import FIRST_STEP_GUARD, AdaptivePlanner
+from megatron_ssd.cache.memory_cap import capacity_under_cap
 from megatron_ssd.config import PlannerConfig
 from megatron_ssd.memory import AllocatorTimeline
 from megatron_ssd.workloads.harness import SGD, SyntheticData
 from megatron_ssd.workloads.parallel import destroy_parallel, init_parallel
 
 from planned_gpt import planned_run
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "io"))
+from fake_cuda import FakeCuda  # noqa: E402
 
 VOCAB, SEQ, MBS, NMB, LAYERS = 128, 128, 4, 2, 4
 
@@ -115,3 +126,115 @@ def test_no_capacity_keeps_the_schedule_unchanged(world, tmp_path):
         _, _, planner, _ = _run(cache, config.planner, steps=5)
     assert planner.capacity_at_start is None and planner.fits == {}
     assert planner.placed[:2] == ["keep", "keep"]
+
+
+# NOTE [Working set under a cap]: the first step under a cap on CUDA runs with the guard at
+# FIRST_STEP_GUARD and its measured peak sets the capacity, on constructed numbers through
+# the recording fake's memory calls.
+
+MiB, GiB = 1 << 20, 1 << 30
+H200_CAP = int(4.67 * GiB)  # 30% of keep's peak above the weights
+H200_RESIDENT = 3346 * MiB  # keep's weights and gradients, allocated between steps (3.27 GiB)
+
+
+class _CudaCache:
+    """What the planner reads of a cache on ``cuda:0``: its config, device, guard and plan."""
+
+    def __init__(self, cap, planner):
+        self.config = OffloadConfig(device_memory_cap=cap, planner=planner)
+        self.device = torch.device("cuda", 0)
+        self.binding = SimpleNamespace(resolved=lambda: torch.device("cuda", 0))
+        self.policy = SimpleNamespace(resident_limit=None)
+        self.host = None
+
+    def set_plan(self, plan, default=None):
+        pass
+
+
+def _first_step(saved):
+    """A first step's statistics, as far as the planner reads them: one micro-batch that
+    saved ``saved`` bytes at its peak."""
+    return SimpleNamespace(backpressure_keeps=0, microbatches=1, peak_saved_bytes=saved, peak_open_microbatches=1,
+                           layers={})
+
+
+def _capped_planner(cap, resident, planner=None):
+    cuda = FakeCuda()
+    cuda.memory = 140 * GiB
+    cuda.allocated = resident
+    config = planner or PlannerConfig(mode="auto")
+    cache = _CudaCache(cap, config)
+    return AdaptivePlanner(cache, config, cuda=cuda), cache, cuda
+
+
+def test_the_h200_case_leaves_the_measured_working_set_and_fragmentation_free(caplog):
+    planner, cache, cuda = _capped_planner(H200_CAP, H200_RESIDENT)
+    # the reserve fraction gave 4.67 x 0.85 - 3.27 = 0.70 GiB, which the step's working set did not fit beside
+    assert planner.capacity_at_start == capacity_under_cap(H200_CAP, 0.15, H200_RESIDENT) == 753_682_874
+    # the first step runs with the guard at the small limit, its peaks measured from its start
+    assert cache.policy.resident_limit == FIRST_STEP_GUARD == 0
+    assert cuda.peak_resets == [0] and planner.placed == ["offload"]
+    peak, reserved = int(4.55 * GiB), int(4.55 * GiB) + 40 * MiB
+    cuda.peak = (peak, reserved)
+    with caplog.at_level(logging.WARNING, logger="megatron_ssd"):
+        planner.on_step(_first_step(saved=15 * GiB))
+    working, fragmentation = peak - H200_RESIDENT - FIRST_STEP_GUARD, 40 * MiB
+    assert (planner.working_set.working_bytes, planner.working_set.fragmentation_bytes) == (working, fragmentation)
+    assert working == 1_376_990_003  # 1.28 GiB, more than the 0.70 GiB the reserve left
+    capacity = H200_CAP - H200_RESIDENT - working - fragmentation
+    assert planner.capacity_at_start == cache.policy.resident_limit == capacity == 86_905_979
+    assert H200_RESIDENT + working + fragmentation + capacity == H200_CAP
+    assert planner.fit_bytes["capacity"] == capacity and planner.fits["keep"] is False
+    assert [r for r in caplog.records if "device_memory_cap" in r.getMessage()] == []  # room is left
+    # later steps: the working set stays, what is allocated between steps is read again
+    cuda.allocated = H200_RESIDENT + 16 * MiB
+    assert planner.activation_capacity() == capacity - 16 * MiB
+    assert planner.summary()["working_set"] == {"resident": H200_RESIDENT, "guard": 0, "peak_allocated": peak,
+                                                "peak_reserved": reserved, "working_bytes": working,
+                                                "fragmentation_bytes": fragmentation}
+
+
+def test_a_working_set_the_cap_cannot_hold_is_one_line_naming_cap_resident_and_need(caplog):
+    planner, cache, cuda = _capped_planner(H200_CAP, H200_RESIDENT)
+    cuda.peak = (H200_CAP - 64 * MiB, H200_CAP + 32 * MiB)  # fragmentation takes it past the cap
+    with caplog.at_level(logging.WARNING, logger="megatron_ssd"):
+        planner.on_step(_first_step(saved=15 * GiB))
+    need = H200_CAP + 32 * MiB
+    assert planner.working_set.need == need
+    assert [r.getMessage() for r in caplog.records if "device_memory_cap" in r.getMessage()] == [
+        f"megatron_ssd: offload.device_memory_cap = {H200_CAP} (4.67 GiB) leaves no room for activations: "
+        f"{H200_RESIDENT} bytes (3.27 GiB) allocated between steps, a working set of {H200_CAP - 64 * MiB - H200_RESIDENT} "
+        f"(1.34 GiB) and {96 * MiB} (0.09 GiB) reserved but unallocated, measured in the first step with the cache "
+        f"holding at most 0 bytes, need {need} (4.70 GiB); every later step offloads as the first did, and a plan "
+        "needs a larger cap"]
+    assert planner.capacity_at_start == cache.policy.resident_limit == 0
+
+
+def test_a_first_step_out_of_memory_under_the_cap_is_one_line_naming_cap_resident_and_reserved():
+    planner, _, cuda = _capped_planner(H200_CAP, H200_RESIDENT)
+    cuda.peak = (int(4.42 * GiB), int(4.42 * GiB) + int(157.8 * MiB))  # the H200 run's, when it asked for 128 MiB
+    assert planner.out_of_memory_line() == (
+        f"megatron_ssd: offload.device_memory_cap = {H200_CAP} (4.67 GiB) does not hold the first step with the "
+        f"cache holding at most 0 bytes of activations: {H200_RESIDENT} bytes (3.27 GiB) allocated before it, and it "
+        "had reserved 4911404154 (4.57 GiB) when it needed more")
+    planner.on_step(_first_step(saved=15 * GiB))
+    assert planner.out_of_memory_line() is None  # a later step's is the train command's record alone
+    assert _capped_planner(None, H200_RESIDENT)[0].out_of_memory_line() is None
+
+
+def test_without_a_cap_or_on_a_cpu_the_capacity_and_the_first_guard_are_as_before(offload_dir):
+    planner, cache, cuda = _capped_planner(None, H200_RESIDENT)
+    uncapped = int(140 * GiB * 0.85) - H200_RESIDENT
+    assert planner.capacity_at_start == cache.policy.resident_limit == uncapped
+    cuda.peak = (int(4.55 * GiB), int(4.6 * GiB))
+    planner.on_step(_first_step(saved=15 * GiB))
+    assert planner.working_set is None and cuda.peak_resets == [] and cuda.calls_named("peak_memory") == []
+    assert planner.capacity_at_start == cache.policy.resident_limit == uncapped
+    config = OffloadConfig(paths=[offload_dir], min_free_bytes=0, device="cpu", device_memory_cap=H200_CAP,
+                           planner=PlannerConfig(mode="auto"))
+    with TensorCache(config) as cpu_cache:
+        on_cpu = AdaptivePlanner(cpu_cache, config.planner, cuda=cuda)
+        assert on_cpu.capacity_at_start == cpu_cache.policy.resident_limit == int(H200_CAP * 0.85)
+        on_cpu.on_step(_first_step(saved=15 * GiB))
+        assert on_cpu.working_set is None and on_cpu.capacity_at_start == int(H200_CAP * 0.85)
+    assert cuda.peak_resets == [] and cuda.calls_named("peak_memory") == []
