@@ -472,6 +472,10 @@ class PlacementSearch(ModuleMoves):
                     heapq.heappush(heap, (key, seen, i, rank, move, target))
                 break
             if not taken:
+                uniform = self._uniform_fit(budget, allow_recompute)  # NOTE [Uniform fallback]
+                if uniform is not None:
+                    choices, tl = uniform
+                    continue
                 self._modules_reset()
                 if allow_recompute:
                     self.judge([LayerChoice(Placement.RECOMPUTE) if layer.recomputable else _KEEP
@@ -483,6 +487,39 @@ class PlacementSearch(ModuleMoves):
             choices = self._to_host(choices, budget, eps)
         choices = self._trim(choices, budget, eps)
         return self._modules_finish(choices, lambda c, t: self.fits(c, t, budget) and self.allowed(c, t), eps)
+
+    # NOTE [Uniform fallback]
+    # The greedy search stops where no single move lowers the predicted peak, and a peak
+    # can be a plateau for every single move (moving one layer's bytes, or recomputing
+    # one module, shifts when another layer's bytes are held rather than how many are
+    # held at the peak) while moving the whole stage at once fits. Which stages plateau
+    # depends on the measured times: a 2-layer GPT measured on a loaded 2-core machine
+    # (each layer's forward 15-33 ms, writes at 27 MB/s) raised PlanInfeasibleError for a
+    # budget of 759872 bytes while saying that its smallest reachable peak, recomputing
+    # every layer, was 724992 bytes (tests/planner/test_planner_plan.py). Before raising,
+    # the search therefore tries the uniform placements (recompute where a layer may,
+    # then every layer to the SSDs) and goes on from the first that fits and is allowed;
+    # the clean-up then hands back what the budget does not need.
+
+    def _uniform_fit(self, budget: int, allow_recompute: bool) -> Optional[Tuple[Choices, Timeline]]:
+        """The first uniform placement that fits ``budget`` and is allowed, with its
+        timeline, or None (NOTE [Uniform fallback]). Judged on the measured stage, no
+        module recomputed (the search's module moves are dropped when one fits)."""
+        searched = self.stage, self._recomputed
+        self._modules_start()
+        candidates: List[Choices] = []
+        if allow_recompute:
+            candidates.append([LayerChoice(Placement.RECOMPUTE) if layer.recomputable else _KEEP
+                               for layer in self.stage.layers])
+        if self.drives:
+            candidates.append([LayerChoice(Placement.OFFLOAD) if layer.sites else _KEEP
+                               for layer in self.stage.layers])
+        for choices in candidates:
+            tl = self.judge(choices)
+            if self.fits(choices, tl, budget) and self.allowed(choices, tl):
+                return choices, tl
+        self.stage, self._recomputed = searched
+        return None
 
     def fits(self, choices: Sequence[LayerChoice], tl: Timeline, budget: int) -> bool:
         """Peak within budget at derated (``tl``) and at measured bandwidths."""

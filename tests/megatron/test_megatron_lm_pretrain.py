@@ -97,9 +97,12 @@ def test_pretrain_gpt_with_ssd_offload_trains_as_without(pp, tmp_path):
     steps = STEP_LINE.findall(run.stdout)
     assert [s[0] for s in steps] == ["0", "1", "2"]
     # Every offloaded byte comes back: read from its file, or served from memory when backward
-    # needs it before its write is done (forwarded; more of it on a loaded machine).
+    # needs it before its write is done (forwarded; more of it on a loaded machine). A forwarded
+    # tensor whose write was cancelled was never written (NOTE [Cancelled writes]), so what comes
+    # back can exceed what was written, never what is read.
     for _, written, read, forwarded in steps:
-        assert float(written) > 0 and abs(float(read) + float(forwarded) - float(written)) <= 0.15, steps
+        w, r, f = float(written), float(read), float(forwarded)
+        assert w > 0 and r <= w + 0.05 and r + f >= w - 0.05, steps
     assert sum(float(read) for _, _, read, _ in steps) > 0, steps
     assert sorted(os.listdir(offload_dir)) == [f"rank{r}" for r in range(pp)]
     assert _files_under(offload_dir) == []  # each rank's cache deleted its files at exit

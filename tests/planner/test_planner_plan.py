@@ -266,3 +266,69 @@ def test_drives_not_measured_get_nothing_and_the_plan_says_so():
         predict(unmeasured, [O] + [K] * 7)
     assert "not measured" not in make_plan(fast_stage()).table()
 
+
+
+# A 2-layer GPT's profile measured on a loaded 2-core machine (rok's budget point), on which
+# the greedy search met no single move that lowered the peak (NOTE [Uniform fallback]).
+PLATEAU_STAGE = {'layers': [{'layer_id': 'embedding',
+                             'forward_s': 0.0,
+                             'backward_s': 0.0,
+                             'saved_bytes': 0,
+                             'kept_bytes': 2048,
+                             'recompute_s': None,
+                             'boundary_bytes': 0,
+                             'site_bytes': None,
+                             'site_use': None,
+                             'recomputable': False,
+                             'modules': None,
+                             'rebuilt_bytes': 0},
+                            {'layer_id': 1,
+                             'forward_s': 0.032869,
+                             'backward_s': 0.013121,
+                             'saved_bytes': 659456,
+                             'kept_bytes': 2048,
+                             'recompute_s': 0.01272,
+                             'boundary_bytes': 32768,
+                             'site_bytes': [32768, 32768, 98304, 4096, 131072, 32768, 32768, 32768, 131072, 131072],
+                             'site_use': [0.97424, 0.954439, 0.898032, 0.0, 0.900512, 0.872147, 0.071072, 0.050051, 0.025208,
+                                          0.006586],
+                             'recomputable': True,
+                             'modules': [{'name': 'core_attn', 'forward_s': 0.000662, 'freed_sites': [4], 'held_bytes': 0}],
+                             'rebuilt_bytes': 0},
+                            {'layer_id': 2,
+                             'forward_s': 0.015545,
+                             'backward_s': 0.006537,
+                             'saved_bytes': 655360,
+                             'kept_bytes': 2048,
+                             'recompute_s': 0.006015,
+                             'boundary_bytes': 32768,
+                             'site_bytes': [32768, 32768, 98304, 131072, 32768, 32768, 32768, 131072, 131072],
+                             'site_use': [0.978548, 0.940394, 0.83734, 0.842087, 0.806412, 0.774695, 0.736012, 0.685155,
+                                          0.015449],
+                             'recomputable': True,
+                             'modules': [{'name': 'core_attn', 'forward_s': 0.000585, 'freed_sites': [3], 'held_bytes': 0}],
+                             'rebuilt_bytes': 0}],
+                 'io': {'write_bytes_per_s': 27186938.32,
+                        'read_bytes_per_s': 123846688.85,
+                        'compute_slowdown': 2.983,
+                        'host_bytes_per_s': None,
+                        'max_inflight_bytes': 268435456,
+                        'shared_host_link': True},
+                 'pipeline_rank': 0,
+                 'pipeline_size': 1,
+                 'microbatches_in_flight': 1,
+                 'other_s': 0.013905,
+                 'head_bytes': 198784}
+
+
+def test_a_budget_that_recomputing_every_layer_meets_is_met_where_no_single_move_helps():
+    """NOTE [Uniform fallback]: before, this raised PlanInfeasibleError for 759872 bytes while
+    naming 724992 bytes as its smallest reachable peak (rok's budget point then had no plan
+    and no paired steps, under load only, since the profile's times decide the plateau)."""
+    stage = StageProfile.from_dict(PLATEAU_STAGE)
+    for read_ahead in ("fixed", "auto"):
+        plan = make_plan(stage, memory_budget=759872, prefetch_depth=2, read_ahead=read_ahead)
+        assert plan.peak_activation_bytes <= 759872
+        assert [lp.placement for lp in plan.layers] == [Placement.KEEP, Placement.RECOMPUTE, Placement.RECOMPUTE]
+    with pytest.raises(PlanInfeasibleError, match="smallest reachable predicted peak is 724992 bytes"):
+        make_plan(stage, memory_budget=724991, prefetch_depth=2)
