@@ -139,6 +139,11 @@ def run_one(label: str, cmd: Sequence[str], json_path: str, timeout_s: float, ou
     return report, rc, output
 
 
+def _least_run_s(kind: str) -> int:
+    """The least time a run of ``kind`` is started with on a GPU."""
+    return MIN_PLANNER_RUN_S if kind == "planner" else MIN_RUN_S
+
+
 class Job:
     """The runs of the job part and their rows, within a deadline."""
 
@@ -159,8 +164,7 @@ class Job:
         if self.device != "cuda":
             return left
         later = max(self.essential_left - (1 if essential else 0), 0)
-        least = MIN_PLANNER_RUN_S if kind == "planner" else MIN_RUN_S
-        return min(RUN_TIMEOUT_S[kind], max(left - MIN_RUN_S * later, min(left, least)))
+        return min(RUN_TIMEOUT_S[kind], max(left - MIN_RUN_S * later, min(left, _least_run_s(kind))))
 
     def run(self, name: str, cap: str, extra: Sequence[str], kind: str, cap_bytes: Optional[int] = None,
             essential: bool = True, **fields: Any) -> Dict[str, Any]:
@@ -172,7 +176,7 @@ class Job:
         timeout = self._timeout(kind, essential)
         if essential:
             self.essential_left -= 1
-        least = MIN_PLANNER_RUN_S if kind == "planner" else MIN_RUN_S
+        least = _least_run_s(kind)
         if timeout < (least if self.device == "cuda" else 1):
             row.update(status="skipped", fits=None, reason=f"time budget: {max(0.0, self.deadline - self.clock()):.0f}"
                                                            f" s left, a run needs at least {least} s")

@@ -256,12 +256,7 @@ def rok_points(config_path: Optional[str], overrides: Sequence[str], budgets: Se
         raise ConfigError(f"rok: paired = {paired}: must be >= 0, and > 0 only with a placement other than keep "
                           "(pairs compare it with keep)")
     pairs = [f"paired_steps={paired}"] if paired else []
-    common = list(overrides)
-    if host_throttle is not None:
-        rate = parse_rate("rok", "host-throttle", host_throttle)
-        if not rate or rate <= 0:
-            raise ConfigError(f"rok: --host-throttle {host_throttle!r}: must be a rate > 0 such as 1GiB")
-        common.append(f"offload.host_copy_bytes_per_s={rate}")
+    common = list(overrides) + host_throttle_overrides(host_throttle)
     pool = [] if any(o.startswith("offload.host_pool_bytes=") for o in overrides) else [
         f"offload.host_pool_bytes={PEER_HOST_POOL}"]
     # with the host tier paced the planner plans it too (NOTE [Paced host tier] in adaptive.py):
@@ -427,6 +422,17 @@ def add_predictions(points: List[Dict[str, Any]], reports: Dict[str, Dict[str, A
         if "predicted_exposed_s" in p:
             p["predicted_exposed_s_per_step"] = p["predicted_exposed_s"] * mbs
             p["measured_exposed_s_per_step"] = p["stall_s"] + p["write_wait_s"]
+
+
+def host_throttle_overrides(host_throttle: Optional[str]) -> List[str]:
+    """The train override that paces the host tier's copies to ``--host-throttle`` (NOTE
+    [Host copy rate] in ``io/throttle.py``); none without it."""
+    if host_throttle is None:
+        return []
+    rate = parse_rate("rok", "host-throttle", host_throttle)
+    if not rate or rate <= 0:
+        raise ConfigError(f"rok: --host-throttle {host_throttle!r}: must be a rate > 0 such as 1GiB")
+    return [f"offload.host_copy_bytes_per_s={rate}"]
 
 
 def _throttle_for(config: TrainConfig, rate: str) -> BlkioThrottle:

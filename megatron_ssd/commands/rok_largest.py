@@ -449,17 +449,11 @@ def run_largest(config_path: Optional[str], overrides: Sequence[str], cap: str, 
     import contextlib
 
     from ..config import _parse_size, to_dict
-    from ..io.throttle import parse_rate
     from .output import machine_info, write_json
-    from .rok import _throttle_for
+    from .rok import _throttle_for, host_throttle_overrides
 
     cap_bytes = _parse_size("rok", "largest-within", cap)
-    common = list(overrides)
-    if host_throttle is not None:
-        rate = parse_rate("rok", "host-throttle", host_throttle)
-        if not rate or rate <= 0:
-            raise ConfigError(f"rok: --host-throttle {host_throttle!r}: must be a rate > 0 such as 1GiB")
-        common.append(f"offload.host_copy_bytes_per_s={rate}")
+    common = list(overrides) + host_throttle_overrides(host_throttle)
     config = load_config(TrainConfig, config_path, common)  # validate before spending minutes
     limiter = None if throttle is None else _throttle_for(config, throttle)
     with limiter.applied() if limiter is not None else contextlib.nullcontext():  # probes inherit the group
