@@ -28,12 +28,16 @@ PYTHON311 ?= $(call find_python,$(PYTHON311_ENV),3.11)
 # $(call build_venv,DIR,PYTHON,TORCH,MEGATRON_CORE,PYTHON_VERSION,OVERRIDE_VARIABLE)
 # setuptools is upgraded with pip: tests/test_install.py builds the checkout without build isolation,
 # which needs setuptools 70.1 or later (bdist_wheel built in); torch 2.6 does not bring it on Python 3.11.
+# The editable install maps megatron_ssd only; megatron_ssd_lab.pth puts the checkout on the path too, so
+# the lab package (the GPU check, the sizing tables, `rok --throttle`'s cgroup throttle), which the wheel
+# does not ship, imports in every process of these environments.
 define build_venv
 	@test -n "$(2)" || { echo "megatron_ssd: make needs Python $(5) (python$(5) on PATH, or $(6)=/path/to/python$(5))"; exit 2; }
 	@test -x $(1)/bin/python || $(2) -m venv $(1)
 	$(1)/bin/python -m pip install -q --upgrade pip setuptools
 	$(1)/bin/python -m pip install -q torch==$(3) megatron-core==$(4)
 	$(1)/bin/python -m pip install -q -e '.[dev,megatron-lm]'
+	$(1)/bin/python -c 'import sys, sysconfig; open(sysconfig.get_paths()["purelib"] + "/megatron_ssd_lab.pth", "w").write(sys.argv[1] + "\n")' "$(CURDIR)"
 	@touch $(1)/.installed
 endef
 

@@ -30,7 +30,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 from megatron_ssd.commands.output import write_json  # noqa: E402
-from megatron_ssd.commands.sizing_tables import (  # noqa: E402
+from megatron_ssd_lab.sizing_tables import (  # noqa: E402
     COMPARISON_DRIVE,
     COMPARISON_DRIVES_PER_NODE,
     SIZING_DRIVES,

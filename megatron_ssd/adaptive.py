@@ -668,7 +668,7 @@ class AdaptivePlanner:
     # On a CPU the host tier's blobs are in the same memory as the compute device's, so by
     # the process's RSS hosting saves nothing, and without more the planner gives the pool
     # no budget. With its copies paced (``offload.host_copy_bytes_per_s``, ``rok
-    # --host-throttle``, NOTE [Host copy rate] in ``io/throttle.py``) the tier stands in
+    # --host-throttle``, NOTE [Host copy rate] in ``io/pacing.py``) the tier stands in
     # for a GPU's: its blobs are not the compute device's live tensors (NOTE [Host blobs
     # are not device memory] in ``io/host.py``), the measure the ``rok`` comparison uses,
     # and a copy takes as long as at the paced rate. The planner then plans it as on a

@@ -4,7 +4,7 @@
 # stand-in"): one loop device per drive over a file in tmpfs, formatted ext4 and mounted
 # at DIR/drive0 ... DIR/drive<N-1>, each paced to a drive's sequential read and write
 # rates by the kernel's block throttle in one cgroup (v1 blkio or v2 io.max, through
-# python -m megatron_ssd.io.throttle --create). `up` prints the offload.paths value
+# python -m megatron_ssd_lab.blkio --create). `up` prints the offload.paths value
 # (comma-separated) on stdout and everything else on stderr. Only processes in the cgroup
 # are paced: start them with `exec`, which runs a command inside it.
 #
@@ -149,7 +149,8 @@ inputs() {
     "$PY" - "$1" "$2" <<'EOF'
 import sys
 from megatron_ssd.errors import ConfigError
-from megatron_ssd.io.throttle import parse_rate, throttle_available
+from megatron_ssd.io.pacing import parse_rate
+from megatron_ssd_lab.blkio import throttle_available
 from megatron_ssd.planner.drives import DRIVES, drive_preset
 preset, size = sys.argv[1:3]
 try:
@@ -370,8 +371,7 @@ do_up() {
         paths+="${paths:+,}$mnt"
     done
     group="$GROUP_PREFIX${backing##*/"$BACKING_PREFIX"}"
-    # -W: the package imports io.throttle before runpy runs it as __main__, which is harmless
-    group="$("$PY" -W "ignore::RuntimeWarning" -m megatron_ssd.io.throttle "${throttle_paths[@]}" --read "$rbps" --write "$wbps" \
+    group="$("$PY" -m megatron_ssd_lab.blkio "${throttle_paths[@]}" --read "$rbps" --write "$wbps" \
         --create "$group")"
     record cgroup "$group"
     record paths "$paths"

@@ -257,7 +257,7 @@ skip_part() {
 
 # record NAME STATUS REASON: set the status of the part whose result is $RESULT (its numbers kept).
 record() {
-    "$PY" -m megatron_ssd.commands.gpu_check record --result "$RESULT" --name "$1" --status "$2" --reason "$3"
+    "$PY" -m megatron_ssd_lab.gpu_check record --result "$RESULT" --name "$1" --status "$2" --reason "$3"
 }
 
 # run_part NAME COMMAND...: run COMMAND --result FILE under the part's timeout.
@@ -314,7 +314,7 @@ pytest_part() {
         rc=$?
     timing "$name" "$(($(date +%s) - started))" "$t" "$rc"
     if ((rc != 124 && rc != 137)); then
-        "$PY" -m megatron_ssd.commands.gpu_check pytest --result "$RESULT" --name "$name" --junit "$junit" \
+        "$PY" -m megatron_ssd_lab.gpu_check pytest --result "$RESULT" --name "$name" --junit "$junit" \
             --rc "$rc" --what "$what" || true
     fi
     finish_part "$name" "$rc" "$t"
@@ -327,50 +327,50 @@ run_all() {
     log "mode $MODE; Python $PY; offload path $OFFLOAD; budget $BUDGET s; output $OUT"
 
     if ((gpu || INSTALL)); then
-        run_part install "$PY" -m megatron_ssd.commands.gpu_check install --mode "$MODE" --wheels "$WHEELS" \
+        run_part install "$PY" -m megatron_ssd_lab.gpu_check install --mode "$MODE" --wheels "$WHEELS" \
             --target "$TARGET"
     else
         skip_part install "$NO_CUDA: no GPU part runs, so nothing is installed (--install installs anyway)"
     fi
-    run_part environment "$PY" -m megatron_ssd.commands.gpu_check environment --mode "$MODE" --path "$OFFLOAD"
+    run_part environment "$PY" -m megatron_ssd_lab.gpu_check environment --mode "$MODE" --path "$OFFLOAD"
     if ((gpu)); then
-        run_part copy-bandwidth "$PY" -m megatron_ssd.commands.gpu_check copy-bandwidth
+        run_part copy-bandwidth "$PY" -m megatron_ssd_lab.gpu_check copy-bandwidth
     else
         skip_part copy-bandwidth "$NO_CUDA"
     fi
-    run_part bench-io "$PY" -m megatron_ssd.commands.gpu_check bench-io --path "$OFFLOAD" --size "$size"
+    run_part bench-io "$PY" -m megatron_ssd_lab.gpu_check bench-io --path "$OFFLOAD" --size "$size"
     if ((gpu)); then
         pytest_part pytest-gpu "the gpu/kvikio/te tests" -- -m "gpu or kvikio or te" tests
     else
         skip_part pytest-gpu "$NO_CUDA"
     fi
     if ((gpu)); then
-        run_part train "$PY" -m megatron_ssd.commands.gpu_check train --path "$OFFLOAD" \
+        run_part train "$PY" -m megatron_ssd_lab.gpu_check train --path "$OFFLOAD" \
             --budget-s "$(($(part_timeout train) - TRAIN_MARGIN))"
     else
         skip_part train "$NO_CUDA"
     fi
     # Keep, the peers and the planner under caps of keep's peak; without a GPU, a tiny GPT on the
     # CPU (the cap compared, not enforced), each GPU-only row skipped with the reason.
-    run_part job "$PY" -m megatron_ssd.commands.gpu_check_job --path "$OFFLOAD" \
+    run_part job "$PY" -m megatron_ssd_lab.gpu_check_job --path "$OFFLOAD" \
         --budget-s "$(($(part_timeout job) - TRAIN_MARGIN))"
     # Megatron-LM's pretrain_gpt.py from ../shared, shared/ or the wheel folder (MEGATRON_LM_PATH wins).
     if ((gpu)); then
-        run_part pretrain "$PY" -m megatron_ssd.commands.gpu_check_pretrain --mode gpu --path "$OFFLOAD" \
+        run_part pretrain "$PY" -m megatron_ssd_lab.gpu_check_pretrain --mode gpu --path "$OFFLOAD" \
             --wheels "$WHEELS" --budget-s "$(($(part_timeout pretrain) - TRAIN_MARGIN))"
     else
         skip_part pretrain "$NO_CUDA: its CPU mode (three pretrain_gpt.py --cpu runs) is a test (make test runs it)"
     fi
     # An emulated NVMe array, one loop device over tmpfs per drive, block-throttled: bench-io on
     # it, and with a GPU the planner; without one, 2 drives at small sizes (skipped without root).
-    run_part array "$PY" -m megatron_ssd.commands.gpu_check_array --mode "$MODE" \
+    run_part array "$PY" -m megatron_ssd_lab.gpu_check_array --mode "$MODE" \
         --budget-s "$(($(part_timeout array) - TRAIN_MARGIN))"
 
     local meta
     meta="{\"budget_s\": $BUDGET, \"elapsed_s\": $(elapsed), \"offload_path\": $(json_string "$OFFLOAD"),"
     meta+=" \"wheels\": $(json_string "$WHEELS"), \"target\": $(json_string "$TARGET"),"
     meta+=" \"python\": $(json_string "$PY"), \"command\": $(json_string "$COMMAND_LINE")}"
-    "$PY" -m megatron_ssd.commands.gpu_check summary --work "$WORK" --out "$OUT" --mode "$MODE" --meta "$meta"
+    "$PY" -m megatron_ssd_lab.gpu_check summary --work "$WORK" --out "$OUT" --mode "$MODE" --meta "$meta"
 }
 
 main() {

@@ -4,19 +4,26 @@ Every import of a ``megatron_ssd`` module, at the top of a file, inside a functi
 under ``if TYPE_CHECKING:``, must go to the same package or to a lower layer; the planner
 imports nothing but the configuration, errors and units, and no third-party module at all
 (it is pure arithmetic over measurements); the library (cache, I/O, planner, Megatron
-integration) never imports the lab (the commands and the reference workloads). A new
+integration) never imports the harness (the commands and the reference workloads). A new
 module must be given a layer here, so this test also fails for a module nobody placed.
+The repository's lab package (``megatron_ssd_lab``: the GPU check, the sizing tables, the
+block-device throttle) is outside the wheel: no module of the package imports it when it
+is imported, and the wheel built from setup.py holds none of it.
 """
 
 from __future__ import annotations
 
 import ast
 import pathlib
+import subprocess
 import sys
+import zipfile
 
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1] / "megatron_ssd"
+LAB_PACKAGE = "megatron_ssd_lab"
+"""The repository's lab: run from a checkout, not shipped (setup.py)."""
 
 LAYERS = {
     # foundations: the error types below everything, then modules importing only them
@@ -44,7 +51,7 @@ LAYERS = {
 PLANNER_MAY_IMPORT = {"megatron_ssd.config", "megatron_ssd.errors", "megatron_ssd.placement", "megatron_ssd.units"}
 LIBRARY = ("megatron_ssd.cache", "megatron_ssd.io", "megatron_ssd.planner", "megatron_ssd.megatron")
 """The product packages: what a Megatron-LM job imports."""
-LAB = ("megatron_ssd.commands", "megatron_ssd.workloads")
+HARNESS = ("megatron_ssd.commands", "megatron_ssd.workloads")
 """The measurement harness: commands, reports, reference models and the step loop."""
 
 
@@ -104,8 +111,8 @@ def test_imports_point_down(path):
     assert unit is not None, f"{module} is in no layer: add it to LAYERS in tests/test_layers.py"
     wrong = []
     for line, target in _imports(path):
-        if not target.startswith("megatron_ssd"):
-            continue
+        if not target.startswith("megatron_ssd") or _under(target, (LAB_PACKAGE,)):
+            continue  # the lab package: test_no_module_imports_the_lab_package_when_imported
         other = _unit(target)
         if target == "megatron_ssd" or other == unit:
             continue
@@ -135,19 +142,19 @@ def test_test_helpers_are_not_part_of_the_integration():
     assert not integration & {"harness", "models", "parallel", "spawn"}, integration
 
 
-def _lab_imports(path: pathlib.Path, source: str | None = None):
-    return [f"line {line}: {target}" for line, target in _imports(path, source) if _under(target, LAB)]
+def _harness_imports(path: pathlib.Path, source: str | None = None):
+    return [f"line {line}: {target}" for line, target in _imports(path, source) if _under(target, HARNESS)]
 
 
 LIBRARY_MODULES = [p for p in MODULES if _under(_module_name(p), LIBRARY)]
 
 
 @pytest.mark.parametrize("path", LIBRARY_MODULES, ids=lambda p: str(p.relative_to(ROOT.parent)))
-def test_the_library_never_imports_the_lab(path):
+def test_the_library_never_imports_the_harness(path):
     """cache, io, planner and megatron import neither megatron_ssd.commands nor
     megatron_ssd.workloads, not even for type annotations."""
-    wrong = _lab_imports(path)
-    assert not wrong, f"{_module_name(path)} imports the lab: {wrong}"
+    wrong = _harness_imports(path)
+    assert not wrong, f"{_module_name(path)} imports the harness: {wrong}"
 
 
 def test_every_library_package_is_read():
@@ -162,10 +169,10 @@ def test_every_library_package_is_read():
     ("import megatron_ssd.workloads.harness as h\n", ["line 1: megatron_ssd.workloads.harness"]),
     ("from ..config import Placement\nfrom .policy import PlacementPolicy\n", []),
 ])
-def test_the_lab_check_reads_every_kind_of_import(source, found):
+def test_the_harness_check_reads_every_kind_of_import(source, found):
     """The reader behind the two checks above sees an import under ``if TYPE_CHECKING:``,
     inside a function, of a package by name and by absolute path."""
-    assert _lab_imports(ROOT / "cache" / "planted.py", source) == found
+    assert _harness_imports(ROOT / "cache" / "planted.py", source) == found
 
 
 def _import_graph(paths=MODULES):
@@ -224,3 +231,61 @@ def test_the_circle_check_sees_type_checking_imports(tmp_path):
     graph = {_module_name(path): {t for _, t in _imports(path, source) if t.startswith("megatron_ssd")}
              for source, path in (a, b)}
     assert _circles(graph) == [["megatron_ssd.io.planted_a", "megatron_ssd.io.planted_b"]]
+
+
+def _imports_at_import_time(path: pathlib.Path, source: str | None = None):
+    """``(line, module)`` for the imports that run when ``path`` is imported: every import
+    outside a function body (at the top, under ``if``/``try``, in a class body)."""
+    tree = ast.parse(path.read_text(encoding="utf-8") if source is None else source)
+    deferred = {id(n) for f in ast.walk(tree) if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
+                for n in ast.walk(f) if n is not f}
+    text = path.read_text(encoding="utf-8") if source is None else source
+    eager = {node.lineno for node in ast.walk(tree)
+             if isinstance(node, (ast.Import, ast.ImportFrom)) and id(node) not in deferred}
+    return [(line, target) for line, target in _imports(path, text) if line in eager]
+
+
+@pytest.mark.parametrize("path", MODULES, ids=lambda p: str(p.relative_to(ROOT.parent)))
+def test_no_module_imports_the_lab_package_when_imported(path):
+    """No module of megatron_ssd imports megatron_ssd_lab when it is imported, and the
+    library (cache, io, planner, megatron) not at all: a command that needs a lab tool
+    (``rok --throttle``) imports it inside the function that uses it, so the installed
+    wheel works without the lab and says what is missing when such a flag is given."""
+    every = [f"line {line}: {t}" for line, t in _imports(path) if _under(t, (LAB_PACKAGE,))]
+    eager = [f"line {line}: {t}" for line, t in _imports_at_import_time(path) if _under(t, (LAB_PACKAGE,))]
+    assert not eager, f"{_module_name(path)} imports the lab package when imported: {eager}"
+    if _under(_module_name(path), LIBRARY):
+        assert not every, f"{_module_name(path)} imports the lab package: {every}"
+
+
+@pytest.mark.parametrize("source, found", [
+    ("from megatron_ssd_lab.blkio import Throttle\n", [(1, "megatron_ssd_lab.blkio")]),
+    ("try:\n    import megatron_ssd_lab\nexcept ImportError:\n    pass\n", [(2, "megatron_ssd_lab")]),
+    ("def f():\n    from megatron_ssd_lab.blkio import Throttle\n", []),
+])
+def test_the_import_time_check_reads_every_kind_of_import(source, found):
+    """Control for the check above: an import at the top or under ``try`` runs when the
+    module is imported, one inside a function does not."""
+    assert [(line, t) for line, t in _imports_at_import_time(ROOT / "commands" / "planted.py", source)
+            if _under(t, (LAB_PACKAGE,))] == found
+
+
+def test_the_wheel_holds_no_lab_module(tmp_path):
+    """The wheel that setup.py builds (from a copy of the sources, so nothing is written
+    into the checkout) holds megatron_ssd and nothing of megatron_ssd_lab."""
+    import shutil
+    repo = ROOT.parent
+    src = tmp_path / "src"
+    src.mkdir()
+    for name in ("setup.py", "README.md"):
+        shutil.copy(repo / name, src / name)
+    for package in ("megatron_ssd", LAB_PACKAGE):
+        shutil.copytree(repo / package, src / package, ignore=shutil.ignore_patterns("__pycache__"))
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index", "-q",
+                    "-w", str(tmp_path / "dist"), str(src)], check=True, cwd=tmp_path, capture_output=True)
+    [wheel] = list((tmp_path / "dist").glob("megatron_ssd-*.whl"))
+    names = zipfile.ZipFile(wheel).namelist()
+    assert "megatron_ssd/__init__.py" in names and "megatron_ssd/commands/rok.py" in names
+    lab = sorted(p.name for p in (repo / LAB_PACKAGE).glob("*.py"))
+    assert {"gpu_check.py", "sizing_tables.py", "blkio.py"} <= set(lab)
+    assert [n for n in names if n.startswith(LAB_PACKAGE) or n.rsplit("/", 1)[-1] in set(lab) - {"__init__.py"}] == []

@@ -23,7 +23,7 @@ from ..config import TrainConfig, load_config, to_dict
 from ..placement import Placement
 from ..errors import ConfigError, MegatronSSDError
 from ..io.scratch import default_offload_dir, make_private_dir
-from ..io.throttle import BlkioThrottle, blkio_available, parse_rate
+from ..io.pacing import parse_rate
 from ..planner.plan import Plan
 from ..planner.profile import StageProfile
 from ..planner.step_timeline import predict
@@ -426,7 +426,7 @@ def add_predictions(points: List[Dict[str, Any]], reports: Dict[str, Dict[str, A
 
 def host_throttle_overrides(host_throttle: Optional[str]) -> List[str]:
     """The train override that paces the host tier's copies to ``--host-throttle`` (NOTE
-    [Host copy rate] in ``io/throttle.py``); none without it."""
+    [Host copy rate] in ``io/pacing.py``); none without it."""
     if host_throttle is None:
         return []
     rate = parse_rate("rok", "host-throttle", host_throttle)
@@ -435,9 +435,17 @@ def host_throttle_overrides(host_throttle: Optional[str]) -> List[str]:
     return [f"offload.host_copy_bytes_per_s={rate}"]
 
 
-def _throttle_for(config: TrainConfig, rate: str) -> BlkioThrottle:
-    """The blkio throttle of the disk holding the first offload path (or the default
-    offload directory); one ConfigError naming the reason when it cannot be set."""
+def _throttle_for(config: TrainConfig, rate: str) -> Any:
+    """The blkio throttle (``megatron_ssd_lab.blkio.BlkioThrottle``) of the disk holding the
+    first offload path (or the default offload directory); one ConfigError naming the reason
+    when it cannot be set. The throttle is a benchmark tool of the repository's lab package,
+    which the wheel does not ship: it is imported here, when ``--throttle`` is given."""
+    try:
+        from megatron_ssd_lab.blkio import BlkioThrottle, blkio_available
+    except ImportError:
+        raise ConfigError(f"rok: --throttle {rate}: needs megatron_ssd_lab, the repository's lab package, which "
+                          "the wheel does not ship; run rok in the checkout's environment (make builds it) or put "
+                          "the checkout on PYTHONPATH") from None
     reason = blkio_available()
     if reason is not None:
         raise ConfigError(f"rok: --throttle {rate}: {reason}")

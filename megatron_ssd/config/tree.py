@@ -379,7 +379,7 @@ class OffloadConfig:
     host_copy_bytes_per_s: Optional[Annotated[ByteCount, Positive()]] = None
     """The host tier's copy rate, each way, in bytes per second: each copy completes no
     sooner than its bytes take at this rate, the two directions paced apart, as a PCIe
-    link would carry them (NOTE [Host copy rate] in ``io/throttle.py``). For comparisons
+    link would carry them (NOTE [Host copy rate] in ``io/pacing.py``). For comparisons
     on a CPU, where the host tier copies at memory speed; None: as fast as it copies."""
 
     peer: PeerConfig = field(default_factory=PeerConfig)

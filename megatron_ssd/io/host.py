@@ -41,7 +41,7 @@ direction has its own worker, so reads never queue behind writes.
 
 With ``copy_bytes_per_s`` each direction is paced as a link of that rate: a copy's future
 completes no sooner than its bytes take at that rate after the link is free (NOTE [Host
-copy rate] in ``throttle.py``), which holds a CPU's memory-speed copies to a GPU's PCIe
+copy rate] in ``pacing.py``), which holds a CPU's memory-speed copies to a GPU's PCIe
 ratio for comparisons.
 """
 
@@ -66,7 +66,7 @@ from .layout import ExtentAllocator
 from .mapped import mapped_empty
 from .pinned import HostSlab
 from .blocks import check_blob, check_read_target
-from .throttle import RateLimiter
+from .pacing import RateLimiter
 
 __all__ = ["HostEngine", "HOST_PATH_INDEX", "SLAB_GRANULARITY", "host_blob", "open_host_pool"]
 

@@ -1,4 +1,4 @@
-"""The host tier's copy rate (NOTE [Host copy rate] in ``io/throttle.py``): each direction
+"""The host tier's copy rate (NOTE [Host copy rate] in ``io/pacing.py``): each direction
 is a link that carries one transfer at a time at the given rate, checked on a fake clock;
 and the host tier's CPU blobs are not device memory to the allocator timeline (NOTE [Host
 blobs are not device memory] in ``io/host.py``)."""
@@ -13,7 +13,7 @@ import torch
 from megatron_ssd.errors import ConfigError
 from megatron_ssd.io.host import HostEngine, host_blob
 from megatron_ssd.io.mapped import mapped_bytes
-from megatron_ssd.io.throttle import RateLimiter
+from megatron_ssd.io.pacing import RateLimiter
 from megatron_ssd.memory import AllocatorTimeline
 
 MiB = 1 << 20

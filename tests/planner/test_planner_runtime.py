@@ -474,21 +474,36 @@ def test_rok_rejects_bad_arguments_before_running(kwargs, match):
 def test_rok_throttle_unavailable_is_one_error_before_anything_runs(monkeypatch, tmp_path):
     from megatron_ssd.commands import rok
     from megatron_ssd.errors import ConfigError
+    from megatron_ssd_lab import blkio
 
-    monkeypatch.setattr(rok, "blkio_available", lambda: "no cgroup-v1 blkio hierarchy with throttling at /x")
+    monkeypatch.setattr(blkio, "blkio_available", lambda: "no cgroup-v1 blkio hierarchy with throttling at /x")
     monkeypatch.setattr(rok, "rok_points", lambda *a, **k: pytest.fail("rok ran without its throttle"))
     config = os.path.join(REPO, "configs", "gpt-tiny.yaml")
     with pytest.raises(ConfigError, match=r"rok: --throttle 64MiB: no cgroup-v1 blkio hierarchy with throttling"):
         rok.run_rok(config, TINY_CLI, throttle="64MiB")
-    monkeypatch.setattr(rok, "blkio_available", lambda: None)
+    monkeypatch.setattr(blkio, "blkio_available", lambda: None)
     with pytest.raises(ConfigError, match=r"rok: --throttle '0': must be a rate > 0"):
         rok.run_rok(config, [*TINY_CLI, f"offload.paths={tmp_path}"], throttle="0")
 
 
-@pytest.mark.skipif(__import__("megatron_ssd.io.throttle", fromlist=["x"]).blkio_available() is not None,
+def test_rok_throttle_without_the_lab_package_says_what_is_missing(monkeypatch):
+    """The wheel does not ship megatron_ssd_lab; ``rok --throttle`` (its cgroup throttle)
+    then stops with one line before anything runs, and rok without it needs no lab."""
+    from megatron_ssd.commands import rok
+    from megatron_ssd.errors import ConfigError
+
+    monkeypatch.setitem(sys.modules, "megatron_ssd_lab.blkio", None)  # what an installed wheel sees
+    monkeypatch.setattr(rok, "rok_points", lambda *a, **k: pytest.fail("rok ran without its throttle"))
+    config = os.path.join(REPO, "configs", "gpt-tiny.yaml")
+    with pytest.raises(ConfigError, match=r"^megatron_ssd: rok: --throttle 64MiB: needs megatron_ssd_lab, the "
+                                          r"repository's lab package, which the wheel does not ship"):
+        rok.run_rok(config, TINY_CLI, throttle="64MiB")
+
+
+@pytest.mark.skipif(__import__("megatron_ssd_lab.blkio", fromlist=["x"]).blkio_available() is not None,
                     reason="needs root and the cgroup-v1 blkio hierarchy (blkio throttling)")
 def test_rok_runs_every_placement_throttled_and_removes_its_group(tmp_path):
-    from megatron_ssd.io.throttle import BLKIO_ROOT
+    from megatron_ssd_lab.blkio import BLKIO_ROOT
 
     before = {d for d in os.listdir(BLKIO_ROOT) if d.startswith("megatron-ssd-")}
     out = tmp_path / "rok.json"

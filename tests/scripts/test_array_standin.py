@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 from waits import HANG_S  # tests/waits.py
 
-from megatron_ssd.commands.gpu_check_array import leftovers, standin_unavailable
-from megatron_ssd.io.throttle import Throttle, disk_of, find_hierarchy
+from megatron_ssd_lab.gpu_check_array import leftovers, standin_unavailable
+from megatron_ssd_lab.blkio import Throttle, disk_of, find_hierarchy
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "array_standin.sh"

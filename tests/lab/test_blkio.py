@@ -9,8 +9,8 @@ import textwrap
 import pytest
 
 from megatron_ssd.errors import ConfigError
-from megatron_ssd.io import throttle
-from megatron_ssd.io.throttle import BlkioThrottle, blkio_available, disk_of, own_blkio_group, run_throttled
+from megatron_ssd_lab import blkio
+from megatron_ssd_lab.blkio import BlkioThrottle, blkio_available, disk_of, own_blkio_group, run_throttled
 
 _NO_BLKIO = blkio_available()
 
@@ -28,12 +28,12 @@ def test_memory_filesystems_are_refused():
 
 
 def test_bad_rates_and_commands_are_one_line_errors(tmp_path, capsys):
-    assert throttle.main(["--path", str(tmp_path), "--write", "50MiB"]) == 2
+    assert blkio.main(["--path", str(tmp_path), "--write", "50MiB"]) == 2
     assert "megatron_ssd: command = []: give the command to run after --" in capsys.readouterr().err
-    assert throttle.main(["--path", str(tmp_path), "--", "true"]) == 2
+    assert blkio.main(["--path", str(tmp_path), "--", "true"]) == 2
     assert "--write = None and --read = None: give at least one rate" in capsys.readouterr().err
     if _NO_BLKIO is None:
-        assert throttle.main(["--path", str(tmp_path), "--write", "fast", "--", "true"]) == 2
+        assert blkio.main(["--path", str(tmp_path), "--write", "fast", "--", "true"]) == 2
         assert "throttle.--write = 'fast': must be an integer or a size" in capsys.readouterr().err
         with pytest.raises(ConfigError, match=r"write_bps = 0: must be > 0"):
             BlkioThrottle(str(tmp_path), 0, None)
@@ -87,15 +87,15 @@ def test_the_command_runs_in_a_limited_group_that_counts_its_io_and_is_removed(t
 
 def test_the_kernel_files_read_back_as_each_disks_limits_and_bytes():
     # the formats of Documentation/admin-guide/cgroup-v1/blkio-controller.rst and cgroup-v2.rst
-    assert throttle.parse_v1_limits("7:1 20971520\n7:0 20971520\n", "7:0 10485760\n") == {
+    assert blkio.parse_v1_limits("7:1 20971520\n7:0 20971520\n", "7:0 10485760\n") == {
         (7, 1): (20971520, None), (7, 0): (20971520, 10485760)}
-    assert throttle.parse_io_max("8:16 rbps=2097152 wbps=max riops=max wiops=120\n"
+    assert blkio.parse_io_max("8:16 rbps=2097152 wbps=max riops=max wiops=120\n"
                                  "259:0 rbps=max wbps=5300000000 riops=max wiops=max\n") == {
         (8, 16): (2097152, None), (259, 0): (None, 5300000000)}
-    assert throttle.parse_v1_service_bytes("7:0 Read 20979712\n7:0 Write 20971520\n7:0 Sync 41951232\n"
+    assert blkio.parse_v1_service_bytes("7:0 Read 20979712\n7:0 Write 20971520\n7:0 Sync 41951232\n"
                                            "7:0 Async 0\n7:0 Total 41951232\n7:1 Write 4096\nTotal 41955328\n") == {
         (7, 0): (20979712, 20971520), (7, 1): (0, 4096)}
-    assert throttle.parse_io_stat("8:16 rbytes=1459200 wbytes=314773504 rios=192 wios=353 dbytes=0 dios=0\n") == {
+    assert blkio.parse_io_stat("8:16 rbytes=1459200 wbytes=314773504 rios=192 wios=353 dbytes=0 dios=0\n") == {
         (8, 16): (1459200, 314773504)}
 
 
@@ -111,18 +111,18 @@ def test_v1_blkio_is_used_where_it_exists_else_v2_with_the_io_controller(tmp_pat
     v2.mkdir()
     mounts = _mounts(tmp_path, "proc /proc proc rw 0 0", f"cgroup2 {v2} cgroup2 rw,relatime 0 0")
     (v2 / "cgroup.controllers").write_text("cpuset cpu memory pids\n")
-    assert throttle.find_hierarchy(str(v1), mounts) == (None, (
+    assert blkio.find_hierarchy(str(v1), mounts) == (None, (
         f"no cgroup-v1 blkio hierarchy with throttling at {v1}, and the cgroup-v2 hierarchy at {v2} has no io "
         "controller (cgroup.controllers: cpuset cpu memory pids)"))
     (v2 / "cgroup.controllers").write_text("cpuset cpu io memory pids\n")
-    assert throttle.find_hierarchy(str(v1), mounts) == (throttle.Hierarchy(2, str(v2)), "")
+    assert blkio.find_hierarchy(str(v1), mounts) == (blkio.Hierarchy(2, str(v2)), "")
     (v1 / "blkio.throttle.write_bps_device").write_text("")
-    assert throttle.find_hierarchy(str(v1), mounts) == (throttle.Hierarchy(1, str(v1)), "")
-    assert throttle.find_hierarchy(str(tmp_path / "none"), _mounts(tmp_path, "proc /proc proc rw 0 0")) == (
+    assert blkio.find_hierarchy(str(v1), mounts) == (blkio.Hierarchy(1, str(v1)), "")
+    assert blkio.find_hierarchy(str(tmp_path / "none"), _mounts(tmp_path, "proc /proc proc rw 0 0")) == (
         None, f"no cgroup-v1 blkio hierarchy with throttling at {tmp_path / 'none'} and no cgroup2 mount")
 
 
-class _Recorded(throttle.Throttle):
+class _Recorded(blkio.Throttle):
     """Records each write a group gets (a cgroup file takes one line per write)."""
 
     def _write(self, name, text, group=None):
@@ -131,8 +131,8 @@ class _Recorded(throttle.Throttle):
 
 def test_a_v2_group_gets_one_io_max_line_per_disk_once_io_is_on(tmp_path):
     (tmp_path / "cgroup.subtree_control").write_text("cpu memory\n")
-    limits = [throttle.DeviceLimit((7, 1), 6800000000, 5300000000), throttle.DeviceLimit((7, 2), None, 5300000000)]
-    t = _Recorded(limits, throttle.Hierarchy(2, str(tmp_path)), name="megatron-ssd-array-x")
+    limits = [blkio.DeviceLimit((7, 1), 6800000000, 5300000000), blkio.DeviceLimit((7, 2), None, 5300000000)]
+    t = _Recorded(limits, blkio.Hierarchy(2, str(tmp_path)), name="megatron-ssd-array-x")
     t.writes = []
     t.create()
     assert (tmp_path / "cgroup.subtree_control").read_text() == "+io"  # switched on, as the kernel takes it
@@ -144,34 +144,34 @@ def test_a_v2_group_gets_one_io_max_line_per_disk_once_io_is_on(tmp_path):
 
 
 def test_a_v1_group_gets_a_line_per_disk_and_direction(tmp_path):
-    limits = [throttle.DeviceLimit((7, 1), 100, 50), throttle.DeviceLimit((7, 2), None, 50)]
-    t = _Recorded(limits, throttle.Hierarchy(1, str(tmp_path)), name="g")
+    limits = [blkio.DeviceLimit((7, 1), 100, 50), blkio.DeviceLimit((7, 2), None, 50)]
+    t = _Recorded(limits, blkio.Hierarchy(1, str(tmp_path)), name="g")
     t.writes = []
     t.create()
     assert t.writes == [("g/blkio.throttle.write_bps_device", "7:1 50"), ("g/blkio.throttle.read_bps_device", "7:1 100"),
                         ("g/blkio.throttle.write_bps_device", "7:2 50")]
     with pytest.raises(ConfigError, match=r"read_bps = -1: must be > 0 bytes per second"):
-        throttle.Throttle([throttle.DeviceLimit((7, 1), -1, None)], throttle.Hierarchy(1, str(tmp_path)))
+        blkio.Throttle([blkio.DeviceLimit((7, 1), -1, None)], blkio.Hierarchy(1, str(tmp_path)))
     with pytest.raises(ConfigError, match=r"throttle: limits = \[\]: give at least one disk"):
-        throttle.Throttle([], throttle.Hierarchy(1, str(tmp_path)))
+        blkio.Throttle([], blkio.Hierarchy(1, str(tmp_path)))
 
 
 def test_create_refuses_a_command_and_a_name_with_a_slash(tmp_path, capsys):
-    assert throttle.main(["--path", str(tmp_path), "--write", "1MiB", "--create", "g", "--", "true"]) == 2
+    assert blkio.main(["--path", str(tmp_path), "--write", "1MiB", "--create", "g", "--", "true"]) == 2
     assert "megatron_ssd: --create = 'g': makes a group and runs nothing" in capsys.readouterr().err
-    assert throttle.main(["--path", str(tmp_path), "--write", "1MiB", "--create", "a/b"]) == 2
+    assert blkio.main(["--path", str(tmp_path), "--write", "1MiB", "--create", "a/b"]) == 2
     assert "megatron_ssd: --create = 'a/b': must be a group name without '/'" in capsys.readouterr().err
 
 
 @pytest.mark.skipif(_NO_BLKIO is not None, reason=f"blkio throttling unavailable: {_NO_BLKIO}")
 def test_create_leaves_a_limited_group_that_another_process_can_join(tmp_path, capsys):
     name = f"megatron-ssd-test-{os.getpid()}"
-    assert throttle.main(["--path", str(tmp_path), "--path", str(tmp_path), "--read", "64MiB", "--write", "32MiB",
+    assert blkio.main(["--path", str(tmp_path), "--path", str(tmp_path), "--read", "64MiB", "--write", "32MiB",
                           "--create", name]) == 0
     group = capsys.readouterr().out.strip()
     try:
-        assert group == os.path.join(throttle.BLKIO_ROOT, name)
-        joined = throttle.Throttle.existing(group, throttle.Hierarchy(1, throttle.BLKIO_ROOT))
+        assert group == os.path.join(blkio.BLKIO_ROOT, name)
+        joined = blkio.Throttle.existing(group, blkio.Hierarchy(1, blkio.BLKIO_ROOT))
         assert joined.read_limits() == {disk_of(str(tmp_path)): (64 << 20, 32 << 20)}  # one disk, given twice
         assert joined.charged() == {} or all(v == (0, 0) for v in joined.charged().values())
     finally:

@@ -1,7 +1,7 @@
 """The GPU check's job part: fit what keep-everything cannot, and hold every peer to the
 same memory.
 
-``python -m megatron_ssd.commands.gpu_check job --result R --path DIR --mode gpu --budget-s 230``
+``python -m megatron_ssd_lab.gpu_check job --result R --path DIR --mode gpu --budget-s 230``
 (run by ``scripts/gpu_check.sh``) trains the train part's GPT (``configs/gpt-gpu-check.yaml``)
 once per placement, each ``megatron-ssd train`` in a fresh process, under device-memory
 caps of 50% and 30% of keep's measured peak (NOTE [Caps of the job part]): keep uncapped
@@ -45,7 +45,7 @@ import tempfile
 import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-from ..units import MiB
+from megatron_ssd.units import MiB
 from .gpu_check_job_gates import PLANNER, gate_counts, gates, job_table
 from .gpu_check_report import NO_CUDA, part, write_part
 
@@ -93,7 +93,7 @@ def _cuda_available() -> bool:
 
 
 def _cap_field() -> bool:
-    from .rok_largest import cap_supported
+    from megatron_ssd.commands.rok_largest import cap_supported
 
     return cap_supported()
 
@@ -129,7 +129,7 @@ def run_one(label: str, cmd: Sequence[str], json_path: str, timeout_s: float, ou
         Optional[Dict[str, Any]], Optional[int], str]:
     """One run in a fresh process (``rok_largest.run_train``), its output passed on
     prefixed with ``[label]`` once it ends."""
-    from .rok_largest import run_train
+    from megatron_ssd.commands.rok_largest import run_train
 
     print(f"[{label}] $ {' '.join(cmd)}", file=out, flush=True)
     report, rc, output = run_train(cmd, json_path, timeout_s)
@@ -169,8 +169,8 @@ class Job:
     def run(self, name: str, cap: str, extra: Sequence[str], kind: str, cap_bytes: Optional[int] = None,
             essential: bool = True, **fields: Any) -> Dict[str, Any]:
         """Run ``name`` under ``cap`` (a label; ``cap_bytes`` its bytes, None: uncapped); its row."""
-        from .rok import train_command
-        from .rok_largest import CAP_FIELD, NOT_FITTING, _tail, fewest_steps, recorded_oom
+        from megatron_ssd.commands.rok import train_command
+        from megatron_ssd.commands.rok_largest import CAP_FIELD, NOT_FITTING, _tail, fewest_steps, recorded_oom
 
         row: Dict[str, Any] = {"placement": name, "cap": cap, "cap_bytes": cap_bytes, **fields}
         timeout = self._timeout(kind, essential)
@@ -224,7 +224,7 @@ class Job:
 
     def measured(self, report: Dict[str, Any]) -> Dict[str, Any]:
         """A run's numbers: its peak by the job's measure, above the pre-forward level, its steps."""
-        from .rok_largest import measured_peak, probe_numbers
+        from megatron_ssd.commands.rok_largest import measured_peak, probe_numbers
 
         phase = report["phases"][-1]
         peak, source = measured_peak(probe_numbers(report), self.device)
@@ -264,9 +264,9 @@ def add_predictions(rows: List[Dict[str, Any]], keep: Optional[Dict[str, Any]]) 
     the plan's measure): a planner row from its own plan, keep and recompute from the
     first planner run's profile (named in the return value). Also each row's step over
     keep's (``x_keep_step``)."""
-    from ..placement import Placement
-    from ..planner.profile import StageProfile
-    from ..planner.step_timeline import predict
+    from megatron_ssd.placement import Placement
+    from megatron_ssd.planner.profile import StageProfile
+    from megatron_ssd.planner.step_timeline import predict
 
     source = next((r for r in rows if r["placement"].startswith("planner") and r.get("status") == "ran"
                    and r.get("profile")), None)
@@ -317,7 +317,7 @@ def job_part(result_path: str, path: str, budget_s: float, config_path: Optional
     Failed when a run failed for another reason than running out of memory, and on a GPU
     also when a gate failed or could not be checked.
     """
-    from ..config import TrainConfig, load_config
+    from megatron_ssd.config import TrainConfig, load_config
 
     gpu = _cuda_available()
     device = "cuda" if gpu else "cpu"
@@ -475,11 +475,11 @@ def _finish(job: Job, numbers: Dict[str, Any], gpu: bool, keep: Optional[Dict[st
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    """``python -m megatron_ssd.commands.gpu_check_job --result R --path DIR --budget-s S``:
+    """``python -m megatron_ssd_lab.gpu_check_job --result R --path DIR --budget-s S``:
     run the part, write its entry, exit 0 (the script's exit status comes from the summary)."""
     import argparse
 
-    parser = argparse.ArgumentParser(prog="python -m megatron_ssd.commands.gpu_check_job",
+    parser = argparse.ArgumentParser(prog="python -m megatron_ssd_lab.gpu_check_job",
                                      description="the GPU check's job part (scripts/gpu_check.sh)")
     parser.add_argument("--result", required=True)
     parser.add_argument("--path", required=True, help="the offload directory")

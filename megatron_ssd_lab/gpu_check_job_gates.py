@@ -18,8 +18,8 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Optional, Sequence
 
-from ..units import MiB
-from .intervals import median_ci95
+from megatron_ssd.units import MiB
+from megatron_ssd.commands.intervals import median_ci95
 
 __all__ = ["TOLERANCE", "PEER_NAMES", "PLANNER", "gates", "gate_counts", "job_table"]
 

@@ -1,6 +1,6 @@
 """The GPU check's training part: one GPT sized for the GPU, one fresh process per placement.
 
-``python -m megatron_ssd.commands.gpu_check train --result R --path DIR --budget-s 250``
+``python -m megatron_ssd_lab.gpu_check train --result R --path DIR --budget-s 250``
 (run by ``scripts/gpu_check.sh``) trains ``configs/gpt-gpu-check.yaml`` with keep,
 recompute, offload-all and the planner (:data:`DEFAULT_PLACEMENTS`), each as
 ``megatron-ssd train`` in its own process under its own timeout, and reports per placement
@@ -24,7 +24,7 @@ import threading
 import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-from ..units import MiB
+from megatron_ssd.units import MiB
 from .gpu_check_report import NO_CUDA, part, write_part
 
 __all__ = ["CONFIG", "PLACEMENTS", "DEFAULT_PLACEMENTS", "train_part", "run_placement", "compare_losses",
@@ -196,8 +196,8 @@ def train_part(result_path: str, path: str, budget_s: float, config_path: str = 
     placement failed or found no time, or when a placement's losses are not bit-identical
     to keep's; a placement whose engine is missing (kvikio) is skipped with the reason.
     """
-    from ..config import TrainConfig, load_config
-    from .rok import _point, add_predictions, add_ratios
+    from megatron_ssd.config import TrainConfig, load_config
+    from megatron_ssd.commands.rok import _point, add_predictions, add_ratios
 
     if not _cuda_available():
         return part("train", "skipped", NO_CUDA)

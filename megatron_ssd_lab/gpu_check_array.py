@@ -1,6 +1,6 @@
 """The GPU check's array part: an emulated N-drive NVMe array under the engines and the planner.
 
-``python -m megatron_ssd.commands.gpu_check_array --result R --mode gpu --budget-s 280``
+``python -m megatron_ssd_lab.gpu_check_array --result R --mode gpu --budget-s 280``
 (run by ``scripts/gpu_check.sh``). For each case, 4 and 8 drives of a Gen4 and a Gen5
 drive, it brings up ``scripts/array_standin.sh`` (one loop device over tmpfs per drive,
 paced to the drive's sequential rates by the kernel's block throttle; docs/ssd-sizing.md,
@@ -38,10 +38,10 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
-from ..errors import MegatronSSDError
-from ..io.throttle import Throttle, disk_of, find_hierarchy, throttle_available
-from ..planner.drives import drive_preset
-from ..units import GiB, MiB
+from megatron_ssd.errors import MegatronSSDError
+from .blkio import Throttle, disk_of, find_hierarchy, throttle_available
+from megatron_ssd.planner.drives import drive_preset
+from megatron_ssd.units import GiB, MiB
 from .gpu_check_report import NO_CUDA, part, write_part
 
 __all__ = ["CAP_BYTES", "NOT_MODELLED", "Case", "array_part", "cases", "standin_unavailable", "main"]
@@ -189,7 +189,7 @@ def leftovers(state: Dict[str, List[str]], directory: str) -> List[str]:
 def _bench(paths: Sequence[str], throttle: Throttle, nbytes: int, threads: int, engine: str,
            device: str) -> Dict[str, Any]:
     """bench-io's measurement striped over ``paths``, with what the cgroup charged each drive."""
-    from .bench_io import measure_path
+    from megatron_ssd.commands.bench_io import measure_path
 
     before = throttle.charged()
     r = measure_path(list(paths), nbytes, threads, 4 * MiB, engine_name=engine, device=device)
@@ -209,7 +209,7 @@ def _planner_run(case: Case, paths: Sequence[str], threads: int, timeout_s: floa
                  out: Any) -> Dict[str, Any]:
     """The planner training the check's workload on the stand-in, in a fresh process."""
     from .gpu_check_train import CONFIG, placement_row, run_placement
-    from .rok import _point
+    from megatron_ssd.commands.rok import _point
 
     overrides = ["--config", CONFIG, f"offload.paths={','.join(paths)}", "baseline_steps=0", f"device={DEVICE}",
                  "allocator_timeline=false", "offload.planner.mode=auto", "offload.io.engine=posix",
@@ -426,7 +426,7 @@ def _cuda_available() -> bool:
 
 def main(argv: Optional[List[str]] = None) -> int:
     """Run the part; exit 0 once its entry is written."""
-    parser = argparse.ArgumentParser(prog="python -m megatron_ssd.commands.gpu_check_array",
+    parser = argparse.ArgumentParser(prog="python -m megatron_ssd_lab.gpu_check_array",
                                      description="the GPU check's array part (scripts/gpu_check.sh)")
     parser.add_argument("--result", required=True)
     parser.add_argument("--mode", choices=("gpu", "no-gpu"), required=True)

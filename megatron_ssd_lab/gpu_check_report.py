@@ -20,8 +20,8 @@ import xml.etree.ElementTree as ET
 from collections import Counter
 from typing import Any, Dict, List, Optional
 
-from ..errors import MegatronSSDError
-from ..units import GiB, MiB
+from megatron_ssd.errors import MegatronSSDError
+from megatron_ssd.units import GiB, MiB
 
 __all__ = ["STATUSES", "NO_CUDA", "part", "write_part", "read_part", "record", "parse_junit", "pytest_part",
            "merge", "format_summary", "exit_status"]

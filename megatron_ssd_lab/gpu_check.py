@@ -1,17 +1,17 @@
-"""The parts of the GPU check, one process each: ``python -m megatron_ssd.commands.gpu_check PART``.
+"""The parts of the GPU check, one process each: ``python -m megatron_ssd_lab.gpu_check PART``.
 
 ``scripts/gpu_check.sh`` (``make gpu-check``; docs/getting-started.md, "GPU check") runs
 each part under its own timeout and joins their results (:mod:`.gpu_check_report`)::
 
-    python -m megatron_ssd.commands.gpu_check install        --result R --mode gpu --wheels .whl --target DIR
-    python -m megatron_ssd.commands.gpu_check environment    --result R --mode gpu --path DIR
-    python -m megatron_ssd.commands.gpu_check copy-bandwidth --result R
-    python -m megatron_ssd.commands.gpu_check bench-io       --result R --path DIR --size 1GiB
-    python -m megatron_ssd.commands.gpu_check train          --result R --path DIR --budget-s 270
-    python -m megatron_ssd.commands.gpu_check wheels         DIR       # the wheels whose package is missing
-    python -m megatron_ssd.commands.gpu_check pytest         --result R --junit X --rc N --what TESTS
-    python -m megatron_ssd.commands.gpu_check record         --result R --name N --status S --reason TEXT
-    python -m megatron_ssd.commands.gpu_check summary        --work W --out OUT --mode gpu ...
+    python -m megatron_ssd_lab.gpu_check install        --result R --mode gpu --wheels .whl --target DIR
+    python -m megatron_ssd_lab.gpu_check environment    --result R --mode gpu --path DIR
+    python -m megatron_ssd_lab.gpu_check copy-bandwidth --result R
+    python -m megatron_ssd_lab.gpu_check bench-io       --result R --path DIR --size 1GiB
+    python -m megatron_ssd_lab.gpu_check train          --result R --path DIR --budget-s 270
+    python -m megatron_ssd_lab.gpu_check wheels         DIR       # the wheels whose package is missing
+    python -m megatron_ssd_lab.gpu_check pytest         --result R --junit X --rc N --what TESTS
+    python -m megatron_ssd_lab.gpu_check record         --result R --name N --status S --reason TEXT
+    python -m megatron_ssd_lab.gpu_check summary        --work W --out OUT --mode gpu ...
 
 A part that needs a GPU on a machine without one writes ``skipped`` with the reason
 :data:`~.gpu_check_report.NO_CUDA`; every part writes its entry before it exits 0, and
@@ -31,9 +31,9 @@ import sys
 import tempfile
 from typing import Any, Callable, Dict, List, Optional
 
-from ..config import _parse_size
-from ..errors import MegatronSSDError
-from ..units import GiB
+from megatron_ssd.config import _parse_size
+from megatron_ssd.errors import MegatronSSDError
+from megatron_ssd.units import GiB
 from .gpu_check_report import NO_CUDA, exit_status, format_summary, merge, part, pytest_part, record, write_part
 
 __all__ = ["copy_bandwidth", "install_part", "environment_part", "copy_bandwidth_part", "bench_io_part",
@@ -65,7 +65,7 @@ def environment_part(mode: str, path: str) -> Dict[str, Any]:
 
     import torch
 
-    from ..io.rundir import filesystem_type
+    from megatron_ssd.io.rundir import filesystem_type
 
     cuda = torch.cuda.is_available()
     numbers: Dict[str, Any] = {
@@ -152,7 +152,7 @@ def copy_bandwidth_part(nbytes: int = GiB, repeats: int = 5) -> Dict[str, Any]:
         return part("copy-bandwidth", "skipped", NO_CUDA)
     import torch
 
-    from ..adaptive import measure_host_bandwidth
+    from megatron_ssd.adaptive import measure_host_bandwidth
 
     numbers = copy_bandwidth(nbytes, repeats)
     numbers["planner_probe_bytes_per_s"] = measure_host_bandwidth(torch.device("cuda", torch.cuda.current_device()))
@@ -164,7 +164,7 @@ def copy_bandwidth_part(nbytes: int = GiB, repeats: int = 5) -> Dict[str, Any]:
 
 def bench_io_part(path: str, size: str) -> Dict[str, Any]:
     """``megatron-ssd bench-io PATH --size SIZE`` (the POSIX O_DIRECT engine, four settings)."""
-    from .bench_io import run_bench_io
+    from megatron_ssd.commands.bench_io import run_bench_io
 
     with tempfile.TemporaryDirectory(prefix="megatron-ssd-gpu-check-") as tmp:
         out = os.path.join(tmp, "bench-io.json")
@@ -269,7 +269,7 @@ def install_part(mode: str, folder: str, target: str, run: Callable[..., Any] = 
 
 def main(argv: Optional[List[str]] = None) -> int:
     """Run one part (or helper); exit 0 once its entry is written, 2 on a usage error."""
-    parser = argparse.ArgumentParser(prog="python -m megatron_ssd.commands.gpu_check",
+    parser = argparse.ArgumentParser(prog="python -m megatron_ssd_lab.gpu_check",
                                      description="one part of the GPU check (scripts/gpu_check.sh)")
     sub = parser.add_subparsers(dest="part", required=True)
     p = sub.add_parser("environment")

@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from megatron_ssd.commands.sizing_tables import SIZING_DRIVES, SIZING_MODELS, sizing_markdown, sizing_rows
+from megatron_ssd_lab.sizing_tables import SIZING_DRIVES, SIZING_MODELS, sizing_markdown, sizing_rows
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -38,7 +38,7 @@ def test_rows_obey_the_planner_rules(sizing):
 
 # ------------------------------------------------- the peers and the drive classes
 
-from megatron_ssd.commands.sizing_tables import (  # noqa: E402
+from megatron_ssd_lab.sizing_tables import (  # noqa: E402
     COMPARISON_DRIVE,
     FGO_FRACTIONS,
     drive_markdown,
@@ -130,7 +130,7 @@ def test_without_the_safety_margin_the_planner_meets_the_peer():
     the planner meets the peer's peak at the peer's step time (docs/planner.md)."""
     import dataclasses
 
-    from megatron_ssd.commands.sizing_tables import _Planner, _anatomy, _spec
+    from megatron_ssd_lab.sizing_tables import _Planner, _anatomy, _spec
     from megatron_ssd.planner.peers import keep_everything, megatron_fine_grained, price
     from megatron_ssd.planner.simulate import stage_profile
 

@@ -1,4 +1,4 @@
-"""The GPU check (scripts/gpu_check.sh, megatron_ssd.commands.gpu_check*) and its wheel folder.
+"""The GPU check (scripts/gpu_check.sh, megatron_ssd_lab.gpu_check*) and its wheel folder.
 
 The script runs end to end here the way CI runs it, with no CUDA device: it must measure
 what needs no GPU (bench-io), mark every GPU part skipped with the reason, and write one
@@ -20,8 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from megatron_ssd.commands import gpu_check, gpu_check_array, gpu_check_report, gpu_check_train
-from megatron_ssd.commands.gpu_check_report import NO_CUDA
+from megatron_ssd_lab import gpu_check, gpu_check_array, gpu_check_report, gpu_check_train
+from megatron_ssd_lab.gpu_check_report import NO_CUDA
 from megatron_ssd.commands.timing import StepTimer, synchronized
 from megatron_ssd.errors import MegatronSSDError
 from waits import HANG_S  # tests/waits.py
@@ -673,7 +673,7 @@ max reserved: 24576.00
 
 
 def test_pretrain_log_lines_give_losses_times_cuda_memory_and_bytes_moved():
-    from megatron_ssd.commands.gpu_check_pretrain import device_cap, parse_log
+    from megatron_ssd_lab.gpu_check_pretrain import device_cap, parse_log
     from megatron_ssd.megatron.integration import ITERATION_LINE, STEP_LINE
 
     got = parse_log(PRETRAIN_LOG)
@@ -711,7 +711,7 @@ def test_pretrain_log_lines_give_losses_times_cuda_memory_and_bytes_moved():
 
 
 def test_pretrain_part_finds_megatron_lm_beside_inside_or_in_the_wheel_folder(tmp_path):
-    from megatron_ssd.commands.gpu_check_pretrain import find_megatron_lm
+    from megatron_ssd_lab.gpu_check_pretrain import find_megatron_lm
 
     repo, wheels = tmp_path / "repo", tmp_path / "repo" / ".whl"
     wheels.mkdir(parents=True)
@@ -890,7 +890,7 @@ def test_the_array_part_is_skipped_with_the_reason_without_root(tmp_path, monkey
 @pytest.mark.skipif(bool(_NO_STANDIN), reason=f"the array stand-in cannot run here: {_NO_STANDIN}")
 def test_the_array_part_without_a_gpu_measures_two_stand_in_drives_and_leaves_nothing(tmp_path):
     result = tmp_path / "array.json"
-    proc = subprocess.run([sys.executable, "-m", "megatron_ssd.commands.gpu_check_array", "--result", str(result),
+    proc = subprocess.run([sys.executable, "-m", "megatron_ssd_lab.gpu_check_array", "--result", str(result),
                            "--mode", "no-gpu", "--budget-s", "600"], cwd=ROOT, env=_env(), capture_output=True,
                           text=True, timeout=HANG_S)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -1081,7 +1081,7 @@ def test_without_the_cap_field_the_capped_rows_skip_and_on_a_gpu_the_part_fails(
 
 
 def test_job_gates_hold_predictions_to_ten_percent_and_the_planner_to_each_peers_step():
-    from megatron_ssd.commands.gpu_check_job_gates import gates
+    from megatron_ssd_lab.gpu_check_job_gates import gates
 
     def row(name, cap, peak, step, **more):
         return {"placement": name, "cap": cap, "cap_bytes": 1200, "status": "ran", "fits": peak <= 1200,
@@ -1169,7 +1169,7 @@ def test_megatrons_own_fine_grained_offloading_is_skipped_with_the_reason_withou
 def test_the_array_part_stopped_at_its_timeout_tears_its_stand_in_down(tmp_path):
     """gpu_check.sh's timeout sends SIGTERM (NOTE [Stand-in teardown]): the part ends with
     143 and its stand-in is down, wherever the signal found it after ``up``."""
-    proc = subprocess.Popen([sys.executable, "-m", "megatron_ssd.commands.gpu_check_array", "--result",
+    proc = subprocess.Popen([sys.executable, "-m", "megatron_ssd_lab.gpu_check_array", "--result",
                              str(tmp_path / "r.json"), "--mode", "no-gpu", "--budget-s", "600"], cwd=ROOT, env=_env(),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
@@ -1195,7 +1195,7 @@ def test_a_short_job_budget_runs_the_first_runs_and_skips_the_last():
     never leaves the current run below MIN_RUN_S while that much is left: with 200 s for
     nine essential runs keep (the reference) gets 30 s; before, it was skipped ('200 s left,
     a run needs at least 30 s') and with it the whole part."""
-    from megatron_ssd.commands.gpu_check_job import MIN_RUN_S, RUN_TIMEOUT_S, Job
+    from megatron_ssd_lab.gpu_check_job import MIN_RUN_S, RUN_TIMEOUT_S, Job
     now = [0.0]
     job = Job("c.yaml", [], "cuda", deadline=200.0, tmp="/nonexistent", out=io.StringIO(), clock=lambda: now[0])
     job.essential_left = 9

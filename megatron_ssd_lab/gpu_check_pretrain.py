@@ -1,6 +1,6 @@
 """The GPU check's pretrain part: Megatron-LM's own ``pretrain_gpt.py``, as users run it.
 
-``python -m megatron_ssd.commands.gpu_check_pretrain --result R --mode gpu --path DIR --wheels .whl --budget-s 220``
+``python -m megatron_ssd_lab.gpu_check_pretrain --result R --mode gpu --path DIR --wheels .whl --budget-s 220``
 (run by ``scripts/gpu_check.sh``) runs the ``pretrain_gpt.py`` of the Megatron-LM release
 matching the installed megatron-core through ``megatron-ssd pretrain-gpt`` three times, each
 in a fresh process: without offload (``plain``), with ``--ssd-offload`` under a device-memory
@@ -40,7 +40,7 @@ import threading
 import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-from ..units import MiB
+from megatron_ssd.units import MiB
 from .gpu_check_report import NO_CUDA, part, write_part
 
 __all__ = ["RUNS", "GPU_GPT", "CPU_GPT", "GPU_FLAGS", "CAP_FRACTION", "find_megatron_lm", "parse_log",
@@ -578,7 +578,7 @@ def format_table(numbers: Dict[str, Any]) -> str:
 
 def main(argv: Optional[List[str]] = None) -> int:
     """Run the part; exit 0 once its entry is written, 2 on a usage error."""
-    parser = argparse.ArgumentParser(prog="python -m megatron_ssd.commands.gpu_check_pretrain",
+    parser = argparse.ArgumentParser(prog="python -m megatron_ssd_lab.gpu_check_pretrain",
                                      description="the GPU check's pretrain part (scripts/gpu_check.sh)")
     parser.add_argument("--result", required=True)
     parser.add_argument("--mode", choices=("gpu", "no-gpu"), required=True)

@@ -27,9 +27,9 @@ import os
 from concurrent.futures import ProcessPoolExecutor
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
-from ..placement import EMBEDDING, OUTSIDE, Placement
-from ..planner.drives import DRIVES, drive_preset
-from ..planner.peers import (
+from megatron_ssd.placement import EMBEDDING, OUTSIDE, Placement
+from megatron_ssd.planner.drives import DRIVES, drive_preset
+from megatron_ssd.planner.peers import (
     LayerAnatomy,
     PeerPoint,
     full_recompute,
@@ -39,9 +39,9 @@ from ..planner.peers import (
     selective_recompute,
     te_cpu_offload,
 )
-from ..planner.plan import Plan, PlanInfeasibleError, make_plan
-from ..planner.profile import StageProfile
-from ..planner.simulate import (
+from megatron_ssd.planner.plan import Plan, PlanInfeasibleError, make_plan
+from megatron_ssd.planner.profile import StageProfile
+from megatron_ssd.planner.simulate import (
     SimulationSpec,
     activation_capacity,
     host_budget,
@@ -50,8 +50,8 @@ from ..planner.simulate import (
     spec_from_overrides,
     stage_profile,
 )
-from ..planner.step_timeline import predict
-from ..planner.wear import drive_lifetime_years, write_limit_bytes_per_s
+from megatron_ssd.planner.step_timeline import predict
+from megatron_ssd.planner.wear import drive_lifetime_years, write_limit_bytes_per_s
 
 __all__ = [
     "COMPARISON_DRIVE",
