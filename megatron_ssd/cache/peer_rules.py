@@ -57,20 +57,16 @@ class PeerRule(abc.ABC):
 
 # NOTE [Fine-grained offload, measured]
 # Megatron-core 0.19's fine-grained activation offloading
-# (pipeline_parallel/fine_grained_activation_offload.py) groups what autograd saves
-# inside each configured module of each layer. Its warm-up iteration offloads every
-# group and records them; after it, the last group of each name stays on the device (the
-# margin: for a dense model, the last layer's groups), and of the remaining groups with
-# bytes, int(n x (1 - fraction)) are kept, the latest in forward order; tensors under
-# min_offloaded_tensor_size elements always stay. This rule does the same per tensor: a
-# tensor of a configured group, of at least ``min_elements`` (fine_grained_member), is
-# HOST while the warm-up lasts, and the groups seen are recorded in forward order; the
-# first tensor of a group seen before, other than the group being saved, starts the next
+# (pipeline_parallel/fine_grained_activation_offload.py) offloads every group in its
+# warm-up iteration and records them, then chooses the groups that move
+# (fine_grained_choice in ``peer_rule.py``). This rule does the same per tensor: a tensor
+# of a configured group, of at least ``min_elements`` (fine_grained_member), is HOST
+# while the warm-up lasts, and the groups seen are recorded in forward order; the first
+# tensor of a group seen before, other than the group being saved, starts the next
 # forward and ends the warm-up (Megatron ends it after the whole first iteration: with
 # several micro-batches per step the later micro-batches of the first step here run the
-# decided rule), which chooses the groups and their reads (fine_grained_choice, in
-# ``peer_rule.py``). From then on a tensor is HOST when its group was chosen, else KEEP.
-# A moved group's reads are issued at the start of the backward of the layer holding the
+# decided rule). From then on a tensor is HOST when its group was chosen, else KEEP. A
+# moved group's reads are issued at the start of the backward of the layer holding the
 # group K groups later in forward order (Megatron reloads a group when the backward of
 # the group K later ends: up to one layer's backward earlier here).
 

@@ -208,18 +208,16 @@ def _hosted(peer: str, setting: str, stage: StageProfile, moved: Mapping[int, Li
 # pipeline_parallel/fine_grained_activation_offload.py) as a rule over sites. Each
 # configured module of each layer is a group holding the tensors autograd saves inside
 # it (_FGO_GROUPS_*), those under min_offloaded_tensor_size elements excepted
-# (fine_grained_member). After the warm-up iteration the groups that move are chosen by
-# fine_grained_choice (``peer_rule.py``: the last group of each name, the stage's last
-# layer, stays; of the rest, int(n x (1 - fraction)) are kept, the latest). An
-# offloaded group's tensors are copied to pinned host memory on a copy stream as its
-# module's forward ends, and reloaded when the backward of the group K groups later in
-# forward order ends, K being the number of groups kept after the offloaded ones (every
-# group's end of backward reloads the most recent offloaded group not yet reloaded); a
-# group's backward waits for its reload. The pricing places such a layer HOST (its
-# own copy queue at the host link's bandwidth, NOTE [Host tier] in step_timeline.py) with its
-# offloaded sites first, each site's read issued at the start of the backward of the
-# layer holding that later group: (position in layer + K) // groups per layer layers
-# ahead, up to that layer's preceding backward earlier than Megatron issues it.
+# (fine_grained_member); after the warm-up iteration fine_grained_choice
+# (``peer_rule.py``) chooses the groups that move. An offloaded group's tensors are
+# copied to pinned host memory on a copy stream as its module's forward ends, and
+# reloaded when the backward of the group K groups later in forward order ends, K being
+# the number of groups kept after the offloaded ones (every group's end of backward
+# reloads the most recent offloaded group not yet reloaded); a group's backward waits
+# for its reload. The pricing places such a layer HOST (its own copy queue at the host
+# link's bandwidth, NOTE [Host tier] in step_timeline.py) with its offloaded sites first,
+# each site's read issued at the start of the backward of the layer holding that later
+# group, up to that layer's preceding backward earlier than Megatron issues it.
 
 
 def megatron_fine_grained(
