@@ -32,6 +32,7 @@ LAYERS = {
     "megatron_ssd.placement": 0,
     "megatron_ssd.ranks": 1,
     "megatron_ssd.config": 1,
+    "megatron_ssd.peer_rule": 1,
     # the pure planner: measurements in, plans out
     "megatron_ssd.planner": 2,
     # I/O, measurement and metrics writers
@@ -48,7 +49,8 @@ LAYERS = {
     # the commands, above everything
     "megatron_ssd.commands": 8,
 }
-PLANNER_MAY_IMPORT = {"megatron_ssd.config", "megatron_ssd.errors", "megatron_ssd.placement", "megatron_ssd.units"}
+PLANNER_MAY_IMPORT = {"megatron_ssd.config", "megatron_ssd.errors", "megatron_ssd.peer_rule", "megatron_ssd.placement",
+                      "megatron_ssd.units"}
 LIBRARY = ("megatron_ssd.cache", "megatron_ssd.io", "megatron_ssd.planner", "megatron_ssd.megatron")
 """The product packages: what a Megatron-LM job imports."""
 HARNESS = ("megatron_ssd.commands", "megatron_ssd.workloads")

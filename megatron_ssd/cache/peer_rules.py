@@ -14,9 +14,10 @@ placements)::
 A tensor's ``group`` is the module group it was saved in (``attn_norm``,
 ``qkv_linear``, ``core_attn``, ``attn_proj``, ``mlp_norm``, ``mlp_fc1``, ``mlp_fc2``;
 None outside them): the offload-aware layers label what each submodule saves
-(NOTE [Module groups] in ``megatron/groups.py``). How faithfully each rule reproduces
-its peer, and what it leaves out: docs/planner.md, "The peers' rules, measured". The
-pricing of the same rules on the planner's timeline model is ``planner/peers.py``.
+(NOTE [Module groups] in ``megatron/groups.py``). Each rule's decision is written once,
+in ``megatron_ssd/peer_rule.py``; the pricing of the same decisions on the planner's
+timeline model is ``planner/peers.py``. How faithfully each rule reproduces its peer, and
+what it leaves out: docs/planner.md, "The peers' rules, measured".
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ from typing import Dict, Hashable, List, Optional, Sequence, Set, Tuple
 from ..config import PeerConfig
 from ..placement import OUTSIDE, Placement
 from ..errors import ConfigError
-from ..planner.peers import FGO_MIN_TENSOR_ELEMENTS, FGO_MODULES, TE_MIN_TENSOR_ELEMENTS
+from ..peer_rule import (FGO_MIN_TENSOR_ELEMENTS, FGO_MODULES, TE_MIN_TENSOR_ELEMENTS,
+                         fine_grained_choice, fine_grained_member, first_layers_placement, first_layers_read_ahead)
 
 __all__ = ["FineGrainedRule", "FirstLayersRule", "PeerRule", "rule_for"]
 
@@ -55,22 +57,18 @@ class PeerRule(abc.ABC):
 
 # NOTE [Fine-grained offload, measured]
 # Megatron-core 0.19's fine-grained activation offloading
-# (pipeline_parallel/fine_grained_activation_offload.py) groups what autograd saves
-# inside each configured module of each layer. Its warm-up iteration offloads every
-# group and records them; after it, the last group of each name stays on the device (the
-# margin: for a dense model, the last layer's groups), and of the remaining groups with
-# bytes, int(n x (1 - fraction)) are kept, the latest in forward order; tensors under
-# min_offloaded_tensor_size elements always stay. This rule does the same per tensor: a
-# tensor of a configured group, of at least ``min_elements``, is HOST while the warm-up
-# lasts, and the groups seen are recorded in forward order; the first tensor of a group
-# seen before, other than the group being saved, starts the next forward and ends the
-# warm-up (Megatron ends it after the whole first iteration: with several micro-batches
-# per step the later micro-batches of the first step here run the decided rule). From
-# then on a tensor is HOST when its group was chosen, else KEEP. A moved group's reads
-# are issued at the start of the backward of the layer holding the group K groups later
-# in forward order, K the groups kept after the last offloaded one (Megatron reloads a
-# group when the backward of the group K later ends: up to one layer's backward
-# earlier here).
+# (pipeline_parallel/fine_grained_activation_offload.py) offloads every group in its
+# warm-up iteration and records them, then chooses the groups that move
+# (fine_grained_choice in ``peer_rule.py``). This rule does the same per tensor: a tensor
+# of a configured group, of at least ``min_elements`` (fine_grained_member), is HOST
+# while the warm-up lasts, and the groups seen are recorded in forward order; the first
+# tensor of a group seen before, other than the group being saved, starts the next
+# forward and ends the warm-up (Megatron ends it after the whole first iteration: with
+# several micro-batches per step the later micro-batches of the first step here run the
+# decided rule). From then on a tensor is HOST when its group was chosen, else KEEP. A
+# moved group's reads are issued at the start of the backward of the layer holding the
+# group K groups later in forward order (Megatron reloads a group when the backward of
+# the group K later ends: up to one layer's backward earlier here).
 
 
 class FineGrainedRule(PeerRule):
@@ -78,7 +76,7 @@ class FineGrainedRule(PeerRule):
     offload, measured]).
 
     Args:
-        modules: ``offload_modules``, of :data:`~megatron_ssd.planner.peers.FGO_MODULES`.
+        modules: ``offload_modules``, of :data:`~megatron_ssd.peer_rule.FGO_MODULES`.
         fraction: ``activation_offload_fraction``, in [0, 1].
         min_elements: ``min_offloaded_tensor_size``.
     """
@@ -101,7 +99,7 @@ class FineGrainedRule(PeerRule):
 
     def placement(self, layers: Sequence[Hashable], layer_id: Hashable, group: Optional[str],
                   elements: int, site: Optional[int] = None) -> Placement:
-        if layer_id in OUTSIDE or group not in self.modules or elements < self.min_elements:
+        if layer_id in OUTSIDE or not fine_grained_member(group, elements, self.modules, self.min_elements):
             return Placement.KEEP
         key = (layer_id, group)
         if site is not None:
@@ -117,24 +115,11 @@ class FineGrainedRule(PeerRule):
         return Placement.HOST if key in self.offloaded else Placement.KEEP  # type: ignore[operator]
 
     def decide(self) -> None:
-        """End the warm-up: keep the last group of each name, then the latest groups
-        beyond ``fraction`` of the rest; set each moved group's read-ahead."""
-        margin = {key[1]: key for key in self.groups}  # the last group of each name
-        eligible = [key for key in self.groups if margin[key[1]] != key]
-        kept = int(len(eligible) * (1 - self.fraction))
-        chosen = eligible[:len(eligible) - kept]
-        self.offloaded = set(chosen)
-        if not chosen:
-            return
-        kept_after = len(self.groups) - (self.groups.index(chosen[-1]) + 1)
-        position: Dict[Group, int] = {}
-        count: Dict[Hashable, int] = {}
-        for key in self.groups:
-            position[key] = count.get(key[0], 0)
-            count[key[0]] = position[key] + 1
-        per_layer = max(count.values())
-        for key in chosen:
-            self.depth[key] = (position[key] + kept_after) // per_layer
+        """End the warm-up: choose the groups that move and each one's read-ahead
+        (:func:`~megatron_ssd.peer_rule.fine_grained_choice`)."""
+        chosen = fine_grained_choice([(layer, name, True) for layer, name in self.groups], self.fraction)
+        self.offloaded = {self.groups[g] for g in chosen}
+        self.depth = {self.groups[g]: depth for g, depth in chosen.items()}
 
     def read_ahead(self, layers: Sequence[Hashable], layer_id: Hashable, site: Optional[int]) -> Optional[int]:
         if not self.depth:
@@ -171,15 +156,16 @@ class FirstLayersRule(PeerRule):
 
     def placement(self, layers: Sequence[Hashable], layer_id: Hashable, group: Optional[str],
                   elements: int, site: Optional[int] = None) -> Placement:
-        if layer_id in OUTSIDE or elements < self.min_elements:
-            return Placement.KEEP
-        self._check(layers)
-        return Placement.HOST if layer_id in layers[:self.num_layers] else Placement.KEEP
+        index = None if layer_id in OUTSIDE or layer_id not in layers else list(layers).index(layer_id)
+        placement = first_layers_placement(index, elements, self.num_layers, self.min_elements)
+        if placement is Placement.HOST:
+            self._check(layers)
+        return placement
 
     def read_ahead(self, layers: Sequence[Hashable], layer_id: Hashable, site: Optional[int]) -> Optional[int]:
         if layer_id not in layers[:self.num_layers]:
             return None
-        return len(layers) - self.num_layers - 1
+        return first_layers_read_ahead(len(layers), self.num_layers)
 
 
 def rule_for(peer: Optional[PeerConfig]) -> Optional[PeerRule]:

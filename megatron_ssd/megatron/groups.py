@@ -5,12 +5,15 @@ module a tensor was saved in, not by its layer alone. The offload-aware layers l
 their submodules' forwards, so the tensor cache knows, for each tensor it is handed, the
 group it was saved in (``TensorCache.current_group``)::
 
-    label_module_groups(layer)     # done by OffloadLayerMixin when a layer is built
+    label_module_groups(layer)     # done by OffloadSchedule.register_model
 
-NOTE [Module groups]: a forward pre-hook on each labelled submodule opens its group in
-the active cache (``enter_group``), and a forward hook that runs also when the forward
-raises (``always_call``) closes it, so every tensor autograd saves while the submodule
-runs carries the group's name; groups nest (``core_attn`` inside the attention) and the
+NOTE [Module groups]: only a peer rule that decides by the group (``GROUP_RULES`` in
+``peer_rule.py``) reads the labels, so the offload-aware schedule labels a layer, once,
+when it registers the layer under such a rule; otherwise no submodule carries a group
+hook. A forward pre-hook on each labelled submodule opens its group in the active cache
+(``enter_group``), and a forward hook that runs also when the forward raises
+(``always_call``) closes it, so every tensor autograd saves while the submodule runs
+carries the group's name; groups nest (``core_attn`` inside the attention) and the
 innermost wins. The names are Megatron's ``offload_modules`` where it has one
 (``attn_norm``, ``qkv_linear``, ``core_attn``, ``attn_proj``, ``mlp_norm``) and
 ``mlp_fc1`` / ``mlp_fc2`` for the MLP's linears. Without an active cache (no micro-batch

@@ -34,7 +34,6 @@ from ..cache.tensor_cache import active_cache
 from ..placement import Placement
 from ..errors import ConfigError
 from . import compat, discard
-from .groups import label_module_groups
 from .module_recompute import ModuleRecompute
 from .recompute import checkpoint_layer
 
@@ -84,8 +83,9 @@ class OffloadLayerMixin:
     The layer id is Megatron's global ``layer_number`` (unique across pipeline stages and
     virtual stages). Backward prefetch is armed on the layer's output: when its gradient
     arrives, this layer's backward is about to start and the cache reads back the
-    layers before it. Its submodules label the tensors they save with their module group
-    (NOTE [Module groups] in ``groups.py``), for a peer's placement rule. The modules a
+    layers before it. Under a peer's placement rule that reads module groups, its
+    submodules label the tensors they save with their group (NOTE [Module groups] in
+    ``groups.py``). The modules a
     plan may recompute inside the layer are timed, and switched on per the plan's
     choice before each forward (NOTE [Selective recompute per layer] in
     ``module_recompute.py``). Building one
@@ -100,8 +100,9 @@ class OffloadLayerMixin:
     def __init__(self, config: Any, *args: Any, **kwargs: Any) -> None:
         check_no_cuda_graphs(config)
         super().__init__(config, *args, **kwargs)  # type: ignore[call-arg]
-        self.ssd_module_groups = label_module_groups(self)  # type: ignore[arg-type]
-        """The module groups whose saved tensors are labelled, in forward order."""
+        self.ssd_module_groups: List[str] = []
+        """The module groups whose saved tensors are labelled, in forward order (none
+        until a schedule whose peer rule reads them registers the layer)."""
         self.ssd_module_recompute = ModuleRecompute(self)  # type: ignore[arg-type]
         """The modules a plan may recompute inside this layer, and their switch."""
 

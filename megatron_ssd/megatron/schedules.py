@@ -20,7 +20,9 @@ from megatron.core import pipeline_parallel
 
 from ..cache import StepStats, TensorCache
 from ..errors import ConfigError
+from ..peer_rule import GROUP_RULES
 from . import compat, discard
+from .groups import label_module_groups
 from .layer import assign_layer_ids, check_no_cuda_graphs
 
 __all__ = ["OffloadSchedule", "get_forward_backward_func", "set_default_cache", "get_default_cache", "check_no_megatron_offload"]
@@ -93,7 +95,8 @@ class OffloadSchedule:
         discard.install()  # NOTE [Output discarding]
 
     def register_model(self, chunks: List[torch.nn.Module]) -> None:
-        """Register the offload-aware layers and the parameters of every model chunk."""
+        """Register the offload-aware layers and the parameters of every model chunk; label
+        the layers' module groups when the cache's peer rule reads them."""
         new = [c for c in chunks if id(c) not in self._registered]
         if not new:
             return
@@ -105,9 +108,14 @@ class OffloadSchedule:
             self.cache.register_parameters(chunk)
             self._registered.add(id(chunk))
         known = set(self.cache.layer_ids)
-        layers = [l for l in assign_layer_ids(new) if l.layer_id not in known]
+        found = assign_layer_ids(new)
+        layers = [l for l in found if l.layer_id not in known]
         if layers:
             self.cache.register_layers(layers, ids=[l.layer_id for l in layers], install_hooks=False)
+        if self.cache.config.peer.rule in GROUP_RULES:  # NOTE [Module groups] in groups.py
+            for layer in found:
+                if not layer.ssd_module_groups:
+                    layer.ssd_module_groups = label_module_groups(layer)
 
     def __call__(self, *, forward_step_func: Callable[..., Any], model: Any, forward_only: bool = False, **kwargs: Any) -> Any:
         chunks = list(model) if isinstance(model, (list, tuple)) else [model]

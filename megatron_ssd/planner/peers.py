@@ -11,7 +11,8 @@ the same timeline model the planner plans with::
     point = megatron_fine_grained(stage, anatomy, fraction=0.5)
     timeline = price(point)          # step_s, peak_bytes, hosted_bytes
 
-Pure: no torch, no I/O. How faithfully each rule is reproduced, and what it leaves out,
+Each rule's decision is written once, in ``megatron_ssd/peer_rule.py``, which the
+tensor cache runs too (``cache/peer_rules.py``). Pure: no torch, no I/O. How faithfully each rule is reproduced, and what it leaves out,
 is in ``docs/planner.md`` ("The peers' rules, priced").
 """
 
@@ -23,16 +24,15 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 from ..placement import OUTSIDE, Placement
 from ..errors import ConfigError
+from ..peer_rule import (FGO_MIN_TENSOR_ELEMENTS, FGO_MODULES, TE_MIN_TENSOR_ELEMENTS, fine_grained_choice,
+                         fine_grained_member, first_layers_placement, first_layers_read_ahead)
 from .profile import LayerId, LayerProfile, StageProfile
 from .step_timeline import ReadAhead, Timeline, predict
 
 __all__ = [
-    "FGO_MODULES",
-    "FGO_MIN_TENSOR_ELEMENTS",
     "LayerAnatomy",
     "PeerPoint",
     "SITE_ROLES",
-    "TE_MIN_TENSOR_ELEMENTS",
     "full_recompute",
     "keep_everything",
     "megatron_fine_grained",
@@ -52,16 +52,6 @@ projection (the layernorm's output), Q, K, V, the softmax output, its dropout ma
 output (unfused attention only), the core attention's output (the output projection's
 input), the attention's dropout mask, then the MLP's layernorm input, fc1 input (the
 layernorm's output), activation input (fc1's output), fc2 input and dropout mask."""
-
-FGO_MODULES = ("attn_norm", "qkv_linear", "core_attn", "attn_proj", "mlp_norm")
-"""Megatron-core's ``offload_modules`` of a dense layer, in forward order (0.19 adds
-``expert_fc1``, ``moe_act`` and ``fused_group_mlp`` for MoE layers, not modelled)."""
-
-FGO_MIN_TENSOR_ELEMENTS = 1024 * 1024
-"""Megatron's ``min_offloaded_tensor_size`` default: smaller tensors stay on the device."""
-
-TE_MIN_TENSOR_ELEMENTS = 256 * 1024
-"""Transformer Engine's CPU offload skips tensors under this many elements."""
 
 _SOFTMAX = ("softmax_output", "softmax_dropout_mask", "softmax_dropout_output")
 
@@ -217,19 +207,17 @@ def _hosted(peer: str, setting: str, stage: StageProfile, moved: Mapping[int, Li
 # Megatron-core's fine-grained activation offloading (core_v0.19.0,
 # pipeline_parallel/fine_grained_activation_offload.py) as a rule over sites. Each
 # configured module of each layer is a group holding the tensors autograd saves inside
-# it (_FGO_GROUPS_*), those under min_offloaded_tensor_size elements excepted. After the
-# warm-up iteration: the last group of each name stays on the device (the "margin": the
-# stage's last layer); of the remaining groups with bytes, int(n x (1 - fraction)) are
-# kept, counted from the last in forward order (a count of groups, not of bytes). An
-# offloaded group's tensors are copied to pinned host memory on a copy stream as its
-# module's forward ends, and reloaded when the backward of the group K groups later in
-# forward order ends, K being the number of groups kept after the offloaded ones (every
-# group's end of backward reloads the most recent offloaded group not yet reloaded); a
-# group's backward waits for its reload. The pricing places such a layer HOST (its
-# own copy queue at the host link's bandwidth, NOTE [Host tier] in step_timeline.py) with its
-# offloaded sites first, each site's read issued at the start of the backward of the
-# layer holding that later group: (position in layer + K) // groups per layer layers
-# ahead, up to that layer's preceding backward earlier than Megatron issues it.
+# it (_FGO_GROUPS_*), those under min_offloaded_tensor_size elements excepted
+# (fine_grained_member); after the warm-up iteration fine_grained_choice
+# (``peer_rule.py``) chooses the groups that move. An offloaded group's tensors are
+# copied to pinned host memory on a copy stream as its module's forward ends, and
+# reloaded when the backward of the group K groups later in forward order ends, K being
+# the number of groups kept after the offloaded ones (every group's end of backward
+# reloads the most recent offloaded group not yet reloaded); a group's backward waits
+# for its reload. The pricing places such a layer HOST (its own copy queue at the host
+# link's bandwidth, NOTE [Host tier] in step_timeline.py) with its offloaded sites first,
+# each site's read issued at the start of the backward of the layer holding that later
+# group, up to that layer's preceding backward earlier than Megatron issues it.
 
 
 def megatron_fine_grained(
@@ -247,7 +235,7 @@ def megatron_fine_grained(
         stage: The stage (its ``io.host_bytes_per_s`` is the pinned-copy bandwidth).
         anatomy: Per transformer layer id, its sites' roles.
         fraction: ``activation_offload_fraction``, in [0, 1].
-        modules: ``offload_modules`` (of :data:`FGO_MODULES`).
+        modules: ``offload_modules`` (of :data:`~megatron_ssd.peer_rule.FGO_MODULES`).
         transformer_engine: Transformer Engine's layer spec (norms fused into the
             following linears, so ``attn_norm`` and ``mlp_norm`` capture nothing), else
             the local spec.
@@ -268,33 +256,24 @@ def megatron_fine_grained(
     table = _FGO_GROUPS_TE if transformer_engine else _FGO_GROUPS_LOCAL
     names = [m for m in FGO_MODULES if m in modules]
     inside = _inside(stage)
-    groups: List[Tuple[int, int, List[int]]] = []  # (layer index, position in layer, sites)
+    groups: List[Tuple[int, str, List[int]]] = []  # (layer index, group name, sites)
     for i in inside:
         layer = stage.layers[i]
         roles = _anatomy_of(anatomy, layer)
-        position = 0
         for name in names:
             if not table[name]:
                 continue  # an IdentityOp module: no group at all
             members = [s for s, role in enumerate(roles.site_roles) if role in table[name]
-                       and roles.elements(s, layer.sites[s]) >= min_tensor_elements]
-            groups.append((i, position, members))
-            position += 1
-    per_layer = max((p for _, p, _ in groups), default=-1) + 1
-    last = inside[-1] if inside else None
-    offload = [i != last and bool(members) for i, _, members in groups]  # the margin, then empty groups
-    eligible = [g for g, on in enumerate(offload) if on]
-    for g in eligible[len(eligible) - int(len(eligible) * (1 - fraction)):]:
-        offload[g] = False  # the fraction keeps the latest groups
-    offloaded = [g for g, on in enumerate(offload) if on]
-    kept_after = len(groups) - (offloaded[-1] + 1) if offloaded else 0
+                       and fine_grained_member(name, roles.elements(s, layer.sites[s]), modules, min_tensor_elements)]
+            groups.append((i, name, members))
+    chosen = fine_grained_choice([(i, name, bool(members)) for i, name, members in groups], fraction)
     moved: Dict[int, List[int]] = {}
     depth: Dict[int, Dict[int, int]] = {}
-    for g in offloaded:
-        i, position, members = groups[g]
+    for g, ahead in chosen.items():
+        i, _, members = groups[g]
         moved.setdefault(i, []).extend(members)
         for s in members:
-            depth.setdefault(i, {})[s] = (position + kept_after) // per_layer
+            depth.setdefault(i, {})[s] = ahead
     setting = f"fraction {fraction:g}"
     return _hosted("megatron-fine-grained", setting, stage, moved, depth)
 
@@ -324,13 +303,14 @@ def te_cpu_offload(stage: StageProfile, anatomy: Mapping[LayerId, LayerAnatomy],
         point.refused = (f"--cpu-offloading with pipeline parallelism (pp = {stage.pipeline_size}): \"Currently there "
                          "is no support for Pipeline parallelism with CPU offloading\"")
         return point
-    ahead = total - num_layers - 1
+    ahead = first_layers_read_ahead(total, num_layers)
     moved: Dict[int, List[int]] = {}
     depth: Dict[int, Dict[int, int]] = {}
-    for i in inside[:num_layers]:
+    for index, i in enumerate(inside):
         layer = stage.layers[i]
         roles = _anatomy_of(anatomy, layer)
-        moved[i] = [s for s in range(len(layer.sites)) if roles.elements(s, layer.sites[s]) >= min_tensor_elements]
+        moved[i] = [s for s in range(len(layer.sites)) if first_layers_placement(
+            index, roles.elements(s, layer.sites[s]), num_layers, min_tensor_elements) is Placement.HOST]
         depth[i] = {s: ahead for s in moved[i]}
     return _hosted("te-cpu-offload", setting, stage, moved, depth)
 

@@ -1,7 +1,8 @@
-"""The peers' rules on a megatron-core GPT, through Megatron's own schedule: the layers
-label what each submodule saves (NOTE [Module groups] in ``megatron/groups.py``), the
-fine-grained and first-N-layers rules move those tensors to the host tier with losses
-and gradients bit-identical to keeping them, Megatron's own recompute runs on the same
+"""The peers' rules on a megatron-core GPT, through Megatron's own schedule: under a rule
+that reads them the layers label what each submodule saves, and carry no group hooks
+otherwise (NOTE [Module groups] in ``megatron/groups.py``), the fine-grained and
+first-N-layers rules move those tensors to the host tier with losses and gradients
+bit-identical to keeping them, Megatron's own recompute runs on the same
 path, and the ``HybridModel`` megatron-core 0.19 recommends computes the GPT's losses."""
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ from megatron_ssd import OffloadConfig, TensorCache
 from megatron_ssd.adaptive import AdaptivePlanner
 from megatron_ssd.config import PeerConfig, PlannerConfig
 from megatron_ssd.megatron import get_forward_backward_func, offload_layer_spec
-from megatron_ssd.megatron.groups import MODULE_GROUPS
+from megatron_ssd.megatron.groups import MODULE_GROUPS, GroupLabel
+from megatron_ssd.megatron.layer import find_offload_layers
 from megatron_ssd.workloads.harness import SyntheticData, gpt_forward_step, run_steps
 from megatron_ssd.workloads.models import build_gpt, build_hybrid_gpt, hybrid_available, tiny_transformer_config
 from megatron_ssd.workloads.parallel import destroy_parallel, init_parallel
@@ -62,13 +64,49 @@ def _identical(a, b):
     assert [n for n in a.grads if not torch.equal(a.grads[n], b.grads[n])] == []
 
 
+GROUPED = PeerConfig(rule="megatron-fine-grained")
+"""A rule that reads the module groups (it moves nothing of these small layers)."""
+
+
 def test_every_submodule_labels_what_it_saves(world, tmp_path):
-    _, _, saved, _ = _run(tmp_path, steps=1)
+    _, _, saved, _ = _run(tmp_path, GROUPED, steps=1)
     names = {name for _, name in MODULE_GROUPS}
     for layer in range(1, LAYERS + 1):
         labelled = {group for (lid, group) in saved if lid == layer and group is not None}
         assert labelled == names, layer
     assert saved[(1, "core_attn")] > saved[(1, "qkv_linear")] == 1  # Q, K, V, scores...; one input
+
+
+def _group_hooks(model):
+    """Per (layer id, group name), the group-label hooks on ``model``'s layers."""
+    found = collections.Counter()
+    for _, layer in find_offload_layers(model):
+        for module in layer.modules():
+            for hook in (*module._forward_pre_hooks.values(), *module._forward_hooks.values()):
+                label = getattr(hook, "__self__", None)
+                if isinstance(label, GroupLabel):
+                    found[(layer.layer_id, label.name)] += 1
+    return found
+
+
+@pytest.mark.parametrize("rule", ["none", "te-cpu-offload", "megatron-fine-grained"])
+def test_the_layers_carry_group_hooks_only_under_a_rule_that_reads_groups(world, tmp_path, rule):
+    model = build_gpt(tiny_transformer_config(LAYERS, 64, 4), VOCAB, SEQ,
+                      layer_spec=offload_layer_spec(get_gpt_layer_local_spec()))
+    assert _group_hooks(model) == {}  # building the layers hooks nothing
+    config = OffloadConfig(paths=[str(tmp_path)], device="cpu", host_pool_bytes=64 << 20,
+                           planner=PlannerConfig(mode="keep"), peer=PeerConfig(rule=rule))
+    with TensorCache(config) as cache:
+        get_forward_backward_func(cache=cache).register_model([model])
+        get_forward_backward_func(cache=cache).register_model([model])  # a second schedule labels nothing again
+    names = [name for _, name in MODULE_GROUPS]
+    layers = [layer for _, layer in find_offload_layers(model)]
+    if rule == "megatron-fine-grained":
+        assert _group_hooks(model) == {(layer, name): 2 for layer in range(1, LAYERS + 1) for name in names}
+        assert [layer.ssd_module_groups for layer in layers] == [names] * LAYERS
+    else:
+        assert _group_hooks(model) == {}
+        assert [layer.ssd_module_groups for layer in layers] == [[]] * LAYERS
 
 
 def test_a_group_closes_when_its_module_raises(world):
@@ -144,7 +182,7 @@ def test_megatrons_own_recompute_runs_on_the_same_path(world, tmp_path, recomput
 @pytest.mark.skipif(not hybrid_available(), reason="HybridModel arrived in megatron-core 0.19; this one has none")
 def test_the_hybrid_model_computes_the_gpts_losses(world, tmp_path):
     gpt, _, _, _ = _run(tmp_path)
-    hybrid, stats, saved, _ = _run(tmp_path, builder=build_hybrid_gpt)
+    hybrid, stats, saved, _ = _run(tmp_path, GROUPED, builder=build_hybrid_gpt)
     assert [l.tolist() for l in gpt.losses] == [l.tolist() for l in hybrid.losses]
     layers = sorted({lid for (lid, _) in saved if isinstance(lid, int)})
     assert layers == list(range(1, 2 * LAYERS + 1))  # attention and MLP layers

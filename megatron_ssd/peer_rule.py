@@ -1,0 +1,103 @@
+"""The peers' placement rules, decided in one place.
+
+Megatron-core's fine-grained activation offloading and Transformer Engine's CPU offload
+decide by a fixed rule which saved tensors go to pinned host memory, and how many layers
+ahead each one is read back. The functions here are those decisions over plain values (a
+tensor's module group and element count, a layer's index, the peer's settings); the
+tensor cache runs them as tensors are saved (``cache/peer_rules.py``) and the planner
+prices them over a stage profile (``planner/peers.py``), so the two cannot differ::
+
+    fine_grained_member(group, elements, modules, min_elements)    # True: in its group
+    fine_grained_choice(groups, fraction)                           # {group: read-ahead}
+    first_layers_placement(index, elements, num_layers, min_elements)  # HOST or KEEP
+    first_layers_read_ahead(total, num_layers)                      # L - N - 1
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Hashable, List, Optional, Sequence, Tuple
+
+from .placement import Placement
+
+__all__ = [
+    "FGO_MIN_TENSOR_ELEMENTS",
+    "FGO_MODULES",
+    "GROUP_RULES",
+    "TE_MIN_TENSOR_ELEMENTS",
+    "fine_grained_choice",
+    "fine_grained_member",
+    "first_layers_placement",
+    "first_layers_read_ahead",
+]
+
+FGO_MODULES = ("attn_norm", "qkv_linear", "core_attn", "attn_proj", "mlp_norm")
+"""Megatron-core's ``offload_modules`` of a dense layer, in forward order (0.19 adds
+``expert_fc1``, ``moe_act`` and ``fused_group_mlp`` for MoE layers, not modelled)."""
+
+FGO_MIN_TENSOR_ELEMENTS = 1024 * 1024
+"""Megatron's ``min_offloaded_tensor_size`` default: smaller tensors stay on the device."""
+
+TE_MIN_TENSOR_ELEMENTS = 256 * 1024
+"""Transformer Engine's CPU offload skips tensors under this many elements."""
+
+GROUP_RULES = ("megatron-fine-grained",)
+"""The ``PeerConfig.rule`` values that decide by a tensor's module group: only for these
+do the offload-aware layers label their submodules (NOTE [Module groups] in
+``megatron/groups.py``)."""
+
+
+def fine_grained_member(group: Optional[str], elements: int, modules: Sequence[str], min_elements: int) -> bool:
+    """Whether a tensor of ``elements`` elements saved in module group ``group`` (None:
+    outside the groups) is offloaded with its group: the group is one of ``modules``
+    (``offload_modules``) and the tensor has at least ``min_elements``
+    (``min_offloaded_tensor_size``)."""
+    return group in modules and elements >= min_elements
+
+
+def fine_grained_choice(groups: Sequence[Tuple[Hashable, str, bool]], fraction: float) -> Dict[int, int]:
+    """The groups Megatron offloads once its warm-up has seen them, and each one's read.
+
+    The last group of each name stays on the device (the margin: for a dense model, the
+    last layer's groups); of the remaining groups holding a member tensor,
+    ``int(n x (1 - fraction))`` are kept, the latest in forward order (a count of groups,
+    not of bytes). A group's read is issued when the backward of the layer holding the
+    group K groups later in forward order starts, K the groups after the last offloaded
+    one: ``(position in its layer + K) // groups per layer`` layers ahead.
+
+    Args:
+        groups: Every module group of the stage in forward order, as (layer, group name,
+            whether it holds a tensor :func:`fine_grained_member` accepts).
+        fraction: ``activation_offload_fraction``, in [0, 1].
+
+    Returns:
+        Per offloaded group (its index in ``groups``, in forward order), layers ahead its
+        read is issued.
+    """
+    margin = {name: g for g, (_, name, _) in enumerate(groups)}  # the last group of each name
+    eligible = [g for g, (_, name, held) in enumerate(groups) if held and margin[name] != g]
+    chosen = eligible[:len(eligible) - int(len(eligible) * (1 - fraction))]
+    if not chosen:
+        return {}
+    kept_after = len(groups) - (chosen[-1] + 1)
+    position: List[int] = []
+    count: Dict[Hashable, int] = {}
+    for layer, _, _ in groups:
+        position.append(count.get(layer, 0))
+        count[layer] = position[-1] + 1
+    per_layer = max(count.values())
+    return {g: (position[g] + kept_after) // per_layer for g in chosen}
+
+
+def first_layers_placement(index: Optional[int], elements: int, num_layers: int, min_elements: int) -> Placement:
+    """Transformer Engine's rule for a tensor of ``elements`` elements saved in the
+    ``index``-th transformer layer (from 0; None: outside the layers): HOST in the first
+    ``num_layers`` layers when it has at least ``min_elements``, else KEEP."""
+    moved = index is not None and index < num_layers and elements >= min_elements
+    return Placement.HOST if moved else Placement.KEEP
+
+
+def first_layers_read_ahead(total: int, num_layers: int) -> int:
+    """Layers ahead that Transformer Engine reads a moved layer back, of ``total``
+    layers: layer i's read starts when the backward of layer ``total - 1 - num_layers + i``
+    starts (``DefaultOffloadSynchronizer``)."""
+    return total - num_layers - 1
