@@ -60,11 +60,11 @@ class EntryState(enum.Enum):
 # their record and the record's ``entries`` / ``layer_entries`` point back, so a record
 # clears its containers when it retires, and a released entry drops its StorageWeakRef
 # (a c10 weak reference keeps the storage's C++ object allocated). Left to the collector,
-# a micro-batch's entries, lists and storage objects lived on in generation 2 for hundreds
+# a micro-batch's entries, lists and storage objects live on in generation 2 for hundreds
 # of steps, small blocks pinned all over glibc's heap between the activations freed around
-# them, and the heap grew by ~5 MiB a step (hidden-64 GPT: 198 -> 1041 MiB of [heap] in
-# 150 steps, even with every layer kept; flat at ~200 MiB without the cache or with
-# ``gc.collect()`` each step). ``tests/cache/test_no_reference_cycles.py`` checks it.
+# them, and the heap grows every step, even with every layer kept (it stays flat without
+# the cache or with ``gc.collect()`` each step). ``tests/cache/test_no_reference_cycles.py``
+# checks that nothing the cache builds is left to the collector.
 
 
 @dataclass(eq=False)

@@ -625,7 +625,7 @@ _AUTO_IS_NO_SIZE = {False: "", True: " (auto is sized when the cache starts, and
 # mapping or a job that builds for hours. Each bound is a lower estimate of what the
 # value costs, against half of the machine's physical memory (``host_memory_bytes``), so
 # it refuses only what cannot work: the train job keeps each step's statistics
-# (STEP_RECORD_BYTES, measured at 13 KiB a step for a 2-layer model, more per layer),
+# (STEP_RECORD_BYTES, below what a step's record takes for the smallest model),
 # Megatron's schedule each micro-batch's loss until its step ends
 # (MICROBATCH_RECORD_BYTES), and the I/O engine allocates its block buffers, its staging
 # ring and the host tier's pool when it starts (``OffloadConfig.startup_host_bytes``), in

@@ -493,10 +493,9 @@ class PlacementSearch(ModuleMoves):
     # can be a plateau for every single move (moving one layer's bytes, or recomputing
     # one module, shifts when another layer's bytes are held rather than how many are
     # held at the peak) while moving the whole stage at once fits. Which stages plateau
-    # depends on the measured times: a 2-layer GPT measured on a loaded 2-core machine
-    # (each layer's forward 15-33 ms, writes at 27 MB/s) raised PlanInfeasibleError for a
-    # budget of 759872 bytes while saying that its smallest reachable peak, recomputing
-    # every layer, was 724992 bytes (tests/planner/test_planner_plan.py). Before raising,
+    # depends on the measured times: a 2-layer GPT's profile measured on a loaded machine
+    # (tests/planner/test_planner_plan.py keeps it) raised PlanInfeasibleError for a budget
+    # that recomputing every layer meets, its own message naming that smaller peak. Before raising,
     # the search therefore tries the uniform placements (recompute where a layer may,
     # then every layer to the SSDs) and goes on from the first that fits and is allowed;
     # the clean-up then hands back what the budget does not need.
