@@ -34,7 +34,8 @@ from typing import Any, Callable, Dict, List, Optional
 from megatron_ssd.config import _parse_size
 from megatron_ssd.errors import MegatronSSDError
 from megatron_ssd.units import GiB
-from .gpu_check_report import NO_CUDA, exit_status, format_summary, merge, part, pytest_part, record, write_part
+from .gpu_check_report import (NO_CUDA, exit_status, finish_part, format_summary, merge, part, pytest_part, record,
+                               write_part)
 
 __all__ = ["copy_bandwidth", "install_part", "environment_part", "copy_bandwidth_part", "bench_io_part",
            "missing_wheels", "main"]
@@ -348,9 +349,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         from .gpu_check_train import train_part
 
         entry = train_part(args.result, args.path, args.budget_s, args.config)
-    write_part(args.result, entry)
-    print(f"{entry['name']}: {entry['status']}" + (f": {entry['reason']}" if entry["reason"] else ""), flush=True)
-    return 0
+    return finish_part(args.result, entry)
 
 
 if __name__ == "__main__":

@@ -42,7 +42,7 @@ from megatron_ssd.errors import MegatronSSDError
 from .blkio import Throttle, disk_of, find_hierarchy, throttle_available
 from megatron_ssd.planner.drives import drive_preset
 from megatron_ssd.units import GiB, MiB
-from .gpu_check_report import NO_CUDA, part, write_part
+from .gpu_check_report import NO_CUDA, finish_part, part, write_part
 
 __all__ = ["CAP_BYTES", "NOT_MODELLED", "Case", "array_part", "cases", "standin_unavailable", "main"]
 
@@ -433,9 +433,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--budget-s", type=float, required=True)
     args = parser.parse_args(argv)
     entry = array_part(args.result, args.mode, args.budget_s)
-    write_part(args.result, entry)
-    print(f"{entry['name']}: {entry['status']}" + (f": {entry['reason']}" if entry["reason"] else ""), flush=True)
-    return 0
+    return finish_part(args.result, entry)
 
 
 if __name__ == "__main__":

@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -47,7 +46,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from megatron_ssd.units import MiB
 from .gpu_check_job_gates import PLANNER, gate_counts, gates, job_table
-from .gpu_check_report import NO_CUDA, part, write_part
+from .gpu_check_report import NO_CUDA, finish_part, import_problem, part, write_part
 
 __all__ = ["CAP_FRACTIONS", "GPU_CONFIG", "NO_GPU_CONFIG", "NO_GPU_OVERRIDES", "job_part", "fine_grained_reason",
            "job_table"]
@@ -109,14 +108,8 @@ def fine_grained_reason(timeout_s: float = 60) -> str:
     if importlib.util.find_spec("transformer_engine") is None:
         return f"{why}; Transformer Engine is not installed"
     check = "from megatron.core.extensions.transformer_engine import cpu_offload; raise SystemExit(cpu_offload is None)"
-    try:
-        proc = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        return f"{why}; importing it took more than {timeout_s:.0f} s"
-    if proc.returncode != 0:
-        lines = [l for l in proc.stderr.strip().splitlines() if l.strip()]
-        return f"{why}; it does not import here: {lines[-1][:200] if lines else f'exit {proc.returncode}'}"
-    return ""
+    problem = import_problem(check, timeout_s)
+    return "" if problem is None else f"{why}; importing it {problem}"
 
 
 # ------------------------------------------------------------------ one run
@@ -488,9 +481,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                                                         "with the tiny sizes of NO_GPU_OVERRIDES")
     args = parser.parse_args(argv)
     entry = job_part(args.result, args.path, args.budget_s, args.config)
-    write_part(args.result, entry)
-    print(f"{entry['name']}: {entry['status']}" + (f": {entry['reason']}" if entry["reason"] else ""), flush=True)
-    return 0
+    return finish_part(args.result, entry)
 
 
 if __name__ == "__main__":

@@ -41,7 +41,7 @@ import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from megatron_ssd.units import MiB
-from .gpu_check_report import NO_CUDA, part, write_part
+from .gpu_check_report import NO_CUDA, finish_part, part, write_part
 
 __all__ = ["RUNS", "GPU_GPT", "CPU_GPT", "GPU_FLAGS", "CAP_FRACTION", "find_megatron_lm", "parse_log",
            "device_cap", "run_args", "compare_iterations", "pretrain_part", "format_table", "main"]
@@ -587,12 +587,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--budget-s", type=float, required=True)
     args = parser.parse_args(argv)
     entry = pretrain_part(args.result, args.mode, args.path, args.wheels, args.budget_s)
-    write_part(args.result, entry)
-    table = format_table(entry["numbers"])
-    if table:
-        print(table, flush=True)
-    print(f"{entry['name']}: {entry['status']}" + (f": {entry['reason']}" if entry["reason"] else ""), flush=True)
-    return 0
+    return finish_part(args.result, entry, format_table(entry["numbers"]))
 
 
 if __name__ == "__main__":

@@ -52,6 +52,33 @@ def write_part(path: str, entry: Dict[str, Any]) -> None:
     os.replace(tmp, path)
 
 
+def finish_part(path: str, entry: Dict[str, Any], table: str = "") -> int:
+    """A part's last step: write ``entry`` to ``path``, print ``table`` (if any) and the
+    part's status line; exit status 0 (the check's own comes from the summary)."""
+    write_part(path, entry)
+    if table:
+        print(table, flush=True)
+    print(f"{entry['name']}: {entry['status']}" + (f": {entry['reason']}" if entry["reason"] else ""), flush=True)
+    return 0
+
+
+def import_problem(code: str, timeout_s: float) -> Optional[str]:
+    """None when ``code`` (imports) runs in a fresh interpreter within ``timeout_s``, else
+    why not, to follow the thing imported: ``took more than N s`` or ``failed: <the last
+    line it printed to stderr>``."""
+    import subprocess
+    import sys
+
+    try:
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return f"took more than {timeout_s:.0f} s"
+    if proc.returncode != 0:
+        lines = [line for line in proc.stderr.strip().splitlines() if line.strip()]
+        return "failed: " + (lines[-1][:300] if lines else f"exit {proc.returncode}")
+    return None
+
+
 def read_part(path: str) -> Dict[str, Any]:
     with open(path, encoding="utf-8") as fh:
         return json.load(fh)

@@ -25,7 +25,7 @@ import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from megatron_ssd.units import MiB
-from .gpu_check_report import NO_CUDA, part, write_part
+from .gpu_check_report import NO_CUDA, import_problem, part, write_part
 
 __all__ = ["CONFIG", "PLACEMENTS", "DEFAULT_PLACEMENTS", "train_part", "run_placement", "compare_losses",
            "placement_row"]
@@ -168,15 +168,8 @@ def _kvikio_importable(timeout_s: float = 60) -> str:
     """Empty when ``import kvikio`` works in a fresh process, else why it does not."""
     if importlib.util.find_spec("kvikio") is None:
         return "kvikio is not installed (put its wheels in the wheel folder: scripts/gpu_wheels.sh)"
-    try:
-        proc = subprocess.run([sys.executable, "-c", "import kvikio"], capture_output=True, text=True,
-                              timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        return f"import kvikio took more than {timeout_s:.0f} s"
-    if proc.returncode != 0:
-        lines = [l for l in proc.stderr.strip().splitlines() if l.strip()]
-        return f"import kvikio failed: {lines[-1][:300] if lines else f'exit {proc.returncode}'}"
-    return ""
+    problem = import_problem("import kvikio", timeout_s)
+    return "" if problem is None else f"import kvikio {problem}"
 
 
 def _workload(config: Any) -> str:
