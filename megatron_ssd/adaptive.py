@@ -5,6 +5,9 @@ Wired to a training loop through the step callback of the offload-aware schedule
     planner = AdaptivePlanner(cache, config.planner)
     forward_backward = get_forward_backward_func(cache=cache, on_step=planner.on_step)
 
+The profile is built from the profiling steps' measurements by
+:func:`~megatron_ssd.planner.measured_profile.stage_from_stats`.
+
 Modes (``PlannerConfig.mode``): ``auto`` profiles and plans; ``static`` keeps the cache's
 default placement (last ``keep_last_layers`` kept, the rest offloaded); ``keep``,
 ``offload`` and ``recompute`` place every layer alike, for comparisons.
@@ -86,7 +89,8 @@ class PlanEvent:
 # layers, as one: keep-everything either fits or not), and those steps are measured as
 # OFFLOAD steps. Without KEEP steps the profile takes keep-everything's compute times
 # from the OFFLOAD steps with their read stalls and write waits taken out (``stage_from_
-# stats``), so keep-everything is priced without being run.
+# stats`` in ``planner/measured_profile.py``), so keep-everything is priced without
+# being run.
 # Under ``offload.device_memory_cap`` on CUDA the capacity itself is measured in that
 # first step: NOTE [Working set under a cap].
 

@@ -1,13 +1,7 @@
 """The planner's profile from measured steps: :class:`StepMeasurement` in, :class:`StageProfile` out.
 
-The run-time planner (``adaptive.py``) collects the steps of its profiling phase by kind
-(NOTE [Profiling steps] in ``adaptive.py``) and builds its profile from them with
-:func:`stage_from_stats`: each layer's compute times and saved bytes, its sites and
-their use points, what recomputing it (or a module inside it) costs and frees, and the
-drives' bandwidths and the compute slowdown under I/O::
-
-    profile = stage_from_stats(keep_steps, offload_steps, recompute_steps=recompute_steps)
-    plan = make_plan(profile, memory_budget=...)
+The run-time planner builds its profile with :func:`stage_from_stats` from the steps of
+its profiling phase, by kind (NOTE [Profiling steps] in ``adaptive.py``).
 """
 
 from __future__ import annotations
@@ -48,7 +42,6 @@ def median_or_zero(xs: Iterable[float]) -> float:
 # boundaries, while their sum matches the step. With no KEEP steps to compare against,
 # the offload steps' compute (stalls and write waits taken out) stands in.
 # Measured: docs/performance.md#run-2026-11-24-recompute-price.
-
 
 
 def _per_mb(total: float, n: int) -> float:

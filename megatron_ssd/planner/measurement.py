@@ -1,12 +1,8 @@
 """What the planner reads of one training step: the tensor cache's measurement of it.
 
 The cache fills one :class:`StepMeasurement` per step, when the step ends (its
-``StepStats`` is one, with the cache's own report beside it), and the planner reads
-nothing else of a step: :func:`~megatron_ssd.planner.measured_profile.stage_from_stats`
-turns profiling steps into a :class:`~megatron_ssd.planner.profile.StageProfile`,
-:class:`~megatron_ssd.planner.drift.DriftDetector` compares later steps with the plan,
-and the run-time planner decides from the first step which placements the capacity holds
-(NOTE [Profiling within the capacity] in ``adaptive.py``).
+``StepStats`` is one, with the cache's own report beside it); the profile
+(``measured_profile.py``), the drift detector and the run-time planner read nothing else.
 """
 
 from __future__ import annotations
