@@ -5,6 +5,9 @@ Wired to a training loop through the step callback of the offload-aware schedule
     planner = AdaptivePlanner(cache, config.planner)
     forward_backward = get_forward_backward_func(cache=cache, on_step=planner.on_step)
 
+The profile is built from the profiling steps' measurements by
+:func:`~megatron_ssd.planner.measured_profile.stage_from_stats`.
+
 Modes (``PlannerConfig.mode``): ``auto`` profiles and plans; ``static`` keeps the cache's
 default placement (last ``keep_last_layers`` kept, the rest offloaded); ``keep``,
 ``offload`` and ``recompute`` place every layer alike, for comparisons.
@@ -14,27 +17,27 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import statistics
 from dataclasses import dataclass
-from typing import Any, Dict, Hashable, List, Optional
+from typing import Any, Dict, List, Optional
 
 import torch
 
 from .cache.memory_cap import WorkingSet, capacity_under_cap
-from .cache.stats import median_or_zero
+from .cache.tensor_cache import TensorCache
 from .config import FIXED_MODES, PlannerConfig
-from .placement import EMBEDDING, HEAD, OUTSIDE, RECOMPUTE_MODULES, Placement
+from .placement import OUTSIDE, Placement
 from .errors import ConfigError
 from .planner.drift import DriftDetector
+from .planner.measured_profile import stage_from_stats
+from .planner.measurement import StepMeasurement
 from .planner.plan import Plan, make_plan
-from .planner.profile import IOProfile, LayerProfile, ModuleProfile, StageProfile
+from .planner.profile import StageProfile
 from .planner.wear import write_limit_for
 from .io.cuda import CUDA, CudaOps
 from .io.rundir import check_space_for_plan
 from .units import gib
 
-__all__ = ["AdaptivePlanner", "PlanEvent", "ProfileCounts", "ProfileStep", "profile_counts", "profile_schedule",
-           "stage_from_stats"]
+__all__ = ["AdaptivePlanner", "PlanEvent", "ProfileCounts", "ProfileStep", "profile_counts", "profile_schedule"]
 
 logger = logging.getLogger("megatron_ssd")
 
@@ -67,23 +70,8 @@ class PlanEvent:
 # A KEEP step holds every activation, which a user of this plugin often cannot hold: see
 # NOTE [Profiling within the capacity].
 # When RECOMPUTE may be chosen (``recompute_profile_steps``), a RECOMPUTE block runs
-# between the two, after its own settle steps (NOTE [Pricing recompute]).
-
-# NOTE [Pricing recompute]
-# The timeline charges a RECOMPUTE layer ``recompute_s`` more backward, by default its
-# forward time. On a CPU that is short, by enough that the planner chose recompute over
-# offloads that cost less. The rebuilt activations are fresh allocations
-# (page faults on a CPU), and backward runs a second autograd graph. So when RECOMPUTE
-# may be chosen, the profile measures it: in RECOMPUTE steps the cache clocks each
-# layer's forward and its backward, which includes the re-run. Summed over the layers,
-# that less their kept forward and backward is what recomputing them all costs; over
-# their summed forward it is a factor, and each layer's ``recompute_s`` is the factor
-# times its forward (at least 0). The sum, not each layer's own difference: one step's
-# differences scatter between layers of equal size, as the clocks split work at layer
-# boundaries, while their sum matches the step. With no KEEP steps to compare against,
-# the offload steps' compute (stalls and write waits taken out) stands in.
-# Measured: docs/performance.md#run-2026-11-24-recompute-price.
-
+# between the two, after its own settle steps (NOTE [Pricing recompute] in
+# ``planner/measured_profile.py``).
 
 # NOTE [Profiling within the capacity]
 # No step may hold more saved bytes than the device's activation capacity
@@ -101,7 +89,8 @@ class PlanEvent:
 # layers, as one: keep-everything either fits or not), and those steps are measured as
 # OFFLOAD steps. Without KEEP steps the profile takes keep-everything's compute times
 # from the OFFLOAD steps with their read stalls and write waits taken out (``stage_from_
-# stats``), so keep-everything is priced without being run.
+# stats`` in ``planner/measured_profile.py``), so keep-everything is priced without
+# being run.
 # Under ``offload.device_memory_cap`` on CUDA the capacity itself is measured in that
 # first step: NOTE [Working set under a cap].
 
@@ -195,209 +184,6 @@ def profile_counts(config: PlannerConfig) -> ProfileCounts:
     return ProfileCounts(warmup, measured, len(schedule) - warmup - measured)
 
 
-def _per_mb(total: float, n: int) -> float:
-    return total / n if n else 0.0
-
-
-def stage_from_stats(
-    keep_steps: List[Any],
-    offload_steps: List[Any],
-    pipeline_rank: int = 0,
-    pipeline_size: int = 1,
-    recompute_steps: Optional[List[Any]] = None,
-    max_inflight_bytes: Optional[int] = None,
-) -> StageProfile:
-    """Build the planner's :class:`StageProfile` from cache :class:`StepStats`.
-
-    Compute times come from ``keep_steps`` when there are any (no I/O interference),
-    else from ``offload_steps`` with read stalls and write waits subtracted. Bandwidth and
-    compute slowdown come from ``offload_steps``; each recomputable layer's
-    ``recompute_s`` from ``recompute_steps`` when given (NOTE [Pricing recompute]); what
-    recomputing a module inside a layer frees and costs from the steps the compute times
-    come from (``LayerProfile.modules``, NOTE [Module timing] in ``cache/scopes.py``);
-    ``max_inflight_bytes`` is the engine's bound on writes in flight, which a forward
-    waits for (NOTE [In-flight bound] in ``planner/step_timeline.py``; None: none).
-    """
-    source = keep_steps or offload_steps
-    if not source:
-        raise ValueError("megatron_ssd: stage_from_stats needs at least one measured step")
-    measured = list(source[-1].layers)
-    # NOTE [Sites outside the layers]: the embedding's tensors plan as a layer before
-    # layer 0 that cannot be recomputed; the head's, used first by backward, as
-    # ``head_bytes``.
-    layer_ids: List[Hashable] = ([EMBEDDING] if EMBEDDING in measured else []) + [
-        k for k in measured if k is not None and k not in OUTSIDE]
-
-    def per_layer(steps: List[Any], layer_id: Hashable) -> Dict[str, Any]:
-        fwd, bwd, saved, small, sites, inputs, uses = [], [], [], [], [], [], []
-        for s in steps:
-            lc = s.layers.get(layer_id)
-            if lc is None or not lc.microbatches:
-                continue
-            n = lc.microbatches
-            fwd.append(_per_mb(lc.forward_s - lc.write_wait_s, n))
-            bwd.append(_per_mb(max(lc.backward_s - lc.stall_s, 0.0), n))
-            saved.append(_per_mb(lc.saved_bytes, n))
-            small.append(_per_mb(lc.small_bytes + lc.unmovable_bytes, n))  # held whatever the placement
-            sites.append([int(_per_mb(b, n)) for b in lc.site_bytes])
-            inputs.append(_per_mb(lc.input_bytes, n))
-            uses.append(_use_shares(lc, bwd[-1]))
-        site_bytes = _site_medians(sites)
-        return {"fwd": median_or_zero(fwd), "bwd": median_or_zero(bwd), "saved": median_or_zero(saved),
-                "small": median_or_zero(small), "sites": site_bytes, "input": median_or_zero(inputs),
-                "use": _use_medians(uses, len(site_bytes) if site_bytes else (1 if median_or_zero(saved) else 0))}
-
-    layers = []
-    clean_compute = 0.0
-    for layer_id in layer_ids:
-        m = per_layer(source, layer_id)
-        clean_compute += m["fwd"] + m["bwd"]
-        layers.append(
-            LayerProfile(
-                layer_id=layer_id,
-                forward_s=m["fwd"],
-                backward_s=m["bwd"],
-                saved_bytes=sum(m["sites"]) if m["sites"] else int(m["saved"]),
-                kept_bytes=int(m["small"]),
-                site_bytes=m["sites"],
-                site_use=m["use"],
-                boundary_bytes=int(m["input"]),
-                recomputable=layer_id != EMBEDDING,
-                modules=_module_profiles(source, layer_id, len(m["sites"]) if m["sites"] else None),
-            )
-        )
-    factor = _recompute_factor(recompute_steps or [], layers, per_layer)
-    if factor is not None:
-        layers = [dataclasses.replace(l, recompute_s=factor * l.forward_s) if l.recomputable else l for l in layers]
-    heads = [_per_mb(s.layers[HEAD].saved_bytes + s.layers[HEAD].small_bytes + s.layers[HEAD].unmovable_bytes,
-                     s.layers[HEAD].microbatches)
-             for s in source if HEAD in s.layers and s.layers[HEAD].microbatches]
-    head = int(statistics.median(heads)) if heads else 0
-    io = dataclasses.replace(_io_profile(offload_steps, layer_ids, clean_compute if keep_steps else None),
-                             max_inflight_bytes=max_inflight_bytes)
-    mbs = max(1, source[-1].microbatches)
-    layer_s = sum(l.forward_s + l.backward_s for l in layers)
-    other = max(0.0, statistics.median(s.wall_s for s in source) / mbs - layer_s)
-    return StageProfile(layers=layers, io=io, pipeline_rank=pipeline_rank, pipeline_size=pipeline_size, other_s=other,
-                        head_bytes=head)
-
-
-def _module_profiles(steps: List[Any], layer_id: Hashable, site_count: Optional[int]) -> Optional[List[ModuleProfile]]:
-    """What recomputing each module inside ``layer_id`` frees and costs, per micro-batch
-    (NOTE [Module timing] in ``cache/scopes.py``): its forward time and held bytes, the
-    medians over ``steps``; its freed sites, where every step measured the same ones
-    within the layer's ``site_count`` sites (None: the steps disagree on the layer's
-    sites, so none is offered). None when no module was measured."""
-    if site_count is None:
-        return None
-    found: Dict[str, List[Any]] = {}
-    for s in steps:
-        lc = s.layers.get(layer_id)
-        for name, mc in (lc.modules.items() if lc is not None else ()):
-            if mc.microbatches:
-                found.setdefault(name, []).append(mc)
-    out = []
-    for name in RECOMPUTE_MODULES:
-        counters = found.get(name, [])
-        if not counters or len(counters) != len(steps):
-            continue
-        sites = counters[-1].freed_sites
-        if any(c.freed_sites != sites for c in counters) or any(site >= site_count for site in sites):
-            continue
-        out.append(ModuleProfile(name, median_or_zero(_per_mb(c.forward_s, c.microbatches) for c in counters),
-                                 list(sites), int(median_or_zero(_per_mb(c.held_bytes, c.microbatches) for c in counters))))
-    return out or None
-
-
-def _recompute_factor(recompute_steps: List[Any], layers: List[LayerProfile], per_layer: Any) -> Optional[float]:
-    """What RECOMPUTE costs per second of forward, from RECOMPUTE steps (NOTE [Pricing
-    recompute]): over the recomputable layers, their forward plus backward in those
-    steps less the same in ``layers``' profile, over their profiled forward; None without
-    such steps or forward time."""
-    extra = forward = 0.0
-    for layer in layers:
-        if not layer.recomputable:
-            continue
-        r = per_layer(recompute_steps, layer.layer_id) if recompute_steps else None
-        if r is None or not (r["fwd"] or r["bwd"]):
-            continue
-        extra += r["fwd"] + r["bwd"] - layer.forward_s - layer.backward_s
-        forward += layer.forward_s
-    return max(0.0, extra / forward) if forward > 0 else None
-
-
-def _use_shares(lc: Any, backward_s: float) -> Optional[List[float]]:
-    """One step's site use points as shares of the layer's backward (NOTE [Site use
-    times] in ``planner/profile.py``); None when no site was timed. A site never timed
-    in its own layer's backward (a storage a later layer saved again, whose backward
-    unpacked it first) counts as needed when the layer's backward starts (0)."""
-    if not any(lc.site_uses) or backward_s <= 0:
-        return None
-    timed = [min(1.0, s / k / backward_s) if k else 0.0 for s, k in zip(lc.site_use_s, lc.site_uses)]
-    return timed + [0.0] * (len(lc.site_bytes) - len(timed))
-
-
-def _use_medians(per_step: List[Optional[List[float]]], site_count: int) -> Optional[List[float]]:
-    """Per site, the median over steps of its use point; None (every site needed when
-    the layer's backward starts) unless every step timed all ``site_count`` sites."""
-    if not per_step or site_count == 0 or any(u is None or len(u) != site_count for u in per_step):
-        return None
-    return [round(statistics.median(column), 6) for column in zip(*per_step)]  # type: ignore[arg-type]
-
-
-def _site_medians(per_step: List[List[int]]) -> Optional[List[int]]:
-    """Per site, the median over steps of its bytes per micro-batch (NOTE [Sites]); None
-    when the steps disagree on the site count or a site has no bytes, so the layer is
-    planned whole."""
-    if not per_step or any(len(sites) != len(per_step[0]) for sites in per_step) or not per_step[0]:
-        return None
-    medians = [int(statistics.median(column)) for column in zip(*per_step)]
-    return medians if all(b > 0 for b in medians) else None
-
-
-def _io_profile(offload_steps: List[Any], layer_ids: List[Hashable], clean_compute: Optional[float]) -> IOProfile:
-    """The drives' bandwidths and the compute slowdown from the OFFLOAD steps: medians
-    over the steps that moved bytes (reads as writes where nothing was read back); both
-    bandwidths None where no step wrote a byte (NOTE [Unmeasured drives] in
-    ``planner/profile.py``)."""
-    writes = [s.write_bytes_per_s for s in offload_steps if s.write_bytes_per_s > 0]
-    reads = [s.read_bytes_per_s for s in offload_steps if s.read_bytes_per_s > 0]
-    write_bw = statistics.median(writes) if writes else None
-    read_bw = (statistics.median(reads) if reads else write_bw) if write_bw is not None else None
-    slowdown = 0.0
-    if clean_compute and offload_steps:
-        slowdown = statistics.median(_slowdown_in_flight(s, layer_ids, clean_compute) for s in offload_steps)
-    return IOProfile(write_bytes_per_s=write_bw, read_bytes_per_s=read_bw, compute_slowdown=slowdown)
-
-
-def _slowdown_in_flight(stats: Any, layer_ids: List[Hashable], clean_compute: float) -> float:
-    """One OFFLOAD step's ``compute_slowdown``: the factor by which compute ran slower
-    while I/O was in flight (NOTE [Compute slowdown] in ``planner/step_timeline.py``).
-
-    NOTE [Slowdown while in flight]: the layers' compute per micro-batch took ``busy``
-    against ``clean_compute`` in KEEP steps; the timeline model charges the extra only
-    to compute that overlaps I/O, so it is spread over that time, not over the whole
-    step. With ``w`` the in-flight time per micro-batch (writes' plus reads' busy time,
-    at most ``busy``), compute that took ``w`` would have taken ``w - extra`` alone, so
-    ``slowdown = extra / (w - extra)``. Spread over the whole step instead, the factor
-    comes out a fraction of what the replay needs, and the plan sees that fraction of
-    the cost. Where ``w`` is too short to hold the extra, the denominator is held at a
-    tenth of ``w``. Measured: docs/performance.md#run-2026-11-24-slowdown.
-    """
-    busy = 0.0
-    for layer_id in layer_ids:
-        lc = stats.layers.get(layer_id)
-        if lc is not None and lc.microbatches:
-            busy += (lc.forward_s - lc.write_wait_s + max(lc.backward_s - lc.stall_s, 0.0)) / lc.microbatches
-    extra = busy - clean_compute
-    if extra <= 0:
-        return 0.0
-    in_flight = min((stats.write_busy_s + stats.read_busy_s) / max(1, stats.microbatches), busy)
-    if in_flight <= 0:
-        return extra / clean_compute
-    return extra / max(in_flight - extra, 0.1 * in_flight)
-
-
 def measure_host_bandwidth(device: torch.device, nbytes: int = 256 << 20, repeats: int = 3) -> float:
     """Bytes per second of a copy between ``device`` and pinned host memory: the slower
     direction's best of ``repeats`` copies of ``nbytes`` (the host tier's link, NOTE
@@ -435,7 +221,7 @@ class AdaptivePlanner:
 
     def __init__(
         self,
-        cache: Any,
+        cache: TensorCache,
         config: PlannerConfig,
         prefetch_depth: Optional[int] = None,
         pipeline_rank: int = 0,
@@ -453,9 +239,9 @@ class AdaptivePlanner:
         self.profile: Optional[StageProfile] = None
         self.replans = 0
         self.fell_behind = 0
-        self._keep_steps: List[Any] = []
-        self._recompute_steps: List[Any] = []
-        self._offload_steps: List[Any] = []
+        self._keep_steps: List[StepMeasurement] = []
+        self._recompute_steps: List[StepMeasurement] = []
+        self._offload_steps: List[StepMeasurement] = []
         self._drift = DriftDetector(threshold=config.replan_threshold)
         self._steps_seen = 0
         self._microbatches = 1
@@ -473,7 +259,7 @@ class AdaptivePlanner:
         """What the first step needed beyond its activations, under a cap on CUDA (NOTE
         [Working set under a cap]); None: not measured."""
         self._measure_first = (self._fixed is None and cache.device.type == "cuda"
-                               and getattr(cache.config, "device_memory_cap", None) is not None)
+                               and cache.config.device_memory_cap is not None)
         self.fits: Dict[str, bool] = {}
         """Whether keep-everything and RECOMPUTE fit the capacity, decided after the first
         step (empty: no capacity, or not decided yet)."""
@@ -513,7 +299,7 @@ class AdaptivePlanner:
             return planned if self.fits.get("recompute", False) else Placement.OFFLOAD
         return planned if self.fits.get("keep", False) else Placement.OFFLOAD
 
-    def _decide_fits(self, stats: Any) -> None:
+    def _decide_fits(self, stats: StepMeasurement) -> None:
         """From the first step (every layer OFFLOAD): which placements the capacity holds
         (NOTE [Profiling within the capacity])."""
         capacity = self.capacity_at_start
@@ -576,8 +362,8 @@ class AdaptivePlanner:
         """Place every layer alike; None restores the cache's ``keep_last_layers`` rule."""
         self.cache.set_plan({}, placement)
 
-    def on_step(self, stats: Any) -> None:
-        """Take one step's :class:`StepStats`; plan or re-plan when due."""
+    def on_step(self, stats: StepMeasurement) -> None:
+        """Take one step's measurement (the cache's ``StepStats``); plan or re-plan when due."""
         step = self._steps_seen
         self._steps_seen += 1
         self.fell_behind += stats.backpressure_keeps
@@ -651,7 +437,7 @@ class AdaptivePlanner:
         limits = []
         if self.config.activation_capacity_bytes is not None:
             limits.append(self.config.activation_capacity_bytes)
-        cap = getattr(self.cache.config, "device_memory_cap", None)
+        cap = self.cache.config.device_memory_cap
         resident = 0
         if self.cache.device.type == "cuda" and (cap is not None or not limits):
             device = self.cache.binding.resolved()
@@ -688,7 +474,7 @@ class AdaptivePlanner:
             return None
         if self.cache.device.type != "cuda":
             return self.cache.host.capacity_bytes if self.cache.config.host_copy_bytes_per_s is not None else None
-        if not getattr(self.cache.host, "pinned", True):
+        if not self.cache.host.pinned:
             return None
         return self.cache.host.capacity_bytes
 

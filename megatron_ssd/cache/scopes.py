@@ -21,12 +21,13 @@ import torch
 
 from ..errors import CacheStateError
 from ..placement import Placement
+from ..planner.measurement import ModuleMeasurement
 from .entries import EntryTable
 from .exit_guard import EXIT_GUARD
 from .hooks import OffloadHooks
 from .policy import PlacementPolicy
 from .record import Packed, Record
-from .stats import ModuleCounters, add_seconds
+from .stats import add_seconds
 
 __all__ = ["Packer", "Scopes"]
 
@@ -120,7 +121,7 @@ class Scopes:
     # Sites are numbered in save order and the module runs in one piece, so the sites its
     # layer numbered in between are the tensors it saved; less those whose storage is
     # one of its arguments' (its checkpoint saves those anyway), they are what
-    # recomputing it frees (``ModuleCounters.freed_sites``). Its arguments' storages
+    # recomputing it frees (``ModuleMeasurement.freed_sites``). Its arguments' storages
     # that no saved tensor of the micro-batch holds when it ends would be saved by the
     # checkpoint alone (``held_bytes``). The span between the two calls is timed on the
     # cache's clock (device time on a GPU, NOTE [Device time] in ``device.py``). Nothing
@@ -171,7 +172,7 @@ class Scopes:
             saved = {key[0] for key in record.entries}
             held = sum(n for cdata, n in storages.items()
                        if cdata not in saved and self.policy.site_of(n, False, 0) is not None)
-            mc = self.entries.layer(layer_id).modules.setdefault(name, ModuleCounters())
+            mc = self.entries.layer(layer_id).modules.setdefault(name, ModuleMeasurement())
             mc.freed_sites, mc.microbatches, mc.held_bytes = freed, mc.microbatches + 1, mc.held_bytes + held
             clock.add(started, ended, partial(add_seconds, mc, "forward_s"))
 

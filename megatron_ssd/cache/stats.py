@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
-import statistics
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterable, List
+from typing import Any, Dict, Hashable, Optional
+
+from ..planner.measurement import LayerMeasurement, StepMeasurement
 from ..units import MiB
 
-__all__ = ["StepStats", "Counters", "LayerCounters", "ModuleCounters", "add_seconds", "median_or_zero"]
+__all__ = ["StepStats", "Counters", "LayerCounters", "add_seconds"]
 
 
 def add_seconds(counters: Any, field: str, seconds: float) -> None:
@@ -17,70 +18,15 @@ def add_seconds(counters: Any, field: str, seconds: float) -> None:
     setattr(counters, field, getattr(counters, field) + seconds)
 
 
-def median_or_zero(xs: Iterable[float]) -> float:
-    """The median of ``xs``; 0.0 when there is nothing to summarise (no step wrote, ...)."""
-    xs = list(xs)
-    return statistics.median(xs) if xs else 0.0
-
-
 @dataclass
-class ModuleCounters:
-    """One step's measurements of a module a plan may recompute inside its layer (NOTE
-    [Module timing] in ``scopes.py``), over the micro-batches that ran it saving."""
+class LayerCounters(LayerMeasurement):
+    """Per-layer measurements of one step (summed over micro-batches): the planner's, and
+    where the layer's bytes went."""
 
-    forward_s: float = 0.0
-    """Time inside the module's forward, summed."""
-    microbatches: int = 0
-    """How many micro-batch forwards ran it with its saved tensors counted."""
-    freed_sites: List[int] = field(default_factory=list)
-    """The layer's sites saved while it ran, less its inputs (the last micro-batch's):
-    what recomputing it frees."""
-    held_bytes: int = 0
-    """Bytes of its movable inputs that no saved tensor of the micro-batch held when it
-    ended, summed: what its checkpoint would add."""
-
-
-@dataclass
-class LayerCounters:
-    """Per-layer measurements of one step (summed over micro-batches)."""
-
-    saved_bytes: int = 0
-    """Unique offloadable bytes the layer's forward saved for backward (after dedup)."""
-    small_bytes: int = 0
-    """Unique saved bytes below ``min_tensor_bytes``: always kept in memory."""
-    unmovable_bytes: int = 0
-    """Unique saved bytes the cache holds but never moves, whatever the placement: tensor
-    subclasses (FP8 tensors, DTensor) and tensors marked not to be offloaded (Transformer
-    Engine's ``_TE_do_not_offload``; NOTE [Unmovable saved tensors] in ``identity.py``)."""
-    input_bytes: int = 0
-    """Bytes of the layer's input (its first tensor argument), summed over micro-batches:
-    what the layer holds between forward and backward under RECOMPUTE (its checkpoint)."""
-    site_bytes: List[int] = field(default_factory=list)
-    """``saved_bytes`` tensor by tensor: entry i is the bytes of the layer's site i (its
-    i-th offloadable storage in save order, NOTE [Sites]), summed over micro-batches."""
-    site_use_s: List[float] = field(default_factory=list)
-    """Per site, seconds from the start of the layer's backward to backward's first
-    unpack of the site, summed over micro-batches (NOTE [Site use times])."""
-    site_uses: List[int] = field(default_factory=list)
-    """Per site, how many micro-batches ``site_use_s`` sums."""
     offloaded_bytes: int = 0
-    """Of those, bytes queued for writing to the SSDs."""
+    """Of ``saved_bytes``, bytes queued for writing to the SSDs."""
     hosted_bytes: int = 0
     """Of those, bytes queued for copying into the host pool (``host`` placement)."""
-    forward_s: float = 0.0
-    """Wall time inside the layer's forward."""
-    backward_s: float = 0.0
-    """Wall time from the start of the layer's backward to the start of the previous
-    layer's backward (the last layer's time runs to the end of the record's backward)."""
-    microbatches: int = 0
-    """How many micro-batch forwards ran through the layer."""
-    stall_s: float = 0.0
-    """Time the layer's backward waited for reads (included in ``backward_s``)."""
-    write_wait_s: float = 0.0
-    """Time the layer's forward waited for room in the write queue (in ``forward_s``)."""
-    modules: Dict[str, ModuleCounters] = field(default_factory=dict)
-    """Per module a plan may recompute inside the layer (``core_attn``, ``mlp``), its
-    measurements (NOTE [Module timing] in ``scopes.py``)."""
 
     def add_queued(self, kind: str, nbytes: int) -> None:
         """Count ``nbytes`` queued to the blob store of ``kind`` (``ssd`` or ``host``)."""
@@ -114,19 +60,17 @@ class Counters:
     capacity_waits: int = 0
     peak_open_records: int = 0
     microbatches: int = 0
-    layers: Dict[Any, LayerCounters] = field(default_factory=dict)
+    layers: Dict[Optional[Hashable], LayerCounters] = field(default_factory=dict)
 
 
-@dataclass(frozen=True)
-class StepStats:
-    """What the cache did during one step (between two ``finish_step()`` calls)."""
+@dataclass(frozen=True, kw_only=True)
+class StepStats(StepMeasurement):
+    """What the cache did during one step (between two ``finish_step()`` calls): the
+    planner's :class:`~megatron_ssd.planner.measurement.StepMeasurement` (its ``layers``
+    are :class:`LayerCounters`) and the cache's own report."""
 
     step: int
     """Index of the step, from 0."""
-    wall_s: float
-    """Wall time since the previous ``finish_step()`` (or since the cache was created)."""
-    microbatches: int
-    """Micro-batch records opened during the step."""
     cpu_s: float
     """CPU time the whole process used during the step (every thread, user and system)."""
     io_cpu_s: float
@@ -152,18 +96,8 @@ class StepStats:
     """Writes that failed (ENOSPC, EIO, ...); those tensors stayed in memory."""
     bytes_fallen_back: int
     """Bytes of the failed writes kept in memory instead."""
-    backpressure_keeps: int
-    """Tensors kept in memory because the write queue was full (``on_backpressure: keep``)."""
     late_reads: int
     """Offloaded tensors needed before any prefetch asked for them (read on demand)."""
-    write_bytes_per_s: float
-    """Achieved write bandwidth: bytes written / time with a write in flight."""
-    read_bytes_per_s: float
-    """Achieved read bandwidth: bytes read / time with a read in flight."""
-    write_busy_s: float
-    """Time during which at least one write was in flight."""
-    read_busy_s: float
-    """Time during which at least one read was in flight."""
     stall_s: float
     """Time backward spent waiting in unpack for reads (exposed read time)."""
     backpressure_wait_s: float
@@ -175,9 +109,6 @@ class StepStats:
     the footprint to provision."""
     ssd_bytes: int
     """Bytes allocated on the SSD array at the end of the step."""
-    layers: Dict[Any, LayerCounters]
-    """Per-layer measurements, keyed by layer id; key ``None`` counts the tensors saved
-    outside any layer (embedding, output layer, loss), always kept."""
     bytes_to_host: int = 0
     """Bytes copied into the host pool (``host`` placement; completed copies)."""
     bytes_from_host: int = 0
@@ -201,16 +132,9 @@ class StepStats:
     """Prefetches put off because their read buffer could not be allocated (out of device
     memory); the tensors were read when backward needed them instead (NOTE [Prefetch
     under memory pressure] in ``cache/backward.py``)."""
-    peak_saved_bytes: int = 0
-    """Peak bytes of the saved tensors alive at once, wherever their bytes were (memory, a
-    drive, the host pool): what keeping every tensor would have held, measured without
-    keeping them (tensors inside RECOMPUTE layers are not seen)."""
     capacity_waits: int = 0
     """Times the forward waited for writes to bring the resident bytes back under the
     activation capacity (NOTE [Capacity guard] in ``cache/policy.py``)."""
-    peak_open_microbatches: int = 0
-    """Most micro-batches between their forward and the end of their backward at once (1
-    without pipelining; up to the stage's in-flight count with 1F1B)."""
 
     def to_dict(self) -> Dict[str, Any]:
         """A JSON-ready dict (layer ids become strings)."""

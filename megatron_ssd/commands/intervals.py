@@ -1,8 +1,8 @@
 """95% bootstrap intervals of the step-time measurements ``train`` and ``rok`` report.
 
-Measurement statistics, not the cache's: the cache reports medians
-(:func:`~megatron_ssd.cache.stats.median_or_zero`); how sure a comparison of two
-placements' step times is belongs to the commands that compare them.
+Measurement statistics, not the planner's: its profile takes medians
+(:func:`~megatron_ssd.planner.measured_profile.median_or_zero`); how sure a comparison
+of two placements' step times is belongs to the commands that compare them.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 import random
 from typing import Callable, List, Sequence
 
-from ..cache.stats import median_or_zero
+from ..planner.measured_profile import median_or_zero
 
 __all__ = ["bootstrap_ci95", "median_ci95", "ratio_ci95"]
 

@@ -18,7 +18,7 @@ import sys
 import tempfile
 from typing import Any, Dict, List, Optional, Sequence
 
-from ..cache.stats import median_or_zero
+from ..planner.measured_profile import median_or_zero
 from ..config import TrainConfig, load_config, to_dict
 from ..placement import Placement
 from ..errors import ConfigError, MegatronSSDError

@@ -35,7 +35,7 @@ from ..cache import StepStats, TensorCache
 from ..cache.device import check_device
 from ..cache.memory_cap import apply_device_memory_cap, out_of_memory
 from ..cache.pages import trim_heap
-from ..cache.stats import median_or_zero as med
+from ..planner.measured_profile import median_or_zero as med
 from ..config import (HostPoolChoice, OffloadConfig, PlannerConfig, TrainConfig, from_dict, host_memory_bytes,
                       load_config, local_ranks, to_dict)
 from ..placement import Placement

@@ -154,7 +154,7 @@ class PlannerConfig:
     the profile prices RECOMPUTE per layer (``recompute_s``: one stage-wide factor, the
     layers' forward plus backward under RECOMPUTE less their kept ones over their kept
     forward, times the layer's forward) instead of as one more forward, which falls
-    short on a CPU (NOTE [Pricing recompute] in ``adaptive.py``;
+    short on a CPU (NOTE [Pricing recompute] in ``planner/measured_profile.py``;
     docs/performance.md#run-2026-11-24-recompute-price). None: 1 when the planner may choose RECOMPUTE to
     meet a limit (``allow_recompute`` with ``memory_budget`` or
     ``activation_capacity_bytes`` set), else 0. On a CUDA device with no limit set the

@@ -2,9 +2,10 @@
 
 Pure functions over measurements, no I/O: a :class:`StageProfile` (per-layer compute
 time and saved bytes, SSD bandwidth) goes in, :func:`make_plan` returns a :class:`Plan`.
-:func:`predict` is the timeline model behind it, :class:`DriftDetector` says when to plan
-again, :func:`simulate` answers what-if questions for other hardware. See
-``docs/planner.md``.
+:func:`stage_from_stats` builds the profile from the cache's measured steps
+(:class:`StepMeasurement`), :func:`predict` is the timeline model behind the plan,
+:class:`DriftDetector` says when to plan again, :func:`simulate` answers what-if
+questions for other hardware. See ``docs/planner.md``.
 """
 
 from .drift import DriftDecision, DriftDetector
@@ -18,6 +19,8 @@ from .plan import (
     PlanInfeasibleError,
     make_plan,
 )
+from .measured_profile import stage_from_stats
+from .measurement import LayerMeasurement, ModuleMeasurement, StepMeasurement
 from .module_recompute import recomputed_layer, with_recompute
 from .profile import IOProfile, LayerProfile, ModuleProfile, StageProfile, uniform_stage
 from .simulate import (
@@ -41,10 +44,12 @@ __all__ = [
     "GOAL_MAX_OFFLOAD",
     "GOAL_MEMORY_BUDGET",
     "IOProfile",
+    "LayerMeasurement",
     "LayerPlan",
     "LayerProfile",
     "LayerTimeline",
     "MODEL_PRESETS",
+    "ModuleMeasurement",
     "ModuleProfile",
     "PLAN_SCHEMA",
     "Plan",
@@ -52,6 +57,7 @@ __all__ = [
     "SimulationResult",
     "SimulationSpec",
     "StageProfile",
+    "StepMeasurement",
     "Timeline",
     "drive_lifetime_years",
     "layer_activation_bytes",
@@ -62,6 +68,7 @@ __all__ = [
     "recomputed_layer",
     "simulate",
     "spec_from_overrides",
+    "stage_from_stats",
     "stage_profile",
     "uniform_stage",
     "with_recompute",

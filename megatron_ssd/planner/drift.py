@@ -29,10 +29,11 @@ import dataclasses
 import statistics
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Deque, Dict, List, Mapping, Optional, Sequence, Union
+from typing import Deque, Dict, List, Mapping, Optional, Sequence, Union
 
 from ..placement import OUTSIDE
 from ..errors import ConfigError
+from .measurement import StepMeasurement
 from .plan import Plan
 from .profile import LayerId, StageProfile
 from ..units import MiB
@@ -86,9 +87,9 @@ def _with_unit(key: str, value: float) -> str:
 MIN_BUSY_FRACTION = 0.1
 
 
-def _sustained(bandwidth: Optional[float], busy_s: Optional[float], wall_s: Optional[float]) -> Optional[float]:
+def _sustained(bandwidth: float, busy_s: float, wall_s: float) -> Optional[float]:
     """``bandwidth``, or None when it was measured over too little busy time."""
-    if busy_s is None or not wall_s:
+    if not wall_s:
         return bandwidth
     return bandwidth if busy_s >= MIN_BUSY_FRACTION * wall_s else None
 
@@ -203,33 +204,30 @@ class DriftDetector:
                 self._push(f"{kind}:{layer_id!r}", seconds)
         return self._decide(fell)
 
-    def observe_step_stats(self, stats: Any) -> DriftDecision:
-        """Observe the tensor cache's per-step stats object.
+    def observe_step_stats(self, stats: StepMeasurement) -> DriftDecision:
+        """Observe the tensor cache's measurement of one step.
 
         Reads ``write_bytes_per_s``, ``read_bytes_per_s``, ``backpressure_keeps`` and
         ``layers[id].forward_s / backward_s / microbatches`` (times summed over
-        micro-batches, divided here, less ``write_wait_s`` / ``stall_s`` when present; the
+        micro-batches, divided here, less ``write_wait_s`` / ``stall_s``; the
         ``embedding`` and ``head`` keys, tensors saved outside the layers, are skipped). Counts ``backpressure_keeps`` as fell-behind events.
         A direction busy for less than ``MIN_BUSY_FRACTION`` of the step (``write_busy_s``
-        / ``read_busy_s`` against ``wall_s``, when present) gives no bandwidth sample
-        (NOTE [Short I/O samples]).
+        / ``read_busy_s`` against ``wall_s``) gives no bandwidth sample (NOTE [Short I/O
+        samples]).
         """
-        for _ in range(int(getattr(stats, "backpressure_keeps", 0) or 0)):
+        for _ in range(stats.backpressure_keeps):
             self.report_fell_behind()
         forward: Dict[LayerId, float] = {}
         backward: Dict[LayerId, float] = {}
-        for layer_id, counters in (getattr(stats, "layers", None) or {}).items():
+        for layer_id, counters in stats.layers.items():
             if layer_id is None or layer_id in OUTSIDE:  # saved outside the layers: no compute time measured
                 continue
-            count = max(int(getattr(counters, "microbatches", 1) or 1), 1)
+            count = max(counters.microbatches, 1)
             # Compute only: time spent waiting for I/O is exposed I/O, not compute drift.
-            wait_f = getattr(counters, "write_wait_s", 0.0) or 0.0
-            wait_b = getattr(counters, "stall_s", 0.0) or 0.0
-            forward[layer_id] = max(counters.forward_s - wait_f, 0.0) / count
-            backward[layer_id] = max(counters.backward_s - wait_b, 0.0) / count
-        wall = getattr(stats, "wall_s", None)
-        write = _sustained(stats.write_bytes_per_s, getattr(stats, "write_busy_s", None), wall)
-        read = _sustained(stats.read_bytes_per_s, getattr(stats, "read_busy_s", None), wall)
+            forward[layer_id] = max(counters.forward_s - counters.write_wait_s, 0.0) / count
+            backward[layer_id] = max(counters.backward_s - counters.stall_s, 0.0) / count
+        write = _sustained(stats.write_bytes_per_s, stats.write_busy_s, stats.wall_s)
+        read = _sustained(stats.read_bytes_per_s, stats.read_busy_s, stats.wall_s)
         return self.observe(write, read, forward or None, backward or None)
 
     # ------------------------------------------------------------------ internals

@@ -47,7 +47,7 @@ LayerId = Union[str, int]
 # the layer's backward, which consumes its saved tensors roughly in reverse order, so
 # their reads have the most time too. RECOMPUTE stays a whole-layer choice. The cache
 # numbers sites the same way (``Entry.site``), reports their bytes per layer
-# (``LayerCounters.site_bytes``) and applies a plan's site counts
+# (``LayerMeasurement.site_bytes``) and applies a plan's site counts
 # (``LayerChoice.sites`` in ``TensorCache.set_plan``).
 
 # NOTE [Site use times]
@@ -55,7 +55,7 @@ LayerId = Union[str, int]
 # reverse, so the MLP's tensors are unpacked first and the attention's a share of the
 # layer's backward later. ``LayerProfile.site_use`` gives, per site, the share of the
 # layer's backward that has run when backward first unpacks it. The cache measures it
-# (``LayerCounters.site_use_s``: seconds from the layer's backward start to the site's
+# (``LayerMeasurement.site_use_s``: seconds from the layer's backward start to the site's
 # first unpack, kept layers included) and the profile divides by the layer's backward
 # time; ``simulate`` estimates it from the FLOPs of the blocks backward runs first. The
 # timeline lets a layer's backward run up to a site's use point before it waits for

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from megatron_ssd.placement import LayerChoice
 from megatron_ssd import OffloadConfig, TensorCache
-from megatron_ssd.adaptive import stage_from_stats
+from megatron_ssd.planner.measured_profile import stage_from_stats
 from megatron_ssd.config import EMBEDDING, HEAD, Placement
 from megatron_ssd.errors import ConfigError
 

@@ -4,7 +4,7 @@ each site's own read-ahead are tested in test_read_ahead.py."""
 import torch
 
 from megatron_ssd import OffloadConfig, TensorCache
-from megatron_ssd.adaptive import stage_from_stats
+from megatron_ssd.planner.measured_profile import stage_from_stats
 
 from tiny_model import TinyGPT, make_batches
 
@@ -41,7 +41,7 @@ def test_site_use_points_follow_backward_order(offload_dir):
 
 
 def test_a_site_first_used_by_another_layer_counts_as_needed_at_the_start():
-    from megatron_ssd.adaptive import _use_shares
+    from megatron_ssd.planner.measured_profile import _use_shares
     from megatron_ssd.cache.stats import LayerCounters
 
     lc = LayerCounters(site_bytes=[8192, 8192, 8192, 8192], site_use_s=[1.0, 0.0, 0.2], site_uses=[2, 0, 1])

@@ -10,7 +10,7 @@ import torch
 
 from megatron_ssd.placement import LayerChoice
 from megatron_ssd import OffloadConfig, TensorCache
-from megatron_ssd.adaptive import stage_from_stats
+from megatron_ssd.planner.measured_profile import stage_from_stats
 from megatron_ssd.config import Placement
 from megatron_ssd.errors import ConfigError
 

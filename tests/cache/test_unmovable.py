@@ -8,7 +8,7 @@ import torch
 from torch.testing._internal.two_tensor import TwoTensor
 
 from megatron_ssd import OffloadConfig, TensorCache
-from megatron_ssd.adaptive import stage_from_stats
+from megatron_ssd.planner.measured_profile import stage_from_stats
 from megatron_ssd.cache.identity import do_not_offload, held_bytes
 
 from scripted import ScriptedEngine

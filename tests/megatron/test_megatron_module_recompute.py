@@ -13,7 +13,7 @@ import torch
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
 from megatron_ssd import OffloadConfig, TensorCache
-from megatron_ssd.adaptive import stage_from_stats
+from megatron_ssd.planner.measured_profile import stage_from_stats
 from megatron_ssd.config import PlannerConfig
 from megatron_ssd.errors import ConfigError
 from megatron_ssd.megatron import get_forward_backward_func, offload_layer_spec

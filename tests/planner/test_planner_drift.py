@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 
 from megatron_ssd.errors import ConfigError
 from megatron_ssd.planner.drift import DriftDetector
+from megatron_ssd.planner.measurement import LayerMeasurement, StepMeasurement
 from megatron_ssd.planner.plan import make_plan
 from megatron_ssd.planner.profile import IOProfile, uniform_stage
 
@@ -121,10 +120,18 @@ def test_rebase_clears_history():
     assert not d.observe(1.0 * GB, 4 * GB).replan
 
 
+def step(write_bytes_per_s, read_bytes_per_s, busy_s, backpressure_keeps, layers):
+    """A measured step of 10 s whose writes and reads were each busy for ``busy_s``."""
+    return StepMeasurement(wall_s=10.0, microbatches=2, write_bytes_per_s=write_bytes_per_s,
+                           read_bytes_per_s=read_bytes_per_s, write_busy_s=busy_s, read_busy_s=busy_s,
+                           backpressure_keeps=backpressure_keeps, peak_saved_bytes=0, peak_open_microbatches=1,
+                           layers=layers)
+
+
 def test_observe_step_stats_reads_cache_counters():
     d = detector()
-    layers = {i: SimpleNamespace(forward_s=2.0, backward_s=4.0, microbatches=2) for i in range(4)}
-    stats = SimpleNamespace(write_bytes_per_s=2 * GB, read_bytes_per_s=4 * GB, backpressure_keeps=1, layers=layers)
+    layers = {i: LayerMeasurement(forward_s=2.0, backward_s=4.0, microbatches=2) for i in range(4)}
+    stats = step(2 * GB, 4 * GB, 5.0, 1, layers)
     for _ in range(3):
         decision = d.observe_step_stats(stats)
     assert decision.fell_behind == 1
@@ -147,11 +154,10 @@ def test_bad_use_is_named():
 def test_bandwidth_from_a_short_burst_is_no_sample():
     """NOTE [Short I/O samples]: writes busy for 1% of a step measure a burst; they do not
     move the expected bandwidth, while the same rate over 50% of the step does."""
-    layers = {i: SimpleNamespace(forward_s=2.0, backward_s=4.0, microbatches=2) for i in range(4)}
+    layers = {i: LayerMeasurement(forward_s=2.0, backward_s=4.0, microbatches=2) for i in range(4)}
 
     def stats(busy_s):
-        return SimpleNamespace(write_bytes_per_s=4 * GB, read_bytes_per_s=4 * GB, write_busy_s=busy_s,
-                               read_busy_s=busy_s, wall_s=10.0, backpressure_keeps=0, layers=layers)
+        return step(4 * GB, 4 * GB, busy_s, 0, layers)
 
     burst, sustained = detector(), detector()
     for _ in range(3):

@@ -16,7 +16,8 @@ from megatron_ssd.workloads.parallel import destroy_parallel, init_parallel
 
 from planned_gpt import planned_run
 from megatron_ssd.planner import IOProfile, StageProfile
-from megatron_ssd.adaptive import AdaptivePlanner, stage_from_stats
+from megatron_ssd.adaptive import AdaptivePlanner
+from megatron_ssd.planner.measured_profile import stage_from_stats
 
 VOCAB, SEQ, MBS, NMB, LAYERS = 128, 64, 4, 2, 4
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -138,7 +139,7 @@ def test_recompute_factor_from_constructed_steps():
     layers' clocks may split recompute work unevenly, the sum is what the step took."""
     from types import SimpleNamespace
 
-    from megatron_ssd.adaptive import _recompute_factor
+    from megatron_ssd.planner.measured_profile import _recompute_factor
     from megatron_ssd.planner import LayerProfile
 
     def counters(times, microbatches=2):
@@ -184,7 +185,7 @@ def test_a_profile_whose_steps_moved_nothing_has_no_drive_bandwidth():
     layer count keeps every layer) measure no bandwidth: the profile's are null, not +inf."""
     from types import SimpleNamespace
 
-    from megatron_ssd.adaptive import _io_profile
+    from megatron_ssd.planner.measured_profile import _io_profile
 
     def step(write_bps, read_bps):
         layer = SimpleNamespace(forward_s=0.8, write_wait_s=0.0, backward_s=1.5, stall_s=0.0, microbatches=1)
@@ -257,7 +258,7 @@ def test_slowdown_is_spread_over_the_time_io_is_in_flight():
     0.15 slower over the whole 2 s."""
     from types import SimpleNamespace
 
-    from megatron_ssd.adaptive import _slowdown_in_flight
+    from megatron_ssd.planner.measured_profile import _slowdown_in_flight
 
     def step(forward, backward, write_busy, read_busy, microbatches=1):
         layer = SimpleNamespace(forward_s=forward * microbatches, write_wait_s=0.0, backward_s=backward * microbatches,
