@@ -100,12 +100,9 @@ class PlanEvent:
 # fp32 copy, several for the loss and its gradient), attention scores, a layer's
 # temporaries, and the caching allocator's reserved but unallocated blocks. A fraction of
 # the cap (``capacity_reserve``) as room for them shrinks with the cap while they do not.
-# Measured on an H200 (benchmarks/results/gpu-check-h200-job.log, the job part): the
-# check's GPT (16 layers, hidden 2048, seq 2048, vocab 32768, bf16, micro-batch 1, SGD)
-# under a cap of 4.67 GiB with 3.27 GiB allocated between steps got 4.67 x 0.85 - 3.27 =
-# 0.70 GiB of capacity; its first step, every layer offloaded within that guard, ran out
-# of memory (4.42 GiB allocated and 157.80 MiB reserved but unallocated when it asked
-# for 128 MiB more: one fp32 logits copy is 256 MiB, the attention scores 128 MiB).
+# Under a cap a little above the resident bytes the fraction's capacity can be smaller
+# than one fp32 logits copy, and the first step then runs out of memory with every layer
+# offloaded (the GPU check's job part records such a step: docs/performance.md).
 # So on CUDA under a cap the first step runs with the cache's guard at
 # ``FIRST_STEP_GUARD`` (0 bytes) and its peak is measured through the CUDA calls
 # (``CudaOps.reset_peak_memory`` before it, ``peak_memory`` and ``memory_allocated``
