@@ -411,11 +411,12 @@ def add_predictions(points: List[Dict[str, Any]], reports: Dict[str, Dict[str, A
         if report is None:
             continue
         mbs = report["config"]["num_microbatches"]
-        depth = report["config"]["offload"]["prefetch_layers"]
+        offload = report["config"]["offload"]  # prefetch_layers in reports written before
+        read_ahead = offload.get("default_read_ahead", offload.get("prefetch_layers"))
         if p["placement"].startswith(KEEP_LAST):
             fixed[p["placement"]] = stage.fixed(Placement.OFFLOAD, report["config"]["offload"]["keep_last_layers"])
         if p["placement"] in fixed:
-            t = predict(stage, fixed[p["placement"]], prefetch_depth=depth)
+            t = predict(stage, fixed[p["placement"]], read_ahead=read_ahead)
             p["predicted_exposed_s"] = t.exposed_s
             p["predicted_step_s"] = t.step_s
             p["predicted_peak_activation_bytes"] = t.peak_bytes

@@ -137,9 +137,9 @@ class _Planner:
             stage = self.stage if variant == "host" else self.no_host
             try:
                 self._cache[key] = make_plan(
-                    stage, target, self.spec.safety_margin, self.spec.prefetch_depth, True,
+                    stage, target, self.spec.safety_margin, self.spec.default_read_ahead, True,
                     max_write_bytes_per_s=self.limit if variant == "ssd" else 0.0, capacity_bytes=self.capacity,
-                    read_ahead=self.spec.read_ahead, host_budget_bytes=host_budget(self.spec) if variant == "host" else None)
+                    read_ahead_mode=self.spec.read_ahead_mode, host_budget_bytes=host_budget(self.spec) if variant == "host" else None)
             except PlanInfeasibleError as err:
                 self._cache[key] = err
         return self._cache[key]

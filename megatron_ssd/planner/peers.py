@@ -192,9 +192,9 @@ def _moved_first(layer: LayerProfile, moved: Sequence[int]) -> LayerProfile:
 
 
 def _hosted(peer: str, setting: str, stage: StageProfile, moved: Mapping[int, List[int]],
-            depth: Mapping[int, Mapping[int, int]]) -> PeerPoint:
+            read_ahead: Mapping[int, Mapping[int, int]]) -> PeerPoint:
     """A point moving, per layer index, the sites ``moved`` to host memory, each site's
-    read issued ``depth[i][site]`` layers ahead."""
+    read issued ``read_ahead[i][site]`` layers ahead."""
     layers, placements, sites, ahead = [], [], [], []
     for i, layer in enumerate(stage.layers):
         chosen = moved.get(i, [])
@@ -209,7 +209,7 @@ def _hosted(peer: str, setting: str, stage: StageProfile, moved: Mapping[int, Li
         placements.append(Placement.HOST)
         sites.append(None if len(chosen) == len(layer.sites) else len(chosen))
         # kept sites carry a read-ahead too (unused); a moved site's is its own
-        ahead.append([depth[i].get(s, 1) for s in order])
+        ahead.append([read_ahead[i].get(s, 1) for s in order])
     return PeerPoint(peer, setting, dataclasses.replace(stage, layers=layers), placements, sites, ahead)
 
 
@@ -289,14 +289,14 @@ def megatron_fine_grained(
     offloaded = [g for g, on in enumerate(offload) if on]
     kept_after = len(groups) - (offloaded[-1] + 1) if offloaded else 0
     moved: Dict[int, List[int]] = {}
-    depth: Dict[int, Dict[int, int]] = {}
+    read_ahead: Dict[int, Dict[int, int]] = {}
     for g in offloaded:
         i, position, members = groups[g]
         moved.setdefault(i, []).extend(members)
         for s in members:
-            depth.setdefault(i, {})[s] = (position + kept_after) // per_layer
+            read_ahead.setdefault(i, {})[s] = (position + kept_after) // per_layer
     setting = f"fraction {fraction:g}"
-    return _hosted("megatron-fine-grained", setting, stage, moved, depth)
+    return _hosted("megatron-fine-grained", setting, stage, moved, read_ahead)
 
 
 def te_cpu_offload(stage: StageProfile, anatomy: Mapping[LayerId, LayerAnatomy], num_layers: int,
@@ -326,13 +326,13 @@ def te_cpu_offload(stage: StageProfile, anatomy: Mapping[LayerId, LayerAnatomy],
         return point
     ahead = total - num_layers - 1
     moved: Dict[int, List[int]] = {}
-    depth: Dict[int, Dict[int, int]] = {}
+    read_ahead: Dict[int, Dict[int, int]] = {}
     for i in inside[:num_layers]:
         layer = stage.layers[i]
         roles = _anatomy_of(anatomy, layer)
         moved[i] = [s for s in range(len(layer.sites)) if roles.elements(s, layer.sites[s]) >= min_tensor_elements]
-        depth[i] = {s: ahead for s in moved[i]}
-    return _hosted("te-cpu-offload", setting, stage, moved, depth)
+        read_ahead[i] = {s: ahead for s in moved[i]}
+    return _hosted("te-cpu-offload", setting, stage, moved, read_ahead)
 
 
 def full_recompute(stage: StageProfile, num_layers: Optional[int] = None) -> PeerPoint:

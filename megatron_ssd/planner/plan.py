@@ -54,8 +54,10 @@ module (``LayerChoice.from_dict``)."""
 _PLAN_SCHEMA_1 = "megatron_ssd.plan/1"
 """The earlier form, still read: a layer's ``placement``, ``offload_sites``,
 ``read_ahead`` and ``site_read_ahead`` side by side."""
+_RENAMED = {"prefetch_depth": "default_read_ahead", "read_ahead": "read_ahead_mode"}
+"""Plan fields under the names plans written before them carry (still read)."""
 READ_AHEAD_MODES = ("fixed", "auto")
-"""``make_plan``'s ``read_ahead``: one depth for every layer, or each layer's chosen."""
+"""``make_plan``'s ``read_ahead_mode``: one read-ahead for every layer, or each layer's chosen."""
 
 
 
@@ -68,8 +70,8 @@ class LayerPlan:
     choice: LayerChoice
     """The decision (placement, sites moved, read-ahead): what ``TensorCache.set_plan``
     applies (:meth:`Plan.choices`). Its ``read_ahead`` is an integer (layers ahead; on
-    a KEEP or RECOMPUTE layer, the plan's depth, unused), or, when the planner chose each
-    site's read-issue point (``read_ahead="auto"``, NOTE [Just-in-time reads] in
+    a KEEP or RECOMPUTE layer, the plan's default, unused), or, when the planner chose each
+    site's read-issue point (``read_ahead_mode="auto"``, NOTE [Just-in-time reads] in
     ``just_in_time.py``), one per site in save order: 0 issues the site's read when the
     layer's own backward starts, to be done by the site's use point (NOTE [Site use
     times]); sites the layer keeps carry the layer's earliest."""
@@ -112,15 +114,15 @@ class LayerPlan:
         """Its read is issued when the backward of the layer this many layers later
         starts (NOTE [Write and read issue points]); with per-site read-aheads, the
         earliest of its sites' (at least 1)."""
-        depth = self.choice.read_ahead
-        return depth if isinstance(depth, int) else max(1, max(depth or (1,)))
+        ahead = self.choice.read_ahead
+        return ahead if isinstance(ahead, int) else max(1, max(ahead or (1,)))
 
     @property
     def site_read_ahead(self) -> Optional[List[int]]:
         """Per site in save order, the read-ahead of that site's read, when the planner
         chose them one by one; None: every site at :attr:`read_ahead`."""
-        depth = self.choice.read_ahead
-        return None if depth is None or isinstance(depth, int) else list(depth)
+        ahead = self.choice.read_ahead
+        return None if ahead is None or isinstance(ahead, int) else list(ahead)
 
     @property
     def read_ahead_text(self) -> str:
@@ -173,11 +175,11 @@ class Plan:
     """The budget asked for (``memory_budget`` goal), in bytes."""
     safety_margin: float = 0.1
     """Fraction the bandwidths were derated by while choosing placements."""
-    prefetch_depth: int = 1
+    default_read_ahead: int = 1
     """How many layers ahead reads are issued by default (each layer's own is its
     ``read_ahead``)."""
-    read_ahead: str = "fixed"
-    """``fixed``: every layer reads ``prefetch_depth`` ahead; ``auto``: the planner chose
+    read_ahead_mode: str = "fixed"
+    """``fixed``: every layer reads ``default_read_ahead`` ahead; ``auto``: the planner chose
     each layer's read-issue point (NOTE [Just-in-time reads] in ``just_in_time.py``)."""
     pipeline_rank: int = 0
     """The stage planned."""
@@ -282,6 +284,9 @@ class Plan:
         schema = data.pop("schema", None)
         if schema not in (PLAN_SCHEMA, _PLAN_SCHEMA_1):
             raise ConfigError(f"Plan.schema = {schema!r}: must be {PLAN_SCHEMA!r} (or {_PLAN_SCHEMA_1!r}, read too)")
+        for old, new in _RENAMED.items():  # plans written before the rename
+            if old in data:
+                data.setdefault(new, data.pop(old))
         if isinstance(data.get("layers"), list):
             data["layers"] = [_with_choice(layer, schema) for layer in data["layers"]]
         plan = from_dict(cls, data)
@@ -358,11 +363,11 @@ def make_plan(
     stage: StageProfile,
     memory_budget: Optional[int] = None,
     safety_margin: float = 0.1,
-    prefetch_depth: int = 1,
+    default_read_ahead: int = 1,
     allow_recompute: bool = True,
     max_write_bytes_per_s: Optional[float] = None,
     capacity_bytes: Optional[int] = None,
-    read_ahead: str = "fixed",
+    read_ahead_mode: str = "fixed",
     host_budget_bytes: Optional[int] = None,
     max_slowdown: Optional[float] = None,
 ) -> Plan:
@@ -380,7 +385,7 @@ def make_plan(
         stage: The measured (or simulated) stage.
         memory_budget: Bytes of saved activations the stage may hold at its peak.
         safety_margin: Fraction in [0, 1) the bandwidths are derated by while choosing.
-        prefetch_depth: Layers ahead that reads are issued (>= 1).
+        default_read_ahead: Layers ahead that reads are issued (>= 1).
         allow_recompute: Whether RECOMPUTE may be used to meet a budget.
         max_write_bytes_per_s: The write rate the drives' endurance allows this process
             (:func:`~megatron_ssd.planner.wear.write_limit_bytes_per_s`): no placement
@@ -390,7 +395,7 @@ def make_plan(
             under either goal. Without a budget, when the hidden offload's predicted
             peak exceeds it, the plan meets it as a budget instead (goal ``capacity``);
             a budget above it is lowered to it. None: no limit.
-        read_ahead: ``fixed``: every read is issued ``prefetch_depth`` layers ahead;
+        read_ahead_mode: ``fixed``: every read is issued ``default_read_ahead`` layers ahead;
             ``auto``: the read-issue point of each offloaded layer is chosen too, just in
             time (NOTE [Just-in-time reads] in ``just_in_time.py``).
         host_budget_bytes: Bytes of the host pool this stage may fill with HOST layers,
@@ -413,8 +418,8 @@ def make_plan(
         if isinstance(memory_budget, bool) or not isinstance(memory_budget, numbers.Integral) or memory_budget < 0:
             raise ConfigError(f"memory_budget = {memory_budget!r}: must be None or an integer number of bytes >= 0")
         memory_budget = int(memory_budget)
-    if not (isinstance(prefetch_depth, int) and prefetch_depth >= 1):
-        raise ConfigError(f"prefetch_depth = {prefetch_depth!r}: must be an integer >= 1")
+    if not (isinstance(default_read_ahead, int) and default_read_ahead >= 1):
+        raise ConfigError(f"default_read_ahead = {default_read_ahead!r}: must be an integer >= 1")
     if max_write_bytes_per_s is not None and (
         isinstance(max_write_bytes_per_s, bool)
         or not isinstance(max_write_bytes_per_s, numbers.Real)
@@ -425,8 +430,8 @@ def make_plan(
         if isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, numbers.Integral) or capacity_bytes < 0:
             raise ConfigError(f"capacity_bytes = {capacity_bytes!r}: must be None or an integer number of bytes >= 0")
         capacity_bytes = int(capacity_bytes)
-    if read_ahead not in READ_AHEAD_MODES:
-        raise ConfigError(f"read_ahead = {read_ahead!r}: must be one of {list(READ_AHEAD_MODES)}")
+    if read_ahead_mode not in READ_AHEAD_MODES:
+        raise ConfigError(f"read_ahead_mode = {read_ahead_mode!r}: must be one of {list(READ_AHEAD_MODES)}")
     if host_budget_bytes is not None:
         if isinstance(host_budget_bytes, bool) or not isinstance(host_budget_bytes, numbers.Integral) \
                 or host_budget_bytes < 0:
@@ -441,8 +446,8 @@ def make_plan(
     ):
         raise ConfigError(f"max_slowdown = {max_slowdown!r}: must be None or a number >= 0")
 
-    def choose(depth: int) -> Tuple[Choices, str, Timeline]:
-        search = PlacementSearch(stage, stage.io.derated(safety_margin), depth, max_write_bytes_per_s,
+    def choose(read_ahead: int) -> Tuple[Choices, str, Timeline]:
+        search = PlacementSearch(stage, stage.io.derated(safety_margin), read_ahead, max_write_bytes_per_s,
                                  host_budget_bytes or 0, max_slowdown)
         if memory_budget is None:
             choice, goal = search.max_offload(), GOAL_MAX_OFFLOAD
@@ -453,20 +458,20 @@ def make_plan(
                 choice, goal = search.meet_budget(memory_budget, allow_recompute), GOAL_MEMORY_BUDGET
         if over:  # the device's capacity binds: meet it as the budget
             choice, goal = search.meet_budget(capacity_bytes, allow_recompute, "capacity_bytes"), GOAL_CAPACITY
-        return choice, goal, replay(stage, choice, depth)
+        return choice, goal, replay(stage, choice, read_ahead)
 
     n = len(stage.layers)
-    if read_ahead == "fixed":
-        choice, goal, _ = choose(prefetch_depth)
-        choices = [dataclasses.replace(c, read_ahead=prefetch_depth) for c in choice]
+    if read_ahead_mode == "fixed":
+        choice, goal, _ = choose(default_read_ahead)
+        choices = [dataclasses.replace(c, read_ahead=default_read_ahead) for c in choice]
     else:
-        limits = PlacementSearch(stage, stage.io.derated(safety_margin), prefetch_depth, max_write_bytes_per_s,
+        limits = PlacementSearch(stage, stage.io.derated(safety_margin), default_read_ahead, max_write_bytes_per_s,
                                  host_budget_bytes or 0)
-        choices, goal = just_in_time(stage, choose, prefetch_depth, safety_margin, limits.allowed)
+        choices, goal = just_in_time(stage, choose, default_read_ahead, safety_margin, limits.allowed)
     tl = replay(stage, choices)
-    keep = predict(stage, [Placement.KEEP] * n, prefetch_depth)
-    plan = _build(stage, tl, keep, goal, memory_budget, safety_margin, prefetch_depth, choices)
-    plan.read_ahead = read_ahead
+    keep = predict(stage, [Placement.KEEP] * n, default_read_ahead)
+    plan = _build(stage, tl, keep, goal, memory_budget, safety_margin, default_read_ahead, choices)
+    plan.read_ahead_mode = read_ahead_mode
     plan.max_write_bytes_per_s = max_write_bytes_per_s
     plan.capacity_bytes = capacity_bytes
     plan.host_budget_bytes = host_budget_bytes or None
@@ -481,7 +486,7 @@ def _build(
     goal: str,
     memory_budget: Optional[int],
     safety_margin: float,
-    prefetch_depth: int,
+    default_read_ahead: int,
     choices: Sequence[LayerChoice],
 ) -> Plan:
     layers = []
@@ -516,7 +521,7 @@ def _build(
         io=stage.io,
         memory_budget=memory_budget,
         safety_margin=safety_margin,
-        prefetch_depth=prefetch_depth,
+        default_read_ahead=default_read_ahead,
         pipeline_rank=stage.pipeline_rank,
         pipeline_size=stage.pipeline_size,
         microbatches_in_flight=stage.microbatches_in_flight or 1,
@@ -533,9 +538,9 @@ def _with_choice(layer: Any, schema: str) -> Any:
     layer = dict(layer)
     if schema == _PLAN_SCHEMA_1:
         placement, sites = layer.pop("placement", None), layer.pop("offload_sites", None)
-        depth, per_site = layer.pop("read_ahead", 1), layer.pop("site_read_ahead", None)
+        ahead, per_site = layer.pop("read_ahead", 1), layer.pop("site_read_ahead", None)
         layer["choice"] = {"placement": placement, "sites": sites,
-                           "read_ahead": per_site if per_site is not None else depth}
+                           "read_ahead": per_site if per_site is not None else ahead}
     if "choice" in layer:
         layer["choice"] = LayerChoice.from_dict(layer.get("layer_id"), layer["choice"])
     return layer

@@ -258,8 +258,8 @@ def simulate(spec: SimulationSpec) -> SimulationResult:
     if spec.target_lifetime_years is not None:
         limit = write_limit_bytes_per_s(spec.ssd_tbw_bytes, spec.target_lifetime_years, spec.ssd_count,
                                         spec.gpus_per_array, spec.duty_cycle, spec.ssd_used_fraction)
-    plan = make_plan(stage, spec.memory_budget, spec.safety_margin, spec.prefetch_depth, spec.allow_recompute,
-                     max_write_bytes_per_s=limit, capacity_bytes=activation_capacity(spec), read_ahead=spec.read_ahead,
+    plan = make_plan(stage, spec.memory_budget, spec.safety_margin, spec.default_read_ahead, spec.allow_recompute,
+                     max_write_bytes_per_s=limit, capacity_bytes=activation_capacity(spec), read_ahead_mode=spec.read_ahead_mode,
                      host_budget_bytes=host_budget(spec))
     slots = spec.num_microbatches + spec.pp - 1
     iteration = slots * plan.step_s

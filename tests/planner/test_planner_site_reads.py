@@ -62,7 +62,7 @@ def test_a_stall_at_a_use_point_waits_mid_backward():
 
 
 def test_auto_plan_reads_a_late_used_site_late():
-    plan = make_plan(three_layers(), read_ahead="auto")
+    plan = make_plan(three_layers(), read_ahead_mode="auto")
     assert plan.placements == [O, K, K]
     lp = plan.layers[0]
     assert (lp.read_ahead, lp.site_read_ahead, lp.read_ahead_text) == (1, [0, 1], "0..1")
@@ -72,13 +72,13 @@ def test_auto_plan_reads_a_late_used_site_late():
     again = Plan.from_json(plan.to_json())
     assert again.layers[0].site_read_ahead == [0, 1]
     assert predict(three_layers(), again.placements, again.read_aheads, sites=again.sites).peak_bytes == 200
-    # the fixed mode reads every site prefetch_depth ahead
-    fixed = make_plan(three_layers(), read_ahead="fixed")
+    # the fixed mode reads every site default_read_ahead ahead
+    fixed = make_plan(three_layers(), read_ahead_mode="fixed")
     assert fixed.layers[0].site_read_ahead is None and fixed.peak_activation_bytes == 300
 
 
 def test_auto_plan_without_use_points_keeps_one_read_ahead_per_layer():
-    plan = make_plan(three_layers(site_use=None), read_ahead="auto")
+    plan = make_plan(three_layers(site_use=None), read_ahead_mode="auto")
     assert plan.placements == [O, K, K]
     assert plan.layers[0].site_read_ahead is None and plan.layers[0].read_ahead == 1
     assert plan.peak_activation_bytes == 300
@@ -86,7 +86,7 @@ def test_auto_plan_without_use_points_keeps_one_read_ahead_per_layer():
 
 def test_per_site_read_aheads_are_validated():
     stage = three_layers()
-    with pytest.raises(ConfigError, match=r"prefetch_depth\[0\] = \[0\]: must have one read-ahead per site \(2\)"):
+    with pytest.raises(ConfigError, match=r"read_ahead\[0\] = \[0\]: must have one read-ahead per site \(2\)"):
         predict(stage, [O, K, K], [[0], 1, 1])
     with pytest.raises(ConfigError, match=r"each an integer >= 1 or a list of integers >= 0"):
         predict(stage, [O, K, K], [[0, -1], 1, 1])
