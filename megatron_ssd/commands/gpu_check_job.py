@@ -270,7 +270,7 @@ def add_predictions(rows: List[Dict[str, Any]], keep: Optional[Dict[str, Any]]) 
     the plan's measure): a planner row from its own plan, keep and recompute from the
     first planner run's profile (named in the return value). Also each row's step over
     keep's (``x_keep_step``)."""
-    from ..placement import Placement
+    from ..placement import LayerChoice, Placement
     from ..planner.profile import StageProfile
     from ..planner.step_timeline import predict
 
@@ -287,7 +287,7 @@ def add_predictions(rows: List[Dict[str, Any]], keep: Optional[Dict[str, Any]]) 
             step, peak = r["plan"]["step_s"], r["plan"]["peak_activation_bytes"]
         elif stage is not None and r["placement"] in ("keep", "recompute"):
             placement = Placement.KEEP if r["placement"] == "keep" else Placement.RECOMPUTE
-            t = predict(stage, stage.fixed(placement), read_ahead=_default_read_ahead(r))
+            t = predict(stage, [LayerChoice(f, read_ahead=_default_read_ahead(r)) for f in stage.fixed(placement)])
             step, peak = t.step_s, t.peak_bytes
         else:
             continue

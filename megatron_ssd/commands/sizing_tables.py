@@ -217,8 +217,7 @@ def _peer_model_rows(model: str, drive: str, drives_per_node: int, host_ram: flo
             continue
         tl = price(point)
         # the same placement at the bandwidths the planner judges by (derated by its safety margin)
-        derated = predict(point.stage, point.placements, point.read_ahead,
-                          io=point.stage.io.derated(spec.safety_margin), sites=point.sites)
+        derated = predict(point.stage, point.choices, io=point.stage.io.derated(spec.safety_margin))
         fits = planner.capacity is None or tl.peak_bytes <= planner.capacity
         target = tl.peak_bytes if fits else planner.capacity
         row.update({

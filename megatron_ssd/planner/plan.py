@@ -30,7 +30,7 @@ from .just_in_time import just_in_time
 from .module_recompute import with_recompute
 from .search import (GOAL_CAPACITY, GOAL_MAX_OFFLOAD, GOAL_MEMORY_BUDGET, Choices, PlacementSearch,
                      PlanInfeasibleError, replay)
-from .step_timeline import ReadAhead, Timeline, predict
+from .step_timeline import Timeline, predict
 from ..units import MiB
 
 __all__ = [
@@ -133,12 +133,6 @@ class LayerPlan:
         return str(hi) if lo == hi else f"{lo}..{hi}"
 
     @property
-    def issue_points(self) -> ReadAhead:
-        """Its read-ahead as :func:`~megatron_ssd.planner.step_timeline.predict` takes
-        it: the per-site list, else :attr:`read_ahead`."""
-        return list(self.site_read_ahead) if self.site_read_ahead is not None else self.read_ahead
-
-    @property
     def placement_text(self) -> str:
         """``keep``, ``offload``, ``host``, ``recompute``, or ``offload 3/7`` for a layer
         offloading 3 of its 7 sites (``host 3/7`` alike); ``+core_attn`` after it for each
@@ -237,14 +231,9 @@ class Plan:
                 else LayerChoice(lp.placement, recompute=lp.choice.recompute) for lp in self.layers}
 
     @property
-    def read_aheads(self) -> List[ReadAhead]:
-        """Per layer in forward order, its read-ahead for :func:`predict`."""
-        return [lp.issue_points for lp in self.layers]
-
-    @property
-    def sites(self) -> List[Optional[int]]:
-        """Per layer in forward order, the site count for :func:`predict` (None: all)."""
-        return [lp.offload_sites if lp.placement in MOVED else None for lp in self.layers]
+    def layer_choices(self) -> List[LayerChoice]:
+        """Per layer in forward order, its whole choice, as :func:`predict` takes them."""
+        return [lp.choice for lp in self.layers]
 
     @property
     def offloaded_bytes(self) -> int:
@@ -469,7 +458,7 @@ def make_plan(
                                  host_budget_bytes or 0)
         choices, goal = just_in_time(stage, choose, default_read_ahead, safety_margin, limits.allowed)
     tl = replay(stage, choices)
-    keep = predict(stage, [Placement.KEEP] * n, default_read_ahead)
+    keep = predict(stage, [Placement.KEEP] * n)
     plan = _build(stage, tl, keep, goal, memory_budget, safety_margin, default_read_ahead, choices)
     plan.read_ahead_mode = read_ahead_mode
     plan.max_write_bytes_per_s = max_write_bytes_per_s

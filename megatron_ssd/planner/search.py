@@ -30,14 +30,15 @@ sides of their I/O, so greedy moves find it for the layer counts of real stages.
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
-from typing import Callable, List, Optional, Sequence, Tuple, Union
+from typing import Callable, List, Optional, Sequence, Tuple
 
 from ..placement import MOVED, LayerChoice, Placement
 from ..errors import MegatronSSDError
 from .module_recompute import MODULE_MOVE, ModuleMoves, with_recompute
 from .profile import IOProfile, StageProfile
-from .step_timeline import ReadAhead, Timeline, predict
+from .step_timeline import Timeline, predict
 from ..units import GiB
 
 __all__ = ["Choices", "PlanInfeasibleError", "PlacementSearch", "replaced", "replay", "GOAL_MAX_OFFLOAD", "GOAL_MEMORY_BUDGET", "GOAL_CAPACITY"]
@@ -64,14 +65,14 @@ Choices = List[LayerChoice]
 _KEEP = LayerChoice(Placement.KEEP)
 
 
-def replay(stage: StageProfile, choices: Sequence[LayerChoice], read_ahead: Union[None, int, Sequence[ReadAhead]] = None,
+def replay(stage: StageProfile, choices: Sequence[LayerChoice], read_ahead: Optional[int] = None,
            io: Optional[IOProfile] = None) -> Timeline:
     """:func:`~megatron_ssd.planner.step_timeline.predict` of ``choices`` (their
     placements, site counts and modules recomputed inside a layer, NOTE [Recompute inside
     a layer] in ``module_recompute.py``) at ``read_ahead``; None: each choice's own."""
-    aheads = [c.read_ahead for c in choices] if read_ahead is None else read_ahead
-    return predict(with_recompute(stage, choices), [c.placement for c in choices], aheads, io=io,
-                   sites=[c.sites for c in choices])
+    if read_ahead is not None:
+        choices = [dataclasses.replace(c, read_ahead=read_ahead) for c in choices]
+    return predict(with_recompute(stage, choices), choices, io=io)
 
 
 def _largest(lo: int, hi: int, ok: Callable[[int], bool]) -> Optional[int]:
@@ -152,7 +153,7 @@ class PlacementSearch(ModuleMoves):
         self.n = len(stage.layers)
         self.smallest_peak: Optional[int] = None
         # See wears_ok and within_bound: no placement's step is shorter than keeping everything.
-        self._shortest_step_s = predict(stage, [Placement.KEEP] * self.n, read_ahead).step_s
+        self._shortest_step_s = predict(stage, [Placement.KEEP] * self.n).step_s
         self.both_tiers = bool(self.host_budget_bytes) and self.drives and any(
             layer.sites and self.wears_ok(replaced([_KEEP] * self.n, i, LayerChoice(Placement.OFFLOAD, 1)))
             for i, layer in enumerate(stage.layers))

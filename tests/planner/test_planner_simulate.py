@@ -258,7 +258,7 @@ def test_the_in_flight_bound_reaches_the_model_and_costs_no_hidden_wait():
     bound = simulate(spec_from_overrides(["ssd_count=4", "target_lifetime_years=null", "max_inflight_bytes=256MiB"],
                                          model="gpt-7b-32k"))
     assert free.stage.io.max_inflight_bytes is None and bound.stage.io.max_inflight_bytes == 256 << 20
-    timeline = predict(bound.stage, bound.plan.placements, bound.plan.read_aheads, sites=bound.plan.sites)
+    timeline = predict(bound.stage, bound.plan.layer_choices)
     assert timeline.write_wait_s == 0.0 and bound.plan.step_s == pytest.approx(bound.plan.keep_step_s)
     assert 0 < bound.plan.offloaded_bytes < free.plan.offloaded_bytes
     with pytest.raises(ConfigError, match=r"SimulationSpec.max_inflight_bytes = 0: must be an integer > 0 bytes or null"):
