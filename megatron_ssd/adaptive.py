@@ -26,7 +26,7 @@ from .config import FIXED_MODES, PlannerConfig
 from .placement import EMBEDDING, HEAD, OUTSIDE, RECOMPUTE_MODULES, Placement
 from .errors import ConfigError
 from .planner.drift import DriftDetector
-from .planner.plan import Plan, make_plan
+from .planner.plan import Plan, PlanRequest, make_plan
 from .planner.profile import IOProfile, LayerProfile, ModuleProfile, StageProfile
 from .planner.wear import write_limit_for
 from .io.cuda import CUDA, CudaOps
@@ -617,8 +617,7 @@ class AdaptivePlanner:
             profile = profile.with_io(dataclasses.replace(profile.io, host_bytes_per_s=self.host_bandwidth(),
                                                           shared_host_link=self.cache.device.type == "cuda"))
         self.profile = profile
-        plan = make_plan(  # PlanInfeasibleError propagates: the budget cannot be met
-            profile,
+        plan = make_plan(profile, PlanRequest(  # PlanInfeasibleError propagates: the budget cannot be met
             memory_budget=self.config.memory_budget,
             safety_margin=self.config.safety_margin,
             default_read_ahead=self.default_read_ahead,
@@ -628,7 +627,7 @@ class AdaptivePlanner:
             read_ahead_mode=self.config.read_ahead_mode,
             host_budget_bytes=host_budget,
             max_slowdown=self.config.max_slowdown,
-        )
+        ))
         self._check_space(plan)
         if self.capacity_at_start is not None:  # NOTE [Capacity guard]: the capacity measured now
             self.cache.policy.resident_limit = self.activation_capacity()

@@ -16,6 +16,7 @@ from .plan import (
     LayerPlan,
     Plan,
     PlanInfeasibleError,
+    PlanRequest,
     make_plan,
 )
 from .module_recompute import recomputed_layer, with_recompute
@@ -49,6 +50,7 @@ __all__ = [
     "PLAN_SCHEMA",
     "Plan",
     "PlanInfeasibleError",
+    "PlanRequest",
     "SimulationResult",
     "SimulationSpec",
     "StageProfile",

@@ -42,7 +42,7 @@ def test_host_copies_run_on_the_link_not_on_the_ssd_queue():
 
 def test_without_a_host_budget_nothing_is_hosted():
     plan = make_plan(stage(), read_ahead_mode="fixed")
-    assert plan.layers_with(H) == [] and plan.hosted_bytes == 0 and plan.host_budget_bytes is None
+    assert plan.layers_with(H) == [] and plan.hosted_bytes == 0 and plan.request.host_budget_bytes is None
     with pytest.raises(ConfigError, match=r"host_budget_bytes = 1000: needs IOProfile.host_bytes_per_s"):
         make_plan(stage(host_bytes_per_s=None), host_budget_bytes=1000)
     with pytest.raises(ConfigError, match=r"host_budget_bytes = -1: must be None or an integer number of bytes >= 0"):
@@ -62,7 +62,7 @@ def test_the_host_pool_takes_what_it_hides_within_its_budget_and_the_ssds_the_re
     assert hosted and all(lp.offloaded > 0 for lp in hosted)
     assert "host pool" in plan.table() and any(lp.placement_text.startswith("host") for lp in plan.layers)
     again = Plan.from_json(plan.to_json())
-    assert again.hosted_bytes == plan.hosted_bytes and again.host_budget_bytes == 3 * GB
+    assert again.hosted_bytes == plan.hosted_bytes and again.request.host_budget_bytes == 3 * GB
 
 
 def test_the_pool_holds_every_micro_batch_in_flight():

@@ -84,8 +84,8 @@ def test_slowdown_bound_holds_the_hidden_offload_to_a_step_time():
     bounded = make_plan(stage, max_slowdown=0.01)
     assert bounded.placements == [O] * 3 + [K] * 5
     assert bounded.step_s <= 1.01 * bounded.keep_step_s < predict(stage, [O] * 4 + [K] * 4).step_s
-    assert bounded.max_slowdown == 0.01 and "step at most 1.010x keep-everything" in bounded.table()
-    assert Plan.from_dict(bounded.to_dict()).max_slowdown == 0.01
+    assert bounded.request.max_slowdown == 0.01 and "step at most 1.010x keep-everything" in bounded.table()
+    assert Plan.from_dict(bounded.to_dict()).request.max_slowdown == 0.01
     assert make_plan(stage, max_slowdown=0.0).placements == [K] * 8
     budget = make_plan(stage, memory_budget=3 * GB, max_slowdown=0.0)
     assert budget.goal == GOAL_MEMORY_BUDGET and budget.peak_activation_bytes <= 3 * GB
@@ -97,7 +97,7 @@ def test_budget_met_with_offload_and_recompute():
     stage = slow_stage()
     budget = 3 * GB
     plan = make_plan(stage, memory_budget=budget)
-    assert plan.goal == GOAL_MEMORY_BUDGET and plan.memory_budget == budget
+    assert plan.goal == GOAL_MEMORY_BUDGET and plan.request.memory_budget == budget
     assert plan.peak_activation_bytes <= budget
     assert plan.layers_with(O) and plan.layers_with(R)
     assert plan.exposed_s == 0.0

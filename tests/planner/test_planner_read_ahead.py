@@ -43,7 +43,7 @@ def test_fixed_depth_one_offloads_nothing_and_auto_hides_reads_further_ahead():
     assert auto.exposed_s == 0.0 and auto.step_s == pytest.approx(auto.keep_step_s)
     assert auto.peak_activation_bytes < fixed.peak_activation_bytes
     assert all(auto.layers[i].read_ahead >= 2 for i in offloaded)
-    assert auto.read_ahead_mode == "auto"
+    assert auto.request.read_ahead_mode == "auto"
     assert {i: c.read_ahead for i, c in auto.choices().items() if c.moved} == {i: auto.layers[i].read_ahead for i in offloaded}
     assert "read ahead" in auto.table()
 
@@ -59,7 +59,7 @@ def test_auto_reads_are_issued_as_late_as_they_still_arrive_in_time():
             continue
         earlier_issue = depths[:i] + [depths[i] - 1] + depths[i + 1:]
         tl = predict(stage, choices_of(plan.placements, earlier_issue))
-        derated = predict(stage, choices_of(plan.placements, earlier_issue), io=stage.io.derated(plan.safety_margin))
+        derated = predict(stage, choices_of(plan.placements, earlier_issue), io=stage.io.derated(plan.request.safety_margin))
         assert (tl.exposed_s > 0 or tl.forwarded or tl.step_s > base.step_s or tl.peak_bytes > base.peak_bytes
                 or derated.exposed_s > 0 or derated.forwarded), i
 

@@ -65,7 +65,7 @@ def test_max_offload_moves_the_longest_prefix_each_window_carries():
     assert plan.step_s == pytest.approx(plan.keep_step_s)
     assert plan.peak_activation_bytes == plan.keep_peak_activation_bytes - 2 * GB
     # one more site in any offloaded layer would stall or buy nothing
-    derated = stage.io.derated(plan.safety_margin)
+    derated = stage.io.derated(plan.request.safety_margin)
     for i in plan.layers_with(O):
         more = sites[:i] + [3] + sites[i + 1:]
         tl = predict(stage, choices_of(plan.placements, 1, more), io=derated)
@@ -81,7 +81,7 @@ def test_a_site_whose_write_ends_after_the_peak_is_not_offloaded():
     plan = make_plan(stage, read_ahead_mode="fixed")
     assert plan.placement(4) is K
     sites = [c.sites for c in plan.layer_choices]
-    derated = stage.io.derated(plan.safety_margin)
+    derated = stage.io.derated(plan.request.safety_margin)
     tl = predict(stage, choices_of(plan.placements[:4] + [O] + [K] * 3, 1, sites[:4] + [1] + [None] * 3), io=derated)
     assert tl.layers[4].write_end > tl.layers[4].forward_end
     assert tl.peak_bytes == predict(stage, choices_of(plan.placements, 1, sites), io=derated).peak_bytes
