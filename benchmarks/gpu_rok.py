@@ -48,7 +48,7 @@ def _fewest_steps(mode):
 def _train_point(name, path, mbs, mode, steps=8):
     overrides = [*MODEL, f"micro_batch_size={mbs}", "num_microbatches=1", f"steps={steps}", "baseline_steps=0",
                  "device=cuda", f"offload.paths={path}", "offload.min_tensor_bytes=1048576",
-                 f"offload.planner.mode={mode}", "offload.prefetch_layers=2"]
+                 f"offload.planner.mode={mode}", "offload.default_read_ahead=2"]
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "p.json")
         proc = subprocess.run([sys.executable, "-m", "megatron_ssd.commands.cli", "train", *overrides, "--json", out],

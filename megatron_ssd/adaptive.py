@@ -30,7 +30,7 @@ from .errors import ConfigError
 from .planner.drift import DriftDetector
 from .planner.measured_profile import stage_from_stats
 from .planner.measurement import StepMeasurement
-from .planner.plan import Plan, make_plan
+from .planner.plan import Plan, PlanRequest, make_plan
 from .planner.profile import StageProfile
 from .planner.wear import write_limit_for
 from .io.cuda import CUDA, CudaOps
@@ -211,7 +211,7 @@ class AdaptivePlanner:
     Args:
         cache: the :class:`~megatron_ssd.cache.TensorCache` whose plan is set.
         config: planner settings.
-        prefetch_depth: layers read ahead during backward (the cache's ``prefetch_layers``).
+        default_read_ahead: layers read ahead during backward (the cache's ``default_read_ahead``).
         pipeline_rank, pipeline_size: this process's pipeline stage.
         cuda: the CUDA calls that measure device memory (tests pass a fake).
     """
@@ -220,7 +220,7 @@ class AdaptivePlanner:
         self,
         cache: TensorCache,
         config: PlannerConfig,
-        prefetch_depth: Optional[int] = None,
+        default_read_ahead: Optional[int] = None,
         pipeline_rank: int = 0,
         pipeline_size: int = 1,
         cuda: Optional[CudaOps] = None,
@@ -228,7 +228,7 @@ class AdaptivePlanner:
         self.cache = cache
         self.cuda = cuda if cuda is not None else CUDA
         self.config = config
-        self.prefetch_depth = prefetch_depth or max(1, cache.config.prefetch_layers)
+        self.default_read_ahead = default_read_ahead or max(1, cache.config.default_read_ahead)
         self.pipeline_rank = pipeline_rank
         self.pipeline_size = pipeline_size
         self.events: List[PlanEvent] = []
@@ -393,27 +393,24 @@ class AdaptivePlanner:
 
     def _make_plan(self, step: int, reason: str, profile: Optional[StageProfile] = None) -> None:
         if profile is None:
-            io = self.cache.config.io  # NOTE [In-flight bound]: only a waiting engine bounds the forward
             profile = stage_from_stats(self._keep_steps, self._offload_steps, self.pipeline_rank, self.pipeline_size,
-                                       self._recompute_steps,
-                                       io.max_inflight_bytes if io.on_backpressure == "wait" else None)
+                                       self._recompute_steps, self.cache.config.io.forward_write_bound)
         host_budget = self.host_budget()
         if host_budget and profile.io.host_bytes_per_s is None:  # NOTE [Shared link]: a GPU's SSD bytes cross it
             profile = profile.with_io(dataclasses.replace(profile.io, host_bytes_per_s=self.host_bandwidth(),
                                                           shared_host_link=self.cache.device.type == "cuda"))
         self.profile = profile
-        plan = make_plan(  # PlanInfeasibleError propagates: the budget cannot be met
-            profile,
+        plan = make_plan(profile, PlanRequest(  # PlanInfeasibleError propagates: the budget cannot be met
             memory_budget=self.config.memory_budget,
             safety_margin=self.config.safety_margin,
-            prefetch_depth=self.prefetch_depth,
+            default_read_ahead=self.default_read_ahead,
             allow_recompute=self.config.allow_recompute,
             max_write_bytes_per_s=write_limit_for(self.config, len(self.cache.config.paths)),
             capacity_bytes=self.activation_capacity(),
-            read_ahead=self.config.read_ahead,
+            read_ahead_mode=self.config.read_ahead_mode,
             host_budget_bytes=host_budget,
             max_slowdown=self.config.max_slowdown,
-        )
+        ))
         self._check_space(plan)
         if self.capacity_at_start is not None:  # NOTE [Capacity guard]: the capacity measured now
             self.cache.policy.resident_limit = self.activation_capacity()

@@ -77,7 +77,7 @@ class LayerChoice:
     read_ahead: Optional[IssuePoint] = None
     """OFFLOAD or HOST only: the read is issued when the backward of the layer this many
     layers later starts (>= 1), or one such point per site in save order (>= 0; 0: when
-    the layer's own backward starts). None: ``offload.prefetch_layers``."""
+    the layer's own backward starts). None: ``offload.default_read_ahead``."""
     recompute: Tuple[str, ...] = ()
     """KEEP, OFFLOAD or HOST: the modules of the layer recomputed inside it, of
     :data:`RECOMPUTE_MODULES` (megatron-core's selective recompute, switched on for this
@@ -104,12 +104,12 @@ class LayerChoice:
                 transformer layer, naming the layer and the value.
         """
         choice = value if isinstance(value, LayerChoice) else cls(placement_named(f"plan[{layer_id!r}]", value))
-        sites, depth = choice.sites, choice.read_ahead  # a list of read-aheads is a tuple by now (__post_init__)
+        sites, ahead = choice.sites, choice.read_ahead  # a list of read-aheads is a tuple by now (__post_init__)
         if sites is not None and not _is_int(sites, 0):
             raise ConfigError(f"sites[{layer_id!r}] = {sites!r}: must be an integer >= 0 (sites to move)")
-        if not (depth is None or _is_int(depth, 1)
-                or (isinstance(depth, tuple) and depth and all(_is_int(d, 0) for d in depth))):
-            raise ConfigError(f"read_ahead[{layer_id!r}] = {depth!r}: must be an integer >= 1 or a non-empty list "
+        if not (ahead is None or _is_int(ahead, 1)
+                or (isinstance(ahead, tuple) and ahead and all(_is_int(d, 0) for d in ahead))):
+            raise ConfigError(f"read_ahead[{layer_id!r}] = {ahead!r}: must be an integer >= 1 or a non-empty list "
                               "of integers >= 0, one per site")
         _check_recompute(layer_id, choice)
         return choice

@@ -85,6 +85,12 @@ PEERS: Dict[str, List[str]] = {
 ``megatron-offload``, runs by :func:`native_main` where Transformer Engine is)."""
 
 
+def _default_read_ahead(row: Dict[str, Any]) -> int:
+    """A row's or an offload config's default read-ahead (``prefetch_layers`` in those
+    written before it was named ``default_read_ahead``)."""
+    return row.get("default_read_ahead", row.get("prefetch_layers"))
+
+
 def _cuda_available() -> bool:
     import torch
 
@@ -232,7 +238,7 @@ class Job:
                 "median_step_s": phase["median_step_s"], "bytes_written": phase.get("bytes_written_per_step"),
                 "bytes_to_host": phase.get("bytes_to_host_per_step"), "losses": phase.get("losses"),
                 "num_microbatches": report["config"]["num_microbatches"],
-                "prefetch_layers": report["config"]["offload"]["prefetch_layers"],
+                "default_read_ahead": _default_read_ahead(report["config"]["offload"]),
                 "profile": report["planner"].get("profile"), "plan": plan}
 
     def inferred(self, source: Dict[str, Any], cap: str, cap_bytes: Optional[int], reason: str) -> Dict[str, Any]:
@@ -257,7 +263,7 @@ def add_predictions(rows: List[Dict[str, Any]], keep: Optional[Dict[str, Any]]) 
     the plan's measure): a planner row from its own plan, keep and recompute from the
     first planner run's profile (named in the return value). Also each row's step over
     keep's (``x_keep_step``)."""
-    from megatron_ssd.placement import Placement
+    from megatron_ssd.placement import LayerChoice, Placement
     from megatron_ssd.planner.profile import StageProfile
     from megatron_ssd.planner.step_timeline import predict
 
@@ -274,7 +280,7 @@ def add_predictions(rows: List[Dict[str, Any]], keep: Optional[Dict[str, Any]]) 
             step, peak = r["plan"]["step_s"], r["plan"]["peak_activation_bytes"]
         elif stage is not None and r["placement"] in ("keep", "recompute"):
             placement = Placement.KEEP if r["placement"] == "keep" else Placement.RECOMPUTE
-            t = predict(stage, stage.fixed(placement), prefetch_depth=r["prefetch_layers"])
+            t = predict(stage, [LayerChoice(f, read_ahead=_default_read_ahead(r)) for f in stage.fixed(placement)])
             step, peak = t.step_s, t.peak_bytes
         else:
             continue

@@ -39,7 +39,7 @@ from megatron_ssd.planner.peers import (
     selective_recompute,
     te_cpu_offload,
 )
-from megatron_ssd.planner.plan import Plan, PlanInfeasibleError, make_plan
+from megatron_ssd.planner.plan import Plan, PlanInfeasibleError, PlanRequest, make_plan
 from megatron_ssd.planner.profile import StageProfile
 from megatron_ssd.planner.simulate import (
     SimulationSpec,
@@ -136,10 +136,11 @@ class _Planner:
         if key not in self._cache:
             stage = self.stage if variant == "host" else self.no_host
             try:
-                self._cache[key] = make_plan(
-                    stage, target, self.spec.safety_margin, self.spec.prefetch_depth, True,
+                self._cache[key] = make_plan(stage, PlanRequest(
+                    memory_budget=target, safety_margin=self.spec.safety_margin,
+                    default_read_ahead=self.spec.default_read_ahead, read_ahead_mode=self.spec.read_ahead_mode,
                     max_write_bytes_per_s=self.limit if variant == "ssd" else 0.0, capacity_bytes=self.capacity,
-                    read_ahead=self.spec.read_ahead, host_budget_bytes=host_budget(self.spec) if variant == "host" else None)
+                    host_budget_bytes=host_budget(self.spec) if variant == "host" else None))
             except PlanInfeasibleError as err:
                 self._cache[key] = err
         return self._cache[key]
@@ -217,8 +218,7 @@ def _peer_model_rows(model: str, drive: str, drives_per_node: int, host_ram: flo
             continue
         tl = price(point)
         # the same placement at the bandwidths the planner judges by (derated by its safety margin)
-        derated = predict(point.stage, point.placements, point.read_ahead,
-                          io=point.stage.io.derated(spec.safety_margin), sites=point.sites)
+        derated = predict(point.stage, point.choices, io=point.stage.io.derated(spec.safety_margin))
         fits = planner.capacity is None or tl.peak_bytes <= planner.capacity
         target = tl.peak_bytes if fits else planner.capacity
         row.update({
@@ -385,7 +385,7 @@ def _sizing_model_rows(model: str, drives: Sequence[int], lifetime_years: float,
         s = free.spec
         rows.append({
             "model": model, "seq_len": s.seq_len, "layout": _layout(s), "drives_per_node": count,
-            "activation_capacity_bytes": free.plan.capacity_bytes,
+            "activation_capacity_bytes": free.plan.request.capacity_bytes,
             "keep_peak_bytes": free.plan.keep_peak_activation_bytes,
             "planned_peak_bytes": free.plan.peak_activation_bytes,
             "memory_saved_bytes": free.memory_saved_bytes,

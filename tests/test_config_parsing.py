@@ -10,7 +10,7 @@ import pytest
 
 from megatron_ssd.config import (Bytes, IOConfig, MultipleOf, NonNegative, OffloadConfig, OneOf, PlannerConfig,
                                  Positive, Seconds, Switch, TrainConfig, _settle, from_dict, is_duration_field,
-                                 is_size_field, load_config)
+                                 is_size_field, load_config, to_dict)
 from megatron_ssd.errors import ConfigError
 
 
@@ -93,7 +93,7 @@ def test_unknown_key_in_a_yaml_section_names_its_dotted_key(tmp_path):
     ("offload.planner.drive_count=-1", "PlannerConfig.drive_count = -1: must be >= 0"),
     ("offload.min_tensor_bytes=-1", "OffloadConfig.min_tensor_bytes = -1: must be >= 0"),
     ("offload.keep_last_layers=-1", "OffloadConfig.keep_last_layers = -1: must be >= 0"),
-    ("offload.prefetch_layers=-1", "OffloadConfig.prefetch_layers = -1: must be >= 0"),
+    ("offload.default_read_ahead=-1", "OffloadConfig.default_read_ahead = -1: must be >= 0"),
     ("offload.min_free_bytes=-1GiB", "OffloadConfig.min_free_bytes = -1073741824: must be >= 0"),
     ("offload.host_pool_bytes=-1", "OffloadConfig.host_pool_bytes = -1: must be >= 0 or auto"),
     ("offload.io.stall_warning_s=-1s", "IOConfig.stall_warning_s = -1.0: must be >= 0"),
@@ -211,3 +211,50 @@ def test_sizes_and_durations_follow_the_shipped_annotations():
                      "activation_capacity_bytes", "drive_tbw_bytes", "min_tensor_bytes", "min_free_bytes",
                      "host_pool_bytes", "staging_ring_bytes", "host_copy_bytes_per_s", "device_memory_cap"}
     assert [n for n in IOConfig.__dataclass_fields__ if is_duration_field(IOConfig, n)] == ["stall_warning_s"]
+
+
+@pytest.fixture
+def fresh_warnings(monkeypatch):
+    """Each deprecated key warns once per process: start from none warned."""
+    from megatron_ssd.config import schema
+    monkeypatch.setattr(schema, "_WARNED", set())
+
+
+def _deprecation_lines(caplog):
+    return [r.getMessage() for r in caplog.records if "is deprecated" in r.getMessage()]
+
+
+def test_a_renamed_key_is_read_as_its_new_one_with_one_warning(tmp_path, caplog, fresh_warnings):
+    f = tmp_path / "train.yaml"
+    f.write_text("offload:\n  prefetch_layers: 3\n  planner:\n    read_ahead: fixed\n")
+    with caplog.at_level("WARNING", logger="megatron_ssd"):
+        for _ in range(2):  # loaded twice, as the flags are checked then applied: still one line each
+            cfg = load_config(TrainConfig, str(f))
+    assert (cfg.offload.default_read_ahead, cfg.offload.planner.read_ahead_mode) == (3, "fixed")
+    assert sorted(_deprecation_lines(caplog)) == [
+        "megatron_ssd: offload.planner.read_ahead is deprecated; use offload.planner.read_ahead_mode",
+        "megatron_ssd: offload.prefetch_layers is deprecated; use offload.default_read_ahead",
+    ]
+    assert load_config(OffloadConfig, None, ["prefetch_layers=2"]).default_read_ahead == 2  # an override too
+    assert "prefetch_layers" not in to_dict(cfg.offload) and "default_read_ahead" in to_dict(cfg.offload)
+
+
+def test_a_renamed_key_and_its_new_one_must_agree(fresh_warnings):
+    same = load_config(TrainConfig, None, ["offload.prefetch_layers=2", "offload.default_read_ahead=2"])
+    assert same.offload.default_read_ahead == 2
+    with pytest.raises(ConfigError) as info:
+        load_config(TrainConfig, None, ["offload.planner.read_ahead=fixed", "offload.planner.read_ahead_mode=auto"])
+    assert str(info.value) == (
+        "megatron_ssd: PlannerConfig: offload.planner.read_ahead = 'fixed' and offload.planner.read_ahead_mode = "
+        "'auto' are both given: offload.planner.read_ahead is the deprecated name of "
+        "offload.planner.read_ahead_mode; give only offload.planner.read_ahead_mode")
+
+
+def test_simulate_reads_its_renamed_keys(caplog, fresh_warnings):
+    from megatron_ssd.planner.simulation_spec import SimulationSpec
+    with caplog.at_level("WARNING", logger="megatron_ssd"):
+        spec = load_config(SimulationSpec, None, ["prefetch_depth=3", "read_ahead=fixed"])
+    assert (spec.default_read_ahead, spec.read_ahead_mode) == (3, "fixed")
+    assert len(_deprecation_lines(caplog)) == 2
+    with pytest.raises(ConfigError, match=r"prefetch_depth = '3' and default_read_ahead = '4' are both given"):
+        load_config(SimulationSpec, None, ["prefetch_depth=3", "default_read_ahead=4"])

@@ -93,7 +93,7 @@ class FineGrainedRule(PeerRule):
         self._seen: Set[Group] = set()
         self.offloaded: Optional[Set[Group]] = None
         """The groups chosen to move (None: still warming up)."""
-        self.depth: Dict[Group, int] = {}
+        self.group_read_ahead: Dict[Group, int] = {}
         """Per moved group, layers ahead its read is issued."""
         self._site_group: Dict[Tuple[Hashable, int], Group] = {}
 
@@ -119,17 +119,17 @@ class FineGrainedRule(PeerRule):
         (:func:`~megatron_ssd.peer_rule.fine_grained_choice`)."""
         chosen = fine_grained_choice([(layer, name, True) for layer, name in self.groups], self.fraction)
         self.offloaded = {self.groups[g] for g in chosen}
-        self.depth = {self.groups[g]: depth for g, depth in chosen.items()}
+        self.group_read_ahead = {self.groups[g]: ahead for g, ahead in chosen.items()}
 
     def read_ahead(self, layers: Sequence[Hashable], layer_id: Hashable, site: Optional[int]) -> Optional[int]:
-        if not self.depth:
+        if not self.group_read_ahead:
             return None
         if site is not None and (layer_id, site) in self._site_group:
-            found = self.depth.get(self._site_group[(layer_id, site)])
+            found = self.group_read_ahead.get(self._site_group[(layer_id, site)])
             if found is not None:
                 return found
-        depths = [d for (layer, _), d in self.depth.items() if layer == layer_id]
-        return min(depths) if depths else None
+        aheads = [d for (layer, _), d in self.group_read_ahead.items() if layer == layer_id]
+        return min(aheads) if aheads else None
 
 
 class FirstLayersRule(PeerRule):

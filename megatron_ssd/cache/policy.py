@@ -71,7 +71,7 @@ class PlacementPolicy:
     """The plan the cache runs and the rules for everything it does not name.
 
     Args:
-        config: ``keep_last_layers``, ``prefetch_layers`` and ``min_tensor_bytes``.
+        config: ``keep_last_layers``, ``default_read_ahead`` and ``min_tensor_bytes``.
         host_available: whether a host pool exists (``Placement.HOST`` needs one).
     """
 
@@ -203,15 +203,15 @@ class PlacementPolicy:
     def read_ahead(self, layer_id: Hashable, site: Optional[int] = None) -> int:
         """Layers ahead that the read of ``layer_id``'s ``site`` is issued (NOTE [Write
         and read issue points]): the plan's, else the peer rule's, else
-        ``prefetch_layers``; with no site (a tensor under ``min_tensor_bytes``, or
+        ``default_read_ahead``; with no site (a tensor under ``min_tensor_bytes``, or
         one a later layer saved again), or a site past a per-site list, the layer's
         earliest."""
         choice = self.state.choices.get(layer_id)
-        depth = choice.read_ahead if choice is not None else None
-        if depth is None and self.rule is not None:
-            depth = self.rule.read_ahead(self.layers, layer_id, site)
-        if depth is None:
-            depth = self.config.prefetch_layers
-        if isinstance(depth, int):
-            return depth
-        return depth[site] if site is not None and site < len(depth) else max(depth)
+        ahead = choice.read_ahead if choice is not None else None
+        if ahead is None and self.rule is not None:
+            ahead = self.rule.read_ahead(self.layers, layer_id, site)
+        if ahead is None:
+            ahead = self.config.default_read_ahead
+        if isinstance(ahead, int):
+            return ahead
+        return ahead[site] if site is not None and site < len(ahead) else max(ahead)

@@ -253,7 +253,7 @@ class TensorCache:
         when the backward of the layer that many layers later starts (NOTE [Write and
         read issue points] in ``planner/step_timeline.py``); or one such point per site in
         save order, where 0 issues the site's read when its own layer's backward starts;
-        None reads ``prefetch_layers`` ahead. Its ``sites`` limits an OFFLOAD or HOST
+        None reads ``default_read_ahead`` ahead. Its ``sites`` limits an OFFLOAD or HOST
         layer to its first k sites (offloadable tensors in save order, NOTE [Sites] in
         ``planner/profile.py``); the rest are kept; None moves all. The plan applies from
         the next tensor saved; set it between steps.
@@ -379,7 +379,7 @@ class TensorCache:
 
         Issues the reads due now, needed-first: this layer's (if not yet issued) and
         those of the layers before it in forward order whose read-ahead (``set_plan``'s
-        ``read_ahead``, per layer or per site, else ``prefetch_layers``) reaches this
+        ``read_ahead``, per layer or per site, else ``default_read_ahead``) reaches this
         layer. After a recomputed layer's backward, trims the heap (NOTE [Returning
         freed pages]).
         """

@@ -12,6 +12,7 @@ from typing import List
 
 from ..config import (IOConfig, ModelConfig, OffloadConfig, PeerConfig, PlannerConfig, TrainConfig, field_docs,
                      is_duration_field, is_size_field, takes_auto, to_dict)
+from ..config.schema import renamed_keys
 
 __all__ = ["configuration_reference"]
 
@@ -79,6 +80,9 @@ def configuration_reference() -> str:
                 f"| `{prefix}{f.name}` | {_kind(cls, f.name, hints[f.name])} | `{default!r}` | {docs.get(f.name, '')} |"
             )
         lines.append("")
+        renamed = [f"`{prefix}{old}` (now `{prefix}{new}`)" for old, new in renamed_keys(cls).items()]
+        if renamed:
+            lines += [f"Deprecated keys, still read with one warning: {', '.join(renamed)}.", ""]
     return "\n".join(lines)
 
 

@@ -20,7 +20,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 from ..planner.measured_profile import median_or_zero
 from ..config import TrainConfig, load_config, to_dict
-from ..placement import Placement
+from ..placement import LayerChoice, Placement
 from ..errors import ConfigError, MegatronSSDError
 from ..io.scratch import default_offload_dir, make_private_dir
 from ..io.pacing import parse_rate
@@ -411,11 +411,12 @@ def add_predictions(points: List[Dict[str, Any]], reports: Dict[str, Dict[str, A
         if report is None:
             continue
         mbs = report["config"]["num_microbatches"]
-        depth = report["config"]["offload"]["prefetch_layers"]
+        offload = report["config"]["offload"]  # prefetch_layers in reports written before
+        read_ahead = offload.get("default_read_ahead", offload.get("prefetch_layers"))
         if p["placement"].startswith(KEEP_LAST):
             fixed[p["placement"]] = stage.fixed(Placement.OFFLOAD, report["config"]["offload"]["keep_last_layers"])
         if p["placement"] in fixed:
-            t = predict(stage, fixed[p["placement"]], prefetch_depth=depth)
+            t = predict(stage, [LayerChoice(f, read_ahead=read_ahead) for f in fixed[p["placement"]]])
             p["predicted_exposed_s"] = t.exposed_s
             p["predicted_step_s"] = t.step_s
             p["predicted_peak_activation_bytes"] = t.peak_bytes

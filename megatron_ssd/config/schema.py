@@ -17,12 +17,13 @@ import difflib
 import enum
 import functools
 import inspect
+import logging
 import math
 import re
 import textwrap
 import typing
 from dataclasses import dataclass
-from typing import Annotated, Any, Dict, List, Mapping, Optional, Sequence, Tuple, Type, TypeVar
+from typing import Annotated, Any, Dict, List, Mapping, Optional, Sequence, Set, Tuple, Type, TypeVar
 
 from ..errors import ConfigError, shown
 from .files import read_config_file
@@ -39,9 +40,13 @@ __all__ = [
     "is_size_field",
     "is_duration_field",
     "takes_auto",
+    "renamed_keys",
+    "warn_renamed",
 ]
 
 T = TypeVar("T")
+
+logger = logging.getLogger(__name__)
 
 
 # --------------------------------------------------------------------------- validation
@@ -366,10 +371,52 @@ def _unknown_key(cls: type, key: str, root: Optional[type] = None, prefix: str =
     return ConfigError(f"{cls.__name__}: unknown key {shown(prefix + key)}{hint}")
 
 
+def renamed_keys(cls: type) -> Dict[str, str]:
+    """The deprecated keys of config class ``cls``, each with the field it now names: a
+    class lists them as ``_renamed_keys = {"old": "new"}``; a file or an override may still
+    use the old key (:func:`from_dict` maps it, with one warning)."""
+    return getattr(cls, "_renamed_keys", {})
+
+
+_WARNED: Set[Tuple[str, str]] = set()
+
+
+def warn_renamed(old: str, new: str) -> None:
+    """Log, once per process, that ``old`` (a key or a flag) is deprecated for ``new``."""
+    if (old, new) not in _WARNED:
+        _WARNED.add((old, new))
+        logger.warning("megatron_ssd: %s is deprecated; use %s", old, new)
+
+
+def _new_names(cls: type, data: Mapping[str, Any], prefix: str) -> Mapping[str, Any]:
+    """``data`` with each deprecated key of ``cls`` under its new name.
+
+    Raises:
+        ConfigError: an old key and its new one are both given, with different values.
+    """
+    renamed = {old: new for old, new in renamed_keys(cls).items() if old in data}
+    if not renamed:
+        return data
+    out = dict(data)
+    hints = _type_hints(cls)
+    for old, new in renamed.items():
+        value = out.pop(old)
+        if new in out and (_coerce(cls.__name__, new, hints[new], out[new])
+                           != _coerce(cls.__name__, new, hints[new], value)):
+            raise ConfigError(f"{cls.__name__}: {prefix}{old} = {shown(value)} and {prefix}{new} = {shown(out[new])} "
+                              f"are both given: {prefix}{old} is the deprecated name of {prefix}{new}; give only "
+                              f"{prefix}{new}")
+        out.setdefault(new, value)
+        warn_renamed(prefix + old, prefix + new)
+    return out
+
+
 def from_dict(cls: Type[T], data: Mapping[str, Any], _root: Optional[type] = None, _prefix: str = "") -> T:
-    """Build a config dataclass from a mapping, rejecting unknown keys."""
+    """Build a config dataclass from a mapping, rejecting unknown keys (a deprecated key,
+    :func:`renamed_keys`, is read as its new one)."""
     if not isinstance(data, Mapping):
         raise ConfigError(f"{cls.__name__}: expected a mapping, got {type(data).__name__}")
+    data = _new_names(cls, data, _prefix)
     hints = _type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}
     kwargs = {}
@@ -414,7 +461,7 @@ def apply_overrides(cls: Type[T], data: Dict[str, Any], overrides: Sequence[str]
         parts = dotted.strip().split(".")
         node, node_cls = data, cls
         for i, part in enumerate(parts):
-            names = {f.name for f in dataclasses.fields(node_cls)}
+            names = {f.name for f in dataclasses.fields(node_cls)} | set(renamed_keys(node_cls))
             if part not in names:
                 raise _unknown_key(node_cls, part, cls, "".join(p + "." for p in parts[:i]),
                                    "".join("." + p for p in parts[i + 1:]))

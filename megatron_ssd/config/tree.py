@@ -20,7 +20,7 @@ from ..units import KiB, MiB, gib
 from .host_pool import local_ranks
 from .rules import (AtLeast, AtMost, ByteCount, Directories, Duration, InRange, MultipleOf, NonNegative, OneOf, OrAuto,
                     Positive, Switch, same_directory)
-from .schema import _broken, _settle
+from .schema import _broken, _settle, renamed_keys
 
 __all__ = [
     "CAPACITY_RESERVE",
@@ -120,6 +120,19 @@ class IOConfig:
     def __post_init__(self) -> None:
         _settle(self)
 
+    @property
+    def forward_write_bound(self) -> Optional[int]:
+        """The write bytes in flight that a forward waits below: ``max_inflight_bytes``
+        when ``on_backpressure`` is ``wait``; None with ``keep``, where a tensor past it is
+        kept instead (the planner's ``IOProfile.max_inflight_bytes``, NOTE [In-flight
+        bound] in ``planner/step_timeline.py``)."""
+        return self.max_inflight_bytes if self.on_backpressure == "wait" else None
+
+    def staging_ring_slices(self) -> int:
+        """Block slices of the staging ring: ``staging_ring_bytes`` up to
+        ``max_inflight_bytes`` (no more bytes are ever in flight), in whole ``block_bytes``."""
+        return min(self.staging_ring_bytes, self.max_inflight_bytes) // self.block_bytes
+
 
 @dataclass
 class PlannerConfig:
@@ -196,11 +209,13 @@ class PlannerConfig:
     time, that triggers a re-plan; in (0, 1). One layer's time re-plans at three times
     this (NOTE [Compute drift by stage])."""
 
-    read_ahead: Annotated[str, OneOf("auto", "fixed")] = "auto"
+    _renamed_keys = {"read_ahead": "read_ahead_mode"}  # deprecated keys, read as the new (schema.renamed_keys)
+
+    read_ahead_mode: Annotated[str, OneOf("auto", "fixed")] = "auto"
     """When each offloaded layer's read is issued during backward: ``auto``, as late as
     the plan predicts it still arrives in time, chosen per layer and then per site, a
     site's read due by when backward first uses it (NOTE [Just-in-time reads]);
-    ``fixed``, ``prefetch_layers`` layers ahead for every layer."""
+    ``fixed``, ``default_read_ahead`` layers ahead for every layer."""
 
     drive_tbw_bytes: Optional[Annotated[ByteCount, Positive()]] = None
     """Rated write endurance of one offload drive, in bytes (TBW; DWPD x capacity x
@@ -318,8 +333,11 @@ class OffloadConfig:
     """How many of the last registered layers stay in memory by default: their backward
     runs first, so a read could not be hidden."""
 
-    prefetch_layers: Annotated[int, NonNegative()] = 1
-    """How many layers ahead of the running backward layer to read back."""
+    _renamed_keys = {"prefetch_layers": "default_read_ahead"}  # deprecated keys (schema.renamed_keys)
+
+    default_read_ahead: Annotated[int, NonNegative()] = 1
+    """How many layers ahead of the running backward layer to read back, where the plan sets
+    no read-ahead of its own."""
 
     device: str = "auto"
     """Compute device whose tensors are offloaded: ``auto`` (CUDA when available,
@@ -422,8 +440,7 @@ class OffloadConfig:
         pool = 0 if self.host_pool_bytes == "auto" else self.host_pool_bytes
         parts = {"io.block_bytes": 2 * io.threads * io.block_bytes, "host_pool_bytes": pool}
         if self.device != "cpu":  # the staging ring, wherever CUDA tensors may come
-            parts["io.staging_ring_bytes"] = min(io.staging_ring_bytes, io.max_inflight_bytes) // io.block_bytes \
-                * io.block_bytes
+            parts["io.staging_ring_bytes"] = io.staging_ring_slices() * io.block_bytes
         return parts
 
     def _check_host_memory(self) -> None:
@@ -583,7 +600,7 @@ class TrainConfig:
         (:func:`~.schema.load_config` calls it with the file's top-level mapping)."""
         keys = {k for k in data if isinstance(k, str)}
         train_keys = {f.name for f in dataclasses.fields(TrainConfig)}
-        offload_keys = {f.name for f in dataclasses.fields(OffloadConfig)}
+        offload_keys = {f.name for f in dataclasses.fields(OffloadConfig)} | set(renamed_keys(OffloadConfig))
         if keys - train_keys and keys <= offload_keys:
             raise ConfigError(
                 f"config file {path!r}: holds OffloadConfig fields ({', '.join(sorted(keys))}), not a TrainConfig: "

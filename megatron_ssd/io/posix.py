@@ -93,7 +93,7 @@ class PosixBackend(BlockBackend):
         gpu = staging and services.cuda_offload
         self.pool = BufferPool.from_config(io, pin=gpu, cuda=self.cuda)
         """Block-sized staging buffers, one per worker (NOTE [Staging buffers])."""
-        slices = min(io.staging_ring_bytes, io.max_inflight_bytes) // io.block_bytes if gpu else 0
+        slices = io.staging_ring_slices() if gpu else 0
         self.ring: Optional[BufferPool] = BufferPool(slices, io.block_bytes, pin=True, cuda=self.cuda) if slices \
             else None
         """The staging ring: pinned block slices CUDA writes are copied into at submit

@@ -23,6 +23,7 @@ import re
 from typing import Any, Callable, List, NamedTuple, Optional, Tuple
 
 from ..config import OffloadConfig, PLANNER_MODES, load_config
+from ..config.schema import warn_renamed
 from ..config.rules import same_directory
 from ..errors import ConfigError
 from ..io.rundir import check_offload_path
@@ -31,6 +32,7 @@ from . import compat
 
 __all__ = [
     "SSD_FLAGS",
+    "RENAMED_FLAGS",
     "add_ssd_offload_args",
     "ssd_offload_help",
     "chain_args_providers",
@@ -56,7 +58,7 @@ class _Flag(NamedTuple):
 
     @property
     def dest(self) -> str:
-        return self.flag[2:].replace("-", "_")
+        return _dest(self.flag)
 
 
 SSD_FLAGS: Tuple[_Flag, ...] = (
@@ -105,8 +107,9 @@ SSD_FLAGS: Tuple[_Flag, ...] = (
         "(their backward runs first, so their read could not be hidden). [keep_last_layers]",
     ),
     _Flag(
-        "--ssd-offload-prefetch-layers", "prefetch_layers", "N", None, int,
-        "Layers read back ahead of the layer whose backward is running. [prefetch_layers]",
+        "--ssd-offload-default-read-ahead", "default_read_ahead", "N", None, int,
+        "Layers read back ahead of the layer whose backward is running, where the plan "
+        "sets no read-ahead of its own. [default_read_ahead]",
     ),
     _Flag(
         "--ssd-offload-io-threads", "io.threads", "N", None, int,
@@ -128,6 +131,14 @@ SSD_FLAGS: Tuple[_Flag, ...] = (
         "and CUDA) or auto (posix: kvikio only when asked for, until it is measured on a GPU). [io.engine]",
     ),
 )
+
+RENAMED_FLAGS = {"--ssd-offload-prefetch-layers": "--ssd-offload-default-read-ahead"}
+"""Deprecated flags, each with the flag of :data:`SSD_FLAGS` it stands for: still read,
+with one warning."""
+
+
+def _dest(flag: str) -> str:
+    return flag[2:].replace("-", "_")
 
 
 def add_ssd_offload_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -161,6 +172,10 @@ def add_ssd_offload_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     )
     for f in SSD_FLAGS:
         group.add_argument(f.flag, dest=f.dest, default=None, type=f.kind, choices=f.choices, metavar=f.metavar, help=f.help)
+    for old, new in RENAMED_FLAGS.items():
+        flag = next(f for f in SSD_FLAGS if f.flag == new)
+        group.add_argument(old, dest=_dest(old), default=None, type=flag.kind, metavar=flag.metavar,
+                           help=f"Deprecated: use {new}.")
     return parser
 
 
@@ -210,6 +225,15 @@ def _flag_overrides(args: Any) -> List[Tuple[str, str, str]]:
         given.append(("--ssd-offload-paths", "paths", paths))
     for f in SSD_FLAGS:
         value = getattr(args, f.dest, None)
+        old = next((o for o, n in RENAMED_FLAGS.items() if n == f.flag), None)
+        old_value = None if old is None else getattr(args, _dest(old), None)
+        if old_value is not None:
+            if value is not None and value != old_value:
+                raise ConfigError(f"{old} = {str(old_value)!r} and {f.flag} = {str(value)!r} are both given: {old} "
+                                  f"is the deprecated name of {f.flag}; give only {f.flag}")
+            warn_renamed(old, f.flag)
+            if value is None:
+                given.append((old, f.field, str(old_value)))
         if value is not None:
             given.append((f.flag, f.field, str(value)))
     return given

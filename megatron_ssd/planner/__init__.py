@@ -17,6 +17,7 @@ from .plan import (
     LayerPlan,
     Plan,
     PlanInfeasibleError,
+    PlanRequest,
     make_plan,
 )
 from .measured_profile import stage_from_stats
@@ -54,6 +55,7 @@ __all__ = [
     "PLAN_SCHEMA",
     "Plan",
     "PlanInfeasibleError",
+    "PlanRequest",
     "SimulationResult",
     "SimulationSpec",
     "StageProfile",

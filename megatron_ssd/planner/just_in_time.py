@@ -1,7 +1,7 @@
 """Just-in-time reads: each offloaded layer's, then each site's, read issued as late as
-it still arrives in time (``make_plan(..., read_ahead="auto")``).
+it still arrives in time (``make_plan(..., read_ahead_mode="auto")``).
 
-:func:`just_in_time` plans placements at each depth of a ladder, keeps the best, then
+:func:`just_in_time` plans placements at each read-ahead of a ladder, keeps the best, then
 lowers each layer's and each site's read-ahead while the timeline model
 (:func:`~megatron_ssd.planner.step_timeline.predict`) predicts no longer step, stall,
 forwarding or higher peak; NOTE [Just-in-time reads] below says why and in what order.
@@ -24,9 +24,9 @@ __all__ = ["just_in_time"]
 # With one read-ahead for every layer, a layer's read must fit in the backward of the
 # read-ahead layers after it, which at GPU speed is far less than a large layer's read
 # takes; with every read issued at the first backward, read buffers pile up early and
-# the peak grows. ``read_ahead="auto"`` chooses in three passes. (1) Placements are planned
-# at each depth of a geometric ladder (1, 2, 4, ... up to the layer count, and the
-# configured depth): the plan with the smallest predicted peak among those that hide
+# the peak grows. ``read_ahead_mode="auto"`` chooses in three passes. (1) Placements are planned
+# at each read-ahead of a geometric ladder (1, 2, 4, ... up to the layer count, and the
+# configured default): the plan with the smallest predicted peak among those that hide
 # all I/O, or with no such plan (a budget or the device's capacity binds), the one with
 # the shortest predicted step, then the fewest bytes written (least drive wear), then
 # the smallest peak. (2) Each offloaded layer's read is then issued as late as it can be
@@ -45,7 +45,7 @@ __all__ = ["just_in_time"]
 # ``TensorCache.set_plan``).
 
 
-def _depth_ladder(first: int, n: int) -> List[int]:
+def _read_ahead_ladder(first: int, n: int) -> List[int]:
     ladder, d = {min(first, max(n, 1))}, 1
     while d < n:
         ladder.add(d)
@@ -57,18 +57,18 @@ def _depth_ladder(first: int, n: int) -> List[int]:
 def just_in_time(
     stage: StageProfile,
     choose: Callable[[int], Tuple[Choices, str, Timeline]],
-    prefetch_depth: int,
+    default_read_ahead: int,
     safety_margin: float,
     allowed: Callable[[Choices, Timeline], bool],
 ) -> Tuple[Choices, str]:
-    """The choices, each with its read-ahead, and the goal for ``read_ahead="auto"``
+    """The choices, each with its read-ahead, and the goal for ``read_ahead_mode="auto"``
     (NOTE [Just-in-time reads]).
 
     Args:
         stage: The stage planned.
-        choose: Plans placements at one read-ahead depth: ``(choice, goal, timeline)``,
+        choose: Plans placements at one read-ahead for every layer: ``(choice, goal, timeline)``,
             or raises :class:`PlanInfeasibleError`.
-        prefetch_depth: The configured depth, tried with the ladder's.
+        default_read_ahead: The configured read-ahead, tried with the ladder's.
         safety_margin: Bandwidth derating of the second judgement.
         allowed: Whether a trial's choices and derated timeline keep the plan's other
             bounds (wear, capacity).
@@ -76,15 +76,15 @@ def just_in_time(
     n = len(stage.layers)
     candidates = []
     failure: Optional[PlanInfeasibleError] = None
-    for depth in _depth_ladder(prefetch_depth, n):
+    for ahead in _read_ahead_ladder(default_read_ahead, n):
         try:
-            choice, goal, tl = choose(depth)
+            choice, goal, tl = choose(ahead)
         except PlanInfeasibleError as err:
             if failure is None or err.smallest_peak < failure.smallest_peak:
                 failure = err
             continue
         written = tl.offloaded_bytes
-        candidates.append((choice, goal, tl, written, depth))
+        candidates.append((choice, goal, tl, written, ahead))
     if not candidates:
         assert failure is not None
         raise failure
@@ -93,8 +93,8 @@ def just_in_time(
         best = min(hidden, key=lambda c: (c[2].peak_bytes, c[3], c[4]))
     else:
         best = min(candidates, key=lambda c: (round(c[2].step_s, 12), c[3], c[2].peak_bytes, c[4]))
-    chosen, goal, tl, _, depth = best
-    choices = [dataclasses.replace(c, read_ahead=depth) for c in chosen]
+    chosen, goal, tl, _, ahead = best
+    choices = [dataclasses.replace(c, read_ahead=ahead) for c in chosen]
     derated = stage.io.derated(safety_margin)
     judged = [tl, replay(stage, choices, io=derated)]
 
@@ -118,7 +118,7 @@ def just_in_time(
     for i in range(n - 1, -1, -1):  # whole layers
         if not choices[i].moved:
             continue
-        for later in range(1, depth):
+        for later in range(1, ahead):
             trial = changed(i, read_ahead=later)
             if no_worse(trial):
                 choices = trial

@@ -22,12 +22,12 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
-from ..placement import OUTSIDE, Placement
+from ..placement import OUTSIDE, LayerChoice, Placement
 from ..errors import ConfigError
 from ..peer_rule import (FGO_MIN_TENSOR_ELEMENTS, FGO_MODULES, TE_MIN_TENSOR_ELEMENTS, fine_grained_choice,
                          fine_grained_member, first_layers_placement, first_layers_read_ahead)
 from .profile import LayerId, LayerProfile, StageProfile
-from .step_timeline import ReadAhead, Timeline, predict
+from .step_timeline import Timeline, predict
 
 __all__ = [
     "LayerAnatomy",
@@ -118,25 +118,23 @@ class PeerPoint:
     stage: StageProfile
     """The stage as the rule sees it: sites reordered so the moved ones come first, and
     selectively recomputed layers rewritten (the planner's own profile is unchanged)."""
-    placements: List[Placement]
-    """Per layer of ``stage``."""
-    sites: List[Optional[int]]
-    """Per HOST layer, how many of its (reordered) sites move; None: all."""
-    read_ahead: List[ReadAhead]
-    """Per layer, when its reads are issued (NOTE [Write and read issue points])."""
+    choices: List[LayerChoice]
+    """Per layer of ``stage``: its placement; on a HOST layer how many of its (reordered)
+    sites move (None: all) and when each site's read is issued (NOTE [Write and read issue
+    points])."""
     refused: Optional[str] = None
     """Why Megatron refuses this setting for this stage (then it is not priced)."""
 
     @property
     def host_layers(self) -> int:
         """Transformer layers that move some of their tensors to host memory."""
-        return sum(1 for lp, p in zip(self.stage.layers, self.placements)
-                   if p is Placement.HOST and lp.layer_id not in OUTSIDE)
+        return sum(1 for lp, c in zip(self.stage.layers, self.choices)
+                   if c.placement is Placement.HOST and lp.layer_id not in OUTSIDE)
 
     @property
     def recompute_layers(self) -> int:
         """Transformer layers that recompute (all or part of) their forward."""
-        return sum(1 for p in self.placements if p is Placement.RECOMPUTE)
+        return sum(1 for c in self.choices if c.placement is Placement.RECOMPUTE)
 
 
 def price(point: PeerPoint) -> Timeline:
@@ -149,7 +147,7 @@ def price(point: PeerPoint) -> Timeline:
     """
     if point.refused:
         raise ConfigError(f"{point.peer} {point.setting}: not priced, Megatron refuses it ({point.refused})")
-    return predict(point.stage, point.placements, point.read_ahead, sites=point.sites)
+    return predict(point.stage, point.choices)
 
 
 def _inside(stage: StageProfile) -> List[int]:
@@ -168,7 +166,7 @@ def _anatomy_of(anatomy: Mapping[LayerId, LayerAnatomy], layer: LayerProfile) ->
 def keep_everything(stage: StageProfile) -> PeerPoint:
     """Every layer KEEP: the reference each point is compared with."""
     n = len(stage.layers)
-    return PeerPoint("keep", "", stage, [Placement.KEEP] * n, [None] * n, [1] * n)
+    return PeerPoint("keep", "", stage, [LayerChoice(Placement.KEEP)] * n)
 
 
 def _moved_first(layer: LayerProfile, moved: Sequence[int]) -> LayerProfile:
@@ -182,25 +180,22 @@ def _moved_first(layer: LayerProfile, moved: Sequence[int]) -> LayerProfile:
 
 
 def _hosted(peer: str, setting: str, stage: StageProfile, moved: Mapping[int, List[int]],
-            depth: Mapping[int, Mapping[int, int]]) -> PeerPoint:
+            read_ahead: Mapping[int, Mapping[int, int]]) -> PeerPoint:
     """A point moving, per layer index, the sites ``moved`` to host memory, each site's
-    read issued ``depth[i][site]`` layers ahead."""
-    layers, placements, sites, ahead = [], [], [], []
+    read issued ``read_ahead[i][site]`` layers ahead."""
+    layers, choices = [], []
     for i, layer in enumerate(stage.layers):
         chosen = moved.get(i, [])
         if not chosen:
             layers.append(layer)
-            placements.append(Placement.KEEP)
-            sites.append(None)
-            ahead.append(1)
+            choices.append(LayerChoice(Placement.KEEP))
             continue
         order = sorted(chosen) + [s for s in range(len(layer.sites)) if s not in set(chosen)]
         layers.append(_moved_first(layer, chosen))
-        placements.append(Placement.HOST)
-        sites.append(None if len(chosen) == len(layer.sites) else len(chosen))
         # kept sites carry a read-ahead too (unused); a moved site's is its own
-        ahead.append([depth[i].get(s, 1) for s in order])
-    return PeerPoint(peer, setting, dataclasses.replace(stage, layers=layers), placements, sites, ahead)
+        choices.append(LayerChoice(Placement.HOST, None if len(chosen) == len(layer.sites) else len(chosen),
+                                   tuple(read_ahead[i].get(s, 1) for s in order)))
+    return PeerPoint(peer, setting, dataclasses.replace(stage, layers=layers), choices)
 
 
 # NOTE [Fine-grained offload, priced]
@@ -268,14 +263,14 @@ def megatron_fine_grained(
             groups.append((i, name, members))
     chosen = fine_grained_choice([(i, name, bool(members)) for i, name, members in groups], fraction)
     moved: Dict[int, List[int]] = {}
-    depth: Dict[int, Dict[int, int]] = {}
+    read_ahead: Dict[int, Dict[int, int]] = {}
     for g, ahead in chosen.items():
         i, _, members = groups[g]
         moved.setdefault(i, []).extend(members)
         for s in members:
-            depth.setdefault(i, {})[s] = ahead
+            read_ahead.setdefault(i, {})[s] = ahead
     setting = f"fraction {fraction:g}"
-    return _hosted("megatron-fine-grained", setting, stage, moved, depth)
+    return _hosted("megatron-fine-grained", setting, stage, moved, read_ahead)
 
 
 def te_cpu_offload(stage: StageProfile, anatomy: Mapping[LayerId, LayerAnatomy], num_layers: int,
@@ -305,14 +300,14 @@ def te_cpu_offload(stage: StageProfile, anatomy: Mapping[LayerId, LayerAnatomy],
         return point
     ahead = first_layers_read_ahead(total, num_layers)
     moved: Dict[int, List[int]] = {}
-    depth: Dict[int, Dict[int, int]] = {}
+    read_ahead: Dict[int, Dict[int, int]] = {}
     for index, i in enumerate(inside):
         layer = stage.layers[i]
         roles = _anatomy_of(anatomy, layer)
         moved[i] = [s for s in range(len(layer.sites)) if first_layers_placement(
             index, roles.elements(s, layer.sites[s]), num_layers, min_tensor_elements) is Placement.HOST]
-        depth[i] = {s: ahead for s in moved[i]}
-    return _hosted("te-cpu-offload", setting, stage, moved, depth)
+        read_ahead[i] = {s: ahead for s in moved[i]}
+    return _hosted("te-cpu-offload", setting, stage, moved, read_ahead)
 
 
 def full_recompute(stage: StageProfile, num_layers: Optional[int] = None) -> PeerPoint:
@@ -326,8 +321,7 @@ def full_recompute(stage: StageProfile, num_layers: Optional[int] = None) -> Pee
         raise ConfigError(f"recompute_num_layers = {num_layers!r}: must be an integer in [1, {len(inside)}]")
     placements = [Placement.RECOMPUTE if i in set(chosen) else Placement.KEEP for i in range(len(stage.layers))]
     setting = "full, uniform" if num_layers is None else f"full, block {num_layers}"
-    n = len(stage.layers)
-    return PeerPoint("megatron-recompute", setting, stage, placements, [None] * n, [1] * n)
+    return PeerPoint("megatron-recompute", setting, stage, [LayerChoice(p) for p in placements])
 
 
 def selective_recompute(stage: StageProfile, anatomy: Mapping[LayerId, LayerAnatomy],
@@ -362,6 +356,5 @@ def selective_recompute(stage: StageProfile, anatomy: Mapping[LayerId, LayerAnat
             site_use=None if layer.site_use is None or not sites else [layer.site_use[s] for s in freed],
             recompute_s=share * layer.forward_s))
         placements.append(Placement.RECOMPUTE)
-    n = len(stage.layers)
     return PeerPoint("megatron-recompute", "selective " + ", ".join(modules), dataclasses.replace(stage, layers=layers),
-                     placements, [None] * n, [1] * n)
+                     [LayerChoice(p) for p in placements])

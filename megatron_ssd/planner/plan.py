@@ -18,7 +18,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import numbers
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
@@ -26,11 +25,12 @@ from ..config import from_dict, to_dict
 from ..placement import MOVED, LayerChoice, Placement
 from ..errors import ConfigError, shown
 from .profile import IOProfile, LayerId, StageProfile
+from .request import READ_AHEAD_MODES, PlanRequest
 from .just_in_time import just_in_time
 from .module_recompute import with_recompute
 from .search import (GOAL_CAPACITY, GOAL_MAX_OFFLOAD, GOAL_MEMORY_BUDGET, Choices, PlacementSearch,
                      PlanInfeasibleError, replay)
-from .step_timeline import ReadAhead, Timeline, predict
+from .step_timeline import Timeline, predict
 from ..units import MiB
 
 __all__ = [
@@ -42,6 +42,7 @@ __all__ = [
     "LayerPlan",
     "Plan",
     "PlanInfeasibleError",
+    "PlanRequest",
     "make_plan",
 ]
 
@@ -54,8 +55,9 @@ module (``LayerChoice.from_dict``)."""
 _PLAN_SCHEMA_1 = "megatron_ssd.plan/1"
 """The earlier form, still read: a layer's ``placement``, ``offload_sites``,
 ``read_ahead`` and ``site_read_ahead`` side by side."""
-READ_AHEAD_MODES = ("fixed", "auto")
-"""``make_plan``'s ``read_ahead``: one depth for every layer, or each layer's chosen."""
+_RENAMED = {"prefetch_depth": "default_read_ahead", "read_ahead": "read_ahead_mode"}
+"""Request fields under the names plans written before them carry (still read)."""
+_REQUEST_FIELDS = [f.name for f in dataclasses.fields(PlanRequest)]
 
 
 
@@ -68,8 +70,8 @@ class LayerPlan:
     choice: LayerChoice
     """The decision (placement, sites moved, read-ahead): what ``TensorCache.set_plan``
     applies (:meth:`Plan.choices`). Its ``read_ahead`` is an integer (layers ahead; on
-    a KEEP or RECOMPUTE layer, the plan's depth, unused), or, when the planner chose each
-    site's read-issue point (``read_ahead="auto"``, NOTE [Just-in-time reads] in
+    a KEEP or RECOMPUTE layer, the plan's default, unused), or, when the planner chose each
+    site's read-issue point (``read_ahead_mode="auto"``, NOTE [Just-in-time reads] in
     ``just_in_time.py``), one per site in save order: 0 issues the site's read when the
     layer's own backward starts, to be done by the site's use point (NOTE [Site use
     times]); sites the layer keeps carry the layer's earliest."""
@@ -112,15 +114,15 @@ class LayerPlan:
         """Its read is issued when the backward of the layer this many layers later
         starts (NOTE [Write and read issue points]); with per-site read-aheads, the
         earliest of its sites' (at least 1)."""
-        depth = self.choice.read_ahead
-        return depth if isinstance(depth, int) else max(1, max(depth or (1,)))
+        ahead = self.choice.read_ahead
+        return ahead if isinstance(ahead, int) else max(1, max(ahead or (1,)))
 
     @property
     def site_read_ahead(self) -> Optional[List[int]]:
         """Per site in save order, the read-ahead of that site's read, when the planner
         chose them one by one; None: every site at :attr:`read_ahead`."""
-        depth = self.choice.read_ahead
-        return None if depth is None or isinstance(depth, int) else list(depth)
+        ahead = self.choice.read_ahead
+        return None if ahead is None or isinstance(ahead, int) else list(ahead)
 
     @property
     def read_ahead_text(self) -> str:
@@ -129,12 +131,6 @@ class LayerPlan:
             return str(self.read_ahead)
         lo, hi = min(self.site_read_ahead), max(self.site_read_ahead)
         return str(hi) if lo == hi else f"{lo}..{hi}"
-
-    @property
-    def issue_points(self) -> ReadAhead:
-        """Its read-ahead as :func:`~megatron_ssd.planner.step_timeline.predict` takes
-        it: the per-site list, else :attr:`read_ahead`."""
-        return list(self.site_read_ahead) if self.site_read_ahead is not None else self.read_ahead
 
     @property
     def placement_text(self) -> str:
@@ -169,33 +165,15 @@ class Plan:
     """Step time with every layer KEEP."""
     io: IOProfile
     """The measured I/O profile the predictions use (not derated)."""
-    memory_budget: Optional[int] = None
-    """The budget asked for (``memory_budget`` goal), in bytes."""
-    safety_margin: float = 0.1
-    """Fraction the bandwidths were derated by while choosing placements."""
-    prefetch_depth: int = 1
-    """How many layers ahead reads are issued by default (each layer's own is its
-    ``read_ahead``)."""
-    read_ahead: str = "fixed"
-    """``fixed``: every layer reads ``prefetch_depth`` ahead; ``auto``: the planner chose
-    each layer's read-issue point (NOTE [Just-in-time reads] in ``just_in_time.py``)."""
     pipeline_rank: int = 0
     """The stage planned."""
     pipeline_size: int = 1
     """Number of pipeline stages."""
     microbatches_in_flight: int = 1
     """Micro-batches the stage holds at once (peak approximation)."""
-    max_write_bytes_per_s: Optional[float] = None
-    """The drive-wear write limit the plan was chosen under (NOTE [Wear model]); None:
-    no limit."""
-    capacity_bytes: Optional[int] = None
-    """The device's activation capacity the plan was held under; None: no limit."""
-    host_budget_bytes: Optional[int] = None
-    """The host-pool bytes the plan could use for HOST layers (all micro-batches in
-    flight); None: no host tier."""
-    max_slowdown: Optional[float] = None
-    """The bound on the predicted step's excess over keep-everything's that the
-    ``max_offload`` goal was chosen under (NOTE [Slowdown bound]); None: no bound."""
+    request: PlanRequest = field(default_factory=PlanRequest)
+    """What the plan was asked for: its budget, bounds and read-ahead (JSON: its fields at
+    the top level)."""
     write_busy_s: float = 0.0
     """Predicted array write time per micro-batch."""
     read_busy_s: float = 0.0
@@ -235,14 +213,9 @@ class Plan:
                 else LayerChoice(lp.placement, recompute=lp.choice.recompute) for lp in self.layers}
 
     @property
-    def read_aheads(self) -> List[ReadAhead]:
-        """Per layer in forward order, its read-ahead for :func:`predict`."""
-        return [lp.issue_points for lp in self.layers]
-
-    @property
-    def sites(self) -> List[Optional[int]]:
-        """Per layer in forward order, the site count for :func:`predict` (None: all)."""
-        return [lp.offload_sites if lp.placement in MOVED else None for lp in self.layers]
+    def layer_choices(self) -> List[LayerChoice]:
+        """Per layer in forward order, its whole choice, as :func:`predict` takes them."""
+        return [lp.choice for lp in self.layers]
 
     @property
     def offloaded_bytes(self) -> int:
@@ -265,7 +238,12 @@ class Plan:
     def to_dict(self) -> Dict[str, Any]:
         """A JSON-ready dict; ``placement`` values are ``keep``, ``offload``, ``recompute``;
         a choice's ``recompute`` only where it names a module (:data:`PLAN_SCHEMA`)."""
-        data = {"schema": PLAN_SCHEMA, **to_dict(self)}
+        data: Dict[str, Any] = {"schema": PLAN_SCHEMA}
+        for key, value in to_dict(self).items():
+            if key != "request":
+                data[key] = value
+            if key == "io":  # the request's fields where plans always wrote them
+                data.update(to_dict(self.request))
         for layer in data["layers"]:
             if not layer["choice"]["recompute"]:
                 del layer["choice"]["recompute"]
@@ -282,8 +260,12 @@ class Plan:
         schema = data.pop("schema", None)
         if schema not in (PLAN_SCHEMA, _PLAN_SCHEMA_1):
             raise ConfigError(f"Plan.schema = {schema!r}: must be {PLAN_SCHEMA!r} (or {_PLAN_SCHEMA_1!r}, read too)")
+        for old, new in _RENAMED.items():  # plans written before the rename
+            if old in data:
+                data.setdefault(new, data.pop(old))
         if isinstance(data.get("layers"), list):
             data["layers"] = [_with_choice(layer, schema) for layer in data["layers"]]
+        data["request"] = {name: data.pop(name) for name in _REQUEST_FIELDS if name in data}
         plan = from_dict(cls, data)
         _check_loaded(plan)
         return plan
@@ -323,11 +305,11 @@ class Plan:
             )
         peak_ratio = self.peak_activation_bytes / self.keep_peak_activation_bytes if self.keep_peak_activation_bytes else 1.0
         step_ratio = self.step_s / self.keep_step_s if self.keep_step_s else 1.0
-        budget = f", budget {self.memory_budget / MiB:.1f} MiB" if self.memory_budget is not None else ""
-        if self.capacity_bytes is not None:
-            budget += f", device capacity {self.capacity_bytes / MiB:.1f} MiB"
-        if self.max_slowdown is not None and self.goal == GOAL_MAX_OFFLOAD:
-            budget += f", step at most {1 + self.max_slowdown:.3f}x keep-everything"
+        budget = f", budget {self.request.memory_budget / MiB:.1f} MiB" if self.request.memory_budget is not None else ""
+        if self.request.capacity_bytes is not None:
+            budget += f", device capacity {self.request.capacity_bytes / MiB:.1f} MiB"
+        if self.request.max_slowdown is not None and self.goal == GOAL_MAX_OFFLOAD:
+            budget += f", step at most {1 + self.request.max_slowdown:.3f}x keep-everything"
         rows.append(
             f"goal {self.goal}{budget}; stage {self.pipeline_rank}/{self.pipeline_size} "
             f"x{self.microbatches_in_flight} micro-batch{'es' if self.microbatches_in_flight > 1 else ''}"
@@ -342,10 +324,10 @@ class Plan:
             rows.append("drives: not measured (no profiling step moved a byte to them), so nothing is placed on them")
         if self.hosted_bytes:
             rows.append(f"host pool {self.host_pool_bytes / MiB:.1f} MiB of "
-                        f"{(self.host_budget_bytes or 0) / MiB:.1f} MiB ({self.hosted_bytes / MiB:.1f} MiB per micro-batch)")
-        if self.max_write_bytes_per_s is not None:
+                        f"{(self.request.host_budget_bytes or 0) / MiB:.1f} MiB ({self.hosted_bytes / MiB:.1f} MiB per micro-batch)")
+        if self.request.max_write_bytes_per_s is not None:
             rows.append(
-                f"SSD writes {self.write_bytes_per_s / 1e6:.1f} MB/s of the {self.max_write_bytes_per_s / 1e6:.1f} MB/s "
+                f"SSD writes {self.write_bytes_per_s / 1e6:.1f} MB/s of the {self.request.max_write_bytes_per_s / 1e6:.1f} MB/s "
                 "the drives' endurance allows this process"
             )
         return "\n".join(rows)
@@ -354,18 +336,7 @@ class Plan:
 # ---------------------------------------------------------------------- planning
 
 
-def make_plan(
-    stage: StageProfile,
-    memory_budget: Optional[int] = None,
-    safety_margin: float = 0.1,
-    prefetch_depth: int = 1,
-    allow_recompute: bool = True,
-    max_write_bytes_per_s: Optional[float] = None,
-    capacity_bytes: Optional[int] = None,
-    read_ahead: str = "fixed",
-    host_budget_bytes: Optional[int] = None,
-    max_slowdown: Optional[float] = None,
-) -> Plan:
+def make_plan(stage: StageProfile, request: Optional[PlanRequest] = None, **fields: Any) -> Plan:
     """Choose a placement per layer of ``stage``.
 
     Without a budget (goal ``max_offload``) layers are offloaded, first layer first, as
@@ -378,100 +349,53 @@ def make_plan(
 
     Args:
         stage: The measured (or simulated) stage.
-        memory_budget: Bytes of saved activations the stage may hold at its peak.
-        safety_margin: Fraction in [0, 1) the bandwidths are derated by while choosing.
-        prefetch_depth: Layers ahead that reads are issued (>= 1).
-        allow_recompute: Whether RECOMPUTE may be used to meet a budget.
-        max_write_bytes_per_s: The write rate the drives' endurance allows this process
-            (:func:`~megatron_ssd.planner.wear.write_limit_bytes_per_s`): no placement
-            whose offloaded bytes per predicted step exceed it is chosen, under either
-            goal. None: no limit.
-        capacity_bytes: Saved-activation bytes the device can hold at most: a hard limit
-            under either goal. Without a budget, when the hidden offload's predicted
-            peak exceeds it, the plan meets it as a budget instead (goal ``capacity``);
-            a budget above it is lowered to it. None: no limit.
-        read_ahead: ``fixed``: every read is issued ``prefetch_depth`` layers ahead;
-            ``auto``: the read-issue point of each offloaded layer is chosen too, just in
-            time (NOTE [Just-in-time reads] in ``just_in_time.py``).
-        host_budget_bytes: Bytes of the host pool this stage may fill with HOST layers,
-            over all its micro-batches in flight (NOTE [Host tier]); needs
-            ``stage.io.host_bytes_per_s``. None or 0: no HOST placement.
-        max_slowdown: Under the ``max_offload`` goal, the most the predicted step may
-            exceed keep-everything's, as a fraction (0.05: 5% longer; NOTE [Slowdown
-            bound] in ``search.py``). None: no bound.
+        request: The goal, bounds and read-ahead (:class:`PlanRequest`); or, without
+            it, its fields as keywords (``make_plan(stage, memory_budget=8 << 30)``).
 
     Returns:
         The :class:`Plan`, its predictions at the measured bandwidths.
 
     Raises:
-        ConfigError: An argument breaks its rule.
+        ConfigError: A field of the request breaks its rule, or the stage cannot take it.
         PlanInfeasibleError: No placement meets ``memory_budget``.
     """
     if not isinstance(stage, StageProfile):
         raise ConfigError(f"stage = {type(stage).__name__}: must be a StageProfile")
-    if memory_budget is not None:
-        if isinstance(memory_budget, bool) or not isinstance(memory_budget, numbers.Integral) or memory_budget < 0:
-            raise ConfigError(f"memory_budget = {memory_budget!r}: must be None or an integer number of bytes >= 0")
-        memory_budget = int(memory_budget)
-    if not (isinstance(prefetch_depth, int) and prefetch_depth >= 1):
-        raise ConfigError(f"prefetch_depth = {prefetch_depth!r}: must be an integer >= 1")
-    if max_write_bytes_per_s is not None and (
-        isinstance(max_write_bytes_per_s, bool)
-        or not isinstance(max_write_bytes_per_s, numbers.Real)
-        or not max_write_bytes_per_s >= 0
-    ):
-        raise ConfigError(f"max_write_bytes_per_s = {max_write_bytes_per_s!r}: must be None or a number >= 0")
-    if capacity_bytes is not None:
-        if isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, numbers.Integral) or capacity_bytes < 0:
-            raise ConfigError(f"capacity_bytes = {capacity_bytes!r}: must be None or an integer number of bytes >= 0")
-        capacity_bytes = int(capacity_bytes)
-    if read_ahead not in READ_AHEAD_MODES:
-        raise ConfigError(f"read_ahead = {read_ahead!r}: must be one of {list(READ_AHEAD_MODES)}")
-    if host_budget_bytes is not None:
-        if isinstance(host_budget_bytes, bool) or not isinstance(host_budget_bytes, numbers.Integral) \
-                or host_budget_bytes < 0:
-            raise ConfigError(f"host_budget_bytes = {host_budget_bytes!r}: must be None or an integer number of bytes >= 0")
-        if host_budget_bytes and stage.io.host_bytes_per_s is None:
-            raise ConfigError(f"host_budget_bytes = {host_budget_bytes}: needs IOProfile.host_bytes_per_s, the host "
-                              "tier's copy bandwidth")
-        host_budget_bytes = int(host_budget_bytes)
+    if request is None:
+        request = PlanRequest(**fields)
+    elif fields:
+        raise ConfigError(f"make_plan: {sorted(fields)} given with a request: give the request alone")
+    if request.host_budget_bytes and stage.io.host_bytes_per_s is None:
+        raise ConfigError(f"host_budget_bytes = {request.host_budget_bytes}: needs IOProfile.host_bytes_per_s, the "
+                          "host tier's copy bandwidth")
+    r = request
+    memory_budget, capacity_bytes, default_read_ahead = r.memory_budget, r.capacity_bytes, r.default_read_ahead
+    derated = stage.io.derated(r.safety_margin)
 
-    if max_slowdown is not None and (
-        isinstance(max_slowdown, bool) or not isinstance(max_slowdown, numbers.Real) or not max_slowdown >= 0
-    ):
-        raise ConfigError(f"max_slowdown = {max_slowdown!r}: must be None or a number >= 0")
-
-    def choose(depth: int) -> Tuple[Choices, str, Timeline]:
-        search = PlacementSearch(stage, stage.io.derated(safety_margin), depth, max_write_bytes_per_s,
-                                 host_budget_bytes or 0, max_slowdown)
+    def choose(read_ahead: int) -> Tuple[Choices, str, Timeline]:
+        search = PlacementSearch(stage, derated, read_ahead, r.max_write_bytes_per_s, r.host_budget_bytes or 0,
+                                 r.max_slowdown)
         if memory_budget is None:
             choice, goal = search.max_offload(), GOAL_MAX_OFFLOAD
             over = capacity_bytes is not None and search.check(choice).peak_bytes > capacity_bytes
         else:
             over = capacity_bytes is not None and memory_budget > capacity_bytes
             if not over:
-                choice, goal = search.meet_budget(memory_budget, allow_recompute), GOAL_MEMORY_BUDGET
+                choice, goal = search.meet_budget(memory_budget, r.allow_recompute), GOAL_MEMORY_BUDGET
         if over:  # the device's capacity binds: meet it as the budget
-            choice, goal = search.meet_budget(capacity_bytes, allow_recompute, "capacity_bytes"), GOAL_CAPACITY
-        return choice, goal, replay(stage, choice, depth)
+            choice, goal = search.meet_budget(capacity_bytes, r.allow_recompute, "capacity_bytes"), GOAL_CAPACITY
+        return choice, goal, replay(stage, choice, read_ahead)
 
     n = len(stage.layers)
-    if read_ahead == "fixed":
-        choice, goal, _ = choose(prefetch_depth)
-        choices = [dataclasses.replace(c, read_ahead=prefetch_depth) for c in choice]
+    if r.read_ahead_mode == "fixed":
+        choice, goal, _ = choose(default_read_ahead)
+        choices = [dataclasses.replace(c, read_ahead=default_read_ahead) for c in choice]
     else:
-        limits = PlacementSearch(stage, stage.io.derated(safety_margin), prefetch_depth, max_write_bytes_per_s,
-                                 host_budget_bytes or 0)
-        choices, goal = just_in_time(stage, choose, prefetch_depth, safety_margin, limits.allowed)
+        limits = PlacementSearch(stage, derated, default_read_ahead, r.max_write_bytes_per_s, r.host_budget_bytes or 0)
+        choices, goal = just_in_time(stage, choose, default_read_ahead, r.safety_margin, limits.allowed)
     tl = replay(stage, choices)
-    keep = predict(stage, [Placement.KEEP] * n, prefetch_depth)
-    plan = _build(stage, tl, keep, goal, memory_budget, safety_margin, prefetch_depth, choices)
-    plan.read_ahead = read_ahead
-    plan.max_write_bytes_per_s = max_write_bytes_per_s
-    plan.capacity_bytes = capacity_bytes
-    plan.host_budget_bytes = host_budget_bytes or None
-    plan.max_slowdown = max_slowdown
-    return plan
+    keep = predict(stage, [Placement.KEEP] * n)
+    return _build(stage, tl, keep, goal, request, choices)
 
 
 def _build(
@@ -479,9 +403,7 @@ def _build(
     tl: Timeline,
     keep: Timeline,
     goal: str,
-    memory_budget: Optional[int],
-    safety_margin: float,
-    prefetch_depth: int,
+    request: PlanRequest,
     choices: Sequence[LayerChoice],
 ) -> Plan:
     layers = []
@@ -514,9 +436,7 @@ def _build(
         keep_peak_activation_bytes=keep.peak_bytes,
         keep_step_s=keep.step_s,
         io=stage.io,
-        memory_budget=memory_budget,
-        safety_margin=safety_margin,
-        prefetch_depth=prefetch_depth,
+        request=request,
         pipeline_rank=stage.pipeline_rank,
         pipeline_size=stage.pipeline_size,
         microbatches_in_flight=stage.microbatches_in_flight or 1,
@@ -533,9 +453,9 @@ def _with_choice(layer: Any, schema: str) -> Any:
     layer = dict(layer)
     if schema == _PLAN_SCHEMA_1:
         placement, sites = layer.pop("placement", None), layer.pop("offload_sites", None)
-        depth, per_site = layer.pop("read_ahead", 1), layer.pop("site_read_ahead", None)
+        ahead, per_site = layer.pop("read_ahead", 1), layer.pop("site_read_ahead", None)
         layer["choice"] = {"placement": placement, "sites": sites,
-                           "read_ahead": per_site if per_site is not None else depth}
+                           "read_ahead": per_site if per_site is not None else ahead}
     if "choice" in layer:
         layer["choice"] = LayerChoice.from_dict(layer.get("layer_id"), layer["choice"])
     return layer

@@ -19,7 +19,7 @@ safety margin to choose, and with the measured ones to check. Two searches:
 
 Both return one :class:`~megatron_ssd.placement.LayerChoice` per layer in forward order
 (:data:`Choices`): its placement and, for an OFFLOAD or HOST layer, how many of its sites it
-moves; the read-ahead is the search's depth, left unset. With a host pool both also place
+moves; the read-ahead is the search's, left unset. With a host pool both also place
 layers HOST (NOTE [Host tier] in ``step_timeline.py``), preferring it to the SSDs (NOTE
 [Tier preference]).
 
@@ -30,14 +30,15 @@ sides of their I/O, so greedy moves find it for the layer counts of real stages.
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
-from typing import Callable, List, Optional, Sequence, Tuple, Union
+from typing import Callable, List, Optional, Sequence, Tuple
 
 from ..placement import MOVED, LayerChoice, Placement
 from ..errors import MegatronSSDError
 from .module_recompute import MODULE_MOVE, ModuleMoves, with_recompute
 from .profile import IOProfile, StageProfile
-from .step_timeline import ReadAhead, Timeline, predict
+from .step_timeline import Timeline, predict
 from ..units import GiB
 
 __all__ = ["Choices", "PlanInfeasibleError", "PlacementSearch", "replaced", "replay", "GOAL_MAX_OFFLOAD", "GOAL_MEMORY_BUDGET", "GOAL_CAPACITY"]
@@ -64,14 +65,14 @@ Choices = List[LayerChoice]
 _KEEP = LayerChoice(Placement.KEEP)
 
 
-def replay(stage: StageProfile, choices: Sequence[LayerChoice], depth: Union[None, int, Sequence[ReadAhead]] = None,
+def replay(stage: StageProfile, choices: Sequence[LayerChoice], read_ahead: Optional[int] = None,
            io: Optional[IOProfile] = None) -> Timeline:
     """:func:`~megatron_ssd.planner.step_timeline.predict` of ``choices`` (their
     placements, site counts and modules recomputed inside a layer, NOTE [Recompute inside
-    a layer] in ``module_recompute.py``) at read-ahead ``depth``; None: each choice's own."""
-    depths = [c.read_ahead for c in choices] if depth is None else depth
-    return predict(with_recompute(stage, choices), [c.placement for c in choices], depths, io=io,
-                   sites=[c.sites for c in choices])
+    a layer] in ``module_recompute.py``) at ``read_ahead``; None: each choice's own."""
+    if read_ahead is not None:
+        choices = [dataclasses.replace(c, read_ahead=read_ahead) for c in choices]
+    return predict(with_recompute(stage, choices), choices, io=io)
 
 
 def _largest(lo: int, hi: int, ok: Callable[[int], bool]) -> Optional[int]:
@@ -134,12 +135,12 @@ class PlacementSearch(ModuleMoves):
     its moves that recompute a module inside a layer are :class:`ModuleMoves`'."""
 
     def __init__(
-        self, stage: StageProfile, derated: IOProfile, depth: int, max_write_bytes_per_s: Optional[float] = None,
+        self, stage: StageProfile, derated: IOProfile, read_ahead: int, max_write_bytes_per_s: Optional[float] = None,
         host_budget_bytes: int = 0, max_slowdown: Optional[float] = None,
     ) -> None:
         self.stage = stage
         self.derated = derated
-        self.depth = depth
+        self.read_ahead = read_ahead
         self.max_write_bytes_per_s = max_write_bytes_per_s
         self.max_slowdown = max_slowdown
         """How much longer than keep-everything's the predicted step may be under
@@ -152,7 +153,7 @@ class PlacementSearch(ModuleMoves):
         self.n = len(stage.layers)
         self.smallest_peak: Optional[int] = None
         # See wears_ok and within_bound: no placement's step is shorter than keeping everything.
-        self._shortest_step_s = predict(stage, [Placement.KEEP] * self.n, depth).step_s
+        self._shortest_step_s = predict(stage, [Placement.KEEP] * self.n).step_s
         self.both_tiers = bool(self.host_budget_bytes) and self.drives and any(
             layer.sites and self.wears_ok(replaced([_KEEP] * self.n, i, LayerChoice(Placement.OFFLOAD, 1)))
             for i, layer in enumerate(stage.layers))
@@ -182,7 +183,7 @@ class PlacementSearch(ModuleMoves):
 
     def judge(self, choices: Sequence[LayerChoice]) -> Timeline:
         """Replay with derated bandwidths; remembers the smallest peak seen."""
-        tl = replay(self.stage, choices, self.depth, io=self.derated)
+        tl = replay(self.stage, choices, self.read_ahead, io=self.derated)
         if self.allowed(choices, tl) and (
             self.smallest_peak is None or tl.peak_bytes < self.smallest_peak
         ):
@@ -191,7 +192,7 @@ class PlacementSearch(ModuleMoves):
 
     def check(self, choices: Sequence[LayerChoice]) -> Timeline:
         """Replay with the measured bandwidths."""
-        return replay(self.stage, choices, self.depth)
+        return replay(self.stage, choices, self.read_ahead)
 
     @staticmethod
     def hidden(tl: Timeline) -> bool:

@@ -24,7 +24,7 @@ from typing import Any, Dict, Mapping, Optional, Union
 from ..config import CAPACITY_RESERVE, to_dict
 from ..placement import OUTSIDE
 from ..errors import ConfigError
-from .plan import Plan, make_plan
+from .plan import Plan, PlanRequest, make_plan
 from .profile import StageProfile
 from .wear import SECONDS_PER_DAY, drive_lifetime_years, write_limit_bytes_per_s
 from .estimates import (layer_activation_bytes, layer_anatomy, layer_forward_flops, layer_site_bytes, layer_site_use,
@@ -134,14 +134,14 @@ class SimulationResult:
         """A few lines for a terminal."""
         s, p, gb = self.spec, self.plan, 1e9
         counts = {pl: _count(p, pl) for pl in ("keep", "offload", "host", "recompute")}
-        host = f"{counts['host']} host, " if p.host_budget_bytes else ""
+        host = f"{counts['host']} host, " if p.request.host_budget_bytes else ""
         fits = "fits" if self.ssd_footprint_bytes <= self.ssd_capacity_share_bytes else "DOES NOT FIT"
         held = []
-        if p.capacity_bytes is not None:
-            held.append(f"held under the GPU's {p.capacity_bytes / gb:.2f} GB for activations "
+        if p.request.capacity_bytes is not None:
+            held.append(f"held under the GPU's {p.request.capacity_bytes / gb:.2f} GB for activations "
                         f"({s.gpu_memory_bytes / gb:.0f} GB less model state and reserve)")
-        if p.max_write_bytes_per_s is not None:
-            held.append(f"writes held under {p.max_write_bytes_per_s / gb:.3f} GB/s per GPU for "
+        if p.request.max_write_bytes_per_s is not None:
+            held.append(f"writes held under {p.request.max_write_bytes_per_s / gb:.3f} GB/s per GPU for "
                         f"{s.target_lifetime_years:g} years of drive life")
         lines = [
             f"{s.arch.upper()} {s.total_layers} layers, h={s.hidden}, s={s.seq_len}, b={s.micro_batch}, "
@@ -160,8 +160,8 @@ class SimulationResult:
             + (f" ({s.drive})" if s.drive else "")
             + (f", {s.ssd_used_fraction:.0%} of it used" if s.ssd_used_fraction else ""),
         ]
-        if p.host_budget_bytes:
-            lines.append(f"host pool {p.host_pool_bytes / gb:.1f} GB of the GPU's {p.host_budget_bytes / gb:.1f} GB "
+        if p.request.host_budget_bytes:
+            lines.append(f"host pool {p.host_pool_bytes / gb:.1f} GB of the GPU's {p.request.host_budget_bytes / gb:.1f} GB "
                          f"({s.host_ram_bytes_per_node / gb:.0f} GB per {s.gpus_per_node}-GPU node) at "
                          f"{s.host_bytes_per_s / gb:.0f} GB/s")
         if self.memory_saved_bytes > 0:
@@ -258,9 +258,10 @@ def simulate(spec: SimulationSpec) -> SimulationResult:
     if spec.target_lifetime_years is not None:
         limit = write_limit_bytes_per_s(spec.ssd_tbw_bytes, spec.target_lifetime_years, spec.ssd_count,
                                         spec.gpus_per_array, spec.duty_cycle, spec.ssd_used_fraction)
-    plan = make_plan(stage, spec.memory_budget, spec.safety_margin, spec.prefetch_depth, spec.allow_recompute,
-                     max_write_bytes_per_s=limit, capacity_bytes=activation_capacity(spec), read_ahead=spec.read_ahead,
-                     host_budget_bytes=host_budget(spec))
+    plan = make_plan(stage, PlanRequest(
+        memory_budget=spec.memory_budget, safety_margin=spec.safety_margin, default_read_ahead=spec.default_read_ahead,
+        read_ahead_mode=spec.read_ahead_mode, allow_recompute=spec.allow_recompute, max_write_bytes_per_s=limit,
+        capacity_bytes=activation_capacity(spec), host_budget_bytes=host_budget(spec)))
     slots = spec.num_microbatches + spec.pp - 1
     iteration = slots * plan.step_s
     written = plan.offloaded_bytes * spec.num_microbatches

@@ -35,7 +35,7 @@ _ARCHS = ("gpt", "bert", "t5")
 # their square and more (256 layers on one stage: about 40 s).
 
 MAX_LAYERS = 512
-"""The most layers (``num_layers``, ``decoder_num_layers``), and read-ahead depth."""
+"""The most layers (``num_layers``, ``decoder_num_layers``), and read-ahead."""
 MAX_WIDTH = 1 << 20
 """The largest ``hidden`` and ``ffn_hidden``."""
 MAX_HEADS = 1 << 16
@@ -176,12 +176,14 @@ class SimulationSpec:
     """Activation budget for the planner (``None``: offload what hides behind compute)."""
     safety_margin: Annotated[float, Number(InRange(0, 1, hi_open=True))] = 0.1
     """Bandwidth derating while planning, in [0, 1)."""
-    prefetch_depth: Annotated[int, Integer(AtLeast(1)), AtMost(MAX_LAYERS)] = 1
-    """Layers ahead that reads are issued (with ``read_ahead=fixed``; the first depth
-    tried with ``auto``); in [1, 512]."""
-    read_ahead: Annotated[str, OneOf("auto", "fixed")] = "auto"
+    _renamed_keys = {"prefetch_depth": "default_read_ahead", "read_ahead": "read_ahead_mode"}  # deprecated keys
+
+    default_read_ahead: Annotated[int, Integer(AtLeast(1)), AtMost(MAX_LAYERS)] = 1
+    """Layers ahead that reads are issued (with ``read_ahead_mode=fixed``; the first
+    read-ahead tried with ``auto``); in [1, 512]."""
+    read_ahead_mode: Annotated[str, OneOf("auto", "fixed")] = "auto"
     """``auto``: each offloaded layer's read is issued just in time, chosen by the
-    planner (NOTE [Just-in-time reads]); ``fixed``: ``prefetch_depth`` ahead for all."""
+    planner (NOTE [Just-in-time reads]); ``fixed``: ``default_read_ahead`` ahead for all."""
     allow_recompute: bool = True
     """Whether the planner may recompute to meet a budget."""
 

@@ -11,49 +11,49 @@ from ..config import is_int
 from ..errors import ConfigError
 from .profile import LayerProfile
 
-__all__ = ["ReadAhead", "read_ahead_list", "site_depths", "site_list", "use_order"]
+__all__ = ["ReadAhead", "read_ahead_list", "site_read_aheads", "site_list", "use_order"]
 
 ReadAhead = Union[int, Sequence[int]]
 """One layer's read-issue point: a read-ahead in layers (>= 1) for all its sites, or one
 per site (>= 0; NOTE [Write and read issue points])."""
 
 
-def read_ahead_list(prefetch_depth: Union[int, Sequence[ReadAhead]], n: int) -> List[ReadAhead]:
-    """One read-ahead per layer (:data:`ReadAhead`) from a depth or a per-layer sequence.
+def read_ahead_list(read_ahead: Union[int, Sequence[ReadAhead]], n: int) -> List[ReadAhead]:
+    """One read-ahead per layer (:data:`ReadAhead`) from one for every layer or a per-layer sequence.
 
     Raises:
-        ConfigError: a depth below 1, a per-site depth below 0, or a sequence whose
+        ConfigError: a read-ahead below 1, a per-site read-ahead below 0, or a sequence whose
             length is not ``n``.
     """
     rule = f"must be an integer >= 1, or one per layer ({n}), each an integer >= 1 or a list of integers >= 0"
-    if is_int(prefetch_depth, 1):
-        return [prefetch_depth] * n  # type: ignore[list-item]
-    if not isinstance(prefetch_depth, (list, tuple)) or len(prefetch_depth) != n:
-        raise ConfigError(f"prefetch_depth = {prefetch_depth!r}: {rule}")
+    if is_int(read_ahead, 1):
+        return [read_ahead] * n  # type: ignore[list-item]
+    if not isinstance(read_ahead, (list, tuple)) or len(read_ahead) != n:
+        raise ConfigError(f"read_ahead = {read_ahead!r}: {rule}")
     out: List[ReadAhead] = []
-    for d in prefetch_depth:
+    for d in read_ahead:
         if is_int(d, 1):
             out.append(d)
         elif isinstance(d, (list, tuple)) and all(is_int(x, 0) for x in d):
             out.append(list(d))
         else:
-            raise ConfigError(f"prefetch_depth = {prefetch_depth!r}: {rule}")
+            raise ConfigError(f"read_ahead = {read_ahead!r}: {rule}")
     return out
 
 
-def site_depths(depth: ReadAhead, layer: LayerProfile) -> List[int]:
+def site_read_aheads(read_ahead: ReadAhead, layer: LayerProfile) -> List[int]:
     """Each site's read-ahead from a layer's :data:`ReadAhead`.
 
     Raises:
         ConfigError: a per-site list whose length is not the layer's site count.
     """
     m = len(layer.sites)
-    if isinstance(depth, int):
-        return [depth] * m
-    if len(depth) != m:
-        raise ConfigError(f"prefetch_depth[{layer.layer_id!r}] = {list(depth)!r}: must have one read-ahead per "
+    if isinstance(read_ahead, int):
+        return [read_ahead] * m
+    if len(read_ahead) != m:
+        raise ConfigError(f"read_ahead[{layer.layer_id!r}] = {list(read_ahead)!r}: must have one read-ahead per "
                           f"site ({m})")
-    return list(depth)
+    return list(read_ahead)
 
 
 def site_list(sites: Optional[Sequence[Optional[int]]], layers: Sequence[LayerProfile]) -> List[Optional[int]]:

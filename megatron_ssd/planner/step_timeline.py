@@ -17,12 +17,12 @@ import bisect
 from dataclasses import dataclass, field
 from typing import Callable, List, Optional, Sequence, Tuple, Union
 
-from ..placement import MOVED, Placement
+from ..placement import MOVED, LayerChoice, Placement
 from ..errors import ConfigError
 from .profile import IOProfile, LayerId, LayerProfile, StageProfile
-from .sites import ReadAhead, read_ahead_list, site_depths, site_list, use_order
+from .sites import ReadAhead, read_ahead_list, site_read_aheads, site_list, use_order
 
-__all__ = ["LayerTimeline", "ReadAhead", "SiteRead", "Timeline", "predict", "read_ahead_list", "site_depths",
+__all__ = ["LayerTimeline", "ReadAhead", "SiteRead", "Timeline", "predict", "read_ahead_list", "site_read_aheads",
            "site_list", "use_order"]
 
 _EPS = 1e-12
@@ -46,7 +46,7 @@ _EPS = 1e-12
 # forward; it cannot end before the forward does (the last tensor is saved then). Each
 # moved site is read on its own: site s of layer i is read when the backward of layer
 # i + d_(i,s) starts (its backward hook), d_(i,s) being the site's read-ahead
-# (``prefetch_depth``: one depth for every layer, one per layer, or one per site as the
+# (``read_ahead``: one for every layer, one per layer, or one per site as the
 # planner's just-in-time choice gives; a site's read-ahead may be 0, issued when its own
 # layer's backward starts). At the start of each backward every site whose issue point
 # has come and whose read is not yet issued is issued, needed-first: later layers first,
@@ -355,43 +355,42 @@ class _Compute:
 
 def predict(
     stage: StageProfile,
-    placements: Sequence[Placement],
-    prefetch_depth: Union[int, Sequence[int]] = 1,
+    choices: Sequence[Union[LayerChoice, Placement, str]],
     io: Optional[IOProfile] = None,
-    sites: Optional[Sequence[Optional[int]]] = None,
 ) -> Timeline:
-    """Replay one micro-batch of ``stage`` under ``placements``.
+    """Replay one micro-batch of ``stage`` under ``choices``.
 
     Args:
         stage: The measured stage.
-        placements: One placement per layer, in forward order.
-        prefetch_depth: The read of layer i is issued when the backward of layer
-            ``i + prefetch_depth`` starts (>= 1); or one such read-ahead per layer, or
-            per layer one per site (>= 0, NOTE [Write and read issue points]).
+        choices: One per layer, in forward order: its placement, how many of an OFFLOAD
+            or HOST layer's sites (a prefix in save order) move, the rest held like KEEP
+            (NOTE [Sites]; None: all), and its read-ahead: the read of layer i is issued
+            when the backward of layer ``i + read_ahead`` starts (>= 1), or one such point
+            per site (>= 0, NOTE [Write and read issue points]); None: 1. A bare placement
+            is a choice that moves every site, read 1 layer ahead.
         io: Bandwidths to replay with; defaults to ``stage.io`` (the planner passes a
             derated copy).
-        sites: Per layer, how many of an OFFLOAD layer's sites (a prefix in save order)
-            it offloads, the rest held like KEEP (NOTE [Sites]); None (the default, or
-            for one layer): all of them.
 
     Returns:
         The predicted :class:`Timeline`.
 
     Raises:
-        ConfigError: ``placements`` does not match the layers or ``prefetch_depth`` < 1.
+        ConfigError: ``choices`` does not match the layers, or a read-ahead < 1.
     """
     layers = stage.layers
     n = len(layers)
-    if len(placements) != n:
-        raise ConfigError(f"placements: {len(placements)} given for {n} layers; need one per layer")
-    placements = [p if type(p) is Placement else Placement(p) for p in placements]
+    if len(choices) != n:
+        raise ConfigError(f"choices: {len(choices)} given for {n} layers; need one per layer")
+    choices = [c if isinstance(c, LayerChoice) else LayerChoice(c) for c in choices]
+    placements = [c.placement for c in choices]
     refused = [layer.layer_id for layer, p in zip(layers, placements)
                if p is Placement.RECOMPUTE and not layer.recomputable]
     if refused:
         raise ConfigError(f"placements: 'recompute' for layers {refused}: they are not recomputable "
                           "(LayerProfile.recomputable = False)")
-    counts = site_list(sites, layers)
-    depths = [site_depths(d, layer) for d, layer in zip(read_ahead_list(prefetch_depth, n), layers)]
+    counts = site_list([c.sites for c in choices], layers)
+    ahead = read_ahead_list([1 if c.read_ahead is None else c.read_ahead for c in choices], n)
+    aheads = [site_read_aheads(d, layer) for d, layer in zip(ahead, layers)]
     moved = [layer.offloaded_bytes(k) if p in MOVED else 0 for layer, p, k in zip(layers, placements, counts)]
     io = stage.io if io is None else io
     if io.host_bytes_per_s is None and Placement.HOST in placements:
@@ -497,11 +496,11 @@ def predict(
     pending = [(i, s) for i in range(n - 1, -1, -1) if placements[i] in MOVED
                for s in use_order(layers[i], counts[i])]
     for j in range(n - 1, -1, -1):
-        due = [(i, s) for i, s in pending if i + depths[i][s] >= j]
+        due = [(i, s) for i, s in pending if i + aheads[i][s] >= j]
         for i, s in due:
             issue_read(i, s, t)
         if due:
-            pending = [(i, s) for i, s in pending if i + depths[i][s] < j]
+            pending = [(i, s) for i, s in pending if i + aheads[i][s] < j]
         lt, layer = out[j], layers[j]
         work = layer.backward_s
         if lt.placement is Placement.RECOMPUTE:

@@ -19,7 +19,7 @@ NBYTES = 4096
 def reads_over(engine: ScriptedEngine, limit=None):
     """The table, its reads (layer 0 read one layer ahead), and a record whose layer 0
     saved one 4 KiB tensor, now on the drive."""
-    config = OffloadConfig(paths=["/unused"], min_tensor_bytes=1024, prefetch_layers=1)
+    config = OffloadConfig(paths=["/unused"], min_tensor_bytes=1024, default_read_ahead=1)
     policy = PlacementPolicy(config, host_available=False)
     policy.layers = [0, 1]
     policy.set_plan({0: "offload", 1: "offload"})

@@ -23,7 +23,7 @@ NBYTES = 4096
 
 def table_with(engine: ScriptedEngine, plan=None) -> EntryTable:
     """A table over one scripted SSD store; layer 0 offloads, layer 1 keeps."""
-    config = OffloadConfig(paths=["/unused"], min_tensor_bytes=1024, prefetch_layers=1)
+    config = OffloadConfig(paths=["/unused"], min_tensor_bytes=1024, default_read_ahead=1)
     policy = PlacementPolicy(config, host_available=False)
     policy.layers = [0, 1]
     policy.set_plan(plan or {0: "offload", 1: "keep"})

@@ -64,7 +64,7 @@ def test_a_plan_moves_the_tensors_outside_the_layers_bit_identically(offload_dir
     model = EmbeddingGPT(layers=3, hidden=HIDDEN, seq=SEQ)
     reference = copy.deepcopy(model)
     batches = make_batches(steps=2, microbatches=2, batch=BATCH, seq=SEQ, vocab=256)
-    config = OffloadConfig(paths=[offload_dir], min_tensor_bytes=4096, prefetch_layers=1)
+    config = OffloadConfig(paths=[offload_dir], min_tensor_bytes=4096, default_read_ahead=1)
     with TensorCache(config) as cache:
         cache.register_layers(model.layers)
         keep = train(model, batches[:1], cache, {0: "keep", 1: "keep", 2: "keep"})[0]

@@ -52,7 +52,7 @@ def test_fine_grained_fraction_counts_groups_and_keeps_the_latest():
     assert moved == rule.groups[:8] and len(rule.offloaded) == 8
     assert moved[-1] == (2, "core_attn")
     # K = 7 + 5 kept after the last moved group: position p reloads (p + 12) // 5 layers ahead
-    assert rule.depth[(1, "attn_norm")] == 2 and rule.depth[(1, "mlp_norm")] == 3
+    assert rule.group_read_ahead[(1, "attn_norm")] == 2 and rule.group_read_ahead[(1, "mlp_norm")] == 3
     assert rule.read_ahead(LAYERS, 1, None) == 2  # a layer's earliest without a site
 
 
@@ -120,7 +120,7 @@ def test_rule_for_takes_the_peers_own_minimum_unless_given():
 
 def _policy(peer):
     config = OffloadConfig(paths=["/tmp"], host_pool_bytes=1 << 20, planner=PlannerConfig(mode="keep"), peer=peer,
-                           prefetch_layers=1)
+                           default_read_ahead=1)
     policy = PlacementPolicy(config, host_available=True)
     policy.layers.extend(LAYERS)
     policy.set_plan({}, Placement.KEEP)  # what the keep mode sets
@@ -140,7 +140,7 @@ def test_the_policy_asks_the_rule_only_for_offloadable_tensors_the_plan_keeps():
     assert policy.read_ahead(1) == 1  # L - N - 1
     policy.set_plan({1: LayerChoice(Placement.KEEP, read_ahead=3)}, Placement.KEEP)  # the tensors the rule moves
     assert policy.read_ahead(1) == 3  # the plan's read-ahead wins
-    assert policy.read_ahead(4) == 1  # no say from the rule: prefetch_layers
+    assert policy.read_ahead(4) == 1  # no say from the rule: default_read_ahead
 
 
 def test_a_peer_rule_needs_keep_and_a_host_pool():

@@ -56,7 +56,7 @@ def same_gradients(model, reference, batch):
 
 def test_the_cache_issues_each_read_at_its_read_ahead(offload_dir):
     model, reference, batch = six_layers()
-    config = OffloadConfig(paths=[offload_dir], min_tensor_bytes=4096, prefetch_layers=1)
+    config = OffloadConfig(paths=[offload_dir], min_tensor_bytes=4096, default_read_ahead=1)
     with TensorCache(config) as cache:
         cache.register_layers(model.layers)
         cache.set_plan({**{i: "offload" for i in range(6)}, 0: LayerChoice(Placement.OFFLOAD, read_ahead=4),
@@ -78,7 +78,7 @@ def test_the_cache_issues_each_read_at_its_read_ahead(offload_dir):
 
 def test_each_site_is_read_when_its_own_read_ahead_comes(offload_dir):
     model, reference, batch = six_layers()
-    config = OffloadConfig(paths=[offload_dir], min_tensor_bytes=4096, prefetch_layers=1)
+    config = OffloadConfig(paths=[offload_dir], min_tensor_bytes=4096, default_read_ahead=1)
     with TensorCache(config) as cache:
         cache.register_layers(model.layers)
         cache.set_plan({i: "offload" for i in range(6)})

@@ -33,7 +33,7 @@ def test_sites_are_numbered_stably_and_a_plan_moves_only_its_prefix(offload_dir)
     model = TinyGPT(layers=4, hidden=64, seq=64)
     reference = copy.deepcopy(model)
     batches = make_batches(steps=2, microbatches=2, batch=4, seq=64, vocab=256)
-    config = OffloadConfig(paths=[offload_dir], min_tensor_bytes=4096, prefetch_layers=1)
+    config = OffloadConfig(paths=[offload_dir], min_tensor_bytes=4096, default_read_ahead=1)
     with TensorCache(config) as cache:
         cache.register_layers(model.layers)
         cache.set_plan({i: "keep" for i in range(4)})

@@ -52,7 +52,7 @@ def test_flags_default_to_none_and_parse_all():
     args = parse(
         "--ssd-offload", "--ssd-offload-paths", "/a,/b", "--ssd-offload-planner", "keep",
         "--ssd-offload-memory-budget", "2GiB", "--ssd-offload-keep-last-layers", "2",
-        "--ssd-offload-prefetch-layers", "3", "--ssd-offload-io-threads", "4",
+        "--ssd-offload-default-read-ahead", "3", "--ssd-offload-io-threads", "4",
         "--ssd-offload-block-size", "1MiB", "--ssd-offload-max-inflight", "64MiB",
         "--ssd-offload-engine", "posix", "--ssd-offload-override", "io.checksum=false",
         "--ssd-offload-override", "min_tensor_bytes=0", "--ssd-offload-drive-tbw", "7.0e15",
@@ -62,7 +62,7 @@ def test_flags_default_to_none_and_parse_all():
     cfg = offload_config_from_args(args)
     assert cfg.paths == ["/a", "/b"]
     assert (cfg.planner.mode, cfg.planner.memory_budget) == ("keep", 2 << 30)
-    assert (cfg.keep_last_layers, cfg.prefetch_layers) == (2, 3)
+    assert (cfg.keep_last_layers, cfg.default_read_ahead) == (2, 3)
     assert (cfg.io.threads, cfg.io.block_bytes, cfg.io.max_inflight_bytes) == (4, 1 << 20, 64 << 20)
     assert (cfg.io.engine, cfg.io.checksum, cfg.min_tensor_bytes) == ("posix", "off", 0)
     assert (cfg.planner.drive_tbw_bytes, cfg.planner.drive_sharing) == (7 * 10**15, 8)
@@ -228,3 +228,19 @@ def test_docs_list_every_flag():
     flags = ["--ssd-offload", "--ssd-offload-paths", "--ssd-offload-config", "--ssd-offload-override"]
     for flag in flags + [f.flag for f in SSD_FLAGS]:
         assert f"`{flag}" in docs, flag
+
+
+def test_a_renamed_flag_is_read_as_its_new_one_with_one_warning(caplog, monkeypatch):
+    from megatron_ssd.config import schema
+    monkeypatch.setattr(schema, "_WARNED", set())
+    with caplog.at_level("WARNING", logger="megatron_ssd"):
+        cfg = config_of("--ssd-offload", "--ssd-offload-paths", "/a", "--ssd-offload-prefetch-layers", "3")
+    assert cfg.default_read_ahead == 3
+    assert [r.getMessage() for r in caplog.records if "deprecated" in r.getMessage()] == [
+        "megatron_ssd: --ssd-offload-prefetch-layers is deprecated; use --ssd-offload-default-read-ahead"]
+    both = ("--ssd-offload", "--ssd-offload-paths", "/a", "--ssd-offload-prefetch-layers", "3",
+            "--ssd-offload-default-read-ahead")
+    assert config_of(*both, "3").default_read_ahead == 3
+    with pytest.raises(ConfigError, match=r"^megatron_ssd: --ssd-offload-prefetch-layers = '3' and "
+                                          r"--ssd-offload-default-read-ahead = '2' are both given"):
+        config_of(*both, "2")

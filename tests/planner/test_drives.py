@@ -78,8 +78,8 @@ def test_simulate_wear_bound_follows_the_drive_and_its_used_life():
     slc = simulate(spec_from_overrides([*base, "drive=solidigm-d7-p5810-800gb"], model="gpt-1.3b"))
     worn = simulate(spec_from_overrides([*base, "drive=solidigm-d7-p5810-800gb", "ssd_used_fraction=0.75"],
                                         model="gpt-1.3b"))
-    assert slc.plan.max_write_bytes_per_s == pytest.approx(tlc.plan.max_write_bytes_per_s * 73.0 / 7.008)
-    assert worn.plan.max_write_bytes_per_s == pytest.approx(slc.plan.max_write_bytes_per_s / 4)
+    assert slc.plan.request.max_write_bytes_per_s == pytest.approx(tlc.plan.request.max_write_bytes_per_s * 73.0 / 7.008)
+    assert worn.plan.request.max_write_bytes_per_s == pytest.approx(slc.plan.request.max_write_bytes_per_s / 4)
     assert "(solidigm-d7-p5810-800gb), 75% of it used" in worn.summary()
     if worn.write_bytes_per_s_per_gpu > 0:
         assert worn.lifetime_years == pytest.approx(

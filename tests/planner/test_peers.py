@@ -44,10 +44,14 @@ def anatomy(st):
     return {layer.layer_id: ANATOMY for layer in st.layers if layer.layer_id != EMBEDDING}
 
 
+def placements(point):
+    return [c.placement for c in point.choices]
+
+
 def moved(point, i):
     """The roles of the sites layer ``i`` of ``point`` moves to host memory."""
     layer = point.stage.layers[i]
-    k = len(layer.sites) if point.sites[i] is None else point.sites[i]
+    k = len(layer.sites) if point.choices[i].sites is None else point.choices[i].sites
     return [ROLES[SITES.index(b)] for b in layer.sites[:k]]
 
 
@@ -62,11 +66,11 @@ def moved(point, i):
 def test_fine_grained_counts_groups_keeps_the_last_layer_and_reloads_k_groups_ahead(fraction, host_layers, depth):
     st = stage()
     point = megatron_fine_grained(st, anatomy(st), fraction)
-    assert point.placements == [H] * host_layers + [K] * (5 - host_layers)
+    assert placements(point) == [H] * host_layers + [K] * (5 - host_layers)
     for i in range(host_layers):
         # qkv_linear's two (the fused norm's input and output), core_attn's Q, K, V, attn_proj's input
         assert moved(point, i) == ["attn_norm_input", "qkv_input", "query", "key", "value", "attn_output"]
-        assert point.read_ahead[i][:6] == [depth] * 6
+        assert list(point.choices[i].read_ahead[:6]) == [depth] * 6
     assert price(point).hosted_bytes == host_layers * sum(SITES[:6])
 
 
@@ -76,11 +80,11 @@ def test_fine_grained_fraction_counts_groups_not_bytes():
     Q, K, V (18 MB)."""
     st = stage()
     point = megatron_fine_grained(st, anatomy(st), fraction=7 / 12)  # int(12 x 5/12) = 5 kept
-    assert point.placements == [H, H, H, K, K]
+    assert placements(point) == [H, H, H, K, K]
     assert moved(point, 2) == ["attn_norm_input", "qkv_input"]
     # 7 offloaded, 8 kept after them: layer 0's three groups reload (0 + 8) // 3 = 2 and
     # (1 + 8) // 3 = (2 + 8) // 3 = 3 layers ahead
-    assert point.read_ahead[0][:6] == [2, 2, 3, 3, 3, 3]
+    assert list(point.choices[0].read_ahead[:6]) == [2, 2, 3, 3, 3, 3]
 
 
 def test_fine_grained_local_spec_has_norm_groups_and_honours_the_minimum_size():
@@ -88,7 +92,7 @@ def test_fine_grained_local_spec_has_norm_groups_and_honours_the_minimum_size():
     local = megatron_fine_grained(st, anatomy(st), 1.0, transformer_engine=False)
     assert moved(local, 0) == ["attn_norm_input", "qkv_input", "query", "key", "value", "attn_output",
                                "mlp_norm_input"]  # 5 groups a layer, the last layer's 5 kept: one layer ahead
-    assert local.read_ahead[0][:7] == [1, 1, 1, 1, 1, 1, 1]
+    assert list(local.choices[0].read_ahead[:7]) == [1, 1, 1, 1, 1, 1, 1]
     small = megatron_fine_grained(st, anatomy(st), 1.0, min_tensor_elements=3 * MB)
     # Q (5 MB) is 2.5M elements, under 3M; K (6 MB) is 3M
     assert moved(small, 0) == ["key", "value", "attn_output"]
@@ -111,7 +115,7 @@ def test_moved_sites_keep_their_bytes_and_use_points():
     point = megatron_fine_grained(st, an, 1.0)
     before, after = st.layers[1], point.stage.layers[1]
     assert sorted(zip(before.sites, before.site_use)) == sorted(zip(after.sites, after.site_use))
-    moved = set(zip(after.sites[:point.sites[1]], after.site_use[:point.sites[1]]))
+    moved = set(zip(after.sites[:point.choices[1].sites], after.site_use[:point.choices[1].sites]))
     roles = an[0].site_roles
     expected = {(before.sites[s], before.site_use[s]) for s, r in enumerate(roles)
                 if r in ("attn_norm_input", "qkv_input", "query", "key", "value", "attn_output")}
@@ -121,11 +125,11 @@ def test_moved_sites_keep_their_bytes_and_use_points():
 def test_te_offloads_the_first_n_whole_layers_reloading_l_minus_n_minus_1_ahead():
     st = stage(with_embedding=True)
     point = te_cpu_offload(st, anatomy(st), 2)
-    assert point.placements == [K, H, H, K, K, K]  # the embedding's tensors are not a layer
-    assert point.sites[1:3] == [None, None]
-    assert point.read_ahead[1] == [2] * 12  # 5 - 2 - 1
+    assert placements(point) == [K, H, H, K, K, K]  # the embedding's tensors are not a layer
+    assert [c.sites for c in point.choices[1:3]] == [None, None]
+    assert list(point.choices[1].read_ahead) == [2] * 12  # 5 - 2 - 1
     last = te_cpu_offload(st, anatomy(st), 4)
-    assert last.read_ahead[1] == [0] * 12  # N = L - 1: each reload starts at its own backward
+    assert list(last.choices[1].read_ahead) == [0] * 12  # N = L - 1: each reload starts at its own backward
     assert price(last).exposed_s > 0 and price(point).exposed_s == 0
     with pytest.raises(ConfigError, match=r"num_layers = 5: must be an integer in \[1, 4\]"):
         te_cpu_offload(st, anatomy(st), 5)
@@ -141,8 +145,8 @@ def test_te_with_pipelining_is_refused_as_megatron_refuses_it():
 
 def test_full_recompute_is_every_layer_or_the_first_block():
     st = stage(with_embedding=True)
-    assert full_recompute(st).placements == [K] + [R] * 5
-    assert full_recompute(st, 2).placements == [K, R, R, K, K, K]
+    assert placements(full_recompute(st)) == [K] + [R] * 5
+    assert placements(full_recompute(st, 2)) == [K, R, R, K, K, K]
 
 
 def test_selective_core_attention_with_fused_attention_frees_nothing_and_costs_its_forward():
@@ -172,7 +176,7 @@ def test_selective_mlp_frees_fc1_activation_and_fc2_inputs_until_its_backward():
 def test_price_is_the_planners_own_replay():
     st = stage()
     point = megatron_fine_grained(st, anatomy(st), 0.5)
-    direct = predict(point.stage, point.placements, point.read_ahead, sites=point.sites)
+    direct = predict(point.stage, point.choices)
     assert price(point).step_s == direct.step_s and price(point).peak_bytes == direct.peak_bytes
 
 

@@ -23,7 +23,7 @@ def test_hidden_offload_that_fits_is_kept():
     free = make_plan(slow_stage())
     plan = make_plan(slow_stage(), capacity_bytes=free.peak_activation_bytes)
     assert plan.goal == GOAL_MAX_OFFLOAD and plan.placements == free.placements
-    assert plan.capacity_bytes == free.peak_activation_bytes
+    assert plan.request.capacity_bytes == free.peak_activation_bytes
 
 
 def test_hidden_offload_that_does_not_fit_is_replaced_by_one_that_does():

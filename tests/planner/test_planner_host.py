@@ -41,8 +41,8 @@ def test_host_copies_run_on_the_link_not_on_the_ssd_queue():
 
 
 def test_without_a_host_budget_nothing_is_hosted():
-    plan = make_plan(stage(), read_ahead="fixed")
-    assert plan.layers_with(H) == [] and plan.hosted_bytes == 0 and plan.host_budget_bytes is None
+    plan = make_plan(stage(), read_ahead_mode="fixed")
+    assert plan.layers_with(H) == [] and plan.hosted_bytes == 0 and plan.request.host_budget_bytes is None
     with pytest.raises(ConfigError, match=r"host_budget_bytes = 1000: needs IOProfile.host_bytes_per_s"):
         make_plan(stage(host_bytes_per_s=None), host_budget_bytes=1000)
     with pytest.raises(ConfigError, match=r"host_budget_bytes = -1: must be None or an integer number of bytes >= 0"):
@@ -51,8 +51,8 @@ def test_without_a_host_budget_nothing_is_hosted():
 
 def test_the_host_pool_takes_what_it_hides_within_its_budget_and_the_ssds_the_rest():
     st = stage()
-    ssd_only = make_plan(st, read_ahead="fixed")
-    plan = make_plan(st, read_ahead="fixed", host_budget_bytes=3 * GB)
+    ssd_only = make_plan(st, read_ahead_mode="fixed")
+    plan = make_plan(st, read_ahead_mode="fixed", host_budget_bytes=3 * GB)
     assert [lp.placement for lp in plan.layers[:3]] == [H, H, H]  # the pool, full, takes the earliest
     assert 0 < plan.offloaded_bytes < ssd_only.offloaded_bytes  # the SSDs take part of what is left
     assert plan.hosted_bytes == 3 * GB and plan.host_pool_bytes == 3 * GB
@@ -62,13 +62,13 @@ def test_the_host_pool_takes_what_it_hides_within_its_budget_and_the_ssds_the_re
     assert hosted and all(lp.offloaded > 0 for lp in hosted)
     assert "host pool" in plan.table() and any(lp.placement_text.startswith("host") for lp in plan.layers)
     again = Plan.from_json(plan.to_json())
-    assert again.hosted_bytes == plan.hosted_bytes and again.host_budget_bytes == 3 * GB
+    assert again.hosted_bytes == plan.hosted_bytes and again.request.host_budget_bytes == 3 * GB
 
 
 def test_the_pool_holds_every_micro_batch_in_flight():
     """With 4 micro-batches in flight the pool holds four copies of what one hosts."""
     st = stage(in_flight=4)
-    plan = make_plan(st, read_ahead="fixed", host_budget_bytes=2 * GB)
+    plan = make_plan(st, read_ahead_mode="fixed", host_budget_bytes=2 * GB)
     assert plan.hosted_bytes * 4 <= 2 * GB and plan.host_pool_bytes == plan.hosted_bytes * 4
 
 
@@ -76,8 +76,8 @@ def test_a_budget_is_met_through_the_host_pool_before_recompute():
     """4 GB of the 8 kept: the SSDs carry half of four layers, so without the pool two
     layers are recomputed; hosting costs no step time and replaces them."""
     st = stage()
-    without = make_plan(st, memory_budget=4 * GB, read_ahead="fixed")
-    with_host = make_plan(st, memory_budget=4 * GB, read_ahead="fixed", host_budget_bytes=4 * GB)
+    without = make_plan(st, memory_budget=4 * GB, read_ahead_mode="fixed")
+    with_host = make_plan(st, memory_budget=4 * GB, read_ahead_mode="fixed", host_budget_bytes=4 * GB)
     assert len(without.layers_with(R)) == 2 and with_host.layers_with(R) == []
     assert with_host.hosted_bytes > 0 and with_host.peak_activation_bytes <= 4 * GB
     assert with_host.step_s == pytest.approx(with_host.keep_step_s)
@@ -123,7 +123,7 @@ def test_a_plan_on_both_tiers_prices_the_host_copies_behind_the_ssd_staging():
     issued at 20 ms, runs from 33 to 41 ms; the plan still hides it and meets the budget.
     On a link of the host tier's own (a CPU) the copy starts at 20 ms."""
     st = stage(host_bytes_per_s=GB / 0.008, write_s=0.025, read_s=0.010)
-    plan = make_plan(st, memory_budget=3 * GB, read_ahead="fixed", host_budget_bytes=3 * GB)
+    plan = make_plan(st, memory_budget=3 * GB, read_ahead_mode="fixed", host_budget_bytes=3 * GB)
     placements = [lp.placement for lp in plan.layers]
     assert placements == [O, O, H, H, H, K, K, K]
     assert plan.peak_activation_bytes <= 3 * GB and plan.exposed_s == 0.0
@@ -138,12 +138,12 @@ def test_a_hidden_host_copy_beats_the_ssd():
     planner offloads four; with room in the pool it hosts them instead (no drive wear,
     a faster copy), under either goal."""
     st = stage(write_s=0.020, read_s=0.010, host_bytes_per_s=GB / 0.005)
-    ssd_only = make_plan(st, read_ahead="fixed")
+    ssd_only = make_plan(st, read_ahead_mode="fixed")
     assert ssd_only.layers_with(O) and ssd_only.hosted_bytes == 0
-    hosted = make_plan(st, read_ahead="fixed", host_budget_bytes=8 * GB)
+    hosted = make_plan(st, read_ahead_mode="fixed", host_budget_bytes=8 * GB)
     assert hosted.offloaded_bytes == 0 and hosted.hosted_bytes >= ssd_only.offloaded_bytes
     assert hosted.peak_activation_bytes <= ssd_only.peak_activation_bytes and hosted.exposed_s == 0.0
-    budget = make_plan(st, memory_budget=5 * GB, read_ahead="fixed", host_budget_bytes=8 * GB)
+    budget = make_plan(st, memory_budget=5 * GB, read_ahead_mode="fixed", host_budget_bytes=8 * GB)
     assert budget.offloaded_bytes == 0 and budget.hosted_bytes == 3 * GB
     assert budget.step_s == pytest.approx(budget.keep_step_s)
 
@@ -154,11 +154,11 @@ def test_a_full_pool_spills_to_the_ssds():
     the SSDs first (three layers) left the pool one layer whose copy still lowered the
     peak (4 GB). Under a 3 GB budget the plan meets it without recompute."""
     st = stage(write_s=0.025, read_s=0.010, host_bytes_per_s=GB / 0.005)
-    plan = make_plan(st, read_ahead="fixed", host_budget_bytes=3 * GB)
+    plan = make_plan(st, read_ahead_mode="fixed", host_budget_bytes=3 * GB)
     assert plan.hosted_bytes == 3 * GB and plan.offloaded_bytes == 2 * GB
     assert plan.peak_activation_bytes == 3 * GB and plan.exposed_s == 0.0
-    assert plan.peak_activation_bytes < make_plan(st, read_ahead="fixed").peak_activation_bytes
-    budget = make_plan(st, memory_budget=3 * GB, read_ahead="fixed", host_budget_bytes=3 * GB)
+    assert plan.peak_activation_bytes < make_plan(st, read_ahead_mode="fixed").peak_activation_bytes
+    budget = make_plan(st, memory_budget=3 * GB, read_ahead_mode="fixed", host_budget_bytes=3 * GB)
     assert budget.layers_with(R) == [] and budget.hosted_bytes == 3 * GB and budget.offloaded_bytes > 0
     assert budget.step_s == pytest.approx(budget.keep_step_s)
 

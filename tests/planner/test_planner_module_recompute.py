@@ -50,14 +50,14 @@ def test_a_recomputed_module_frees_its_sites_and_lengthens_the_backward():
 
 def test_rebuilt_bytes_are_held_while_the_layer_runs_backward():
     one = StageProfile(layers=[attention_layer(0)], io=IOProfile(1e9, 1e9), other_s=1.0)
-    kept = replay(one, [LayerChoice(K)], depth=1)
-    recomputed = replay(one, [LayerChoice(K, recompute=("core_attn",))], depth=1)
+    kept = replay(one, [LayerChoice(K)], read_ahead=1)
+    recomputed = replay(one, [LayerChoice(K, recompute=("core_attn",))], read_ahead=1)
     assert kept.peak_bytes == 40 * MB
     assert recomputed.microbatch_peak_bytes == 40 * MB  # 20 MB held, 20 MB rebuilt in backward
     assert recomputed.memory[1:3] == [(1.0, 20 * MB), (2.0, 40 * MB)]  # the sites left, then the rebuilt too
     assert recomputed.step_s == pytest.approx(kept.step_s + 0.05)
     two = StageProfile(layers=[attention_layer(0), attention_layer(1)], io=IOProfile(1e9, 1e9))
-    both = replay(two, [LayerChoice(K, recompute=("core_attn",))] * 2, depth=1)
+    both = replay(two, [LayerChoice(K, recompute=("core_attn",))] * 2, read_ahead=1)
     assert both.peak_bytes == 60 * MB  # layer 1's rebuilt bytes on top of both layers' sites left
 
 
@@ -82,12 +82,12 @@ def test_recompute_inside_a_layer_combines_with_offloading_its_other_sites():
     assert first.site_count == 2 and first.offloaded == 20 * MB  # the sites left, moved
     assert first.placement_text == "offload +core_attn"
     assert plan.peak_activation_bytes <= 70 * MB and plan.exposed_s == 0.0
-    again = replay(stage(3e7), list(plan.choices().values()), depth=1)
+    again = replay(stage(3e7), list(plan.choices().values()), read_ahead=1)
     assert again.peak_bytes == plan.peak_activation_bytes and again.step_s == pytest.approx(plan.step_s)
 
 
 def test_read_ahead_auto_plans_the_sites_left():
-    plan = make_plan(stage(6e7), memory_budget=70 * MB, read_ahead="auto")
+    plan = make_plan(stage(6e7), memory_budget=70 * MB, read_ahead_mode="auto")
     for lp in plan.layers:
         if lp.site_read_ahead is not None:
             assert len(lp.site_read_ahead) == lp.site_count

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -83,8 +84,8 @@ def test_slowdown_bound_holds_the_hidden_offload_to_a_step_time():
     bounded = make_plan(stage, max_slowdown=0.01)
     assert bounded.placements == [O] * 3 + [K] * 5
     assert bounded.step_s <= 1.01 * bounded.keep_step_s < predict(stage, [O] * 4 + [K] * 4).step_s
-    assert bounded.max_slowdown == 0.01 and "step at most 1.010x keep-everything" in bounded.table()
-    assert Plan.from_dict(bounded.to_dict()).max_slowdown == 0.01
+    assert bounded.request.max_slowdown == 0.01 and "step at most 1.010x keep-everything" in bounded.table()
+    assert Plan.from_dict(bounded.to_dict()).request.max_slowdown == 0.01
     assert make_plan(stage, max_slowdown=0.0).placements == [K] * 8
     budget = make_plan(stage, memory_budget=3 * GB, max_slowdown=0.0)
     assert budget.goal == GOAL_MEMORY_BUDGET and budget.peak_activation_bytes <= 3 * GB
@@ -96,7 +97,7 @@ def test_budget_met_with_offload_and_recompute():
     stage = slow_stage()
     budget = 3 * GB
     plan = make_plan(stage, memory_budget=budget)
-    assert plan.goal == GOAL_MEMORY_BUDGET and plan.memory_budget == budget
+    assert plan.goal == GOAL_MEMORY_BUDGET and plan.request.memory_budget == budget
     assert plan.peak_activation_bytes <= budget
     assert plan.layers_with(O) and plan.layers_with(R)
     assert plan.exposed_s == 0.0
@@ -169,7 +170,7 @@ def test_plan_json_round_trip_and_schema():
 
 def test_a_plan_written_in_the_first_schema_loads_as_the_same_plan():
     """plan/1 held a layer's decision as four side-by-side fields; plan/2 as one choice."""
-    for plan in (make_plan(slow_stage(), memory_budget=3 * GB), make_plan(fast_stage(), read_ahead="auto")):
+    for plan in (make_plan(slow_stage(), memory_budget=3 * GB), make_plan(fast_stage(), read_ahead_mode="auto")):
         old = plan.to_dict()
         old["schema"] = "megatron_ssd.plan/1"
         for entry in old["layers"]:
@@ -228,7 +229,7 @@ def test_table_lists_every_layer():
     [
         ({"safety_margin": 1.0}, "safety_margin = 1.0"),
         ({"safety_margin": -0.1}, "safety_margin"),
-        ({"prefetch_depth": 0}, "prefetch_depth = 0"),
+        ({"default_read_ahead": 0}, "default_read_ahead = 0"),
         ({"memory_budget": -1}, "memory_budget = -1"),
         ({"memory_budget": 1.5}, "memory_budget = 1.5"),
     ],
@@ -327,8 +328,22 @@ def test_a_budget_that_recomputing_every_layer_meets_is_met_where_no_single_move
     and no paired steps, under load only, since the profile's times decide the plateau)."""
     stage = StageProfile.from_dict(PLATEAU_STAGE)
     for read_ahead in ("fixed", "auto"):
-        plan = make_plan(stage, memory_budget=759872, prefetch_depth=2, read_ahead=read_ahead)
+        plan = make_plan(stage, memory_budget=759872, default_read_ahead=2, read_ahead_mode=read_ahead)
         assert plan.peak_activation_bytes <= 759872
         assert [lp.placement for lp in plan.layers] == [Placement.KEEP, Placement.RECOMPUTE, Placement.RECOMPUTE]
     with pytest.raises(PlanInfeasibleError, match="smallest reachable predicted peak is 724992 bytes"):
-        make_plan(stage, memory_budget=724991, prefetch_depth=2)
+        make_plan(stage, memory_budget=724991, default_read_ahead=2)
+
+
+@pytest.mark.parametrize("name, made", [
+    ("plan2_memory_budget.json", lambda: make_plan(slow_stage(), memory_budget=3 * GB, default_read_ahead=2)),
+    ("plan2_read_ahead_auto.json", lambda: make_plan(fast_stage(), read_ahead_mode="auto")),
+])
+def test_a_plan_written_before_the_read_ahead_names_loads_as_the_same_plan(name, made):
+    """Plans written with ``prefetch_depth`` and ``read_ahead`` (the mode) at the top
+    level read those as ``default_read_ahead`` and ``read_ahead_mode``."""
+    path = os.path.join(os.path.dirname(__file__), "fixtures", name)
+    with open(path, encoding="utf-8") as fh:
+        text = fh.read()
+    assert '"prefetch_depth"' in text and '"read_ahead_mode"' not in text
+    assert Plan.from_json(text) == made()

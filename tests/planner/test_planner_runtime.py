@@ -79,7 +79,7 @@ def test_runtime_plan_honours_the_drive_wear_limit(world, tmp_path):
         planned, stats, planner = _run(cache, worn, steps=5)
     assert all(torch.equal(a, b) for a, b in zip(stock.losses, planned.losses, strict=True))
     plan = planner.plan
-    assert plan.max_write_bytes_per_s == pytest.approx(1e6 / (3 * 365 * 86400))
+    assert plan.request.max_write_bytes_per_s == pytest.approx(1e6 / (3 * 365 * 86400))
     assert plan.offloaded_bytes == 0 and Placement.OFFLOAD not in plan.placements
     assert stats[-1].bytes_offloaded == 0
 
@@ -92,12 +92,12 @@ def test_runtime_plan_fits_the_activation_capacity(world, tmp_path):
     auto = PlannerConfig(mode="auto", warmup_steps=1, profile_steps=2)
     with TensorCache(cfg) as cache:
         _, _, free = _run(cache, auto, steps=4)
-        assert free.activation_capacity() is None and free.plan.capacity_bytes is None
+        assert free.activation_capacity() is None and free.plan.request.capacity_bytes is None
     capacity = free.plan.keep_peak_activation_bytes // 2
     with TensorCache(cfg) as cache:  # a capacity profiles RECOMPUTE too: 6 steps before the plan
         planned, _, held = _run(cache, PlannerConfig(**{**auto.__dict__, "activation_capacity_bytes": capacity}), steps=6)
     assert all(torch.equal(a, b) for a, b in zip(stock.losses, planned.losses, strict=True))
-    assert held.plan.capacity_bytes == capacity
+    assert held.plan.request.capacity_bytes == capacity
     assert held.plan.peak_activation_bytes <= capacity
 
 
@@ -131,7 +131,7 @@ def test_budget_run_profiles_recompute_and_prices_it_from_the_steps(world, tmp_p
     assert keep.layers[1].forward_s / keep.layers[1].microbatches == pytest.approx(layers[1].forward_s)
     for l in inside:
         assert l.recompute_s == pytest.approx(factor * l.forward_s)
-    assert planner.plan.memory_budget == budget.memory_budget
+    assert planner.plan.request.memory_budget == budget.memory_budget
 
 
 def test_recompute_factor_from_constructed_steps():
@@ -529,14 +529,14 @@ def test_the_host_tier_is_planned_on_a_gpu_only_and_runs_bit_identical(world, tm
     auto = PlannerConfig(mode="auto", warmup_steps=1, profile_steps=2)
     with TensorCache(cfg) as cache:
         _, _, cpu = _run(cache, auto, steps=5)
-        assert cpu.host_budget() is None and cpu.plan.host_budget_bytes is None and not cpu.plan.layers_with("host")
+        assert cpu.host_budget() is None and cpu.plan.request.host_budget_bytes is None and not cpu.plan.layers_with("host")
     monkeypatch.setattr(AdaptivePlanner, "host_budget", lambda self: self.cache.host.capacity_bytes)
     monkeypatch.setattr(AdaptivePlanner, "host_bandwidth", lambda self: 1e12)
     with TensorCache(cfg) as cache:
         # the SSDs take nothing here (a budget of 0 bytes per second of writes), so what moves goes to the host
         wear = PlannerConfig(**{**auto.__dict__, "drive_tbw_bytes": 1, "drive_lifetime_years": 3.0})
         planned, stats, gpu = _run(cache, wear, steps=5)
-        assert gpu.plan.host_budget_bytes == 64 << 20 and gpu.profile.io.host_bytes_per_s == 1e12
+        assert gpu.plan.request.host_budget_bytes == 64 << 20 and gpu.profile.io.host_bytes_per_s == 1e12
         hosted = gpu.plan.layers_with("host")
         assert hosted and gpu.plan.offloaded_bytes == 0
         assert {cache.placement(l) for l in hosted} == {Placement.HOST}
@@ -553,7 +553,7 @@ def test_a_paced_host_tier_is_planned_on_a_cpu(world, tmp_path):
     with TensorCache(cfg) as cache:
         _, _, planner = _run(cache, PlannerConfig(mode="auto", warmup_steps=1, profile_steps=2), steps=4)
         assert planner.host_budget() == 64 << 20 and planner.host_bandwidth() == float(1 << 30)
-        assert planner.plan.host_budget_bytes == 64 << 20
+        assert planner.plan.request.host_budget_bytes == 64 << 20
         assert planner.profile.io.host_bytes_per_s == float(1 << 30) and planner.profile.io.shared_host_link is False
 
 

@@ -92,7 +92,7 @@ def test_distributed_optimizer_shards_the_optimizer_state_over_dp_and_cp():
 def test_sequences_from_2k_to_1m_are_planned(seq_len, layout):
     result = simulate(spec_from_overrides([f"seq_len={seq_len}", *(f"{k}={v}" for k, v in layout.items())],
                                           model="gpt-7b"))
-    assert result.plan.peak_activation_bytes <= result.plan.capacity_bytes
+    assert result.plan.peak_activation_bytes <= result.plan.request.capacity_bytes
     assert result.keep_iteration_s > 0
 
 
@@ -228,12 +228,12 @@ def test_gpu_memory_holds_the_plan_under_what_the_model_state_leaves():
     spec = dict(num_layers=40, hidden=5120, heads=40, seq_len=32768, tp=8, flash_attention=True, gpu_flops=989e12,
                 ssd_count=4)
     free = simulate(SimulationSpec(**spec, gpu_memory_bytes=None))
-    assert free.plan.capacity_bytes is None and free.plan.keep_peak_activation_bytes > 80e9
+    assert free.plan.request.capacity_bytes is None and free.plan.keep_peak_activation_bytes > 80e9
     held = simulate(SimulationSpec(**spec))  # an 80 GB GPU by default
     params = stage_parameters(SimulationSpec(**spec))
     assert params == (40 * (4 + 8) * 5120**2 + 50304 * 5120) // 8
-    assert held.plan.capacity_bytes == int(80e9 * 0.85 - 18 * params)
-    assert held.plan.peak_activation_bytes <= held.plan.capacity_bytes
+    assert held.plan.request.capacity_bytes == int(80e9 * 0.85 - 18 * params)
+    assert held.plan.peak_activation_bytes <= held.plan.request.capacity_bytes
     assert held.plan.goal == "capacity" and "held under the GPU's" in held.summary()
 
 
@@ -247,7 +247,7 @@ def test_target_lifetime_bounds_the_write_rate():
     free = simulate(SimulationSpec(**spec, target_lifetime_years=None))
     assert free.lifetime_years < 0.2 and free.plan.offloaded_bytes > 0
     worn = simulate(SimulationSpec(**spec, target_lifetime_years=3))
-    assert worn.plan.write_bytes_per_s <= worn.plan.max_write_bytes_per_s
+    assert worn.plan.write_bytes_per_s <= worn.plan.request.max_write_bytes_per_s
     assert worn.lifetime_years >= 3
 
 
@@ -258,7 +258,7 @@ def test_the_in_flight_bound_reaches_the_model_and_costs_no_hidden_wait():
     bound = simulate(spec_from_overrides(["ssd_count=4", "target_lifetime_years=null", "max_inflight_bytes=256MiB"],
                                          model="gpt-7b-32k"))
     assert free.stage.io.max_inflight_bytes is None and bound.stage.io.max_inflight_bytes == 256 << 20
-    timeline = predict(bound.stage, bound.plan.placements, bound.plan.read_aheads, sites=bound.plan.sites)
+    timeline = predict(bound.stage, bound.plan.layer_choices)
     assert timeline.write_wait_s == 0.0 and bound.plan.step_s == pytest.approx(bound.plan.keep_step_s)
     assert 0 < bound.plan.offloaded_bytes < free.plan.offloaded_bytes
     with pytest.raises(ConfigError, match=r"SimulationSpec.max_inflight_bytes = 0: must be an integer > 0 bytes or null"):

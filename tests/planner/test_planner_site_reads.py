@@ -10,6 +10,8 @@ from megatron_ssd.config import Placement
 from megatron_ssd.errors import ConfigError
 from megatron_ssd.placement import LayerChoice
 from megatron_ssd.planner import IOProfile, LayerProfile, Plan, StageProfile, make_plan, predict
+
+from layer_choices import choices_of
 from megatron_ssd.planner.simulate import spec_from_overrides, stage_profile
 
 K, O = Placement.KEEP, Placement.OFFLOAD
@@ -28,12 +30,12 @@ def three_layers(site_use=(0.5, 0.0)) -> StageProfile:
 def test_a_site_used_late_is_read_when_its_own_layer_backward_starts():
     stage = three_layers()
     # forward 0-3; layer 0's write 0-1; backward of layer 2 3-5, of layer 1 5-7, of layer 0 7-9
-    whole = predict(stage, [O, K, K], 1)
+    whole = predict(stage, choices_of([O, K, K], 1))
     reads = [(r.site, r.issue, r.start, r.end) for r in whole.layers[0].reads]
     assert reads == [(1, 5.0, 5.0, 5.5), (0, 5.0, 5.5, 6.0)]  # needed first
     assert whole.step_s == 9.0 and whole.exposed_s == 0.0
     assert whole.peak_bytes == 300  # from 5: layer 1's 100 and both read buffers
-    split = predict(stage, [O, K, K], [[0, 1], 1, 1])
+    split = predict(stage, choices_of([O, K, K], [[0, 1], 1, 1]))
     reads = [(r.site, r.issue, r.start, r.end) for r in split.layers[0].reads]
     # site 0 is read from 7, when layer 0's backward starts, and needed at 7 + 0.5 * 2
     assert reads == [(1, 5.0, 5.0, 5.5), (0, 7.0, 7.0, 7.5)]
@@ -43,7 +45,7 @@ def test_a_site_used_late_is_read_when_its_own_layer_backward_starts():
 
 
 def test_without_use_points_every_site_is_needed_when_the_backward_starts():
-    tl = predict(three_layers(site_use=None), [O, K, K], [[0, 1], 1, 1])
+    tl = predict(three_layers(site_use=None), choices_of([O, K, K], [[0, 1], 1, 1]))
     lt = tl.layers[0]
     assert lt.stall_s == pytest.approx(0.5) and tl.exposed_s == pytest.approx(0.5)
     assert (lt.backward_start, lt.backward_end, lt.backward_s) == (7.0, 9.5, 2.0)
@@ -54,7 +56,7 @@ def test_a_stall_at_a_use_point_waits_mid_backward():
     # read at 100 B/s: site 0 read 7-8, needed at 8: no wait; at 50 B/s: 7-9, waits 1 s at 8
     stage = three_layers()
     slow = stage.with_io(IOProfile(200.0, 50.0))
-    tl = predict(slow, [O, K, K], [[0, 2], 1, 1])
+    tl = predict(slow, choices_of([O, K, K], [[0, 2], 1, 1]))
     lt = tl.layers[0]
     assert [(r.site, r.issue, r.end) for r in lt.reads] == [(1, 3.0, 5.0), (0, 7.0, 9.0)]
     assert lt.stall_s == pytest.approx(1.0)
@@ -62,7 +64,7 @@ def test_a_stall_at_a_use_point_waits_mid_backward():
 
 
 def test_auto_plan_reads_a_late_used_site_late():
-    plan = make_plan(three_layers(), read_ahead="auto")
+    plan = make_plan(three_layers(), read_ahead_mode="auto")
     assert plan.placements == [O, K, K]
     lp = plan.layers[0]
     assert (lp.read_ahead, lp.site_read_ahead, lp.read_ahead_text) == (1, [0, 1], "0..1")
@@ -71,14 +73,14 @@ def test_auto_plan_reads_a_late_used_site_late():
     assert "0..1" in plan.table()
     again = Plan.from_json(plan.to_json())
     assert again.layers[0].site_read_ahead == [0, 1]
-    assert predict(three_layers(), again.placements, again.read_aheads, sites=again.sites).peak_bytes == 200
-    # the fixed mode reads every site prefetch_depth ahead
-    fixed = make_plan(three_layers(), read_ahead="fixed")
+    assert predict(three_layers(), again.layer_choices).peak_bytes == 200
+    # the fixed mode reads every site default_read_ahead ahead
+    fixed = make_plan(three_layers(), read_ahead_mode="fixed")
     assert fixed.layers[0].site_read_ahead is None and fixed.peak_activation_bytes == 300
 
 
 def test_auto_plan_without_use_points_keeps_one_read_ahead_per_layer():
-    plan = make_plan(three_layers(site_use=None), read_ahead="auto")
+    plan = make_plan(three_layers(site_use=None), read_ahead_mode="auto")
     assert plan.placements == [O, K, K]
     assert plan.layers[0].site_read_ahead is None and plan.layers[0].read_ahead == 1
     assert plan.peak_activation_bytes == 300
@@ -86,10 +88,10 @@ def test_auto_plan_without_use_points_keeps_one_read_ahead_per_layer():
 
 def test_per_site_read_aheads_are_validated():
     stage = three_layers()
-    with pytest.raises(ConfigError, match=r"prefetch_depth\[0\] = \[0\]: must have one read-ahead per site \(2\)"):
-        predict(stage, [O, K, K], [[0], 1, 1])
+    with pytest.raises(ConfigError, match=r"read_ahead\[0\] = \[0\]: must have one read-ahead per site \(2\)"):
+        predict(stage, choices_of([O, K, K], [[0], 1, 1]))
     with pytest.raises(ConfigError, match=r"each an integer >= 1 or a list of integers >= 0"):
-        predict(stage, [O, K, K], [[0, -1], 1, 1])
+        predict(stage, choices_of([O, K, K], [[0, -1], 1, 1]))
     with pytest.raises(ConfigError, match=r"site_use = \[0.5\]: must have one entry per site \(2\)"):
         LayerProfile(0, 1.0, 2.0, 200, site_bytes=[100, 100], site_use=[0.5])
     with pytest.raises(ConfigError, match=r"site_use = \[0.5, 1.5\]: must be a list of numbers in \[0, 1\] or null"):

@@ -11,6 +11,8 @@ from megatron_ssd.errors import ConfigError
 from megatron_ssd.placement import LayerChoice
 from megatron_ssd.planner import IOProfile, LayerProfile, Plan, StageProfile, make_plan, predict
 
+from layer_choices import choices_of
+
 GB = 10**9
 K, O, R = Placement.KEEP, Placement.OFFLOAD, Placement.RECOMPUTE
 
@@ -38,8 +40,8 @@ def test_site_bytes_must_be_positive_and_sum_to_saved_bytes():
 def test_a_partly_offloaded_layer_holds_the_sites_it_keeps():
     stage = split_stage(n=1)
     with pytest.raises(ConfigError, match=r"sites\[0\] = 5: must be None or an integer in \[0, 4\]"):
-        predict(stage, [O], sites=[5])
-    whole, half, none = (predict(stage, [O], sites=[k]) for k in (None, 2, 0))
+        predict(stage, choices_of([O], sites=[5]))
+    whole, half, none = (predict(stage, choices_of([O], sites=[k])) for k in (None, 2, 0))
     assert [lt.offloaded_bytes for lt in (whole.layers[0], half.layers[0], none.layers[0])] == [GB, GB // 2, 0]
     assert half.write_busy_s == pytest.approx(whole.write_busy_s / 2)
     # the half it keeps stays resident from the forward's end to the backward's end
@@ -53,19 +55,20 @@ def test_max_offload_moves_the_longest_prefix_each_window_carries():
     the first layers offloads the two tensors (17.5 ms) that fit."""
     stage = split_stage()
     whole = StageProfile(layers=[LayerProfile(i, 0.010, 0.020, GB) for i in range(8)], io=stage.io)
-    assert make_plan(whole, read_ahead="fixed").layers_with(O) == []
-    plan = make_plan(stage, read_ahead="fixed")
+    assert make_plan(whole, read_ahead_mode="fixed").layers_with(O) == []
+    plan = make_plan(stage, read_ahead_mode="fixed")
     assert [lp.placement_text for lp in plan.layers] == ["offload 2/4"] * 4 + ["keep"] * 4
-    assert plan.sites == [2, 2, 2, 2, None, None, None, None]
+    sites = [c.sites for c in plan.layer_choices]
+    assert sites == [2, 2, 2, 2, None, None, None, None]
     assert {i: c.sites for i, c in plan.choices().items()} == {i: 2 if i < 4 else None for i in range(8)}
     assert plan.offloaded_bytes == 4 * GB // 2 and plan.exposed_s == 0.0
     assert plan.step_s == pytest.approx(plan.keep_step_s)
     assert plan.peak_activation_bytes == plan.keep_peak_activation_bytes - 2 * GB
     # one more site in any offloaded layer would stall or buy nothing
-    derated = stage.io.derated(plan.safety_margin)
+    derated = stage.io.derated(plan.request.safety_margin)
     for i in plan.layers_with(O):
-        more = plan.sites[:i] + [3] + plan.sites[i + 1:]
-        tl = predict(stage, plan.placements, 1, io=derated, sites=more)
+        more = sites[:i] + [3] + sites[i + 1:]
+        tl = predict(stage, choices_of(plan.placements, 1, more), io=derated)
         assert tl.exposed_s > 0 or tl.peak_bytes >= plan.peak_activation_bytes
     assert "offload 2/4" in plan.table()
 
@@ -75,12 +78,13 @@ def test_a_site_whose_write_ends_after_the_peak_is_not_offloaded():
     judges by (derated by the safety margin) even one tensor of the fifth layer would be
     written after the forward ends, past the peak; no share of it is offloaded."""
     stage = split_stage()
-    plan = make_plan(stage, read_ahead="fixed")
+    plan = make_plan(stage, read_ahead_mode="fixed")
     assert plan.placement(4) is K
-    derated = stage.io.derated(plan.safety_margin)
-    tl = predict(stage, plan.placements[:4] + [O] + [K] * 3, 1, io=derated, sites=plan.sites[:4] + [1] + [None] * 3)
+    sites = [c.sites for c in plan.layer_choices]
+    derated = stage.io.derated(plan.request.safety_margin)
+    tl = predict(stage, choices_of(plan.placements[:4] + [O] + [K] * 3, 1, sites[:4] + [1] + [None] * 3), io=derated)
     assert tl.layers[4].write_end > tl.layers[4].forward_end
-    assert tl.peak_bytes == predict(stage, plan.placements, 1, io=derated, sites=plan.sites).peak_bytes
+    assert tl.peak_bytes == predict(stage, choices_of(plan.placements, 1, sites), io=derated).peak_bytes
 
 
 def test_under_a_wear_bound_a_budget_is_met_with_the_share_the_drives_can_take():
@@ -92,13 +96,13 @@ def test_under_a_wear_bound_a_budget_is_met_with_the_share_the_drives_can_take()
     limit = 0.6 * GB / 0.240  # bytes per second over keep-everything's 240 ms step
     budget = int(6.5 * GB)
     whole = StageProfile(layers=[LayerProfile(i, 0.010, 0.020, GB) for i in range(8)], io=stage.io)
-    by_layer = make_plan(whole, memory_budget=budget, max_write_bytes_per_s=limit, read_ahead="fixed")
-    by_site = make_plan(stage, memory_budget=budget, max_write_bytes_per_s=limit, read_ahead="fixed")
+    by_layer = make_plan(whole, memory_budget=budget, max_write_bytes_per_s=limit, read_ahead_mode="fixed")
+    by_site = make_plan(stage, memory_budget=budget, max_write_bytes_per_s=limit, read_ahead_mode="fixed")
     assert by_layer.offloaded_bytes == 0 and len(by_layer.layers_with(R)) == 2
-    assert by_site.sites == [2] + [None] * (len(by_site.layers) - 1) and by_site.offloaded_bytes == GB // 2
+    assert [c.sites for c in by_site.layer_choices] == [2] + [None] * (len(by_site.layers) - 1) and by_site.offloaded_bytes == GB // 2
     assert len(by_site.layers_with(R)) == 1
     assert by_site.step_s < by_layer.step_s and by_site.peak_activation_bytes <= budget
-    loose = make_plan(stage, memory_budget=int(7.5 * GB), max_write_bytes_per_s=limit, read_ahead="fixed")
+    loose = make_plan(stage, memory_budget=int(7.5 * GB), max_write_bytes_per_s=limit, read_ahead_mode="fixed")
     assert [lp.placement_text for lp in loose.layers] == ["offload 2/4"] + ["keep"] * 7
     assert loose.step_s == pytest.approx(loose.keep_step_s)
 
@@ -107,14 +111,14 @@ def test_a_budget_plan_writes_no_site_it_does_not_need():
     """With fast drives the greedy offloads whole layers; a 6.5 GB budget needs only half
     of the second one, so the plan writes 1.5 GB, not 2 GB."""
     stage = split_stage(io=IOProfile(GB / 0.005, GB / 0.005))
-    plan = make_plan(stage, memory_budget=int(6.5 * GB), read_ahead="fixed", allow_recompute=False)
+    plan = make_plan(stage, memory_budget=int(6.5 * GB), read_ahead_mode="fixed", allow_recompute=False)
     assert plan.peak_activation_bytes <= 6.5 * GB
     assert plan.offloaded_bytes == int(1.5 * GB)
     assert plan.step_s == pytest.approx(plan.keep_step_s)
 
 
 def test_plans_with_sites_round_trip_and_report_site_changes():
-    plan = make_plan(split_stage(), read_ahead="fixed")
+    plan = make_plan(split_stage(), read_ahead_mode="fixed")
     again = Plan.from_json(plan.to_json())
     assert again.choices() == plan.choices() and again.layers[0].offload_sites == 2
     assert again.layers[0].site_count == 4 and again.layers[0].offloaded == GB // 2

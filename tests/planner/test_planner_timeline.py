@@ -10,6 +10,8 @@ from megatron_ssd.planner.profile import IOProfile, LayerProfile, StageProfile
 from megatron_ssd.planner.plan import make_plan
 from megatron_ssd.planner.step_timeline import predict
 
+from layer_choices import choices_of
+
 K, O, R = Placement.KEEP, Placement.OFFLOAD, Placement.RECOMPUTE
 
 
@@ -112,11 +114,11 @@ def test_reads_queue_behind_writes_on_one_device():
     assert tl.peak_bytes == 600  # layers 1 and 2 from 3 to 5, then layer 1 and layer 0's read buffer
 
 
-def test_prefetch_depth_moves_read_issue_earlier():
+def test_read_ahead_moves_read_issue_earlier():
     layers = [LayerProfile(i, 1.0, 2.0, 100) for i in range(3)]
     stage = StageProfile(layers, IOProfile(1000.0, 1000.0))
-    one = predict(stage, [O, O, K], prefetch_depth=1)
-    two = predict(stage, [O, O, K], prefetch_depth=2)
+    one = predict(stage, choices_of([O, O, K], 1))
+    two = predict(stage, choices_of([O, O, K], 2))
     assert one.layers[0].read_issue == 5.0  # backward of layer 1 starts
     assert two.layers[0].read_issue == 3.0  # first backward starts
     assert two.layers[1].read_issue == 3.0
@@ -140,10 +142,10 @@ def test_pipeline_stage_adds_parked_microbatches():
 
 
 def test_bad_placements_rejected():
-    with pytest.raises(ConfigError, match="placements"):
+    with pytest.raises(ConfigError, match="choices: 1 given for 2 layers"):
         predict(two_layers(), [K])
-    with pytest.raises(ConfigError, match="prefetch_depth = 0"):
-        predict(two_layers(), [K, K], prefetch_depth=0)
+    with pytest.raises(ConfigError, match=r"read_ahead = \[0, 0\]"):
+        predict(two_layers(), choices_of([K, K], 0))
     with pytest.raises(ValueError):
         predict(two_layers(), ["sideways", "keep"])
 

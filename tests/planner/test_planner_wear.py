@@ -33,7 +33,7 @@ def test_limit_and_lifetime_are_inverse():
 def test_no_limit_offloads_what_hides():
     plan = make_plan(fast_stage())
     assert plan.placements == [O] * 6 + [K] * 2  # layer 6 would not lower the peak
-    assert plan.max_write_bytes_per_s is None
+    assert plan.request.max_write_bytes_per_s is None
 
 
 @pytest.mark.parametrize("limit, offloaded", [(0.15 * GB / 1, 3), (1 * GB / 24 + 1, 1), (0.0, 0)])
@@ -42,7 +42,7 @@ def test_write_limit_caps_max_offload(limit, offloaded):
     assert plan.placements == [O] * offloaded + [K] * (8 - offloaded)
     assert plan.write_bytes_per_s <= limit
     assert "the drives' endurance allows this process" in plan.table()
-    assert Plan.from_json(plan.to_json()).max_write_bytes_per_s == limit
+    assert Plan.from_json(plan.to_json()).request.max_write_bytes_per_s == limit
 
 
 def test_write_limit_turns_a_budget_to_recompute():
