@@ -405,6 +405,7 @@ class TrainRecipe:
         keep_s: List[float] = []
         offload_s: List[float] = []
         written = {True: 0, False: 0}
+        cancelled = {True: 0, False: 0}
         step = first_step
         progress = Progress("paired keep/offload", pairs, self.out)
         settle, recorded = self.config.paired_settle_steps, len(sink)
@@ -420,6 +421,7 @@ class TrainRecipe:
                     step += 1
                 (keep_s if keep else offload_s).append(timer.last_s if timer.enabled else sink[-1].wall_s)
                 written[keep] += sink[-1].bytes_offloaded
+                cancelled[keep] += sink[-1].bytes_write_cancelled
             progress.step(step_line("pair", loss, sink[-1]))
         progress.close()
         cache.set_plan(plan.choices, plan.default)
@@ -429,7 +431,8 @@ class TrainRecipe:
                 "timing": "cuda_events" if timer.enabled else "wall_s",
                 "keep_step_s": keep_s, "offload_step_s": offload_s, "ratios": ratios,
                 "median_ratio": statistics.median(ratios), "ratio_ci95": median_ci95(ratios),
-                "keep_bytes_written": written[True], "offload_bytes_written_per_step": written[False] / pairs}
+                "keep_bytes_written": written[True], "offload_bytes_written_per_step": written[False] / pairs,
+                "offload_bytes_write_cancelled_per_step": cancelled[False] / pairs}
 
     def _with_wear(self, summary: Dict[str, Any]) -> Dict[str, Any]:
         """Add the drives' projected lifetime at the phase's write rate (NOTE [Wear model])."""

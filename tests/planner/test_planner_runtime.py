@@ -343,7 +343,12 @@ def test_paired_steps_alternate_keep_and_offload_and_leave_the_phase_alone(tmp_p
     paired = data["paired"]
     assert paired["pairs"] == 3 and len(paired["keep_step_s"]) == len(paired["offload_step_s"]) == 3
     assert paired["keep_bytes_written"] == 0
-    assert paired["offload_bytes_written_per_step"] == data["phases"][-1]["bytes_written_per_step"] > 0
+    # What a step queues for writing is fixed by the plan; how much of it is written rather
+    # than cancelled (a tensor backward wanted before its write ran, NOTE [Cancelled writes])
+    # depends on timing, so the comparison is of the two together, step by step.
+    queued = {s["bytes_offloaded"] + s["bytes_write_cancelled"] for s in data["steps"] if s["kind"] == "measured"}
+    assert len(queued) == 1 and queued.pop() == (paired["offload_bytes_written_per_step"]
+                                                 + paired["offload_bytes_write_cancelled_per_step"]) > 0
     assert paired["ratios"] == [o / k for o, k in zip(paired["offload_step_s"], paired["keep_step_s"])]
     lo, hi = paired["ratio_ci95"]
     assert lo <= paired["median_ratio"] <= hi
