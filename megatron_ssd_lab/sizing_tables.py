@@ -29,16 +29,8 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from megatron_ssd.placement import EMBEDDING, OUTSIDE, Placement
 from megatron_ssd.planner.drives import DRIVES, drive_preset
-from megatron_ssd.planner.peers import (
-    LayerAnatomy,
-    PeerPoint,
-    full_recompute,
-    keep_everything,
-    megatron_fine_grained,
-    price,
-    selective_recompute,
-    te_cpu_offload,
-)
+from megatron_ssd.planner.peers import (LayerAnatomy, PeerPoint, full_recompute, keep_everything, megatron_fine_grained,
+                                         price, selective_recompute, te_cpu_offload)
 from megatron_ssd.planner.plan import Plan, PlanInfeasibleError, PlanRequest, make_plan
 from megatron_ssd.planner.profile import StageProfile
 from megatron_ssd.planner.simulate import (
