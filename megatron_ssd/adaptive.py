@@ -32,7 +32,7 @@ from .planner.measured_profile import stage_from_stats
 from .planner.measurement import StepMeasurement
 from .planner.plan import Plan, PlanRequest, make_plan
 from .planner.profile import StageProfile
-from .planner.wear import write_limit_for
+from .planner.drives import write_limit_for
 from .io.cuda import CUDA, CudaOps
 from .io.rundir import check_space_for_plan
 from .units import gib

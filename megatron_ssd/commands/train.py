@@ -46,7 +46,7 @@ from ..io.smart import path_wear
 from ..megatron import get_forward_backward_func, offload_layer_spec
 from ..memory import AllocatorTimeline, PhaseMemory
 from ..metrics import ScalarWriter, tensorboard_writer
-from ..planner.wear import lifetime_for
+from ..planner.drives import lifetime_for
 from ..units import MiB, gib
 from ..workloads.data import TextFileData
 from ..workloads.harness import SGD, SyntheticData, finalize_embedding_grads, gpt_forward_step, train_step

@@ -34,7 +34,7 @@ from ..units import MiB
 from .host_pool import HostPoolChoice, NodeMemory, local_ranks, size_host_pool
 from .rules import (AtLeast, AtMost, Boolean, ByteCount, Bytes, Duration, InRange, Integer, ListOf, MultipleOf, NonNegative,
                     Number, OneOf, OneOfKinds, OrAuto, Positive, Rule, Seconds, Switch, Unit, is_int)
-from .schema import (apply_overrides, field_docs, field_metadata, from_dict, is_duration_field, is_size_field, load_config, to_dict,
+from .schema import (apply_overrides, field_docs, from_dict, is_duration_field, is_size_field, load_config, to_dict,
                      takes_auto, validate)
 from .schema import _broken, _fail, _parse_size, _settle  # noqa: F401 - private, imported from here by io, commands, planner and tests
 from .tree import (CAPACITY_RESERVE, FIXED_MODES, MICROBATCH_RECORD_BYTES, PLANNER_MODES, STEP_RECORD_BYTES, IOConfig,
@@ -59,7 +59,6 @@ __all__ = [
     "apply_overrides",
     "validate",
     "field_docs",
-    "field_metadata",
     "is_size_field",
     "is_duration_field",
     "takes_auto",

@@ -36,7 +36,6 @@ __all__ = [
     "apply_overrides",
     "validate",
     "field_docs",
-    "field_metadata",
     "is_size_field",
     "is_duration_field",
     "takes_auto",
@@ -101,20 +100,6 @@ def _unwrap(hint: Any) -> Tuple[Any, bool, List[Any]]:
             hint, optional = next(a for a in args if a is not type(None)), True
         else:
             return hint, optional, meta
-
-
-def field_metadata(cls: type, kind: type) -> Dict[str, Any]:
-    """The fields of dataclass ``cls`` whose ``Annotated`` metadata holds an instance of
-    ``kind``, in field order, each with that instance: what a class declares on its fields
-    besides rules and units (a field read from elsewhere when unset), found by the field
-    itself rather than by its name written as a string."""
-    hints = _type_hints(cls)
-    found: Dict[str, Any] = {}
-    for f in dataclasses.fields(cls):
-        marks = [m for m in _unwrap(hints[f.name])[2] if isinstance(m, kind)]
-        if marks:
-            found[f.name] = marks[0]
-    return found
 
 
 def _spec(hint: Any) -> _Spec:

@@ -180,8 +180,8 @@ def stage_profile(spec: SimulationSpec) -> StageProfile:
         # vocab_parallel_cross_entropy): s x b x vocab / t elements of 4 bytes
         head = 4 * s_out * spec.micro_batch * spec.vocab // spec.tp
     io = IOProfile(
-        write_bytes_per_s=spec.ssd_count * spec.ssd_write_bytes_per_s / spec.gpus_per_array,
-        read_bytes_per_s=spec.ssd_count * spec.ssd_read_bytes_per_s / spec.gpus_per_array,
+        write_bytes_per_s=spec.ssd.share(spec.ssd_write_bytes_per_s),
+        read_bytes_per_s=spec.ssd.share(spec.ssd_read_bytes_per_s),
         host_bytes_per_s=spec.host_bytes_per_s if spec.host_ram_bytes_per_node > 0 else None,
         max_inflight_bytes=spec.max_inflight_bytes,
     )

@@ -26,7 +26,7 @@ from ..placement import OUTSIDE
 from ..errors import ConfigError
 from .plan import Plan, PlanRequest, make_plan
 from .profile import StageProfile
-from .wear import SECONDS_PER_DAY, drive_lifetime_years, write_limit_bytes_per_s
+from .wear import SECONDS_PER_DAY, drive_lifetime_years
 from .estimates import (layer_activation_bytes, layer_anatomy, layer_forward_flops, layer_site_bytes, layer_site_use,
                         stage_profile)
 from .simulation_spec import GENERIC_DRIVE, MODEL_PRESETS, SimulationSpec, simulate_help, spec_from_overrides
@@ -253,11 +253,9 @@ def simulate(spec: SimulationSpec) -> SimulationResult:
         ConfigError: ``spec`` breaks a rule.
         PlanInfeasibleError: ``spec.memory_budget`` cannot be met.
     """
-    stage = stage_profile(spec)
-    limit = None
-    if spec.target_lifetime_years is not None:
-        limit = write_limit_bytes_per_s(spec.ssd_tbw_bytes, spec.target_lifetime_years, spec.ssd_count,
-                                        spec.gpus_per_array, spec.duty_cycle, spec.ssd_used_fraction)
+    stage, drive = stage_profile(spec), spec.ssd
+    years = spec.target_lifetime_years
+    limit = None if years is None else drive.write_limit_bytes_per_s(years)
     plan = make_plan(stage, PlanRequest(
         memory_budget=spec.memory_budget, safety_margin=spec.safety_margin, default_read_ahead=spec.default_read_ahead,
         read_ahead_mode=spec.read_ahead_mode, allow_recompute=spec.allow_recompute, max_write_bytes_per_s=limit,
@@ -266,9 +264,6 @@ def simulate(spec: SimulationSpec) -> SimulationResult:
     iteration = slots * plan.step_s
     written = plan.offloaded_bytes * spec.num_microbatches
     rate = written / iteration if iteration > 0 else 0.0
-    per_drive_day = rate * spec.gpus_per_array / spec.ssd_count * SECONDS_PER_DAY * spec.duty_cycle
-    lifetime = drive_lifetime_years(rate, spec.ssd_tbw_bytes, spec.ssd_count, spec.gpus_per_array, spec.duty_cycle,
-                                    spec.ssd_used_fraction)
     return SimulationResult(
         spec=spec,
         stage=stage,
@@ -277,9 +272,9 @@ def simulate(spec: SimulationSpec) -> SimulationResult:
         keep_iteration_s=slots * plan.keep_step_s,
         write_bytes_per_s_per_gpu=rate,
         ssd_footprint_bytes=plan.offloaded_bytes * plan.microbatches_in_flight,
-        ssd_capacity_share_bytes=spec.ssd_count * spec.ssd_capacity_bytes / spec.gpus_per_array,
-        drive_bytes_per_day=per_drive_day,
-        lifetime_years=lifetime,
+        ssd_capacity_share_bytes=drive.share(drive.capacity_bytes),
+        drive_bytes_per_day=rate * drive.sharing / drive.count * SECONDS_PER_DAY * drive.duty_cycle,
+        lifetime_years=drive.lifetime_years(rate),
     )
 
 

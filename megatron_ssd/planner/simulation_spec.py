@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Annotated, Any, Callable, Dict, Optional, Sequence
+from typing import Annotated, Any, Dict, Optional, Sequence
 
 from ..config import (AtLeast, AtMost, Bytes, InRange, Integer, NonNegative, Number, OneOf, Positive, field_docs,
-                      field_metadata, load_config)
+                      load_config)
 from ..config import _broken, _settle
 from ..errors import ConfigError
-from .drives import DRIVES, DrivePreset, drive_preset
+from .drives import DRIVES, Drive, drive_preset
 
 __all__ = ["GENERIC_DRIVE", "MODEL_PRESETS", "SimulationSpec", "simulate_help", "spec_from_overrides"]
 
@@ -57,13 +57,11 @@ MIN_GPU_FLOPS = 10**9
 """The slowest ``gpu_flops`` (1 GFLOP/s); below it a layer's time overflows a float."""
 
 
-@dataclass(frozen=True)
-class _FromDrive:
-    """Field metadata of an ``ssd_*`` field left None: the figure of the ``drive`` preset
-    that fills it, and the generic drive's (:data:`GENERIC_DRIVE`) without a preset."""
-
-    figure: Callable[[DrivePreset], float]
-    generic: float
+GENERIC_DRIVE: Dict[str, float] = {"ssd_write_bytes_per_s": 6.5e9, "ssd_read_bytes_per_s": 7.0e9,
+                                   "ssd_tbw_bytes": 7.0e15, "ssd_capacity_bytes": 3.84e12}
+"""The drive ``SimulationSpec`` assumes without a ``drive`` preset: a typical Gen4
+3.84 TB data-centre drive at 1 drive write per day over 5 years. Its keys are the
+``ssd_*`` fields a preset fills: ``ssd_X`` takes the preset's ``X``."""
 
 
 @dataclass
@@ -137,15 +135,15 @@ class SimulationSpec:
     """A drive preset (``planner/drives.py``, docs/ssd-sizing.md#drive-presets): its
     datasheet bandwidth, endurance and capacity fill the four ``ssd_*`` fields below that
     are not given. None: those fields' generic defaults (a 3.84 TB 1-DWPD Gen4 drive)."""
-    ssd_write_bytes_per_s: Optional[Annotated[float, Number(Positive()), _FromDrive(lambda d: d.write_bytes_per_s, 6.5e9)]] = None
+    ssd_write_bytes_per_s: Optional[Annotated[float, Number(Positive())]] = None
     """Sustained sequential write bandwidth of one drive (None: the ``drive`` preset's,
     else 6.5e9)."""
-    ssd_read_bytes_per_s: Optional[Annotated[float, Number(Positive()), _FromDrive(lambda d: d.read_bytes_per_s, 7.0e9)]] = None
+    ssd_read_bytes_per_s: Optional[Annotated[float, Number(Positive())]] = None
     """Sustained sequential read bandwidth of one drive (None: the preset's, else 7.0e9)."""
-    ssd_tbw_bytes: Optional[Annotated[float, Number(Positive()), AtMost(MAX_BYTES), _FromDrive(lambda d: d.tbw_bytes, 7.0e15)]] = None
+    ssd_tbw_bytes: Optional[Annotated[float, Number(Positive()), AtMost(MAX_BYTES)]] = None
     """Write endurance of one drive (TBW, in bytes; None: the preset's, else 7.0e15, a
     3.84 TB drive at 1 DWPD x 5 years); at most 1e18, as are the sizes below."""
-    ssd_capacity_bytes: Optional[Annotated[float, Number(Positive()), AtMost(MAX_BYTES), _FromDrive(lambda d: d.capacity_bytes, 3.84e12)]] = None
+    ssd_capacity_bytes: Optional[Annotated[float, Number(Positive()), AtMost(MAX_BYTES)]] = None
     """Capacity of one drive (None: the preset's, else 3.84e12); at most 1e18."""
     ssd_used_fraction: Annotated[float, Number(InRange(0, 1, hi_open=True))] = 0.0
     """Share of the drives' rated endurance already used, in [0, 1) (SMART
@@ -209,12 +207,17 @@ class SimulationSpec:
             raise _broken(self, "pipeline_rank", f"must be in [0, pp={self.pp})")
 
     def _fill_drive(self) -> None:
-        """Fill the ``ssd_*`` drive fields left None from ``drive`` or the generic drive
-        (the fields are those declared ``_FromDrive``)."""
+        """Fill the ``ssd_*`` drive fields left None from ``drive`` or :data:`GENERIC_DRIVE`."""
         preset = drive_preset(self.drive, "SimulationSpec.drive") if self.drive is not None else None
-        for name, source in field_metadata(SimulationSpec, _FromDrive).items():
+        for name, generic in GENERIC_DRIVE.items():
             if getattr(self, name) is None:
-                setattr(self, name, source.generic if preset is None else source.figure(preset))
+                setattr(self, name, generic if preset is None else getattr(preset, name[len("ssd_"):]))
+
+    @property
+    def ssd(self) -> Drive:
+        """The array's drives: the ``ssd_*`` fields, ``gpus_per_array`` and ``duty_cycle``."""
+        return Drive(self.ssd_tbw_bytes, self.ssd_read_bytes_per_s, self.ssd_write_bytes_per_s, self.ssd_capacity_bytes,
+                     self.ssd_used_fraction, self.ssd_count, self.gpus_per_array, self.duty_cycle)
 
     @property
     def total_layers(self) -> int:
@@ -222,13 +225,6 @@ class SimulationSpec:
         if self.arch == "t5":
             return self.num_layers + (self.decoder_num_layers or self.num_layers)
         return self.num_layers
-
-
-GENERIC_DRIVE: Dict[str, float] = {name: source.generic
-                                   for name, source in field_metadata(SimulationSpec, _FromDrive).items()}
-"""The drive ``SimulationSpec`` assumes without a ``drive`` preset: a typical Gen4
-3.84 TB data-centre drive at 1 drive write per day over 5 years (each ``ssd_*`` field's
-``_FromDrive.generic``)."""
 
 
 MODEL_PRESETS: Dict[str, Dict[str, Any]] = {

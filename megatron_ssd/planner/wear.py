@@ -1,6 +1,7 @@
 """Drive wear: projected lifetime from a write rate, and the write rate a target lifetime allows.
 
-Pure arithmetic, shared by the planner, ``simulate`` and ``train``::
+Pure arithmetic, shared by the planner, ``simulate`` and ``train`` through
+:class:`~megatron_ssd.planner.drives.Drive`::
 
     drive_lifetime_years(2e9, tbw_bytes=7.3e15, ssd_count=4, gpus_per_array=8)       # 0.058 years
     write_limit_bytes_per_s(7.3e15, target_years=3, ssd_count=4, gpus_per_array=8)  # 38.6 MB/s per GPU
@@ -20,16 +21,10 @@ model adds none.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Optional
 
 from ..errors import ConfigError
-from .drives import drive_preset
 
-if TYPE_CHECKING:
-    from ..config import PlannerConfig
-
-__all__ = ["SECONDS_PER_DAY", "drive_lifetime_years", "lifetime_for", "rated_tbw_bytes", "write_limit_bytes_per_s",
-           "write_limit_for"]
+__all__ = ["SECONDS_PER_DAY", "drive_lifetime_years", "write_limit_bytes_per_s"]
 
 SECONDS_PER_DAY = 86400.0
 
@@ -42,14 +37,8 @@ def _remaining(tbw_bytes: float, used_fraction: float) -> float:
     return tbw_bytes * (1.0 - used_fraction)
 
 
-def drive_lifetime_years(
-    write_bytes_per_s_per_gpu: float,
-    tbw_bytes: float,
-    ssd_count: int = 1,
-    gpus_per_array: int = 1,
-    duty_cycle: float = 1.0,
-    used_fraction: float = 0.0,
-) -> float:
+def drive_lifetime_years(write_bytes_per_s_per_gpu: float, tbw_bytes: float, ssd_count: int = 1,
+                         gpus_per_array: int = 1, duty_cycle: float = 1.0, used_fraction: float = 0.0) -> float:
     """Years until each drive of an array reaches its rated endurance (NOTE [Wear model]):
     ``tbw x (1 - used) / (rate * gpus / drives * 86400 * duty) / 365``. Infinite when
     nothing is written."""
@@ -60,14 +49,8 @@ def drive_lifetime_years(
                                    used_fraction) / write_bytes_per_s_per_gpu
 
 
-def write_limit_bytes_per_s(
-    tbw_bytes: float,
-    target_years: float,
-    ssd_count: int = 1,
-    gpus_per_array: int = 1,
-    duty_cycle: float = 1.0,
-    used_fraction: float = 0.0,
-) -> float:
+def write_limit_bytes_per_s(tbw_bytes: float, target_years: float, ssd_count: int = 1, gpus_per_array: int = 1,
+                            duty_cycle: float = 1.0, used_fraction: float = 0.0) -> float:
     """The write rate per GPU at which the drives last exactly ``target_years`` more: the
     inverse of :func:`drive_lifetime_years`.
 
@@ -76,39 +59,3 @@ def write_limit_bytes_per_s(
     """
     return _remaining(tbw_bytes, used_fraction) * ssd_count / (
         target_years * 365.0 * SECONDS_PER_DAY * duty_cycle * gpus_per_array)
-
-
-def _drives(config: "PlannerConfig", paths: int) -> int:
-    return config.drive_count or max(paths, 1)
-
-
-def rated_tbw_bytes(config: "PlannerConfig") -> Optional[float]:
-    """The rated endurance of one drive ``config`` names: ``drive_tbw_bytes``, else the
-    ``drive`` preset's datasheet figure (``planner/drives.py``); None when neither is set."""
-    if config.drive_tbw_bytes is not None:
-        return float(config.drive_tbw_bytes)
-    if config.drive is not None:
-        return drive_preset(config.drive, "PlannerConfig.drive").tbw_bytes
-    return None
-
-
-def write_limit_for(config: "PlannerConfig", paths: int) -> Optional[float]:
-    """The per-process write limit ``config``'s drive fields set for ``paths`` offload
-    paths (one drive each unless ``drive_count`` says otherwise), from the endurance left
-    after ``drive_used_fraction``; None without ``drive_tbw_bytes`` or ``drive``."""
-    tbw = rated_tbw_bytes(config)
-    if tbw is None:
-        return None
-    return write_limit_bytes_per_s(tbw, config.drive_lifetime_years, _drives(config, paths), config.drive_sharing,
-                                   config.drive_duty_cycle, config.drive_used_fraction)
-
-
-def lifetime_for(config: "PlannerConfig", paths: int, write_bytes_per_s: float) -> Optional[float]:
-    """Projected years left of the drives at ``write_bytes_per_s`` per process under
-    ``config``'s drive fields (``drive_used_fraction`` already used); None without
-    ``drive_tbw_bytes`` or ``drive``, infinite when nothing is written."""
-    tbw = rated_tbw_bytes(config)
-    if tbw is None:
-        return None
-    return drive_lifetime_years(write_bytes_per_s, tbw, _drives(config, paths), config.drive_sharing,
-                                config.drive_duty_cycle, config.drive_used_fraction)

@@ -10,15 +10,10 @@ import pytest
 
 from megatron_ssd.config import OffloadConfig, OneOf, PlannerConfig, load_config
 from megatron_ssd.errors import ConfigError
-from megatron_ssd.planner.drives import DRIVES, drive_names, drive_preset
+from megatron_ssd.planner.drives import (DRIVES, Drive, drive_for, drive_names, drive_preset, lifetime_for,
+                                         rated_tbw_bytes, write_limit_for)
 from megatron_ssd.planner.simulate import GENERIC_DRIVE, SimulationSpec, simulate, spec_from_overrides
-from megatron_ssd.planner.wear import (
-    drive_lifetime_years,
-    lifetime_for,
-    rated_tbw_bytes,
-    write_limit_bytes_per_s,
-    write_limit_for,
-)
+from megatron_ssd.planner.wear import drive_lifetime_years, write_limit_bytes_per_s
 
 
 def test_config_takes_exactly_the_preset_names():
@@ -111,6 +106,23 @@ def test_offload_config_drive_preset_sets_the_bound_and_explicit_tbw_wins():
     assert write_limit_for(worn, 4) == pytest.approx(0.75 * write_limit_for(slc, 4))
     assert lifetime_for(worn, 4, write_limit_for(worn, 4)) == pytest.approx(3.0)
 
+
+
+def test_one_drive_value_from_either_config():
+    """PlannerConfig and SimulationSpec are each read into one Drive; the same drive gives
+    the same value, and the planner is bounded by that value's limit on both sides."""
+    slc = drive_preset("solidigm-d7-p5810-800gb")
+    cfg = PlannerConfig(drive=slc.name, drive_sharing=8, drive_duty_cycle=0.5, drive_used_fraction=0.25)
+    assert drive_for(cfg, paths=4) == Drive(73e15, 6.4e9, 4.0e9, 0.8e12, used_fraction=0.25, count=4, sharing=8,
+                                            duty_cycle=0.5)
+    assert drive_for(dataclasses.replace(cfg, drive_tbw_bytes=int(7e15)), 4) == dataclasses.replace(
+        drive_for(cfg, 4), tbw_bytes=7e15)  # the explicit endurance over the preset's, the rest the preset's
+    assert drive_for(PlannerConfig(drive_count=2), 4) == Drive(None, count=2)
+    spec = spec_from_overrides([f"drive={slc.name}", "ssd_count=4", "gpus_per_array=8", "duty_cycle=0.5",
+                                "ssd_used_fraction=0.25", "gpu_memory_bytes=null"], model="gpt-1.3b")
+    assert spec.ssd == drive_for(cfg, 4)
+    assert simulate(spec).plan.request.max_write_bytes_per_s == spec.ssd.write_limit_bytes_per_s(3.0) == (
+        write_limit_for(cfg, 4))
 
 def test_offload_config_loads_the_fields_from_overrides():
     cfg = load_config(OffloadConfig, None, ["planner.drive=optane-p5800x-1.6tb", "planner.drive_used_fraction=0.03"])

@@ -11,7 +11,8 @@ from megatron_ssd.config import Placement, PlannerConfig
 from megatron_ssd.errors import ConfigError
 from megatron_ssd.planner.plan import Plan, PlanInfeasibleError, make_plan
 from megatron_ssd.planner.profile import IOProfile, uniform_stage
-from megatron_ssd.planner.wear import drive_lifetime_years, lifetime_for, write_limit_bytes_per_s, write_limit_for
+from megatron_ssd.planner.drives import lifetime_for, write_limit_for
+from megatron_ssd.planner.wear import drive_lifetime_years, write_limit_bytes_per_s
 
 GB = 10**9
 K, O, R = Placement.KEEP, Placement.OFFLOAD, Placement.RECOMPUTE
