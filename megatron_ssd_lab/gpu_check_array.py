@@ -46,7 +46,7 @@ from .gpu_check_report import NO_CUDA, finish_part, part, write_part
 
 __all__ = ["CAP_BYTES", "NOT_MODELLED", "Case", "array_part", "cases", "standin_unavailable", "main"]
 
-SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "scripts",
+SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts",
                       "array_standin.sh")
 """The stand-in (a checkout's ``scripts/``; a wheel has none, and the part then says so)."""
 

@@ -46,7 +46,7 @@ from .gpu_check_report import NO_CUDA, finish_part, part, write_part
 __all__ = ["RUNS", "GPU_GPT", "CPU_GPT", "GPU_FLAGS", "CAP_FRACTION", "find_megatron_lm", "parse_log",
            "device_cap", "run_args", "compare_iterations", "pretrain_part", "format_table", "main"]
 
-REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 ENV_VAR = "MEGATRON_LM_PATH"
 
 RUNS = ("plain", "offload", "selective")

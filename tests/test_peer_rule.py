@@ -60,9 +60,10 @@ def _stage(n):
 def _priced(point):
     """Per transformer layer id, ``[(site, read-ahead), ...]`` the pricing moves, in save order."""
     out = {}
-    for layer, placement, count, ahead in zip(point.stage.layers, point.placements, point.sites, point.read_ahead):
-        if placement is Placement.HOST:
-            k = len(layer.sites) if count is None else count
+    for layer, choice in zip(point.stage.layers, point.choices):
+        if choice.placement is Placement.HOST:
+            k = len(layer.sites) if choice.sites is None else choice.sites
+            ahead = choice.read_ahead if isinstance(choice.read_ahead, tuple) else (choice.read_ahead,) * k
             out[layer.layer_id] = [(SITES.index(b), d) for b, d in zip(layer.sites[:k], ahead[:k])]
     return out
 

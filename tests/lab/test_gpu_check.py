@@ -414,7 +414,7 @@ def test_paired_steps_on_a_gpu_take_their_ratios_from_cuda_events():
         FakeEvent.clock_ms += 1.0 if cache.keep else 3.0  # the device: offload steps 3x as long
         timer.stop()
         # the host: every step looks alike
-        sink.append(SimpleNamespace(wall_s=0.001, bytes_offloaded=0, peak_resident_bytes=0))
+        sink.append(SimpleNamespace(wall_s=0.001, bytes_offloaded=0, bytes_write_cancelled=0, peak_resident_bytes=0))
         return 0.0
 
     recipe = TrainRecipe(TrainConfig(paired_settle_steps=0), out=io.StringIO())
@@ -752,7 +752,7 @@ def _pretrain_log(losses, offloaded=0.0, max_allocated=0.0, cap_flag=False):
 
 def _fake_pretrain(monkeypatch, tmp_path, logs):
     """Each run 'prints' ``logs[name]`` and exits 0; the arguments each run got are returned."""
-    from megatron_ssd.commands import gpu_check_pretrain
+    from megatron_ssd_lab import gpu_check_pretrain
 
     checkout = tmp_path / "Megatron-LM"
     checkout.mkdir()
@@ -770,7 +770,7 @@ def _fake_pretrain(monkeypatch, tmp_path, logs):
 
 
 def test_pretrain_part_caps_the_offload_run_and_fails_when_its_losses_differ(tmp_path, monkeypatch):
-    from megatron_ssd.commands import gpu_check_pretrain
+    from megatron_ssd_lab import gpu_check_pretrain
 
     losses = ["5.0E+00", "4.9E+00", "4.8E+00", "4.7E+00", "4.6E+00", "4.5E+00", "4.4E+00", "4.3E+00"]
     logs = {"plain": _pretrain_log(losses, max_allocated=1000.0, cap_flag=True),
@@ -820,7 +820,7 @@ def test_pretrain_part_caps_the_offload_run_and_fails_when_its_losses_differ(tmp
 
 
 def test_pretrain_part_skips_with_the_missing_module_and_stops_after_a_failed_plain_run(tmp_path, monkeypatch):
-    from megatron_ssd.commands import gpu_check_pretrain
+    from megatron_ssd_lab import gpu_check_pretrain
 
     missing = ("megatron_ssd: Megatron-LM's training scripts need the module 'pydantic', which is not installed; "
                "pip install 'megatron-ssd[megatron-lm]' installs what they import\n")
@@ -844,7 +844,7 @@ def test_pretrain_part_skips_with_the_missing_module_and_stops_after_a_failed_pl
 def test_pretrain_part_without_a_gpu_trains_megatron_lm_the_same_with_and_without_offload(tmp_path):
     """The part's no-GPU mode, as CI runs it: Megatron-LM's pretrain_gpt.py three times on
     the CPU (``--cpu``), the offload run moving real bytes and printing the plain run's losses."""
-    from megatron_ssd.commands import gpu_check_pretrain
+    from megatron_ssd_lab import gpu_check_pretrain
 
     offload_dir, log = tmp_path / "act", io.StringIO()
     offload_dir.mkdir()
@@ -980,7 +980,7 @@ GPU_RUNS = {"keep": ("keep", 400, 0.100), "keep @50%": RECORDED_OOM,
 @pytest.fixture
 def job_gpu(monkeypatch, cpu_reports):
     """The job part as on a GPU: each run answers with a CPU report given GPU_RUNS' numbers."""
-    from megatron_ssd.commands import gpu_check_job
+    from megatron_ssd_lab import gpu_check_job
 
     monkeypatch.setattr(gpu_check_job, "_cuda_available", lambda: True)
     monkeypatch.setattr(gpu_check_job, "_cap_field", lambda: True)
@@ -1120,7 +1120,7 @@ def test_without_a_gpu_the_job_runs_the_tiny_job_and_skips_each_gpu_only_row_wit
                                                                                             cpu_reports):
     """No-GPU mode, each run answered by a CPU report: what needs CUDA is skipped, each fixed
     placement's one run is held to both caps, and the gates are reported, not enforced."""
-    from megatron_ssd.commands import gpu_check_job
+    from megatron_ssd_lab import gpu_check_job
 
     peaks = {"keep": 40 * MIB, "recompute @50%": 8 * MIB, "megatron-full @50%": 9 * MIB,
              "megatron-selective @50%": 16 * MIB, "planner-ssd @50%": 21 * MIB, "planner-ssd @30%": 11 * MIB}
@@ -1156,7 +1156,7 @@ def test_without_a_gpu_the_job_runs_the_tiny_job_and_skips_each_gpu_only_row_wit
 
 
 def test_megatrons_own_fine_grained_offloading_is_skipped_with_the_reason_without_transformer_engine(monkeypatch):
-    from megatron_ssd.commands import gpu_check_job
+    from megatron_ssd_lab import gpu_check_job
 
     monkeypatch.setattr(gpu_check_job.importlib.util, "find_spec", lambda name: None)
     assert gpu_check_job.fine_grained_reason() == (
