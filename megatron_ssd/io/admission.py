@@ -26,6 +26,17 @@ class Admission:
         bound: ``io.max_inflight_bytes``.
     """
 
+    # NOTE [Signals and condition locks]
+    # A Condition's ``with cond:`` enters through Condition.__enter__, a Python frame:
+    # after it has taken the lock, the interpreter may run a pending signal handler there
+    # (Ctrl-C's KeyboardInterrupt in the main thread) before the with-block is entered, so
+    # the block's exit never runs and the lock stays taken. The engine's workers then wait
+    # for it for ever, and so does the main thread joining them while it closes the cache
+    # (``megatron-ssd train`` hung on Ctrl-C, seen about once in 25 runs under load). So
+    # every lock a Condition shares with worker threads is a plain lock entered with
+    # ``with lock:``, which takes it in C with no Python frame between, and the Condition
+    # is built on it only to wait and notify.
+
     # NOTE [Backpressure]: a write is admitted while in-flight payload + n stays
     # within io.max_inflight_bytes, or when nothing is in flight at all (a blob
     # bigger than the bound must not wait forever). The bytes are released by the
@@ -34,7 +45,8 @@ class Admission:
 
     def __init__(self, bound: int) -> None:
         self.bound = bound
-        self._cv = threading.Condition()
+        self._lock = threading.Lock()
+        self._cv = threading.Condition(self._lock)  # entered as self._lock: NOTE [Signals and condition locks]
         self._inflight = 0
         self._closed = False
         self._peak = 0
@@ -53,7 +65,7 @@ class Admission:
         Raises:
             OffloadIOError: the engine closed while the write waited.
         """
-        with self._cv:
+        with self._lock:
             fits = lambda: self._closed or self._inflight == 0 or self._inflight + n <= self.bound  # noqa: E731
             if not fits():
                 if not block:
@@ -69,17 +81,17 @@ class Admission:
 
     def release(self, n: int) -> None:
         """The write of ``n`` bytes finished (or never started): wake the writers waiting."""
-        with self._cv:
+        with self._lock:
             self._inflight -= n
             self._cv.notify_all()
 
     def close(self) -> None:
         """Wake every waiting writer; each then raises (the engine is closed)."""
-        with self._cv:
+        with self._lock:
             self._closed = True
             self._cv.notify_all()
 
     def snapshot(self) -> Tuple[int, int, float]:
         """Bytes in flight now, their peak, and the seconds writers waited in all."""
-        with self._cv:
+        with self._lock:
             return self._inflight, self._peak, self._wait_s

@@ -123,7 +123,8 @@ class BufferPool:
         self._all: List[torch.Tensor] = [self.slab.tensor[i * self.nbytes : (i + 1) * self.nbytes]
                                          for i in range(count)]
         self._free: List[torch.Tensor] = list(self._all)
-        self._cv = threading.Condition()
+        self._lock = threading.Lock()
+        self._cv = threading.Condition(self._lock)  # entered as self._lock: NOTE [Signals and condition locks] in admission.py
         self.wait_s = 0.0
         """Total time callers spent blocked in :meth:`acquire`."""
         self.peak_in_use = 0
@@ -145,7 +146,7 @@ class BufferPool:
         Raises:
             TimeoutError: ``timeout`` seconds passed without a free buffer.
         """
-        with self._cv:
+        with self._lock:
             if not self._free:
                 start = time.perf_counter()
                 if not self._cv.wait_for(lambda: bool(self._free), timeout):
@@ -158,12 +159,12 @@ class BufferPool:
 
     def try_acquire(self, n: int) -> List[torch.Tensor]:
         """Take up to ``n`` buffers, as many as are free now; never waits."""
-        with self._cv:
+        with self._lock:
             return [self._take() for _ in range(min(n, len(self._free)))]
 
     def release(self, buf: torch.Tensor) -> None:
         """Give back a buffer obtained from :meth:`acquire` or :meth:`try_acquire`."""
-        with self._cv:
+        with self._lock:
             if not any(buf is b for b in self._all) or any(buf is b for b in self._free):
                 raise ValueError("megatron_ssd: BufferPool.release: buffer is not an acquired buffer of this pool")
             self._free.append(buf)
@@ -172,7 +173,7 @@ class BufferPool:
     @property
     def available(self) -> int:
         """Buffers free right now."""
-        with self._cv:
+        with self._lock:
             return len(self._free)
 
     def close(self) -> None:
