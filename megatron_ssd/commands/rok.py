@@ -414,7 +414,7 @@ def add_predictions(points: List[Dict[str, Any]], reports: Dict[str, Dict[str, A
         offload = report["config"]["offload"]  # prefetch_layers in reports written before
         read_ahead = offload.get("default_read_ahead", offload.get("prefetch_layers"))
         if p["placement"].startswith(KEEP_LAST):
-            fixed[p["placement"]] = stage.fixed(Placement.OFFLOAD, report["config"]["offload"]["keep_last_layers"])
+            fixed[p["placement"]] = stage.fixed(Placement.OFFLOAD, offload["keep_last_layers"])
         if p["placement"] in fixed:
             t = predict(stage, [LayerChoice(f, read_ahead=read_ahead) for f in fixed[p["placement"]]])
             p["predicted_exposed_s"] = t.exposed_s

@@ -32,7 +32,7 @@ class Admission:
     # (Ctrl-C's KeyboardInterrupt in the main thread) before the with-block is entered, so
     # the block's exit never runs and the lock stays taken. The engine's workers then wait
     # for it for ever, and so does the main thread joining them while it closes the cache
-    # (``megatron-ssd train`` hung on Ctrl-C, seen about once in 25 runs under load). So
+    # (``megatron-ssd train`` hung on Ctrl-C, seen in CI, and in 1 of 5 runs beside a CPU burner). So
     # every lock a Condition shares with worker threads is a plain lock entered with
     # ``with lock:``, which takes it in C with no Python frame between, and the Condition
     # is built on it only to wait and notify.

@@ -509,7 +509,7 @@ def _conditions_entered_by_with(source: str):
 def test_no_condition_shared_with_workers_is_entered_through_its_python_enter():
     """NOTE [Signals and condition locks]: Ctrl-C landing in Condition.__enter__ after it
     took the lock left the lock taken, and ``megatron-ssd train`` hung joining the I/O
-    workers that waited for it (about once in 25 runs under load). Every Condition is
+    workers that waited for it (in CI, and in 1 of 5 runs beside a CPU burner). Every Condition is
     entered through its plain lock instead."""
     import pathlib
 
