@@ -16,6 +16,8 @@ from __future__ import annotations
 import json
 import math
 import os
+import subprocess
+import sys
 import xml.etree.ElementTree as ET
 from collections import Counter
 from typing import Any, Dict, List, Optional
@@ -66,9 +68,6 @@ def import_problem(code: str, timeout_s: float) -> Optional[str]:
     """None when ``code`` (imports) runs in a fresh interpreter within ``timeout_s``, else
     why not, to follow the thing imported: ``took more than N s`` or ``failed: <the last
     line it printed to stderr>``."""
-    import subprocess
-    import sys
-
     try:
         proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout_s)
     except subprocess.TimeoutExpired:
