@@ -89,7 +89,8 @@ class PlanEvent:
 # layers, as one: keep-everything either fits or not), and those steps are measured as
 # OFFLOAD steps. Without KEEP steps the profile takes keep-everything's compute times
 # from the OFFLOAD steps with their read stalls and write waits taken out (``stage_from_
-# stats`` in ``planner/measured_profile.py``), so keep-everything is priced without
+# stats`` in ``planner/measured_profile.py``; the waits stay out of the time outside the
+# layers too, NOTE [Time outside the layers]), so keep-everything is priced without
 # being run.
 # Under ``offload.device_memory_cap`` on CUDA the capacity itself is measured in that
 # first step: NOTE [Working set under a cap].

@@ -124,11 +124,35 @@ def stage_from_stats(
     head = int(statistics.median(heads)) if heads else 0
     io = dataclasses.replace(_io_profile(offload_steps, layer_ids, clean_compute if keep_steps else None),
                              max_inflight_bytes=max_inflight_bytes)
-    mbs = max(1, source[-1].microbatches)
-    layer_s = sum(l.forward_s + l.backward_s for l in layers)
-    other = max(0.0, statistics.median(s.wall_s for s in source) / mbs - layer_s)
+    other = median_or_zero(_outside_layers(s, layer_ids) for s in source)
     return StageProfile(layers=layers, io=io, pipeline_rank=pipeline_rank, pipeline_size=pipeline_size, other_s=other,
                         head_bytes=head)
+
+
+# NOTE [Time outside the layers]
+# ``other_s`` is the part of a step no layer's clock holds (the head and loss, the
+# optimizer update, the schedule's own work), per micro-batch. It is each step's wall
+# time less every layer's clocked forward and backward as measured, waits included, and
+# the median over steps. The layers' profile times have the waits taken out (a forward's
+# write wait, a backward's read stall); subtracting those cleaned times from the wall
+# time instead would count every wait again, as time outside the layers. With KEEP steps
+# as the source there are no waits and both ways agree; with OFFLOAD steps as the source
+# (keep-everything above the capacity, NOTE [Profiling within the capacity] in
+# ``adaptive.py``) the waits are most of an I/O-bound step, and keep-everything was priced
+# at the offload steps' wall time: on the reference CPU GPT under a 300 MiB capacity,
+# disk throttled, 3.49 s outside the layers against 0.6-0.9 s measured, a predicted step
+# 1.56x the measured one (docs/performance.md#run-2026-11-29-time-outside-layers).
+
+
+def _outside_layers(step: StepMeasurement, layer_ids: Sequence[LayerId]) -> float:
+    """One step's time outside ``layer_ids``' clocks, per micro-batch, at least 0 (NOTE
+    [Time outside the layers])."""
+    clocked = 0.0
+    for layer_id in layer_ids:
+        lc = step.layers.get(layer_id)
+        if lc is not None and lc.microbatches:
+            clocked += (lc.forward_s + lc.backward_s) / lc.microbatches
+    return max(0.0, step.wall_s / max(1, step.microbatches) - clocked)
 
 
 def _module_profiles(steps: Steps, layer_id: LayerId, site_count: Optional[int]) -> Optional[List[ModuleProfile]]:

@@ -120,3 +120,32 @@ def test_drift_reads_the_typed_fields_of_constructed_measurements():
                                  if f.name != "write_busy_s"})
     with pytest.raises(AttributeError, match="write_busy_s"):
         _decide(partial)
+
+
+def _waiting_step(wall_s, write_wait_s, stall_s):
+    """Two layers, one micro-batch: each forward 1 s of compute plus ``write_wait_s``, each
+    backward 2 s plus ``stall_s``; ``wall_s`` for the whole step."""
+    layers = {i: LayerMeasurement(forward_s=1.0 + write_wait_s, write_wait_s=write_wait_s, backward_s=2.0 + stall_s,
+                                  stall_s=stall_s, microbatches=1, saved_bytes=GB, site_bytes=[GB]) for i in (1, 2)}
+    return StepMeasurement(wall_s=wall_s, microbatches=1, write_bytes_per_s=GB, read_bytes_per_s=GB, write_busy_s=4.0,
+                           read_busy_s=4.0, backpressure_keeps=0, peak_saved_bytes=2 * GB, peak_open_microbatches=1,
+                           layers=layers)
+
+
+def test_time_outside_the_layers_does_not_count_their_waits_again():
+    """NOTE [Time outside the layers]: an OFFLOAD step that waited 2 s per layer for writes
+    and 1 s for reads, 0.5 s outside the layers, prices keep-everything at 6.5 s (the waits
+    off the layers, the 0.5 s outside them), not at the 12.5 s it ran; KEEP steps give the
+    same 0.5 s."""
+    offload = [_waiting_step(12.5, 2.0, 1.0), _waiting_step(12.7, 2.0, 1.0), _waiting_step(12.4, 2.0, 1.0)]
+    stage = stage_from_stats([], offload)
+    assert [(l.forward_s, l.backward_s) for l in stage.layers] == [(1.0, 2.0), (1.0, 2.0)]
+    assert stage.other_s == pytest.approx(0.5)
+    keep = stage_from_stats([_waiting_step(6.5, 0.0, 0.0), _waiting_step(6.6, 0.0, 0.0)], offload)
+    assert keep.other_s == pytest.approx(0.55)
+    two = StepMeasurement(**{**{f.name: getattr(offload[0], f.name) for f in dataclasses.fields(StepMeasurement)},
+                             "wall_s": 25.0, "microbatches": 2,
+                             "layers": {i: dataclasses.replace(lc, forward_s=2 * lc.forward_s,
+                                                               backward_s=2 * lc.backward_s, microbatches=2)
+                                        for i, lc in offload[0].layers.items()}})
+    assert stage_from_stats([], [two]).other_s == pytest.approx(0.5)  # per micro-batch
