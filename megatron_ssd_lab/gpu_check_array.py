@@ -205,17 +205,38 @@ def _bench(paths: Sequence[str], throttle: Throttle, nbytes: int, threads: int, 
             "read_cpu_s_per_gb": r["read_cpu_s"] / gb, "bytes_per_drive": per_drive}
 
 
+PLANNER_MEASURED_STEPS = 3
+"""Steps of the plan the array's planner run measures after its profiling steps."""
+
+# NOTE [The array's planner run]
+# The planner runs SSD-only on the stand-in (``offload.host_pool_bytes=0``): the case
+# measures the drives, and on CUDA the default pool (``auto``) would take every layer a
+# pinned copy hides, leaving the drives idle; the job part measures the host tier. Its
+# steps are counted from the profiling schedule (``fewest_steps``) so that the plan runs
+# ``PLANNER_MEASURED_STEPS`` steps, and paired steps are off: under an activation
+# capacity keep-everything does not fit, a pair's keep step runs under the capacity
+# guard and writes, so it is not keep. Its first H200 run had neither: a 51.8 GiB pool
+# took all sixteen layers (nothing written to the drives), one measured step held the
+# plan's first-step costs (4.07 s by the host clock, 0.25 s by CUDA events), and the
+# pairs' "keep" steps wrote 2.3 GB (docs/ssd-sizing.md).
+
+
 def _planner_run(case: Case, paths: Sequence[str], threads: int, timeout_s: float, tmp: str,
                  out: Any) -> Dict[str, Any]:
-    """The planner training the check's workload on the stand-in, in a fresh process."""
+    """The planner training the check's workload on the stand-in, in a fresh process
+    (NOTE [The array's planner run])."""
     from .gpu_check_train import CONFIG, placement_row, run_placement
     from megatron_ssd.commands.rok import _point
+    from megatron_ssd.commands.rok_largest import fewest_steps
 
-    overrides = ["--config", CONFIG, f"offload.paths={','.join(paths)}", "baseline_steps=0", f"device={DEVICE}",
+    overrides = [f"offload.paths={','.join(paths)}", "baseline_steps=0", f"device={DEVICE}",
                  "allocator_timeline=false", "offload.planner.mode=auto", "offload.io.engine=posix",
-                 f"offload.io.threads={threads}", f"offload.planner.activation_capacity_bytes={CAP_BYTES}"]
+                 f"offload.io.threads={threads}", f"offload.planner.activation_capacity_bytes={CAP_BYTES}",
+                 "offload.host_pool_bytes=0", "paired_steps=0"]
+    overrides.append(f"steps={fewest_steps(CONFIG, overrides, measured=PLANNER_MEASURED_STEPS)}")
     name = f"planner-{case.name}"
-    report, why = run_placement(name, overrides, os.path.join(tmp, f"{name}.json"), timeout_s, out)
+    report, why = run_placement(name, ["--config", CONFIG, *overrides], os.path.join(tmp, f"{name}.json"), timeout_s,
+                                out)
     if report is None:
         return {"status": "failed", "reason": why}
     return placement_row(_point(name, [report]), report, None, None)

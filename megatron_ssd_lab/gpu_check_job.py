@@ -285,7 +285,7 @@ def add_predictions(rows: List[Dict[str, Any]], keep: Optional[Dict[str, Any]]) 
         else:
             continue
         r.update(predicted_step_s=step * mbs, predicted_peak_activation_bytes=peak,
-                 predicted_over_measured_step=step * mbs / r["median_step_s"] if r["median_step_s"] else None,
+                 predicted_over_measured_step=step * mbs / r["step_time"] if r["step_time"] else None,
                  predicted_over_measured_peak=peak / r["peak_activation_bytes"] if r["peak_activation_bytes"] else None)
     return None if source is None else f"{source['placement']} @{source['cap']}"
 

@@ -154,9 +154,10 @@ def placement_row(point: Dict[str, Any], report: Dict[str, Any], keep: Optional[
         "measured_exposed_s_per_step": point.get("measured_exposed_s_per_step"),
         "final_loss": phase.get("final_loss"), "losses": phase.get("losses"),
     }
-    # the plan's step is one micro-batch's forward and backward (Plan.step_s)
+    # the plan's step is one micro-batch's forward and backward (Plan.step_s), in the
+    # clock the profile was measured with: CUDA events on a GPU (NOTE [Device time])
     predicted_step = row["predicted_step_s"] * mbs if row["predicted_step_s"] is not None else None
-    row["predicted_over_measured_step"] = _ratio(predicted_step, row["median_step_s"])
+    row["predicted_over_measured_step"] = _ratio(predicted_step, row["median_device_step_s"] or row["median_step_s"])
     row["predicted_over_measured_peak"] = _ratio(row["predicted_peak_activation_bytes"], row["peak_activation_bytes"])
     if keep is not None and row["losses"] is not None and keep["losses"] is not None:
         same, n, first = compare_losses(row["losses"], keep["losses"])

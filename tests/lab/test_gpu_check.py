@@ -936,6 +936,11 @@ def test_with_a_gpu_the_planner_trains_on_the_stand_in_inside_its_cgroup(tmp_pat
     ((name, overrides, groups),) = ran
     assert name == "planner-2xgen4" and f"offload.paths={','.join(case['paths'])}" in overrides
     assert "offload.planner.activation_capacity_bytes=2147483648" in overrides and "offload.io.threads=4" in overrides
+    # NOTE [The array's planner run]: the drives, not a pool; no pairs; three steps after the profiling schedule
+    assert "offload.host_pool_bytes=0" in overrides and "paired_steps=0" in overrides
+    from megatron_ssd.commands.rok_largest import fewest_steps
+    steps = [o for o in overrides if o.startswith("steps=")]
+    assert steps == [f"steps={fewest_steps(gpu_check_train.CONFIG, overrides[2:-1], measured=3)}"]
     assert any(g.endswith(os.path.basename(case["cgroup"])) for g in groups)  # the run was paced with the drives
     assert case["kvikio"] == "kvikio is not installed (test)" and [b["engine"] for b in case["bench"]] == ["posix"]
     planner = case["planner"]
