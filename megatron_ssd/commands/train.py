@@ -376,7 +376,12 @@ class TrainRecipe:
                 memory.allocator_peak_bytes, memory.allocator_device_peak_bytes = _profiled_step(run_step, next_step)
                 next_step += 1
             result.memory = memory.summary(result.measured_from)
-            if pairs:
+            if pairs and self.planner_summary.get("fits", {}).get("keep") is False:  # NOTE [Paired steps]
+                fit = self.planner_summary["fit_bytes"]
+                self.paired_not_run = (f"keep-everything ({fit['keep'] / MiB:.1f} MiB) does not fit the activation "
+                                       f"capacity ({fit['capacity'] / MiB:.1f} MiB): a pair's keep step would run "
+                                       "under the capacity guard, offloading, and not be keep")
+            elif pairs:
                 sink = []
                 self.paired = self._pairs(cache, run_step, next_step, pairs, sink, timer)
         return result
@@ -396,7 +401,10 @@ class TrainRecipe:
         that the plan's trims would otherwise have given back and faulted in again), so
         unsettled pairs understate the plan's cost, and one settle step is not always
         enough (measured: docs/performance.md#run-2026-11-24-paired-settle). The planner
-        sees none of these steps: it neither re-plans nor profiles. They continue
+        sees none of these steps: it neither re-plans nor profiles. Where keep-everything
+        does not fit the planner's capacity (its ``fits``), no pair runs: the keep step
+        would run under the capacity guard, which offloads (``paired_not_run`` says so;
+        on the H200 such "keep" steps wrote 2.3 GB and the pairs read 0.21x). They continue
         training, so the model after them differs from the offload phase's
         (``final_loss`` stays the offload phase's). On a GPU each timed step's time is its
         CUDA-event time (NOTE [Device step time]), elsewhere its ``wall_s``.
@@ -456,6 +464,7 @@ class TrainRecipe:
             fixed = dataclasses.replace(cfg.offload.planner, mode=name, memory_budget=None)
             phases.append(self._phase(COMPARE_MODES[name], cfg.baseline_steps, fixed))
         self.paired: Optional[Dict[str, Any]] = None
+        self.paired_not_run: Optional[str] = None
         planner, label = cfg.offload.planner, f"offload ({cfg.offload.planner.mode})"
         if cfg.budget_of_keep is not None and phases[0].oom is not None:  # NOTE [Out of memory, recorded]
             self._say(f"budget_of_keep = {cfg.budget_of_keep}: keep-everything ran out of device memory, so the "
@@ -484,6 +493,7 @@ class TrainRecipe:
             "planner": self.planner_summary,
             "steps": [{"kind": k, **s.to_dict()} for s, k in zip(offload.steps, offload.kinds)],
             "paired": self.paired,
+            "paired_not_run": self.paired_not_run,
             "host_pool": self.host_pool.to_dict(),  # the planner phase's (NOTE [Auto host pool])
             "device_memory_cap": self.memory_cap,  # NOTE [Device memory cap]
             "drive_wear": [d.to_dict() for d in drives],
@@ -511,6 +521,8 @@ class TrainRecipe:
                           f"shows its last {phase.measured_kind} step, not {what}")
         if self.paired:
             self._say(format_paired(self.paired))
+        elif self.paired_not_run:
+            self._say(f"paired steps: not run: {self.paired_not_run}")
         wear = format_drive_wear(drives, self.config.offload.planner.drive_used_fraction)
         if wear:
             self._say(wear)

@@ -363,6 +363,21 @@ def test_paired_steps_alternate_keep_and_offload_and_leave_the_phase_alone(tmp_p
     assert data["planner"]["events"] == plain["planner"]["events"]
 
 
+def test_no_pair_runs_where_keep_everything_does_not_fit_the_capacity(tmp_path):
+    """NOTE [Paired steps]: under a capacity keep-everything does not fit, a pair's keep
+    step would run under the capacity guard, offloading; no pair runs, and the JSON and
+    the summary say why."""
+    stdout, data = _train_json(tmp_path, "capped", "offload.planner.mode=auto", "steps=8", "paired_steps=2",
+                               "offload.planner.activation_capacity_bytes=1MiB")
+    assert data["planner"]["fits"]["keep"] is False and data["paired"] is None
+    fit = data["planner"]["fit_bytes"]
+    assert data["paired_not_run"] == (f"keep-everything ({fit['keep'] / 2**20:.1f} MiB) does not fit the activation "
+                                      "capacity (1.0 MiB): a pair's keep step would run under the capacity guard, "
+                                      "offloading, and not be keep")
+    assert f"paired steps: not run: {data['paired_not_run']}" in stdout
+    assert len(data["steps"]) == 8  # no step beyond the phase's
+
+
 def test_train_json_carries_independent_memory_and_the_profiled_step_changes_nothing(tmp_path):
     """NOTE [Independent memory]: RSS above the pre-forward level per phase and per step;
     ``allocator_timeline`` adds the allocator peak from one more, unrecorded, step."""
