@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional
 
@@ -52,7 +53,20 @@ class PlanEvent:
     """``profile``, ``drift: ...`` or the mode name."""
     plan: Optional[Plan] = None
     """The planner's output (None for the fixed modes)."""
+    search_s: Optional[float] = None
+    """Seconds the search for ``plan`` took on the training thread, between two steps, and
+    so in the next step's wall time (None for the fixed modes; NOTE [Search time])."""
 
+
+# NOTE [Search time]
+# The search runs on the training thread, between the step that ends the profile (or
+# shows drift) and the next, so its time is in that next step's wall time: the first
+# step of every plan is longer by it, and a re-profile that used that step would count it
+# as time outside the layers (a median over steps leaves one such step out). It grows
+# with the layers per stage and the tiers to choose among: 0.2 s for the reference CPU
+# GPT's 8 layers under a capacity, 1.2-1.7 s for 16 such layers, 4.5 s with a host tier
+# as well, on the 2-core VM. Each plan event records it (``search_s``) and the plan's
+# line prints it, so a step that held a search is seen as one.
 
 # NOTE [Profiling steps]
 # ``auto`` measures two kinds of steps after warm-up: KEEP steps give each layer's compute
@@ -401,6 +415,7 @@ class AdaptivePlanner:
             profile = profile.with_io(dataclasses.replace(profile.io, host_bytes_per_s=self.host_bandwidth(),
                                                           shared_host_link=self.cache.device.type == "cuda"))
         self.profile = profile
+        started = time.perf_counter()
         plan = make_plan(profile, PlanRequest(  # PlanInfeasibleError propagates: the budget cannot be met
             memory_budget=self.config.memory_budget,
             safety_margin=self.config.safety_margin,
@@ -412,14 +427,15 @@ class AdaptivePlanner:
             host_budget_bytes=host_budget,
             max_slowdown=self.config.max_slowdown,
         ))
+        search_s = time.perf_counter() - started
         self._check_space(plan)
         if self.capacity_at_start is not None:  # NOTE [Capacity guard]: the capacity measured now
             self.cache.policy.resident_limit = self.activation_capacity()
         self.plan = plan
         self.cache.set_plan(plan.choices())
         self._drift.rebase(profile, plan)
-        self.events.append(PlanEvent(step, reason, plan))
-        logger.info("megatron_ssd: plan after step %d (%s):\n%s", step, reason, plan.table())
+        self.events.append(PlanEvent(step, reason, plan, search_s))
+        logger.info("megatron_ssd: plan after step %d (%s; searched %.2f s):\n%s", step, reason, search_s, plan.table())
 
     def activation_capacity(self) -> Optional[int]:
         """The hard limit on the plan's predicted peak: ``activation_capacity_bytes`` when
@@ -512,6 +528,7 @@ class AdaptivePlanner:
             "replans": self.replans,
             "fell_behind": self.fell_behind,
             "events": [
-                {"step": e.step, "reason": e.reason, "plan": e.plan.to_dict() if e.plan else None} for e in self.events
+                {"step": e.step, "reason": e.reason, "plan": e.plan.to_dict() if e.plan else None,
+                 "search_s": e.search_s} for e in self.events
             ],
         }

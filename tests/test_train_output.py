@@ -165,6 +165,8 @@ def test_plans_are_printed_once_then_as_changes():
         "2.00 ms vs expected 1.00 ms (+100.0%); and 3 more (--json: planner.events)): placement unchanged")
     last = format_plans(events[:1], steps=3)
     assert "plan set after step 3 (profile; the run ended before a step ran it):" in last
+    timed = format_plans([dict(events[0], search_s=4.531)], steps=3)
+    assert "plan set after step 3 (profile; searched 4.53 s; the run ended before a step ran it):" in timed
 
 
 def test_progress_is_plain_lines_off_a_terminal_and_a_bar_on_one():
@@ -253,7 +255,11 @@ def test_train_labels_its_steps_and_writes_tensorboard_scalars(tmp_path):
         ("offload (auto)", 1, 3, 2)
     assert len(off["step_s"]) == 2 and off["measured_kind"] == "measured"
     assert "offload (auto) 2/6: profile, loss " in stdout and "offload (auto) 5/6: measured, loss " in stdout
-    assert "plan set after step 4 (profile):" in stdout
+    # NOTE [Search time]: the plan's line says how long its search held the training thread
+    searched = re.search(r"plan set after step 4 \(profile; searched (\d+\.\d\d) s\):", stdout)
+    assert searched is not None, stdout
+    (event,) = [e for e in data["planner"]["events"] if e["plan"]]
+    assert event["search_s"] > 0 and f"{event['search_s']:.2f}" == searched.group(1)
     assert "WARNING: from 2 and 1 measured steps, too few" in stdout
     # NOTE [Auto host pool]: the planner phase's pool, and why, in the summary and the JSON
     assert "\nhost pool: 0 (auto: CPU device, the host is the same memory)\n" in stdout

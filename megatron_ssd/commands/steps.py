@@ -98,7 +98,8 @@ def format_plans(events: Sequence[Dict[str, Any]], steps: int) -> str:
             continue
         plan = Plan.from_dict(event["plan"])
         applied = "" if event["step"] + 1 < steps else "; the run ended before a step ran it"
-        when = f"after step {event['step'] + 1} ({_short_reason(event['reason'])}{applied})"
+        searched = f"; searched {event['search_s']:.2f} s" if event.get("search_s") is not None else ""
+        when = f"after step {event['step'] + 1} ({_short_reason(event['reason'])}{searched}{applied})"
         if previous is None:
             lines += ["", f"plan set {when}:", plan.table()]
         else:
