@@ -63,10 +63,9 @@ class PlanEvent:
 # shows drift) and the next, so its time is in that next step's wall time: the first
 # step of every plan is longer by it, and a re-profile that used that step would count it
 # as time outside the layers (a median over steps leaves one such step out). It grows
-# with the layers per stage and the tiers to choose among: 0.2 s for the reference CPU
-# GPT's 8 layers under a capacity, 1.2-1.7 s for 16 such layers, 4.5 s with a host tier
-# as well, on the 2-core VM. Each plan event records it (``search_s``) and the plan's
-# line prints it, so a step that held a search is seen as one.
+# with the layers per stage and the tiers to choose among (docs/getting-started.md has
+# measured times). Each plan event records it (``search_s``) and the plan's line prints
+# it, so a step that held a search is seen as one.
 
 # NOTE [Profiling steps]
 # ``auto`` measures two kinds of steps after warm-up: KEEP steps give each layer's compute

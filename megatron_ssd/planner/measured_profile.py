@@ -139,9 +139,8 @@ def stage_from_stats(
 # as the source there are no waits and both ways agree; with OFFLOAD steps as the source
 # (keep-everything above the capacity, NOTE [Profiling within the capacity] in
 # ``adaptive.py``) the waits are most of an I/O-bound step, and keep-everything was priced
-# at the offload steps' wall time: on the reference CPU GPT under a 300 MiB capacity,
-# disk throttled, 3.49 s outside the layers against 0.6-0.9 s measured, a predicted step
-# 1.56x the measured one (docs/performance.md#run-2026-11-29-time-outside-layers).
+# at the offload steps' wall time, so every overlap window looked longer than it is.
+# Measured: docs/performance.md#run-2026-11-29-time-outside-layers.
 
 
 def _outside_layers(step: StepMeasurement, layer_ids: Sequence[LayerId]) -> float:
