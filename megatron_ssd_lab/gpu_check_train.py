@@ -150,6 +150,7 @@ def placement_row(point: Dict[str, Any], report: Dict[str, Any], keep: Optional[
         "plan": point.get("plan"),
         "predicted_step_s": point.get("predicted_step_s"),
         "predicted_peak_activation_bytes": point.get("predicted_peak_activation_bytes"),
+        "predicted_counted_peak_bytes": point.get("predicted_counted_peak_bytes"),
         "predicted_exposed_s_per_step": point.get("predicted_exposed_s_per_step"),
         "measured_exposed_s_per_step": point.get("measured_exposed_s_per_step"),
         "final_loss": phase.get("final_loss"), "losses": phase.get("losses"),
@@ -158,7 +159,9 @@ def placement_row(point: Dict[str, Any], report: Dict[str, Any], keep: Optional[
     # clock the profile was measured with: CUDA events on a GPU (NOTE [Device time])
     predicted_step = row["predicted_step_s"] * mbs if row["predicted_step_s"] is not None else None
     row["predicted_over_measured_step"] = _ratio(predicted_step, row["median_device_step_s"] or row["median_step_s"])
-    row["predicted_over_measured_peak"] = _ratio(row["predicted_peak_activation_bytes"], row["peak_activation_bytes"])
+    # NOTE [What the cache counts]: the measured peak is the cache's count
+    counted = row["predicted_counted_peak_bytes"] or row["predicted_peak_activation_bytes"]
+    row["predicted_over_measured_peak"] = _ratio(counted, row["peak_activation_bytes"])
     if keep is not None and row["losses"] is not None and keep["losses"] is not None:
         same, n, first = compare_losses(row["losses"], keep["losses"])
         row.update(losses_identical_to_keep=same, losses_compared=n, first_differing_step=first)

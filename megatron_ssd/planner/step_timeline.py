@@ -237,6 +237,20 @@ class Timeline:
     """Total time forward waited for the in-flight bound (NOTE [In-flight bound])."""
     memory: List[Tuple[float, int]] = field(default_factory=list)
     """(time, resident bytes of the micro-batch) after each change, for plots."""
+    rebuilt: List[Tuple[float, float, int]] = field(default_factory=list)
+    """(start, end, bytes) of what recomputation holds (a RECOMPUTE layer's input, what it
+    rebuilds in backward), in ``memory`` but not in the tensor cache's count (NOTE [What
+    the cache counts])."""
+
+    @property
+    def counted_peak_bytes(self) -> int:
+        """Predicted stage peak as the tensor cache counts it: ``peak_bytes`` less what
+        recomputation holds (NOTE [What the cache counts])."""
+        if not self.rebuilt:
+            return self.peak_bytes
+        counted = max((resident - sum(n for start, end, n in self.rebuilt if start <= t < end)
+                       for t, resident in self.memory), default=0)
+        return counted + self.peak_bytes - self.microbatch_peak_bytes  # the parked micro-batches'
 
     @property
     def forwarded(self) -> List[LayerId]:
@@ -423,11 +437,17 @@ def predict(
                 end = queue.extend_to(crossed)
         return start, end
     events: List[Tuple[float, int, int]] = []  # (time, 0 = release / 1 = allocate, delta)
+    rebuilt: List[Tuple[float, float, int]] = []  # NOTE [What the cache counts]
 
     def hold(start: float, end: float, nbytes: int) -> None:
         if nbytes and end > start:
             events.append((start, 1, nbytes))
             events.append((end, 0, -nbytes))
+
+    def rebuild(start: float, end: float, nbytes: int) -> None:
+        hold(start, end, nbytes)
+        if nbytes and end > start:
+            rebuilt.append((start, end, nbytes))
 
     out: List[LayerTimeline] = []
     write_busy = read_busy = host_busy = write_wait = 0.0
@@ -516,7 +536,7 @@ def predict(
                 t = read.end
         exposed += lt.stall_s
         lt.backward_end = t = compute.run(t, (1.0 - done) * work)
-        _account(layer, lt, hold)
+        _account(layer, lt, hold, rebuild)
 
     microbatch_peak, memory = _peak(events)
     parked = sum(_parked_bytes(layer, lt) for layer, lt in zip(layers, out))
@@ -541,6 +561,7 @@ def predict(
         host_busy_s=host_busy,
         write_wait_s=write_wait,
         memory=memory,
+        rebuilt=rebuilt,
     )
 
 
@@ -586,14 +607,16 @@ def _admitted(writing: List[Tuple[float, int]], t: float, nbytes: int, bound: in
     return t  # not reached: after the last end nothing is outstanding
 
 
-def _account(layer: LayerProfile, lt: LayerTimeline, hold: Callable[[float, float, int], None]) -> None:
-    """Record the layer's resident intervals; see NOTE [Memory accounting]."""
-    hold(lt.backward_start, lt.backward_end, layer.rebuilt_bytes)
+def _account(layer: LayerProfile, lt: LayerTimeline, hold: Callable[[float, float, int], None],
+             rebuild: Callable[[float, float, int], None]) -> None:
+    """Record the layer's resident intervals, with ``rebuild`` what recomputation rebuilds
+    in backward; see NOTE [Memory accounting]."""
+    rebuild(lt.backward_start, lt.backward_end, layer.rebuilt_bytes)
     if lt.placement is Placement.KEEP:
         hold(lt.forward_end, lt.backward_end, layer.saved_bytes + layer.kept_bytes)
     elif lt.placement is Placement.RECOMPUTE:
-        hold(lt.forward_end, lt.backward_end, layer.boundary_bytes)
-        hold(lt.backward_start, lt.backward_end, layer.saved_bytes + layer.kept_bytes)
+        rebuild(lt.forward_end, lt.backward_end, layer.boundary_bytes)  # held by the checkpoint, not packed
+        rebuild(lt.backward_start, lt.backward_end, layer.saved_bytes + layer.kept_bytes)
     else:
         moved = lt.offloaded_bytes
         hold(lt.forward_end, lt.backward_end, layer.kept_bytes + layer.saved_bytes - moved)
@@ -603,6 +626,19 @@ def _account(layer: LayerProfile, lt: LayerTimeline, hold: Callable[[float, floa
             hold(lt.forward_end, lt.write_end, moved)
             for read in lt.reads:
                 hold(read.issue, lt.backward_end, read.nbytes)
+
+
+# NOTE [What the cache counts]
+# The timeline's peak is every byte a placement holds, what recomputation holds included
+# (NOTE [Memory accounting]): a RECOMPUTE layer's input, which its checkpoint keeps until
+# backward, and the tensors a recomputation rebuilds in backward. The tensor cache counts
+# neither: the rebuilt tensors are saved inside the checkpoint's region, to PyTorch's own
+# hooks (NOTE [Recompute and saved-tensor hooks] in ``megatron/recompute.py``), and the
+# input reaches no pack hook of the cache either (each RECOMPUTE layer's measured
+# ``saved_bytes`` is 0, its ``input_bytes`` the input's size). So a measured cache count
+# (``peak_activation_bytes``) is compared with ``Timeline.counted_peak_bytes``, the same
+# replay without those bytes; where nothing is recomputed the two peaks are one.
+# Measured: docs/performance.md, "The job under caps".
 
 
 def _parked_bytes(layer: LayerProfile, lt: LayerTimeline) -> int:

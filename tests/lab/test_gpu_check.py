@@ -1210,3 +1210,36 @@ def test_a_short_job_budget_runs_the_first_runs_and_skips_the_last():
     now[0] = 190.0  # 10 s left: below MIN_RUN_S, run() skips it
     assert job._timeout("keep", True) == 10
     assert Job("c.yaml", [], "cpu", 200.0, "/nonexistent", io.StringIO(), lambda: 0.0)._timeout("keep", True) == 200
+
+
+def test_job_predictions_compare_the_peak_the_cache_counts():
+    """NOTE [What the cache counts]: a row's measured peak is the cache's count, which holds
+    neither a RECOMPUTE layer's input nor what its recomputation rebuilds; the gate's peak
+    ratio compares it with the prediction counted the same way, the full prediction kept
+    beside it. Step ratios use the row's step time (CUDA events on a GPU)."""
+    from megatron_ssd.placement import Placement
+    from megatron_ssd.planner.plan import make_plan
+    from megatron_ssd.planner.profile import IOProfile, LayerProfile, StageProfile
+    from megatron_ssd_lab.gpu_check_job import add_predictions
+
+    layers = [LayerProfile(0, 1.0, 2.0, 100, boundary_bytes=10), LayerProfile(1, 1.0, 2.0, 100, boundary_bytes=10)]
+    stage = StageProfile(layers=layers, io=IOProfile(100.0, 200.0), other_s=0.5, head_bytes=30)
+    plan = make_plan(stage, memory_budget=140, safety_margin=0.0)
+    assert Placement.RECOMPUTE in [c.placement for c in plan.layer_choices]
+
+    def row(name, measured, step_time, **more):
+        return {"placement": name, "cap": "50%", "status": "ran", "num_microbatches": 1, "step_time": step_time,
+                "median_step_s": 99.0, "peak_activation_bytes": measured, "default_read_ahead": 1, **more}
+
+    rows = [row("keep", 230, 5.2), row("recompute", 30, 8.0),
+            row("planner-ssd", 130, plan.step_s, profile=stage.to_dict(), plan=plan.to_dict())]
+    assert add_predictions(rows, rows[0]) == "planner-ssd @50%"
+    keep, recompute, planner = rows
+    assert keep["predicted_peak_activation_bytes"] == keep["predicted_counted_peak_bytes"] == 230
+    assert keep["predicted_over_measured_peak"] == 1.0 and keep["predicted_over_measured_step"] == 6.5 / 5.2
+    # both layers recomputed: two inputs and one layer rebuilt (120); counted, the head alone (30)
+    assert recompute["predicted_peak_activation_bytes"] == 120 and recompute["predicted_counted_peak_bytes"] == 30
+    assert recompute["predicted_over_measured_peak"] == 1.0
+    assert planner["predicted_peak_activation_bytes"] == plan.peak_activation_bytes
+    assert planner["predicted_counted_peak_bytes"] < plan.peak_activation_bytes
+    assert planner["predicted_over_measured_step"] == pytest.approx(1.0)

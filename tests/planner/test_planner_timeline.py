@@ -220,3 +220,23 @@ def test_the_hidden_offload_admits_no_write_wait():
     assert hidden.placements == [Placement.KEEP] * 4 and hidden.step_s == hidden.keep_step_s  # layer 0 alone buys nothing
     budget = make_plan(stage, memory_budget=300, safety_margin=0.0, allow_recompute=False)
     assert budget.peak_activation_bytes <= 300 and budget.step_s == pytest.approx(budget.keep_step_s + 0.7)
+
+
+def test_the_cache_counts_neither_a_checkpoints_input_nor_what_recompute_rebuilds():
+    """NOTE [What the cache counts]: a RECOMPUTE layer holds its input (10 bytes) until its
+    backward ends and its saved bytes again during its backward; the tensor cache counts
+    neither, so the peak it would measure is the KEEP layer's and the head's; without
+    recompute the two peaks are one."""
+    layers = [LayerProfile(0, 1.0, 2.0, 100, boundary_bytes=10), LayerProfile(1, 1.0, 2.0, 100, boundary_bytes=10)]
+    stage = StageProfile(layers=layers, io=IOProfile(100.0, 200.0), other_s=0.5, head_bytes=30)
+    tl = predict(stage, [K, R])
+    assert tl.peak_bytes == 100 + 10 + 100  # layer 0 kept, layer 1's input and its rebuilt 100 bytes
+    assert tl.counted_peak_bytes == 100 + 30  # layer 0 kept, and the head before backward
+    assert [(start, end, n) for start, end, n in tl.rebuilt] == [(2.0, tl.layers[1].backward_end, 10),
+                                                                (tl.layers[1].backward_start,
+                                                                 tl.layers[1].backward_end, 100)]
+    kept = predict(stage, [K, K])
+    assert kept.counted_peak_bytes == kept.peak_bytes == 200 + 30
+    two = predict(StageProfile(layers=layers, io=IOProfile(100.0, 200.0), other_s=0.5, head_bytes=30,
+                               microbatches_in_flight=2), [K, R])
+    assert two.counted_peak_bytes == 130 + two.parked_bytes  # the parked micro-batch's bytes as in peak_bytes
