@@ -365,7 +365,7 @@ def test_ctrl_c_stops_megatron_ssd_train(tmp_path, offload_dir):
            "micro_batch_size=2", "steps=100000", "offload.planner.mode=static", f"offload.paths={offload_dir}",
            "offload.min_tensor_bytes=4096"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=dict(ENV, PYTHONUNBUFFERED="1"), cwd=str(tmp_path),
+                            env=dict(ENV, PYTHONUNBUFFERED="1", PYTHONFAULTHANDLER="1"), cwd=str(tmp_path),
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         line = proc.stdout.readline()
@@ -373,12 +373,17 @@ def test_ctrl_c_stops_megatron_ssd_train(tmp_path, offload_dir):
             line = proc.stdout.readline()
         assert line, proc.stderr.read()
         proc.send_signal(signal.SIGINT)
-        code = proc.wait(timeout=HANG_S)
+        try:
+            out, err = proc.communicate(timeout=HANG_S)  # read both pipes: a child still printing never blocks
+        except subprocess.TimeoutExpired:  # every thread's stack (faulthandler on SIGABRT), then fail with them
+            proc.send_signal(signal.SIGABRT)
+            out, err = proc.communicate(timeout=60)
+            pytest.fail(f"no exit {HANG_S} s after SIGINT; stacks at SIGABRT:\n{err[-6000:]}\nstdout tail:\n{out[-1500:]}")
+        code = proc.returncode
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    err = proc.stderr.read()
     assert code in (-signal.SIGINT, 1, 130) and "KeyboardInterrupt" in err, (code, err[-3000:])
     assert "Exception ignored" not in err, err[-3000:]
     assert os.listdir(offload_dir) == []
