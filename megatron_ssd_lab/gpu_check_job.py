@@ -263,10 +263,9 @@ def add_predictions(rows: List[Dict[str, Any]], keep: Optional[Dict[str, Any]]) 
     the plan's measure): a planner row from its own plan, keep and recompute from the
     first planner run's profile (named in the return value). Also each row's step over
     keep's (``x_keep_step``)."""
+    from megatron_ssd.commands.rok import plan_counted_peak_bytes
     from megatron_ssd.placement import LayerChoice, Placement
-    from megatron_ssd.planner.plan import Plan
     from megatron_ssd.planner.profile import StageProfile
-    from megatron_ssd.planner.search import replay
     from megatron_ssd.planner.step_timeline import predict
 
     source = next((r for r in rows if r["placement"].startswith("planner") and r.get("status") == "ran"
@@ -280,21 +279,20 @@ def add_predictions(rows: List[Dict[str, Any]], keep: Optional[Dict[str, Any]]) 
         mbs = r["num_microbatches"]
         if r["placement"].startswith("planner") and r.get("plan") and r.get("profile"):
             step, peak = r["plan"]["step_s"], r["plan"]["peak_activation_bytes"]
-            counted = replay(StageProfile.from_dict(r["profile"]), Plan.from_dict(r["plan"]).layer_choices)
+            counted = plan_counted_peak_bytes(r["profile"], r["plan"])
         elif stage is not None and r["placement"] in ("keep", "recompute"):
             placement = Placement.KEEP if r["placement"] == "keep" else Placement.RECOMPUTE
-            counted = predict(stage, [LayerChoice(f, read_ahead=_default_read_ahead(r))
-                                      for f in stage.fixed(placement)])
-            step, peak = counted.step_s, counted.peak_bytes
+            t = predict(stage, [LayerChoice(f, read_ahead=_default_read_ahead(r)) for f in stage.fixed(placement)])
+            step, peak, counted = t.step_s, t.peak_bytes, t.counted_peak_bytes
         else:
             continue
         # NOTE [What the cache counts] in step_timeline.py: the measured peak is the cache's
         # count, which recomputation's input and rebuilt tensors are not in
         measured = r["peak_activation_bytes"]
         r.update(predicted_step_s=step * mbs, predicted_peak_activation_bytes=peak,
-                 predicted_counted_peak_bytes=counted.counted_peak_bytes,
+                 predicted_counted_peak_bytes=counted,
                  predicted_over_measured_step=step * mbs / r["step_time"] if r["step_time"] else None,
-                 predicted_over_measured_peak=counted.counted_peak_bytes / measured if measured else None)
+                 predicted_over_measured_peak=counted / measured if measured else None)
     return None if source is None else f"{source['placement']} @{source['cap']}"
 
 

@@ -26,6 +26,7 @@ from ..io.scratch import default_offload_dir, make_private_dir
 from ..io.pacing import parse_rate
 from ..planner.plan import Plan
 from ..planner.profile import StageProfile
+from ..planner.search import replay
 from ..planner.step_timeline import predict
 from ..units import MiB
 from .intervals import median_ci95, ratio_ci95
@@ -169,6 +170,7 @@ def _point(placement: str, reports: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
         point["predicted_exposed_s"] = plan["exposed_s"]
         point["predicted_step_s"] = plan["step_s"]
         point["predicted_peak_activation_bytes"] = plan["peak_activation_bytes"]
+        point["predicted_counted_peak_bytes"] = plan_counted_peak_bytes(reports[0]["planner"].get("profile"), plan)
         point["plan_offloaded_bytes"] = sum(l["offloaded"] for l in plan["layers"])
         point["plan_io"] = plan["io"]  # the measured profile it was made from: bandwidths, compute_slowdown
         point["plan_keep_step_s"] = plan["keep_step_s"]
@@ -389,6 +391,15 @@ def _check_te_layers(config_path: Optional[str], overrides: Sequence[str], names
     Engine's bound), and the placement selected."""
     return _check_layer_counts(config_path, overrides, names, counts, "te_layers", TE_OFFLOAD, 1,
                                "offloaded first layers", "Transformer Engine keeps the last")
+
+
+def plan_counted_peak_bytes(profile: Optional[Dict[str, Any]], plan: Dict[str, Any]) -> Optional[int]:
+    """A plan's (``Plan.to_dict``) predicted peak as the tensor cache counts it (NOTE [What
+    the cache counts] in ``planner/step_timeline.py``), replayed on the profile it was made
+    from (a ``StageProfile.to_dict``); None without one."""
+    if not profile:
+        return None
+    return replay(StageProfile.from_dict(profile), Plan.from_dict(plan).layer_choices).counted_peak_bytes
 
 
 def add_predictions(points: List[Dict[str, Any]], reports: Dict[str, Dict[str, Any]]) -> None:

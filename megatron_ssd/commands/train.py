@@ -376,8 +376,8 @@ class TrainRecipe:
                 memory.allocator_peak_bytes, memory.allocator_device_peak_bytes = _profiled_step(run_step, next_step)
                 next_step += 1
             result.memory = memory.summary(result.measured_from)
-            if pairs and self.planner_summary.get("fits", {}).get("keep") is False:  # NOTE [Paired steps]
-                fit = self.planner_summary["fit_bytes"]
+            if pairs and planner.fits.get("keep") is False:  # NOTE [Paired steps]
+                fit = planner.fit_bytes
                 self.paired_not_run = (f"keep-everything ({fit['keep'] / MiB:.1f} MiB) does not fit the activation "
                                        f"capacity ({fit['capacity'] / MiB:.1f} MiB): a pair's keep step would run "
                                        "under the capacity guard, offloading, and not be keep")

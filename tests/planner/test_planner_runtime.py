@@ -310,6 +310,12 @@ def test_rok_json_schema(tmp_path):
     planned = by["planner"]
     assert planned["plan_io"]["compute_slowdown"] >= 0 and planned["plan_io"]["write_bytes_per_s"] > 0
     assert planned["plan_keep_step_s"] > 0 and planned["plan_offloaded_bytes"] >= 0
+    # NOTE [What the cache counts]: the plan replayed on its profile; what recomputation holds is left out
+    assert planned["predicted_counted_peak_bytes"] <= planned["predicted_peak_activation_bytes"]
+    if "recompute" not in planned["plan"]:
+        assert planned["predicted_counted_peak_bytes"] == planned["predicted_peak_activation_bytes"]
+    assert by["keep"]["predicted_counted_peak_bytes"] == by["keep"]["predicted_peak_activation_bytes"]
+    assert by["recompute"]["predicted_counted_peak_bytes"] < by["recompute"]["predicted_peak_activation_bytes"]
     assert data["workload"]["model"]["num_layers"] == 2
     # --paired: every placement but keep gets its pairs, budgets included (NOTE [Paired steps])
     assert "paired_ratios" not in by["keep"]
