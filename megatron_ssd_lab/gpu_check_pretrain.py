@@ -144,8 +144,9 @@ THEORETICAL = re.compile(r"Theoretical memory footprints: weight and optimizer=(
 """Megatron-LM's own estimate, printed with the first memory lines."""
 
 STEP = re.compile(r"\[megatron-ssd\] rank 0 step (\d+): offloaded ([\d.]+) MiB .*?reloaded ([\d.]+) MiB "
-                  r".*?forwarded ([\d.]+) MiB")
-"""megatron-ssd's step line (``integration.STEP_LINE``, kept here so the parent needs no megatron-core)."""
+                  r".*?forwarded ([\d.]+) MiB(?:, writes cancelled ([\d.]+) MiB)?")
+"""megatron-ssd's step line (``integration.STEP_LINE``, kept here so the parent needs no megatron-core).
+Its writes-cancelled field is absent from lines older releases printed."""
 
 MISSING_MODULE = re.compile(r"megatron_ssd: Megatron-LM's training scripts need the module '([^']+)'")
 
@@ -218,14 +219,16 @@ def parse_log(text: str) -> Dict[str, Any]:
 
     Returns:
         ``iterations`` (each: iteration, ``lm_loss`` and ``grad_norm`` as Megatron printed
-        them, ``time_ms``), ``steps`` (each: step, MiB offloaded, reloaded, forwarded),
+        them, ``time_ms``), ``steps`` (each: step, MiB offloaded, reloaded, forwarded and
+        whose writes were cancelled, None where the line does not say),
         ``memory`` (the last memory line in bytes, or None), ``theoretical`` (Megatron's
         estimate in bytes, or None) and whether Megatron's argument list names the cap.
     """
     iterations = [{"iteration": int(i), "time_ms": float(ms), "lm_loss": loss, "grad_norm": norm}
                   for i, ms, loss, norm in ITERATION.findall(text)]
-    steps = [{"step": int(s), "offloaded_mib": float(w), "reloaded_mib": float(r), "forwarded_mib": float(f)}
-             for s, w, r, f in STEP.findall(text)]
+    steps = [{"step": int(s), "offloaded_mib": float(w), "reloaded_mib": float(r), "forwarded_mib": float(f),
+              "cancelled_mib": float(c) if c else None}
+             for s, w, r, f, c in STEP.findall(text)]
     memory = None
     found = MEMORY.findall(text)
     if found:
@@ -389,6 +392,7 @@ def _row(name: str, rc: Optional[int], text: str, timeout_s: float,
         "offloaded_bytes": round(sum(s["offloaded_mib"] for s in steps) * MiB),
         "reloaded_bytes": round(sum(s["reloaded_mib"] for s in steps) * MiB),
         "forwarded_bytes": round(sum(s["forwarded_mib"] for s in steps) * MiB),
+        "write_cancelled_bytes": round(sum(s["cancelled_mib"] or 0.0 for s in steps) * MiB),
     }
     missing = MISSING_MODULE.search(text)
     if missing:

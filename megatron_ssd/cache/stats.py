@@ -148,6 +148,7 @@ class StepStats(StepMeasurement):
             f"step {self.step}: offloaded {self.bytes_offloaded / MiB:.1f} MiB "
             f"(write {self.write_bytes_per_s / MiB:.0f} MiB/s), reloaded {self.bytes_reloaded / MiB:.1f} MiB "
             f"(read {self.read_bytes_per_s / MiB:.0f} MiB/s), forwarded {self.bytes_forwarded / MiB:.1f} MiB, "
+            f"writes cancelled {self.bytes_write_cancelled / MiB:.1f} MiB, "
             f"dedup {self.bytes_deduplicated / MiB:.1f} MiB, peak resident {self.peak_resident_bytes / MiB:.1f} MiB, "
             f"stall {self.stall_s * 1e3:.0f} ms"
         )

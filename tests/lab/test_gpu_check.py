@@ -663,7 +663,7 @@ Theoretical memory footprints: weight and optimizer=1.84 MB, activation=0.31 MB,
 [Rank 0] (after 1 iterations) memory (MB) | allocated: 17204.53 | max allocated: 22611.07 | reserved: 23552.00 | \
 max reserved: 23552.00
 [megatron-ssd] rank 0 step 1: offloaded 1.5 MiB (write 10 MiB/s), reloaded 1.2 MiB (read 109 MiB/s), forwarded \
-0.3 MiB, dedup 0.4 MiB, peak resident 0.8 MiB, stall 0 ms
+0.3 MiB, writes cancelled 0.1 MiB, dedup 0.4 MiB, peak resident 0.8 MiB, stall 0 ms
  [2026-11-28 02:58:30.708590] iteration        2/       3 | consumed samples:            8 | elapsed time per \
 iteration (ms): 1890.1 | learning rate: 3.333333E-05 | global batch size:     4 | lm loss: 4.859228E+00 | loss scale: \
 1.0 | grad norm: 1.607 | number of skipped iterations:   0 | number of nan iterations:   0 |
@@ -685,7 +685,9 @@ def test_pretrain_log_lines_give_losses_times_cuda_memory_and_bytes_moved():
         ITERATION_LINE.findall(PRETRAIN_LOG)
     assert [(str(s["step"]), *map(str, (s["offloaded_mib"], s["reloaded_mib"], s["forwarded_mib"])))
             for s in got["steps"]] == STEP_LINE.findall(PRETRAIN_LOG)
-    assert got["steps"][1] == {"step": 1, "offloaded_mib": 1.5, "reloaded_mib": 1.2, "forwarded_mib": 0.3}
+    assert got["steps"][1] == {"step": 1, "offloaded_mib": 1.5, "reloaded_mib": 1.2, "forwarded_mib": 0.3,
+                               "cancelled_mib": 0.1}
+    assert got["steps"][0]["cancelled_mib"] is None  # a line without the field, as releases before it printed
     assert got["memory"] == {"after_iteration": 2, "allocated_bytes": round(17210.00 * 2**20),
                              "max_allocated_bytes": round(22700.50 * 2**20), "reserved_bytes": 23552 * 2**20,
                              "max_reserved_bytes": 24576 * 2**20,  # the last line: the run's peak so far
@@ -859,8 +861,12 @@ def test_pretrain_part_without_a_gpu_trains_megatron_lm_the_same_with_and_withou
     assert all(i["time_ms"] > 0 for r in rows.values() for i in r["iterations"])
     steps = rows["offload"]["steps"]
     assert [s["step"] for s in steps] == [0, 1, 2] and rows["offload"]["offloaded_bytes"] > 0
-    for s in steps:  # every offloaded byte comes back, read or served from memory
-        assert s["offloaded_mib"] > 0 and abs(s["reloaded_mib"] + s["forwarded_mib"] - s["offloaded_mib"]) <= 0.15
+    # Every byte moved off comes back, read or served from memory; a tensor served before its
+    # write finished had the write cancelled (more of them on a loaded machine), so it was
+    # forwarded but never offloaded (NOTE [Cancelled writes]). Four values rounded to 0.1 MiB.
+    for s in steps:
+        back, moved = s["reloaded_mib"] + s["forwarded_mib"], s["offloaded_mib"] + s["cancelled_mib"]
+        assert moved > 0 and abs(back - moved) <= 0.2 + 1e-9, steps
     assert rows["plain"]["offloaded_bytes"] == 0 and not rows["plain"]["steps"]
     assert rows["plain"]["cuda_max_allocated_bytes"] == 0  # Megatron's memory line, counting no CUDA memory
     cap = entry["numbers"]["device_memory_cap"]

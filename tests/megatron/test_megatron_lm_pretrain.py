@@ -102,7 +102,8 @@ def test_pretrain_gpt_with_ssd_offload_trains_as_without(pp, tmp_path):
     # back can exceed what was written, never what is read.
     for _, written, read, forwarded in steps:
         w, r, f = float(written), float(read), float(forwarded)
-        assert w > 0 and r <= w + 0.05 and r + f >= w - 0.05, steps
+        assert r <= w + 0.05 and r + f >= w - 0.05, steps
+    assert sum(float(written) for _, written, _, _ in steps) > 0, steps  # a step's writes may all be cancelled
     assert sum(float(read) for _, _, read, _ in steps) > 0, steps
     assert sorted(os.listdir(offload_dir)) == [f"rank{r}" for r in range(pp)]
     assert _files_under(offload_dir) == []  # each rank's cache deleted its files at exit
@@ -121,7 +122,9 @@ def test_selective_recompute_with_output_discarding_trains_as_without(tmp_path):
     run = pretrain_gpt(CHECKOUT, *GPT, *selective, *OFFLOAD, "--ssd-offload-paths", str(offload_dir))
     assert len(plain) == 3 and _losses(run) == plain
     steps = STEP_LINE.findall(run.stdout)
-    assert len(steps) == 3 and all(float(written) > 0 for _, written, _, _ in steps), steps
+    # each step moved bytes off: written, or forwarded with its write cancelled (a loaded machine)
+    assert len(steps) == 3 and all(float(written) + float(forwarded) > 0 for _, written, _, forwarded in steps), steps
+    assert sum(float(written) for _, written, _, _ in steps) > 0, steps
     assert _files_under(offload_dir) == []
 
 
@@ -203,4 +206,4 @@ def test_offload_metrics_go_to_megatrons_tensorboard_writer(tmp_path):
     offloaded = acc.Scalars("megatron-ssd/offloaded_bytes")
     assert [e.step for e in offloaded] == [e.step for e in acc.Scalars("lm loss")] == [1, 2, 3]
     logged = [float(mib) for _, mib, _, _ in STEP_LINE.findall(run.stdout)]
-    assert [round(e.value / (1 << 20), 1) for e in offloaded] == logged and all(v > 0 for v in logged)
+    assert [round(e.value / (1 << 20), 1) for e in offloaded] == logged and sum(logged) > 0
