@@ -123,7 +123,7 @@ class ForwardWrites:
         limit = self.policy.resident_limit
         if limit is None:
             return
-        with self.table.lock:  # not ``with self._room``: NOTE [Signals and condition locks] in io/admission.py
+        with self.table.lock:  # not ``with self._room``: NOTE [Signals and condition locks] in interruptible.py
             while self.table.resident > limit and self._writes and not self.table.closed:
                 self.table.counters.capacity_waits += 1
                 self._room.wait()

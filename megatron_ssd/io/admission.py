@@ -26,16 +26,8 @@ class Admission:
         bound: ``io.max_inflight_bytes``.
     """
 
-    # NOTE [Signals and condition locks]
-    # A Condition's ``with cond:`` enters through Condition.__enter__, a Python frame:
-    # after it has taken the lock, the interpreter may run a pending signal handler there
-    # (Ctrl-C's KeyboardInterrupt in the main thread) before the with-block is entered, so
-    # the block's exit never runs and the lock stays taken. The engine's workers then wait
-    # for it for ever, and so does the main thread joining them while it closes the cache
-    # (``megatron-ssd train`` hung on Ctrl-C, seen in CI, and in 1 of 5 runs beside a CPU burner). So
-    # every lock a Condition shares with worker threads is a plain lock entered with
-    # ``with lock:``, which takes it in C with no Python frame between, and the Condition
-    # is built on it only to wait and notify.
+    # The lock the Condition shares with the workers is entered as ``with self._lock:``,
+    # never through the Condition: NOTE [Signals and condition locks] in interruptible.py.
 
     # NOTE [Backpressure]: a write is admitted while in-flight payload + n stays
     # within io.max_inflight_bytes, or when nothing is in flight at all (a blob
@@ -46,7 +38,7 @@ class Admission:
     def __init__(self, bound: int) -> None:
         self.bound = bound
         self._lock = threading.Lock()
-        self._cv = threading.Condition(self._lock)  # entered as self._lock: NOTE [Signals and condition locks]
+        self._cv = threading.Condition(self._lock)  # entered as self._lock (see above)
         self._inflight = 0
         self._closed = False
         self._peak = 0

@@ -18,6 +18,8 @@ from typing import Callable, Generic, List, Optional, Tuple, TypeVar
 
 import torch
 
+from ..interruptible import Latch
+
 __all__ = [
     "ALIGN",
     "align_up",
@@ -105,13 +107,13 @@ class IOFuture(Generic[R]):
                  "finished", "_staged", "_staged_settled", "_staged_callbacks", "_staging_thread")
 
     def __init__(self, nbytes: int = 0) -> None:
-        self._event = threading.Event()
-        self._settled = threading.Event()
+        self._event = Latch()  # NOTE [Signals and condition locks] in interruptible.py
+        self._settled = Latch()
         self._result: Optional[R] = None
         self._error: Optional[BaseException] = None
         self._callbacks: List[Callable[["IOFuture[R]"], None]] = []
         self._staged = False
-        self._staged_settled = threading.Event()
+        self._staged_settled = Latch()
         self._staged_callbacks: List[Callable[["IOFuture[R]"], None]] = []
         self._staging_thread: Optional[int] = None
         self._lock = threading.Lock()

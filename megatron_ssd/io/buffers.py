@@ -124,7 +124,7 @@ class BufferPool:
                                          for i in range(count)]
         self._free: List[torch.Tensor] = list(self._all)
         self._lock = threading.Lock()
-        self._cv = threading.Condition(self._lock)  # entered as self._lock: NOTE [Signals and condition locks] in admission.py
+        self._cv = threading.Condition(self._lock)  # entered as self._lock: NOTE [Signals and condition locks] in interruptible.py
         self.wait_s = 0.0
         """Total time callers spent blocked in :meth:`acquire`."""
         self.peak_in_use = 0

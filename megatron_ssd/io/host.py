@@ -52,7 +52,6 @@ import logging
 import mmap
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
@@ -67,6 +66,7 @@ from .mapped import mapped_empty
 from .pinned import HostSlab
 from .blocks import check_blob, check_read_target
 from .pacing import RateLimiter
+from .workers import READ, WRITE, Workers
 
 __all__ = ["HostEngine", "HOST_PATH_INDEX", "SLAB_GRANULARITY", "host_blob", "open_host_pool"]
 
@@ -124,8 +124,9 @@ class HostEngine(Engine):
         """The write and read directions' pacing (NOTE [Host copy rate]); None: unpaced."""
         if copy_bytes_per_s is not None:
             self._links = (RateLimiter(copy_bytes_per_s, clock, sleep), RateLimiter(copy_bytes_per_s, clock, sleep))
-        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="megatron-ssd-host-write")
-        self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="megatron-ssd-host-read")
+        # one worker per direction; not an executor: NOTE [Signals and condition locks] in interruptible.py
+        self._writer = Workers(1, "megatron-ssd-host-write")
+        self._reader = Workers(1, "megatron-ssd-host-read")
 
     # ------------------------------------------------------------------ Engine
 
@@ -156,7 +157,7 @@ class HostEngine(Engine):
         except BaseException:
             self._give_back(nbytes, place)
             raise
-        self._writer.submit(self._finish_write, fut, handle, dst, place, done, self._clock())
+        self._writer.submit(WRITE, self._finish_write, fut, handle, dst, place, done, self._clock())
         return fut
 
     def read(self, handle: SwapHandle, dst: torch.Tensor) -> IOFuture[torch.Tensor]:
@@ -168,7 +169,7 @@ class HostEngine(Engine):
             raise CacheStateError("read of a host blob this engine does not hold (freed, or from another engine)")
         fut: IOFuture[torch.Tensor] = IOFuture(handle.nbytes)
         done = self._queue_copy(dst[: handle.nbytes], blob[0], write=False, fresh=self.fresh.claim(dst))
-        self._reader.submit(self._finish_read, fut, dst, done, self._clock())
+        self._reader.submit(READ, self._finish_read, fut, dst, done, self._clock())
         return fut
 
     def alloc(self, nbytes: int, device: torch.device, handle: Optional[SwapHandle] = None) -> torch.Tensor:
@@ -203,8 +204,8 @@ class HostEngine(Engine):
         if self._closed:
             return
         self._closed = True
-        self._writer.shutdown(wait=True)  # every copy was waited for: the slab can be unpinned
-        self._reader.shutdown(wait=True)
+        self._writer.shutdown()  # every copy was waited for: the slab can be unpinned
+        self._reader.shutdown()
         with self._lock:
             self._blobs.clear()
             self._used = 0

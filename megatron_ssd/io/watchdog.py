@@ -24,6 +24,8 @@ import threading
 import time
 from typing import Dict, Iterator, List, Optional
 
+from ..interruptible import Latch
+
 __all__ = ["StallWatchdog", "watched"]
 
 logger = logging.getLogger("megatron_ssd")
@@ -44,7 +46,7 @@ class StallWatchdog:
         self.setting = setting
         self.waiter = waiter
         self._lock = threading.Lock()
-        self._stop = threading.Event()
+        self._stop = Latch()  # NOTE [Signals and condition locks] in interruptible.py
         self._ids = itertools.count()
         self._requests: Dict[int, List] = {}  # id -> [op, file, offset, nbytes, since, last warning]
         self._thread = threading.Thread(target=self._loop, name="megatron_ssd-stall-watchdog", daemon=True)

@@ -15,9 +15,10 @@ from __future__ import annotations
 import itertools
 import logging
 import os
-import queue
 import threading
-from typing import Any, Callable, Optional, Tuple
+from typing import Any, Callable, List
+
+from ..interruptible import Latch, TaskQueue
 
 __all__ = ["READ", "WRITE", "Workers", "set_thread_priority"]
 
@@ -27,13 +28,19 @@ READ, WRITE, _STOP = 0, 1, 2  # queue priorities: reads overtake queued writes
 
 
 class Workers:
-    """``n`` threads draining one priority queue (reads before writes, FIFO within)."""
+    """``n`` threads draining one priority queue (reads before writes, FIFO within).
+
+    The main thread submits and shuts down, so the queue and the start-up handshake are
+    built from :mod:`megatron_ssd.interruptible`, not ``queue`` and ``threading.Barrier``
+    (NOTE [Signals and condition locks] in ``interruptible.py``).
+    """
 
     def __init__(self, n: int, name: str, priority: str = "normal") -> None:
-        self._q: "queue.PriorityQueue[Tuple[int, int, Optional[Callable[..., None]], tuple]]" = queue.PriorityQueue()
+        self._q = TaskQueue()  # items: (priority, sequence, fn or None, args)
         self._seq = itertools.count()
         self._priority = priority
-        self._started = threading.Barrier(n + 1)
+        self._ready: List[Latch] = [Latch() for _ in range(n)]
+        """Per worker: it runs at its priority (set by the worker)."""
         self._threads = [
             threading.Thread(target=self._loop, args=(i,), name=f"{name}-{i}", daemon=True) for i in range(n)
         ]
@@ -42,13 +49,11 @@ class Workers:
             for t in self._threads:
                 t.start()
                 started.append(t)
-        except BaseException:
-            # the threads already running wait on the barrier: break it so they return
-            self._started.abort()
-            for t in started:
-                t.join()
+        except BaseException:  # the threads already running wait for a task: stop them
+            self._stop(started)
             raise
-        self._started.wait()  # every worker runs at its priority before the first task
+        for ready in self._ready:  # every worker runs at its priority before the first task
+            ready.wait()
 
     def submit(self, priority: int, fn: Callable[..., None], *args: Any) -> None:
         self._q.put((priority, next(self._seq), fn, args))
@@ -57,10 +62,7 @@ class Workers:
         if not set_thread_priority(self._priority) and index == 0:
             logger.warning("megatron_ssd: io.priority = %r could not be applied on this system (Linux "
                            "only); the I/O threads run at normal priority", self._priority)
-        try:
-            self._started.wait()
-        except threading.BrokenBarrierError:  # a later worker failed to start
-            return
+        self._ready[index].set()
         while True:
             _, _, fn, args = self._q.get()
             if fn is None:
@@ -75,9 +77,13 @@ class Workers:
             fn = args = None
 
     def shutdown(self) -> None:
-        for _ in self._threads:
+        """Run what is queued, then stop the threads and wait for them."""
+        self._stop(self._threads)
+
+    def _stop(self, threads: List[threading.Thread]) -> None:
+        for _ in threads:
             self._q.put((_STOP, next(self._seq), None, ()))
-        for t in self._threads:
+        for t in threads:
             if t is not threading.current_thread():
                 t.join()
 

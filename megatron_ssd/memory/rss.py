@@ -29,6 +29,8 @@ import os
 import threading
 from typing import Optional
 
+from ..interruptible import Latch
+
 __all__ = ["RSSPeak", "current_rss_bytes", "hwm_bytes", "reset_hwm"]
 
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
@@ -89,7 +91,7 @@ class RSSPeak:
         self.base_bytes = current_rss_bytes()
         self._peak = self.base_bytes
         self._lock = threading.Lock()
-        self._stop = threading.Event()
+        self._stop = Latch()  # NOTE [Signals and condition locks] in interruptible.py
         self.samples = 0
         """How many times the sampling thread has read the RSS (``sampled`` only)."""
         self._thread: Optional[threading.Thread] = None

@@ -495,33 +495,3 @@ def test_bench_io_files_are_removed_on_sigterm_and_sigint(tmp_path, offload_dir,
     else:
         assert code in (-signal.SIGINT, 1, 130) and "KeyboardInterrupt" in err, (code, err)
     assert os.listdir(offload_dir) == [], "bench-io left its files behind"
-
-
-def _conditions_entered_by_with(source: str):
-    """``(line, name)`` of each ``with self.NAME:`` whose NAME the same source assigns a
-    ``threading.Condition(...)`` to."""
-    import ast
-
-    tree = ast.parse(source)
-    conditions = {t.attr for node in ast.walk(tree) if isinstance(node, ast.Assign)
-                  and isinstance(node.value, ast.Call) and getattr(node.value.func, "attr", None) == "Condition"
-                  for t in node.targets if isinstance(t, ast.Attribute)}
-    return [(node.lineno, item.context_expr.attr) for node in ast.walk(tree) if isinstance(node, ast.With)
-            for item in node.items if isinstance(item.context_expr, ast.Attribute)
-            and item.context_expr.attr in conditions]
-
-
-def test_no_condition_shared_with_workers_is_entered_through_its_python_enter():
-    """NOTE [Signals and condition locks]: Ctrl-C landing in Condition.__enter__ after it
-    took the lock left the lock taken, and ``megatron-ssd train`` hung joining the I/O
-    workers that waited for it (in CI, and in 1 of 5 runs beside a CPU burner). Every Condition is
-    entered through its plain lock instead."""
-    import pathlib
-
-    package = pathlib.Path(REPO) / "megatron_ssd"
-    found = {str(p.relative_to(package)): hits for p in sorted(package.rglob("*.py"))
-             if (hits := _conditions_entered_by_with(p.read_text(encoding="utf-8")))}
-    assert found == {}
-    planted = "import threading\nclass A:\n    def __init__(self):\n        self._cv = threading.Condition()\n" \
-              "    def f(self):\n        with self._cv:\n            pass\n"
-    assert _conditions_entered_by_with(planted) == [(6, "_cv")]
