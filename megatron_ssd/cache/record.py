@@ -183,7 +183,7 @@ class Packed:
         # (a deleted run directory's ENOENT). Releasing a tensor loses nothing, so an I/O
         # error here is logged at debug level and anything else as one line; a
         # KeyboardInterrupt goes on to NOTE [Interrupts in finalisers] in exit_guard.py.
-        cache = self.cache
+        cache = getattr(self, "cache", None)  # None also when an interrupt ended __init__ before it was set
         if cache is None:
             return
         try:

@@ -51,6 +51,10 @@ __all__ = ["Block", "BlobOp", "StripedEngine"]
 logger = logging.getLogger(__name__)
 
 
+class _AllocationFailed(Exception):
+    """A write found no space for its blocks; its ``__cause__`` says why."""
+
+
 def _shutdown(workers: Workers, layout: Layout, watchdog: Optional[StallWatchdog]) -> None:
     workers.shutdown()  # waits for the requests in flight; the watchdog still warns about stuck ones
     try:
@@ -169,6 +173,26 @@ class StripedEngine(Engine):
             return IOFuture.completed(SwapHandle(0, ()))
         if not self.admission.admit(n, block):  # NOTE [Backpressure]
             return None
+        try:
+            op = self._write_op(src, n)
+        except BaseException as e:  # the admitted bytes go back; a failed allocation fails the write
+            self.admission.release(n)
+            if not isinstance(e, _AllocationFailed):  # an interrupt (NOTE [Interrupted submissions])
+                raise
+            with self._lock:
+                self._stats.write_errors += 1
+            fut: IOFuture[SwapHandle] = IOFuture(n)
+            fut.set_error(self.recovery.allocation_failed(n, e.__cause__))
+            return fut
+        self._submit(op, WRITE)
+        return op.future
+
+    def _write_op(self, src: torch.Tensor, n: int) -> BlobOp:
+        """The op writing ``src`` over freshly allocated extents.
+
+        Raises:
+            _AllocationFailed: no space for it (its cause says why).
+        """
         fut: IOFuture[SwapHandle] = IOFuture(n)
         bb = self.io.block_bytes
         healthy = self.recovery.healthy()  # NOTE [Failed paths]
@@ -183,19 +207,14 @@ class StripedEngine(Engine):
         try:
             where = self._layout.allocate([(p, align_up(k + nb)) for (_, nb, p), k in zip(plan, skews)])
         except Exception as e:  # reported through the future, like any failed write
-            self.admission.release(n)
-            with self._lock:
-                self._stats.write_errors += 1
-            fut.set_error(self.recovery.allocation_failed(n, e))
-            return fut
+            raise _AllocationFailed() from e
         blocks = [Block(off, nb, p, f, o, skew=k) for (off, nb, p), (f, o), k in zip(plan, where, skews)]
         with self._lock:
             self._stats.disk_bytes += sum(b.length for b in blocks)
         op = BlobOp("write", src, blocks, fut, device=self.cuda.device_of(src), checksum=checksum,
                     unstaged=len(blocks))
         fut.on_cancel(partial(self.recovery.cancel, op))  # NOTE [Cancelled writes] in recovery.py
-        self._submit(op, WRITE)
-        return fut
+        return op
 
     def read(self, handle: SwapHandle, dst: torch.Tensor) -> IOFuture[torch.Tensor]:
         self._check_open()
@@ -295,6 +314,19 @@ class StripedEngine(Engine):
         if delta < 0 and entry[0] == 0:
             setattr(self._stats, f"{kind}_busy_s", getattr(self._stats, f"{kind}_busy_s") + now - entry[1])
 
+    # NOTE [Interrupted submissions]: writes and reads are submitted on the training
+    # thread, where Ctrl-C raises KeyboardInterrupt wherever Python code runs. What
+    # fails in a submission (a backend's preparation) fails the op through its future,
+    # like a failed transfer, and the cache copes (a failed write keeps its tensor in
+    # memory). An interrupt must not be handled so: turned into a failed write, it was
+    # one more warning and training went on, Ctrl-C lost (found by interrupting a step
+    # at each point in turn: tests/reliability/test_reliability_interruptible.py). So an
+    # interrupt in a write before its op exists gives the admitted bytes back, one in a
+    # backend's preparation ends the op (a write as cancelled, a read as failed: its
+    # extents and in-flight bytes are freed) and both are raised again. The caller gets
+    # no future. One between two blocks' submissions leaves the queued blocks to run and
+    # the op unfinished, which nothing waits for: the engine's close runs what is queued.
+
     def _submit(self, op: BlobOp, priority: int) -> None:
         op.remaining = len(op.blocks)
         with self._lock:
@@ -302,9 +334,17 @@ class StripedEngine(Engine):
         try:
             self.backend.prepare(op)
         except BaseException as e:
-            op.error = e
+            interrupted = not isinstance(e, Exception)
+            if interrupted and op.kind == "write":  # NOTE [Interrupted submissions]
+                op.skipped_bytes = op.future.nbytes
+                for b in op.blocks:  # staging the preparation had given them goes back
+                    self._discard_block(op, b)
+            else:
+                op.error = e
             op.remaining = 1
             self._block_done(op)
+            if interrupted:
+                raise
             return
         for b in op.blocks:
             self._workers.submit(priority, self._run_block, op, b)

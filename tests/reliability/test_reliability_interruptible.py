@@ -13,7 +13,7 @@ import os
 import queue
 import sys
 import threading
-from typing import Callable, Iterator, Optional
+from typing import Callable, Iterator, Optional, Tuple
 
 import pytest
 
@@ -29,10 +29,10 @@ needs_monitoring = pytest.mark.skipif(not hasattr(sys, "monitoring"),
                                        "(sys.monitoring, Python 3.12 and later)")
 
 
-def interrupted_at(k: int, call: Callable[[], object]) -> Optional[BaseException]:
+def interrupted_at(k: int, call: Callable[[], object]) -> Tuple[bool, Optional[BaseException]]:
     """Run ``call()`` with KeyboardInterrupt raised at the ``k``-th point where Python 3.12
-    would run a pending signal's handler on this thread; the exception it ended with
-    (None: it passed fewer such points and returned).
+    would run a pending signal's handler on this thread; whether it was raised (False:
+    the call passed fewer such points) and the exception the call ended with.
 
     Those points are CPython's eval-breaker checks: a function's start or a generator's
     resumption (``RESUME``: ``sys.monitoring``'s PY_START and PY_RESUME), the end of a
@@ -49,7 +49,7 @@ def interrupted_at(k: int, call: Callable[[], object]) -> Optional[BaseException
     events = mon.events
     tool, me = mon.DEBUGGER_ID, threading.get_ident()
     here = (interrupted_at.__code__, _calling.__code__)
-    state = {"count": 0, "armed": False, "at_target": False}
+    state = {"count": 0, "armed": False, "at_target": False, "fired": False}
 
     def counted(code) -> bool:
         if not state["armed"] or code in here or threading.get_ident() != me:
@@ -59,6 +59,7 @@ def interrupted_at(k: int, call: Callable[[], object]) -> Optional[BaseException
 
     def point(code, *_):
         if counted(code):
+            state["fired"] = True
             raise KeyboardInterrupt
 
     def jump(code, src, dest):
@@ -68,6 +69,7 @@ def interrupted_at(k: int, call: Callable[[], object]) -> Optional[BaseException
     def instruction(code, offset):
         if state["at_target"] and threading.get_ident() == me:
             state["at_target"] = False
+            state["fired"] = True
             raise KeyboardInterrupt
 
     callbacks = {events.PY_START: point, events.PY_RESUME: point, events.C_RETURN: point, events.JUMP: jump,
@@ -82,10 +84,10 @@ def interrupted_at(k: int, call: Callable[[], object]) -> Optional[BaseException
             state["armed"] = True
             _calling(call)
         except BaseException as e:  # noqa: BLE001 - what the interrupt turned into is the point
-            return e
+            return state["fired"], e
         finally:
             state["armed"] = False
-        return None
+        return state["fired"], None
     finally:
         mon.set_events(tool, 0)
         for event in callbacks:
@@ -104,9 +106,9 @@ def every_interrupt(make: Callable[[], object], call: Callable[[object], object]
     while True:
         k += 1
         subject = make()
-        error = interrupted_at(k, lambda: call(subject))
-        if error is None:
-            assert k > 2, "the call was never interrupted"
+        fired, error = interrupted_at(k, lambda: call(subject))
+        if not fired:
+            assert error is None and k > 2, (k, error)  # past the call's end (after at least 2 interrupts)
             return
         yield k, subject, error
 
@@ -303,3 +305,93 @@ def test_the_package_builds_no_stdlib_synchronisation_a_main_thread_could_be_int
     planted = "import threading, queue\nfrom concurrent.futures import ThreadPoolExecutor\n" \
               "e = threading.Event()\nq = queue.PriorityQueue()\nx = ThreadPoolExecutor(1)\n"
     assert _stdlib_sync_built(planted) == [(3, "Event"), (4, "PriorityQueue"), (5, "ThreadPoolExecutor")]
+
+
+def _points(call: Callable[[], object]) -> int:
+    """How many signal-check points ``call()`` passes (see :func:`interrupted_at`)."""
+    mon = sys.monitoring
+    events, tool, me, n = mon.events, mon.DEBUGGER_ID, threading.get_ident(), [0]
+
+    def point(code, *_):
+        if threading.get_ident() == me:
+            n[0] += 1
+
+    def jump(code, src, dest):
+        if dest <= src:
+            point(code)
+
+    callbacks = {events.PY_START: point, events.PY_RESUME: point, events.C_RETURN: point, events.JUMP: jump}
+    mon.use_tool_id(tool, "count signal checks")
+    try:
+        for event, fn in callbacks.items():
+            mon.register_callback(tool, event, fn)
+        mon.set_events(tool, events.PY_START | events.PY_RESUME | events.JUMP | events.CALL | events.C_RETURN
+                       | events.C_RAISE)
+        call()
+    finally:
+        mon.set_events(tool, 0)
+        for event in callbacks:
+            mon.register_callback(tool, event, None)
+        mon.free_tool_id(tool)
+    return n[0]
+
+
+def _offloaded_step(cache, model, batch) -> None:
+    with cache.microbatch():
+        loss = model(batch).square().mean()
+    loss.backward()
+    cache.finish_step()
+
+
+@needs_monitoring
+def test_an_interrupt_anywhere_in_an_offloaded_step_lets_the_cache_close_and_remove_its_files(tmp_path):
+    """The whole of one training step with every layer offloaded through the real engine
+    (its worker threads, files that bypass the page cache), interrupted at one point in
+    turn, 64 points spread over it: the cache then closes, its files are gone, and no
+    lock it or its engine holds is left taken. The KeyboardInterrupt ends the step, or,
+    when it landed in a finaliser that swallowed it, the close (NOTE [Interrupts in
+    finalisers] in ``cache/exit_guard.py``)."""
+    import faulthandler
+
+    import torch
+
+    from megatron_ssd import OffloadConfig, TensorCache
+    from megatron_ssd.cache import exit_guard
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU()) for _ in range(3)])
+    batch = torch.randn(32, 64)
+    root = tmp_path / "act"
+    root.mkdir()
+
+    def cache():
+        c = TensorCache(OffloadConfig(paths=[str(root)], min_tensor_bytes=1024, min_free_bytes=0,
+                                      return_freed_pages=False))
+        c.register_layers(model)
+        c.set_plan({i: "offload" for i in range(len(model))})
+        return c
+
+    for _ in range(2):  # the first step in a process runs one-time set-up: count on the second
+        with cache() as c:
+            total = _points(lambda: _offloaded_step(c, model, batch))
+    assert total > 1000, total  # the step's Python: torch's modules, the hooks, the engine's submits and waits
+    interrupted = 0
+    for k in sorted({1 + i * (total - 1) // 63 for i in range(64)}):
+        model.zero_grad(set_to_none=True)
+        c = cache()
+        fired, error = interrupted_at(k, lambda: _offloaded_step(c, model, batch))
+        faulthandler.dump_traceback_later(HANG_S, exit=True)  # a hang prints every thread's stack and ends the run
+        try:
+            c.close()
+        except KeyboardInterrupt as e:  # swallowed by a finaliser, raised again by the close
+            error = error or e
+        finally:
+            faulthandler.cancel_dump_traceback_later()
+        exit_guard.EXIT_GUARD.interrupted = False
+        assert os.listdir(root) == [], (k, os.listdir(root))
+        if not fired:  # this step passed fewer points (its waits, its threads' timing)
+            assert error is None, (k, total, error)
+            continue
+        interrupted += 1
+        assert isinstance(error, KeyboardInterrupt) or isinstance(error.__context__, KeyboardInterrupt), (k, error)
+    assert interrupted >= 32, (interrupted, total)
