@@ -30,6 +30,7 @@ LAYERS = {
     "megatron_ssd.errors": -1,
     "megatron_ssd.units": 0,
     "megatron_ssd.placement": 0,
+    "megatron_ssd.interruptible": 0,
     "megatron_ssd.ranks": 1,
     "megatron_ssd.config": 1,
     "megatron_ssd.peer_rule": 1,
