@@ -145,6 +145,7 @@ def _point(placement: str, reports: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
         "cpu_s_per_step": med("cpu_s_per_step"),
         "io_cpu_s_per_step": med("io_cpu_s_per_step"),
         "bytes_written": med("bytes_written_per_step"),
+        "bytes_queued": med("bytes_queued_per_step"),
         "bytes_read": med("bytes_read_per_step"),
         "bytes_write_cancelled": med("bytes_write_cancelled_per_step"),
         "stall_s": med("stall_s_per_step"),

@@ -138,6 +138,9 @@ class PhaseResult:
             "cpu_s_per_step": med([s.cpu_s for s in m]),
             "io_cpu_s_per_step": med([s.io_cpu_s for s in m]),
             "bytes_written_per_step": written,
+            # what the placements sent to the drives, whether or not the drive finished it in
+            # the step (written, cancelled, or completing in a later one): fixed by the plan
+            "bytes_queued_per_step": med([sum(lc.offloaded_bytes for lc in s.layers.values()) for s in m]),
             "bytes_read_per_step": med([s.bytes_reloaded for s in m]),
             "bytes_forwarded_per_step": med([s.bytes_forwarded for s in m]),
             "bytes_write_cancelled_per_step": med([s.bytes_write_cancelled for s in m]),

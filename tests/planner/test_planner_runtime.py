@@ -299,8 +299,11 @@ def test_rok_json_schema(tmp_path):
     assert by["keep"]["bytes_write_cancelled"] == 0 and by["offload-all"]["bytes_write_cancelled"] >= 0
     assert by["offload-all"]["peak_activation_bytes"] < by["keep"]["peak_activation_bytes"]
     assert by["recompute"]["peak_activation_bytes"] < by["keep"]["peak_activation_bytes"]
-    # keep-last: the last keep_last_layers (1 of 2) kept, the other offloaded, predicted like the others
-    assert 0 < by["keep-last"]["bytes_written"] < by["offload-all"]["bytes_written"]
+    # keep-last: the last keep_last_layers (1 of 2) kept, the other offloaded, predicted like the others.
+    # What each sends to the drive, not what the drive finished: offload-all's last layer, needed
+    # first in backward, often has its writes cancelled (served from memory) on a slow disk.
+    assert 0 < by["keep-last"]["bytes_queued"] < by["offload-all"]["bytes_queued"]
+    assert by["keep"]["bytes_queued"] == 0
     # offloading the last layer too buys nothing: its read is due when the first backward starts
     assert by["keep-last"]["predicted_peak_activation_bytes"] == by["offload-all"]["predicted_peak_activation_bytes"]
     # every saved tensor is a storage allocated in the step; recompute rebuilds what it does not count
