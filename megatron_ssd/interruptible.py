@@ -44,9 +44,9 @@ __all__ = ["Latch", "TaskQueue"]
 #     :class:`Latch` for the futures' events and the background threads' stop flags,
 #     :class:`TaskQueue` for the worker pools. No stdlib Event, Queue, Semaphore,
 #     Barrier or executor is used where the main thread meets a worker thread.
-# ``tests/reliability/test_reliability_interruptible.py`` raises KeyboardInterrupt at every bytecode
-# of these calls in turn (a superset of where a signal can land) and checks that nothing
-# is left locked, against ``threading.Event`` and ``queue.PriorityQueue`` as controls.
+# ``tests/reliability/test_reliability_interruptible.py`` raises KeyboardInterrupt at each
+# point of these calls where Python runs a signal handler, in turn, and checks that
+# nothing is left locked, against ``threading.Event`` and ``queue.PriorityQueue`` as controls.
 
 POLL_S = 0.05
 """How often a waiter looks at the flag itself: a wake-up lost to an interrupt in
@@ -61,8 +61,8 @@ this, where no later put wakes it first."""
 
 class Latch:
     """A flag set once and never cleared, with ``threading.Event``'s ``is_set``, ``set``
-    and ``wait``, that an interrupt at any bytecode of any of them leaves usable (NOTE
-    [Signals and condition locks]).
+    and ``wait``, that an interrupt wherever Python can raise one in them leaves usable
+    (NOTE [Signals and condition locks]).
 
     Each waiter blocks on a lock of its own, taken before it is listed; :meth:`set` sets
     the flag and takes the list under the latch's lock, then releases the waiters. A
@@ -93,9 +93,9 @@ class Latch:
         """Wait until the flag is set, or ``timeout`` seconds; return the flag."""
         if self._flag:
             return True
-        deadline = None if timeout is None else time.monotonic() + timeout
-        if deadline is not None and timeout <= 0:
+        if timeout is not None and timeout <= 0:
             return False
+        deadline = None if timeout is None else time.monotonic() + timeout
         waiter = threading.Lock()
         waiter.acquire()
         with self._lock:
@@ -108,15 +108,15 @@ class Latch:
                 break
         if not self._flag:  # timed out: stop being listed
             with self._lock:
-                if any(w is waiter for w in self._waiters):
+                if waiter in self._waiters:  # locks compare by identity
                     self._waiters.remove(waiter)
         return self._flag
 
 
 class TaskQueue:
-    """An unbounded priority queue (smallest item first) whose :meth:`put` an interrupt at
-    any bytecode leaves usable (NOTE [Signals and condition locks]): the main thread
-    puts, worker threads get."""
+    """An unbounded priority queue (smallest item first) whose :meth:`put` an interrupt
+    wherever Python can raise one leaves usable (NOTE [Signals and condition locks]): the
+    main thread puts, worker threads get."""
 
     def __init__(self) -> None:
         self._items: List[Any] = []

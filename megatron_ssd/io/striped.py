@@ -175,15 +175,16 @@ class StripedEngine(Engine):
             return None
         try:
             op = self._write_op(src, n)
-        except BaseException as e:  # the admitted bytes go back; a failed allocation fails the write
+        except _AllocationFailed as e:  # reported through the future, like any failed write
             self.admission.release(n)
-            if not isinstance(e, _AllocationFailed):  # an interrupt (NOTE [Interrupted submissions])
-                raise
             with self._lock:
                 self._stats.write_errors += 1
             fut: IOFuture[SwapHandle] = IOFuture(n)
             fut.set_error(self.recovery.allocation_failed(n, e.__cause__))
             return fut
+        except BaseException:  # an interrupt: the admitted bytes go back (NOTE [Interrupted submissions])
+            self.admission.release(n)
+            raise
         self._submit(op, WRITE)
         return op.future
 
@@ -206,7 +207,7 @@ class StripedEngine(Engine):
         skews = [skew] + [0] * (len(plan) - 1)
         try:
             where = self._layout.allocate([(p, align_up(k + nb)) for (_, nb, p), k in zip(plan, skews)])
-        except Exception as e:  # reported through the future, like any failed write
+        except Exception as e:
             raise _AllocationFailed() from e
         blocks = [Block(off, nb, p, f, o, skew=k) for (off, nb, p), (f, o), k in zip(plan, where, skews)]
         with self._lock:

@@ -1,8 +1,9 @@
-"""NOTE [Signals and condition locks]: a KeyboardInterrupt raised at any bytecode of what the
-main thread calls into the I/O engines' synchronisation leaves no lock taken and no worker
-stuck. Each test raises it before the 1st, 2nd, ... bytecode of the call in turn (every
-frame the call runs, the standard library's included: a superset of where Python runs a
-signal handler) until the call runs to its end, and checks the locks after each. The
+"""NOTE [Signals and condition locks]: a KeyboardInterrupt raised wherever Python can raise
+one in what the main thread calls into the I/O engines' synchronisation leaves no lock
+taken and no worker stuck. Each test raises it at the 1st, 2nd, ... point of the call where
+Python 3.12 would run a signal handler, in turn (every frame the call runs, the standard
+library's included: :func:`_signal_points`), until the call runs to its end, and checks the
+locks after each. The
 standard library's ``threading.Event`` and ``queue.PriorityQueue`` are the controls: the
 same interrupts leave their locks taken, which is how ``megatron-ssd train`` hung on
 Ctrl-C."""
@@ -31,8 +32,24 @@ needs_monitoring = pytest.mark.skipif(not hasattr(sys, "monitoring"),
 
 def interrupted_at(k: int, call: Callable[[], object]) -> Tuple[bool, Optional[BaseException]]:
     """Run ``call()`` with KeyboardInterrupt raised at the ``k``-th point where Python 3.12
-    would run a pending signal's handler on this thread; whether it was raised (False:
-    the call passed fewer such points) and the exception the call ended with.
+    would run a pending signal's handler on this thread (:func:`_signal_points`); whether it
+    was raised (False: the call passed fewer such points) and the exception the call ended with."""
+    _, fired, error = _signal_points(k, call)
+    return fired, error
+
+
+def _points(call: Callable[[], object]) -> int:
+    """How many signal-check points ``call()`` passes on this thread (:func:`_signal_points`)."""
+    passed, _, error = _signal_points(None, call)
+    if error is not None:
+        raise error
+    return passed
+
+
+def _signal_points(k: Optional[int], call: Callable[[], object]) -> Tuple[int, bool, Optional[BaseException]]:
+    """Run ``call()``, counting the points where Python 3.12 would run a pending signal's
+    handler on this thread and raising KeyboardInterrupt at the ``k``-th (None: none); the
+    points passed, whether it was raised, and the exception the call ended with.
 
     Those points are CPython's eval-breaker checks: a function's start or a generator's
     resumption (``RESUME``: ``sys.monitoring``'s PY_START and PY_RESUME), the end of a
@@ -48,7 +65,7 @@ def interrupted_at(k: int, call: Callable[[], object]) -> Tuple[bool, Optional[B
     mon = sys.monitoring
     events = mon.events
     tool, me = mon.DEBUGGER_ID, threading.get_ident()
-    here = (interrupted_at.__code__, _calling.__code__)
+    here = (_signal_points.__code__, _calling.__code__)
     state = {"count": 0, "armed": False, "at_target": False, "fired": False}
 
     def counted(code) -> bool:
@@ -84,10 +101,10 @@ def interrupted_at(k: int, call: Callable[[], object]) -> Tuple[bool, Optional[B
             state["armed"] = True
             _calling(call)
         except BaseException as e:  # noqa: BLE001 - what the interrupt turned into is the point
-            return state["fired"], e
+            return state["count"], state["fired"], e
         finally:
             state["armed"] = False
-        return state["fired"], None
+        return state["count"], state["fired"], None
     finally:
         mon.set_events(tool, 0)
         for event in callbacks:
@@ -101,7 +118,7 @@ def _calling(call: Callable[[], object]) -> None:
 
 def every_interrupt(make: Callable[[], object], call: Callable[[object], object]) -> Iterator[tuple]:
     """``(k, subject, exception)`` for k = 1, 2, ...: ``call(make())`` interrupted before its
-    k-th bytecode, until a k past its end (at least one interrupt is asserted)."""
+    k-th signal-check point, until a k past its end (at least one interrupt is asserted)."""
     k = 0
     while True:
         k += 1
@@ -305,35 +322,6 @@ def test_the_package_builds_no_stdlib_synchronisation_a_main_thread_could_be_int
     planted = "import threading, queue\nfrom concurrent.futures import ThreadPoolExecutor\n" \
               "e = threading.Event()\nq = queue.PriorityQueue()\nx = ThreadPoolExecutor(1)\n"
     assert _stdlib_sync_built(planted) == [(3, "Event"), (4, "PriorityQueue"), (5, "ThreadPoolExecutor")]
-
-
-def _points(call: Callable[[], object]) -> int:
-    """How many signal-check points ``call()`` passes (see :func:`interrupted_at`)."""
-    mon = sys.monitoring
-    events, tool, me, n = mon.events, mon.DEBUGGER_ID, threading.get_ident(), [0]
-
-    def point(code, *_):
-        if threading.get_ident() == me:
-            n[0] += 1
-
-    def jump(code, src, dest):
-        if dest <= src:
-            point(code)
-
-    callbacks = {events.PY_START: point, events.PY_RESUME: point, events.C_RETURN: point, events.JUMP: jump}
-    mon.use_tool_id(tool, "count signal checks")
-    try:
-        for event, fn in callbacks.items():
-            mon.register_callback(tool, event, fn)
-        mon.set_events(tool, events.PY_START | events.PY_RESUME | events.JUMP | events.CALL | events.C_RETURN
-                       | events.C_RAISE)
-        call()
-    finally:
-        mon.set_events(tool, 0)
-        for event in callbacks:
-            mon.register_callback(tool, event, None)
-        mon.free_tool_id(tool)
-    return n[0]
 
 
 def _offloaded_step(cache, model, batch) -> None:
