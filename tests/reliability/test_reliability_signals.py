@@ -193,13 +193,19 @@ def test_sigterm_removes_the_emptied_job_directories_too(tmp_path):
 # blocked there (after the cleanup thread started, which does not block it), so the
 # signal goes to another thread, as when the main thread sits in one long C call (a
 # collective waiting on a dead peer) while SLURM's KillWait runs out. ``fork`` mode
-# instead forks a child that sleeps, for the test to signal.
+# instead forks a child that sleeps, for the test to signal. The forked child and its
+# parent share one stdout pipe, so each line is one ``os.write``: under
+# PYTHONUNBUFFERED a ``print`` is one write for the text and one for the newline, and on
+# a loaded machine the other process's line landed between them.
 STUCK_CHILD = textwrap.dedent(
     """
     import os, signal, sys, threading, time
     import torch
     from megatron_ssd import OffloadConfig, TensorCache
     from megatron_ssd.config import Placement
+
+    def say(*words):
+        os.write(1, (" ".join(map(str, words)) + "\\n").encode())  # one write: atomic on a pipe
 
     path, mode = sys.argv[1], sys.argv[2]
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
@@ -213,15 +219,15 @@ STUCK_CHILD = textwrap.dedent(
     if mode == "fork":
         pid = os.fork()
         if pid == 0:
-            print("forked child ready", flush=True)  # past the fork's after-child hooks
+            say("forked child ready")  # past the fork's after-child hooks
             time.sleep(600)
             os._exit(0)
-        print(cache.engine.paths[0], pid, flush=True)
+        say(cache.engine.paths[0], pid)
         os.waitpid(pid, 0)
-        print("child gone", flush=True)
+        say("child gone")
         threading.Event().wait()
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
-    print(cache.engine.paths[0], flush=True)
+    say(cache.engine.paths[0])
     threading.Event().wait()  # the handler can never run here
     """
 )
@@ -245,28 +251,42 @@ def test_sigterm_deletes_the_files_even_when_the_main_thread_never_runs_the_hand
         proc.wait(timeout=HANG_S)
 
 
+def _end_group(proc) -> None:
+    """SIGKILL every process of ``proc``'s session (it and what it forked) and reap it."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait(timeout=HANG_S)
+
+
 def test_a_forked_childs_signal_deletes_nothing_of_its_parent(tmp_path, offload_dir):
     """The wakeup fd is taken away in a forked child: its SIGTERM must not reach the
     parent's cleanup thread (NOTE [Cleanup before the handler runs])."""
     script = tmp_path / "stuck.py"
     script.write_text(STUCK_CHILD)
     proc = subprocess.Popen([sys.executable, str(script), offload_dir, "fork"], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=ENV)
+                            stderr=subprocess.PIPE, text=True, env=ENV, start_new_session=True)
+
+    def stderr() -> str:
+        """A failure's context: both processes hold the pipe, so end them before reading it."""
+        _end_group(proc)
+        return proc.stderr.read()
+
     try:
         lines = [proc.stdout.readline(), proc.stdout.readline()]  # the two processes', in either order
-        assert "forked child ready\n" in lines, (lines, proc.stderr.read())
+        assert "forked child ready\n" in lines, (lines, stderr())
         line = next(x for x in lines if x != "forked child ready\n").split()
-        assert len(line) == 2, proc.stderr.read()
+        assert len(line) == 2, (lines, stderr())
         run_dir, child = line[0], int(line[1])
         os.kill(child, signal.SIGTERM)
-        assert proc.stdout.readline().strip() == "child gone", proc.stderr.read()
+        assert proc.stdout.readline().strip() == "child gone", stderr()
         assert os.path.isdir(run_dir) and proc.poll() is None  # the parent's files are still there
         proc.send_signal(signal.SIGTERM)  # and its own SIGTERM still removes them
         assert proc.wait(timeout=HANG_S) == -signal.SIGTERM
         assert os.listdir(offload_dir) == []
     finally:
-        if proc.poll() is None:
-            proc.kill()
+        _end_group(proc)
 
 
 def test_sigterm_removes_the_data_before_the_marker(tmp_path, offload_dir):
