@@ -46,6 +46,15 @@ from .patching import restore as _restore_patches
 from .schedules import get_forward_backward_func, set_default_cache
 
 
+def _say(line: str) -> None:
+    """Print ``line`` to stdout in one write, newline included. A job's log holds every
+    rank's stdout and stderr, and under PYTHONUNBUFFERED (common in SLURM scripts)
+    ``print`` writes the text and the newline separately, so another rank's line could
+    land between them."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
 STEP_LINE = re.compile(
     r"\[megatron-ssd\] rank 0 step (\d+): offloaded ([\d.]+) MiB .*?reloaded ([\d.]+) MiB .*?forwarded ([\d.]+) MiB"
 )
@@ -288,7 +297,7 @@ class StepReporter:
         if self.planner is not None:
             self.planner.on_step(stats)
         if self.rank == 0 and self.steps % self.interval == 0:
-            print(f"[megatron-ssd] rank 0 {stats.summary()}", flush=True)
+            _say(f"[megatron-ssd] rank 0 {stats.summary()}")
         self.write_metrics(stats)
 
     def write_metrics(self, stats: StepStats) -> bool:
@@ -416,8 +425,8 @@ def install(args: Any) -> Optional[TensorCache]:
     _STATE = state
     atexit.register(_close_at_exit)
     if rank == 0:
-        print(f"[megatron-ssd] offloading activations to {', '.join(config.paths)} "
-              f"(planner {config.planner.mode}, engine {config.io.engine})", flush=True)
+        _say(f"[megatron-ssd] offloading activations to {', '.join(config.paths)} "
+             f"(planner {config.planner.mode}, engine {config.io.engine})")
     return cache
 
 

@@ -7,12 +7,14 @@ real Megatron-LM scripts are run by ``test_megatron_lm_pretrain.py``.
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import os
 import subprocess
 import sys
 import textwrap
 import types
+from typing import List
 
 import pytest
 
@@ -170,17 +172,33 @@ def test_parse_args_wrapper_chains_validates_and_survives_yaml_cfg(monkeypatch):
     assert hasattr(calls[-1], "ssd_offload") and (args.num_layers, args.ssd_offload_paths) == (2, "/a")
 
 
-def test_step_reporter_logs_every_interval_on_rank_0(capsys, caplog):
+class _Writes(io.StringIO):
+    """A stdout that records each ``write`` call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: List[str] = []
+
+    def write(self, text: str) -> int:
+        self.calls.append(text)
+        return super().write(text)
+
+
+def test_step_reporter_logs_every_interval_on_rank_0(capsys, caplog, monkeypatch):
     cache = types.SimpleNamespace(layer_ids=[])
     seen = []
     planner = types.SimpleNamespace(on_step=seen.append)
     stats = types.SimpleNamespace(summary=lambda: "step N: numbers")
     reporter = integration.StepReporter(cache, planner, interval=2, rank=0)
+    out = _Writes()
+    monkeypatch.setattr(sys, "stdout", out)
     with caplog.at_level("WARNING", logger="megatron_ssd"):
         for _ in range(4):
             reporter.on_step(stats)
+    monkeypatch.undo()
     assert seen == [stats] * 4 and reporter.last is stats
-    assert capsys.readouterr().out.count("[megatron-ssd] rank 0 step N: numbers") == 2
+    # One write per line, newline included: another rank's output cannot land inside it.
+    assert out.calls == ["[megatron-ssd] rank 0 step N: numbers\n"] * 2
     assert "has no offload-aware layers" in caplog.text
     integration.StepReporter(types.SimpleNamespace(layer_ids=[1]), None, interval=1, rank=1).on_step(stats)
     assert capsys.readouterr().out == ""
