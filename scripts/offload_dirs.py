@@ -26,7 +26,7 @@ import socket
 import subprocess
 import sys
 import tempfile
-from typing import Callable, List, Mapping, NamedTuple, Optional, Sequence, Tuple
+from typing import Callable, List, Mapping, NamedTuple, Optional, Sequence, TextIO, Tuple
 
 PREFIX = "[megatron-ssd]"
 
@@ -224,13 +224,21 @@ def quote_cmd(args: Sequence[str]) -> str:
 # ------------------------------------------------------------------- the node
 
 
+def _line(stream: TextIO, text: str) -> None:
+    """``text`` and its newline in one write: every node of a job writes into one log, and
+    under PYTHONUNBUFFERED ``print`` writes the newline separately, where another node's
+    line could land between them."""
+    stream.write(text + "\n")
+    stream.flush()
+
+
 def log(msg: str) -> None:
-    print("{} {}".format(PREFIX, msg), flush=True)
+    _line(sys.stdout, "{} {}".format(PREFIX, msg))
 
 
 def warn(msg: str) -> None:
     sys.stdout.flush()
-    print("{} WARNING: {}".format(PREFIX, msg), file=sys.stderr, flush=True)
+    _line(sys.stderr, "{} WARNING: {}".format(PREFIX, msg))
 
 
 def run_squeue(job_id: str) -> Optional[Tuple[int, str]]:
@@ -457,7 +465,7 @@ def main(argv: Optional[Sequence[str]] = None, env: Optional[Mapping[str, str]] 
             Node(layout).finish()
     except Refusal as err:
         sys.stdout.flush()
-        print("{} ERROR: {}".format(PREFIX, err), file=sys.stderr, flush=True)
+        _line(sys.stderr, "{} ERROR: {}".format(PREFIX, err))
         return 1
     return 0
 

@@ -7,14 +7,12 @@ real Megatron-LM scripts are run by ``test_megatron_lm_pretrain.py``.
 from __future__ import annotations
 
 import argparse
-import io
 import json
 import os
 import subprocess
 import sys
 import textwrap
 import types
-from typing import List
 
 import pytest
 
@@ -24,6 +22,7 @@ from megatron_ssd.megatron.args import add_ssd_offload_args
 from megatron_ssd.megatron.launcher import check_megatron_core, find_pretrain_script, main, split_megatron_path
 from megatron_ssd.megatron.schedules import OffloadSchedule, get_default_cache
 from waits import HANG_S  # tests/waits.py
+from writes import RecordedWrites  # tests/writes.py
 
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 
@@ -172,25 +171,13 @@ def test_parse_args_wrapper_chains_validates_and_survives_yaml_cfg(monkeypatch):
     assert hasattr(calls[-1], "ssd_offload") and (args.num_layers, args.ssd_offload_paths) == (2, "/a")
 
 
-class _Writes(io.StringIO):
-    """A stdout that records each ``write`` call."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.calls: List[str] = []
-
-    def write(self, text: str) -> int:
-        self.calls.append(text)
-        return super().write(text)
-
-
 def test_step_reporter_logs_every_interval_on_rank_0(capsys, caplog, monkeypatch):
     cache = types.SimpleNamespace(layer_ids=[])
     seen = []
     planner = types.SimpleNamespace(on_step=seen.append)
     stats = types.SimpleNamespace(summary=lambda: "step N: numbers")
     reporter = integration.StepReporter(cache, planner, interval=2, rank=0)
-    out = _Writes()
+    out = RecordedWrites()
     monkeypatch.setattr(sys, "stdout", out)
     with caplog.at_level("WARNING", logger="megatron_ssd"):
         for _ in range(4):

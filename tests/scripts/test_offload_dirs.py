@@ -15,6 +15,7 @@ import pytest
 SCRIPTS_DIR = Path(__file__).resolve().parents[2] / "scripts"
 sys.path.insert(0, str(SCRIPTS_DIR))
 import offload_dirs as od  # noqa: E402  (scripts/ is not a package)
+from writes import RecordedWrites  # noqa: E402  (tests/writes.py)
 
 NODE = "host1 (node n1)"
 
@@ -299,3 +300,17 @@ def test_runs_as_a_script_under_python3_on_path():
                           env={**os.environ, "GPUS_PER_NODE": "2", "MS_OFFLOAD_ROOTS": "/a", "MS_JOB_DIR": "job1"})
     assert done.returncode == 0, done.stderr
     assert done.stdout == "/a/megatron-ssd/job1/gpu0\n/a/megatron-ssd/job1/gpu1\n"
+
+
+def test_each_log_and_warning_line_is_one_write(monkeypatch):
+    """Every node of a job writes into one log: a line and its newline go out together, so
+    another node's line cannot land between them (under PYTHONUNBUFFERED ``print`` writes
+    the newline apart)."""
+    out, err = RecordedWrites(), RecordedWrites()
+    monkeypatch.setattr(sys, "stdout", out)
+    monkeypatch.setattr(sys, "stderr", err)
+    od.log("checking 1 offload root(s)")
+    od.warn("left in place")
+    monkeypatch.undo()
+    assert out.calls == ["[megatron-ssd] checking 1 offload root(s)\n"]
+    assert err.calls == ["[megatron-ssd] WARNING: left in place\n"]
