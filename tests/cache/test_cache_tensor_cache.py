@@ -47,8 +47,9 @@ def _offload_and_restore(cache: TensorCache, t: torch.Tensor) -> torch.Tensor:
     assert isinstance(packed, Packed)
     entry = packed.entry
     wait_until(lambda: entry.state is not EntryState.WRITING, "the write's completion")
-    assert entry.state is EntryState.ON_DISK
-    assert entry.data is None, "offloaded bytes must have left memory"
+    with cache.entries.lock:  # an engine thread completes the entry under it (state, then data): read it whole
+        assert entry.state is EntryState.ON_DISK
+        assert entry.data is None, "offloaded bytes must have left memory"
     return cache.unpack(packed)
 
 

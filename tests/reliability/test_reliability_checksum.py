@@ -33,7 +33,8 @@ def _offload(cache, t):
             packed = cache.pack(record, t)
     assert isinstance(packed, Packed)
     wait_until(lambda: packed.entry.state is not EntryState.WRITING, "the write's completion")
-    assert packed.entry.state is EntryState.ON_DISK
+    with cache.entries.lock:  # an engine thread completes the entry under it: read it whole
+        assert packed.entry.state is EntryState.ON_DISK
     return packed
 
 
