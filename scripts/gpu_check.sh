@@ -56,6 +56,9 @@
 #   job                 360       90   165  (of 205 s: 6 runs; the whole part is 13 to 15 runs of 15 to 60 s)
 #   pretrain            240       90   152  (plain 35 s; offload 8 iterations of 4-5 s on one disk)
 #   array               300       90   138  (of 200 s: bench-io and the 4-drive planner runs)
+# One call of at most 10 minutes fits --parts install,environment,job --budget 560 --timeout
+# job=510, or --parts install,environment,pretrain,array --budget 560; job and pretrain together
+# do not fit (docs/getting-started.md, "Sizing a window").
 set -euo pipefail
 
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
