@@ -198,7 +198,9 @@ ms_configure_job() {
     fi
 
     MASTER_ADDR="${MASTER_ADDR:-$(ms_first_host)}"
-    MASTER_PORT="${MASTER_PORT:-$((20000 + ${SLURM_JOB_ID:-$$} % 20000))}"
+    # 20000-29999: below Linux's default ephemeral range (32768-60999), where a port may be
+    # held by one of the node's own outgoing connections
+    MASTER_PORT="${MASTER_PORT:-$((20000 + ${SLURM_JOB_ID:-$$} % 10000))}"
     export MASTER_ADDR MASTER_PORT
 
     ms_split_words MEGATRON_SSD_CMD "${MEGATRON_SSD:-megatron-ssd}"

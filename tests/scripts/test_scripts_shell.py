@@ -328,6 +328,18 @@ def _multi_env(fake: FakeCluster, **extra) -> dict:
     )
 
 
+@pytest.mark.parametrize("job_id, extra, port", [("17000", {}, 27000), ("39999", {}, 29999),
+                                                  ("17000", {"MASTER_PORT": "31234"}, 31234)])
+def test_the_rendezvous_port_is_below_the_ephemeral_range_unless_given(tmp_path, job_id, extra, port):
+    """20000 + job id mod 10000: never in Linux's default ephemeral range (32768-60999),
+    where one of the node's outgoing connections may hold it; MASTER_PORT, when set, wins."""
+    fake = FakeCluster(tmp_path, drives=1)
+    result = _run(["bash", SCRIPTS_DIR / "slurm_multi_node.sbatch"], env=_multi_env(fake, SLURM_JOB_ID=job_id, **extra))
+    assert result.returncode == 0, result.stderr
+    torchrun = [line for line in result.stdout.splitlines() if line.startswith("+ ") and " torchrun " in line]
+    assert f"--rdzv-endpoint=node01:{port} --rdzv-id={job_id}" in torchrun[0]
+
+
 def test_multi_node_dry_run_one_torchrun_per_node(tmp_path):
     fake = FakeCluster(tmp_path, drives=2)
     result = _run(["bash", SCRIPTS_DIR / "slurm_multi_node.sbatch"], env=_multi_env(fake))

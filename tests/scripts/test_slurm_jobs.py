@@ -28,6 +28,7 @@ from typing import Dict, List
 
 import pytest
 
+from megatron_ssd.megatron.cpu_pretrain import free_port
 from megatron_ssd.megatron.integration import ITERATION_LINE, STEP_LINE
 
 from slurm_cluster import FINISHED, PrivateSlurm, SlurmError, unavailable  # tests/scripts/
@@ -102,6 +103,9 @@ def _env(slurm: PrivateSlurm, scratch: Path, checkout: str, **settings) -> Dict[
         PP=2,
         MIN_FREE_GB=1,
         MASTER_ADDR="127.0.0.1",  # the test nodes' names (n1, n2) do not resolve
+        # not the job-id default: two suites side by side on one host run two private
+        # clusters that number their jobs alike, so both jobs 5 would listen on 20005
+        MASTER_PORT=free_port(),
         TRAIN_ARGS=_train_args(3),
         EXTRA_ARGS="--cpu",
         OVERRIDES=OFFLOAD_ALL,
