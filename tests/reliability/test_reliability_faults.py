@@ -554,7 +554,26 @@ def _stranded_warnings(records):
     return [m for m in records if " could not be removed (" in m]
 
 
-def test_a_filesystem_aborted_mid_run_names_what_it_strands_and_clean_removes_it(tmp_path, capsys):
+def _not_removed(run_dir: str, printed: str, records) -> str:
+    """Why ``megatron-ssd clean`` left ``run_dir``: what it printed and logged, what the
+    directory holds, its marker and the staleness verdict on it."""
+    from megatron_ssd.io import run_owner
+
+    try:
+        names = sorted(os.listdir(run_dir))
+    except OSError as e:
+        names = [f"unlistable: {e}"]
+    try:
+        with open(os.path.join(run_dir, run_owner.MARKER), encoding="utf-8") as fh:
+            marker = fh.read()
+    except OSError as e:
+        marker = f"unreadable: {e}"
+    logged = [r.getMessage() for r in records]
+    return (f"clean printed {printed!r}; logged {logged}; {run_dir} holds {names}; marker {marker!r}; "
+            f"stale: {run_owner._why_stale(run_dir)!r}")
+
+
+def test_a_filesystem_aborted_mid_run_names_what_it_strands_and_clean_removes_it(tmp_path, capsys, caplog):
     """Item: the offload filesystem aborted to read-only mid-run (``mount -o remount,abort``
     on ext4): the writes fell back and the losses stayed identical, but the run directory
     (its data file and marker) stayed behind with exit status 0 and not a word of it. A
@@ -585,8 +604,10 @@ def test_a_filesystem_aborted_mid_run_names_what_it_strands_and_clean_removes_it
         device = loopfs.loop_device(mnt)
         assert subprocess.run(["umount", mnt]).returncode == 0
         assert subprocess.run(["mount", device, mnt]).returncode == 0  # writable again
+        caplog.set_level(logging.WARNING, logger="megatron_ssd")
         assert cli.main(["clean", mnt]) == 0
-        assert f"removed {run_dir}" in capsys.readouterr().out
+        printed = capsys.readouterr().out
+        assert f"removed {run_dir}" in printed, _not_removed(run_dir, printed, caplog.records)
         assert os.listdir(mnt) == ["lost+found"]
 
 
