@@ -156,8 +156,15 @@ def test_rok_runs_each_peer_at_its_settings_and_matches_a_budget_to_it(tmp_path)
     assert 0 < by["megatron-offload-0.5"]["bytes_to_host"] < by["megatron-offload-1"]["bytes_to_host"]
     assert by["te-offload-1"]["bytes_to_host"] > 0 and by["megatron-full"]["bytes_to_host"] == 0
     assert by["megatron-full"]["peak_activation_bytes"] < by["keep"]["peak_activation_bytes"] / 2
-    matched = [p for p in data["points"] if p.get("matches") == ["te-offload-1"]]
+    # one budget point per distinct peak: te-offload-1's copies run on a paced link, and when
+    # they lag (two suites side by side) its peak can equal megatron-offload's, whose point
+    # then matches all three
+    matched = [p for p in data["points"] if "te-offload-1" in p.get("matches", [])]
     assert len(matched) == 1 and matched[0]["placement"] == f"budget-{by['te-offload-1']['peak_activation_bytes']}"
+    budgets = [p for p in data["points"] if p.get("matches")]
+    assert sorted(peer for p in budgets for peer in p["matches"]) == sorted(
+        ["megatron-offload-0.5", "megatron-offload-1", "te-offload-1", "megatron-full"])
+    assert len({p["placement"] for p in budgets}) == len(budgets)
     assert data["host_copy_bytes_per_s"] == 1 << 30
     assert all(len(p["load_average"]) == 1 for p in data["points"] if "load_average" in p)
     assert len({p["final_loss"] for p in data["points"] if "final_loss" in p}) == 1
