@@ -45,7 +45,10 @@ PREFIX = "[megatron-ssd]"
 # and at the end each rank, right after deleting its run directory, removes its gpu<r>
 # and then job<id> directory if they are empty (offload.remove_empty_parents=2, NOTE
 # [Emptied parents] in megatron_ssd/io/rundir.py): the last rank of the job on a drive
-# leaves nothing. The launching shell runs `finish` once the ranks are gone (the
+# leaves nothing. A rank removes only directories recorded as made for a run, so prepare
+# records the job<id> and gpu<r> it makes (P/.megatron_ssd_made.NAME beside P/NAME, NOTE
+# [Made for the run] in megatron_ssd/io/made_dirs.py), never OFFLOAD_SUBDIR, which every
+# job shares; the removals here take the records with their directories. The launching shell runs `finish` once the ranks are gone (the
 # multi-node srun launcher runs a `launch_node.sh finish` step) for the directories of
 # ranks that never made a run directory. The shell alone is not enough: on scancel SLURM
 # sends SIGTERM to every process of the job and SIGKILL KillWait seconds later, the batch
@@ -287,20 +290,69 @@ def _dirs(pattern: str) -> List[str]:
     return sorted(p for p in glob.glob(pattern) if os.path.isdir(p) and not os.path.islink(p))
 
 
-def rmdir_tree(path: str) -> List[str]:
-    """Remove ``path``'s empty gpu* directories, then ``path`` if empty; the gpu* left."""
-    if not os.path.isdir(path) or os.path.islink(path):
-        return []
-    left = []
-    for d in _dirs(os.path.join(path, "gpu*")):
+MADE_PREFIX = ".megatron_ssd_made."
+"""The record of a directory made for the job, ``P/.megatron_ssd_made.NAME`` beside
+``P/NAME``: the ranks remove a directory above their run directory only when it has one
+(offload.remove_empty_parents; NOTE [Made for the run] in megatron_ssd/io/made_dirs.py,
+whose MADE_PREFIX a test checks is this one)."""
+
+
+def _record_of(path: str) -> str:
+    path = os.path.abspath(path)
+    return os.path.join(os.path.dirname(path), MADE_PREFIX + os.path.basename(path))
+
+
+def make_job_dirs(base: str, path: str) -> List[str]:
+    """Create ``path`` under ``base`` (ROOT/OFFLOAD_SUBDIR, made if missing but shared
+    by every job, so never recorded) and record each directory made below ``base``
+    (job<id>, gpu<r>) as made for the job; one that existed gets no record. Returns the
+    directories made and recorded."""
+    os.makedirs(base, exist_ok=True)
+    below = os.path.relpath(path, base).split(os.sep)
+    made = []
+    d = base
+    for name in below:
+        d = os.path.join(d, name)
         try:
-            os.rmdir(d)
+            os.mkdir(d)  # as os.makedirs did: 0777 less the umask
+        except FileExistsError:
+            continue
+        try:
+            fd = os.open(_record_of(d), os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
         except OSError:
-            left.append(d)
+            continue  # a file of that name exists: never overwritten, never followed
+        os.write(fd, "made by scripts/offload_dirs.py on {} for {}\n".format(socket.gethostname(), name).encode())
+        os.close(fd)
+        made.append(d)
+    return made
+
+
+def rmdir_made(path: str) -> bool:
+    """``rmdir`` the directory ``path``, then its record if it has one; True when gone."""
     try:
         os.rmdir(path)
     except OSError:
+        return False
+    try:
+        os.unlink(_record_of(path))
+    except OSError:
         pass
+    return True
+
+
+def rmdir_tree(path: str) -> List[str]:
+    """Remove ``path``'s empty gpu* directories, then ``path`` if empty, each with its
+    record; the gpu* left."""
+    if not os.path.isdir(path) or os.path.islink(path):
+        return []
+    left = [d for d in _dirs(os.path.join(path, "gpu*")) if not rmdir_made(d)]
+    for record in glob.glob(os.path.join(glob.escape(path), MADE_PREFIX + "*")):  # a record whose directory is gone
+        if not os.path.lexists(os.path.join(path, os.path.basename(record)[len(MADE_PREFIX):])):
+            try:
+                os.unlink(record)
+            except OSError:
+                pass
+    rmdir_made(path)
     return left
 
 
@@ -428,7 +480,7 @@ class Node:
             return
         for d in dirs:
             try:
-                os.makedirs(d, exist_ok=True)
+                make_job_dirs(os.path.dirname(os.path.dirname(d)), d)  # NOTE [Job directories]
             except OSError as err:
                 raise Refusal("cannot create {} on {}: {}".format(d, self.node, err.strerror)) from None
             if not os.access(d, os.W_OK):

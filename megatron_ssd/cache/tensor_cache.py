@@ -40,7 +40,8 @@ from .policy import PlacementPolicy, PlanState
 from ..io import create_engine
 from ..io.host import open_host_pool
 from ..io.store import BlobStore
-from ..io.rundir import check_offload_paths, remove_empty_parents
+from ..io.made_dirs import remove_made
+from ..io.rundir import check_offload_paths
 
 __all__ = ["TensorCache", "active_cache", "resolve_device"]
 
@@ -455,13 +456,16 @@ class TensorCache:
             store.close()
         self.entries.close()
         self._closed = True
-        self._remove_empty_parents()
+        for d in self._remove_empty_parents():
+            logger.warning("megatron_ssd: removed the emptied directory %s, made for this run "
+                           "(offload.remove_empty_parents=%d)", d, self.config.remove_empty_parents)
         EXIT_GUARD.discard(self)
 
-    def _remove_empty_parents(self) -> None:
-        """NOTE [Emptied parents]: no locks, so the signal path may call it."""
-        for parent in self._run_parents:
-            remove_empty_parents(parent, self.config.remove_empty_parents)
+    def _remove_empty_parents(self) -> List[str]:
+        """NOTE [Emptied parents]: the directories above the run directories that were made
+        for the run (NOTE [Made for the run]) and are empty now; no locks, so the signal
+        path may call it. Returns those removed."""
+        return [d for parent in self._run_parents for d in remove_made(parent, self.config.remove_empty_parents)]
 
     def _remove_files_now(self) -> None:
         """Delete the run directories at once, data before the marker: no waiting for
@@ -470,7 +474,9 @@ class TensorCache:
             return
         for store in self.stores.values():
             store.remove_files_now()
-        self._remove_empty_parents()
+        for d in self._remove_empty_parents():  # one write a line: the logging lock may be held
+            os.write(2, f"megatron_ssd: removed the emptied directory {d}, made for this run "
+                        f"(offload.remove_empty_parents={self.config.remove_empty_parents})\n".encode())
 
     def __enter__(self) -> "TensorCache":
         return self

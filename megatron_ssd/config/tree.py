@@ -376,12 +376,14 @@ class OffloadConfig:
 
     remove_empty_parents: Annotated[int, NonNegative(), AtMost(16)] = 0
     """When a process deletes its run directory (at close, at exit, on SIGTERM), also
-    remove this many directories above it while they are empty: 1 the offload path
-    itself, 2 its parent as well, and so on (NOTE [Emptied parents] in
-    ``io/rundir.py``). For launchers that make directories per job: the SLURM scripts
-    give 2, their ``gpu<r>`` and ``job<id>``, so a cancelled job's directories go with
-    its last process even when SLURM kills the batch shell first. 0: only the run
-    directory."""
+    remove up to this many directories above it while they are empty: 1 the offload
+    path itself, 2 its parent as well, and so on, but only directories made for the run
+    (recorded by ``P/.megatron_ssd_made.NAME`` beside ``P/NAME``): a directory that
+    existed before the run is never removed, and the climb stops there (NOTE [Made for
+    the run] in ``io/made_dirs.py``). Each directory removed is one warning line. For
+    launchers that make directories per job: the SLURM scripts give 2 and record their
+    ``gpu<r>`` and ``job<id>``, so a cancelled job's directories go with its last process
+    even when SLURM kills the batch shell first. 0: only the run directory."""
 
     host_pool_bytes: Annotated[ByteCount, NonNegative(), OrAuto()] = "auto"
     """Host memory the ``host`` placement may hold at once, per process (pinned on a

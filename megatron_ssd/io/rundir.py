@@ -55,7 +55,6 @@ __all__ = [
     "remove_run_dir",
     "Stranded",
     "stranded_run_dirs",
-    "remove_empty_parents",
 ]
 
 logger = logging.getLogger(__name__)
@@ -370,28 +369,6 @@ def remove_run_dir(path: str, watchdog: Optional[StallWatchdog] = None) -> bool:
     return not os.path.lexists(path)
 
 
-def remove_empty_parents(path: str, levels: int) -> List[str]:
-    """Remove ``path`` and then up to ``levels - 1`` of its ancestors, each only while it
-    is empty (``rmdir``), stopping at the first that is not (NOTE [Emptied parents]).
-    Takes no lock and never follows a symbolic link, so the signal path can call it.
-
-    Returns:
-        The directories removed, innermost first.
-    """
-    removed: List[str] = []
-    path = os.path.abspath(path)
-    for _ in range(levels):
-        if os.path.islink(path) or path == os.path.dirname(path):
-            break
-        try:
-            os.rmdir(path)
-        except OSError:
-            break
-        removed.append(path)
-        path = os.path.dirname(path)
-    return removed
-
-
 # NOTE [Emptied parents]
 # A launcher that makes directories for one job (the SLURM scripts' ``job<id>/gpu<r>``
 # under each drive, NOTE [Job directories] in scripts/offload_dirs.py) wants them gone with
@@ -400,11 +377,12 @@ def remove_empty_parents(path: str, levels: int) -> List[str]:
 # that remain after KillWait, the batch shell included, and on a loaded node the ranks'
 # teardown (the launcher's own shutdown, interpreter exit) can outlast it while their
 # files are long gone. So each process, right after its run directory goes (at close,
-# at exit and in the signal path), also removes ``OffloadConfig.remove_empty_parents``
-# levels above it with ``rmdir``: an ``rmdir`` only succeeds on an empty directory and
-# is atomic, so the last process of the job on a drive removes what the job made there,
-# the others stop at a directory that still holds a sibling's, and another job's files
-# are never touched.
+# at exit and in the signal path), also removes up to ``OffloadConfig.remove_empty_parents``
+# levels above it with ``rmdir``, each only when it is recorded as made for a run (NOTE
+# [Made for the run] in ``made_dirs.py``; never a directory that existed before): an
+# ``rmdir`` only succeeds on an empty directory and is atomic, so the last process of
+# the job on a drive removes what the job made there, the others stop at a directory
+# that still holds a sibling's, and another job's files are never touched.
 
 
 # NOTE [Stranded run directories]: a filesystem that dies mid-run (ext4 aborted to

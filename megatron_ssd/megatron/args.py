@@ -26,6 +26,7 @@ from ..config import OffloadConfig, PLANNER_MODES, load_config
 from ..config.schema import warn_renamed
 from ..config.rules import same_directory
 from ..errors import ConfigError
+from ..io.made_dirs import record_made
 from ..io.rundir import check_offload_path
 from ..ranks import process_ranks
 from . import compat
@@ -254,6 +255,8 @@ def offload_config_from_args(
         local_rank: node-local rank for ``{local_rank}``; default ``$LOCAL_RANK`` or 0.
         make_rank_dirs: create (mode 0700) each directory a placeholder names whose
             parent exists; the part of a path before its placeholders must exist already.
+            With ``remove_empty_parents``, each one made is recorded as made for the run,
+            so the run removes it once emptied (NOTE [Made for the run]).
 
     Returns:
         The config (YAML < overrides < flags), or None when ``--ssd-offload`` is absent.
@@ -282,6 +285,9 @@ def offload_config_from_args(
                 except OSError as e:
                     raise ConfigError(f"--ssd-offload-paths: {path!r} (from {raw!r}) cannot be created ({e.strerror}): "
                                       "offload paths must be writable directories") from None
+                else:
+                    if config.remove_empty_parents:  # removable once emptied (NOTE [Made for the run])
+                        record_made(path, "megatron-ssd pretrain-gpt")
     twice = same_directory(paths)
     if twice is not None:  # two ranks' placeholders, or a bind mount: name what each came from
         (a, b), (raw_a, raw_b) = ([seq[i] for i in twice] for seq in (paths, config.paths))

@@ -13,6 +13,7 @@ from megatron_ssd import OffloadConfig
 from megatron_ssd.cache import EntryState, OffloadHooks, Packed, TensorCache
 from megatron_ssd.config import IOConfig, Placement
 from megatron_ssd.errors import CacheStateError, ConfigError
+from megatron_ssd.io.made_dirs import make_dirs
 from moved_bytes import assert_bytes_come_back  # tests/moved_bytes.py
 from waits import wait_until  # tests/waits.py
 
@@ -271,25 +272,42 @@ def test_peak_ssd_footprint_is_reported(offload_dir):
     assert stats.ssd_bytes == 0  # all freed after backward
 
 
-def test_emptied_parents_go_with_the_last_process_of_the_job(tmp_path):
+def test_emptied_parents_go_with_the_last_process_of_the_job(tmp_path, caplog):
     """NOTE [Emptied parents]: each cache removes its run directory, then up to
-    ``remove_empty_parents`` levels above it while they are empty; a sibling's directory,
-    or anything else inside, stops it; 0 removes only the run directory."""
+    ``remove_empty_parents`` levels above it while they are empty and made for the run
+    (NOTE [Made for the run]), one warning each; a sibling's directory, or anything else
+    inside, stops it; 0 removes only the run directory."""
     root = tmp_path / "megatron-ssd"
+    root.mkdir()
     gpus = [root / "job7" / f"gpu{r}" for r in (0, 1)]
     for d in gpus:
-        d.mkdir(parents=True)
+        make_dirs(str(d))  # as the SLURM scripts' node helper makes them
     caches = [TensorCache(OffloadConfig(paths=[str(d)], min_free_bytes=0, remove_empty_parents=2)) for d in gpus]
     caches[0].close()
-    assert sorted(os.listdir(root / "job7")) == ["gpu1"]
+    assert sorted(os.listdir(root / "job7")) == [".megatron_ssd_made.gpu1", "gpu1"]
     caches[1].close()
     assert os.listdir(root) == []
+    removed = [r.getMessage() for r in caplog.records if "emptied directory" in r.getMessage()]
+    assert removed == [f"megatron_ssd: removed the emptied directory {d}, made for this run "
+                       "(offload.remove_empty_parents=2)" for d in (gpus[0], gpus[1], root / "job7")]
     # Another job's file in the job directory, and the default of 0.
-    gpus[0].mkdir(parents=True)
+    make_dirs(str(gpus[0]))
     (root / "job7" / "other.txt").write_text("not ours")
     TensorCache(OffloadConfig(paths=[str(gpus[0])], min_free_bytes=0, remove_empty_parents=2)).close()
     assert sorted(os.listdir(root / "job7")) == ["other.txt"]
-    gpus[0].mkdir()
+    make_dirs(str(gpus[0]))
     TensorCache(OffloadConfig(paths=[str(gpus[0])], min_free_bytes=0)).close()
     assert os.listdir(gpus[0]) == []
+
+
+def test_emptied_parents_never_include_a_directory_made_before_the_run(tmp_path, caplog):
+    """The report: ``offload.paths=scratch/user/a/b`` made by ``mkdir -p`` before the run,
+    ``remove_empty_parents=1`` removed ``b`` and ``=3`` removed ``user``. Now no level
+    removes a directory that was not made for the run, and nothing says it did."""
+    b = tmp_path / "scratch" / "user" / "a" / "b"
+    b.mkdir(parents=True)
+    for levels in (1, 3, 16):
+        TensorCache(OffloadConfig(paths=[str(b)], min_free_bytes=0, remove_empty_parents=levels)).close()
+        assert b.is_dir() and os.listdir(b) == []
+    assert not [r for r in caplog.records if "emptied directory" in r.getMessage()]
 

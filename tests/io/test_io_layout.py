@@ -229,17 +229,3 @@ def test_file_layout_creates_and_unlinks_one_file_per_blob_per_path(tmp_path):
         assert not any(os.path.exists(f) for f in files)
     finally:
         layout.close()
-
-
-def test_remove_empty_parents_stops_at_links_and_non_empty_directories(tmp_path):
-    from megatron_ssd.io.rundir import remove_empty_parents
-
-    (tmp_path / "a" / "b" / "c").mkdir(parents=True)
-    (tmp_path / "a" / "keep").write_text("x")
-    assert remove_empty_parents(str(tmp_path / "a" / "b" / "c"), 5) == [str(tmp_path / "a" / "b" / "c"),
-                                                                       str(tmp_path / "a" / "b")]
-    assert sorted(os.listdir(tmp_path / "a")) == ["keep"]
-    (tmp_path / "target").mkdir()
-    os.symlink(tmp_path / "target", tmp_path / "link")
-    assert remove_empty_parents(str(tmp_path / "link"), 2) == [] and (tmp_path / "target").is_dir()
-    assert remove_empty_parents(str(tmp_path / "missing"), 2) == []

@@ -137,6 +137,20 @@ def test_rank_directories_are_created_private(tmp_path):
     assert cfg.paths == [f"{tmp_path}/r3", f"{tmp_path}/missing/r3"]
     assert stat.S_IMODE(os.stat(cfg.paths[0]).st_mode) == 0o700
     assert not os.path.exists(cfg.paths[1])  # its parent is missing: the engine reports it
+    assert os.listdir(tmp_path) == ["r3"]  # no record: without remove_empty_parents the run never removes it
+
+
+def test_rank_directories_made_are_recorded_for_remove_empty_parents(tmp_path):
+    """NOTE [Made for the run]: a ``{rank}`` directory this process makes is its run's
+    to remove once emptied; one that was there before is not."""
+    from megatron_ssd.io.made_dirs import is_made
+
+    (tmp_path / "r4").mkdir()
+    for rank in (3, 4):
+        args = parse("--ssd-offload", "--ssd-offload-paths", f"{tmp_path}/r{{rank}}",
+                     "--ssd-offload-override", "remove_empty_parents=1")
+        offload_config_from_args(args, rank=rank, local_rank=0, make_rank_dirs=True)
+    assert [is_made(str(tmp_path / d)) for d in ("r3", "r4")] == [True, False]
 
 
 def _check(args: argparse.Namespace, *parts: str) -> None:

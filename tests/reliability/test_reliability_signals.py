@@ -17,6 +17,7 @@ import pytest
 from megatron_ssd import OffloadConfig, TensorCache
 from megatron_ssd.cache import exit_guard
 from megatron_ssd.io import rundir
+from megatron_ssd.io.made_dirs import make_dirs
 from megatron_ssd.io.rundir import MARKER
 from waits import HANG_S, wait_until  # tests/waits.py
 
@@ -60,7 +61,10 @@ CHILD = textwrap.dedent(
             sys.exit(3)
         signal.signal(signal.SIGTERM, graceful)
 
-    levels = 2 if mode == "sigterm-parents" else 0  # NOTE [Emptied parents]
+    levels = int(os.environ.get("LEVELS", 2 if mode == "sigterm-parents" else 0))  # NOTE [Emptied parents]
+    if path == "default":  # what train does with offload.paths=[]
+        from megatron_ssd.io.scratch import default_offload_dir, make_private_dir
+        path = make_private_dir(default_offload_dir())
     cache = TensorCache(OffloadConfig(paths=[path], min_tensor_bytes=0, min_free_bytes=0,
                                       remove_empty_parents=levels))
     cache.register_layers([torch.nn.Identity()], ids=["L"], install_hooks=False)
@@ -78,11 +82,11 @@ CHILD = textwrap.dedent(
 )
 
 
-def _spawn(tmp_path, path, mode, *extra):
+def _spawn(tmp_path, path, mode, *extra, env=None):
     script = tmp_path / "child.py"
     script.write_text(CHILD)
     return subprocess.Popen([sys.executable, str(script), path, mode, *extra], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=ENV)
+                            stderr=subprocess.PIPE, text=True, env=dict(ENV, **(env or {})))
 
 
 def _run_dir_of(proc):
@@ -180,13 +184,72 @@ def test_sigterm_removes_the_emptied_job_directories_too(tmp_path):
     removes its run directory, then its emptied ``gpu<r>`` and ``job<id>``, before it dies,
     so nothing depends on the batch shell outliving SLURM's KillWait."""
     root = tmp_path / "megatron-ssd"
+    root.mkdir()
     gpu0 = root / "job7" / "gpu0"
-    gpu0.mkdir(parents=True)
+    make_dirs(str(gpu0))  # recorded as made for the run, as the SLURM scripts' node helper does
     proc = _spawn(tmp_path, str(gpu0), "sigterm-parents")
     _run_dir_of(proc)
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=HANG_S) == -signal.SIGTERM, proc.stderr.read()
     assert os.listdir(root) == []
+    assert [line for line in proc.stderr.read().splitlines() if "emptied" in line] == [  # one line each
+        f"megatron_ssd: removed the emptied directory {d}, made for this run (offload.remove_empty_parents=2)"
+        for d in (gpu0, gpu0.parent)]
+
+
+def _tree(top):
+    """Every directory under ``top``, ``top`` included."""
+    return sorted(d for d, _, _ in os.walk(top))
+
+
+@pytest.mark.parametrize("ending", ["sigterm", "close", "sigkill-then-clean"])
+def test_no_ending_removes_a_directory_that_was_there_before_the_run(tmp_path, ending):
+    """The report: ``mkdir -p scratch/user/a/b``, then ``offload.paths=scratch/user/a/b``
+    with ``remove_empty_parents=3`` removed ``b``, ``a`` and ``user``. Whatever ends the
+    run (SIGTERM, a normal close at exit, SIGKILL followed by ``megatron-ssd clean``),
+    every directory that existed before it is still there."""
+    top = tmp_path / "scratch"
+    b = top / "user" / "a" / "b"
+    b.mkdir(parents=True)
+    before = _tree(top)
+    mode = {"sigterm": "sigterm-parents", "close": "sigterm-chained", "sigkill-then-clean": "sigkill"}[ending]
+    proc = _spawn(tmp_path, str(b), mode, env={"LEVELS": "3"})
+    run_dir = _run_dir_of(proc)
+    if ending != "sigkill-then-clean":
+        proc.send_signal(signal.SIGTERM)  # sigterm-chained: a handler that exits, closing the cache at exit
+    code = proc.wait(timeout=HANG_S)
+    err = proc.stderr.read()
+    assert code == {"sigterm": -signal.SIGTERM, "close": 3, "sigkill-then-clean": -signal.SIGKILL}[ending], err
+    assert "emptied directory" not in err
+    if ending == "sigkill-then-clean":
+        res = subprocess.run([sys.executable, "-m", "megatron_ssd.commands.cli", "clean", str(b)],
+                             capture_output=True, text=True, env=ENV, timeout=HANG_S)
+        assert res.returncode == 0 and f"removed {run_dir}" in res.stdout, res.stderr
+    assert not os.path.exists(run_dir)
+    assert _tree(top) == before
+
+
+def test_the_megatron_ssd_tmpdir_and_the_default_directory_stay(tmp_path):
+    """The report: ``offload.paths=[] offload.remove_empty_parents=2`` removed the
+    user's ``$MEGATRON_SSD_TMPDIR``. Neither it nor the default directory inside it (shared
+    by the user's runs: NOTE [Default offload directory]) is made for one run, so both
+    stay on SIGTERM; ``megatron-ssd clean`` with no path removes the emptied default
+    directory, never the user's."""
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    env = {"MEGATRON_SSD_TMPDIR": str(mine), "LEVELS": "2"}
+    proc = _spawn(tmp_path, "default", "sigterm-parents", env=env)
+    run_dir = _run_dir_of(proc)
+    default = os.path.dirname(run_dir)
+    assert os.path.dirname(default) == str(mine)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=HANG_S) == -signal.SIGTERM
+    assert "emptied directory" not in proc.stderr.read()
+    assert os.listdir(mine) == [os.path.basename(default)] and os.listdir(default) == []
+    res = subprocess.run([sys.executable, "-m", "megatron_ssd.commands.cli", "clean"], capture_output=True,
+                         text=True, env=dict(ENV, **env), timeout=HANG_S)
+    assert res.returncode == 0, res.stderr
+    assert mine.is_dir() and os.listdir(mine) == []
 
 
 # A child with an open cache whose main thread never runs Python's handler: SIGTERM is

@@ -254,7 +254,30 @@ def test_skip_clean_leaves_every_directory(tmp_path, capsys):
     (root / "megatron-ssd" / "job1111" / "gpu0").mkdir(parents=True)
     _node(_layout([root], SKIP_CLEAN="1", ALLOW_NON_MOUNT="1")).prepare()
     assert "SKIP_CLEAN=1: not removing stale offload run directories" in capsys.readouterr().out
-    assert sorted(os.listdir(root / "megatron-ssd")) == ["job1111", "job42"]
+    assert sorted(os.listdir(root / "megatron-ssd")) == [".megatron_ssd_made.job42", "job1111", "job42"]
+
+
+def test_prepare_records_the_job_directories_it_makes_and_finish_takes_the_records(tmp_path):
+    """NOTE [Made for the run]: a rank removes only directories recorded as made for a
+    run. prepare records the job<id> and gpu<r> it makes, in the package's format, but
+    neither OFFLOAD_SUBDIR (shared by every job) nor a directory that existed; finish
+    removes the emptied ones with their records, and a record whose directory is gone."""
+    from megatron_ssd.io.made_dirs import MADE_PREFIX, is_made
+
+    assert od.MADE_PREFIX == MADE_PREFIX
+    roots = [tmp_path / "nvme0", tmp_path / "nvme1"]
+    for r in roots:
+        r.mkdir()
+    (roots[1] / "megatron-ssd" / "job42" / "gpu1").mkdir(parents=True)  # there before the job
+    _node(_layout(roots, ALLOW_NON_MOUNT="1", SKIP_CLEAN="1")).prepare()
+    base0, base1 = (r / "megatron-ssd" for r in roots)
+    assert [is_made(str(d)) for d in (base0, base0 / "job42", base0 / "job42" / "gpu0")] == [False, True, True]
+    assert [is_made(str(d)) for d in (base1 / "job42", base1 / "job42" / "gpu1")] == [False, False]
+    assert sorted(os.listdir(base0)) == [".megatron_ssd_made.job42", "job42"]
+    assert (base0 / ".megatron_ssd_made.job42").stat().st_mode & 0o777 == 0o600
+    (base1 / "job42" / ".megatron_ssd_made.gpu7").write_text("")  # its directory is gone
+    _node(_layout(roots)).finish()
+    assert os.listdir(base0) == [] and os.listdir(base1) == []
 
 
 def test_finish_removes_the_emptied_job_directories_and_names_the_rest(tmp_path, capsys):
