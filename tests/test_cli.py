@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from megatron_ssd.commands.cli import build_parser, main
+from megatron_ssd.commands.cli import build_parser, main, parse_command_line
 from megatron_ssd.config import OffloadConfig, load_config
 
 
@@ -49,6 +49,49 @@ def test_train_rejects_unknown_keys_before_starting(capsys):
     assert main(["train", "--config", "configs/gpt-tiny.yaml", "model.num_layer=3"]) == 2
     err = capsys.readouterr().err
     assert "megatron_ssd: ModelConfig: unknown key 'model.num_layer'; did you mean 'model.num_layers'?" in err
+
+
+@pytest.mark.parametrize("argv, overrides", [
+    (["train", "--config", "X", "steps=1", "--no-baseline", "model.seq_length=64"], ["steps=1", "model.seq_length=64"]),
+    (["train", "--no-baseline", "a=1", "--json", "out=1.json", "b=2", "--allow-short", "c=3"], ["a=1", "b=2", "c=3"]),
+    (["plan", "--json", "p.json", "steps=2"], ["steps=2"]),
+    (["rok", "a=1", "--rounds", "2", "b=2", "--placements", "keep", "c=3"], ["a=1", "b=2", "c=3"]),
+    (["simulate", "--json", "s.json", "model=gpt-1.3b", "ssd_count=4"], ["model=gpt-1.3b", "ssd_count=4"]),
+])
+def test_overrides_may_come_before_or_after_options(argv, overrides):
+    """NOTE [Overrides anywhere]: ``KEY=VALUE`` anywhere on the line, in the order given,
+    as Megatron-LM's users write flags and values; an option's own value stays its own."""
+    args = parse_command_line(argv)
+    assert args.overrides == overrides
+    if argv[0] == "train":
+        assert args.no_baseline and (args.json == "out=1.json") == ("--json" in argv)
+
+
+def test_an_override_after_an_option_reaches_the_config_and_a_later_one_wins(capsys):
+    args = parse_command_line(["train", "--config", "configs/gpt-tiny.yaml", "steps=1", "--no-baseline", "steps=3"])
+    assert load_config_train(args).steps == 3
+    assert main(["train", "--config", "configs/gpt-tiny.yaml", "steps=1", "--no-baseline", "model.num_layer=3"]) == 2
+    assert "unknown key 'model.num_layer'" in capsys.readouterr().err
+    for argv in (["train", "stray", "--no-baseline"], ["train", "--no-baseline", "stray"]):  # one line, either place
+        assert main(argv) == 2
+        assert "megatron_ssd: override 'stray': must have the form key=value" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, unknown", [
+    (["train", "steps=1", "--no-baseline", "--bogus"], "--bogus"),
+    (["clean", "--stall-warning-s", "1", "a=b", "-x=1"], "-x=1"),
+])
+def test_what_is_neither_an_option_nor_an_override_is_still_refused(capsys, argv, unknown):
+    with pytest.raises(SystemExit) as exc:
+        parse_command_line(argv)
+    assert exc.value.code == 2
+    assert capsys.readouterr().err.rstrip().endswith(f"megatron-ssd: error: unrecognized arguments: {unknown}")
+
+
+def load_config_train(args):
+    from megatron_ssd.config import TrainConfig
+
+    return load_config(TrainConfig, args.config, args.overrides)
 
 
 @pytest.mark.parametrize(

@@ -114,7 +114,7 @@ def _check_python(block: Block) -> None:
 
 
 def _check_megatron_ssd(block: Block, tokens: List[str]) -> None:
-    from megatron_ssd.commands.cli import build_parser
+    from megatron_ssd.commands.cli import parse_command_line
     from megatron_ssd.config import TrainConfig, load_config
 
     tokens = [t for t in tokens if not t.startswith("<")]  # placeholders such as <pretrain_gpt.py arguments>
@@ -124,7 +124,7 @@ def _check_megatron_ssd(block: Block, tokens: List[str]) -> None:
     if "--help" in tokens:
         tokens = [t for t in tokens if t != "--help"]
     try:
-        args = build_parser().parse_args(tokens[1:])
+        args = parse_command_line(tokens[1:])
     except SystemExit as exc:
         raise AssertionError(f"{block!r}: {' '.join(tokens)} does not parse (exit {exc.code})")
     if args.command in ("train", "plan", "rok"):

@@ -28,12 +28,13 @@ from typing import List, Optional
 
 from ..errors import ConfigError, MegatronSSDError
 
-__all__ = ["main", "build_parser"]
+__all__ = ["main", "build_parser", "parse_command_line"]
 
 
 def _add_config_args(p: argparse.ArgumentParser, default: Optional[str]) -> None:
     p.add_argument("--config", default=default, help="YAML preset (see configs/)")
-    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="override a config field, e.g. steps=10")
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
+                   help="override a config field, e.g. steps=10; before or after the options, a later one wins")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
 
 
@@ -148,6 +149,36 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# NOTE [Overrides anywhere]: Megatron-LM's users mix flags and values freely, so a
+# ``KEY=VALUE`` override may come before or after any option: ``train --config X steps=1
+# --no-baseline model.seq_length=64`` is ``steps=1 model.seq_length=64``. argparse takes
+# the positionals of one stretch only (the first), so the parse keeps what it did not
+# know, and every later positional joins the overrides in the order given, which is the
+# order they apply in (a later one wins). What is not ``KEY=VALUE`` is then refused by
+# the config's parser with the one line it gives wherever it stands; an unknown option
+# is still refused as argparse refuses it.
+
+
+def _is_override(arg: str) -> bool:
+    return not arg.startswith("-")
+
+
+def parse_command_line(argv: List[str]) -> argparse.Namespace:
+    """The ``megatron-ssd`` command line, overrides anywhere on it (NOTE [Overrides anywhere]).
+
+    Raises:
+        SystemExit: argparse's usage error (status 2), for an unknown option or argument.
+    """
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if hasattr(args, "overrides"):
+        args.overrides = list(args.overrides) + [a for a in extra if _is_override(a)]
+        extra = [a for a in extra if not _is_override(a)]
+    if extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    return args
+
+
 # NOTE [Outputs checked first]: ``--json``, ``--plot`` and ``--tensorboard-dir`` are
 # written during or after a run that may take hours; a path that cannot be written used
 # to end that run in a traceback, its results lost. So each is checked (its directory
@@ -229,7 +260,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         from ..megatron.launcher import main as launch
 
         return launch(argv[1:])
-    args = build_parser().parse_args(argv)
+    args = parse_command_line(argv)
     try:
         _check_outputs(args)
         if args.command == "train":
