@@ -313,6 +313,8 @@ def test_sigkill_leaves_run_directories_that_clean_and_the_next_start_remove(slu
         path = Path(p)
         runs.setdefault(re.sub(r"msd-.*-(r\d)-[0-9a-f]+$", r"\1", str(path.parent.relative_to(scratch))),
                         []).append(path.name)
+    records = runs.pop(f"megatron-ssd/job{job}", [])  # gpu0 and gpu1 recorded as made for the job (NOTE [Made for the run])
+    assert sorted(records) == [".megatron_ssd_made.gpu0", ".megatron_ssd_made.gpu1"], records
     assert sorted(runs) == [f"megatron-ssd/job{job}/gpu{r}/r{r}" for r in (0, 1)], runs
     assert all(".megatron_ssd_run" in names and len(names) >= 2 for names in runs.values()), runs  # marker + data
     gpu1 = scratch / "megatron-ssd" / f"job{job}" / "gpu1"
