@@ -88,6 +88,56 @@ def test_what_is_neither_an_option_nor_an_override_is_still_refused(capsys, argv
     assert capsys.readouterr().err.rstrip().endswith(f"megatron-ssd: error: unrecognized arguments: {unknown}")
 
 
+_EIB = "1152921504606846976 bytes (1 EiB)"
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--placements", ","], "rok: --placements ,: must be a list written a,b or [a,b] ([] for none), without an "
+                            "empty entry"),
+    (["--placements", "keep,,offload-all"], "rok: --placements keep,,offload-all: must be a list written"),
+    (["--placements", "[]"], "rok: --placements []: must name at least one placement"),
+    (["--keep-last", "[1,]"], "rok: --keep-last [1,]: must be a list written a,b or [a,b]"),
+    (["--budgets", "0.5,x"], "rok: --budgets 0.5,x: must be numbers written a,b or [a,b]"),
+    (["--rounds", "1000000000"], "rok: --rounds 1000000000: must be >= 1 and <= 100 (a whole number)"),
+    (["--rounds", "0"], "rok: --rounds 0: must be >= 1 and <= 100 (a whole number)"),
+    (["--paired", "1e4"], "rok: --paired 1e4: must be >= 0 and <= 1000 (a whole number)"),
+    (["--te-layers", "1e9"], "rok: --te-layers 1e9: must be >= 0 and <= 10000 (a whole number)"),
+    (["--throttle", "1e30"], f"rok: --throttle 1e30: must be a rate > 0 and <= {_EIB} per second, such as 250MiB"),
+    (["--host-throttle", "1e30"], f"rok: --host-throttle 1e30: must be a rate > 0 and <= {_EIB} per second"),
+    (["--host-throttle", "2EiB"], f"rok: --host-throttle 2EiB: must be a rate > 0 and <= {_EIB} per second"),
+    (["--largest-within", "1e30"], f"rok: --largest-within 1e30: must be a size > 0 and <= {_EIB}, such as 600MiB"),
+    (["--largest-within", "1GiB", "--largest-limit", "1e9"],
+     "rok: --largest-limit 1e9: must be >= 1 and <= 65536 (a whole number)"),
+])
+def test_rok_options_are_read_as_the_config_reads_its_fields(capsys, args, message):
+    """NOTE [One list syntax], NOTE [Bounded numbers]: ``--placements ,`` ran the whole
+    default set, ``--rounds 1000000000`` and a rate of ``1e30`` ran, ``--largest-limit
+    1e9`` got argparse's "invalid int value". Each is now one line before anything runs."""
+    assert main(["rok", "--config", "configs/gpt-tiny.yaml", *args]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("megatron_ssd: " + message), err
+
+
+def test_rok_options_take_every_spelling_of_a_list_and_a_count():
+    from megatron_ssd.commands.cli import _rok_options
+
+    args = parse_command_line(["rok", "--placements", "[keep, offload-all]", "--budgets", "[0.25,0.5]",
+                               "--keep-last", "0,1", "--rounds", "1e1", "--paired", "2_0", "--throttle", "1PiB"])
+    _rok_options(args)
+    assert (args.placements, args.budgets, args.keep_last, args.fractions) == (
+        ["keep", "offload-all"], [0.25, 0.5], [0, 1], [])
+    assert (args.rounds, args.paired, args.largest_limit) == (10, 20, 64)
+    defaults = parse_command_line(["rok"])
+    _rok_options(defaults)
+    assert (defaults.placements, defaults.budgets, defaults.rounds, defaults.paired) == (None, [0.5], 1, 0)
+
+
+def test_clean_stall_warning_is_bounded(capsys):
+    with pytest.raises(SystemExit):
+        parse_command_line(["clean", "--stall-warning-s", "1e30"])
+    assert "'1e30': must be a number of seconds >= 0 and <= 604800 (a week)" in capsys.readouterr().err
+
+
 def load_config_train(args):
     from megatron_ssd.config import TrainConfig
 

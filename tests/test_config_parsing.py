@@ -258,3 +258,112 @@ def test_simulate_reads_its_renamed_keys(caplog, fresh_warnings):
     assert len(_deprecation_lines(caplog)) == 2
     with pytest.raises(ConfigError, match=r"prefetch_depth = '3' and default_read_ahead = '4' are both given"):
         load_config(SimulationSpec, None, ["prefetch_depth=3", "default_read_ahead=4"])
+
+
+# ---------------------------------------------------------------- one list syntax, bounds
+
+_LIST_RULE = "must be a list written a,b or [a,b] ([] for none), without an empty entry"
+
+
+@pytest.mark.parametrize("key, items", [
+    ("compare", ["recompute", "offload"]),
+    ("offload.paths", ["/a", "/b"]),
+    ("model.recompute_modules", ["core_attn", "mlp"]),
+    ("offload.peer.offload_modules", ["core_attn", "attn_proj"]),
+])
+def test_one_list_syntax_for_every_list_key(key, items):
+    """NOTE [One list syntax]: ``compare=[]`` became ``['[]']`` while ``offload.paths=[]``
+    was the empty list, and ``offload.paths=[/x]`` the path ``'[/x]'``. Every list key now
+    reads ``a,b``, ``[a,b]`` and ``[ a, b ]`` alike, ``[]`` as the empty list, and refuses
+    an empty entry or a lone bracket in one line naming the field and the value."""
+    def read(text):
+        c = load_config(TrainConfig, None, [f"{key}={text}"])
+        for part in key.split("."):
+            c = getattr(c, part)
+        return c
+
+    a, b = items
+    for text in (f"{a},{b}", f"[{a},{b}]", f"[ {a} , {b} ]", f" {a}, {b} "):
+        assert read(text) == items, text
+    assert read(f"[{a}]") == [a]
+    if key in ("compare", "offload.paths"):  # the module lists must not be empty: their own rule
+        assert read("[]") == []
+    field = {"compare": "TrainConfig.compare", "offload.paths": "OffloadConfig.paths",
+             "model.recompute_modules": "ModelConfig.recompute_modules",
+             "offload.peer.offload_modules": "PeerConfig.offload_modules"}[key]
+    for text in (",", "", f"{a},,{b}", f"[{a},]", f"[{a}", f"{a}]", "[,]"):
+        with pytest.raises(ConfigError) as info:
+            read(text)
+        message = str(info.value)
+        assert message.startswith(f"megatron_ssd: {field} = {text!r}: must "), message
+        assert message.endswith(_LIST_RULE) or "must not hold an empty entry" in message, message
+        assert "\n" not in message
+
+
+def test_an_empty_entry_of_a_yaml_list_is_refused_too(tmp_path):
+    f = tmp_path / "train.yaml"
+    f.write_text("compare: [recompute, '']\n")
+    with pytest.raises(ConfigError, match=r"^megatron_ssd: TrainConfig.compare = \['recompute', ''\]: must not hold "
+                                          r"an empty entry$"):
+        load_config(TrainConfig, str(f))
+
+
+# The counts bounded by the machine they run on (NOTE [Bounds from the machine]): the job's
+# records by TrainConfig._check_records, the model by check_model_fits before it is built,
+# the heads by dividing hidden_size.
+_MACHINE_BOUNDED = {("TrainConfig", "steps"), ("TrainConfig", "baseline_steps"), ("TrainConfig", "paired_steps"),
+                    ("TrainConfig", "num_microbatches"), ("TrainConfig", "micro_batch_size"),
+                    ("ModelConfig", "num_layers"), ("ModelConfig", "hidden_size"), ("ModelConfig", "ffn_hidden_size"),
+                    ("ModelConfig", "seq_length"), ("ModelConfig", "vocab_size"),
+                    ("ModelConfig", "num_attention_heads")}
+
+
+def _numeric_fields():
+    from megatron_ssd.config import IOConfig, ModelConfig, PeerConfig
+    from megatron_ssd.config.schema import _specs
+
+    for cls, prefix in ((TrainConfig, ""), (ModelConfig, "model."), (OffloadConfig, "offload."),
+                        (IOConfig, "offload.io."), (PlannerConfig, "offload.planner."), (PeerConfig, "offload.peer.")):
+        for name, spec in _specs(cls).items():
+            if spec.base in (int, float):
+                yield cls.__name__, name, prefix + name, spec
+
+
+def test_every_count_size_rate_and_duration_of_the_config_has_an_upper_bound():
+    """NOTE [Bounded numbers]: ``device_memory_cap=1e30`` was accepted. Every number of the
+    configuration now has an upper bound: its own, its unit's (sizes 1 EiB, durations a
+    week), or the machine's; 1e30 is refused in one line naming the field."""
+    from megatron_ssd.commands.train import check_model_fits
+    from megatron_ssd.config import AtMost, InRange
+
+    fields = list(_numeric_fields())
+    assert len(fields) > 40
+    for owner, name, key, spec in fields:
+        declared = any(isinstance(r, (AtMost, InRange)) for r in spec.rules)
+        assert declared != ((owner, name) in _MACHINE_BOUNDED), key
+        try:
+            config = load_config(TrainConfig, None, [f"{key}=1e30"])
+        except ConfigError as e:
+            assert str(e).startswith("megatron_ssd: ") and f".{name} = " in str(e) and "\n" not in str(e), str(e)
+            continue
+        assert (owner, name) in _MACHINE_BOUNDED, f"{key}=1e30 was accepted"
+        with pytest.raises(ConfigError, match=rf"^megatron_ssd: {owner}.{name} = .*: must be <= \d+ here"):
+            check_model_fits(config, "cpu", 16 << 30)
+
+
+@pytest.mark.parametrize("text, value", [("1PiB", 1 << 50), ("1P", 1 << 50), ("1125899906842624", 1 << 50),
+                                         ("1.125899906842624e15", 1 << 50), ("1EiB", 1 << 60)])
+def test_a_size_is_one_number_whatever_its_spelling(text, value):
+    """``1PiB`` was refused as "must be an integer or a size" while ``1e30`` was accepted:
+    now both are sizes, judged by one bound."""
+    assert load_config(OffloadConfig, None, [f"device_memory_cap={text}"]).device_memory_cap == value
+
+
+@pytest.mark.parametrize("text", ["1e30", "2EiB", "1025PiB", "1152921504606846977"])
+def test_a_size_past_1_eib_is_refused_whatever_its_spelling(text):
+    with pytest.raises(ConfigError) as info:
+        load_config(OffloadConfig, None, [f"device_memory_cap={text}"])
+    assert str(info.value).endswith(": must be <= 1152921504606846976 bytes (1 EiB) or null")
+    with pytest.raises(ConfigError) as info:
+        load_config(OffloadConfig, None, [f"io.max_inflight_bytes={text}"])
+    assert str(info.value).endswith(": must be <= 1152921504606846976 bytes (1 EiB)")

@@ -21,11 +21,13 @@ from __future__ import annotations
 import argparse
 import errno
 import importlib.util
-import math
 import os
 import sys
 from typing import List, Optional
 
+from ..config.rules import MAX_SECONDS
+from ..config.schema import parse_count_option, parse_list_option, parse_size_option
+from ..config.tree import MAX_LAYERS
 from ..errors import ConfigError, MegatronSSDError
 
 __all__ = ["main", "build_parser", "parse_command_line"]
@@ -38,22 +40,15 @@ def _add_config_args(p: argparse.ArgumentParser, default: Optional[str]) -> None
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
 
 
-def _int_list(value: str) -> List[int]:
-    """``"1,3,5"`` -> ``[1, 3, 5]``; argparse turns the error into one usage line."""
-    try:
-        return [int(x) for x in value.split(",") if x]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{value!r}: must be whole numbers separated by commas, e.g. 1,3,5") from None
-
-
 def _seconds(value: str) -> float:
     """A finite number of seconds >= 0; argparse turns the error into one usage line."""
     try:
         seconds = float(value)
     except ValueError:
         seconds = float("nan")
-    if not math.isfinite(seconds) or seconds < 0:
-        raise argparse.ArgumentTypeError(f"{value!r}: must be a number of seconds >= 0, e.g. 0.5")
+    if not 0 <= seconds <= MAX_SECONDS:  # NaN too; NOTE [Bounded numbers] in config/rules.py
+        raise argparse.ArgumentTypeError(f"{value!r}: must be a number of seconds >= 0 and <= {MAX_SECONDS:g} (a "
+                                         "week), e.g. 0.5")
     return seconds
 
 
@@ -81,22 +76,22 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("rok", help="measure the recompute-offload-keep curve, one process per placement")
     _add_config_args(p, "configs/gpt-ref-cpu.yaml")
     p.add_argument("--plot", metavar="PATH", help="write a PNG plot of memory against step time")
-    p.add_argument("--rounds", type=int, default=1, metavar="N",
-                   help="run every placement N times, interleaved, and pool the steps (default 1)")
-    p.add_argument("--placements", metavar="A,B", type=lambda v: [x for x in v.split(",") if x],
+    p.add_argument("--rounds", default="1", metavar="N",
+                   help=f"run every placement N times, interleaved, and pool the steps (default 1, at most {MAX_ROUNDS})")
+    p.add_argument("--placements", metavar="A,B",
                    help="only these placements (keep,recompute,offload-all,planner,keep-last,budget, and the "
                         "peers megatron-offload,te-offload,megatron-selective,megatron-full); default all but the "
                         "peers. budget is the planner with a memory budget, a fraction of keep's peak (--budgets), "
                         "and needs keep")
-    p.add_argument("--budgets", metavar="F,F", type=lambda v: [float(x) for x in v.split(",") if x], default=[0.5],
+    p.add_argument("--budgets", metavar="F,F", default="0.5",
                    help="the budget placement's fractions of keep's peak, one point each (default 0.5)")
-    p.add_argument("--keep-last", metavar="N,N", type=_int_list, default=[],
+    p.add_argument("--keep-last", metavar="N,N", default="[]",
                    help="run keep-last once per number of kept last layers, one point keep-last-N each "
                         "(default: once, with offload.keep_last_layers)")
-    p.add_argument("--fractions", metavar="F,F", type=lambda v: [float(x) for x in v.split(",") if x], default=[],
+    p.add_argument("--fractions", metavar="F,F", default="[]",
                    help="run megatron-offload once per activation_offload_fraction, one point megatron-offload-F "
                         "each (default: once, with offload.peer.offload_fraction)")
-    p.add_argument("--te-layers", metavar="N,N", type=_int_list, default=[],
+    p.add_argument("--te-layers", metavar="N,N", default="[]",
                    help="run te-offload once per number of offloaded first layers, one point te-offload-N each "
                         "(default: once, with offload.peer.num_layers)")
     p.add_argument("--match-peers", action="store_true",
@@ -105,10 +100,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host-throttle", metavar="RATE",
                    help="pace the host tier's copies to RATE each way (e.g. 1GiB, per second) in every run, a "
                         "GPU's PCIe ratio on a CPU machine (offload.host_copy_bytes_per_s)")
-    p.add_argument("--paired", type=int, default=0, metavar="N",
+    p.add_argument("--paired", default="0", metavar="N",
                    help="add N pairs of back-to-back keep / placement steps to the run of every placement but "
                         "keep, budgets included: step-time ratios that the machine's drift cancels out of "
-                        "(default 0)")
+                        f"(default 0, at most {MAX_PAIRED})")
     p.add_argument("--throttle", metavar="RATE",
                    help="limit the offload disk's reads and writes to RATE (e.g. 250MiB, per second) with a "
                         "cgroup-v1 blkio group while rok runs, to reproduce a GPU's compute/I-O ratio on a CPU "
@@ -120,8 +115,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--largest-by", choices=("micro-batch", "seq-length"), default="micro-batch",
                    help="what --largest-within varies: sequences per micro-batch (default) or the sequence "
                         "length, in steps of 64 tokens")
-    p.add_argument("--largest-limit", type=int, default=64, metavar="N",
-                   help="the largest size --largest-within tries, in its units (default 64)")
+    p.add_argument("--largest-limit", default="64", metavar="N",
+                   help=f"the largest size --largest-within tries, in its units (default 64, at most {MAX_LARGEST_LIMIT})")
 
     p = sub.add_parser("simulate", help="what-if: plan, overhead and SSD lifetime for hardware you describe",
                        epilog=simulate_help(), formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -235,6 +230,55 @@ def _check_outputs(args: argparse.Namespace) -> None:
         check_output_dir("--tensorboard-dir", args.tensorboard_dir)
 
 
+MAX_ROUNDS = 100
+"""The most ``rok --rounds`` (NOTE [Bounded numbers] in ``config/rules.py``)."""
+MAX_PAIRED = 1000
+"""The most ``rok --paired``."""
+MAX_LARGEST_LIMIT = 1 << 16
+"""The most ``rok --largest-limit``."""
+
+
+def _numbers(option: str, text: str, kind: type) -> list:
+    """``rok``'s lists of numbers (``--budgets 0.25,0.5``): one list syntax (NOTE [One list
+    syntax] in ``config/rules.py``), each entry a number (``kind`` float) or a layer count."""
+    values = []
+    for item in parse_list_option("rok", option, text):
+        if kind is int:
+            values.append(parse_count_option("rok", option, item, 0, MAX_LAYERS))
+            continue
+        try:
+            values.append(float(item))
+        except ValueError:
+            raise ConfigError(f"rok: {option} {text}: must be numbers written a,b or [a,b], such as 0.25,0.5") from None
+    return values
+
+
+def _rok_options(args: argparse.Namespace) -> None:
+    """Read ``rok``'s counts, sizes and lists as the config reads its fields: the same list
+    syntax, every count and rate bounded (NOTE [Bounded numbers]), each error one line.
+
+    Raises:
+        ConfigError: names the option, the value and the rule.
+    """
+    args.rounds = parse_count_option("rok", "--rounds", args.rounds, 1, MAX_ROUNDS)
+    args.paired = parse_count_option("rok", "--paired", args.paired, 0, MAX_PAIRED)
+    args.largest_limit = parse_count_option("rok", "--largest-limit", args.largest_limit, 1, MAX_LARGEST_LIMIT)
+    if args.placements is not None:
+        args.placements = parse_list_option("rok", "--placements", args.placements)
+        if not args.placements:
+            raise ConfigError("rok: --placements []: must name at least one placement (leave the option out for "
+                              "the default set)")
+    args.budgets = _numbers("--budgets", args.budgets, float)
+    args.fractions = _numbers("--fractions", args.fractions, float)
+    args.keep_last = _numbers("--keep-last", args.keep_last, int)
+    args.te_layers = _numbers("--te-layers", args.te_layers, int)
+    for option, attr, noun, example in (("--throttle", "throttle", "rate", "250MiB"),
+                                        ("--host-throttle", "host_throttle", "rate", "1GiB"),
+                                        ("--largest-within", "largest_within", "size", "600MiB")):
+        if getattr(args, attr) is not None:
+            parse_size_option("rok", option, getattr(args, attr), noun, example)  # the text goes on: checked here
+
+
 def _refuse_with_largest(args: argparse.Namespace) -> None:
     """``rok --largest-within`` searches sizes; the curve's options have nothing to act on there.
 
@@ -272,6 +316,8 @@ def main(argv: Optional[List[str]] = None) -> int:
             from .plan import run_plan
 
             return run_plan(args.config, args.overrides, json_path=args.json)
+        if args.command == "rok":
+            _rok_options(args)
         if args.command == "rok" and args.largest_within is not None:
             from .rok_largest import run_largest
 

@@ -19,7 +19,7 @@ import tempfile
 from typing import Any, Dict, List, Optional, Sequence
 
 from ..planner.measured_profile import median_or_zero
-from ..config import TrainConfig, load_config, to_dict
+from ..config import MAX_BYTES, TrainConfig, load_config, to_dict
 from ..placement import LayerChoice, Placement
 from ..errors import ConfigError, MegatronSSDError
 from ..io.scratch import default_offload_dir, make_private_dir
@@ -444,8 +444,9 @@ def host_throttle_overrides(host_throttle: Optional[str]) -> List[str]:
     if host_throttle is None:
         return []
     rate = parse_rate("rok", "host-throttle", host_throttle)
-    if not rate or rate <= 0:
-        raise ConfigError(f"rok: --host-throttle {host_throttle!r}: must be a rate > 0 such as 1GiB")
+    if not rate or not 0 < rate <= MAX_BYTES:  # NOTE [Bounded numbers]
+        raise ConfigError(f"rok: --host-throttle {host_throttle!r}: must be a rate > 0 and <= {MAX_BYTES} bytes "
+                          "(1 EiB) per second, such as 1GiB")
     return [f"offload.host_copy_bytes_per_s={rate}"]
 
 
@@ -454,6 +455,10 @@ def _throttle_for(config: TrainConfig, rate: str) -> Any:
     first offload path (or the default offload directory); one ConfigError naming the reason
     when it cannot be set. The throttle is a benchmark tool of the repository's lab package,
     which the wheel does not ship: it is imported here, when ``--throttle`` is given."""
+    nbytes = parse_rate("rok", "throttle", rate)
+    if not nbytes or not 0 < nbytes <= MAX_BYTES:  # NOTE [Bounded numbers]
+        raise ConfigError(f"rok: --throttle {rate!r}: must be a rate > 0 and <= {MAX_BYTES} bytes (1 EiB) per "
+                          "second, such as 250MiB")
     try:
         from megatron_ssd_lab.blkio import BlkioThrottle, blkio_available
     except ImportError:
@@ -464,9 +469,6 @@ def _throttle_for(config: TrainConfig, rate: str) -> Any:
     if reason is not None:
         raise ConfigError(f"rok: --throttle {rate}: {reason}")
     path = config.offload.paths[0] if config.offload.paths else make_private_dir(default_offload_dir())
-    nbytes = parse_rate("rok", "throttle", rate)
-    if nbytes <= 0:
-        raise ConfigError(f"rok: --throttle {rate!r}: must be a rate > 0 such as 250MiB")
     return BlkioThrottle(path, nbytes, nbytes)
 
 

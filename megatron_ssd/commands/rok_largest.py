@@ -42,7 +42,7 @@ import tempfile
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
-from ..config import OffloadConfig, TrainConfig, load_config
+from ..config import MAX_BYTES, OffloadConfig, TrainConfig, load_config
 from ..errors import ConfigError
 from ..units import MiB
 from .steps import short_run_problems
@@ -397,8 +397,9 @@ def largest_searches(config_path: Optional[str], overrides: Sequence[str], cap: 
         raise ConfigError(f"rok: placements = {unknown} with --largest-within: each must be one of {sorted(known)}")
     if by not in SEARCH_BY:
         raise ConfigError(f"rok: --largest-by {by!r}: must be one of {sorted(SEARCH_BY)}")
-    if cap < 1:
-        raise ConfigError(f"rok: --largest-within {cap}: must be a size > 0 such as 600MiB")
+    if not 1 <= cap <= MAX_BYTES:  # NOTE [Bounded numbers] in config/rules.py
+        raise ConfigError(f"rok: --largest-within {cap}: must be a size > 0 and <= {MAX_BYTES} bytes (1 EiB), such "
+                          "as 600MiB")
     if limit < 1:
         raise ConfigError(f"rok: --largest-limit {limit}: must be >= 1")
     config = load_config(TrainConfig, config_path, overrides)

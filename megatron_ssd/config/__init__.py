@@ -32,10 +32,11 @@ Example::
 from ..placement import EMBEDDING, HEAD, MOVED, OUTSIDE, Placement
 from ..units import MiB
 from .host_pool import HostPoolChoice, NodeMemory, local_ranks, size_host_pool
-from .rules import (AtLeast, AtMost, Boolean, ByteCount, Bytes, Duration, InRange, Integer, ListOf, MultipleOf, NonNegative,
-                    Number, OneOf, OneOfKinds, OrAuto, Positive, Rule, Seconds, Switch, Unit, is_int)
-from .schema import (apply_overrides, field_docs, from_dict, is_duration_field, is_size_field, load_config, to_dict,
-                     takes_auto, validate)
+from .rules import (MAX_BYTES, MAX_SECONDS, AtLeast, AtMost, Boolean, ByteCount, Bytes, Duration, InRange, Integer,
+                    ListOf, MultipleOf, NonNegative, Number, OneOf, OneOfKinds, OrAuto, Positive, Rule, Seconds, Switch,
+                    Unit, is_int, split_list)
+from .schema import (apply_overrides, field_docs, from_dict, is_duration_field, is_size_field, load_config,
+                     parse_count_option, parse_list_option, parse_size_option, to_dict, takes_auto, validate)
 from .schema import _broken, _fail, _parse_size, _settle  # noqa: F401 - private, imported from here by io, commands, planner and tests
 from .tree import (CAPACITY_RESERVE, FIXED_MODES, MICROBATCH_RECORD_BYTES, PLANNER_MODES, STEP_RECORD_BYTES, IOConfig,
                    ModelConfig, OffloadConfig, PeerConfig, PlannerConfig, TrainConfig, host_memory_bytes)
@@ -58,6 +59,12 @@ __all__ = [
     "to_dict",
     "apply_overrides",
     "validate",
+    "parse_size_option",
+    "parse_count_option",
+    "parse_list_option",
+    "split_list",
+    "MAX_BYTES",
+    "MAX_SECONDS",
     "field_docs",
     "is_size_field",
     "is_duration_field",

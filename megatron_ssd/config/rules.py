@@ -16,24 +16,52 @@ from typing import Annotated, Any, List, Optional, Sequence, Tuple
 
 __all__ = ["Unit", "Bytes", "Seconds", "ByteCount", "Duration", "OrAuto", "Rule", "Positive", "NonNegative", "AtLeast",
            "AtMost", "MultipleOf", "InRange", "OneOf", "Switch", "Number", "Integer", "Boolean", "ListOf", "OneOfKinds",
-           "Directories", "is_int", "same_directory"]
+           "Directories", "is_int", "same_directory", "split_list", "LIST_RULE", "MAX_BYTES", "MAX_SECONDS"]
+
+
+MAX_BYTES = 1 << 60
+"""The largest size any field or option takes, 1 EiB (NOTE [Bounded numbers])."""
+
+MAX_SECONDS = 7 * 24 * 3600.0
+"""The longest duration any field takes, a week (NOTE [Bounded numbers])."""
+
+
+# NOTE [Bounded numbers]: every count, size, rate and duration a user gives has an upper
+# bound, refused in one line naming the field, the value and the bound. Without one,
+# ``device_memory_cap=1e30`` was accepted (and printed as 931322574615478534144.00 GiB),
+# ``rok --rounds 1000000000`` started to run, and ``1e30`` seconds overflows a thread's
+# wait. A count's bound is declared on its field (``AtMost``, ``InRange``), or, where
+# nothing but memory limits it (steps, micro-batches, the model's sizes), is the
+# machine's (NOTE [Bounds from the machine] in ``tree.py``); a size or a duration takes
+# its unit's (:data:`MAX_BYTES`, 1 EiB: within a signed 64-bit integer, as torch and the
+# kernel take sizes; :data:`MAX_SECONDS`) unless its field declares a tighter one. A size is read the same way whatever its spelling: ``1PiB``, ``2**50`` as
+# digits and ``1.1259e15`` are one number, judged by one bound (``1e30`` and ``2EiB``
+# alike are over it). rok's options are parsed by the same functions
+# (:func:`~.schema.parse_size_option`, :func:`~.schema.parse_count_option`).
 
 
 @dataclass(frozen=True)
 class Unit:
     """What a number field counts, so that YAML and overrides accept it in that unit:
     :data:`Bytes` (``4MiB``, ``2GiB``) on an int, :data:`Seconds` (``500ms``, ``2min``)
-    on a float. A field without one is a plain count or number."""
+    on a float. A field without one is a plain count or number. ``most`` bounds every
+    field in the unit that declares no tighter bound (NOTE [Bounded numbers])."""
 
     word: str
+    most: Optional[float] = None
+    most_shown: str = ""
 
     def __repr__(self) -> str:
         return self.word.capitalize()
 
+    def bound(self) -> Optional["AtMost"]:
+        """The rule of :attr:`most`: ``must be <= 1152921504606846976 bytes (1 EiB)``."""
+        return None if self.most is None else AtMost(self.most, f"{self.word} ({self.most_shown})")
 
-Bytes = Unit("bytes")
+
+Bytes = Unit("bytes", MAX_BYTES, "1 EiB")
 """An int field holding bytes: sizes such as ``4MiB`` are accepted."""
-Seconds = Unit("seconds")
+Seconds = Unit("seconds", MAX_SECONDS, "a week")
 """A float field holding seconds: durations such as ``500ms`` or ``2min`` are accepted."""
 
 ByteCount = Annotated[int, Bytes]
@@ -110,10 +138,13 @@ class AtLeast(Rule):
 @dataclass(frozen=True)
 class AtMost(Rule):
     high: Any
+    unit: str = ""
+    """Said after the bound: ``bytes (1 EiB)``."""
 
     @property
     def text(self) -> str:
-        return f"must be <= {self.high}"
+        return f"must be <= {self.high:g} {self.unit}" if self.unit and isinstance(self.high, float) else (
+            f"must be <= {self.high} {self.unit}" if self.unit else f"must be <= {self.high}")
 
     def holds(self, value: Any) -> bool:
         return not value > self.high
@@ -245,30 +276,49 @@ class OneOfKinds(Rule):
 
 @dataclass(frozen=True)
 class Directories(Rule):
-    """A list of directory names, none of them empty (NOTE [Empty path entries]).
-
-    On the command line (and as a YAML string) the list is comma-separated and ``[]`` is
-    the empty list: :meth:`split` keeps empty entries, so that ``,`` or an empty value is
-    refused here instead of becoming ``[]``."""
+    """A list of directory names, none of them empty (NOTE [One list syntax]): a YAML
+    list or a list built in code is held to it as a string is by :func:`split_list`."""
 
     text = "must not hold an empty entry: each entry names an offload directory"
 
     def holds(self, value: Any) -> bool:
         return isinstance(value, (list, tuple)) and all(isinstance(p, str) and p for p in value)
 
-    @staticmethod
-    def split(value: str) -> List[str]:
-        """``"a,b"`` -> ``["a", "b"]``, ``"[]"`` -> ``[]``, ``","`` -> ``["", ""]``."""
-        return [] if value.strip() == "[]" else value.split(",")
+
+LIST_RULE = "must be a list written a,b or [a,b] ([] for none), without an empty entry"
+"""What :func:`split_list` asks of a list given as text."""
 
 
-# NOTE [Empty path entries]: other list fields drop the empty entries of a
-# comma-separated value (``compare=`` is no comparison), but in a list of directories an
-# empty entry is a mistake, never a wish: ``offload.paths=,`` or ``offload.paths=`` (a
-# variable that expanded to nothing) used to become ``[]`` and train into the default
-# directory, while ``--ssd-offload-paths ,`` was refused. So an empty entry is refused
-# wherever a path list is read (overrides, YAML lists and strings, the Megatron flags,
-# code), and only ``[]`` (or no ``paths`` at all) asks for the default directory.
+def split_list(text: str) -> Optional[List[str]]:
+    """A list given as text (an override, a YAML string, a command-line option), read one
+    way for every key (NOTE [One list syntax]): ``a,b`` and ``[a,b]`` are ``["a", "b"]``,
+    ``[]`` is the empty list, each entry's surrounding blanks are dropped (``[a, b]``).
+
+    Returns:
+        The entries; None when the text breaks :data:`LIST_RULE` (an empty entry, as in
+        ``,``, ``a,,b``, ``[a,]`` or an empty text; a bracket on one side only).
+    """
+    s = text.strip()
+    opened, closed = s.startswith("["), s.endswith("]")
+    if opened != closed:
+        return None
+    if opened:
+        s = s[1:-1].strip()
+        if not s:
+            return []
+    items = [item.strip() for item in s.split(",")]
+    return None if any(not item for item in items) else items
+
+
+# NOTE [One list syntax]: a list given as text has one syntax for every key and every
+# option: ``a,b`` or ``[a,b]``, and ``[]`` for the empty list. Before, list fields dropped
+# empty entries (``compare=,`` was no comparison) while ``offload.paths`` refused them and
+# read ``[]`` as the empty list, ``compare=[]`` became the entry ``'[]'``,
+# ``offload.paths=[/x]`` the path ``'[/x]'``, and ``rok --placements ,`` ran every default
+# placement. An empty entry is a mistake, never a wish (``offload.paths=$DIRS`` with the
+# variable empty used to train into the default directory), so it is refused wherever a
+# list is read: overrides, YAML strings and lists of paths, the Megatron flags, rok's
+# options; only ``[]`` (or leaving the key out) asks for an empty list.
 
 
 def _directory_key(path: str) -> Tuple[Any, ...]:

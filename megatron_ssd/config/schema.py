@@ -27,7 +27,8 @@ from typing import Annotated, Any, Dict, List, Mapping, Optional, Sequence, Set,
 
 from ..errors import ConfigError, shown
 from .files import read_config_file
-from .rules import Directories, OrAuto, Rule, Seconds, Switch, Unit, Bytes
+from .rules import (LIST_RULE, MAX_BYTES, AtMost, Directories, InRange, OrAuto, Rule, Seconds, Switch, Unit, Bytes,
+                    split_list)
 
 __all__ = [
     "load_config",
@@ -41,6 +42,9 @@ __all__ = [
     "takes_auto",
     "renamed_keys",
     "warn_renamed",
+    "parse_size_option",
+    "parse_count_option",
+    "parse_list_option",
 ]
 
 T = TypeVar("T")
@@ -105,8 +109,11 @@ def _unwrap(hint: Any) -> Tuple[Any, bool, List[Any]]:
 def _spec(hint: Any) -> _Spec:
     hint, optional, meta = _unwrap(hint)
     units = [m for m in meta if isinstance(m, Unit)]
-    return _Spec(hint, optional, units[0] if units else None, tuple(m for m in meta if isinstance(m, Rule)),
-                 any(isinstance(m, OrAuto) for m in meta))
+    unit = units[0] if units else None
+    rules = tuple(m for m in meta if isinstance(m, Rule))
+    if unit is not None and unit.bound() is not None and not any(isinstance(r, (AtMost, InRange)) for r in rules):
+        rules += (unit.bound(),)  # NOTE [Bounded numbers]: the unit's bound where the field declares none
+    return _Spec(hint, optional, unit, rules, any(isinstance(m, OrAuto) for m in meta))
 
 
 @functools.lru_cache(maxsize=None)
@@ -165,7 +172,8 @@ def validate(obj: Any) -> None:
             text = rule.check(value)
             if text is not None:
                 if spec.optional:
-                    text = f"{text} {spec.unit.word} or null" if spec.unit else f"{text} or null"
+                    in_unit = spec.unit and spec.unit.word not in text
+                    text = f"{text} {spec.unit.word} or null" if in_unit else f"{text} or null"
                 if spec.auto:
                     text = f"{text} or {OrAuto.word}"
                 raise _fail(cls_name, f.name, value, text)
@@ -178,15 +186,14 @@ def validate(obj: Any) -> None:
 
 
 def _split_list(cls_name: str, name: str, spec: _Spec, value: str) -> List[str]:
-    """A comma-separated list (an override, a YAML string): empty entries dropped, except
-    in a list of directories, where one is refused naming the value as given (NOTE [Empty
-    path entries] in ``rules.py``)."""
-    dirs = next((r for r in spec.rules if isinstance(r, Directories)), None)
-    if dirs is None:
-        return [v for v in value.split(",") if v]
-    items = dirs.split(value)
-    if dirs.check(items) is not None:
-        raise _fail(cls_name, name, value, dirs.text)
+    """A list given as text (an override, a YAML string): ``a,b``, ``[a,b]`` or ``[]``; an
+    empty entry is refused naming the value as given (NOTE [One list syntax] in
+    ``rules.py``), in a list of directories with that rule's words."""
+    items = split_list(value)
+    if items is None:
+        dirs = next((r for r in spec.rules if isinstance(r, Directories)), None)
+        brackets = value.strip().startswith("[") == value.strip().endswith("]")
+        raise _fail(cls_name, name, value, dirs.text if dirs is not None and brackets else LIST_RULE)
     return items
 
 
@@ -212,6 +219,10 @@ def _coerce(cls_name: str, name: str, hint: Any, value: Any) -> Any:
         if not isinstance(value, (list, tuple)):
             raise _fail(cls_name, name, value, "must be a list")
         inner = args[0] if args else Any
+        if any(v == "" for v in value):  # NOTE [One list syntax]: in a YAML list too
+            dirs = any(isinstance(r, Directories) for r in spec.rules)
+            raise _fail(cls_name, name, value, "must not hold an empty entry" + (
+                ": each entry names an offload directory" if dirs else ""))
         items = [_coerce(cls_name, name, inner, v) for v in value]
         return tuple(items) if origin in (tuple, Tuple) else items
     if origin in (dict, Dict, Mapping):
@@ -267,7 +278,7 @@ def _coerce(cls_name: str, name: str, hint: Any, value: Any) -> Any:
     return value
 
 
-_SUFFIXES = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+_SUFFIXES = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40, "p": 1 << 50, "e": 1 << 60}
 _DURATIONS = {"ms": 1e-3, "s": 1.0, "min": 60.0, "h": 3600.0}
 
 
@@ -316,12 +327,66 @@ def _parse_size(cls_name: str, name: str, text: str, auto: bool = False) -> int:
     except ValueError:
         raise _fail(cls_name, name, text, "must be auto, an integer or a size such as 4MiB" if auto
                     else "must be an integer or a size such as 4MiB")
+    if s.lstrip("+-").isdigit():  # exact: a float would round 2**60 + 1 to 2**60
+        return int(s) * mult
     value = number * mult
     if not math.isfinite(value):
         raise _fail(cls_name, name, text, "must be a finite integer")
     if not value.is_integer():
         raise _fail(cls_name, name, text, "must be a whole number of bytes")
     return int(value)
+
+
+def _option_error(owner: str, option: str, text: str, rule: str) -> ConfigError:
+    return ConfigError(f"{owner}: {option} {text}: {rule}")
+
+
+def parse_size_option(owner: str, option: str, text: str, noun: str = "size", example: str = "600MiB") -> int:
+    """A command-line size or rate (``rok --throttle 250MiB``), read as a config field's
+    size is and held to the same bound (NOTE [Bounded numbers] in ``rules.py``).
+
+    Raises:
+        ConfigError: ``rok: --throttle 1e30: must be a rate > 0 and <= 1152921504606846976
+            bytes (1 EiB) per second, such as 250MiB``.
+    """
+    per = " per second" if noun == "rate" else ""
+    rule = f"must be a {noun} > 0 and <= {MAX_BYTES} bytes (1 EiB){per}, such as {example}"
+    try:
+        value = _parse_size(owner, option, text)
+    except ConfigError:
+        raise _option_error(owner, option, text, rule) from None
+    if not 0 < value <= MAX_BYTES:
+        raise _option_error(owner, option, text, rule)
+    return value
+
+
+def parse_count_option(owner: str, option: str, text: str, low: int, high: int) -> int:
+    """A command-line count (``rok --rounds 3``), read as a config field's count is
+    (``1e3`` and ``1_000`` too) and held to ``[low, high]`` (NOTE [Bounded numbers]).
+
+    Raises:
+        ConfigError: ``rok: --rounds 1000000000: must be >= 1 and <= 100 (a whole number)``.
+    """
+    try:
+        value: Optional[int] = _parse_count(owner, option, text)
+    except ConfigError:
+        value = None
+    if value is None or not low <= value <= high:
+        raise _option_error(owner, option, text, f"must be >= {low} and <= {high} (a whole number)")
+    return value
+
+
+def parse_list_option(owner: str, option: str, text: str) -> List[str]:
+    """A command-line list (``rok --placements keep,offload-all``), read as a config
+    field's list is (NOTE [One list syntax] in ``rules.py``).
+
+    Raises:
+        ConfigError: ``rok: --placements ,: must be a list written a,b or [a,b] ...``.
+    """
+    items = split_list(text)
+    if items is None:
+        raise _option_error(owner, option, text, LIST_RULE)
+    return items
 
 
 def _dotted_keys(cls: type, prefix: str = "") -> List[str]:

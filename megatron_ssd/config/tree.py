@@ -18,8 +18,8 @@ from ..errors import ConfigError
 from ..placement import Placement
 from ..units import KiB, MiB, gib
 from .host_pool import local_ranks
-from .rules import (AtLeast, AtMost, ByteCount, Directories, Duration, InRange, MultipleOf, NonNegative, OneOf, OrAuto,
-                    Positive, Switch, same_directory)
+from .rules import (MAX_BYTES, AtLeast, AtMost, ByteCount, Directories, Duration, InRange, MultipleOf, NonNegative, OneOf,
+                    OrAuto, Positive, Switch, same_directory)
 from .schema import _broken, _settle, renamed_keys
 
 __all__ = [
@@ -49,6 +49,12 @@ CAPACITY_RESERVE = 0.15
 PROFILE_STEPS_MAX = 1000
 """The most steps of each kind an ``auto`` planner's profile runs (warm-up, measured,
 settle, recompute)."""
+MAX_LAYERS = 10_000
+"""The most layers a count of layers kept, read ahead or offloaded by a peer takes (NOTE
+[Bounded numbers] in ``rules.py``; the model's own size is bounded by the machine, NOTE
+[Bounds from the machine])."""
+MAX_DRIVES = 1 << 16
+"""The most drives, and processes sharing them, the wear model takes."""
 
 
 @dataclass
@@ -181,7 +187,7 @@ class PlannerConfig:
     """Peak saved-activation bytes allowed per process; None plans for zero exposed I/O.
     Sizes such as ``2GiB`` are accepted."""
 
-    max_slowdown: Optional[Annotated[float, NonNegative()]] = 0.05
+    max_slowdown: Optional[Annotated[float, NonNegative(), AtMost(1000.0)]] = 0.05
     """With no ``memory_budget``, the most the plan's predicted step may exceed
     keep-everything's, as a fraction (0.05: 5% longer). Hidden I/O still costs compute
     time where the I/O engine shares the cores with compute (a CPU run: the measured
@@ -224,14 +230,14 @@ class PlannerConfig:
     ``drive_lifetime_years``, and ``train`` reports their projected lifetime. None: writes
     are not bounded by wear (NOTE [Wear model])."""
 
-    drive_lifetime_years: Annotated[float, Positive()] = 3.0
+    drive_lifetime_years: Annotated[float, Positive(), AtMost(100.0)] = 3.0
     """Years the drives must last at this job's write rate (used with ``drive_tbw_bytes``)."""
 
-    drive_count: Annotated[int, NonNegative()] = 0
+    drive_count: Annotated[int, NonNegative(), AtMost(MAX_DRIVES)] = 0
     """Drives behind the offload paths; 0: one per path (a RAID0 mount given as one path
     needs its drive count here)."""
 
-    drive_sharing: Annotated[int, AtLeast(1)] = 1
+    drive_sharing: Annotated[int, AtLeast(1), AtMost(MAX_DRIVES)] = 1
     """Processes writing to the same drives, each given an equal share of their endurance
     (e.g. 8 when a node's 8 GPUs share its array)."""
 
@@ -293,11 +299,11 @@ class PeerConfig:
     ``attn_norm``, ``qkv_linear``, ``core_attn``, ``attn_proj`` and ``mlp_norm``
     (``attn_proj`` needs ``core_attn``, as Megatron requires)."""
 
-    min_tensor_elements: Optional[Annotated[int, NonNegative()]] = None
+    min_tensor_elements: Optional[Annotated[int, NonNegative(), AtMost(MAX_BYTES)]] = None
     """Saved tensors with fewer elements stay (Megatron's ``min_offloaded_tensor_size``);
     None: the peer's own default, 1048576 for Megatron, 262144 for Transformer Engine."""
 
-    num_layers: Annotated[int, Positive()] = 1
+    num_layers: Annotated[int, Positive(), AtMost(MAX_LAYERS)] = 1
     """Transformer Engine's ``num_layers``: how many of the first layers are offloaded (at
     most the model's layers - 1, as Transformer Engine requires)."""
 
@@ -329,13 +335,13 @@ class OffloadConfig:
     min_tensor_bytes: Annotated[ByteCount, NonNegative()] = 64 * 1024
     """Saved tensors smaller than this stay in memory (not worth a request)."""
 
-    keep_last_layers: Annotated[int, NonNegative()] = 1
+    keep_last_layers: Annotated[int, NonNegative(), AtMost(MAX_LAYERS)] = 1
     """How many of the last registered layers stay in memory by default: their backward
     runs first, so a read could not be hidden."""
 
     _renamed_keys = {"prefetch_layers": "default_read_ahead"}  # deprecated keys (schema.renamed_keys)
 
-    default_read_ahead: Annotated[int, NonNegative()] = 1
+    default_read_ahead: Annotated[int, NonNegative(), AtMost(MAX_LAYERS)] = 1
     """How many layers ahead of the running backward layer to read back, where the plan sets
     no read-ahead of its own."""
 
@@ -479,7 +485,7 @@ class ModelConfig:
     """Hidden size."""
     num_attention_heads: Annotated[int, Positive()] = 8
     """Attention heads; must divide ``hidden_size``."""
-    ffn_hidden_size: Optional[int] = None
+    ffn_hidden_size: Optional[Annotated[int, Positive()]] = None
     """MLP hidden size; 4 x ``hidden_size`` when null."""
     seq_length: Annotated[int, Positive()] = 256
     """Tokens per sequence."""
@@ -533,7 +539,7 @@ class TrainConfig:
     goes first, each timed after ``paired_settle_steps`` untimed steps of its own kind
     (so a pair runs six steps by default). Each pair's step-time ratio compares runs
     seconds apart, so the machine's drift cancels out of it (0: none)."""
-    paired_settle_steps: Annotated[int, NonNegative()] = 2
+    paired_settle_steps: Annotated[int, NonNegative(), AtMost(PROFILE_STEPS_MAX)] = 2
     """Untimed steps of the same kind before each timed step of a pair (NOTE [Paired
     steps] in ``commands/train.py``): a step right after a switch inherits the other
     kind's heap, and a plan that both recomputes and offloads needed two steps to shed
@@ -544,7 +550,7 @@ class TrainConfig:
     buffers included) above the step's start, measured at the allocators, independently
     of the tensor cache. That step is not timed, planned from, or counted in the losses
     (``megatron-ssd rok`` turns it on)."""
-    lr: Annotated[float, Positive()] = 0.01
+    lr: Annotated[float, Positive(), AtMost(100.0)] = 0.01
     """SGD learning rate."""
     # torch, numpy and Megatron's seed offsets all accept up to 2**32 - 1.
     seed: Annotated[int, NonNegative(), AtMost(2**32 - 1)] = 1234
