@@ -29,6 +29,7 @@ from ..config.rules import MAX_SECONDS
 from ..config.schema import parse_count_option, parse_list_option, parse_size_option
 from ..config.tree import MAX_LAYERS
 from ..errors import ConfigError, MegatronSSDError
+from .children import ending_signals
 
 __all__ = ["main", "build_parser", "parse_command_line"]
 
@@ -279,6 +280,24 @@ def _rok_options(args: argparse.Namespace) -> None:
             parse_size_option("rok", option, getattr(args, attr), noun, example)  # the text goes on: checked here
 
 
+def _run_rok(args: argparse.Namespace) -> int:
+    """``rok``: the curve, or with ``--largest-within`` the search."""
+    if args.largest_within is not None:
+        from .rok_largest import run_largest
+
+        _refuse_with_largest(args)
+        return run_largest(args.config, args.overrides, args.largest_within, by=args.largest_by,
+                           limit=args.largest_limit, placements=args.placements, json_path=args.json,
+                           throttle=args.throttle, host_throttle=args.host_throttle)
+    from .rok import run_rok
+
+    return run_rok(args.config, args.overrides, json_path=args.json, plot_path=args.plot,
+                   rounds=args.rounds, placements=args.placements, paired=args.paired,
+                   throttle=args.throttle, budgets=args.budgets, keep_last=args.keep_last,
+                   fractions=args.fractions, te_layers=args.te_layers, match_peers=args.match_peers,
+                   host_throttle=args.host_throttle)
+
+
 def _refuse_with_largest(args: argparse.Namespace) -> None:
     """``rok --largest-within`` searches sizes; the curve's options have nothing to act on there.
 
@@ -318,21 +337,8 @@ def main(argv: Optional[List[str]] = None) -> int:
             return run_plan(args.config, args.overrides, json_path=args.json)
         if args.command == "rok":
             _rok_options(args)
-        if args.command == "rok" and args.largest_within is not None:
-            from .rok_largest import run_largest
-
-            _refuse_with_largest(args)
-            return run_largest(args.config, args.overrides, args.largest_within, by=args.largest_by,
-                               limit=args.largest_limit, placements=args.placements, json_path=args.json,
-                               throttle=args.throttle, host_throttle=args.host_throttle)
-        if args.command == "rok":
-            from .rok import run_rok
-
-            return run_rok(args.config, args.overrides, json_path=args.json, plot_path=args.plot,
-                           rounds=args.rounds, placements=args.placements, paired=args.paired,
-                           throttle=args.throttle, budgets=args.budgets, keep_last=args.keep_last,
-                           fractions=args.fractions, te_layers=args.te_layers, match_peers=args.match_peers,
-                           host_throttle=args.host_throttle)
+            with ending_signals():  # its children end with it (NOTE [Ending the children])
+                return _run_rok(args)
         if args.command == "simulate":
             from .simulate import run_simulate
 

@@ -29,6 +29,7 @@ from ..planner.profile import StageProfile
 from ..planner.search import replay
 from ..planner.step_timeline import predict
 from ..units import MiB
+from .children import child
 from .intervals import median_ci95, ratio_ci95
 from .dominance import (BUDGET, KEEP_LAST, MEGATRON_FULL, MEGATRON_OFFLOAD, MEGATRON_SELECTIVE, TE_OFFLOAD,
                         add_dominance, format_dominance)
@@ -55,11 +56,15 @@ def _train_in_subprocess(config_path: Optional[str], overrides: Sequence[str]) -
         cmd = train_command(config_path, overrides, out)
         print("$ " + " ".join(cmd), flush=True)
         load_before = os.getloadavg()
-        proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        with open(os.path.join(tmp, "train.log"), "w+", encoding="utf-8") as log:
+            with child(cmd, stdout=log, stderr=subprocess.STDOUT, text=True) as proc:  # NOTE [Ending the children]
+                returncode = proc.wait()
+            log.seek(0)
+            output = log.read()
         load_after = os.getloadavg()
-        if proc.returncode != 0 or not os.path.exists(out):
-            raise MegatronSSDError(f"rok: a placement run failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}")
-        lines = proc.stdout.splitlines()
+        if returncode != 0 or not os.path.exists(out):
+            raise MegatronSSDError(f"rok: a placement run failed (exit {returncode}):\n{output[-3000:]}")
+        lines = output.splitlines()
         last = [l for l in lines if ": measured, loss" in l][-1:] or [l for l in lines if "loss" in l][-1:]
         print("  " + (last[0].strip() if last else "done") +
               f" (load average {load_before[0]:.2f} before, {load_after[0]:.2f} after)", flush=True)

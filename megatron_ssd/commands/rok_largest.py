@@ -45,6 +45,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 from ..config import MAX_BYTES, OffloadConfig, TrainConfig, load_config
 from ..errors import ConfigError
 from ..units import MiB
+from .children import ENDING_GRACE_S, child
 from .steps import short_run_problems
 
 __all__ = ["SEARCH_BY", "Probe", "Search", "largest_within", "probe_bound", "cap_supported", "run_probe",
@@ -192,18 +193,18 @@ def run_train(cmd: Sequence[str], json_path: str, timeout_s: Optional[float] = N
     import json
 
     with tempfile.TemporaryFile(mode="w+", encoding="utf-8") as log:
-        proc = subprocess.Popen(list(cmd), stdout=log, stderr=subprocess.STDOUT, text=True,
-                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
-        try:
-            rc = proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            proc.send_signal(signal.SIGTERM)
+        with child(cmd, stdout=log, stderr=subprocess.STDOUT, text=True,  # NOTE [Ending the children]
+                   env={**os.environ, "PYTHONUNBUFFERED": "1"}) as proc:
             try:
-                proc.wait(timeout=15)
+                rc = proc.wait(timeout=timeout_s)
             except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-            rc = None
+                proc.send_signal(signal.SIGTERM)
+                try:
+                    proc.wait(timeout=ENDING_GRACE_S)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+                rc = None
         log.seek(0)
         output = log.read()
     if rc == 0 and os.path.exists(json_path):

@@ -578,3 +578,71 @@ def test_bench_io_files_are_removed_on_sigterm_and_sigint(tmp_path, offload_dir,
     else:
         assert code in (-signal.SIGINT, 1, 130) and "KeyboardInterrupt" in err, (code, err)
     assert os.listdir(offload_dir) == [], "bench-io left its files behind"
+
+
+# rok with its train child replaced by a stand-in that says when it runs and which signal
+# ended it (NOTE [Ending the children]): the stand-in writes its pid into the run's
+# temporary directory (beside the JSON path rok gives it), then waits.
+ROK_CHILD = textwrap.dedent(
+    """
+    import os, signal, sys, threading
+    json_path, log = sys.argv[1], sys.argv[2]
+
+    def ended(signum, frame):
+        with open(log, "a") as fh:
+            fh.write(f"{os.getpid()} {signal.Signals(signum).name}\\n")
+        os._exit(0)
+
+    signal.signal(signal.SIGTERM, ended)
+    ready = os.path.join(os.path.dirname(json_path), "child.pid")
+    with open(ready + ".tmp", "w") as fh:
+        fh.write(str(os.getpid()))
+    os.rename(ready + ".tmp", ready)
+    threading.Event().wait()
+    """
+)
+
+ROK = textwrap.dedent(
+    """
+    import sys
+    from megatron_ssd.commands import cli, rok
+
+    child, log = sys.argv[1], sys.argv[2]
+    rok.train_command = lambda config_path, overrides, json_path, timeline=True: [sys.executable, child, json_path, log]
+    sys.exit(cli.main(["rok", "--config", "configs/gpt-tiny.yaml", *sys.argv[3:]]))
+    """
+)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP, signal.SIGINT], ids=lambda s: signal.Signals(s).name)
+@pytest.mark.parametrize("search", [[], ["--largest-within", "1GiB"]], ids=["curve", "largest-within"])
+def test_a_signal_to_rok_ends_its_child_and_removes_its_directory(tmp_path, sig, search):
+    """Item: SIGTERM to ``rok`` left ``/tmp/megatron-ssd-rok-*`` behind and its child train
+    orphaned (ppid 1) for 2-4 s; SIGINT cleaned up. Now SIGTERM, SIGHUP and SIGINT each
+    end the child (with SIGTERM, which removes a train's offload files), remove the
+    temporary directory, and rok dies of the signal it got (128 + signal in a shell)."""
+    (tmp_path / "child.py").write_text(ROK_CHILD)
+    (tmp_path / "rok.py").write_text(ROK)
+    tmp, log = tmp_path / "tmp", tmp_path / "ended.log"
+    tmp.mkdir()
+    out = open(tmp_path / "rok.out", "w+")
+    proc = subprocess.Popen([sys.executable, str(tmp_path / "rok.py"), str(tmp_path / "child.py"), str(log),
+                             "--placements", "keep", *search], stdout=out, stderr=subprocess.STDOUT,
+                            env=dict(ENV, TMPDIR=str(tmp)), cwd=REPO, start_new_session=True)
+    try:
+        ready = []
+        wait_until(lambda: proc.poll() is not None or bool(ready.extend(tmp.glob("megatron-ssd-*/child.pid")) or ready),
+                   "rok's child running")
+        assert proc.poll() is None, (tmp_path / "rok.out").read_text()[-3000:]
+        child_pid = int(ready[0].read_text())
+        proc.send_signal(sig)
+        code = proc.wait(timeout=HANG_S)
+    finally:
+        _end_group(proc)
+        out.close()
+    text = (tmp_path / "rok.out").read_text()
+    assert code == -sig, text[-3000:]
+    assert log.read_text() == f"{child_pid} SIGTERM\n"  # ended by rok, with SIGTERM
+    with pytest.raises(ProcessLookupError):
+        os.kill(child_pid, 0)  # and reaped
+    assert [p.name for p in tmp.iterdir()] == []  # the run's temporary directory (and its output file) gone
