@@ -12,7 +12,12 @@ setup(
     # megatron-core 0.19.2 (docs/compatibility.md). megatron-core 0.17 and later ship wheels for
     # Python 3.12 only; pip picks the newest release the interpreter can install.
     python_requires=">=3.10",
-    packages=find_packages(include=["megatron_ssd", "megatron_ssd.*"]),
+    packages=find_packages(include=["megatron_ssd", "megatron_ssd.*"]) + ["megatron_ssd.presets"],
+    # The YAML presets stay at the top of the repository (configs/) and ship inside the package
+    # as megatron_ssd/presets/*.yaml, where `--config NAME` finds them (NOTE [Shipped presets]
+    # in megatron_ssd/config/presets.py; tests/test_install.py checks them byte for byte).
+    package_dir={"megatron_ssd.presets": "configs"},
+    package_data={"megatron_ssd.presets": ["*.yaml"]},
     install_requires=[
         # Ranges, never a pin: installing into an NGC-style environment must keep its torch
         # (built against its Transformer Engine and apex) and its megatron-core. The lower

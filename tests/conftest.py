@@ -73,3 +73,27 @@ def offload_dir(tmp_path):
     d = tmp_path / "offload"
     d.mkdir()
     return str(d)
+
+
+@pytest.fixture(scope="session")
+def checkout_wheel(tmp_path_factory):
+    """The wheel setup.py builds from a copy of the checkout's sources (so nothing is
+    written into the checkout), built once per session: the lab package is copied too, so
+    that the wheel shows it is left out, and ``configs/``, which ships as
+    ``megatron_ssd/presets`` (NOTE [Shipped presets])."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    tmp = tmp_path_factory.mktemp("wheel")
+    src = tmp / "src"
+    src.mkdir()
+    for name in ("setup.py", "README.md"):
+        shutil.copy(repo / name, src / name)
+    for tree in ("megatron_ssd", "megatron_ssd_lab", "configs"):
+        shutil.copytree(repo / tree, src / tree, ignore=shutil.ignore_patterns("__pycache__"))
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index", "-q",
+                    "-w", str(tmp / "dist"), str(src)], check=True, cwd=tmp, capture_output=True)
+    [wheel] = list((tmp / "dist").glob("megatron_ssd-*.whl"))
+    return wheel

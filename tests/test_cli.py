@@ -296,3 +296,47 @@ def test_optional_dependency_warnings_become_one_line(capsys, monkeypatch):
         warnings.warn("something else entirely")
     assert capsys.readouterr().err == output.OPTIONAL_DEPENDENCY_LINE + "\n"
     assert shown == ["something else entirely"]
+
+
+# ------------------------------------------------------------------ presets by name
+
+
+def test_config_names_a_preset_where_no_file_is_and_a_file_that_exists_wins(tmp_path, monkeypatch):
+    """NOTE [Shipped presets]: ``--config gpt-tiny``, ``gpt-tiny.yaml`` or the default's
+    ``configs/gpt-tiny.yaml`` read the preset from any directory; a file of that name in
+    the working directory is read instead; a name that is no preset says which are."""
+    import os
+
+    from megatron_ssd.config import TrainConfig
+    from megatron_ssd.config.presets import find_preset, preset_names, presets_dir
+    from megatron_ssd.errors import ConfigError
+
+    monkeypatch.chdir(tmp_path)
+    tiny = load_config(TrainConfig, os.path.join(presets_dir(), "gpt-tiny.yaml"))
+    for name in ("gpt-tiny", "gpt-tiny.yaml", "configs/gpt-tiny.yaml", "./configs/gpt-tiny.yaml"):
+        assert load_config(TrainConfig, name) == tiny, name
+    assert find_preset("/elsewhere/gpt-tiny.yaml") is None and find_preset("other/gpt-tiny.yaml") is None
+    (tmp_path / "configs").mkdir()
+    (tmp_path / "configs" / "gpt-tiny.yaml").write_text("steps: 7\n")
+    assert load_config(TrainConfig, "configs/gpt-tiny.yaml").steps == 7  # the user's file wins
+    assert load_config(TrainConfig, "gpt-tiny").steps == tiny.steps  # no file named gpt-tiny here
+    with pytest.raises(ConfigError) as info:
+        load_config(TrainConfig, "gpt-tinny")
+    assert str(info.value) == ("megatron_ssd: config file 'gpt-tinny': does not exist, and no preset is named so: "
+                               f"`megatron-ssd presets` lists them ({', '.join(preset_names())})")
+    with pytest.raises(ConfigError) as info:
+        load_config(TrainConfig, str(tmp_path / "gpt-tiny.yaml"))
+    assert str(info.value) == f"megatron_ssd: config file {str(tmp_path / 'gpt-tiny.yaml')!r}: does not exist"
+
+
+def test_presets_lists_each_shipped_preset_in_one_line(capsys):
+    import pathlib
+
+    assert main(["presets"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    configs = sorted(p.stem for p in (pathlib.Path(__file__).resolve().parents[1] / "configs").glob("*.yaml"))
+    assert [line.split()[0] for line in lines[:-1]] == configs
+    kinds = dict(line.split()[:2] for line in lines[:-1])
+    assert (kinds["gpt-tiny"], kinds["gpt-ref-cpu"], kinds["demo"], kinds["gpt-1.3b"], kinds["io-nvme1"]) == (
+        "train", "train", "train", "offload", "offload")
+    assert lines[-1].startswith("from ") and "--config NAME reads one" in lines[-1]

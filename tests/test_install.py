@@ -116,3 +116,80 @@ def test_supported_range_matches_setup_py():
     below = ".".join(map(str, compat.SUPPORTED_BELOW))
     assert f'"megatron-core>={oldest},<{below}"' in text
     assert compat.check_supported() == compat.core_version()
+
+
+def _environment_without_megatron_ssd(tmp_path: Path) -> str:
+    """A fresh virtual environment that sees this one's packages (torch, megatron-core,
+    pip) but not megatron-ssd: a ``.pth`` file names a folder of links to this
+    environment's site-packages, every entry but megatron-ssd's own (its editable install,
+    the lab's path file). The wheel installed there is the only megatron_ssd it can import.
+
+    Returns:
+        The new environment's interpreter.
+    """
+    env = tmp_path / "env"
+    venv.EnvBuilder(with_pip=False).create(env)
+    python = str(env / "bin" / "python")
+    site = subprocess.check_output(
+        [python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], text=True).strip()
+    others = tmp_path / "others"
+    others.mkdir()
+    for path in dict.fromkeys([sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]]):
+        for entry in Path(path).iterdir():
+            if not entry.name.startswith(("megatron_ssd", "__editable__", "megatron-ssd")) \
+                    and not (others / entry.name).exists():
+                (others / entry.name).symlink_to(entry)
+    Path(site, "this-environment.pth").write_text(f"{others}\n")
+    return python
+
+
+@pytest.mark.slow
+def test_the_wheel_ships_the_presets_and_trains_one_by_name_outside_the_checkout(checkout_wheel, tmp_path):
+    """NOTE [Shipped presets]: installed from the wheel, outside the checkout, ``megatron-ssd
+    train`` (default ``configs/gpt-tiny.yaml``) or ``--config gpt-tiny`` stopped with "config
+    file 'configs/gpt-tiny.yaml': does not exist". The wheel holds ``configs/*.yaml`` byte
+    for byte as ``megatron_ssd/presets``; ``megatron-ssd presets`` lists them; ``--config
+    gpt-tiny`` trains."""
+    import zipfile
+
+    configs = sorted(Path(REPO, "configs").glob("*.yaml"))
+    with zipfile.ZipFile(checkout_wheel) as wheel:
+        shipped = sorted(n for n in wheel.namelist() if n.startswith("megatron_ssd/presets/"))
+        assert shipped == [f"megatron_ssd/presets/{p.name}" for p in configs]
+        for p in configs:
+            assert wheel.read(f"megatron_ssd/presets/{p.name}") == p.read_bytes(), p.name
+    python = _environment_without_megatron_ssd(tmp_path)
+    install = subprocess.run([python, "-m", "pip", "install", "--no-deps", "--no-index", "-q", str(checkout_wheel)],
+                             capture_output=True, text=True, timeout=HANG_S)
+    assert install.returncode == 0, install.stderr[-3000:]
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "MEGATRON_SSD_TMPDIR")}
+    env["MEGATRON_SSD_TMPDIR"] = str(tmp_path)
+
+    def run(*args):
+        done = subprocess.run([str(Path(python).parent / "megatron-ssd"), *args], cwd=elsewhere, env=env,
+                              capture_output=True, text=True, timeout=HANG_S)
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        return done.stdout
+
+    where = subprocess.run([python, "-c", "import megatron_ssd.config.presets as p; print(p.presets_dir())"],
+                           cwd=elsewhere, env=env, capture_output=True, text=True, timeout=HANG_S)
+    assert where.stdout.strip() == str(Path(python).parents[1] / "lib" / f"python{sys.version_info[0]}."
+                                       f"{sys.version_info[1]}" / "site-packages" / "megatron_ssd" / "presets")
+    listed = run("presets").splitlines()
+    assert [line.split()[0] for line in listed[:-1]] == [p.stem for p in configs]
+    assert [line.split()[1] for line in listed if line.startswith(("gpt-tiny ", "io-nvme1 "))] == ["train", "offload"]
+    out = run("train", "--config", "gpt-tiny", "--no-baseline", "--allow-short", "steps=1",
+              "offload.planner.mode=offload")
+    assert "offload" in out
+    check = subprocess.run([python, "-c", "from megatron_ssd.config import TrainConfig, load_config; "
+                                          "print(load_config(TrainConfig, 'configs/gpt-tiny.yaml').model.num_layers)"],
+                           cwd=elsewhere, env=env, capture_output=True, text=True, timeout=HANG_S)
+    assert check.returncode == 0 and check.stdout.strip() == str(load_config_layers()), check.stderr[-2000:]
+
+
+def load_config_layers() -> int:
+    from megatron_ssd.config import TrainConfig, load_config
+
+    return load_config(TrainConfig, os.path.join(REPO, "configs", "gpt-tiny.yaml")).model.num_layers

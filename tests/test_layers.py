@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import ast
 import pathlib
-import subprocess
 import sys
 import zipfile
 
@@ -273,20 +272,11 @@ def test_the_import_time_check_reads_every_kind_of_import(source, found):
             if _under(t, (LAB_PACKAGE,))] == found
 
 
-def test_the_wheel_holds_no_lab_module(tmp_path):
-    """The wheel that setup.py builds (from a copy of the sources, so nothing is written
-    into the checkout) holds megatron_ssd and nothing of megatron_ssd_lab."""
-    import shutil
+def test_the_wheel_holds_no_lab_module(checkout_wheel):
+    """The wheel that setup.py builds (tests/conftest.py, from a copy of the sources, so
+    nothing is written into the checkout) holds megatron_ssd and nothing of megatron_ssd_lab."""
     repo = ROOT.parent
-    src = tmp_path / "src"
-    src.mkdir()
-    for name in ("setup.py", "README.md"):
-        shutil.copy(repo / name, src / name)
-    for package in ("megatron_ssd", LAB_PACKAGE):
-        shutil.copytree(repo / package, src / package, ignore=shutil.ignore_patterns("__pycache__"))
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index", "-q",
-                    "-w", str(tmp_path / "dist"), str(src)], check=True, cwd=tmp_path, capture_output=True)
-    [wheel] = list((tmp_path / "dist").glob("megatron_ssd-*.whl"))
+    wheel = checkout_wheel
     names = zipfile.ZipFile(wheel).namelist()
     assert "megatron_ssd/__init__.py" in names and "megatron_ssd/commands/rok.py" in names
     lab = sorted(p.name for p in (repo / LAB_PACKAGE).glob("*.py"))

@@ -9,6 +9,7 @@ Subcommands::
     megatron-ssd simulate model=gpt-1.3b ssd_count=4 [key=value ...]
     megatron-ssd bench-io PATH [PATH ...]
     megatron-ssd clean [PATH ...] [--stall-warning-s S]
+    megatron-ssd presets
     megatron-ssd pretrain-gpt --megatron-path DIR <pretrain_gpt.py args> --ssd-offload ...
 
 Each subcommand's module is imported only when it runs: ``--help``, ``--version`` and
@@ -35,7 +36,9 @@ __all__ = ["main", "build_parser", "parse_command_line"]
 
 
 def _add_config_args(p: argparse.ArgumentParser, default: Optional[str]) -> None:
-    p.add_argument("--config", default=default, help="YAML preset (see configs/)")
+    p.add_argument("--config", default=default,
+                   help="a YAML file, or a preset's name such as gpt-tiny (megatron-ssd presets lists them); a file "
+                        "that exists wins")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
                    help="override a config field, e.g. steps=10; before or after the options, a later one wins")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
@@ -128,6 +131,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("paths", nargs="+")
     p.add_argument("--size", default="1GiB", help="bytes written per path (default 1GiB)")
     p.add_argument("--json", metavar="PATH")
+
+    sub.add_parser("presets", help="list the YAML presets shipped with the package, one line each (--config NAME "
+                                   "reads one)")
 
     p = sub.add_parser("clean", help="remove stale offload run directories left by runs that died")
     p.add_argument("paths", nargs="*", help="offload paths (default: the directory `train` uses when "
@@ -347,6 +353,10 @@ def main(argv: Optional[List[str]] = None) -> int:
             from .bench_io import run_bench_io
 
             return run_bench_io(args.paths, args.size, json_path=args.json)
+        if args.command == "presets":
+            from .presets import run_presets
+
+            return run_presets()
         if args.command == "clean":
             from .clean import run_clean
 

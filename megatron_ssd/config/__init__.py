@@ -19,7 +19,8 @@ gains no runtime dependency (pydantic comes only with the ``megatron-lm`` extra)
 
 The package, one job per module: :mod:`.rules` (what a field's annotation may carry),
 :mod:`.schema` (validation, the dict / YAML round trip, the field docstrings), :mod:`.files`
-(reading a config file, bounded: NOTE [Config file bounds]), :mod:`.tree` (the
+(reading a config file, bounded: NOTE [Config file bounds]), :mod:`.presets` (the
+presets shipped with the package, found by name), :mod:`.tree` (the
 configuration megatron-ssd reads), :mod:`.host_pool` (``host_pool_bytes: auto`` sized
 from the node); the placements they name are
 :mod:`megatron_ssd.placement`'s. Every public name is importable from here.

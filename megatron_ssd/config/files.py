@@ -16,6 +16,7 @@ from typing import Any, Dict, Tuple
 
 from ..errors import ConfigError, clipped, shown
 from ..units import MiB
+from .presets import _name_of, preset_names, resolve_config_path
 
 __all__ = ["MAX_CONFIG_BYTES", "MAX_CONFIG_DEPTH", "MAX_CONFIG_NODES", "read_config_file"]
 
@@ -56,8 +57,9 @@ class _Refused(Exception):
 
 
 def read_config_file(path: str) -> Any:
-    """The YAML document in the config file ``path``: plain YAML only (safe tags, no
-    ``!!python``), each key at most once per mapping, within the bounds of NOTE [Config
+    """The YAML document in the config file ``path`` (where no file is there, the shipped
+    preset it names: NOTE [Shipped presets] in ``presets.py``): plain YAML only (safe tags,
+    no ``!!python``), each key at most once per mapping, within the bounds of NOTE [Config
     file bounds].
 
     Raises:
@@ -65,10 +67,13 @@ def read_config_file(path: str) -> Any:
             FIFO, a socket), cannot be read, is not UTF-8, is not valid YAML, or breaks a
             bound; one line naming the file, what is wrong and the rule.
     """
+    given, path = path, resolve_config_path(path)  # a preset by name (NOTE [Shipped presets])
     try:
         info = os.stat(path)
     except FileNotFoundError:
-        raise ConfigError(f"{_named(path)}: does not exist") from None
+        hint = ("" if _name_of(given) is None else
+                f", and no preset is named so: `megatron-ssd presets` lists them ({', '.join(preset_names())})")
+        raise ConfigError(f"{_named(path)}: does not exist{hint}") from None
     except OSError as e:
         raise ConfigError(f"{_named(path)}: cannot be read ({e.strerror}): --config must name a readable YAML "
                           "file") from None
