@@ -371,6 +371,7 @@ def predict(
     stage: StageProfile,
     choices: Sequence[Union[LayerChoice, Placement, str]],
     io: Optional[IOProfile] = None,
+    layers: Optional[Sequence[LayerProfile]] = None,
 ) -> Timeline:
     """Replay one micro-batch of ``stage`` under ``choices``.
 
@@ -384,6 +385,9 @@ def predict(
             is a choice that moves every site, read 1 layer ahead.
         io: Bandwidths to replay with; defaults to ``stage.io`` (the planner passes a
             derated copy).
+        layers: The layers to replay in place of ``stage.layers``, one per layer (the
+            search passes each layer as its choice derives it: NOTE [Recompute inside a
+            layer] in ``module_recompute.py``); None: the stage's.
 
     Returns:
         The predicted :class:`Timeline`.
@@ -391,7 +395,7 @@ def predict(
     Raises:
         ConfigError: ``choices`` does not match the layers, or a read-ahead < 1.
     """
-    layers = stage.layers
+    layers = stage.layers if layers is None else layers
     n = len(layers)
     if len(choices) != n:
         raise ConfigError(f"choices: {len(choices)} given for {n} layers; need one per layer")
@@ -487,7 +491,7 @@ def predict(
         out.append(lt)
     head_start, t = t, compute.run(t, stage.other_s)
     hold(head_start, t, stage.head_bytes)  # the output layer's and loss's saved tensors
-    gap = _pipeline_gap(stage, placements, moved, transfer, queue, link, t, io)
+    gap = _pipeline_gap(stage, layers, placements, moved, transfer, queue, link, t, io)
     t += gap
 
     def issue_read(i: int, s: int, now: float) -> None:
@@ -512,15 +516,16 @@ def predict(
             host_busy += duration
 
     exposed = 0.0
-    # every moved site, needed-first: later layers first, then in use order
-    pending = [(i, s) for i in range(n - 1, -1, -1) if placements[i] in MOVED
-               for s in use_order(layers[i], counts[i])]
+    # every moved site, needed-first (later layers first, then in use order), due at the
+    # first backward j, counting down, with i + its read-ahead >= j
+    due_at: List[List[Tuple[int, int]]] = [[] for _ in range(n)]
+    for i in range(n - 1, -1, -1):
+        if placements[i] in MOVED:
+            for s in use_order(layers[i], counts[i]):
+                due_at[min(i + aheads[i][s], n - 1)].append((i, s))
     for j in range(n - 1, -1, -1):
-        due = [(i, s) for i, s in pending if i + aheads[i][s] >= j]
-        for i, s in due:
+        for i, s in due_at[j]:
             issue_read(i, s, t)
-        if due:
-            pending = [(i, s) for i, s in pending if i + aheads[i][s] < j]
         lt, layer = out[j], layers[j]
         work = layer.backward_s
         if lt.placement is Placement.RECOMPUTE:
@@ -565,7 +570,7 @@ def predict(
     )
 
 
-def _pipeline_gap(stage: StageProfile, placements: Sequence[Placement], moved: Sequence[int],
+def _pipeline_gap(stage: StageProfile, layers: Sequence[LayerProfile], placements: Sequence[Placement], moved: Sequence[int],
                   transfer: Callable[..., Tuple[float, float]], queue: "_DeviceQueue", link: "_Link", now: float,
                   io: IOProfile) -> float:
     """The 1F1B wait between the replayed micro-batch's forward and its backward, with
@@ -574,10 +579,10 @@ def _pipeline_gap(stage: StageProfile, placements: Sequence[Placement], moved: S
     m = stage.microbatches_in_flight or 1
     if m <= 1:
         return 0.0
-    forward = sum(layer.forward_s for layer in stage.layers)
+    forward = sum(layer.forward_s for layer in layers)
     slot = forward + sum(
         layer.backward_s + (layer.recompute_time if p is Placement.RECOMPUTE else 0.0)
-        for layer, p in zip(stage.layers, placements)
+        for layer, p in zip(layers, placements)
     ) + stage.other_s
     offloaded = sum(b for b, p in zip(moved, placements) if p is Placement.OFFLOAD)
     hosted = sum(b for b, p in zip(moved, placements) if p is Placement.HOST)

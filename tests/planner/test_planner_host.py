@@ -150,13 +150,16 @@ def test_a_hidden_host_copy_beats_the_ssd():
 
 def test_a_full_pool_spills_to_the_ssds():
     """A 3 GB pool on a stage where the SSDs hide three whole layers and the link every
-    one: the pool takes three layers and the SSDs two more, a 3 GB peak, where filling
-    the SSDs first (three layers) left the pool one layer whose copy still lowered the
-    peak (4 GB). Under a 3 GB budget the plan meets it without recompute."""
+    one: the pool takes three layers and the SSDs more, where filling the SSDs first
+    (three layers) left the pool one layer whose copy still lowered the peak. The greedy
+    search stopped at a 4 GB derated peak (3 GB measured: three layers hosted, two
+    offloaded); the search interleaves the tiers and reaches a lower peak at both.
+    Under a 3 GB budget the plan meets it without recompute."""
     st = stage(write_s=0.025, read_s=0.010, host_bytes_per_s=GB / 0.005)
     plan = make_plan(st, read_ahead_mode="fixed", host_budget_bytes=3 * GB)
-    assert plan.hosted_bytes == 3 * GB and plan.offloaded_bytes == 2 * GB
-    assert plan.peak_activation_bytes == 3 * GB and plan.exposed_s == 0.0
+    assert plan.hosted_bytes == 3 * GB and plan.offloaded_bytes >= 2 * GB
+    derated = predict(st, plan.layer_choices, io=st.io.derated(plan.request.safety_margin))
+    assert derated.peak_bytes < 4 * GB and plan.peak_activation_bytes < 3 * GB and plan.exposed_s == 0.0
     assert plan.peak_activation_bytes < make_plan(st, read_ahead_mode="fixed").peak_activation_bytes
     budget = make_plan(st, memory_budget=3 * GB, read_ahead_mode="fixed", host_budget_bytes=3 * GB)
     assert budget.layers_with(R) == [] and budget.hosted_bytes == 3 * GB and budget.offloaded_bytes > 0

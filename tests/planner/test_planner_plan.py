@@ -17,7 +17,9 @@ from megatron_ssd.planner.plan import (
     PlanInfeasibleError,
     make_plan,
 )
+from megatron_ssd.placement import LayerChoice
 from megatron_ssd.planner.profile import IOProfile, StageProfile, uniform_stage
+from megatron_ssd.planner.search import replay
 from megatron_ssd.planner.step_timeline import predict
 
 GB = 10**9
@@ -323,16 +325,24 @@ PLATEAU_STAGE = {'layers': [{'layer_id': 'embedding',
 
 
 def test_a_budget_that_recomputing_every_layer_meets_is_met_where_no_single_move_helps():
-    """NOTE [Uniform fallback]: before, this raised PlanInfeasibleError for 759872 bytes while
-    naming 724992 bytes as its smallest reachable peak (rok's budget point then had no plan
-    and no paired steps, under load only, since the profile's times decide the plateau)."""
+    """NOTE [Uniform fallback] in ``greedy.py``: before it, the greedy search raised
+    PlanInfeasibleError for 759872 bytes while naming 724992 bytes as its smallest reachable
+    peak (rok's budget point then had no plan and no paired steps, under load only, since
+    the profile's times decide the plateau). The greedy then met it by recomputing both
+    layers; the search now meets it faster, recomputing one layer and offloading one site
+    of the other with its core attention recomputed, and reaches the smallest peak any plan
+    has (696320 bytes: the exhaustive oracle's), where the greedy stopped at 724992."""
     stage = StageProfile.from_dict(PLATEAU_STAGE)
+    both = [LayerChoice(Placement.KEEP), LayerChoice(Placement.RECOMPUTE), LayerChoice(Placement.RECOMPUTE)]
     for read_ahead in ("fixed", "auto"):
         plan = make_plan(stage, memory_budget=759872, default_read_ahead=2, read_ahead_mode=read_ahead)
         assert plan.peak_activation_bytes <= 759872
-        assert [lp.placement for lp in plan.layers] == [Placement.KEEP, Placement.RECOMPUTE, Placement.RECOMPUTE]
-    with pytest.raises(PlanInfeasibleError, match="smallest reachable predicted peak is 724992 bytes"):
-        make_plan(stage, memory_budget=724991, default_read_ahead=2)
+        assert plan.step_s < replay(stage, both, 2).step_s
+        assert [lp.placement for lp in plan.layers] == [Placement.KEEP, Placement.RECOMPUTE, Placement.OFFLOAD]
+        assert plan.layers[2].choice.recompute == ("core_attn",)
+    assert make_plan(stage, memory_budget=696320, default_read_ahead=2).peak_activation_bytes <= 696320
+    with pytest.raises(PlanInfeasibleError, match="smallest reachable predicted peak is 696320 bytes"):
+        make_plan(stage, memory_budget=696319, default_read_ahead=2)
 
 
 @pytest.mark.parametrize("name, made", [

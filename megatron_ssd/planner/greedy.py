@@ -1,0 +1,545 @@
+"""The greedy search: the starting plan the placement search improves on.
+
+:class:`Greedy` is the search megatron-ssd planned with before the local search and branch
+and bound of :mod:`~megatron_ssd.planner.search` (NOTE [Search] there): it builds a good
+plan quickly from structure the model rewards, and the search starts from it, so the plan
+chosen is never slower than the greedy one. Two constructions:
+
+- :meth:`Greedy.first_fit`: first fit in forward order, the host pool first and then the
+  SSDs, no stall, no forwarding and no more predicted step time than ``max_slowdown``
+  allows (NOTE [Slowdown bound] in ``judge.py``); a layer whose sites do not all fit moves
+  the longest prefix of them that does (NOTE [Sites]); then layers the host tier could not
+  take are given to it in exchange for a hosted layer the SSDs can take (NOTE [Tier
+  preference]);
+- :meth:`Greedy.fit_budget`: greedy single-layer moves (KEEP -> HOST, KEEP -> OFFLOAD,
+  KEEP -> RECOMPUTE, HOST or OFFLOAD -> RECOMPUTE, a module recomputed inside a layer) by
+  memory benefit per second of step time, until the predicted peak fits, then undoing the
+  moves the budget does not need (a recomputed layer turned kept, hosted or offloaded where
+  that is no slower), hosting what the SSDs carry where the pool allows, and trimming each
+  OFFLOAD or HOST layer to the fewest sites that still meet it (less wear).
+
+Both return one :class:`~megatron_ssd.placement.LayerChoice` per layer in forward order.
+Measured against the exhaustive optimum of the model, it alone reached it on 65% of seeded
+5-layer stages and called 2.3% of feasible budgets infeasible (docs/planner.md, "How the
+search is checked"): the search's own moves close that gap.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+from typing import Callable, List, Optional, Sequence, Tuple
+
+from ..placement import MOVED, LayerChoice, Placement
+from .judge import Choices, Judge, replaced
+from .module_recompute import MODULE_MOVE, ModuleMoves
+from .step_timeline import Timeline
+
+__all__ = ["Greedy"]
+
+_TOP = (-1, 0.0, 0.0, -1, -1)
+"""Heap key of a move never evaluated: ahead of every evaluated one."""
+_NO_BENEFIT = 2
+"""First element of the heap key of a move that lowers neither peak nor byte-seconds."""
+_EAGER_LAYERS = 32
+"""Up to this many layers per stage the budget search re-scores every move after each step."""
+
+_KEEP = LayerChoice(Placement.KEEP)
+
+
+def _largest(lo: int, hi: int, ok: Callable[[int], bool]) -> Optional[int]:
+    """The largest k in [lo, hi] with ``ok(k)``, assuming ok holds up to some k and not
+    beyond (None when not even ``lo``)."""
+    best = None
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        if ok(mid):
+            best, lo = mid, mid + 1
+        else:
+            hi = mid - 1
+    return best
+
+
+def _smallest(lo: int, hi: int, ok: Callable[[int], bool]) -> int:
+    """The smallest k in [lo, hi] with ``ok(k)``, assuming ok holds from some k on and
+    ``ok(hi)``."""
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if ok(mid):
+            hi = mid
+        else:
+            lo = mid + 1
+    return hi
+
+
+
+class Greedy(Judge, ModuleMoves):
+    """The greedy constructions (see the module docstring); its module moves are
+    :class:`ModuleMoves`'."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.both_tiers = bool(self.host_budget_bytes) and self.drives and any(
+            layer.sites and self.wears_ok(replaced([_KEEP] * self.n, i, LayerChoice(Placement.OFFLOAD, 1)))
+            for i, layer in enumerate(self.stage.layers))
+        """Whether the host pool and the SSDs can each take bytes: the pool has a budget and
+        the drives, measured, can take at least one layer's first site within the wear
+        bound; only then is there a choice between them (NOTE [Tier preference])."""
+
+
+    # NOTE [Tier preference]
+    # Where the host pool and the SSDs would both hide a layer's bytes, the layer is
+    # hosted: a host copy costs no drive wear and, at a link faster than the drives, less
+    # time, and on a shared link an SSD request spends as much link time as a host copy
+    # of the same bytes (NOTE [Shared link] in ``step_timeline.py``). The SSDs take what
+    # the pool cannot: bytes beyond its budget, or, where the link is the host tier's own,
+    # copies it is too busy to hide. But the pool is bytes and the SSDs are time: a pool
+    # filled with the earliest layers, which the SSDs would also hide, can leave a later
+    # layer that only the faster copy hides with nowhere to go. So the tiers are ranked
+    # by what the plan costs, not by a fixed order:
+    # - ``max_offload`` fills the pool first, then the SSDs, each first fit in forward
+    #   order; then, forward, each layer still kept is offered to the pool in exchange for
+    #   a hosted layer moved to the SSDs (earliest first: the SSDs hide early layers best),
+    #   taken when the predicted peak drops with everything still hidden; the first layer
+    #   no exchange helps ends the pass (hiding only gets harder for later layers). The
+    #   plan that fills the SSDs first and the pool after (the order this goal used
+    #   before) is built too, and kept only when its predicted peak is lower, or equal
+    #   with fewer bytes written to the SSDs;
+    # - ``meet_budget`` scores every move by the peak it removes per second of step time
+    #   it adds; of two moves with equal score the host one comes first. A recompute costs
+    #   its forward, a move that hides costs nothing, so recompute is chosen only where
+    #   moving would expose more time. The clean-up then turns each recomputed layer kept,
+    #   hosted or offloaded (in that order) where the step is no slower and the budget
+    #   still holds, hosted through the same exchange where the pool is full, and turns
+    #   offloaded layers hosted where the pool has room and the step is no slower. The
+    #   same search with ties going to the SSDs runs too, and the plan with the shorter
+    #   predicted step is kept, on equal steps the one writing fewer SSD bytes.
+    # Each alternative costs one more search, run only when both tiers are there.
+
+    def first_fit(self) -> Choices:
+        """The most HOST, then OFFLOAD, bytes whose copies and I/O the model hides
+        completely (within ``max_slowdown``, NOTE [Slowdown bound]), exchanged where a full
+        pool keeps the SSDs from hiding more (NOTE [Tier preference]), less those that do
+        not lower the predicted peak (:meth:`without_idle_writes`)."""
+        # First fit in forward order: an earlier layer's write has the most forward
+        # compute left to drain behind and its read is needed last, so for layers of
+        # equal size and time the admitted set is the longest admissible prefix; with
+        # unequal layers a layer that does not fit is skipped and later ones still tried.
+        # A layer that does not fit whole moves the longest prefix of its sites that
+        # does (NOTE [Sites]): hiding shrinks as a layer's bytes grow, so it is found by
+        # bisection.
+        choices: Choices = [_KEEP] * self.n
+        if self.host_budget_bytes:
+            self._first_fit(choices, Placement.HOST)
+        if self.drives:  # what the pool could not take goes to the SSDs
+            self._first_fit(choices, Placement.OFFLOAD)
+        if not self.both_tiers:
+            return self.without_idle_writes(choices)
+        peaks = [self.judge(choices).peak_bytes, self.check(choices).peak_bytes]
+
+        def lower(trial: Choices, tl: Timeline) -> bool:
+            if not (self.within_bound(tl) and self.allowed(trial, tl)) or tl.peak_bytes >= peaks[0]:
+                return False
+            checked = self.check(trial)
+            if not self.within_bound(checked) or checked.peak_bytes > peaks[1]:
+                return False
+            peaks[:] = [tl.peak_bytes, checked.peak_bytes]
+            return True
+
+        kept = [i for i, layer in enumerate(self.stage.layers) if layer.saved_bytes]
+        hosted_first = self.without_idle_writes(self._exchange(choices, kept, Placement.KEEP, lower))
+        by_order: Choices = [_KEEP] * self.n  # the SSDs first, then the pool
+        self._first_fit(by_order, Placement.OFFLOAD)
+        self._first_fit(by_order, Placement.HOST)
+        by_order = self.without_idle_writes(by_order)
+
+        def price(c: Choices) -> Tuple[int, int, int]:
+            tl = self.judge(c)
+            return tl.peak_bytes, self.check(c).peak_bytes, tl.offloaded_bytes
+
+        return by_order if price(by_order) < price(hosted_first) else hosted_first
+
+    def _exchange(self, choices: Choices, layers: Sequence[int], placed: Placement,
+                  better: Callable[[Choices, Timeline], bool]) -> Choices:
+        """Forward through ``layers``, each still ``placed``: host it whole where
+        ``better`` says so, alone or with one hosted layer moved to the SSDs (its sites
+        kept, the earliest that works); stop at the first layer neither helps (NOTE [Tier
+        preference])."""
+        for i in layers:
+            if choices[i].placement is not placed:
+                continue
+            alone = replaced(choices, i, LayerChoice(Placement.HOST))
+            if better(alone, self.judge(alone)):
+                choices = alone
+                continue
+            for j, c in enumerate(choices):
+                if c.placement is not Placement.HOST:
+                    continue
+                trial = replaced(alone, j, LayerChoice(Placement.OFFLOAD, c.sites))
+                if better(trial, self.judge(trial)):
+                    choices = trial
+                    break
+            else:
+                break
+        return choices
+
+    def _first_fit(self, choices: Choices, target: Placement) -> None:
+        """Move KEEP layers to ``target`` in forward order, each whole or the longest prefix
+        of its sites that hides within the limits, then drop the latest moved until the
+        measured bandwidths hide them too (in place)."""
+        for i, layer in enumerate(self.stage.layers):
+            if layer.saved_bytes == 0 or choices[i].placement is not Placement.KEEP:
+                continue
+            m = len(layer.sites)
+
+            def fits_with(k: int) -> bool:
+                trial = replaced(choices, i, LayerChoice(target, None if k == m else k))
+                tl = self.judge(trial)
+                return self.within_bound(tl) and self.allowed(trial, tl)
+
+            k = m if fits_with(m) else _largest(1, m - 1, fits_with)
+            if k:
+                choices[i] = LayerChoice(target, None if k == m else k)
+        # Derating makes I/O slower, so the measured bandwidths normally agree; if
+        # they do not (slowdown interplay), drop the latest admitted layers until they do.
+        while not self.within_bound(self.check(choices)) and any(c.placement is target for c in choices):
+            last = max(i for i, c in enumerate(choices) if c.placement is target)
+            choices[last] = _KEEP
+
+    def without_idle_writes(self, choices: Sequence[LayerChoice]) -> Choices:
+        """``choices`` less every offloaded site whose write buys no memory.
+
+        NOTE [Every offloaded byte buys memory]: a layer whose write completes after the
+        peak, or whose read buffer is allocated before it, costs bandwidth and drive
+        wear and lowers nothing. Last-admitted first, each OFFLOAD layer is cut to the
+        fewest sites (none: back to KEEP) with which the predicted peak rises neither at
+        the derated nor at the measured bandwidths (the I/O still hidden), until every
+        remaining offloaded site lowers it.
+        """
+        choices = list(choices)
+        peaks = (self.judge(choices).peak_bytes, self.check(choices).peak_bytes)
+
+        def trial(i: int, k: int) -> Choices:
+            if k == 0:
+                return replaced(choices, i, _KEEP)
+            return replaced(choices, i, LayerChoice(choices[i].placement, None if k == len(self.stage.layers[i].sites) else k))
+
+        def no_higher(i: int, k: int) -> bool:
+            c = trial(i, k)
+            judged, checked = self.judge(c), self.check(c)
+            return judged.peak_bytes <= peaks[0] and checked.peak_bytes <= peaks[1] and self.within_bound(judged)
+
+        changed = True
+        while changed:
+            changed = False
+            for i in range(self.n - 1, -1, -1):
+                if choices[i].placement not in MOVED:
+                    continue
+                sites = choices[i].sites
+                current = self.stage.layers[i].sites[: sites] if sites is not None else self.stage.layers[i].sites
+                k = _smallest(0, len(current), lambda k: no_higher(i, k))
+                if k < len(current):
+                    choices = trial(i, k)
+                    peaks = (self.judge(choices).peak_bytes, self.check(choices).peak_bytes)
+                    changed = True
+        return choices
+
+    def fit_budget(self, budget: int, allow_recompute: bool) -> Optional[Choices]:
+        """Greedy moves until the predicted peak fits ``budget``, then the clean-up; see
+        the module docstring. With both tiers, the search runs twice, ties going to the
+        host tier and then to the SSDs, and keeps the plan with the shorter predicted step,
+        on equal steps the one writing fewer SSD bytes (NOTE [Tier preference]). None
+        where the moves do not reach ``budget``."""
+        choices = self._greedy(budget, allow_recompute, host_first=True)
+        if choices is None:
+            return None
+        tl = self.judge(choices)
+        eps = 1e-9 * tl.compute_s + 1e-12
+        if not self.both_tiers or (
+                tl.step_s <= self._shortest_step_s + eps and tl.offloaded_bytes == 0):
+            return choices  # one tier, or a plan no other can beat: keep-everything's step, nothing written
+        other = self._greedy(budget, allow_recompute, host_first=False)
+        if other is None:
+            return choices
+        tl_other = self.judge(other)
+        if tl_other.step_s < tl.step_s - eps or (
+                tl_other.step_s <= tl.step_s + eps and tl_other.offloaded_bytes < tl.offloaded_bytes):
+            return other
+        return choices
+
+    def _greedy(self, budget: int, allow_recompute: bool, host_first: bool) -> Optional[Choices]:
+        """One greedy search and its clean-up, ties going to the host tier or to the SSDs.
+
+        A layer's moves (:func:`_moves`): to HOST or OFFLOAD whole, to HOST or OFFLOAD the
+        longest prefix of its sites that adds no predicted step time (``part``, NOTE
+        [Sites]; the share of the layer its window carries, and under a wear bound the
+        share the drives can take), and to RECOMPUTE. Each step takes the move with the best score
+        (:meth:`_score`) against the current placement. Up to ``_EAGER_LAYERS`` layers
+        every move is scored again after each step: O(n) timeline replays per step,
+        O(n^3) work in all. Beyond, scoring is lazy (as in lazy greedy submodular
+        maximization): a move keeps the score it had when last evaluated, the best
+        stored one is scored again and taken if it still beats every other stored score,
+        and when no stored move helps all are scored afresh once. On 200 random stages
+        of 8-32 layers the lazy search chose the same plan as the eager one in 97% of
+        cases and was never more than 8% slower in predicted step time, at a seventh of
+        the planning time.
+        """
+        self._modules_start()
+        choices: Choices = [_KEEP] * self.n
+        tl = self.judge(choices)
+        eps = 1e-9 * tl.compute_s + 1e-12
+        area = _byte_seconds(tl, self.stage)
+        heap: List[Tuple[Tuple[int, float, float, int, int], int, int, int, str, Optional[LayerChoice]]] = []
+        version = 0
+
+        def moves(i: int) -> List[str]:
+            layer = self.stage.layers[i]
+            return _moves(choices[i], len(layer.sites), allow_recompute and layer.recomputable,
+                          self.host_budget_bytes > 0, self.drives, host_first
+                          ) + self._module_moves(i, choices[i], allow_recompute)
+
+        def push_moves(i: int) -> None:
+            for rank, move in enumerate(moves(i)):
+                heapq.heappush(heap, (_TOP, -1, i, rank, move, None))
+
+        def rescore_all() -> None:
+            heap[:] = [(_TOP, -1, e[2], e[3], e[4], None) for e in heap]
+            heapq.heapify(heap)
+
+        for i in range(self.n):
+            push_moves(i)
+        refreshed = -1
+        while not self.fits(choices, tl, budget):
+            taken = False
+            while heap:
+                key, seen, i, rank, move, target = heapq.heappop(heap)
+                if move not in moves(i):
+                    continue  # the layer moved since this entry was stored
+                if seen != version:
+                    target = self._resolve(choices, tl, eps, i, move)
+                    key = self._score(tl, area, choices, target, eps, i, rank)
+                    heapq.heappush(heap, (key, version, i, rank, move, target))  # equal keys: equal targets
+                    continue
+                if key[0] < _NO_BENEFIT:
+                    choices = self._take(choices, i, target)
+                    tl = self.judge(choices)
+                    area = _byte_seconds(tl, self.stage)
+                    version += 1
+                    push_moves(i)
+                    taken = True
+                    if self.n <= _EAGER_LAYERS:
+                        rescore_all()
+                elif refreshed != version:
+                    # the best fresh move does not help: stored scores may be stale
+                    # the other way, so score every move against the current placements
+                    heapq.heappush(heap, (key, seen, i, rank, move, target))
+                    refreshed = version
+                    rescore_all()
+                    continue
+                else:
+                    heapq.heappush(heap, (key, seen, i, rank, move, target))
+                break
+            if not taken:
+                uniform = self._uniform_fit(budget, allow_recompute)  # NOTE [Uniform fallback]
+                if uniform is not None:
+                    choices, tl = uniform
+                    continue
+                self._modules_reset()
+                return None
+        choices = self._relax(choices, tl, budget, eps)
+        if self.host_budget_bytes:  # NOTE [Tier preference]
+            choices = self._to_host(choices, budget, eps)
+        choices = self._trim(choices, budget, eps)
+        return self._modules_finish(choices, lambda c, t: self.fits(c, t, budget) and self.allowed(c, t), eps)
+
+    # NOTE [Uniform fallback]
+    # The greedy search stops where no single move lowers the predicted peak, and a peak
+    # can be a plateau for every single move (moving one layer's bytes, or recomputing
+    # one module, shifts when another layer's bytes are held rather than how many are
+    # held at the peak) while moving the whole stage at once fits. Which stages plateau
+    # depends on the measured times: a 2-layer GPT's profile measured on a loaded machine
+    # (tests/planner/test_planner_plan.py keeps it) found no plan for a budget
+    # that recomputing every layer meets, its own message naming that smaller peak. Before raising,
+    # the search therefore tries the uniform placements (recompute where a layer may,
+    # then every layer to the SSDs) and goes on from the first that fits and is allowed;
+    # the clean-up then hands back what the budget does not need.
+
+    def _uniform_fit(self, budget: int, allow_recompute: bool) -> Optional[Tuple[Choices, Timeline]]:
+        """The first uniform placement that fits ``budget`` and is allowed, with its
+        timeline, or None (NOTE [Uniform fallback]). Judged on the measured stage, no
+        module recomputed (the search's module moves are dropped when one fits)."""
+        searched = self.stage, self._recomputed
+        self._modules_start()
+        candidates: List[Choices] = []
+        if allow_recompute:
+            candidates.append([LayerChoice(Placement.RECOMPUTE) if layer.recomputable else _KEEP
+                               for layer in self.stage.layers])
+        if self.drives:
+            candidates.append([LayerChoice(Placement.OFFLOAD) if layer.sites else _KEEP
+                               for layer in self.stage.layers])
+        for choices in candidates:
+            tl = self.judge(choices)
+            if self.fits(choices, tl, budget) and self.allowed(choices, tl):
+                return choices, tl
+        self.stage, self._recomputed = searched
+        return None
+
+    def _resolve(self, choices: Choices, tl: Timeline, eps: float, i: int, move: str) -> Optional[LayerChoice]:
+        """The choice a move gives layer ``i`` (None: a part move with no admissible
+        prefix)."""
+        if move.startswith(MODULE_MOVE):
+            return self._resolve_module(choices, i, move)
+        target = _target_placement(move)
+        if not move.endswith("-part"):
+            return LayerChoice(target)
+        m = len(self.stage.layers[i].sites)
+        now = choices[i]
+        current = now.sites if now.placement is target and now.sites is not None else 0
+
+        def free(k: int) -> bool:
+            trial = replaced(choices, i, LayerChoice(target, k))
+            ttl = self.judge(trial)
+            return self.allowed(trial, ttl) and ttl.step_s <= tl.step_s + eps
+
+        k = _largest(current + 1, m - 1, free)
+        return None if k is None else LayerChoice(target, k)
+
+    def _score(
+        self, tl: Timeline, area: float, choices: Choices, target: Optional[LayerChoice], eps: float, i: int,
+        rank: int,
+    ) -> Tuple[int, float, float, int, int]:
+        """Heap key of a move (smallest is best): its benefit per second of cost.
+
+        Benefit is the drop of the predicted peak; when a move does not lower it (two
+        equal peaks), the drop of resident byte-seconds, so the next move can. Cost is
+        the rise of the step time. Ties go to the earlier layer, then to the move listed
+        first by :func:`_moves`.
+        """
+        if target is None:
+            return (_NO_BENEFIT, 0.0, 0.0, i, rank)
+        trial = replaced(choices, i, target)
+        ttl = self.judge(trial)
+        cost = max(ttl.step_s - tl.step_s, 0.0) + eps
+        peak_drop = tl.peak_bytes - ttl.peak_bytes
+        area_drop = area - _byte_seconds(ttl, self.stage)
+        if not self.allowed(trial, ttl):
+            return (_NO_BENEFIT, 0.0, 0.0, i, rank)
+        if peak_drop > 0:
+            return (0, -peak_drop / cost, -float(peak_drop), i, rank)
+        if area_drop > 0:
+            return (1, -area_drop / cost, -area_drop, i, rank)
+        return (_NO_BENEFIT, 0.0, 0.0, i, rank)
+
+    def _relax(self, choices: Choices, tl: Timeline, budget: int, eps: float) -> Choices:
+        """Undo changes the budget does not need, when that does not slow the step: a
+        moved layer back to KEEP, a recomputed one to KEEP, HOST or OFFLOAD (NOTE [Tier
+        preference])."""
+        changed = True
+        while changed:
+            changed = False
+            for i in range(self.n - 1, -1, -1):
+                for target in _weaker(choices[i].placement):
+                    if (target is Placement.OFFLOAD and not self.drives) or (
+                            target is Placement.HOST and not self.host_budget_bytes):
+                        continue
+                    trial = replaced(choices, i, LayerChoice(target))
+                    ttl = self.judge(trial)
+                    if (ttl.step_s > tl.step_s + eps or not self.fits(trial, ttl, budget)
+                            or not self.allowed(trial, ttl)):
+                        continue
+                    choices, tl, changed = trial, ttl, True
+                    break
+        return choices
+
+    def _to_host(self, choices: Choices, budget: int, eps: float) -> Choices:
+        """The clean-up's host passes (NOTE [Tier preference]): each recomputed layer
+        still left hosted through an exchange where the pool is full, then each OFFLOAD
+        layer hosted (its sites kept) where the pool has room; each change only where
+        the step is no slower and the budget still holds."""
+        step = [self.judge(choices).step_s]
+
+        def no_slower(trial: Choices, tl: Timeline) -> bool:
+            if not self.allowed(trial, tl) or tl.step_s > step[0] + eps or not self.fits(trial, tl, budget):
+                return False
+            step[0] = tl.step_s
+            return True
+
+        if self.both_tiers:
+            recomputed = [i for i, c in enumerate(choices) if c.placement is Placement.RECOMPUTE]
+            choices = self._exchange(choices, recomputed, Placement.RECOMPUTE, no_slower)
+        for i, c in enumerate(choices):
+            if c.placement is Placement.OFFLOAD:
+                trial = replaced(choices, i, LayerChoice(Placement.HOST, c.sites))
+                if no_slower(trial, self.judge(trial)):
+                    choices = trial
+        return choices
+
+    def _trim(self, choices: Choices, budget: int, eps: float) -> Choices:
+        """Each OFFLOAD layer cut to the fewest sites (a prefix, NOTE [Sites]) with which
+        the budget is still met at no longer a predicted step: fewer bytes written for
+        the same time and memory, so less drive wear. Last layer first."""
+        choices = list(choices)
+        step = self.judge(choices).step_s
+        for i in range(self.n - 1, -1, -1):
+            m = len(self.stage.layers[i].sites)
+            placement = choices[i].placement
+            if placement not in MOVED or m < 2:
+                continue
+            current = m if choices[i].sites is None else choices[i].sites
+
+            def ok(k: int) -> bool:
+                trial = replaced(choices, i, LayerChoice(placement, None if k == m else k))
+                ttl = self.judge(trial)
+                return (not ttl.forwarded and ttl.step_s <= step + eps
+                        and ttl.peak_bytes <= budget and self.check(trial).peak_bytes <= budget)
+
+            k = _smallest(1, current, ok)
+            if k < current:
+                choices[i] = LayerChoice(placement, None if k == m else k)
+                step = self.judge(choices).step_s
+        return choices
+
+
+def _moves(now: LayerChoice, site_count: int, allow_recompute: bool, allow_host: bool,
+           allow_offload: bool = True, host_first: bool = True) -> List[str]:
+    """The moves that make a layer hold fewer bytes, in the order that breaks a tie of
+    scores (NOTE [Tier preference]): ``host`` and ``host-part`` (into the host pool, whole
+    or a longer prefix of its sites, NOTE [Sites]; with ``allow_host``), ``offload`` and
+    ``offload-part`` (the same onto the SSDs; with ``allow_offload``), the SSDs' first
+    without ``host_first``; then ``recompute``."""
+    current, sites = now.placement, now.sites
+    out = []
+    tiers = (Placement.HOST, Placement.OFFLOAD) if host_first else (Placement.OFFLOAD, Placement.HOST)
+    for target in tiers:
+        if (target is Placement.HOST and not allow_host) or (target is Placement.OFFLOAD and not allow_offload):
+            continue
+        partial = current is target and sites is not None
+        if site_count and (current is Placement.KEEP or partial):
+            out.append(target.value)
+            if site_count >= 2 and (sites if partial else 0) < site_count - 1:
+                out.append(target.value + "-part")
+    if allow_recompute and current is not Placement.RECOMPUTE:
+        out.append("recompute")
+    return out
+
+
+def _target_placement(move: str) -> Placement:
+    return Placement(move.split("-")[0])
+
+
+def _weaker(current: Placement) -> List[Placement]:
+    """Placements that hold more bytes than ``current``, KEEP first, then HOST before
+    OFFLOAD (NOTE [Tier preference])."""
+    if current is Placement.RECOMPUTE:
+        return [Placement.KEEP, Placement.HOST, Placement.OFFLOAD]
+    if current in MOVED:
+        return [Placement.KEEP]
+    return []
+
+
+def _byte_seconds(tl: Timeline, stage: StageProfile) -> float:
+    """Area under the micro-batch's memory curve plus the parked micro-batches' share."""
+    area = 0.0
+    for (t0, resident), (t1, _) in zip(tl.memory, tl.memory[1:]):
+        area += resident * (t1 - t0)
+    return area + ((stage.microbatches_in_flight or 1) - 1) * tl.parked_bytes * tl.step_s

@@ -1,0 +1,131 @@
+"""The rules a plan keeps, and the replays that judge it.
+
+:class:`Judge` holds what every search of a stage is held to (the derated and measured
+bandwidths, the read-ahead, the drive-wear bound, the host pool, the slowdown bound) and
+judges a placement with the timeline model
+(:func:`~megatron_ssd.planner.step_timeline.predict`): with the bandwidths derated by the
+safety margin to choose, and with the measured ones to check. The searches
+(:mod:`~megatron_ssd.planner.search`, :mod:`~megatron_ssd.planner.greedy`,
+:mod:`~megatron_ssd.planner.local_search`) share it, so they keep one set of rules.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import List, Optional, Sequence
+
+from ..placement import LayerChoice, Placement
+from .module_recompute import with_recompute
+from .profile import IOProfile, StageProfile
+from .step_timeline import Timeline, predict
+
+__all__ = ["Choices", "Judge", "replaced", "replay"]
+
+Choices = List[LayerChoice]
+"""What a search works on and chooses: one choice per layer in forward order."""
+
+
+def replay(stage: StageProfile, choices: Sequence[LayerChoice], read_ahead: Optional[int] = None,
+           io: Optional[IOProfile] = None) -> Timeline:
+    """:func:`~megatron_ssd.planner.step_timeline.predict` of ``choices`` (their
+    placements, site counts and modules recomputed inside a layer, NOTE [Recompute inside
+    a layer] in ``module_recompute.py``) at ``read_ahead``; None: each choice's own."""
+    if read_ahead is not None:
+        choices = [dataclasses.replace(c, read_ahead=read_ahead) for c in choices]
+    return predict(with_recompute(stage, choices), choices, io=io)
+
+
+def replaced(values: List, i: int, value) -> List:
+    """A copy of ``values`` with entry ``i`` replaced."""
+    return values[:i] + [value] + values[i + 1 :]
+
+
+class Judge:
+    """The rules of one stage's search and its replays (see the module docstring)."""
+
+    def __init__(
+        self, stage: StageProfile, derated: IOProfile, read_ahead: int, max_write_bytes_per_s: Optional[float] = None,
+        host_budget_bytes: int = 0, max_slowdown: Optional[float] = None,
+    ) -> None:
+        self.stage = stage
+        self.derated = derated
+        self.read_ahead = read_ahead
+        self.max_write_bytes_per_s = max_write_bytes_per_s
+        self.max_slowdown = max_slowdown
+        """How much longer than keep-everything's the predicted step may be under
+        :meth:`max_offload` (NOTE [Slowdown bound]); None: no bound."""
+        self.host_budget_bytes = host_budget_bytes if stage.io.host_bytes_per_s is not None else 0
+        """Bytes the host pool may hold for this stage (0: no HOST placement)."""
+        self.drives = stage.io.drives_measured
+        """Whether OFFLOAD may be chosen: only with the drives' bandwidths measured (NOTE
+        [Unmeasured drives] in ``profile.py``)."""
+        self.n = len(stage.layers)
+        self.replays = 0
+        """Replays :meth:`judge` and :meth:`check` made."""
+        self.smallest_peak: Optional[int] = None
+        # See wears_ok and within_bound: no placement's step is shorter than keeping everything.
+        self._shortest_step_s = predict(stage, [Placement.KEEP] * self.n).step_s
+
+    def wears_ok(self, choices: Sequence[LayerChoice]) -> bool:
+        """The offloaded bytes per micro-batch stay within ``max_write_bytes_per_s``
+        (NOTE [Wear model]) over keep-everything's step time at the measured bandwidths:
+        offload and recompute only lengthen a step, so the bound holds for the plan's
+        own step time whatever bandwidth judged it. Always true without a limit."""
+        if self.max_write_bytes_per_s is None:
+            return True
+        written = sum(layer.offloaded_bytes(c.sites) for layer, c in zip(with_recompute(self.stage, choices).layers,
+                                                                         choices) if c.placement is Placement.OFFLOAD)
+        return written <= self.max_write_bytes_per_s * self._shortest_step_s * (1 + 1e-9)
+
+    def hosts_ok(self, tl: Timeline) -> bool:
+        """The host pool holds what ``tl`` hosts for every micro-batch in flight (NOTE
+        [Host tier])."""
+        return tl.hosted_bytes * (self.stage.microbatches_in_flight or 1) <= self.host_budget_bytes
+
+    def allowed(self, choices: Sequence[LayerChoice], tl: Timeline) -> bool:
+        """Within the drive-wear limit and the host pool, and nothing forwarded."""
+        return not tl.forwarded and self.wears_ok(choices) and self.hosts_ok(tl)
+
+    def judge(self, choices: Sequence[LayerChoice]) -> Timeline:
+        """Replay with derated bandwidths; remembers the smallest peak seen."""
+        self.replays += 1
+        tl = replay(self.stage, choices, self.read_ahead, io=self.derated)
+        if self.allowed(choices, tl) and (
+            self.smallest_peak is None or tl.peak_bytes < self.smallest_peak
+        ):
+            self.smallest_peak = tl.peak_bytes
+        return tl
+
+    def check(self, choices: Sequence[LayerChoice]) -> Timeline:
+        """Replay with the measured bandwidths."""
+        self.replays += 1
+        return replay(self.stage, choices, self.read_ahead)
+
+    @staticmethod
+    def hidden(tl: Timeline) -> bool:
+        """No stall (beyond float noise): backward waits for no read and no forward waits
+        for the in-flight bound (NOTE [In-flight bound] in ``step_timeline.py``); and no
+        forwarded layer."""
+        return not tl.forwarded and tl.exposed_s + tl.write_wait_s <= 1e-9 * tl.compute_s + 1e-12
+
+    # NOTE [Slowdown bound]
+    # "Hidden" I/O never stalls backward, but on a machine where the I/O engine shares
+    # the cores with compute (a CPU run) it still slows compute while it is in flight
+    # (``IOProfile.compute_slowdown``), by tens of percent on two cores without a single
+    # stall (measured: docs/performance.md#run-2026-11-24-slowdown). So the hidden
+    # offload is also held to a predicted step at most ``1 + max_slowdown`` times
+    # keep-everything's, at the derated and at the measured bandwidths. On a GPU the
+    # measured slowdown is near
+    # 0 and the bound never binds. It applies to the ``max_offload`` goal only: a
+    # memory budget or the device's capacity is met whatever it costs.
+
+    def within_bound(self, tl: Timeline) -> bool:
+        """Hidden (:meth:`hidden`) and, with ``max_slowdown``, a predicted step within it
+        of keep-everything's (NOTE [Slowdown bound])."""
+        if not self.hidden(tl):
+            return False
+        return self.max_slowdown is None or tl.step_s <= self._shortest_step_s * (1 + self.max_slowdown) + 1e-12
+
+    def fits(self, choices: Sequence[LayerChoice], tl: Timeline, budget: int) -> bool:
+        """Peak within budget at derated (``tl``) and at measured bandwidths."""
+        return tl.peak_bytes <= budget and self.check(choices).peak_bytes <= budget
