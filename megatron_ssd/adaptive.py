@@ -84,7 +84,9 @@ class PlanEvent:
 # NOTE [Profiling within the capacity].
 # When RECOMPUTE may be chosen (``recompute_profile_steps``), a RECOMPUTE block runs
 # between the two, after its own settle steps (NOTE [Pricing recompute] in
-# ``planner/measured_profile.py``).
+# ``planner/measured_profile.py``). Where the plan may use a host pool (``host_budget``),
+# a HOST block as long as the OFFLOAD one runs last, after its settle steps: its copies'
+# cost to compute is measured as the drives' I/O is (NOTE [Pricing host copies] there).
 
 # NOTE [Profiling within the capacity]
 # No step may hold more saved bytes than the device's activation capacity
@@ -133,13 +135,23 @@ class PlanEvent:
 # (``warmup_steps = 1``), whose times no profile uses. When even that step leaves no room
 # (resident + W + F >= the cap) one warning line names the cap, the resident bytes and
 # the need, and the guard stays at 0; when it runs out of memory, the train command
-# records it (NOTE [Out of memory, recorded]). Without a cap, or on a CPU, nothing of
-# this runs.
+# records it (NOTE [Out of memory, recorded]). On a CPU nothing enforces a cap, but
+# ``rok --largest-within`` holds a run to it by the allocator timeline's peak of live
+# tensor bytes above the step's start (NOTE [Fits within a cap] in
+# ``commands/rok_largest.py``), which counts the same working set: the logits chain, the
+# temporaries. Before, the CPU planner took the cap less ``capacity_reserve`` as its
+# capacity and its steps ran over the cap from micro-batch 3 of gpt-tiny at 300 MiB
+# (307.5 MiB), where recompute fitted 9. So the train command measures the first step on
+# a CPU as on CUDA, through :class:`~megatron_ssd.memory.TimelinePeaks` (the timeline
+# opened when the planner is built, closed when the first step ends): W is its peak
+# above the step's start, nothing is resident (weights are not in the count) and there
+# is no fragmentation. Without a cap nothing of this runs; where the planner is built
+# by another caller (Megatron-LM's ``pretrain_gpt.py``) a CPU run keeps the reserve.
 
 
 FIRST_STEP_GUARD = 0
-"""The cache's capacity guard in the first step under a cap on CUDA (NOTE [Working set
-under a cap])."""
+"""The cache's capacity guard in the first step under a cap (NOTE [Working set under a
+cap])."""
 
 
 @dataclass(frozen=True)
@@ -147,20 +159,23 @@ class ProfileStep:
     """One step of the profiling phase (NOTE [Profiling steps])."""
 
     placement: Optional[Placement]
-    """KEEP or RECOMPUTE for every layer, or None for the cache's default placement
+    """KEEP, RECOMPUTE or HOST for every layer, or None for the cache's default placement
     (offload)."""
     measured: bool
     """Whether the profile uses the step; warm-up and settle steps are not."""
 
 
-def profile_schedule(config: PlannerConfig) -> List[ProfileStep]:
+def profile_schedule(config: PlannerConfig, host: bool = False) -> List[ProfileStep]:
     """The steps an ``auto`` planner runs before its first plan, in order (NOTE
-    [Profiling steps]); empty for the other modes."""
+    [Profiling steps]); empty for the other modes. ``host``: the plan may use a host pool,
+    so a HOST block follows, as long as the OFFLOAD one (NOTE [Pricing host copies] in
+    ``planner/measured_profile.py``)."""
     if config.mode != "auto":
         return []
     keep = (config.profile_steps + 1) // 2 if config.profile_steps >= 2 else 0
     blocks = [(Placement.KEEP, keep), (Placement.RECOMPUTE, config.recompute_profiling),
-              (None, config.profile_steps - keep)]
+              (None, config.profile_steps - keep),
+              (Placement.HOST, (config.profile_steps - keep) if host and keep else 0)]
     blocks = [(placement, n) for placement, n in blocks if n]
     schedule = [ProfileStep(blocks[0][0], False)] * config.warmup_steps
     for i, (placement, n) in enumerate(blocks):
@@ -187,9 +202,9 @@ class ProfileCounts:
         return self.warmup + self.measured + self.settle
 
 
-def profile_counts(config: PlannerConfig) -> ProfileCounts:
-    """The step counts of ``profile_schedule(config)`` by kind."""
-    schedule = profile_schedule(config)
+def profile_counts(config: PlannerConfig, host: bool = False) -> ProfileCounts:
+    """The step counts of ``profile_schedule(config, host)`` by kind."""
+    schedule = profile_schedule(config, host)
     measured = sum(step.measured for step in schedule)
     warmup = config.warmup_steps if schedule else 0
     return ProfileCounts(warmup, measured, len(schedule) - warmup - measured)
@@ -228,6 +243,11 @@ class AdaptivePlanner:
         default_read_ahead: layers read ahead during backward (the cache's ``default_read_ahead``).
         pipeline_rank, pipeline_size: this process's pipeline stage.
         cuda: the CUDA calls that measure device memory (tests pass a fake).
+        cpu_peaks: on a CPU, what measures the first step's working set under
+            ``offload.device_memory_cap`` (:class:`~megatron_ssd.memory.TimelinePeaks`, which
+            the train command passes: it brackets the step with a dispatch mode, so only a
+            caller that runs the first step right after building the planner may); None:
+            not measured on a CPU (NOTE [Working set under a cap]).
     """
 
     def __init__(
@@ -238,9 +258,13 @@ class AdaptivePlanner:
         pipeline_rank: int = 0,
         pipeline_size: int = 1,
         cuda: Optional[CudaOps] = None,
+        cpu_peaks: Optional[Any] = None,
     ) -> None:
         self.cache = cache
         self.cuda = cuda if cuda is not None else CUDA
+        self.peaks = self.cuda if cache.device.type == "cuda" else cpu_peaks
+        """What measures the first step's working set under a cap: the CUDA calls on a
+        GPU, ``cpu_peaks`` on a CPU (NOTE [Working set under a cap])."""
         self.config = config
         self.default_read_ahead = default_read_ahead or max(1, cache.config.default_read_ahead)
         self.pipeline_rank = pipeline_rank
@@ -253,11 +277,14 @@ class AdaptivePlanner:
         self._keep_steps: List[StepMeasurement] = []
         self._recompute_steps: List[StepMeasurement] = []
         self._offload_steps: List[StepMeasurement] = []
+        self._host_steps: List[StepMeasurement] = []
         self._drift = DriftDetector(threshold=config.replan_threshold)
         self._steps_seen = 0
         self._microbatches = 1
         self._host_bw: Optional[float] = None
-        self._schedule = profile_schedule(config)
+        self.profiles_host = self.host_budget() is not None
+        """Whether the profile measures HOST steps too (the plan may use a host pool)."""
+        self._schedule = profile_schedule(config, host=self.profiles_host)
         if config.mode in FIXED_MODES:
             self._fixed = Placement(config.mode)
         else:
@@ -267,9 +294,9 @@ class AdaptivePlanner:
         after it (None: none applies); the cache's guard holds every step within it (NOTE
         [Profiling within the capacity], NOTE [Working set under a cap])."""
         self.working_set: Optional[WorkingSet] = None
-        """What the first step needed beyond its activations, under a cap on CUDA (NOTE
-        [Working set under a cap]); None: not measured."""
-        self._measure_first = (self._fixed is None and cache.device.type == "cuda"
+        """What the first step needed beyond its activations, under a cap (NOTE [Working
+        set under a cap]); None: not measured."""
+        self._measure_first = (self._fixed is None and self.peaks is not None
                                and cache.config.device_memory_cap is not None)
         self.fits: Dict[str, bool] = {}
         """Whether keep-everything and RECOMPUTE fit the capacity, decided after the first
@@ -285,8 +312,8 @@ class AdaptivePlanner:
         self._resident_at_start = 0
         if self._measure_first:  # NOTE [Working set under a cap]
             self.cache.policy.resident_limit = FIRST_STEP_GUARD
-            self._resident_at_start = self.cuda.memory_allocated(self.cache.binding.resolved())
-            self.cuda.reset_peak_memory(self.cache.binding.resolved())
+            self._resident_at_start = self.peaks.memory_allocated(self.cache.binding.resolved())
+            self.peaks.reset_peak_memory(self.cache.binding.resolved())
         self.before_step()
 
     def before_step(self) -> None:
@@ -337,11 +364,11 @@ class AdaptivePlanner:
                 "" if self.fits["recompute"] else f", and RECOMPUTE (about {recompute / 2**20:.1f} MiB) does not fit either")
 
     def _measure_working_set(self) -> None:
-        """After the first step under a cap on CUDA: its working set, and from it the
-        capacity and the guard for every later step (NOTE [Working set under a cap])."""
+        """After the first step under a cap: its working set, and from it the capacity and
+        the guard for every later step (NOTE [Working set under a cap])."""
         device = self.cache.binding.resolved()
-        peak_allocated, peak_reserved = self.cuda.peak_memory(device)
-        self.working_set = WorkingSet(self.cuda.memory_allocated(device), FIRST_STEP_GUARD, peak_allocated,
+        peak_allocated, peak_reserved = self.peaks.peak_memory(device)
+        self.working_set = WorkingSet(self.peaks.memory_allocated(device), FIRST_STEP_GUARD, peak_allocated,
                                       peak_reserved)
         cap = self.cache.config.device_memory_cap
         short = self.working_set.shortfall(cap)
@@ -363,7 +390,7 @@ class AdaptivePlanner:
         if not self._measure_first or self._steps_seen:
             return None
         cap = self.cache.config.device_memory_cap
-        _, reserved = self.cuda.peak_memory(self.cache.binding.resolved())
+        _, reserved = self.peaks.peak_memory(self.cache.binding.resolved())
         return (f"megatron_ssd: offload.device_memory_cap = {cap} ({gib(cap)}) does not hold the first step with "
                 f"the cache holding at most {FIRST_STEP_GUARD} bytes of activations: {self._resident_at_start} bytes "
                 f"({gib(self._resident_at_start)}) allocated before it, and it had reserved {reserved} "
@@ -390,7 +417,7 @@ class AdaptivePlanner:
             if step == 0 and self.capacity_at_start is not None:
                 self._decide_fits(stats)
             if planned.measured:
-                measured = {"keep": self._keep_steps, "recompute": self._recompute_steps}
+                measured = {"keep": self._keep_steps, "recompute": self._recompute_steps, "host": self._host_steps}
                 measured.get(self.placed[step], self._offload_steps).append(stats)
             if step == len(self._schedule) - 1:
                 self._make_plan(step, "profile")  # its plan has no default: the keep_last_layers rule
@@ -406,13 +433,15 @@ class AdaptivePlanner:
             self._make_plan(step, "drift: " + "; ".join(decision.reasons), profile=decision.profile)
 
     def _make_plan(self, step: int, reason: str, profile: Optional[StageProfile] = None) -> None:
+        host_budget = self.host_budget()
         if profile is None:
             profile = stage_from_stats(self._keep_steps, self._offload_steps, self.pipeline_rank, self.pipeline_size,
-                                       self._recompute_steps, self.cache.config.io.forward_write_bound)
-        host_budget = self.host_budget()
-        if host_budget and profile.io.host_bytes_per_s is None:  # NOTE [Shared link]: a GPU's SSD bytes cross it
-            profile = profile.with_io(dataclasses.replace(profile.io, host_bytes_per_s=self.host_bandwidth(),
-                                                          shared_host_link=self.cache.device.type == "cuda"))
+                                       self._recompute_steps, self.cache.config.io.forward_write_bound,
+                                       self._host_steps, self.host_bandwidth() if host_budget else None)
+        if host_budget:  # NOTE [Shared link]: a GPU's SSD bytes cross it
+            profile = profile.with_io(dataclasses.replace(
+                profile.io, host_bytes_per_s=profile.io.host_bytes_per_s or self.host_bandwidth(),
+                shared_host_link=self.cache.device.type == "cuda"))
         self.profile = profile
         started = time.perf_counter()
         plan = make_plan(profile, PlanRequest(  # PlanInfeasibleError propagates: the budget cannot be met
@@ -425,6 +454,7 @@ class AdaptivePlanner:
             read_ahead_mode=self.config.read_ahead_mode,
             host_budget_bytes=host_budget,
             max_slowdown=self.config.max_slowdown,
+            search=self.config.search,
         ))
         search_s = time.perf_counter() - started
         self._check_space(plan)

@@ -12,8 +12,8 @@ found, and it prunes only by the peak bound (NOTE [Bounds before a replay] in th
 which the tests check against replays of every plan.
 
 :func:`random_stage` draws the seeded stages the tests and ``benchmarks/planner_gap.py``
-use: 2 to 5 layers of 1 to 3 sites, compute-to-bandwidth ratios from a CPU's (I/O slows
-compute by up to 3x) to an H100's (I/O beside compute, drives or host link the bottleneck),
+use: 2 to 5 layers of 1 to 3 sites, compute-to-bandwidth ratios from a CPU's (I/O, and
+host copies, slow compute by up to 3x) to an H100's (I/O beside compute, drives or host link the bottleneck),
 with and without the in-flight bound, a host pool, modules to recompute inside a layer, and
 pipeline micro-batches in flight.
 """
@@ -188,6 +188,7 @@ def random_stage(rng: random.Random, layers: Optional[int] = None, max_sites: in
     write = total / (compute * ratio)
     host = write * 10 ** rng.uniform(-0.5, 1.0) if rng.random() < 0.5 else None
     io = IOProfile(write, write * rng.uniform(1.0, 2.0), compute_slowdown=slowdown, host_bytes_per_s=host,
+                   host_compute_slowdown=0.0 if host is None or regime > 0.5 else rng.choice([0.0, 0.3, 1.0]),
                    max_inflight_bytes=rng.choice([None, 8 * MiB, 32 * MiB]),
                    shared_host_link=regime > 0.5 and rng.random() < 0.5)
     return StageProfile(layers=out, io=io, microbatches_in_flight=rng.choice([1, 1, 2]),

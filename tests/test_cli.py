@@ -234,8 +234,8 @@ def test_simulate_knows_every_shipped_model_preset(capsys):
     with open("configs/gpt-tiny.yaml", encoding="utf-8") as fh:
         tiny = yaml.safe_load(fh)
     assert {k: v for k, v in demo["model"].items() if k != "builder"} == tiny["model"]
-    assert sorted(models) == ["bert-large", "gpt-1.3b", "gpt-13b", "gpt-70b", "gpt-7b", "gpt-ref-cpu", "gpt-tiny",
-                              "t5-base"]
+    assert sorted(models) == ["bert-large", "gpt-1.3b", "gpt-13b", "gpt-70b", "gpt-7b", "gpt-deep-cpu", "gpt-ref-cpu",
+                              "gpt-tiny", "t5-base"]
     for model in models:
         assert model in MODEL_PRESETS
         with open(f"configs/{model}.yaml", encoding="utf-8") as fh:

@@ -24,9 +24,8 @@ class LayerCounters(LayerMeasurement):
     where the layer's bytes went."""
 
     offloaded_bytes: int = 0
-    """Of ``saved_bytes``, bytes queued for writing to the SSDs."""
-    hosted_bytes: int = 0
-    """Of those, bytes queued for copying into the host pool (``host`` placement)."""
+    """Of ``saved_bytes``, bytes queued for writing to the SSDs (``hosted_bytes``: to the
+    host pool)."""
 
     def add_queued(self, kind: str, nbytes: int) -> None:
         """Count ``nbytes`` queued to the blob store of ``kind`` (``ssd`` or ``host``)."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Optional, Sequence
 
 from ..adaptive import profile_counts
+from .steps import may_profile_host
 from ..config import TrainConfig, load_config, to_dict
 from ..errors import MegatronSSDError
 from ..planner.plan import Plan
@@ -21,7 +22,7 @@ def run_plan(config_path: Optional[str], overrides: Sequence[str], json_path: Op
     planner = config.offload.planner
     planner.mode = "auto"
     config.baseline_steps = 0
-    counts = profile_counts(planner)
+    counts = profile_counts(planner, may_profile_host(config.offload))
     config.steps = counts.total
     report = TrainRecipe(config, command="plan").run(print_summary=False)
     events = [e for e in report["planner"]["events"] if e["plan"] is not None]

@@ -9,15 +9,17 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Dict, List, Optional, Sequence
 
+import torch
+
 from ..adaptive import profile_counts, profile_schedule
 from ..cache import StepStats
-from ..config import PlannerConfig, TrainConfig
+from ..config import OffloadConfig, PlannerConfig, TrainConfig
 from ..placement import OUTSIDE
 from ..units import MiB
 from ..planner import Plan
 from .intervals import ratio_ci95
 
-__all__ = ["FEW_STEPS", "step_kinds", "short_run_problems", "step_line", "format_plans", "format_paired",
+__all__ = ["FEW_STEPS", "step_kinds", "may_profile_host", "short_run_problems", "step_line", "format_plans", "format_paired",
            "format_comparison", "memory_saved", "loss_identity", "format_loss_identity", "format_choices",
            "plan_summary"]
 
@@ -26,23 +28,37 @@ FEW_STEPS = 5
 warning next to its interval: a handful of steps cannot separate a few percent from noise."""
 
 
-def step_kinds(config: PlannerConfig, steps: int) -> List[str]:
-    """What each step of a phase is: ``warm-up``, ``profile`` or ``measured``.
+def step_kinds(config: PlannerConfig, steps: int, host: bool = False) -> List[str]:
+    """What each step of a phase is: ``warm-up``, ``profile`` or ``measured`` (``host``:
+    the planner profiles a host tier too, NOTE [Profiling steps] in ``adaptive.py``).
 
     NOTE [Step kinds]: an ``auto`` phase runs ``warmup_steps`` warm-up steps, then its
     profiling steps (``profile_steps`` measured ones, every layer kept and then the
-    default placement, with ``settle_steps`` untimed ones between, and a RECOMPUTE block
-    between those when ``recompute_profile_steps`` asks: NOTE [Profiling steps] in
-    ``adaptive.py``), and only the steps after those run the planner's placement;
+    default placement, with ``settle_steps`` untimed ones between, a RECOMPUTE block
+    between those when ``recompute_profile_steps`` asks, and a HOST block last where the
+    plan may use a host pool: NOTE [Profiling steps] in ``adaptive.py``), and only the
+    steps after those run the planner's placement;
     every other phase's first step warms up the allocator and the page cache. Only
     ``measured`` steps enter the summary; a phase with none is short
     (:func:`short_run_problems`).
     """
     if config.mode == "auto":
-        head = ["warm-up"] * config.warmup_steps + ["profile"] * (len(profile_schedule(config)) - config.warmup_steps)
+        head = ["warm-up"] * config.warmup_steps + ["profile"] * (len(profile_schedule(config, host))
+                                                                   - config.warmup_steps)
     else:
         head = ["warm-up"]
     return (head + ["measured"] * steps)[:steps]
+
+
+def may_profile_host(offload: OffloadConfig) -> bool:
+    """Whether an ``auto`` planner of ``offload`` may profile a host tier (its HOST block,
+    NOTE [Profiling steps] in ``adaptive.py``): a pool that is not 0, paced on a CPU
+    (``host_copy_bytes_per_s``), or on a GPU. Decided before any step, so on a GPU an
+    ``auto`` pool counts though it may size to none (``AdaptivePlanner.profiles_host``
+    says what the run does)."""
+    if offload.host_pool_bytes == 0:
+        return False
+    return offload.host_copy_bytes_per_s is not None or torch.cuda.is_available()
 
 
 def short_run_problems(config: TrainConfig) -> List[str]:
@@ -55,9 +71,10 @@ def short_run_problems(config: TrainConfig) -> List[str]:
     planner = config.offload.planner
     if config.budget_of_keep is not None and planner.memory_budget is None:  # a budget adds recompute profiling
         planner = dataclasses.replace(planner, memory_budget=1)
-    if "measured" not in step_kinds(planner, config.steps):
+    host = may_profile_host(config.offload)
+    if "measured" not in step_kinds(planner, config.steps, host):
         if planner.mode == "auto":
-            counts = profile_counts(planner)
+            counts = profile_counts(planner, host)
             problems.append(
                 f"TrainConfig.steps = {config.steps}: the planner uses {counts.warmup} warm-up + "
                 f"{counts.measured + counts.settle} profiling steps ({counts.measured} measured, "

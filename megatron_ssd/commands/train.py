@@ -44,7 +44,7 @@ from ..io.rundir import stranded_run_dirs
 from ..io.scratch import default_offload_dir, make_private_dir
 from ..io.smart import path_wear
 from ..megatron import get_forward_backward_func, offload_layer_spec
-from ..memory import AllocatorTimeline, PhaseMemory
+from ..memory import AllocatorTimeline, PhaseMemory, TimelinePeaks
 from ..metrics import ScalarWriter, tensorboard_writer
 from ..planner.drives import lifetime_for
 from ..units import MiB, gib
@@ -311,11 +311,15 @@ class TrainRecipe:
         metrics = self._metrics_writer() if planner_config is cfg.offload.planner else None
         memory = PhaseMemory(self.device)
         offload = self.offload if _may_use_host(planner_config, self.offload) else _with_host_pool(self.offload, 0)
-        with TensorCache(offload) as cache, _closing(memory):
+        # NOTE [Working set under a cap] in adaptive.py: on a CPU, the allocator timeline
+        # brackets the phase's first step (run right after the planner is built)
+        peaks = TimelinePeaks() if self.device != "cuda" and offload.device_memory_cap is not None else None
+        with TensorCache(offload) as cache, _closing(memory), _closing(peaks):
             self.host_pool = cache.host_pool if offload is self.offload else HostPoolChoice(
                 0, self.offload.host_pool_bytes, f"not built: planner.mode {planner_config.mode} places nothing on "
                                                  "the host", local_ranks(os.environ)[0])
-            planner = AdaptivePlanner(cache, planner_config)
+            planner = AdaptivePlanner(cache, planner_config, cpu_peaks=peaks)
+            result.kinds = step_kinds(planner_config, steps, host=planner.profiles_host)
             sink: List[StepStats] = result.steps
 
             def on_step(stats: StepStats) -> None:
@@ -574,7 +578,8 @@ def _closing(memory: Any) -> Iterator[Any]:
     try:
         yield memory
     finally:
-        memory.close()
+        if memory is not None:
+            memory.close()
 
 
 def _profiled_step(run_step: Any, step: int) -> Tuple[Optional[int], Optional[int]]:

@@ -193,7 +193,7 @@ class PlannerConfig:
     time where the I/O engine shares the cores with compute (a CPU run: the measured
     ``compute_slowdown``); on a GPU that cost is near 0 and the bound does not bind.
     None: offload everything whose I/O hides, whatever it costs (NOTE [Slowdown bound]
-    in ``planner/search.py``)."""
+    in ``planner/judge.py``)."""
 
     allow_recompute: bool = True
     """Whether the planner may place layers RECOMPUTE to meet ``memory_budget``."""
@@ -222,6 +222,14 @@ class PlannerConfig:
     the plan predicts it still arrives in time, chosen per layer and then per site, a
     site's read due by when backward first uses it (NOTE [Just-in-time reads]);
     ``fixed``, ``default_read_ahead`` layers ahead for every layer."""
+
+    search: Annotated[str, OneOf("full", "greedy")] = "full"
+    """How the plan is searched (NOTE [Search] in ``planner/search.py``): ``full``, the
+    greedy start improved by a local search and a branch and bound over every layer's
+    whole choice set (the model's optimum wherever the branch and bound ends:
+    docs/planner.md, "How the search is checked"); ``greedy``, the greedy start alone, the
+    search before this release: about half the time on deep stages, for comparisons and
+    for stages where planning time matters more than the plan."""
 
     drive_tbw_bytes: Optional[Annotated[ByteCount, Positive()]] = None
     """Rated write endurance of one offload drive, in bytes (TBW; DWPD x capacity x

@@ -18,15 +18,17 @@ which is what lets CPU tests check it.
 NOTE [Host pool bound]: ``capacity_bytes`` bounds the payload bytes held at once. A write
 that would exceed it is refused at once (``write`` returns None, whatever ``block`` says)
 and the cache keeps that tensor where it is: room in the pool is only given back by
-backward, so waiting for it during forward could wait forever. On CPU each blob has a
-buffer of its own, an anonymous mapping (returned to the kernel when freed, NOTE [Mapped
-read buffers]) that is not reported to the allocator timeline (NOTE [Host blobs are
-not device memory]). With CUDA the pool is one pinned slab of ``capacity_bytes`` (NOTE
-[Pinned slabs]), page-locked once when the engine is built, and blobs are carved out of
-it at ``SLAB_GRANULARITY``-byte granularity by a first-fit allocator: no pinned
-allocation, and no ``cudaHostAlloc``, on the forward thread. A blob that does not fit in
-the slab's free space (rounding and fragmentation can leave less than the bound) is
-refused like one over the bound.
+backward, so waiting for it during forward could wait forever. The pool is one slab of
+``capacity_bytes`` (NOTE [Pinned slabs]), an anonymous mapping not reported to the
+allocator timeline (NOTE [Host blobs are not device memory]); with CUDA it is
+page-locked once when the engine is built. Blobs are carved out of it at
+``SLAB_GRANULARITY``-byte granularity by a first-fit allocator: no pinned allocation, no
+``cudaHostAlloc`` and no fresh pages on the forward thread. On a CPU a mapping per blob
+(as before) cost a page fault per 4 KiB on every copy into it: 288 MiB hosted cost 0.19-
+0.23 s of CPU against 0.04 s into the slab, whose pages are faulted once (NOTE [Pricing
+host copies] in ``planner/measured_profile.py``); its pages stay resident up to the most
+the pool has held. A blob that does not fit in the slab's free space (rounding and
+fragmentation can leave less than the bound) is refused like one over the bound.
 
 NOTE [Host copy ordering]: copies are queued on the caller's thread: device-to-host on
 the tier's own write stream, which first waits for an event recorded on the caller's
@@ -49,7 +51,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import mmap
 import threading
 import time
 from typing import Any, Callable, Dict, Optional, Tuple
@@ -68,7 +69,7 @@ from .blocks import check_blob, check_read_target
 from .pacing import RateLimiter
 from .workers import READ, WRITE, Workers
 
-__all__ = ["HostEngine", "HOST_PATH_INDEX", "SLAB_GRANULARITY", "host_blob", "open_host_pool"]
+__all__ = ["HostEngine", "HOST_PATH_INDEX", "SLAB_GRANULARITY", "open_host_pool"]
 
 logger = logging.getLogger("megatron_ssd")
 
@@ -102,12 +103,10 @@ class HostEngine(Engine):
         self.capacity_bytes = capacity_bytes
         available = self.cuda.is_available()
         self.pinned = available if pin is None else bool(pin) and available
-        self._slab: Optional[HostSlab] = None
-        self._places: Optional[ExtentAllocator] = None
-        if self.pinned:  # NOTE [Host pool bound]: one slab, pinned now, not per blob on the forward thread
-            self._slab = HostSlab(capacity_bytes, pin=True, cuda=self.cuda)
-            self._places = ExtentAllocator(SLAB_GRANULARITY)
-            self._places.add_space(self._slab.nbytes)
+        # NOTE [Host pool bound]: one slab, pinned now on CUDA, not a mapping per blob on the forward thread
+        self._slab = HostSlab(capacity_bytes, pin=self.pinned, cuda=self.cuda)
+        self._places = ExtentAllocator(SLAB_GRANULARITY)
+        self._places.add_space(self._slab.nbytes)
         self.streams = CopyStreams(self.cuda)
         """The tier's own write and read streams (NOTE [Host copy ordering])."""
         self.fresh = FreshBuffers()
@@ -197,7 +196,7 @@ class HostEngine(Engine):
                 read_busy_s=s.read_busy_s, write_errors=s.write_errors, read_errors=s.read_errors,
                 extra={"host_bytes": self._used, "host_peak_bytes": self._peak,
                        "host_capacity_bytes": self.capacity_bytes, "host_refused_writes": self._refused,
-                       "pinned": self.pinned, "pinned_bytes": self._slab.nbytes if self._slab is not None else 0},
+                       "pinned": self.pinned, "pinned_bytes": self._slab.nbytes if self.pinned else 0},
             )
 
     def close(self) -> None:
@@ -209,8 +208,7 @@ class HostEngine(Engine):
         with self._lock:
             self._blobs.clear()
             self._used = 0
-        if self._slab is not None:
-            self._slab.close()
+        self._slab.close()
 
     # ------------------------------------------------------------------ internals
 
@@ -225,22 +223,17 @@ class HostEngine(Engine):
             raise CacheStateError("the host pool is closed")
 
     def _place(self, nbytes: int) -> Any:
-        """The slab offset for a new blob (None: no slab; False: it does not fit). Lock held."""
-        if self._places is None:
-            return None
+        """The slab offset for a new blob (False: it does not fit). Lock held."""
         offset = self._places.alloc(max(nbytes, 1))
         return False if offset is None else offset
 
-    def _give_back(self, nbytes: int, place: Optional[int]) -> None:
+    def _give_back(self, nbytes: int, place: int) -> None:
         with self._lock:
             self._used -= nbytes
-            if place is not None and self._places is not None:
-                self._places.free(place, max(nbytes, 1))
+            self._places.free(place, max(nbytes, 1))
 
-    def _buffer(self, nbytes: int, place: Optional[int]) -> torch.Tensor:
-        if place is not None:
-            return self._slab.tensor[place : place + nbytes]  # type: ignore[union-attr]
-        return host_blob(nbytes)
+    def _buffer(self, nbytes: int, place: int) -> torch.Tensor:
+        return self._slab.tensor[place : place + nbytes]
 
 
     def _queue_copy(self, dst: torch.Tensor, src: torch.Tensor, write: bool, fresh: bool = False) -> Any:
@@ -311,20 +304,10 @@ class HostEngine(Engine):
 # host memory, which is not the device memory a placement saves; on a CPU they live in
 # the same RAM as the "device". The allocator timeline (``memory/allocator_timeline.py``) is the
 # independent measure of the device's memory that ``rok`` compares placements by, and it
-# counts every mapping ``mapped_empty`` reports; so the host tier's CPU blobs are mappings
-# of their own, not reported to it, and the timeline counts on a CPU what it would count
-# on a GPU. The process's RSS still counts them: on a CPU the host tier saves no RSS.
+# counts every mapping ``mapped_empty`` reports; so the host tier's blobs live in a slab
+# of its own (``HostSlab``), not reported to it, and the timeline counts on a CPU what it
+# would count on a GPU. The process's RSS still counts them: on a CPU the host tier saves no RSS.
 # Read-back buffers (``alloc``) are device memory and stay ``mapped_empty``'s.
-
-
-def host_blob(nbytes: int) -> torch.Tensor:
-    """A host blob's CPU buffer: an anonymous private mapping of its own, unmapped when the
-    tensor's storage is freed, not reported to ``mapped_empty``'s listeners (NOTE [Host
-    blobs are not device memory])."""
-    capacity = max(nbytes, 1) + (-max(nbytes, 1)) % mmap.PAGESIZE
-    mapping = mmap.mmap(-1, capacity, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS,
-                        prot=mmap.PROT_READ | mmap.PROT_WRITE)
-    return torch.frombuffer(mapping, dtype=torch.uint8)[:nbytes]
 
 
 # NOTE [Pinning fails]: the pool is pinned once, when the engine is built (``HostSlab``:
@@ -333,7 +316,7 @@ def host_blob(nbytes: int) -> torch.Tensor:
 # memory (Docker on WSL2 stops near 0.5-1 GiB), an mmap refused under strict overcommit,
 # or fragmentation. A host tier is an optimisation, so a failure never ends the job: one
 # warning line names the pool, the error's first line and what happens instead. A size
-# the user gave becomes an unpinned pool of that size (each blob an mmap of its own; its
+# the user gave becomes an unpinned pool of that size (its
 # copies are pageable, so they block the forward thread while they run, and the planner
 # gives the tier no budget: ``AdaptivePlanner.host_budget``), since the user asked for
 # that tier; an ``auto`` pool becomes no host tier, since ``auto`` asks for the tier only
@@ -372,6 +355,11 @@ def open_host_pool(choice: HostPoolChoice, copy_bytes_per_s: Optional[float] = N
             return None, choice.built(0, False, first, f"{choice.reason}; pinning {size} failed, no host tier")
         logger.warning("megatron_ssd: the host pool (%s, offload.host_pool_bytes) could not be pinned: %s; it is "
                        "unpinned instead, its copies block the forward pass (docs/troubleshooting.md)", size, first)
-        engine = HostEngine(choice.bytes, pin=False, cuda=cuda, copy_bytes_per_s=copy_bytes_per_s)
+        try:
+            engine = HostEngine(choice.bytes, pin=False, cuda=cuda, copy_bytes_per_s=copy_bytes_per_s)
+        except _PIN_ERRORS as again:  # the mapping itself was refused (strict overcommit)
+            logger.warning("megatron_ssd: the unpinned host pool (%s) could not be mapped either: %s; training goes "
+                           "on without a host tier", size, (str(again).strip().splitlines() or ["?"])[0])
+            return None, choice.built(0, False, first, f"{choice.reason}; pinning and mapping {size} failed")
         return engine, choice.built(choice.bytes, False, first, f"{choice.reason}; pinning failed")
     return engine, choice.built(choice.bytes, engine.pinned)

@@ -6,7 +6,7 @@ timeline]) and :mod:`.phase`.
 
 from .phase import PhaseMemory
 from .rss import RSSPeak, current_rss_bytes, hwm_bytes, reset_hwm
-from .allocator_timeline import AllocatorTimeline, peak_of_events
+from .allocator_timeline import AllocatorTimeline, TimelinePeaks, peak_of_events
 
-__all__ = ["AllocatorTimeline", "PhaseMemory", "RSSPeak", "current_rss_bytes", "hwm_bytes",
+__all__ = ["AllocatorTimeline", "PhaseMemory", "TimelinePeaks", "RSSPeak", "current_rss_bytes", "hwm_bytes",
            "peak_of_events", "reset_hwm"]

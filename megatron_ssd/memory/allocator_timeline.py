@@ -34,7 +34,7 @@ from typing import Any, Dict, List, Optional, Set, Tuple
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["AllocatorTimeline", "peak_of_events"]
+__all__ = ["AllocatorTimeline", "TimelinePeaks", "peak_of_events"]
 
 
 def peak_of_events(events: List[Tuple[int, int]]) -> int:
@@ -162,3 +162,45 @@ class AllocatorTimeline:
         self.poll()
         with self._lock:
             self.peak_bytes = peak_of_events(self._events)
+
+
+class TimelinePeaks:
+    """The CPU counterpart of the CUDA calls that measure a step's working set under a cap
+    (``memory_allocated``, ``reset_peak_memory``, ``peak_memory`` of
+    :class:`~megatron_ssd.io.cuda.CudaOps`; NOTE [Working set under a cap] in
+    ``adaptive.py``), read from an :class:`AllocatorTimeline`, the measure a cap is checked
+    by on a CPU (NOTE [Fits within a cap] in ``commands/rok_largest.py``).
+
+    ``reset_peak_memory`` opens a timeline on the calling thread and ``peak_memory``
+    closes it, on the same thread, with no other dispatch mode opened in between and left
+    open: the two bracket one training step. ``memory_allocated`` is 0: on a CPU the cap
+    bounds what a step adds above its start (weights and gradients are not in the count).
+    """
+
+    def __init__(self) -> None:
+        self._timeline: Optional[AllocatorTimeline] = None
+
+    def memory_allocated(self, dev: Any) -> int:
+        return 0
+
+    def reset_peak_memory(self, dev: Any) -> None:
+        if self._timeline is not None:
+            self._timeline.__exit__(None, None, None)
+        self._timeline = AllocatorTimeline().__enter__()
+
+    def peak_memory(self, dev: Any) -> Tuple[int, int]:
+        """The peak of live tensor bytes since :meth:`reset_peak_memory`, twice (allocated
+        and "reserved": no caching allocator between the tensors and the count); closes
+        the timeline."""
+        timeline, self._timeline = self._timeline, None
+        if timeline is None:
+            return 0, 0
+        timeline.__exit__(None, None, None)
+        peak = int(timeline.peak_bytes or 0)
+        return peak, peak
+
+    def close(self) -> None:
+        """Close a timeline left open (a run that ended before its first step did)."""
+        if self._timeline is not None:
+            self._timeline.__exit__(None, None, None)
+            self._timeline = None

@@ -113,7 +113,7 @@ class LocalSearch:
         self._cost = [[o.compute_s + self._io_floor_s(o) for o in opts] for opts in self.options]
         self._ssd = [[o.moved if o.placement is Placement.OFFLOAD else 0 for o in opts] for opts in self.options]
         self._host = [[o.moved if o.placement is Placement.HOST else 0 for o in opts] for opts in self.options]
-        self._steady = search.derated.compute_slowdown == 0
+        self._steady = search.derated.compute_slowdown == 0 and search.derated.host_compute_slowdown == 0
         """Whether a hidden plan's forward runs at compute speed, so the drain bound holds
         at d = 0 under ``max_offload`` (NOTE [Drain and read floors])."""
         self._replayed = [[LayerChoice(o.placement, o.choice.sites, search.read_ahead) for o in opts]
@@ -143,14 +143,23 @@ class LocalSearch:
         return tuple(out)
 
     def _io_floor_s(self, option: Option) -> float:
-        """Step time an option's drive traffic adds at least (NOTE [Bounds before a
-        replay] in ``choices.py``): with one micro-batch in flight, every second the array
-        is busy either slows compute by ``s / (1 + s)`` of it or stalls it whole."""
+        """Step time an option's traffic on one channel adds at least (NOTE [Bounds before a
+        replay] in ``choices.py``): with one micro-batch in flight, every second that
+        channel is busy either slows compute by ``s / (1 + s)`` of it or stalls it whole.
+        One channel only, the one whose slowdown is larger (the drives' queue, or the host
+        link, which a shared link's SSD requests cross too): while both are busy compute
+        slows by ``1 + s + s_host``, less than the two bounds summed."""
         io = self.search.derated
-        if option.placement is not Placement.OFFLOAD or (self.stage.microbatches_in_flight or 1) > 1:
+        if not option.moved or (self.stage.microbatches_in_flight or 1) > 1:
             return 0.0
-        s = io.compute_slowdown
-        return s / (1 + s) * (option.moved / io.write_bytes_per_s + option.moved / io.read_bytes_per_s)
+        s, h = io.compute_slowdown, io.host_compute_slowdown
+        if s >= h:
+            if option.placement is not Placement.OFFLOAD or not s:
+                return 0.0
+            return s / (1 + s) * (option.moved / io.write_bytes_per_s + option.moved / io.read_bytes_per_s)
+        if option.placement is Placement.HOST or (io.shared_host_link and option.placement is Placement.OFFLOAD):
+            return h / (1 + h) * 2 * option.moved / io.host_bytes_per_s
+        return 0.0
 
     def _replay(self, index: Index, io=None) -> Timeline:
         if self.work_left <= 0:

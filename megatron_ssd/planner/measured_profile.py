@@ -55,6 +55,8 @@ def stage_from_stats(
     pipeline_size: int = 1,
     recompute_steps: Optional[Steps] = None,
     max_inflight_bytes: Optional[int] = None,
+    host_steps: Optional[Steps] = None,
+    host_bytes_per_s: Optional[float] = None,
 ) -> StageProfile:
     """Build the planner's :class:`StageProfile` from measured steps.
 
@@ -65,7 +67,9 @@ def stage_from_stats(
     recomputing a module inside a layer frees and costs from the steps the compute times
     come from (``LayerProfile.modules``, NOTE [Module timing] in ``cache/scopes.py``);
     ``max_inflight_bytes`` is the engine's bound on writes in flight, which a forward
-    waits for (NOTE [In-flight bound] in ``planner/step_timeline.py``; None: none).
+    waits for (NOTE [In-flight bound] in ``planner/step_timeline.py``; None: none);
+    ``host_steps`` (every layer HOST) and the host link's ``host_bytes_per_s`` give the
+    host tier's rate and its compute slowdown (NOTE [Pricing host copies]).
     """
     source = keep_steps or offload_steps
     if not source:
@@ -124,6 +128,9 @@ def stage_from_stats(
     head = int(statistics.median(heads)) if heads else 0
     io = dataclasses.replace(_io_profile(offload_steps, layer_ids, clean_compute if keep_steps else None),
                              max_inflight_bytes=max_inflight_bytes)
+    if host_bytes_per_s is not None:
+        io = dataclasses.replace(io, host_bytes_per_s=host_bytes_per_s, host_compute_slowdown=_host_slowdown(
+            host_steps or [], layer_ids, clean_compute if keep_steps else None, host_bytes_per_s))
     other = median_or_zero(_outside_layers(s, layer_ids) for s in source)
     return StageProfile(layers=layers, io=io, pipeline_rank=pipeline_rank, pipeline_size=pipeline_size, other_s=other,
                         head_bytes=head)
@@ -243,9 +250,12 @@ def _io_profile(offload_steps: Steps, layer_ids: List[LayerId], clean_compute: O
     return IOProfile(write_bytes_per_s=write_bw, read_bytes_per_s=read_bw, compute_slowdown=slowdown)
 
 
-def _slowdown_in_flight(stats: StepMeasurement, layer_ids: List[LayerId], clean_compute: float) -> float:
+def _slowdown_in_flight(stats: StepMeasurement, layer_ids: List[LayerId], clean_compute: float,
+                        in_flight: Optional[float] = None) -> float:
     """One OFFLOAD step's ``compute_slowdown``: the factor by which compute ran slower
-    while I/O was in flight (NOTE [Compute slowdown] in ``planner/step_timeline.py``).
+    while I/O was in flight (NOTE [Compute slowdown] in ``planner/step_timeline.py``);
+    ``in_flight``: that time per micro-batch, where not the drives' busy time (a HOST
+    step's copies, NOTE [Pricing host copies]).
 
     NOTE [Slowdown while in flight]: the layers' compute per micro-batch took ``busy``
     against ``clean_compute`` in KEEP steps; the timeline model charges the extra only
@@ -265,7 +275,42 @@ def _slowdown_in_flight(stats: StepMeasurement, layer_ids: List[LayerId], clean_
     extra = busy - clean_compute
     if extra <= 0:
         return 0.0
-    in_flight = min((stats.write_busy_s + stats.read_busy_s) / max(1, stats.microbatches), busy)
+    if in_flight is None:
+        in_flight = (stats.write_busy_s + stats.read_busy_s) / max(1, stats.microbatches)
+    in_flight = min(in_flight, busy)
     if in_flight <= 0:
         return extra / clean_compute
     return extra / max(in_flight - extra, 0.1 * in_flight)
+
+
+
+# NOTE [Pricing host copies]
+# On a GPU the host tier's copies run on copy engines beside compute; on a CPU they are
+# memory copies into fresh pages (a page fault per 4 KiB, then the copy), made by the host
+# engine's threads on the cores compute runs on: measured here, 288 MiB copied each way
+# cost 0.45-0.55 s of CPU, and a gpt-tiny step hosting every layer at 1 GiB/s took 2.01 s
+# against keep's 1.19 s with no stall and no write wait. A planner that priced the copies
+# at nothing hosted as much as the pool took and broke its own bound (1.44x keep where it
+# predicted 1.00x). So the profile measures them as it measures the drives' I/O: where
+# the plan may use a host pool, HOST steps (every layer hosted) run after the OFFLOAD
+# block, and ``host_compute_slowdown`` is their compute against the KEEP steps', spread
+# over the time the link carried their copies (each hosted byte out and back at
+# ``host_bytes_per_s``, NOTE [Slowdown while in flight]). The timeline then slows compute
+# by it while a host copy is in flight (NOTE [Compute slowdown] in ``step_timeline.py``).
+# Without HOST steps (profiles measured before, or a host tier sized after the profile)
+# it is 0, as before.
+
+
+def _host_slowdown(host_steps: Steps, layer_ids: List[LayerId], clean_compute: Optional[float],
+                   host_bytes_per_s: float) -> float:
+    """``IOProfile.host_compute_slowdown`` from HOST steps (NOTE [Pricing host copies]): the
+    median over the steps that hosted bytes; 0 without KEEP steps' compute or such steps."""
+    if not clean_compute:
+        return 0.0
+    found = []
+    for s in host_steps:
+        hosted = sum(lc.hosted_bytes for k, lc in s.layers.items() if k in layer_ids)
+        if hosted > 0:
+            found.append(_slowdown_in_flight(s, layer_ids, clean_compute,
+                                             2 * hosted / max(1, s.microbatches) / host_bytes_per_s))
+    return statistics.median(found) if found else 0.0

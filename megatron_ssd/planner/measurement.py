@@ -70,6 +70,10 @@ class LayerMeasurement:
     modules: Dict[str, ModuleMeasurement] = field(default_factory=dict)
     """Per module a plan may recompute inside the layer (``core_attn``, ``mlp``), its
     measurements (NOTE [Module timing] in ``scopes.py``)."""
+    hosted_bytes: int = 0
+    """Of ``saved_bytes``, bytes queued for copying into the host pool (``host``
+    placement): what the link carried out, and back (NOTE [Pricing host copies] in
+    ``measured_profile.py``)."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -374,7 +374,7 @@ def make_plan(stage: StageProfile, request: Optional[PlanRequest] = None, **fiel
 
     def choose(read_ahead: int) -> Tuple[Choices, str, Timeline]:
         search = PlacementSearch(stage, derated, read_ahead, r.max_write_bytes_per_s, r.host_budget_bytes or 0,
-                                 r.max_slowdown)
+                                 r.max_slowdown, greedy_only=r.search == "greedy")
         if memory_budget is None:
             choice, goal = search.max_offload(), GOAL_MAX_OFFLOAD
             over = capacity_bytes is not None and search.check(choice).peak_bytes > capacity_bytes

@@ -235,9 +235,17 @@ class IOProfile:
     """Copy bandwidth between the compute device and the host-memory pool, in bytes per
     second each way (a GPU's PCIe link to pinned memory: about 25e9 on PCIe 4 x16, 50e9
     on PCIe 5 x16). ``None``: no host tier to plan with (``Placement.HOST``) and no link
-    that SSD traffic crosses. Host copies do not slow compute (a GPU's copy engines run
-    them); with ``shared_host_link`` the SSD's requests cross the same link (NOTE [Shared
-    link] in ``step_timeline.py``)."""
+    that SSD traffic crosses. Host copies slow compute by ``host_compute_slowdown`` while
+    in flight; with ``shared_host_link`` the SSD's requests cross the same link (NOTE
+    [Shared link] in ``step_timeline.py``)."""
+
+    host_compute_slowdown: Annotated[float, Number(NonNegative())] = 0.0
+    """Fractional slowdown of compute while a host-tier copy is in flight (the host link
+    busy), as ``compute_slowdown`` is for the drives' I/O: about 0 on a GPU, whose copy
+    engines run the copies; on a CPU, whose host-tier copies are memory copies into fresh
+    pages on the cores compute runs on, measured from HOST profiling steps against KEEP
+    ones (NOTE [Pricing host copies] in ``planner/measured_profile.py``). 0 in profiles
+    written before the field."""
 
     max_inflight_bytes: Optional[Annotated[int, Integer(Positive())]] = None
     """Most bytes of SSD writes the engine holds queued or in flight

@@ -12,10 +12,13 @@ from typing import Any, Optional
 
 from ..errors import ConfigError
 
-__all__ = ["READ_AHEAD_MODES", "PlanRequest"]
+__all__ = ["READ_AHEAD_MODES", "SEARCHES", "PlanRequest"]
 
 READ_AHEAD_MODES = ("fixed", "auto")
 """``PlanRequest.read_ahead_mode``: one read-ahead for every layer, or each layer's chosen."""
+SEARCHES = ("full", "greedy")
+"""``PlanRequest.search``: the whole search, or its greedy start alone (NOTE [Search] in
+``search.py``)."""
 
 
 def _bytes_or_none(name: str, value: Any) -> Optional[int]:
@@ -71,6 +74,10 @@ class PlanRequest:
     keep-everything's, as a fraction (0.05: 5% longer; NOTE [Slowdown bound] in
     ``search.py``). None: no bound."""
 
+    search: str = "full"
+    """``full``: the greedy start, the local search and the branch and bound; ``greedy``:
+    the greedy start alone (NOTE [Search] in ``search.py``)."""
+
     def __post_init__(self) -> None:
         checked = {
             "memory_budget": _bytes_or_none("memory_budget", self.memory_budget),
@@ -85,6 +92,8 @@ class PlanRequest:
         ahead = self.default_read_ahead
         if isinstance(ahead, bool) or not isinstance(ahead, int) or ahead < 1:
             raise ConfigError(f"default_read_ahead = {ahead!r}: must be an integer >= 1")
+        if self.search not in SEARCHES:
+            raise ConfigError(f"search = {self.search!r}: must be one of {list(SEARCHES)}")
         if self.read_ahead_mode not in READ_AHEAD_MODES:
             raise ConfigError(f"read_ahead_mode = {self.read_ahead_mode!r}: must be one of {list(READ_AHEAD_MODES)}")
         if not isinstance(self.allow_recompute, bool):

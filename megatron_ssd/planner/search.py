@@ -51,10 +51,10 @@ GOAL_CAPACITY = "capacity"
 device's activation capacity at the smallest predicted step time."""
 
 SEARCH_WORK = 100_000
-"""What the ranges, pairs, exchanges and branch and bound may spend per search, in layers
+"""The least work the descent and the branch and bound may spend per search, in layers
 and sites walked by their replays (a replay walks each layer and site once; about 10 us
-each on one core here): about a second (NOTE [Search]). The single changes always run to
-their end."""
+each on one core here): about a second (NOTE [Search]). Where the greedy start spent
+more, they may spend as much as it did."""
 
 _KEEP = LayerChoice(Placement.KEEP)
 
@@ -92,33 +92,39 @@ class PlanInfeasibleError(MegatronSSDError):
 class PlacementSearch(Judge):
     """The search for a plan under one stage's rules (see the module docstring)."""
 
-    def __init__(self, *args, **kwargs) -> None:
+    def __init__(self, *args, greedy_only: bool = False, **kwargs) -> None:
         super().__init__(*args, **kwargs)
+        self.greedy_only = greedy_only
+        """Return the greedy start's plan, searching no further (``PlanRequest.search =
+        "greedy"``)."""
         self.proven: Optional[bool] = None
         """After a search: whether its branch and bound ended within its budget, so its plan
         is the model's optimum (and an infeasible budget is infeasible by proof)."""
         self.replays = 0  # after a search: every replay it made, the greedy start's included
 
     # NOTE [Search]
-    # Both goals run one search (NOTE [Local search] in ``local_search.py``):
-    # 1. a descent from each starting plan: under a budget, the plan holding the fewest
-    #    bytes per layer (the likeliest to fit) and the one holding the fewest without
-    #    moving any (recomputed whole or in part: no I/O whose timing it depends on, so it
-    #    fits exactly where its bound says); under ``max_offload``, keep-everything. Each
-    #    layer in turn takes its best option given the others, until none changes; then
-    #    the first pair of two layers' options that is better; then, under a budget, the
-    #    first exchange: one layer given an option with less compute, the budget repaired
-    #    one change at a time by the most excess removed per second added;
-    # 2. a branch and bound over the layers in forward order from the best plan found,
-    #    each branch cut where its peak floor exceeds the budget (or the held plan's peak)
-    #    or its compute alone cannot beat the held plan's step (NOTE [Bounds before a
-    #    replay] in ``choices.py``). Where it ends, every plan not replayed was beaten by
-    #    its bounds: the plan is the model's optimum (``proven``), and a budget no plan
+    # Both goals run one search (docs/planner.md, "Goals"):
+    # 1. the greedy start (``greedy.py``): under a budget, single-layer moves by peak removed
+    #    per second added and a clean-up; under ``max_offload``, first fit in forward order;
+    # 2. a descent (NOTE [Local search] in ``local_search.py``) by single changes from each
+    #    starting plan: the greedy one; under a budget also the plan holding the fewest bytes
+    #    per layer without moving any (recomputed whole or in part: no I/O whose timing it
+    #    depends on, so it fits exactly where its bound says) and the plan holding the
+    #    fewest bytes at all; under ``max_offload``, keep-everything. Then, from each end,
+    #    best first, range moves, pairs and exchanges with single changes between;
+    # 3. a branch and bound over the layers in forward order from the best plan found,
+    #    each branch cut where its bounds (NOTE [Bounds before a replay], NOTE [Drain and
+    #    read floors] in ``choices.py``) say no plan below it fits or beats the held one.
+    #    Where it ends, the plan is the model's optimum (``proven``), and a budget no plan
     #    meets is infeasible by proof.
-    # The pairs, exchanges and branch and bound spend at most ``SEARCH_WORK`` layer-replays
-    # together; the single changes always run to their end. The greedy search this
-    # replaced reached the model's optimum on 65% of seeded 5-layer stages and called 2.3%
-    # of feasible budgets infeasible (docs/planner.md, "How the search is checked").
+    # Steps 2 and 3 share a budget of work (replays, counted in the layers and sites they
+    # walk): the greater of ``SEARCH_WORK`` and what the greedy start spent, half for the
+    # descent; where it runs out, the best plan replayed so far is the plan. So the search
+    # costs at most about twice the greedy one, plus about a second, and is never slower
+    # than the greedy plan, which it holds from the start. On 200 seeded 5-layer stages the
+    # greedy search alone reached the model's optimum in 65% of cases and called 2.3% of
+    # feasible budgets infeasible (docs/planner.md, "How the search is checked", for what
+    # this search reaches). ``PlanRequest.search = "greedy"`` keeps step 1 alone.
 
     def _search(self, budget: Optional[int], allow_recompute: bool) -> Trial:
         tiers = ([Placement.HOST] if self.host_budget_bytes else []) + ([Placement.OFFLOAD] if self.drives else [])
@@ -126,16 +132,24 @@ class PlacementSearch(Judge):
         local = LocalSearch(self, options, budget)
         greedy = Greedy(self.stage, self.derated, self.read_ahead, self.max_write_bytes_per_s, self.host_budget_bytes,
                         self.max_slowdown)
+        built = None
         if budget is None:
             starts = [local.index_of(greedy.first_fit()), (0,) * self.n]
         else:
             built = greedy.fit_budget(budget, allow_recompute)
             starts = ([local.index_of(built)] if built is not None else []) + [local.still_plan(), local.floor_plan()]
-        local.work_left = max(SEARCH_WORK, greedy.replays * local.replay_cost)
-        best, self.proven = local.bound(local.best(starts))
+        local.work_left = max(SEARCH_WORK, greedy.replays * local.replay_cost)  # NOTE [Search]
+        if self.greedy_only:  # the greedy start's plan; where it found none, none (the search before this one)
+            local.work_left = float("inf")
+            best, self.proven = local.trial(starts[0] if budget is None or built is not None
+                                            else local.floor_plan()), False
+            if budget is not None and built is None:
+                best = Trial(best.index, (1,) + best.key[1:], best.timeline)  # not feasible: no plan
+        else:
+            best, self.proven = local.bound(local.best(starts))
         self.replays = local.replays + greedy.replays
-        self.smallest_peak = min(p for p in (greedy.smallest_peak, local.smallest_peak, self.smallest_peak)
-                                 if p is not None) if (greedy.smallest_peak or local.smallest_peak) else None
+        peaks = [p for p in (greedy.smallest_peak, local.smallest_peak) if p is not None]
+        self.smallest_peak = min(peaks) if peaks else None
         self._local = local
         return best
 

@@ -233,6 +233,8 @@ MODEL_PRESETS: Dict[str, Dict[str, Any]] = {
                      num_microbatches=2, dtype_bytes=4),
     "gpt-ref-cpu": dict(num_layers=8, hidden=512, heads=8, seq_len=512, micro_batch=4, vocab=8192,
                         dtype_bytes=4),
+    "gpt-deep-cpu": dict(num_layers=12, hidden=384, heads=6, seq_len=512, micro_batch=2, vocab=8192,
+                         num_microbatches=2, dtype_bytes=4),
     "gpt-125m": dict(num_layers=12, hidden=768, heads=12),
     "gpt-350m": dict(num_layers=24, hidden=1024, heads=16),
     "gpt-1.3b": dict(num_layers=24, hidden=2048, heads=16),
@@ -274,7 +276,7 @@ def simulate_help() -> str:
     lines.append("")
     lines.append("models (model=NAME sets these fields; keys given after it override them):")
     for name, dims in MODEL_PRESETS.items():
-        lines.append(f"  {name:<12}" + ", ".join(f"{k}={v}" for k, v in dims.items()))
+        lines.append(f"  {name:<13}" + ", ".join(f"{k}={v}" for k, v in dims.items()))
     lines.append("")
     lines.append("drives (drive=NAME fills the ssd_* fields not given; docs/ssd-sizing.md#drive-presets):")
     for name, d in DRIVES.items():

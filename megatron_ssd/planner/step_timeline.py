@@ -76,7 +76,9 @@ _EPS = 1e-12
 # device's host link instead of to the SSD array: same issue points, same memory
 # accounting, same forwarding rule, but on the link (NOTE [Shared link]) at
 # ``host_bytes_per_s``, one copy at a time in either direction, not on the SSD queue.
-# Host copies do not slow compute (a GPU's copy engines run them). The pool's bound is a
+# Host copies slow compute by ``host_compute_slowdown`` while they are in flight (about 0
+# on a GPU, whose copy engines run them; on a CPU they are memory copies on the cores
+# compute runs on, NOTE [Compute slowdown]). The pool's bound is a
 # planning constraint (the bytes one micro-batch hosts times the micro-batches in flight),
 # checked by the search, not by the replay.
 
@@ -101,9 +103,11 @@ _EPS = 1e-12
 # their own: the host tier's copies use the link, the SSD requests do not.
 
 # NOTE [Compute slowdown]
-# While any request is in flight, compute advances at 1 / (1 + compute_slowdown) of its
-# normal rate (I/O threads and copies compete for the CPU, or for memory bandwidth); I/O
-# speed does not depend on compute. The layers' profiled times are their no-I/O times.
+# While the drives' queue has a request in flight, compute advances at
+# 1 / (1 + compute_slowdown) of its normal rate (I/O threads and copies compete for the
+# CPU, or for memory bandwidth); while the host link carries a copy, at
+# 1 / (1 + host_compute_slowdown); while both, at 1 / (1 + both). I/O speed does not
+# depend on compute. The layers' profiled times are their no-I/O times.
 
 # NOTE [Forwarding]
 # When a layer's first site read would be issued but the layer's write has not
@@ -331,40 +335,46 @@ class _Link:
 
 
 class _Compute:
-    """Replays compute segments, slowed while the queue is busy (NOTE [Compute slowdown])."""
+    """Replays compute segments, slowed while the queue or the link is busy (NOTE [Compute
+    slowdown])."""
 
-    def __init__(self, queue: _DeviceQueue, slowdown: float) -> None:
-        self.queue = queue
-        self.factor = 1.0 + slowdown
-        self.cursor = 0
+    def __init__(self, channels: Sequence[Tuple[List[Tuple[float, float]], float]]) -> None:
+        self.channels = [(busy, s) for busy, s in channels if s > 0]
+        """(busy intervals, slowdown) of each channel that slows compute: the queue's list
+        is appended to in time order, the link's kept sorted; both only ever gain
+        intervals that start at or after the compute already replayed."""
+        self.cursors = [0] * len(self.channels)
 
     def run(self, t: float, work: float) -> float:
         """End time of ``work`` seconds of no-I/O compute started at ``t``."""
         if work <= 0:
             return t
-        if self.factor == 1.0:
+        if not self.channels:
             return t + work
-        busy = self.queue.busy
-        while self.cursor < len(busy) and busy[self.cursor][1] <= t:
-            self.cursor += 1
-        i = self.cursor
-        while i < len(busy):
-            start, end = busy[i]
-            if start > t:
-                gap = start - t
-                if work <= gap:
-                    return t + work
-                work -= gap
-                t = start
-            span = end - t
-            if span > 0:
-                progress = span / self.factor
-                if work <= progress:
-                    return t + work * self.factor
-                work -= progress
-                t = end
-            i += 1
-        return t + work
+        for c, (busy, _) in enumerate(self.channels):
+            while self.cursors[c] < len(busy) and busy[self.cursors[c]][1] <= t:
+                self.cursors[c] += 1
+        at = list(self.cursors)
+        while True:
+            factor, change = 1.0, float("inf")
+            for c, (busy, s) in enumerate(self.channels):
+                while at[c] < len(busy) and busy[at[c]][1] <= t:
+                    at[c] += 1
+                if at[c] == len(busy):
+                    continue
+                start, end = busy[at[c]]
+                if start > t:
+                    change = min(change, start)
+                else:
+                    factor += s
+                    change = min(change, end)
+            if change == float("inf"):
+                return t + work * factor
+            progress = (change - t) / factor
+            if work <= progress:
+                return t + work * factor
+            work -= progress
+            t = change
 
 
 def predict(
@@ -420,7 +430,7 @@ def predict(
     queue = _DeviceQueue()
     link = _Link()  # NOTE [Host tier], NOTE [Shared link]
     shared = io.host_bytes_per_s is not None and io.shared_host_link
-    compute = _Compute(queue, io.compute_slowdown)
+    compute = _Compute([(queue.busy, io.compute_slowdown), (link.busy, io.host_compute_slowdown)])
 
     def channel(placement: Placement) -> Tuple[Union[_DeviceQueue, _Link], float, float]:
         """The queue and the write and read bandwidths of a moved placement."""

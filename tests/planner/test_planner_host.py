@@ -9,7 +9,7 @@ import pytest
 
 from megatron_ssd.config import Placement
 from megatron_ssd.errors import ConfigError
-from megatron_ssd.planner import IOProfile, LayerProfile, Plan, StageProfile, make_plan, predict
+from megatron_ssd.planner import IOProfile, LayerProfile, ModuleProfile, Plan, StageProfile, make_plan, predict
 
 GB = 10**9
 K, O, H, R = Placement.KEEP, Placement.OFFLOAD, Placement.HOST, Placement.RECOMPUTE
@@ -177,3 +177,44 @@ def test_the_clean_up_turns_a_recomputed_layer_into_a_host_one_when_that_is_free
     plan = make_plan(st, memory_budget=int(2.4 * GB), host_budget_bytes=8 * GB)
     assert [lp.placement for lp in plan.layers] == [R, H, R, R, K]
     assert plan.step_s == pytest.approx(0.255) and plan.peak_activation_bytes <= int(2.4 * GB)
+
+
+# NOTE [Pricing host copies]: copies that cost compute time
+
+
+def cpu_stage(host_slowdown: float) -> StageProfile:
+    """Four CPU layers of 1 GB in two sites, 0.5 GB of it core attention's scores (its
+    forward 2 ms, a fiftieth of the layer's), a host link that hides every copy, no drives:
+    ``host_slowdown`` is what a copy in flight costs the compute on the same cores."""
+    half = GB // 2
+    layers = [LayerProfile(i, 0.100, 0.200, GB, site_bytes=[half, half], site_use=[0.9, 0.1],
+                           modules=[ModuleProfile("core_attn", 0.002, [1])]) for i in range(4)]
+    return StageProfile(layers=layers, io=IOProfile(None, None, host_bytes_per_s=GB / 0.01,
+                                                    host_compute_slowdown=host_slowdown, shared_host_link=False))
+
+
+def test_a_host_copy_in_flight_slows_compute_by_the_measured_factor():
+    """A 1 GB copy at 100 GB/s is 10 ms each way: with the factor at 1, compute runs at
+    half speed for those 20 ms, 10 ms longer in all; at 0, not at all."""
+    free, costly = cpu_stage(0.0), cpu_stage(1.0)
+    plan = [H, K, K, K]
+    assert predict(free, plan).step_s == pytest.approx(predict(free, [K] * 4).step_s)
+    assert predict(costly, plan).step_s == pytest.approx(predict(costly, [K] * 4).step_s + 0.010)
+    assert predict(costly, plan).slowdown_s == pytest.approx(0.010)
+
+
+def test_where_host_copies_cost_compute_recompute_inside_a_layer_wins():
+    """Keeping 2.5 GB of 4: priced at nothing, hosting 1.5 GB meets it at keep's step; when
+    compute runs at half speed while a copy is in flight (the factor 1, about what a CPU's
+    memory copies into fresh pages cost: NOTE [Pricing host copies]), hosting half a layer
+    costs 5 ms (10 ms of copies) and recomputing its core attention 2 ms, so the plan
+    recomputes core attention in three layers instead (the fourth's would be rebuilt
+    while every layer's bytes are still held)."""
+    budget = int(2.5 * GB)
+    free = make_plan(cpu_stage(0.0), memory_budget=budget, read_ahead_mode="fixed", host_budget_bytes=4 * GB)
+    assert free.hosted_bytes >= 1.5 * GB and free.step_s == pytest.approx(free.keep_step_s)
+    assert not any(lp.choice.recompute for lp in free.layers)
+    costly = make_plan(cpu_stage(1.0), memory_budget=budget, read_ahead_mode="fixed", host_budget_bytes=4 * GB)
+    assert costly.hosted_bytes == 0 and costly.peak_activation_bytes <= budget
+    assert sum(bool(lp.choice.recompute) for lp in costly.layers) == 3
+    assert costly.step_s == pytest.approx(costly.keep_step_s + 0.006)

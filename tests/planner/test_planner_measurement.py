@@ -149,3 +149,28 @@ def test_time_outside_the_layers_does_not_count_their_waits_again():
                                                                backward_s=2 * lc.backward_s, microbatches=2)
                                         for i, lc in offload[0].layers.items()}})
     assert stage_from_stats([], [two]).other_s == pytest.approx(0.5)  # per micro-batch
+
+
+def _host_step(extra_s: float, hosted: int):
+    """Two layers, one micro-batch: each forward 1 s and backward 2 s of compute, plus
+    ``extra_s`` each in a HOST step, with ``hosted`` bytes copied out (and back)."""
+    layers = {i: LayerMeasurement(forward_s=1.0 + extra_s / 2, backward_s=2.0 + extra_s / 2, microbatches=1,
+                                  saved_bytes=GB, site_bytes=[GB], hosted_bytes=hosted) for i in (1, 2)}
+    return StepMeasurement(wall_s=6.0 + 2 * extra_s, microbatches=1, write_bytes_per_s=GB, read_bytes_per_s=GB,
+                           write_busy_s=1.0, read_busy_s=1.0, backpressure_keeps=0, peak_saved_bytes=2 * GB,
+                           peak_open_microbatches=1, layers=layers)
+
+
+def test_host_steps_price_the_host_copies_as_offload_steps_price_the_drives():
+    """NOTE [Pricing host copies]: the HOST steps' compute took 0.8 s more than the KEEP
+    steps' 6 s while the link carried 2 GB out and back at 2 GB/s (2 s in flight), so
+    compute ran 0.8 / (2 - 0.8) slower while a copy was in flight. Without HOST steps, or
+    without KEEP steps to compare with, the copies are priced at nothing, as before."""
+    keep, offload = _host_step(0.0, 0), _host_step(0.0, 0)
+    stage = stage_from_stats([keep], [offload], host_steps=[_host_step(0.4, GB)], host_bytes_per_s=2 * GB)
+    assert stage.io.host_bytes_per_s == 2 * GB
+    assert stage.io.host_compute_slowdown == pytest.approx(0.8 / 1.2)
+    assert stage_from_stats([keep], [offload], host_steps=[], host_bytes_per_s=2 * GB).io.host_compute_slowdown == 0
+    assert stage_from_stats([], [offload], host_steps=[_host_step(0.4, GB)],
+                            host_bytes_per_s=2 * GB).io.host_compute_slowdown == 0
+    assert stage_from_stats([keep], [offload]).io.host_bytes_per_s is None

@@ -135,7 +135,7 @@ def test_the_bounds_hold_for_every_plan_of_small_stages(seed):
                                          None)
         assert plain <= min(derated.peak_bytes, measured.peak_bytes)
         assert compute <= derated.step_s * (1 + 1e-12)
-        if search.derated.compute_slowdown == 0 and derated.write_wait_s == 0:
+        if search.derated.compute_slowdown == 0 == search.derated.host_compute_slowdown and not derated.write_wait_s:
             assert drained <= derated.peak_bytes
         for budget in (derated.peak_bytes, derated.peak_bytes + MiB) if not derated.forwarded else ():
             _, _, step = floors.bound(held, compute, ssd, host, first(Placement.OFFLOAD), first(Placement.HOST),

@@ -250,6 +250,12 @@ def test_profile_schedule_settles_each_kind_before_measuring_it():
     assert kinds(memory_budget=1 << 30, profile_steps=1) == [(R, False), (R, True), (D, False), (D, True)]
     assert profile_schedule(PlannerConfig(mode="static")) == []
     assert ProfileStep(K, True).measured
+    # NOTE [Pricing host copies]: a host pool to plan with adds a settled HOST block, last
+    H = Placement.HOST
+    assert [(p.placement, p.measured) for p in profile_schedule(PlannerConfig(), host=True)] == [
+        (K, False), (K, True), (D, False), (D, True), (H, False), (H, True)]
+    assert [(p.placement, p.measured) for p in profile_schedule(PlannerConfig(profile_steps=1), host=True)] == [
+        (D, False), (D, True)]  # no KEEP steps: nothing to price the copies against
 
 
 def test_slowdown_is_spread_over_the_time_io_is_in_flight():
@@ -552,7 +558,7 @@ def test_the_host_tier_is_planned_on_a_gpu_only_and_runs_bit_identical(world, tm
     """On a CPU the host pool saves nothing, so the runtime planner gives it no budget.
     With the budget a GPU would give (the pool's size, at a fixed link speed standing in
     for the measured one), the plan hosts layers and training stays bit-identical."""
-    stock, _, _ = _run(steps=5)
+    stock, _, _ = _run(steps=7)
     cfg = OffloadConfig(paths=[str(tmp_path)], min_tensor_bytes=4096, host_pool_bytes=64 << 20,
                         io=IOConfig(max_inflight_bytes=1 << 20))
     auto = PlannerConfig(mode="auto", warmup_steps=1, profile_steps=2)
@@ -564,7 +570,8 @@ def test_the_host_tier_is_planned_on_a_gpu_only_and_runs_bit_identical(world, tm
     with TensorCache(cfg) as cache:
         # the SSDs take nothing here (a budget of 0 bytes per second of writes), so what moves goes to the host
         wear = PlannerConfig(**{**auto.__dict__, "drive_tbw_bytes": 1, "drive_lifetime_years": 3.0})
-        planned, stats, gpu = _run(cache, wear, steps=5)
+        planned, stats, gpu = _run(cache, wear, steps=7)  # the profile's HOST block adds two steps
+        assert gpu.profiles_host and gpu.placed[-2:] == ["host", "host"]
         assert gpu.plan.request.host_budget_bytes == 64 << 20 and gpu.profile.io.host_bytes_per_s == 1e12
         hosted = gpu.plan.layers_with("host")
         assert hosted and gpu.plan.offloaded_bytes == 0
@@ -580,8 +587,11 @@ def test_a_paced_host_tier_is_planned_on_a_cpu(world, tmp_path):
     cfg = OffloadConfig(paths=[str(tmp_path)], min_tensor_bytes=4096, host_pool_bytes=64 << 20,
                         host_copy_bytes_per_s=1 << 30, io=IOConfig(max_inflight_bytes=1 << 20))
     with TensorCache(cfg) as cache:
-        _, _, planner = _run(cache, PlannerConfig(mode="auto", warmup_steps=1, profile_steps=2), steps=4)
+        _, _, planner = _run(cache, PlannerConfig(mode="auto", warmup_steps=1, profile_steps=2), steps=6)
         assert planner.host_budget() == 64 << 20 and planner.host_bandwidth() == float(1 << 30)
+        # NOTE [Pricing host copies]: a settled HOST block prices the copies
+        assert planner.placed == ["keep", "keep", "default", "default", "host", "host"]
+        assert planner.profile.io.host_compute_slowdown >= 0.0
         assert planner.plan.request.host_budget_bytes == 64 << 20
         assert planner.profile.io.host_bytes_per_s == float(1 << 30) and planner.profile.io.shared_host_link is False
 
