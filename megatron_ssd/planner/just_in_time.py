@@ -24,12 +24,15 @@ __all__ = ["just_in_time"]
 # With one read-ahead for every layer, a layer's read must fit in the backward of the
 # read-ahead layers after it, which at GPU speed is far less than a large layer's read
 # takes; with every read issued at the first backward, read buffers pile up early and
-# the peak grows. ``read_ahead_mode="auto"`` chooses in three passes. (1) Placements are planned
-# at each read-ahead of a geometric ladder (1, 2, 4, ... up to the layer count, and the
-# configured default): the plan with the smallest predicted peak among those that hide
-# all I/O, or with no such plan (a budget or the device's capacity binds), the one with
-# the shortest predicted step, then the fewest bytes written (least drive wear), then
-# the smallest peak. (2) Each offloaded layer's read is then issued as late as it can be
+# the peak grows. ``read_ahead_mode="auto"`` chooses in three passes. (1) Placements are
+# planned at each read-ahead of a geometric ladder (1, 2, 4, ... up to the layer count,
+# and the configured default) by the greedy start of the search (where it finds no plan
+# at any, by the whole search), and the best kept: the plan with the smallest predicted
+# peak among those that hide all I/O, or with no such plan (a budget or the device's
+# capacity binds), the one with the shortest predicted step, then the fewest bytes
+# written (least drive wear), then the smallest peak; the whole search then plans at
+# that read-ahead, its plan kept where it is better by the same order (one whole search,
+# not one per rung: NOTE [Search time] in ``adaptive.py``). (2) Each offloaded layer's read is then issued as late as it can be
 # (the smallest read-ahead, needed-first layer first) without a longer predicted step, a
 # stall, forwarding or a higher peak, at the derated and at the measured bandwidths: a
 # read buffer allocated later holds its bytes for less time. (3) Then each moved site of
@@ -66,34 +69,44 @@ def just_in_time(
 
     Args:
         stage: The stage planned.
-        choose: Plans placements at one read-ahead for every layer: ``(choice, goal, timeline)``,
-            or raises :class:`PlanInfeasibleError`.
+        choose: Plans placements at one read-ahead for every layer, ``choose(ahead, full)``:
+            ``(choice, goal, timeline)``, or raises :class:`PlanInfeasibleError`; ``full``
+            False: the greedy start alone (NOTE [Search] in ``search.py``).
         default_read_ahead: The configured read-ahead, tried with the ladder's.
         safety_margin: Bandwidth derating of the second judgement.
         allowed: Whether a trial's choices and derated timeline keep the plan's other
             bounds (wear, capacity).
     """
     n = len(stage.layers)
+    ladder = _read_ahead_ladder(default_read_ahead, n)
     candidates = []
     failure: Optional[PlanInfeasibleError] = None
-    for ahead in _read_ahead_ladder(default_read_ahead, n):
-        try:
-            choice, goal, tl = choose(ahead)
-        except PlanInfeasibleError as err:
-            if failure is None or err.smallest_peak < failure.smallest_peak:
-                failure = err
-            continue
-        written = tl.offloaded_bytes
-        candidates.append((choice, goal, tl, written, ahead))
+    for full in (False, True):  # the greedy start at every rung; the whole search only where it found nothing
+        for ahead in ladder:
+            try:
+                choice, goal, tl = choose(ahead, full)
+            except PlanInfeasibleError as err:
+                if failure is None or err.smallest_peak < failure.smallest_peak:
+                    failure = err
+                continue
+            candidates.append((choice, goal, tl, tl.offloaded_bytes, ahead, full))
+        if candidates:
+            break
     if not candidates:
         assert failure is not None
         raise failure
-    hidden = [c for c in candidates if c[1] == GOAL_MAX_OFFLOAD]
-    if hidden:
-        best = min(hidden, key=lambda c: (c[2].peak_bytes, c[3], c[4]))
-    else:
-        best = min(candidates, key=lambda c: (round(c[2].step_s, 12), c[3], c[2].peak_bytes, c[4]))
-    chosen, goal, tl, _, ahead = best
+
+    def best_of(found: List[Tuple]) -> Tuple:
+        hidden = [c for c in found if c[1] == GOAL_MAX_OFFLOAD]
+        if hidden:
+            return min(hidden, key=lambda c: (c[2].peak_bytes, c[3], c[4]))
+        return min(found, key=lambda c: (round(c[2].step_s, 12), c[3], c[2].peak_bytes, c[4]))
+
+    best = best_of(candidates)
+    if not best[5]:  # the whole search at the rung the greedy starts chose (NOTE [Search time] in adaptive.py)
+        choice, goal, tl = choose(best[4], True)
+        best = best_of([best, (choice, goal, tl, tl.offloaded_bytes, best[4], True)])
+    chosen, goal, tl, _, ahead, _ = best
     choices = [dataclasses.replace(c, read_ahead=ahead) for c in chosen]
     derated = stage.io.derated(safety_margin)
     judged = [tl, replay(stage, choices, io=derated)]

@@ -372,9 +372,9 @@ def make_plan(stage: StageProfile, request: Optional[PlanRequest] = None, **fiel
     memory_budget, capacity_bytes, default_read_ahead = r.memory_budget, r.capacity_bytes, r.default_read_ahead
     derated = stage.io.derated(r.safety_margin)
 
-    def choose(read_ahead: int) -> Tuple[Choices, str, Timeline]:
+    def choose(read_ahead: int, full: bool = True) -> Tuple[Choices, str, Timeline]:
         search = PlacementSearch(stage, derated, read_ahead, r.max_write_bytes_per_s, r.host_budget_bytes or 0,
-                                 r.max_slowdown, greedy_only=r.search == "greedy")
+                                 r.max_slowdown, greedy_only=r.search == "greedy" or not full)
         if memory_budget is None:
             choice, goal = search.max_offload(), GOAL_MAX_OFFLOAD
             over = capacity_bytes is not None and search.check(choice).peak_bytes > capacity_bytes
