@@ -64,8 +64,13 @@ class PlanEvent:
 # step of every plan is longer by it, and a re-profile that used that step would count it
 # as time outside the layers (a median over steps leaves one such step out). It grows
 # with the layers per stage and the tiers to choose among (docs/getting-started.md has
-# measured times). Each plan event records it (``search_s``) and the plan's line prints
-# it, so a step that held a search is seen as one.
+# measured times): the greedy start costs O(n) replays per move, each O(n) long, and the
+# rest of the search at most as much again plus about a second (NOTE [Search] in
+# ``planner/search.py``); with ``read_ahead_mode=auto`` the greedy start runs at each
+# read-ahead of a short ladder and the rest once (NOTE [Just-in-time reads]). Where it
+# matters more than the plan, ``planner.search=greedy`` keeps the greedy start alone.
+# Each plan event records it (``search_s``) and the plan's line prints it, so a step that
+# held a search is seen as one.
 
 # NOTE [Profiling steps]
 # ``auto`` measures two kinds of steps after warm-up: KEEP steps give each layer's compute

@@ -238,3 +238,31 @@ def test_without_a_cap_or_on_a_cpu_the_capacity_and_the_first_guard_are_as_befor
         on_cpu.on_step(_first_step(saved=15 * GiB))
         assert on_cpu.working_set is None and on_cpu.capacity_at_start == int(H200_CAP * 0.85)
     assert cuda.peak_resets == [] and cuda.calls_named("peak_memory") == []
+
+
+def test_on_a_cpu_the_first_step_measures_the_working_set_and_every_step_stays_under_the_cap(tmp_path):
+    """NOTE [Working set under a cap] on a CPU: the train command brackets the first step
+    with the allocator timeline (the measure ``rok --largest-within`` holds a CPU run to),
+    the capacity becomes the cap less that step's working set, and the final step's
+    allocator peak is under the cap. Before, the capacity was the cap less 15% and
+    gpt-tiny's steps ran over a 300 MiB cap from micro-batch 3 on (307.5 MiB)."""
+    import json
+    import os
+    import subprocess
+
+    repo = Path(__file__).resolve().parents[2]
+    cap = 200 << 20
+    out = tmp_path / "capped.json"
+    cmd = [sys.executable, "-m", "megatron_ssd.commands.cli", "train", "--config", str(repo / "configs" / "gpt-tiny.yaml"),
+           "--no-baseline", "steps=6", "micro_batch_size=3", "num_microbatches=1", f"offload.paths={tmp_path}",
+           f"offload.device_memory_cap={cap}", "allocator_timeline=true", "--json", str(out)]
+    proc = subprocess.run(cmd, cwd=repo, capture_output=True, text=True, timeout=600, env={**os.environ})
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    data = json.loads(out.read_text())
+    working = data["planner"]["working_set"]
+    assert working["resident"] == 0 and working["guard"] == 0 and working["fragmentation_bytes"] == 0
+    assert 0 < working["working_bytes"] < cap
+    assert data["planner"]["fit_bytes"]["capacity"] == cap - working["working_bytes"]
+    plans = [e["plan"] for e in data["planner"]["events"] if e["plan"]]
+    assert plans and all(p["peak_activation_bytes"] <= cap - working["working_bytes"] for p in plans)
+    assert data["phases"][-1]["allocator_peak_bytes"] <= cap
