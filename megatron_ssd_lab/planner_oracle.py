@@ -155,11 +155,9 @@ def _allowed(search: PlacementSearch, layers: Sequence[LayerProfile], choices: S
     """``PlacementSearch.allowed`` of a plan replayed on its derived layers."""
     if tl.forwarded or not search.hosts_ok(tl):
         return False
-    if search.max_write_bytes_per_s is None:
-        return True
     written = sum(layer.offloaded_bytes(c.sites) for layer, c in zip(layers, choices)
                   if c.placement is Placement.OFFLOAD)
-    return written <= search.max_write_bytes_per_s * search._shortest_step_s * (1 + 1e-9)
+    return written <= search.written_limit()
 
 
 # ---------------------------------------------------------------------------- random stages

@@ -75,7 +75,14 @@ class Judge:
             return True
         written = sum(layer.offloaded_bytes(c.sites) for layer, c in zip(with_recompute(self.stage, choices).layers,
                                                                          choices) if c.placement is Placement.OFFLOAD)
-        return written <= self.max_write_bytes_per_s * self._shortest_step_s * (1 + 1e-9)
+        return written <= self.written_limit()
+
+    def written_limit(self) -> float:
+        """The most bytes a plan may write to the drives per micro-batch
+        (:meth:`wears_ok`); inf without a limit."""
+        if self.max_write_bytes_per_s is None:
+            return float("inf")
+        return self.max_write_bytes_per_s * self._shortest_step_s * (1 + 1e-9)
 
     def hosts_ok(self, tl: Timeline) -> bool:
         """The host pool holds what ``tl`` hosts for every micro-batch in flight (NOTE

@@ -175,9 +175,8 @@ class LocalSearch:
         the bytes over the host pool and over the drive-wear bound."""
         search = self.search
         over = max(0, tl.hosted_bytes * (self.stage.microbatches_in_flight or 1) - search.host_budget_bytes)
-        if search.max_write_bytes_per_s is not None:
-            over += max(0, int(tl.offloaded_bytes - search.max_write_bytes_per_s * search._shortest_step_s
-                               * (1 + 1e-9)))
+        excess = tl.offloaded_bytes - search.written_limit()
+        over += max(1, int(excess)) if excess > 0 else 0
         return len(tl.forwarded), over
 
     def trial(self, index: Index) -> Trial:
