@@ -443,3 +443,22 @@ def test_a_placement_that_runs_out_of_memory_is_recorded_and_the_others_run(monk
         "bytes": 1 << 30, "device": "cpu", "enforced": False, "fraction": None,
         "line": "device memory cap: 1.00 GiB, not enforced on a CPU device (the planner reads it as its capacity)"}
     assert "\ndevice memory cap: 1.00 GiB, not enforced on a CPU device" in printed
+
+
+def test_a_layer_recomputing_modules_inside_it_is_named_so_in_the_summary_and_the_plan_line():
+    """A plan that recomputes core attention in every layer reads so everywhere: the summary
+    groups those layers apart (it read "keep 1-3" before), and each layer's placement
+    text, which rok's JSON ``plan`` lists, says which modules and how many sites a host
+    layer moves ("host 1/3", where it read "offload 1/3")."""
+    from megatron_ssd.commands.steps import plan_summary
+    from megatron_ssd.placement import LayerChoice, Placement
+    from megatron_ssd.planner import IOProfile, LayerPlan, Plan
+
+    attn = ("core_attn",)
+    choices = [(1, LayerChoice(Placement.KEEP, recompute=attn)), (2, LayerChoice(Placement.KEEP, recompute=attn)),
+               (3, LayerChoice(Placement.HOST, sites=1, recompute=attn)), (4, LayerChoice(Placement.KEEP))]
+    plan = Plan([LayerPlan(layer_id, choice, bytes=0, site_count=3) for layer_id, choice in choices], "memory_budget",
+                0, 0.0, 0.0, 0.0, 0, 0.0, IOProfile(1e9, 1e9, host_bytes_per_s=1e9))
+    assert plan_summary(plan.to_dict()) == "host +core_attn part of 3; keep 4; keep +core_attn 1-2"
+    assert [lp.placement_text for lp in plan.layers] == ["keep +core_attn", "keep +core_attn",
+                                                         "host 1/3 +core_attn", "keep"]

@@ -169,9 +169,9 @@ def _point(placement: str, reports: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
     planned = plans[0]
     if planned:
         plan = planned[-1]["plan"]
-        point["plan"] = [lp.placement.value for lp in Plan.from_dict(plan).layers]
+        point["plan"] = [lp.placement_text for lp in Plan.from_dict(plan).layers]
         point["plan_same_every_round"] = all(
-            p and [lp.placement.value for lp in Plan.from_dict(p[-1]["plan"]).layers] == point["plan"] for p in plans
+            p and [lp.placement_text for lp in Plan.from_dict(p[-1]["plan"]).layers] == point["plan"] for p in plans
         )
         point["predicted_exposed_s"] = plan["exposed_s"]
         point["predicted_step_s"] = plan["step_s"]

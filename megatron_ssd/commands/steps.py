@@ -228,25 +228,27 @@ def _runs(ids: Sequence[Any]) -> str:
 
 
 def plan_summary(plan: Optional[Dict[str, Any]]) -> str:
-    """A plan's placements in words: ``offload 1-2, part of 3; recompute 4-5; keep 6``
-    (the layers inside the model; the tensors saved outside them are left out)."""
+    """A plan's placements in words: ``offload 1-2, part of 3; recompute 4-5; keep 6``,
+    a layer that recomputes modules inside it grouped apart (``keep +core_attn 7-8``; the
+    layers inside the model; the tensors saved outside them are left out)."""
     if not plan:
         return "no plan"
     groups: Dict[str, List[Any]] = {}
     partial: Dict[str, List[Any]] = {}
+    kinds: List[str] = []
     for layer in Plan.from_dict(plan).layers:
         if layer.layer_id in OUTSIDE:
             continue
-        kind = layer.placement.value
+        kind = layer.placement.value + "".join(f" +{m}" for m in layer.choice.recompute)
+        kinds.append(kind)
         if layer.offload_sites is not None and layer.offload_sites < layer.site_count:
             partial.setdefault(kind, []).append(layer.layer_id)
         else:
             groups.setdefault(kind, []).append(layer.layer_id)
+    order = {"offload": 0, "host": 1, "recompute": 2, "keep": 3}
     parts = []
-    for kind in ("offload", "host", "recompute", "keep"):
+    for kind in sorted(dict.fromkeys(kinds), key=lambda k: (order[k.split()[0]], k)):
         whole, part = groups.get(kind, []), partial.get(kind, [])
-        if not whole and not part:
-            continue
         text = ", ".join(x for x in (_runs(whole), f"part of {_runs(part)}" if part else "") if x)
         parts.append(f"{kind} {text}")
     return "; ".join(parts)

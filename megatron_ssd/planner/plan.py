@@ -139,7 +139,7 @@ class LayerPlan:
         module recomputed inside the layer."""
         text = self.placement.value
         if self.placement in MOVED and self.offload_sites is not None:
-            text = f"offload {self.offload_sites}/{self.site_count}"
+            text = f"{text} {self.offload_sites}/{self.site_count}"
         return text + "".join(f" +{m}" for m in self.choice.recompute)
 
 

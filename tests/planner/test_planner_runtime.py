@@ -315,7 +315,8 @@ def test_rok_json_schema(tmp_path):
     # every saved tensor is a storage allocated in the step; recompute rebuilds what it does not count
     assert by["keep"]["allocator_peak_bytes"] >= by["keep"]["peak_activation_bytes"]
     assert by["recompute"]["allocator_peak_bytes"] > by["recompute"]["peak_activation_bytes"]
-    assert all(pl in ("keep", "offload", "recompute") for pl in by["planner"]["plan"])
+    # each layer's placement_text: "offload", "offload 2/5", "keep +core_attn", ...
+    assert all(pl.split()[0] in ("keep", "offload", "recompute") for pl in by["planner"]["plan"])
     planned = by["planner"]
     assert planned["plan_io"]["compute_slowdown"] >= 0 and planned["plan_io"]["write_bytes_per_s"] > 0
     assert planned["plan_keep_step_s"] > 0 and planned["plan_offloaded_bytes"] >= 0

@@ -182,7 +182,7 @@ def test_rok_with_a_paced_host_tier_lets_the_planner_host_layers(tmp_path):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     by = {p["placement"]: p for p in json.loads(out.read_text())["points"]}
     planner = by["planner"]
-    assert "host" in planner["plan"], planner["plan"]
+    assert any(pl.startswith("host") for pl in planner["plan"]), planner["plan"]
     assert planner["plan_io"]["host_bytes_per_s"] == 1 << 30 and planner["plan_io"]["shared_host_link"] is False
     assert planner["bytes_to_host"] > 0 and by["keep"]["bytes_to_host"] == 0
     assert planner["final_loss"] == by["keep"]["final_loss"]
