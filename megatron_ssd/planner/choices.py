@@ -20,7 +20,7 @@ from ..placement import LayerChoice, Placement
 from .module_recompute import recomputed_layer
 from .profile import LayerProfile, StageProfile
 
-__all__ = ["Floors", "Option", "layer_options", "peak_floor", "held_floor_weights"]
+__all__ = ["Floors", "Option", "layer_options", "held_floor_weights"]
 
 
 # NOTE [Choice set]
@@ -132,11 +132,6 @@ def held_floor_weights(stage: StageProfile) -> Tuple[List[int], int]:
         weights.append(m if (after > 0 or gap) else (m - 1))
         after += layer.forward_s
     return weights[::-1], 0
-
-
-def peak_floor(weights: Sequence[int], fixed: int, options: Sequence[Option]) -> int:
-    """The peak bound of one option per layer (NOTE [Bounds before a replay])."""
-    return fixed + sum(w * o.held for w, o in zip(weights, options))
 
 
 # NOTE [Drain and read floors]

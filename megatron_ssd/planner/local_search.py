@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from ..placement import LayerChoice, Placement
-from .choices import Floors, Option, held_floor_weights
+from .choices import Floors, Option
 from .step_timeline import Timeline, predict
 
 __all__ = ["LocalSearch", "Trial"]
@@ -108,8 +108,7 @@ class LocalSearch:
         work runs out."""
         self._seen: Dict[Index, Trial] = {}
         self.floors = Floors(self.stage, search.derated)
-        weights, _ = held_floor_weights(self.stage)
-        self._held = [[w * o.held for o in opts] for w, opts in zip(weights, self.options)]
+        self._held = [[w * o.held for o in opts] for w, opts in zip(self.floors.weights, self.options)]
         self._cost = [[o.compute_s + self._io_floor_s(o) for o in opts] for opts in self.options]
         self._ssd = [[o.moved if o.placement is Placement.OFFLOAD else 0 for o in opts] for opts in self.options]
         self._host = [[o.moved if o.placement is Placement.HOST else 0 for o in opts] for opts in self.options]
