@@ -52,9 +52,9 @@ device's activation capacity at the smallest predicted step time."""
 
 SEARCH_WORK = 100_000
 """The least work the descent and the branch and bound may spend per search, in layers
-and sites walked by their replays (a replay walks each layer and site once; about 10 us
-each on one core here): about a second (NOTE [Search]). Where the greedy start spent
-more, they may spend as much as it did."""
+and sites walked by their replays (a replay walks each layer and site once; 10-20 us each
+on one core here): one to two seconds (NOTE [Search]). Where the greedy start spent more
+than twice as much, they may spend half what it did."""
 
 _KEEP = LayerChoice(Placement.KEEP)
 
@@ -118,10 +118,10 @@ class PlacementSearch(Judge):
     #    Where it ends, the plan is the model's optimum (``proven``), and a budget no plan
     #    meets is infeasible by proof.
     # Steps 2 and 3 share a budget of work (replays, counted in the layers and sites they
-    # walk): the greater of ``SEARCH_WORK`` and what the greedy start spent, half for the
-    # descent; where it runs out, the best plan replayed so far is the plan. So the search
-    # costs at most about twice the greedy one, plus about a second, and is never slower
-    # than the greedy plan, which it holds from the start. On 200 seeded 5-layer stages the
+    # walk): the greater of ``SEARCH_WORK`` and half what the greedy start spent, half of it
+    # for the descent; where it runs out, the best plan replayed so far is the plan. So the
+    # search costs at most about one and a half times the greedy one, plus a second or two,
+    # and is never slower than the greedy plan, which it holds from the start. On 200 seeded 5-layer stages the
     # greedy search alone reached the model's optimum in 65% of cases and called 2.3% of
     # feasible budgets infeasible (docs/planner.md, "How the search is checked", for what
     # this search reaches). ``PlanRequest.search = "greedy"`` keeps step 1 alone.
@@ -138,7 +138,7 @@ class PlacementSearch(Judge):
         else:
             built = greedy.fit_budget(budget, allow_recompute)
             starts = ([local.index_of(built)] if built is not None else []) + [local.still_plan(), local.floor_plan()]
-        local.work_left = max(SEARCH_WORK, greedy.replays * local.replay_cost)  # NOTE [Search]
+        local.work_left = max(SEARCH_WORK, greedy.replays * local.replay_cost // 2)  # NOTE [Search]
         if self.greedy_only:  # the greedy start's plan; where it found none, none (the search before this one)
             local.work_left = float("inf")
             best, self.proven = local.trial(starts[0] if budget is None or built is not None
