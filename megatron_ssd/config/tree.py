@@ -181,7 +181,8 @@ class PlannerConfig:
     is set."""
 
     safety_margin: Annotated[float, NonNegative(), InRange(0, 1, hi_open=True)] = 0.1
-    """Fraction by which measured bandwidths are derated when planning."""
+    """Fraction by which measured bandwidths are derated when planning (and by which the
+    measured compute slowdowns are inflated: divided by ``1 - safety_margin``)."""
 
     memory_budget: Optional[Annotated[ByteCount, Positive()]] = None
     """Peak saved-activation bytes allowed per process; None plans for zero exposed I/O.

@@ -276,7 +276,11 @@ class IOProfile:
         return self.write_bytes_per_s is not None
 
     def derated(self, margin: float) -> "IOProfile":
-        """This profile with every known bandwidth multiplied by ``1 - margin``."""
+        """This profile with every known bandwidth multiplied by ``1 - margin`` and every
+        compute slowdown divided by it: transfers take longer, and slow compute more while
+        they run. The slowdowns are measured from one or two profiling steps and vary by
+        tens of percent from run to run on a loaded CPU (docs/performance.md, "Host copies
+        priced"), so a plan held to ``max_slowdown`` keeps headroom on them too."""
         broken = _MARGIN.check(margin)
         if broken is not None:
             raise ConfigError(f"safety_margin = {margin!r}: {broken}")
@@ -285,7 +289,9 @@ class IOProfile:
 
         return dataclasses.replace(self, write_bytes_per_s=scaled(self.write_bytes_per_s),
                                    read_bytes_per_s=scaled(self.read_bytes_per_s),
-                                   host_bytes_per_s=scaled(self.host_bytes_per_s))
+                                   host_bytes_per_s=scaled(self.host_bytes_per_s),
+                                   compute_slowdown=self.compute_slowdown / (1 - margin),
+                                   host_compute_slowdown=self.host_compute_slowdown / (1 - margin))
 
 
 @dataclass

@@ -45,7 +45,8 @@ class PlanRequest:
     """Bytes of saved activations the stage may hold at its peak (goal ``memory_budget``);
     None: offload what hides behind compute (goal ``max_offload``)."""
     safety_margin: float = 0.1
-    """Fraction in [0, 1) the bandwidths are derated by while choosing placements."""
+    """Fraction in [0, 1) the bandwidths are derated by while choosing placements (the
+    compute slowdowns divided by ``1 - safety_margin``: ``IOProfile.derated``)."""
     default_read_ahead: int = 1
     """Layers ahead that reads are issued by default (>= 1; each layer's own is its
     ``read_ahead``)."""

@@ -91,7 +91,9 @@ def test_an_unmeasured_bandwidth_is_null_and_round_trips():
     bandwidths are known or neither is; NaN and infinities stay refused."""
     io = IOProfile(None, None, 0.2)
     assert (io.write_bytes_per_s, io.read_bytes_per_s) == (None, None)
-    assert io.derated(0.25) == io
+    derated = io.derated(0.25)
+    assert (derated.write_bytes_per_s, derated.read_bytes_per_s) == (None, None)
+    assert derated.compute_slowdown == pytest.approx(0.2 / 0.75)
     stage = uniform_stage(2, 1.0, 2.0, 1, io)
     assert StageProfile.from_json(stage.to_json()) == stage
     assert json.loads(stage.to_json())["io"]["write_bytes_per_s"] is None
