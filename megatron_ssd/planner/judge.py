@@ -12,7 +12,7 @@ safety margin to choose, and with the measured ones to check. The searches
 from __future__ import annotations
 
 import dataclasses
-from typing import List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from ..placement import LayerChoice, Placement
 from .module_recompute import with_recompute
@@ -61,7 +61,11 @@ class Judge:
         [Unmeasured drives] in ``profile.py``)."""
         self.n = len(stage.layers)
         self.replays = 0
-        """Replays :meth:`judge` and :meth:`check` made."""
+        """Replays :meth:`judge` and :meth:`check` made (a placement judged again is not
+        replayed again: NOTE [Replays remembered])."""
+        self._judged: Dict[Tuple[int, Tuple[LayerChoice, ...]], Timeline] = {}
+        self._checked: Dict[Tuple[int, Tuple[LayerChoice, ...]], Timeline] = {}
+        self._stages: Dict[int, StageProfile] = {}  # the stages remembered replays were of, by id
         self.smallest_peak: Optional[int] = None
         # See wears_ok and within_bound: no placement's step is shorter than keeping everything.
         self._shortest_step_s = predict(stage, [Placement.KEEP] * self.n).step_s
@@ -93,20 +97,47 @@ class Judge:
         """Within the drive-wear limit and the host pool, and nothing forwarded."""
         return not tl.forwarded and self.wears_ok(choices) and self.hosts_ok(tl)
 
-    def judge(self, choices: Sequence[LayerChoice]) -> Timeline:
-        """Replay with derated bandwidths; remembers the smallest peak seen."""
+    # NOTE [Replays remembered]
+    # The greedy start judges the same placement again and again (each round re-scores
+    # every layer's move from a plan that changed in one layer): on a 16-layer stage 6,171
+    # judgements were 2,117 placements. A replay is a pure function of the placement (the
+    # stage, bandwidths and read-ahead are fixed per Judge), and no caller changes a
+    # Timeline, so each is replayed once and its Timeline handed out again. The stage is
+    # part of the key: the module moves (``ModuleMoves``) judge against a stage whose
+    # layers recompute modules, swapped in and out (each stage object is held while its
+    # replays are remembered, so its id stays its own). Up to
+    # ``_REMEMBERED`` per kind; past that the memory starts over (a 128-layer Timeline is
+    # tens of KB). ``replays`` counts the replays made, which the search's work budget
+    # reads.
+
+    _REMEMBERED = 4096
+
+    def _remembered(self, memory: Dict[Tuple[int, Tuple[LayerChoice, ...]], Timeline],
+                    choices: Sequence[LayerChoice], io: Optional[IOProfile]) -> Tuple[Timeline, bool]:
+        key = (id(self.stage), tuple(choices))
+        tl = memory.get(key)
+        if tl is not None:
+            return tl, False
+        if len(memory) >= self._REMEMBERED:
+            self._judged.clear(), self._checked.clear(), self._stages.clear()
+        self._stages.setdefault(id(self.stage), self.stage)
         self.replays += 1
-        tl = replay(self.stage, choices, self.read_ahead, io=self.derated)
-        if self.allowed(choices, tl) and (
+        tl = memory[key] = replay(self.stage, choices, self.read_ahead, io=io)
+        return tl, True
+
+    def judge(self, choices: Sequence[LayerChoice]) -> Timeline:
+        """Replay with derated bandwidths (once per placement: NOTE [Replays remembered]);
+        remembers the smallest peak seen."""
+        tl, new = self._remembered(self._judged, choices, self.derated)
+        if new and self.allowed(choices, tl) and (
             self.smallest_peak is None or tl.peak_bytes < self.smallest_peak
         ):
             self.smallest_peak = tl.peak_bytes
         return tl
 
     def check(self, choices: Sequence[LayerChoice]) -> Timeline:
-        """Replay with the measured bandwidths."""
-        self.replays += 1
-        return replay(self.stage, choices, self.read_ahead)
+        """Replay with the measured bandwidths (once per placement)."""
+        return self._remembered(self._checked, choices, None)[0]
 
     @staticmethod
     def hidden(tl: Timeline) -> bool:
