@@ -118,16 +118,22 @@ def test_a_link_faster_than_the_drives_leaves_ssd_only_predictions_unchanged():
 
 def test_a_plan_on_both_tiers_prices_the_host_copies_behind_the_ssd_staging():
     """8 ms of link per GB, the SSDs 25 ms per GB written, a 3 GB pool and a 3 GB budget:
-    the plan offloads layers 0 and 1 and hosts 2 to 4. Layer 1's write waits for the
-    drives until 25 ms and stages over the link until 33 ms, so layer 2's host copy,
-    issued at 20 ms, runs from 33 to 41 ms; the plan still hides it and meets the budget.
-    On a link of the host tier's own (a CPU) the copy starts at 20 ms."""
+    offloading layers 0 and 1 and hosting 2 to 4 meets the budget at keep's step time.
+    Layer 1's write waits for the drives until 25 ms and stages over the link until 33 ms,
+    so layer 2's host copy, issued at 20 ms, runs from 33 to 41 ms; it still hides. On a
+    link of the host tier's own (a CPU) the copy starts at 20 ms. The search's plan ties
+    with it (2 GB to the drives, 3 GB hosted, keep's step: the greedy start alone chooses
+    exactly it; the search may return another plan of the same cost)."""
     st = stage(host_bytes_per_s=GB / 0.008, write_s=0.025, read_s=0.010)
-    plan = make_plan(st, memory_budget=3 * GB, read_ahead_mode="fixed", host_budget_bytes=3 * GB)
-    placements = [lp.placement for lp in plan.layers]
-    assert placements == [O, O, H, H, H, K, K, K]
-    assert plan.peak_activation_bytes <= 3 * GB and plan.exposed_s == 0.0
+    placements = [O, O, H, H, H, K, K, K]
+    for search in ("greedy", "full"):
+        plan = make_plan(st, memory_budget=3 * GB, read_ahead_mode="fixed", host_budget_bytes=3 * GB, search=search)
+        assert plan.peak_activation_bytes <= 3 * GB and plan.exposed_s == 0.0
+        assert plan.step_s == pytest.approx(plan.keep_step_s)
+        assert (plan.offloaded_bytes, plan.hosted_bytes) == (2 * GB, 3 * GB)
+        assert search == "full" or [lp.placement for lp in plan.layers] == placements
     tl = predict(st, placements)
+    assert tl.peak_bytes <= 3 * GB and tl.exposed_s == 0.0
     assert (tl.layers[2].write_start, tl.layers[2].write_end) == pytest.approx((0.033, 0.041))
     own = predict(stage(host_bytes_per_s=GB / 0.008, write_s=0.025, read_s=0.010, shared=False), placements)
     assert (own.layers[2].write_start, own.layers[2].write_end) == pytest.approx((0.020, 0.030))
