@@ -23,7 +23,7 @@ find_python = $(shell for p in $(1) python$(2) $$(ls -d $${PYENV_ROOT:-$$HOME/.p
 PYTHON312 ?= $(call find_python,$(PYTHON312_ENV),3.12)
 PYTHON311 ?= $(call find_python,$(PYTHON311_ENV),3.11)
 
-.PHONY: run test test-default test-oldest venv clean
+.PHONY: run test test-fast test-default test-oldest venv clean
 
 # $(call build_venv,DIR,PYTHON,TORCH,MEGATRON_CORE,PYTHON_VERSION,OVERRIDE_VARIABLE)
 # setuptools is upgraded with pip: tests/test_install.py builds the checkout without build isolation,
@@ -58,6 +58,10 @@ run: $(VENV)/.installed
 # whole when it ends; the run fails if either fails.
 test:
 	$(MAKE) --no-print-directory -j2 -O test-default test-oldest
+
+# The tests that start no process (NOTE [Test tiers] in tests/conftest.py): a quick answer while developing.
+test-fast: $(VENV)/.installed
+	$(PY) -m pytest -q -m "not e2e" $(PYTEST_ARGS)
 
 test-default: $(VENV)/.installed
 	$(PY) -m pytest -q --durations=25 $(PYTEST_ARGS)

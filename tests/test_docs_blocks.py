@@ -32,7 +32,7 @@ from typing import List, NamedTuple, Optional
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DOCS = ["README.md"] + sorted(os.path.join("docs", f) for f in os.listdir(os.path.join(REPO, "docs"))
+DOCS = ["README.md", "CONTRIBUTING.md"] + sorted(os.path.join("docs", f) for f in os.listdir(os.path.join(REPO, "docs"))
                               if f.endswith(".md"))
 _FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.M | re.S)
 _MARKER = re.compile(r"<!--\s*(not run|output of):\s*(.*?)\s*-->\s*$")
@@ -95,6 +95,7 @@ def test_every_block_is_run_or_marked(block):
 _RUN = [b for b in BLOCKS if b.marker is None and b.lang in ("python", "bash")]
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("block", _RUN, ids=repr)
 def test_unmarked_blocks_run_as_shown(block, tmp_path):
     if block.lang == "python":

@@ -74,6 +74,7 @@ def _environment_seeing_torch(tmp_path: Path, version: str) -> str:
     return python
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 def test_pip_install_keeps_the_installed_torch_and_megatron_core(tmp_path):
     planned = _planned(sys.executable, tmp_path)
@@ -84,6 +85,7 @@ def test_pip_install_keeps_the_installed_torch_and_megatron_core(tmp_path):
     assert "megatron-ssd" in planned  # the plan is real: the project itself is in it
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 @pytest.mark.parametrize("version", ["2.11.0+cu130", "2.10.0a0+5e8c2b9"], ids=["cuda-build", "pre-release"])
 def test_pip_install_keeps_a_gpu_image_torch(tmp_path, version):
@@ -143,6 +145,7 @@ def _environment_without_megatron_ssd(tmp_path: Path) -> str:
     return python
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 def test_the_wheel_ships_the_presets_and_trains_one_by_name_outside_the_checkout(checkout_wheel, tmp_path):
     """NOTE [Shipped presets]: installed from the wheel, outside the checkout, ``megatron-ssd

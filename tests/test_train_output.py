@@ -12,6 +12,8 @@ import subprocess
 import sys
 import types
 
+import pytest
+
 
 from megatron_ssd.commands.cli import main
 from megatron_ssd.config import PlannerConfig, TrainConfig, load_config
@@ -241,6 +243,7 @@ def _cli(tmp_path, *argv):
     return proc.stdout
 
 
+@pytest.mark.e2e
 def test_train_labels_its_steps_and_writes_tensorboard_scalars(tmp_path):
     from tensorboard.backend.event_processing import event_accumulator
 
@@ -277,6 +280,7 @@ def test_train_labels_its_steps_and_writes_tensorboard_scalars(tmp_path):
     assert peaks == [float(s["peak_resident_bytes"]) for s in data["steps"]]
 
 
+@pytest.mark.e2e
 def test_plan_prints_the_plan_and_not_a_training_table(tmp_path):
     stdout = _cli(tmp_path, "plan", "--config", "configs/gpt-tiny.yaml", *TINY)
     assert "megatron-ssd plan: GPT 2 layers" in stdout
@@ -285,6 +289,7 @@ def test_plan_prints_the_plan_and_not_a_training_table(tmp_path):
     assert "peak activation memory (MiB)" not in stdout and "megatron-ssd train" not in stdout
 
 
+@pytest.mark.e2e
 def test_compare_prints_one_table_and_whether_the_losses_of_the_same_steps_are_identical(tmp_path):
     """``compare`` runs each fixed placement as a phase of its own and the planner at a
     budget of half keep's measured peak, every phase from the same weights and data (NOTE
@@ -311,6 +316,7 @@ def test_compare_prints_one_table_and_whether_the_losses_of_the_same_steps_are_i
     assert "peak activation memory, cache count (MiB)" not in printed  # the comparison table instead
 
 
+@pytest.mark.e2e
 def test_the_offload_phase_starts_from_keep_everythings_weights(tmp_path):
     out = tmp_path / "train.json"
     printed = _cli(tmp_path, "train", "--config", "configs/gpt-tiny.yaml", *TINY, "steps=5", "baseline_steps=3",

@@ -48,6 +48,7 @@ def test_auto_builds_posix_even_where_kvikio_and_a_gpu_are_present(offload_dir, 
     assert resolve_engine_name(_cfg(offload_dir, engine="kvikio")) == "kvikio"
 
 
+@pytest.mark.e2e
 def test_package_imports_without_kvikio():
     code = (
         "import sys; sys.modules['kvikio'] = None\n"  # any import of kvikio now fails

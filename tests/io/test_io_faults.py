@@ -274,6 +274,7 @@ _TINY = textwrap.dedent(
 )
 
 
+@pytest.mark.e2e
 @pytest.mark.skipif(shutil.which("unshare") is None, reason="needs unshare(1) for a private tmpfs")
 def test_real_enospc_on_a_tiny_filesystem(tmp_path):
     """A 1 MiB tmpfs mounted in a user namespace (no root needed where those are allowed).
@@ -356,6 +357,7 @@ EMFILE_CHILD = textwrap.dedent(
 )
 
 
+@pytest.mark.e2e
 def test_reads_under_a_tiny_descriptor_limit_wait_and_succeed(tmp_path, offload_dir):
     """``file`` layout, 32 blobs read at once with no descriptor left, then one
     (RLIMIT_NOFILE in a child): the reads wait on EMFILE instead of failing, and once a

@@ -149,6 +149,7 @@ def test_remove_stale_runs_only_removes_provably_dead_runs(offload_dir, tmp_path
     assert remove_stale_runs(str(tmp_path / "missing")) == []
 
 
+@pytest.mark.e2e
 def test_a_zombie_owner_is_gone_and_a_sleeping_one_is_not(offload_dir):
     """A process that has exited but is not reaped yet (a zombie) holds no file: its run
     directory is stale. A live child (sleeping) is not."""

@@ -57,6 +57,7 @@ _CHILD = textwrap.dedent(
 )
 
 
+@pytest.mark.e2e
 @pytest.mark.skipif(_NO_BLKIO is not None, reason=f"blkio throttling unavailable: {_NO_BLKIO}")
 def test_the_command_runs_in_a_limited_group_that_counts_its_io_and_is_removed(tmp_path, capfd):
     home = own_blkio_group()

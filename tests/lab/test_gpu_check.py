@@ -55,6 +55,7 @@ def _parts(out: Path) -> dict:
 # ------------------------------------------------------------------ the script, no GPU
 
 
+@pytest.mark.e2e
 def test_without_a_gpu_the_script_measures_the_path_and_skips_each_gpu_part_with_the_reason(tmp_path):
     """``make gpu-check`` as CI runs it: no CUDA device."""
     out, path = tmp_path / "out", tmp_path / "offload"
@@ -97,6 +98,7 @@ def test_without_a_gpu_the_script_measures_the_path_and_skips_each_gpu_part_with
     assert os.listdir(path) == []  # bench-io removed its files
 
 
+@pytest.mark.e2e
 def test_parts_runs_only_the_parts_named_and_skips_the_others_with_the_reason(tmp_path):
     """``--parts`` (a short GPU window spent on the parts that changed): the parts named run,
     every other is a skipped entry naming the list, in the usual order."""
@@ -112,6 +114,7 @@ def test_parts_runs_only_the_parts_named_and_skips_the_others_with_the_reason(tm
         assert (parts[name]["status"], parts[name]["reason"]) == ("skipped", "not among --parts environment,bench-io")
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("args, message", [
     ([], "the output folder OUT is required"),
     (["o", "p"], "one output folder only"),
@@ -132,6 +135,7 @@ def test_bad_arguments_are_refused_before_anything_runs(tmp_path, args, message)
     assert not (ROOT / "o").exists()
 
 
+@pytest.mark.e2e
 def test_a_python_without_torch_is_named(tmp_path):
     result = _script(tmp_path / "out", env=_env(PYTHON="/nonexistent/python"))
     assert result.returncode == 1 and "PYTHON=/nonexistent/python not found" in result.stderr
@@ -149,6 +153,7 @@ REAL, NO_TORCH = f'exec {sys.executable} "$@"', "echo \"No module named 'torch'\
 SEES_GPU = "echo gpu"
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("venv, python3, python, chosen, mode", [
     # make built .venv; the PATH's python3 has no torch (before: "python3 cannot import torch")
     (REAL, NO_TORCH, None, "venv", "no-gpu"),
@@ -186,6 +191,7 @@ def test_the_interpreter_is_python_else_the_one_with_torch_that_sees_cuda_venv_f
     assert result.stdout == f"{expected} {mode}\n"
 
 
+@pytest.mark.e2e
 def test_without_any_python_that_imports_torch_each_one_tried_is_named(tmp_path):
     repo, bin_dir = tmp_path / "repo", tmp_path / "bin"
     (repo / "scripts").mkdir(parents=True)
@@ -207,6 +213,7 @@ exec {python} "$@"
 """
 
 
+@pytest.mark.e2e
 def test_a_part_past_its_timeout_fails_and_a_failing_part_fails_the_run(tmp_path):
     stub = tmp_path / "python"
     stub.write_text(STUB_PYTHON.format(python=sys.executable))
@@ -230,6 +237,7 @@ def test_a_part_past_its_timeout_fails_and_a_failing_part_fails_the_run(tmp_path
             f"{counts['skipped']} skipped)") in result.stdout
 
 
+@pytest.mark.e2e
 def test_a_spent_budget_skips_the_parts_it_cannot_fit(tmp_path):
     out = tmp_path / "out"
     (tmp_path / "offload").mkdir()
@@ -259,6 +267,7 @@ def _wheel(folder: Path, name: str, version: str) -> Path:
     return path
 
 
+@pytest.mark.e2e
 def test_install_puts_only_missing_wheels_into_the_target_and_never_touches_torch(tmp_path):
     folder, target = tmp_path / "whl", tmp_path / "site"
     folder.mkdir()
@@ -316,6 +325,7 @@ done
 """
 
 
+@pytest.mark.e2e
 def test_the_wheel_script_downloads_pinned_wheels_for_the_gpu_image_and_keeps_one_version(tmp_path):
     log, folder = tmp_path / "pip.log", tmp_path / "whl"
     stub = tmp_path / "python"
@@ -440,6 +450,7 @@ def test_gpu_parts_skip_with_the_reason_without_cuda(tmp_path):
 # ------------------------------------------------------------------ pytest results
 
 
+@pytest.mark.e2e
 def test_a_junit_file_becomes_counts_skip_reasons_and_a_status(tmp_path):
     (tmp_path / "test_demo.py").write_text(
         "import pytest\n"
@@ -568,6 +579,7 @@ def test_a_placement_that_times_out_or_finds_no_time_fails_the_training_part(tmp
     assert entry["status"] == "failed" and entry["reason"].startswith("recompute: timed out after 60 s; ")
 
 
+@pytest.mark.e2e
 def test_run_placement_stops_a_run_at_its_timeout(tmp_path):
     out = io.StringIO()
     report, why = gpu_check_train.run_placement("keep", ["--config", "configs/gpt-tiny.yaml"],
@@ -842,6 +854,7 @@ def test_pretrain_part_skips_with_the_missing_module_and_stops_after_a_failed_pl
                                             400)["reason"] == NO_CUDA
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 @pytest.mark.megatron_lm
 def test_pretrain_part_without_a_gpu_trains_megatron_lm_the_same_with_and_without_offload(tmp_path):
@@ -893,6 +906,7 @@ def test_the_array_part_is_skipped_with_the_reason_without_root(tmp_path, monkey
     assert entry["numbers"]["emulated"] is True and len(entry["numbers"]["not_modelled"]) == 5
 
 
+@pytest.mark.e2e
 @pytest.mark.skipif(bool(_NO_STANDIN), reason=f"the array stand-in cannot run here: {_NO_STANDIN}")
 def test_the_array_part_without_a_gpu_measures_two_stand_in_drives_and_leaves_nothing(tmp_path):
     result = tmp_path / "array.json"
@@ -918,6 +932,7 @@ def test_the_array_part_without_a_gpu_measures_two_stand_in_drives_and_leaves_no
     assert numbers["headline"].startswith("emulated array (loop devices over tmpfs, block-throttled): 2xgen4: write ")
 
 
+@pytest.mark.e2e
 @pytest.mark.skipif(bool(_NO_STANDIN), reason=f"the array stand-in cannot run here: {_NO_STANDIN}")
 def test_with_a_gpu_the_planner_trains_on_the_stand_in_inside_its_cgroup(tmp_path, monkeypatch, cpu_reports):
     """The GPU mode on the CPU: the planner's run is the CPU report of one, and sees the
@@ -1176,6 +1191,7 @@ def test_megatrons_own_fine_grained_offloading_is_skipped_with_the_reason_withou
         "offload is not available' without it; Transformer Engine is not installed")
 
 
+@pytest.mark.e2e
 @pytest.mark.skipif(bool(_NO_STANDIN), reason=f"the array stand-in cannot run here: {_NO_STANDIN}")
 def test_the_array_part_stopped_at_its_timeout_tears_its_stand_in_down(tmp_path):
     """gpu_check.sh's timeout sends SIGTERM (NOTE [Stand-in teardown]): the part ends with

@@ -161,6 +161,7 @@ def test_stock_model_trains_with_the_stock_schedule(world, kind):
     assert all(torch.isfinite(g).all() for g in result.grads.values())
 
 
+@pytest.mark.e2e
 def test_selective_recompute_with_output_discarding_runs_and_changes_nothing(world):
     """``recompute_modules=["layernorm"]`` (megatron's ``CheckpointWithoutOutput``, NOTE
     [CPU mode] 5 and 6), dropout on: losses and gradients equal the run without it."""

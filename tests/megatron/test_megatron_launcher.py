@@ -269,6 +269,7 @@ def _launch(checkout, out, *argv):
     return subprocess.run(cmd, env=_env(FAKE_OUT=str(out)), capture_output=True, text=True, timeout=HANG_S)
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 def test_launcher_runs_the_script_with_hooks(fake_checkout, tmp_path, offload_dir):
     out = tmp_path / "out.json"
@@ -282,6 +283,7 @@ def test_launcher_runs_the_script_with_hooks(fake_checkout, tmp_path, offload_di
     assert os.listdir(offload_dir) == []  # the cache was closed: its run directory is gone
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 def test_launcher_without_ssd_offload_is_plain(fake_checkout, tmp_path):
     out = tmp_path / "out.json"
@@ -296,6 +298,7 @@ def test_launcher_without_ssd_offload_is_plain(fake_checkout, tmp_path):
     assert run.returncode == 2 and "unrecognized arguments: --ssd-offlaod" in run.stderr
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 def test_launcher_names_the_extra_for_a_missing_megatron_lm_dependency(tmp_path):
     root = tmp_path / "checkout"

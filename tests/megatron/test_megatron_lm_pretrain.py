@@ -84,6 +84,7 @@ def _files_under(path) -> list:
     return [os.path.join(d, f) for d, _, files in os.walk(path) for f in files]
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 @pytest.mark.parametrize("pp", [1, 2])
 def test_pretrain_gpt_with_ssd_offload_trains_as_without(pp, tmp_path):
@@ -106,6 +107,7 @@ def test_pretrain_gpt_with_ssd_offload_trains_as_without(pp, tmp_path):
     assert _files_under(offload_dir) == []  # each rank's cache deleted its files at exit
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 def test_selective_recompute_with_output_discarding_trains_as_without(tmp_path):
     """``--recompute-granularity selective --recompute-modules layernorm``: Megatron frees
@@ -125,6 +127,7 @@ def test_selective_recompute_with_output_discarding_trains_as_without(tmp_path):
     assert _files_under(offload_dir) == []
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 def test_pretrain_gpt_refuses_bad_flags_before_training():
     """Our flags are checked right after Megatron parses them, with one ``megatron_ssd:`` line."""
@@ -152,6 +155,7 @@ def _patched_checkout(tmp_path) -> str:
     return str(root)
 
 
+@pytest.mark.e2e
 @pytest.mark.skipif(shutil.which("git") is None, reason="git is not installed")
 def test_patch_applies(tmp_path):
     shutil.copy(os.path.join(CHECKOUT, "pretrain_gpt.py"), tmp_path)
@@ -159,6 +163,7 @@ def test_patch_applies(tmp_path):
     assert check.returncode == 0, check.stderr
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 @pytest.mark.skipif(shutil.which("git") is None, reason="git is not installed")
 def test_patched_pretrain_gpt_knows_the_flags_and_trains(tmp_path):
@@ -183,6 +188,7 @@ def test_patched_pretrain_gpt_knows_the_flags_and_trains(tmp_path):
     assert _files_under(offload_dir) == []
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 def test_offload_metrics_go_to_megatrons_tensorboard_writer(tmp_path):
     """``--tensorboard-dir``: Megatron's own writer gets the offload scalars of each

@@ -276,6 +276,7 @@ def two_ranks(tmp_path_factory):
         return spawn(run_layouts, 2, shared, timeout_s=400)
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_two_process_layouts_bit_identical(two_ranks, layout):
     for rank in (0, 1):

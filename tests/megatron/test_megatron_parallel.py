@@ -95,6 +95,7 @@ def _merged(results, layout):
     return results[1][layout]["losses"], grads
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("layout", ["1f1b", "interleaved"])
 def test_pipeline_equals_no_pipelining_exactly(results, layout):
     ref_losses, ref_grads = results[0]["none"]["losses"], results[0]["none"]["grads"]
@@ -142,11 +143,13 @@ def _raise_value_error(message: str) -> None:
     raise ValueError(message)
 
 
+@pytest.mark.e2e
 def test_spawn_reports_the_child_traceback():
     with pytest.raises(MegatronSSDError, match=r"(?s)rank 0 failed:.*ValueError: bad input 42"):
         spawn(_raise_value_error, 1, "bad input 42", timeout_s=120)
 
 
+@pytest.mark.e2e
 def test_spawn_reports_a_silent_death():
     with pytest.raises(MegatronSSDError, match="rank 0 exited with code 3 without a result"):
         spawn(os._exit, 1, 3, timeout_s=120)

@@ -150,6 +150,7 @@ _CHILD = textwrap.dedent("""
 """)
 
 
+@pytest.mark.e2e
 def test_read_back_memory_returns_to_the_os_when_freed():
     """In a fresh process: read back 96 MiB in 4 MiB blobs, each followed by a small
     tensor that stays (the pattern that left holes in the heap), free them: RSS drops back."""

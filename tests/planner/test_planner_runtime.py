@@ -200,6 +200,7 @@ def test_a_profile_whose_steps_moved_nothing_has_no_drive_bandwidth():
     assert _io_profile([], [1], None) == IOProfile(None, None)
 
 
+@pytest.mark.e2e
 def test_auto_mode_keeping_every_layer_finishes_with_its_summary(tmp_path):
     """``offload.keep_last_layers`` >= the layer count with the planner on ``auto``: its
     OFFLOAD profiling steps move nothing, so the drives' bandwidth is not measured and the
@@ -279,6 +280,7 @@ def test_slowdown_is_spread_over_the_time_io_is_in_flight():
     assert _slowdown_in_flight(step(0.8, 1.5, 0.1, 0.1), [1], 2.0) == pytest.approx(0.3 / 0.02)  # held at w / 10
 
 
+@pytest.mark.e2e
 def test_rok_json_schema(tmp_path):
     """``megatron-ssd rok`` on a very small model: one point per placement, each measured."""
     out = tmp_path / "rok.json"
@@ -350,6 +352,7 @@ def _train_json(tmp_path, name, *overrides):
     return proc.stdout, json.loads(out.read_text())
 
 
+@pytest.mark.e2e
 def test_paired_steps_alternate_keep_and_offload_and_leave_the_phase_alone(tmp_path):
     """NOTE [Paired steps]: keep steps write nothing, offload steps write what the offload
     phase wrote; each ratio is offload over keep of its own pair; the offload phase's
@@ -379,6 +382,7 @@ def test_paired_steps_alternate_keep_and_offload_and_leave_the_phase_alone(tmp_p
     assert data["planner"]["events"] == plain["planner"]["events"]
 
 
+@pytest.mark.e2e
 def test_no_pair_runs_where_keep_everything_does_not_fit_the_capacity(tmp_path):
     """NOTE [Paired steps]: under a capacity keep-everything does not fit, a pair's keep
     step would run under the capacity guard, offloading; no pair runs, and the JSON and
@@ -394,6 +398,7 @@ def test_no_pair_runs_where_keep_everything_does_not_fit_the_capacity(tmp_path):
     assert len(data["steps"]) == 8  # no step beyond the phase's
 
 
+@pytest.mark.e2e
 def test_train_json_carries_independent_memory_and_the_profiled_step_changes_nothing(tmp_path):
     """NOTE [Independent memory]: RSS above the pre-forward level per phase and per step;
     ``allocator_timeline`` adds the allocator peak from one more, unrecorded, step."""
@@ -435,6 +440,7 @@ def test_plan_that_does_not_fit_the_free_space_is_refused(tmp_path, monkeypatch)
             planner._check_space(plan)
 
 
+@pytest.mark.e2e
 def test_rok_rounds_pool_steps_and_count_io_cpu(tmp_path):
     """``--rounds 2``: every point pools both rounds' steps, and keeps each round's median
     and its ratio to keep's median of the same round; I/O CPU time is counted only when
@@ -537,6 +543,7 @@ def test_rok_throttle_without_the_lab_package_says_what_is_missing(monkeypatch):
         rok.run_rok(config, TINY_CLI, throttle="64MiB")
 
 
+@pytest.mark.e2e
 @pytest.mark.skipif(__import__("megatron_ssd_lab.blkio", fromlist=["x"]).blkio_available() is not None,
                     reason="needs root and the cgroup-v1 blkio hierarchy (blkio throttling)")
 def test_rok_runs_every_placement_throttled_and_removes_its_group(tmp_path):

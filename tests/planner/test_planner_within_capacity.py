@@ -240,6 +240,7 @@ def test_without_a_cap_or_on_a_cpu_the_capacity_and_the_first_guard_are_as_befor
     assert cuda.peak_resets == [] and cuda.calls_named("peak_memory") == []
 
 
+@pytest.mark.e2e
 def test_on_a_cpu_the_first_step_measures_the_working_set_and_every_step_stays_under_the_cap(tmp_path):
     """NOTE [Working set under a cap] on a CPU: the train command brackets the first step
     with the allocator timeline (the measure ``rok --largest-within`` holds a CPU run to),

@@ -82,6 +82,7 @@ def test_rok_rejects_bad_keep_last_counts_before_running(kwargs, match):
         rok_points(TINY, TINY_CLI, **kwargs)
 
 
+@pytest.mark.e2e
 def test_rok_keep_last_counts_are_points_of_their_own(tmp_path):
     """``--keep-last 0,1`` on a 2-layer GPT: two keep-last points where one stood, each
     with its count, the one keeping nothing writing more; the plot draws the curve."""
@@ -137,6 +138,7 @@ def test_rok_rejects_bad_peer_settings_before_running(kwargs, match):
         rok_points(TINY, TINY_CLI, **kwargs)
 
 
+@pytest.mark.e2e
 def test_rok_runs_each_peer_at_its_settings_and_matches_a_budget_to_it(tmp_path):
     """The peers on a 2-layer GPT: megatron-offload at two fractions and te-offload at one
     layer (the host tier paced), Megatron's full recompute; a budget point at
@@ -170,6 +172,7 @@ def test_rok_runs_each_peer_at_its_settings_and_matches_a_budget_to_it(tmp_path)
     assert len({p["final_loss"] for p in data["points"] if "final_loss" in p}) == 1
 
 
+@pytest.mark.e2e
 def test_rok_with_a_paced_host_tier_lets_the_planner_host_layers(tmp_path):
     """``--host-throttle`` on a 2-layer GPT: the planner's run gets the host-tier peers'
     pool and plans it at the paced rate on its own link (NOTE [Paced host tier] in

@@ -181,6 +181,7 @@ TINY = ["model.num_layers=4", "model.hidden_size=64", "model.num_attention_heads
         "model.vocab_size=256", "num_microbatches=1", "offload.min_tensor_bytes=4096"]
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 def test_recompute_trains_a_larger_micro_batch_than_keep_within_the_same_cap(tmp_path):
     """Four short runs of a tiny GPT, each in its own process. The cap (9 MiB of live

@@ -75,6 +75,7 @@ def _spawn(tmp_path, path, mode):
     return proc, run_dir
 
 
+@pytest.mark.e2e
 def test_crash_image_holds_a_complete_marker_and_clean_removes_the_run(tmp_path):
     """Item: a crash image held a 0-byte marker beside the data file, and ``clean``
     removed nothing, ever."""
@@ -157,6 +158,7 @@ def test_empty_marker_less_run_directory_is_removed_after_the_grace_period(offlo
     assert sorted(os.listdir(offload_dir)) == sorted(os.path.basename(d) for d in kept)
 
 
+@pytest.mark.e2e
 def test_sigterm_on_fuse_keeps_the_marker_until_the_directory_is_empty_and_clean_removes_it(tmp_path):
     """Item: on FUSE, SIGTERM's unlink of the open data file renamed it to .fuse_hidden*,
     the marker went, the rmdir failed, and an empty, marker-less directory stayed that

@@ -431,6 +431,7 @@ def test_stalled_preallocation_is_named_and_the_write_then_completes(offload_dir
     assert os.listdir(offload_dir) == []
 
 
+@pytest.mark.e2e
 def test_frozen_filesystem_is_named_while_the_engine_starts_and_while_it_unlinks(tmp_path, caplog):
     """Real stalls: ``fsfreeze`` on an ext4 loop device while the engine creates its run
     directory, then while the ``file`` layout unlinks a freed blob's file."""
@@ -463,6 +464,7 @@ def test_frozen_filesystem_is_named_while_the_engine_starts_and_while_it_unlinks
         assert os.listdir(mnt) == ["lost+found"]
 
 
+@pytest.mark.e2e
 def test_clean_on_a_frozen_filesystem_names_each_removal_that_makes_no_progress(tmp_path, caplog, capsys):
     """Item: ``megatron-ssd clean`` on a frozen filesystem said nothing for as long as the
     freeze lasted (75 s), while training named the same stall. ``fsfreeze`` on an ext4
@@ -573,6 +575,7 @@ def _not_removed(run_dir: str, printed: str, records) -> str:
             f"stale: {run_owner._why_stale(run_dir)!r}")
 
 
+@pytest.mark.e2e
 def test_a_filesystem_aborted_mid_run_names_what_it_strands_and_clean_removes_it(tmp_path, capsys, caplog):
     """Item: the offload filesystem aborted to read-only mid-run (``mount -o remount,abort``
     on ext4): the writes fell back and the losses stayed identical, but the run directory
@@ -677,6 +680,7 @@ def test_train_repeats_what_it_could_not_remove_under_its_summary(offload_dir, t
 # ------------------------------------------------------------------ a full disk, told once
 
 
+@pytest.mark.e2e
 def test_a_full_disk_is_told_once_per_path_then_every_period_with_counts(tmp_path, caplog):
     """Item: a full disk warned once per failed write, forever (about 24 lines a step).
     A real 4 MiB ext4 fills up; the warnings' clock is a fake the test moves by a period."""

@@ -398,6 +398,7 @@ _READ_ONLY_OUTPUT = textwrap.dedent(
 )
 
 
+@pytest.mark.e2e
 @pytest.mark.skipif(shutil.which("unshare") is None, reason="needs unshare(1) for private mounts")
 def test_json_on_a_read_only_filesystem_is_refused_before_the_run(tmp_path):
     probe = subprocess.run(["unshare", "-rm", "true"], capture_output=True, text=True)
@@ -505,6 +506,7 @@ def test_simulate_accepts_its_bounds(capsys):
     assert (spec.num_layers, spec.seq_len, spec.micro_batch) == (512, 1 << 26, 1 << 16)
 
 
+@pytest.mark.e2e
 def test_simulate_of_a_huge_count_exits_2_with_one_line():
     """The command as a user runs it: exit status 2, one ``megatron_ssd:`` line, no traceback."""
     exe = os.path.join(os.path.dirname(sys.executable), "megatron-ssd")
@@ -608,6 +610,7 @@ _MOUNTED = textwrap.dedent(
 )
 
 
+@pytest.mark.e2e
 @pytest.mark.skipif(shutil.which("unshare") is None, reason="needs unshare(1) for private mounts")
 def test_read_only_and_too_small_filesystems_are_refused(tmp_path):
     """Real mounts in a user namespace (so this holds for root too): a read-only tmpfs and
@@ -664,6 +667,7 @@ def test_the_same_directory_spelled_two_ways_is_named_both_ways(offload_dir):
     assert _one_line(info.value).endswith(_same_directory(offload_dir, twice))
 
 
+@pytest.mark.e2e
 def test_a_bind_mount_of_a_path_is_the_same_directory(tmp_path):
     """Item: ``paths=A,B`` with B a bind mount of A was accepted and striped twice onto one
     disk; only ``A,A`` was refused. Paths are compared by device and inode, in the config,

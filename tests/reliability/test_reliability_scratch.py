@@ -45,6 +45,7 @@ def _wait_for_run_dir(proc, default):
     pytest.fail(f"no run directory appeared under {default}")
 
 
+@pytest.mark.e2e
 def test_default_dir_is_cleaned_after_sigkill_and_emptied_after_sigterm(tmp_path):
     root = tmp_path / "scratch-root"
     root.mkdir()

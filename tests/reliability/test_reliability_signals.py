@@ -120,6 +120,7 @@ def _neighbours(path):
     return [foreign, unmarked, alive]
 
 
+@pytest.mark.e2e
 def test_sigkill_leftovers_are_removed_at_the_next_start(tmp_path, offload_dir):
     stale = _killed_run(tmp_path, offload_dir)
     keep = _neighbours(offload_dir)
@@ -132,6 +133,7 @@ def test_sigkill_leftovers_are_removed_at_the_next_start(tmp_path, offload_dir):
     assert not os.path.exists(mine)
 
 
+@pytest.mark.e2e
 def test_megatron_ssd_clean_removes_only_stale_runs(tmp_path, offload_dir):
     stale = _killed_run(tmp_path, offload_dir)
     keep = _neighbours(offload_dir)
@@ -143,6 +145,7 @@ def test_megatron_ssd_clean_removes_only_stale_runs(tmp_path, offload_dir):
     assert all(os.path.isfile(os.path.join(d, "keep.bin")) for d in keep)
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize(
     "mode, sig, status",
     [
@@ -167,6 +170,7 @@ def test_sigterm_and_sigint_remove_the_files_before_exit(tmp_path, offload_dir, 
     assert os.listdir(offload_dir) == []
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("sig", [signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2, signal.SIGALRM],
                          ids=lambda s: signal.Signals(s).name)
 def test_other_terminating_signals_remove_the_files_before_exit(tmp_path, offload_dir, sig):
@@ -179,6 +183,7 @@ def test_other_terminating_signals_remove_the_files_before_exit(tmp_path, offloa
     assert not os.path.exists(run_dir) and os.listdir(offload_dir) == []
 
 
+@pytest.mark.e2e
 def test_sigterm_removes_the_emptied_job_directories_too(tmp_path):
     """``remove_empty_parents=2`` (what the SLURM scripts set): on SIGTERM the process
     removes its run directory, then its emptied ``gpu<r>`` and ``job<id>``, before it dies,
@@ -202,6 +207,7 @@ def _tree(top):
     return sorted(d for d, _, _ in os.walk(top))
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("ending", ["sigterm", "close", "sigkill-then-clean"])
 def test_no_ending_removes_a_directory_that_was_there_before_the_run(tmp_path, ending):
     """The report: ``mkdir -p scratch/user/a/b``, then ``offload.paths=scratch/user/a/b``
@@ -229,6 +235,7 @@ def test_no_ending_removes_a_directory_that_was_there_before_the_run(tmp_path, e
     assert _tree(top) == before
 
 
+@pytest.mark.e2e
 def test_the_megatron_ssd_tmpdir_and_the_default_directory_stay(tmp_path):
     """The report: ``offload.paths=[] offload.remove_empty_parents=2`` removed the
     user's ``$MEGATRON_SSD_TMPDIR``. Neither it nor the default directory inside it (shared
@@ -296,6 +303,7 @@ STUCK_CHILD = textwrap.dedent(
 )
 
 
+@pytest.mark.e2e
 def test_sigterm_deletes_the_files_even_when_the_main_thread_never_runs_the_handler(tmp_path, offload_dir):
     """NOTE [Cleanup before the handler runs]: the cleanup thread hears the signal from
     Python's wakeup fd and deletes the run directory without the main thread."""
@@ -323,6 +331,7 @@ def _end_group(proc) -> None:
     proc.wait(timeout=HANG_S)
 
 
+@pytest.mark.e2e
 def test_a_forked_childs_signal_deletes_nothing_of_its_parent(tmp_path, offload_dir):
     """The wakeup fd is taken away in a forked child: its SIGTERM must not reach the
     parent's cleanup thread (NOTE [Cleanup before the handler runs])."""
@@ -352,6 +361,7 @@ def test_a_forked_childs_signal_deletes_nothing_of_its_parent(tmp_path, offload_
         _end_group(proc)
 
 
+@pytest.mark.e2e
 def test_sigterm_removes_the_data_before_the_marker(tmp_path, offload_dir):
     log = tmp_path / "unlinked.txt"
     proc = _spawn(tmp_path, offload_dir, "sigterm-logged", str(log))
@@ -364,6 +374,7 @@ def test_sigterm_removes_the_data_before_the_marker(tmp_path, offload_dir):
     assert os.listdir(offload_dir) == []
 
 
+@pytest.mark.e2e
 def test_sigterm_with_a_hung_unlink_exits_anyway_and_clean_finishes(tmp_path, offload_dir):
     """An unlink that never returns (a stalled drive): the process still dies of SIGTERM
     after the deadline, says so, and leaves the marker so ``megatron-ssd clean`` can
@@ -424,6 +435,7 @@ FINALISER_CHILD = textwrap.dedent(
 )
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("where", ["packed", "weakref"])
 def test_ctrl_c_inside_a_finaliser_still_stops_the_process(tmp_path, offload_dir, where):
     """Item: a Ctrl-C whose KeyboardInterrupt was raised inside ``Packed.__del__`` (2 of 7
@@ -439,6 +451,7 @@ def test_ctrl_c_inside_a_finaliser_still_stops_the_process(tmp_path, offload_dir
     assert os.listdir(offload_dir) == []
 
 
+@pytest.mark.e2e
 def test_ctrl_c_stops_megatron_ssd_train(tmp_path, offload_dir):
     """A real SIGINT to ``megatron-ssd train`` once its first step is printed ends the run
     with KeyboardInterrupt, whatever frame it lands in; its 100000 steps never finish."""
@@ -558,6 +571,7 @@ BENCH_CHILD = textwrap.dedent(
 )
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_bench_io_files_are_removed_on_sigterm_and_sigint(tmp_path, offload_dir, sig):
     script = tmp_path / "bench_child.py"
@@ -614,6 +628,7 @@ ROK = textwrap.dedent(
 )
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP, signal.SIGINT], ids=lambda s: signal.Signals(s).name)
 @pytest.mark.parametrize("search", [[], ["--largest-within", "1GiB"]], ids=["curve", "largest-within"])
 def test_a_signal_to_rok_ends_its_child_and_removes_its_directory(tmp_path, sig, search):

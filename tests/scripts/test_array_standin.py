@@ -21,6 +21,8 @@ from waits import HANG_S  # tests/waits.py
 from megatron_ssd_lab.gpu_check_array import leftovers, standin_unavailable
 from megatron_ssd_lab.blkio import Throttle, disk_of, find_hierarchy
 
+pytestmark = pytest.mark.e2e  # NOTE [Test tiers] in tests/conftest.py: every test here starts a process
+
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "array_standin.sh"
 _NO_STANDIN = standin_unavailable(str(SCRIPT))

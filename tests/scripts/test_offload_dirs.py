@@ -117,6 +117,7 @@ def test_squeue_answers():
     assert od.squeue_says_over(1, "Invalid job id specified") and not od.squeue_says_over(1, "")
 
 
+@pytest.mark.e2e
 def test_pid_alive():
     done = subprocess.Popen(["true"])
     done.wait()
@@ -165,6 +166,7 @@ def test_node_names():
     assert od.node_name("host1", "") == "host1"
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("args", [["a", "b c", "it's", "", "--x=1,2", "$HOME", "a*"]])
 def test_commands_print_as_the_shell_prints_them(args):
     shell = subprocess.run(["bash", "-c", f'source "{SCRIPTS_DIR}/common.sh"; ms_quote_cmd "$@"', "-", *args],
@@ -186,6 +188,7 @@ def _node(layout, mounts=(), squeue=None, alive=lambda pid: False) -> od.Node:
     return od.Node(layout, node=NODE, mounts=list(mounts), squeue=squeue or FakeSqueue(SQUEUE.answers), alive=alive)
 
 
+@pytest.mark.e2e
 def test_prepare_checks_cleans_and_creates_each_ranks_directories(tmp_path, capsys):
     roots = [tmp_path / "nvme0", tmp_path / "nvme1"]
     for r in roots:
@@ -224,6 +227,7 @@ def test_dry_run_changes_nothing(tmp_path, capsys):
     assert os.listdir(root / "megatron-ssd") == ["job1111"]
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("change, refusal", [
     ({"MIN_FREE_GB": "100000000"}, "{root} has {gib} GiB free on host1 (node n1), below MIN_FREE_GB=100000000 x 2 GPU(s)"),
     ({"ALLOW_NON_MOUNT": "0"}, "NVME_MOUNTS entry {root} is not a mount point on host1 (node n1): mount the NVMe drive "
@@ -317,6 +321,7 @@ def test_usage(capsys):
     assert od.main(["--help"], {}) == 0 and "offload_dirs.py prepare" in capsys.readouterr().out
 
 
+@pytest.mark.e2e
 def test_runs_as_a_script_under_python3_on_path():
     """The scripts run it with whatever python3 the job finds (standard library only)."""
     done = subprocess.run(["python3", str(SCRIPTS_DIR / "offload_dirs.py"), "paths"], capture_output=True, text=True,

@@ -57,12 +57,14 @@ def test_the_expected_scripts_exist():
     } <= names
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("script", SCRIPTS, ids=_ids(SCRIPTS))
 def test_bash_syntax(script):
     result = _run(["bash", "-n", script])
     assert result.returncode == 0, result.stderr
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("script", SCRIPTS, ids=_ids(SCRIPTS))
 def test_shellcheck_clean(script):
     shellcheck = _shellcheck()
@@ -89,6 +91,7 @@ def test_header_strict_mode_and_usage_comment(script):
         assert lines[0] == "#!/bin/bash"
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("script", RUNNABLE, ids=_ids(RUNNABLE))
 def test_help_exits_zero(script):
     assert re.search(r"-h \| --help\)", script.read_text()), f"{script.name} has no --help"
@@ -208,6 +211,7 @@ def _paths_arg(cmd: str) -> str:
 # ------------------------------------------------------------ single-node sbatch
 
 
+@pytest.mark.e2e
 def test_single_node_dry_run_gives_each_rank_its_own_drive(tmp_path):
     fake = FakeCluster(tmp_path, drives=2)
     result = _run(["bash", SCRIPTS_DIR / "slurm_single_node.sbatch"], env=fake.env(DRY_RUN=1))
@@ -229,6 +233,7 @@ def test_single_node_dry_run_gives_each_rank_its_own_drive(tmp_path):
     assert not (fake.mounts[0] / "megatron-ssd").exists()
 
 
+@pytest.mark.e2e
 def test_single_node_dry_run_with_one_raid_mount_and_options(tmp_path):
     fake = FakeCluster(tmp_path, drives=1)
     config = tmp_path / "preset.yaml"
@@ -248,6 +253,7 @@ def test_single_node_dry_run_with_one_raid_mount_and_options(tmp_path):
         assert "--seed 'a b'" in cmd
 
 
+@pytest.mark.e2e
 def test_more_drives_than_gpus_are_striped_per_rank(tmp_path):
     fake = FakeCluster(tmp_path, drives=4)
     result = _run(
@@ -259,6 +265,7 @@ def test_more_drives_than_gpus_are_striped_per_rank(tmp_path):
     assert _paths_arg(ranks[1]) == f"{fake.gpu_dir(1, 1)},{fake.gpu_dir(3, 1)}"
 
 
+@pytest.mark.e2e
 def test_dry_run_shows_the_clean_of_stale_directories_without_running_it(tmp_path):
     fake = FakeCluster(tmp_path, drives=2)
     stale = Path(fake.gpu_dir(0, 0))
@@ -269,6 +276,7 @@ def test_dry_run_shows_the_clean_of_stale_directories_without_running_it(tmp_pat
     assert fake.calls() == []
 
 
+@pytest.mark.e2e
 def test_single_node_run_reaches_every_rank_with_its_paths(tmp_path):
     """Not a dry run: stub torchrun starts the wrapper once per rank, the stub CLI records."""
     fake = FakeCluster(tmp_path, drives=2)
@@ -291,6 +299,7 @@ def test_single_node_run_reaches_every_rank_with_its_paths(tmp_path):
     assert [m / "megatron-ssd" for m in fake.mounts if list((m / "megatron-ssd").iterdir())] == []
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize(
     "change, message",
     [
@@ -310,6 +319,7 @@ def test_single_node_refuses_bad_settings(tmp_path, change, message):
     assert fake.calls() == []
 
 
+@pytest.mark.e2e
 def test_single_node_script_refuses_a_multi_node_job(tmp_path):
     fake = FakeCluster(tmp_path, drives=1)
     result = _run(
@@ -328,6 +338,7 @@ def _multi_env(fake: FakeCluster, **extra) -> dict:
     )
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("job_id, extra, port", [("17000", {}, 27000), ("39999", {}, 29999),
                                                   ("17000", {"MASTER_PORT": "31234"}, 31234)])
 def test_the_rendezvous_port_is_below_the_ephemeral_range_unless_given(tmp_path, job_id, extra, port):
@@ -340,6 +351,7 @@ def test_the_rendezvous_port_is_below_the_ephemeral_range_unless_given(tmp_path,
     assert f"--rdzv-endpoint=node01:{port} --rdzv-id={job_id}" in torchrun[0]
 
 
+@pytest.mark.e2e
 def test_multi_node_dry_run_one_torchrun_per_node(tmp_path):
     fake = FakeCluster(tmp_path, drives=2)
     result = _run(["bash", SCRIPTS_DIR / "slurm_multi_node.sbatch"], env=_multi_env(fake))
@@ -358,6 +370,7 @@ def test_multi_node_dry_run_one_torchrun_per_node(tmp_path):
     assert fake.calls() == []
 
 
+@pytest.mark.e2e
 def test_multi_node_dry_run_one_srun_task_per_gpu(tmp_path):
     fake = FakeCluster(tmp_path, drives=1)
     result = _run(
@@ -378,6 +391,7 @@ def test_multi_node_dry_run_one_srun_task_per_gpu(tmp_path):
 # -------------------------------------------------------------- per-rank wrapper
 
 
+@pytest.mark.e2e
 def test_rank_wrapper_maps_slurm_task_ids(tmp_path):
     fake = FakeCluster(tmp_path, drives=1)
     env = fake.env(
@@ -398,6 +412,7 @@ def test_rank_wrapper_maps_slurm_task_ids(tmp_path):
     assert fake.calls()[1:] == [["1", "3", "4", "pretrain-gpt", "--x"]]
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize(
     "env, args, message",
     [
@@ -426,6 +441,7 @@ def _raid(*args):
     return _run(["bash", SCRIPTS_DIR / "setup_nvme_raid0.sh", *args], env=_base_env())
 
 
+@pytest.mark.e2e
 def test_raid_dry_run_refuses_a_regular_file(tmp_path):
     fake_drive = tmp_path / "not-a-drive.img"
     fake_drive.write_bytes(b"\0" * 4096)
@@ -435,6 +451,7 @@ def test_raid_dry_run_refuses_a_regular_file(tmp_path):
     assert "+ mdadm" not in result.stdout and "+ mkfs" not in result.stdout
 
 
+@pytest.mark.e2e
 def test_raid_force_never_overrides_the_device_checks(tmp_path):
     fake_drive = tmp_path / "not-a-drive.img"
     fake_drive.write_bytes(b"")
@@ -444,6 +461,7 @@ def test_raid_force_never_overrides_the_device_checks(tmp_path):
         assert f"{device} is not a block device" in result.stderr
 
 
+@pytest.mark.e2e
 def test_raid_refuses_a_missing_device(tmp_path):
     missing = tmp_path / "nvme9n1"
     result = _raid("--dry-run", missing)
@@ -451,6 +469,7 @@ def test_raid_refuses_a_missing_device(tmp_path):
     assert f"{missing} does not exist" in result.stderr
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize(
     "args, message",
     [
@@ -493,6 +512,7 @@ def loop_drive(tmp_path):
         subprocess.run(["losetup", "-d", device], capture_output=True)
 
 
+@pytest.mark.e2e
 def test_raid_dry_run_plans_an_aligned_array(tmp_path, loop_drive):
     drives = [loop_drive(), loop_drive()]
     mount = tmp_path / "mnt"
@@ -515,6 +535,7 @@ def test_raid_dry_run_plans_an_aligned_array(tmp_path, loop_drive):
     assert f"+ chown alice {mount}/megatron-ssd" in result.stdout
 
 
+@pytest.mark.e2e
 def test_raid_refuses_a_drive_with_a_filesystem_unless_forced(tmp_path, loop_drive):
     used = loop_drive(ext4=True)
     mount = tmp_path / "mnt"
@@ -526,6 +547,7 @@ def test_raid_refuses_a_drive_with_a_filesystem_unless_forced(tmp_path, loop_dri
     assert f"+ wipefs -a {used}" in result.stdout
 
 
+@pytest.mark.e2e
 def test_raid_refuses_a_mounted_drive_even_when_forced(tmp_path, loop_drive):
     used = loop_drive(ext4=True)
     where = tmp_path / "in-use"
@@ -540,6 +562,7 @@ def test_raid_refuses_a_mounted_drive_even_when_forced(tmp_path, loop_drive):
     assert f"{used} (or one of its partitions) is mounted on: {where}" in result.stderr
 
 
+@pytest.mark.e2e
 def test_raid_refuses_without_root_unless_dry_run():
     cmd = ["bash", SCRIPTS_DIR / "setup_nvme_raid0.sh", "/dev/nvme0n1"]
     if os.geteuid() == 0:
@@ -556,6 +579,7 @@ def test_raid_refuses_without_root_unless_dry_run():
 # ------------------------------------------------------------------ benchmarks
 
 
+@pytest.mark.e2e
 def test_fio_missing_explains_how_to_install(tmp_path):
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
@@ -569,6 +593,7 @@ def test_fio_missing_explains_how_to_install(tmp_path):
     assert "fio is not installed" in result.stderr and "apt-get install fio" in result.stderr
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize(
     "args, message",
     [(["--bs", "1000"], "--bs 1000"), (["--jobs", "0"], "--jobs 0"), (["--size", "lots"], "--size lots")],
@@ -615,6 +640,7 @@ def test_fio_reports_write_and_read_bandwidth_per_directory(tmp_path):
     assert all(list(d.iterdir()) == [] for d in dirs)  # test files removed
 
 
+@pytest.mark.e2e
 def test_bench_io_calls_the_cli_on_the_node_paths(tmp_path):
     fake = FakeCluster(tmp_path, drives=2)
     (fake.mounts[1] / "megatron-ssd").mkdir()
@@ -623,6 +649,7 @@ def test_bench_io_calls_the_cli_on_the_node_paths(tmp_path):
     assert fake.calls() == [["", "", "", "bench-io", str(fake.mounts[0]), str(fake.mounts[1] / "megatron-ssd")]]
 
 
+@pytest.mark.e2e
 def test_bench_io_fails_without_the_cli(tmp_path):
     fake = FakeCluster(tmp_path, drives=1)
     result = _run(

@@ -196,6 +196,7 @@ def _check_trained_job(slurm, job: str, out: Path, scratch: Path, baseline: List
     return text
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 @pytest.mark.parametrize("launcher", ["torchrun", "srun"])
 def test_single_node_job_trains_as_without_offload(slurm, checkout, baseline, tmp_path, launcher):
@@ -210,6 +211,7 @@ def test_single_node_job_trains_as_without_offload(slurm, checkout, baseline, tm
         assert "torchrun --standalone --nnodes=1 --nproc-per-node=2" in text
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 @pytest.mark.parametrize("launcher", ["torchrun", "srun"])
 def test_multi_node_job_trains_as_without_offload(slurm, checkout, baseline, tmp_path, launcher):
@@ -263,6 +265,7 @@ def cancelled(slurm, checkout, tmp_path_factory) -> Dict:
             "left": {name: _files_under(scratch / "megatron-ssd" / f"job{job}") for name, job in jobs.items()}}
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 def test_two_jobs_at_once_on_one_node_use_their_own_directories(cancelled):
     term, kill = cancelled["jobs"]["term"], cancelled["jobs"]["kill"]
@@ -301,6 +304,7 @@ def _wait_for_owners_to_exit(parent: Path, timeout_s: float = 60.0) -> None:
         time.sleep(0.5)
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 def test_sigkill_leaves_run_directories_that_clean_and_the_next_start_remove(slurm, checkout, cancelled):
     """What SIGKILL leaves (both ranks' run directories, marker and data file) goes: one
@@ -343,6 +347,7 @@ def test_sigkill_leaves_run_directories_that_clean_and_the_next_start_remove(slu
 # ------------------------------------------------------------------ USR1 and requeue
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 @pytest.mark.parametrize("launcher", ["torchrun", "srun"])
 def test_usr1_saves_a_checkpoint_and_the_requeued_job_starts_clean(slurm, checkout, tmp_path, launcher):
@@ -416,6 +421,7 @@ BAD = {
 }
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("case", list(BAD))
 def test_bad_submission_ends_with_one_line_and_a_failure(slurm, tmp_path, mounts, case):
     """Refused before anything starts: FAILED, exit code 1, the reason as the job's last line."""
@@ -450,6 +456,7 @@ def test_bad_submission_ends_with_one_line_and_a_failure(slurm, tmp_path, mounts
         assert _files_under(path) == [] and os.listdir(path) in ([], ["megatron-ssd"])
 
 
+@pytest.mark.e2e
 def test_bad_submission_on_several_nodes_names_each_node(slurm, tmp_path):
     """The multi-node script checks each node's paths in its node step: one line per node."""
     checkout = tmp_path / "Megatron-LM"

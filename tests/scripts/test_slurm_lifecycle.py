@@ -9,6 +9,8 @@ test_slurm_jobs.py.
 
 from __future__ import annotations
 
+import pytest
+
 import os
 import signal
 import subprocess
@@ -17,6 +19,8 @@ from pathlib import Path
 
 from test_scripts_shell import SCRIPTS_DIR, FakeCluster, _rank_lines, _run  # tests/scripts/
 from waits import HANG_S  # tests/waits.py
+
+pytestmark = pytest.mark.e2e  # NOTE [Test tiers] in tests/conftest.py: every test here starts a process
 
 SINGLE = SCRIPTS_DIR / "slurm_single_node.sbatch"
 
