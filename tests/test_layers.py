@@ -272,6 +272,7 @@ def test_the_import_time_check_reads_every_kind_of_import(source, found):
             if _under(t, (LAB_PACKAGE,))] == found
 
 
+@pytest.mark.e2e
 def test_the_wheel_holds_no_lab_module(checkout_wheel):
     """The wheel that setup.py builds (tests/conftest.py, from a copy of the sources, so
     nothing is written into the checkout) holds megatron_ssd and nothing of megatron_ssd_lab."""

@@ -176,6 +176,7 @@ def stock(world):
     return result
 
 
+@pytest.mark.e2e
 def test_queued_writes_of_a_discarded_output_never_copy_freed_memory(stock):
     engine = PausedEngine()
     with _paused_cache(engine) as cache:

@@ -107,6 +107,7 @@ def test_pipeline_equals_no_pipelining_exactly(results, layout):
     assert [n for n in ref_grads if not torch.equal(grads[n], ref_grads[n])] == []
 
 
+@pytest.mark.e2e
 def test_both_ranks_of_the_reference_agree(results):
     assert all(
         torch.equal(a, b)

@@ -276,6 +276,7 @@ def test_two_jobs_at_once_on_one_node_use_their_own_directories(cancelled):
         f"megatron-ssd/job{job}/gpu{r}/r{r}" for job in (term, kill) for r in (0, 1)), seen
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 def test_scancel_while_offloading_leaves_no_offload_files(cancelled):
     """SIGTERM reaches every process of the job: each rank deletes its run directory
