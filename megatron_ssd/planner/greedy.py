@@ -77,12 +77,8 @@ class Greedy(Judge, ModuleMoves):
     """The greedy constructions (see the module docstring); its module moves are
     :class:`ModuleMoves`'."""
 
-    def __init__(self, *args, quick: bool = False, **kwargs) -> None:
+    def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.quick = quick
-        """A start for the whole search (NOTE [Search] in ``search.py``): one greedy search,
-        ties going to the host tier; False: the greedy search alone (``search: greedy``),
-        both tie orders (NOTE [Tier preference])."""
         self.both_tiers = bool(self.host_budget_bytes) and self.drives and any(
             layer.sites and self.wears_ok(replaced([_KEEP] * self.n, i, LayerChoice(Placement.OFFLOAD, 1)))
             for i, layer in enumerate(self.stage.layers))
@@ -259,7 +255,7 @@ class Greedy(Judge, ModuleMoves):
             return None
         tl = self.judge(choices)
         eps = 1e-9 * tl.compute_s + 1e-12
-        if self.quick or not self.both_tiers or (
+        if not self.both_tiers or (
                 tl.step_s <= self._shortest_step_s + eps and tl.offloaded_bytes == 0):
             return choices  # one tier, or a plan no other can beat: keep-everything's step, nothing written
         other = self._greedy(budget, allow_recompute, host_first=False)
