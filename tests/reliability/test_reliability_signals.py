@@ -641,9 +641,13 @@ def test_a_signal_to_rok_ends_its_child_and_removes_its_directory(tmp_path, sig,
     tmp, log = tmp_path / "tmp", tmp_path / "ended.log"
     tmp.mkdir()
     out = open(tmp_path / "rok.out", "w+")
+    # rok starts with SIGHUP at its default action, as from a terminal: under ``nohup``
+    # (a suite run in the background) it would inherit SIGHUP ignored, which rok rightly
+    # leaves ignored, and the SIGHUP cases waited for an exit that never came
     proc = subprocess.Popen([sys.executable, str(tmp_path / "rok.py"), str(tmp_path / "child.py"), str(log),
                              "--placements", "keep", *search], stdout=out, stderr=subprocess.STDOUT,
-                            env=dict(ENV, TMPDIR=str(tmp)), cwd=REPO, start_new_session=True)
+                            env=dict(ENV, TMPDIR=str(tmp)), cwd=REPO, start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_DFL))
     try:
         ready = []
         wait_until(lambda: proc.poll() is not None or bool(ready.extend(tmp.glob("megatron-ssd-*/child.pid")) or ready),
