@@ -187,6 +187,7 @@ def test_queued_writes_of_a_discarded_output_never_copy_freed_memory(stock):
     assert all(s.bytes_discarded > 0 and s.bytes_offloaded > 0 and s.bytes_reloaded > 0 for s in stats)
 
 
+@pytest.mark.e2e
 def test_without_telling_the_cache_a_queued_write_copies_a_freed_storage(stock, monkeypatch):
     """Control for the test above: the discard wrapper's notice is what prevents it."""
     monkeypatch.setattr(discard, "active_cache", lambda: None)

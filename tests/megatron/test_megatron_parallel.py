@@ -115,6 +115,7 @@ def test_both_ranks_of_the_reference_agree(results):
     )
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("layout", ["1f1b_tied", "interleaved_tied"])
 def test_tied_embeddings_pipeline(results, layout):
     ref_losses, ref_grads = results[0]["none_tied"]["losses"], results[0]["none_tied"]["grads"]
