@@ -63,9 +63,8 @@ class Judge:
         self.replays = 0
         """Replays :meth:`judge` and :meth:`check` made (a placement judged again is not
         replayed again: NOTE [Replays remembered])."""
-        self._judged: Dict[Tuple[int, Tuple[LayerChoice, ...]], Timeline] = {}
-        self._checked: Dict[Tuple[int, Tuple[LayerChoice, ...]], Timeline] = {}
-        self._stages: Dict[int, StageProfile] = {}  # the stages remembered replays were of, by id
+        self._judged: Dict[Tuple[int, Tuple[LayerChoice, ...]], Tuple[StageProfile, Timeline]] = {}
+        self._checked: Dict[Tuple[int, Tuple[LayerChoice, ...]], Tuple[StageProfile, Timeline]] = {}
         self.smallest_peak: Optional[int] = None
         # See wears_ok and within_bound: no placement's step is shorter than keeping everything.
         self._shortest_step_s = predict(stage, [Placement.KEEP] * self.n).step_s
@@ -104,25 +103,25 @@ class Judge:
     # stage, bandwidths and read-ahead are fixed per Judge), and no caller changes a
     # Timeline, so each is replayed once and its Timeline handed out again. The stage is
     # part of the key: the module moves (``ModuleMoves``) judge against a stage whose
-    # layers recompute modules, swapped in and out (each stage object is held while its
-    # replays are remembered, so its id stays its own). Up to
-    # ``_REMEMBERED`` per kind; past that the memory starts over (a 128-layer Timeline is
-    # tens of KB). ``replays`` counts the replays made, which the search's work budget
-    # reads.
+    # layers recompute modules, swapped in and out (each entry holds its stage, so the
+    # stage's id stays its own while the entry lives). Up to ``_REMEMBERED`` per kind; past
+    # that the memory starts over (a 128-layer Timeline is tens of KB). ``replays`` counts
+    # the replays made, which the search's work budget reads.
 
     _REMEMBERED = 4096
 
-    def _remembered(self, memory: Dict[Tuple[int, Tuple[LayerChoice, ...]], Timeline],
+    def _remembered(self, memory: Dict[Tuple[int, Tuple[LayerChoice, ...]], Tuple[StageProfile, Timeline]],
                     choices: Sequence[LayerChoice], io: Optional[IOProfile]) -> Tuple[Timeline, bool]:
         key = (id(self.stage), tuple(choices))
-        tl = memory.get(key)
-        if tl is not None:
-            return tl, False
+        entry = memory.get(key)
+        if entry is not None:
+            return entry[1], False
         if len(memory) >= self._REMEMBERED:
-            self._judged.clear(), self._checked.clear(), self._stages.clear()
-        self._stages.setdefault(id(self.stage), self.stage)
+            self._judged.clear()
+            self._checked.clear()
         self.replays += 1
-        tl = memory[key] = replay(self.stage, choices, self.read_ahead, io=io)
+        tl = replay(self.stage, choices, self.read_ahead, io=io)
+        memory[key] = (self.stage, tl)
         return tl, True
 
     def judge(self, choices: Sequence[LayerChoice]) -> Timeline:

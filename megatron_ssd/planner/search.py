@@ -125,8 +125,8 @@ class PlacementSearch(Judge):
     # walk): the greater of ``SEARCH_WORK`` and half what the greedy start spent, half of it
     # for the descent; where it runs out, the best plan replayed so far is the plan. So the
     # search costs at most about one and a half times the greedy one, plus a second or two,
-    # and is never slower than the greedy plan, which it holds from the start. On 200 seeded 5-layer stages the
-    # greedy search alone reached the model's optimum in 65% of cases and called 2.3% of
+    # and is never slower than the greedy plan, which it holds from the start. On 200
+    # seeded 5-layer stages the greedy search alone reached the model's optimum in 65% of cases and called 2.3% of
     # feasible budgets infeasible (docs/planner.md, "How the search is checked", for what
     # this search reaches). ``PlanRequest.search = "greedy"`` keeps step 1 alone.
 
