@@ -11,7 +11,10 @@ rebuilds during backward, gradients, temporaries and read-back buffers all count
 NOTE [Allocator timeline]: a ``TorchDispatchMode`` sees the outputs of every operator
 run while it is open, forward and backward (autograd runs CPU backward on the calling
 thread, with the mode). An output whose storage is new (shared with no input: not a
-view, not in place) is an allocation of ``storage.nbytes()`` bytes at that time. Its
+view, not in place) is an allocation of ``storage.nbytes()`` bytes at that time. Not
+``set_``: its output aliases the storage passed to it, which is no tensor input, so it
+looked new, and the tensor cache's pack (``storage_bytes``: a byte view made with
+``set_``) counted every saved tensor it took a second time, for the tensor's whole life. Its
 death is observed through a storage weak reference, which expires when the storage is
 freed, on whichever thread drops the last reference; expiries are checked before and
 after every operator, so a free is timed to within one operator. Read-back buffers come
@@ -73,6 +76,9 @@ class _Tracker(TorchDispatchMode):
         _storages(list((kwargs or {}).values()), inputs)
         seen = {_key(t) for t in inputs if _has_storage(t)}
         result = func(*args, **(kwargs or {}))
+        if func.overloadpacket is _SET:  # NOTE [Allocator timeline]: aliases a storage it is given
+            tl.poll()
+            return result
         outputs: List[Any] = []
         _storages(result, outputs)
         for t in outputs:
@@ -83,6 +89,11 @@ class _Tracker(TorchDispatchMode):
                     tl.allocated(t)
         tl.poll()
         return result
+
+
+_SET = torch.ops.aten.set_
+"""``Tensor.set_(storage)``: its output's storage is the one it is given (no tensor among
+its inputs holds it), never a new allocation."""
 
 
 def _has_storage(t: torch.Tensor) -> bool:
