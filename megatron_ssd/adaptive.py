@@ -26,7 +26,7 @@ import torch
 from .cache.memory_cap import WorkingSet, capacity_under_cap
 from .cache.tensor_cache import TensorCache
 from .config import FIXED_MODES, PlannerConfig
-from .placement import OUTSIDE, Placement
+from .placement import HEAD, OUTSIDE, Placement
 from .errors import ConfigError
 from .planner.drift import DriftDetector
 from .planner.measured_profile import stage_from_stats
@@ -152,6 +152,45 @@ class PlanEvent:
 # above the step's start, nothing is resident (weights are not in the count) and there
 # is no fragmentation. Without a cap nothing of this runs; where the planner is built
 # by another caller (Megatron-LM's ``pretrain_gpt.py``) a CPU run keeps the reserve.
+
+# NOTE [Working set by phase]
+# One number for the working set sums two peaks that do not meet. The logits chain (the
+# output layer's logits, the loss's fp32 copies and their gradient) lives outside the
+# layers, between the last layer's forward and its backward; the layers' temporaries
+# live inside them. A plan's activations peak where its placements put them: keep-
+# everything at the head, with every layer's saved tensors resident, but a plan that
+# recomputes or moves layers in backward, where one layer is rebuilt or read back while
+# the logits are gone. Subtracting the whole step's working set from the cap charged a
+# recomputing plan for the logits it never holds beside a rebuilt layer: on gpt-tiny at
+# 300 MiB and micro-batch 9 the first step's working set was 80.4 MiB inside the layers
+# and 100.7 MiB outside them, and one number charged 100.7 MiB at every instant. So on a
+# CPU the first step under a cap is measured by phase. The cache tells its memory observer (``TensorCache.observe_memory``,
+# here the :class:`~megatron_ssd.memory.TimelinePeaks`) each tensor a layer saves and
+# each entry into a layer (its forward, or its backward starting) and out of one (a
+# forward scope closing). The timeline takes the working set as the live bytes less the
+# activations among them, with one peak inside the layers and one outside them
+# (``working_peaks``). The activations are the read-back buffers and the layers' saved
+# tensors, from when each is packed to when its storage dies, not only while the cache
+# holds it: in this step every layer is offloaded, and a tensor written out and let go
+# by the cache still lives while the layer's code holds it, where the timeline counts a
+# layer's saved bytes from its forward's end. The head's saved tensors are not told: the
+# loss saves its softmax after the logits chain peaks, so at that peak the tensor it
+# will save is still a temporary, and the outside peak is the head's whole need.
+# The capacity is the cap less the inside peak (``WorkingSet.working_bytes``); what the
+# outside peak adds beyond it (``WorkingSet.head_bytes``), less the head's saved tensors
+# (``StageProfile.head_bytes``, which the timeline already holds there), goes into the
+# profile as ``StageProfile.head_working_bytes``, held over the head's span, so a plan's
+# predicted peak there meets the same capacity. The profile's KEEP block fits only with
+# it added too (keep-everything's peak is at the head), and RECOMPUTE's with the larger
+# of one layer's bytes and it. The outside phase also covers the embedding and the gaps
+# between layers, so its peak bounds the head's from above; what runs after the first
+# layer's backward starts (the rest of backward, the optimizer step, which on the first
+# step allocates its state) is inside, so the inside peak can be the larger (gpt-tiny at
+# micro-batch 3, one micro-batch: 42.3 MiB inside, 24.8 MiB outside), and the capacity
+# then leaves room for it at every instant, as one number did. On CUDA the peak counter is
+# one per device (``max_memory_allocated``), which the train command also reads per
+# step, so the working set stays one number there (``CudaOps.working_peaks`` is None)
+# and the capacity is the cap less all of it, as before.
 
 
 FIRST_STEP_GUARD = 0
@@ -317,6 +356,8 @@ class AdaptivePlanner:
         self._resident_at_start = 0
         if self._measure_first:  # NOTE [Working set under a cap]
             self.cache.policy.resident_limit = FIRST_STEP_GUARD
+            if cache.device.type != "cuda":  # NOTE [Working set by phase]
+                self.cache.observe_memory(self.peaks)
             self._resident_at_start = self.peaks.memory_allocated(self.cache.binding.resolved())
             self.peaks.reset_peak_memory(self.cache.binding.resolved())
         self.before_step()
@@ -349,16 +390,21 @@ class AdaptivePlanner:
         keep = stats.peak_saved_bytes
         in_flight = max(1, stats.peak_open_microbatches)
         held = largest = 0
+        head_saved = 0
         for layer_id, lc in stats.layers.items():
             if not lc.microbatches:
                 continue
             per_mb = (lc.saved_bytes + lc.small_bytes + lc.unmovable_bytes) // lc.microbatches
+            if layer_id == HEAD:
+                head_saved = per_mb
             if layer_id in OUTSIDE or layer_id is None:
                 held += per_mb
             else:
                 held += lc.input_bytes // lc.microbatches
                 largest = max(largest, per_mb)
-        recompute = held * in_flight + largest
+        head = self._head_working_bytes(head_saved)  # NOTE [Working set by phase]
+        keep += head
+        recompute = held * in_flight + max(largest, head)
         self.fits = {"keep": keep <= capacity, "recompute": recompute <= capacity}
         self.fit_bytes = {"keep": keep, "recompute": recompute, "capacity": capacity}
         if not self.fits["keep"]:
@@ -368,13 +414,23 @@ class AdaptivePlanner:
                 keep / 2**20, capacity / 2**20,
                 "" if self.fits["recompute"] else f", and RECOMPUTE (about {recompute / 2**20:.1f} MiB) does not fit either")
 
+    def _head_working_bytes(self, head_saved: int) -> int:
+        """What the step needs outside the layers beyond the working set inside them and
+        beyond the head's ``head_saved`` bytes of saved tensors (NOTE [Working set by
+        phase]); 0 where not measured by phase."""
+        if self.working_set is None:
+            return 0
+        return max(self.working_set.head_bytes - head_saved, 0)
+
     def _measure_working_set(self) -> None:
         """After the first step under a cap: its working set, and from it the capacity and
         the guard for every later step (NOTE [Working set under a cap])."""
         device = self.cache.binding.resolved()
+        if self.cache.device.type != "cuda":
+            self.cache.observe_memory(None)  # NOTE [Working set by phase]
         peak_allocated, peak_reserved = self.peaks.peak_memory(device)
         self.working_set = WorkingSet(self.peaks.memory_allocated(device), FIRST_STEP_GUARD, peak_allocated,
-                                      peak_reserved)
+                                      peak_reserved, self.peaks.working_peaks(device))
         cap = self.cache.config.device_memory_cap
         short = self.working_set.shortfall(cap)
         if short is not None:
@@ -382,8 +438,9 @@ class AdaptivePlanner:
         self.capacity_at_start = self.activation_capacity()
         self.cache.policy.resident_limit = self.capacity_at_start
         logger.info("megatron_ssd: the first step under offload.device_memory_cap = %s needed a working set of %s "
-                    "and %s of fragmentation beyond %s allocated between steps: activation capacity %s",
-                    gib(cap), gib(self.working_set.working_bytes), gib(self.working_set.fragmentation_bytes),
+                    "(%s more outside the layers) and %s of fragmentation beyond %s allocated between steps: "
+                    "activation capacity %s", gib(cap), gib(self.working_set.working_bytes),
+                    gib(self.working_set.head_bytes), gib(self.working_set.fragmentation_bytes),
                     gib(self.working_set.resident), gib(self.capacity_at_start))
 
     def out_of_memory_line(self) -> Optional[str]:
@@ -443,6 +500,8 @@ class AdaptivePlanner:
             profile = stage_from_stats(self._keep_steps, self._offload_steps, self.pipeline_rank, self.pipeline_size,
                                        self._recompute_steps, self.cache.config.io.forward_write_bound,
                                        self._host_steps, self.host_bandwidth() if host_budget else None)
+        if self._head_working_bytes(profile.head_bytes):  # NOTE [Working set by phase]
+            profile = dataclasses.replace(profile, head_working_bytes=self._head_working_bytes(profile.head_bytes))
         if host_budget:  # NOTE [Shared link]: a GPU's SSD bytes cross it
             profile = profile.with_io(dataclasses.replace(
                 profile.io, host_bytes_per_s=profile.io.host_bytes_per_s or self.host_bandwidth(),
@@ -558,6 +617,7 @@ class AdaptivePlanner:
             "fit_bytes": dict(self.fit_bytes),
             "working_set": None if self.working_set is None else {
                 **dataclasses.asdict(self.working_set), "working_bytes": self.working_set.working_bytes,
+                "head_bytes": self.working_set.head_bytes,
                 "fragmentation_bytes": self.working_set.fragmentation_bytes},
             "replans": self.replans,
             "fell_behind": self.fell_behind,

@@ -37,12 +37,13 @@ from typing import Any, Dict, Hashable, List, Mapping, Optional, Tuple
 import torch
 
 from ..config import OffloadConfig
-from ..placement import MOVED, OUTSIDE, Placement
+from ..placement import HEAD, MOVED, OUTSIDE, Placement
 from ..errors import CacheStateError
 from ..io.base import IOFuture
 from ..io.store import BlobStore
 from .backward import BackwardReads
 from .device import HostClock
+from .memory_cap import MemoryObserver
 from .identity import held_bytes, is_plain, storage_bytes, storage_weakref
 from .pages import allocator_owned
 from .policy import PlacementPolicy
@@ -77,6 +78,9 @@ class EntryTable:
         """The step's counters, swapped by :meth:`take_step`."""
         self.resident = 0
         """Bytes of saved tensors held in memory now."""
+        self.observer: Optional[MemoryObserver] = None
+        """Told each tensor packed and each phase change while a step's working set is
+        measured (NOTE [Working set by phase] in ``adaptive.py``); None: nobody."""
         self.live = 0
         """Bytes of every saved tensor alive now, wherever its bytes are (memory, a drive,
         the host pool): what keeping everything would hold."""
@@ -181,6 +185,8 @@ class EntryTable:
         entry = Entry(key, nbytes, t.device, layer_id, placement, record, weak=storage_weakref(t) if plain else None,
                       refs=1, site=site)
         entry.releasable = self.return_pages and placement is Placement.OFFLOAD and allocator_owned(t)
+        if self.observer is not None and layer_id != HEAD:  # NOTE [Working set by phase] in adaptive.py
+            self.observer.saved(t)
         self._set_data(entry, data)
         self.live += nbytes
         self.counters.peak_live_bytes = max(self.counters.peak_live_bytes, self.live)

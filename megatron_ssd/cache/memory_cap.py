@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Protocol, Tuple
 
 import torch
 
@@ -47,7 +47,7 @@ from ..errors import ConfigError
 from ..io.cuda import CUDA, CudaOps
 from ..units import gib
 
-__all__ = ["WorkingSet", "apply_device_memory_cap", "capacity_under_cap", "out_of_memory"]
+__all__ = ["MemoryObserver", "WorkingSet", "apply_device_memory_cap", "capacity_under_cap", "out_of_memory"]
 
 logger = logging.getLogger("megatron_ssd")
 
@@ -89,6 +89,19 @@ def apply_device_memory_cap(cap: Optional[int], device: torch.device, cuda: Opti
     return fraction
 
 
+class MemoryObserver(Protocol):
+    """What the tensor cache tells while it measures a step's working set by phase (NOTE
+    [Working set by phase] in ``adaptive.py``): :class:`~megatron_ssd.memory.TimelinePeaks`
+    on a CPU."""
+
+    def saved(self, t: torch.Tensor) -> None:
+        """The cache packed ``t``: its storage is an activation while it lives."""
+
+    def phase(self, outside: bool) -> None:
+        """The step left the layers (the embedding, the head and loss run) or entered one
+        (its forward or its backward)."""
+
+
 def capacity_under_cap(cap: int, reserve: float, resident: int, working_set: Optional[int] = None) -> int:
     """The planner's activation capacity under ``cap``, at least 0 (NOTE [Device memory
     cap], NOTE [Working set under a cap] in ``adaptive.py``).
@@ -124,12 +137,28 @@ class WorkingSet:
     """The step's ``max_memory_allocated``."""
     peak_reserved: int
     """The step's ``max_memory_reserved``."""
+    by_phase: Optional[Tuple[int, int]] = None
+    """The working set's peaks inside the layers and outside them (the embedding, the
+    head and loss): live bytes less what the cache held then (NOTE [Working set by phase]
+    in ``adaptive.py``). None: not resolved by phase (CUDA), the whole step's peak stands
+    for both."""
 
     @property
     def working_bytes(self) -> int:
-        """The step's transient working set: its peak less the resident bytes and less the
-        guard's limit (at least 0)."""
+        """The step's transient working set inside the layers, or without ``by_phase``
+        its peak less the resident bytes and less the guard's limit (at least 0)."""
+        if self.by_phase is not None:
+            return self.by_phase[0]
         return max(self.peak_allocated - self.resident - self.guard, 0)
+
+    @property
+    def head_bytes(self) -> int:
+        """What the step needs outside the layers beyond :attr:`working_bytes`: the
+        planner holds it over the head's span (``StageProfile.head_working_bytes``); 0
+        without ``by_phase``."""
+        if self.by_phase is None:
+            return 0
+        return max(self.by_phase[1] - self.by_phase[0], 0)
 
     @property
     def fragmentation_bytes(self) -> int:
@@ -145,8 +174,9 @@ class WorkingSet:
 
     @property
     def need(self) -> int:
-        """What a step holding no activations needs under the cap: resident bytes and room."""
-        return self.resident + self.room
+        """What a step holding no activations needs under the cap: resident bytes, room and
+        the head's part."""
+        return self.resident + self.room + self.head_bytes
 
     def shortfall(self, cap: int) -> Optional[str]:
         """One line naming the cap, the resident bytes and the measured need when the
@@ -155,7 +185,8 @@ class WorkingSet:
             return None
         return (f"megatron_ssd: offload.device_memory_cap = {cap} ({gib(cap)}) leaves no room for activations: "
                 f"{self.resident} bytes ({gib(self.resident)}) allocated between steps, a working set of "
-                f"{self.working_bytes} ({gib(self.working_bytes)}) and {self.fragmentation_bytes} "
+                f"{self.working_bytes + self.head_bytes} ({gib(self.working_bytes + self.head_bytes)}) and "
+                f"{self.fragmentation_bytes} "
                 f"({gib(self.fragmentation_bytes)}) reserved but unallocated, measured in the first step with the "
                 f"cache holding at most {self.guard} bytes, need {self.need} ({gib(self.need)}); every later step "
                 "offloads as the first did, and a plan needs a larger cap")

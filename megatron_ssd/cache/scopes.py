@@ -195,6 +195,8 @@ class Scopes:
         record = self.current_record()
         stack = self._tls.__dict__.setdefault("layers", [])
         stack.append((layer_id, self.entries.clock.mark()))  # NOTE [Device time] in device.py
+        if record is not None and self.entries.observer is not None:
+            self.entries.observer.phase(False)  # NOTE [Working set by phase] in adaptive.py
         if record is not None and layer_id not in record.layer_order:
             record.layer_order.append(layer_id)
         first = next((t for t in _flatten(inputs) if isinstance(t, torch.Tensor)), None)
@@ -211,6 +213,8 @@ class Scopes:
         record = self.current_record()
         if record is None:
             return
+        if not stack and self.entries.observer is not None:
+            self.entries.observer.phase(True)  # NOTE [Working set by phase] in adaptive.py
         clock = self.entries.clock
         ended = clock.mark()
         with self.entries.lock:

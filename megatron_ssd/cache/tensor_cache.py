@@ -30,7 +30,7 @@ from .accounting import StepAccountant
 from .device import CudaCalls, DeviceBinding, HostClock, check_device, make_clock, parse_device
 from .entries import EntryTable
 from .exit_guard import EXIT_GUARD
-from .memory_cap import apply_device_memory_cap
+from .memory_cap import MemoryObserver, apply_device_memory_cap
 from .identity import do_not_offload, is_plain, restore, storage_bytes, storage_key, version_probe, view_meta
 from .pages import trim_heap
 from .record import Packed, Record
@@ -373,6 +373,11 @@ class TensorCache:
             future.wait_settled()
         self.entries.serve_by_reference(cdata, storage_bytes(t))
 
+    def observe_memory(self, observer: Optional[MemoryObserver]) -> None:
+        """Tell ``observer`` each tensor packed and each entry into or out of the layers,
+        until called again with None (NOTE [Working set by phase] in ``adaptive.py``)."""
+        self.entries.observer = observer
+
     # ------------------------------------------------------------------ backward
 
     def backward_started(self, record: Record, layer_id: Hashable) -> None:
@@ -384,6 +389,8 @@ class TensorCache:
         layer. After a recomputed layer's backward, trims the heap (NOTE [Returning
         freed pages]).
         """
+        if self.entries.observer is not None:
+            self.entries.observer.phase(False)  # NOTE [Working set by phase] in adaptive.py
         finished = self.entries.backward_started(record, layer_id)
         # NOTE [Returning freed pages]: after a recomputed layer's backward
         if finished is not None and self.policy.layer(finished) is Placement.RECOMPUTE:

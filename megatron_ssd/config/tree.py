@@ -366,11 +366,13 @@ class OffloadConfig:
     NCCL's buffers are not counted); a cap above the device's memory is refused. On a CPU
     it is not enforced (one info line says so). Either way the planner reads it as its
     capacity: the smaller of its capacity without the cap and the cap less what is
-    allocated between steps and less, on CUDA, the working set and fragmentation measured
-    in the first step, which runs with the capacity guard at 0 (elsewhere and before it
-    ``planner.capacity_reserve`` of the cap; NOTE [Device memory cap] in
-    ``cache/memory_cap.py``, NOTE [Working set under a cap] in ``adaptive.py``). None: no
-    cap."""
+    allocated between steps and less the working set and fragmentation measured in the
+    first step, which runs with the capacity guard at 0 (on a CPU by the train command's
+    allocator timeline, the working set outside the layers held over the head instead:
+    NOTE [Working set by phase] in ``adaptive.py``; before that step, and where another
+    caller builds the planner on a CPU, ``planner.capacity_reserve`` of the cap; NOTE
+    [Device memory cap] in ``cache/memory_cap.py``, NOTE [Working set under a cap] in
+    ``adaptive.py``). None: no cap."""
 
     io: IOConfig = field(default_factory=IOConfig)
     """I/O engine settings."""

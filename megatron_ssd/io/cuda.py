@@ -143,6 +143,12 @@ class CudaOps:
         :meth:`reset_peak_memory` (NOTE [Working set under a cap] in ``adaptive.py``)."""
         return int(torch.cuda.max_memory_allocated(dev)), int(torch.cuda.max_memory_reserved(dev))
 
+    def working_peaks(self, dev: torch.device) -> Optional[Tuple[int, int]]:
+        """The working set's peaks inside and outside the layers since the last
+        :meth:`reset_peak_memory`: None, not resolved by phase on CUDA (NOTE [Working set
+        by phase] in ``adaptive.py``)."""
+        return None
+
 
 CUDA = CudaOps()
 """The real CUDA calls; what every engine uses unless given another :class:`CudaOps`."""

@@ -37,7 +37,7 @@ from typing import Any, Dict, List, Optional, Set, Tuple
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["AllocatorTimeline", "TimelinePeaks", "peak_of_events"]
+__all__ = ["AllocatorTimeline", "TimelinePeaks", "peak_of_events", "working_peaks"]
 
 
 def peak_of_events(events: List[Tuple[int, int]]) -> int:
@@ -51,6 +51,43 @@ def peak_of_events(events: List[Tuple[int, int]]) -> int:
         live += delta
         peak = max(peak, live)
     return peak
+
+
+def working_peaks(events: List[Tuple[int, int]], held: List[Tuple[int, int]],
+                  phases: List[Tuple[int, bool]]) -> Tuple[int, int]:
+    """Peaks of the working set, live bytes less the activations among them, inside and
+    outside the layers (NOTE [Working set by phase] in ``adaptive.py``).
+
+    Args:
+        events: ``(time_ns, delta)`` of live tensor bytes (:func:`peak_of_events`'s).
+        held: ``(time_ns, delta)`` of the live bytes that are activations: saved tensors'
+            storages and read-back buffers.
+        phases: ``(time_ns, outside)``: from then on the step runs outside the layers
+            (the embedding, the head and loss) or inside one (a layer's forward or
+            backward). The window opens outside.
+
+    Returns:
+        ``(inside, outside)``: the largest working set seen in each phase (0 where a phase
+        never ran).
+    """
+    merged = sorted([(t, 0, 0, outside) for t, outside in phases]  # a phase starts before what happens then
+                    + [(t, 1, d, True) for t, d in held if d > 0]  # counted as an activation before it shows
+                    + [(t, 2 if d < 0 else 3, d, False) for t, d in events]  # frees before allocations
+                    + [(t, 4, d, True) for t, d in held if d < 0],
+                    key=lambda e: (e[0], e[1]))
+    live = cached = 0
+    outside = True
+    peaks = [0, 0]
+    for _, kind, delta, flag in merged:
+        if kind == 0:
+            outside = flag
+            continue
+        if kind in (1, 4):
+            cached += delta
+        else:
+            live += delta
+        peaks[outside] = max(peaks[outside], live - cached)
+    return peaks[0], peaks[1]
 
 
 def _storages(obj: Any, out: List[Any]) -> None:
@@ -119,7 +156,11 @@ class AllocatorTimeline:
         self.allocations = 0
         """Number of storages and mappings allocated inside the window."""
         self._events: List[Tuple[int, int]] = []
+        self._held: List[Tuple[int, int]] = []
+        self._phases: List[Tuple[int, bool]] = []
         self._live: Dict[int, Tuple[Any, int]] = {}
+        self._by_storage: Dict[int, int] = {}
+        self._saved: Set[int] = set()
         self._ids = itertools.count()
         self._tokens: Set[int] = set()
         self._lock = threading.Lock()
@@ -132,7 +173,9 @@ class AllocatorTimeline:
         storage = t.untyped_storage()
         nbytes = storage.nbytes()
         with self._lock:
-            self._live[next(self._ids)] = (StorageWeakRef(storage), nbytes)
+            i = next(self._ids)
+            self._live[i] = (StorageWeakRef(storage), nbytes)
+            self._by_storage[_key(t)] = i
             self._events.append((time.time_ns(), nbytes))
             self.allocations += 1
 
@@ -142,7 +185,41 @@ class AllocatorTimeline:
         with self._lock:
             dead = [k for k, (ref, _) in self._live.items() if ref.expired()]
             for k in dead:
-                self._events.append((now, -self._live.pop(k)[1]))
+                nbytes = self._live.pop(k)[1]
+                self._events.append((now, -nbytes))
+                if k in self._saved:
+                    self._saved.discard(k)
+                    self._held.append((now, -nbytes))
+            if dead:
+                gone = set(dead)
+                self._by_storage = {key: i for key, i in self._by_storage.items() if i not in gone}
+
+    def saved(self, t: torch.Tensor) -> None:
+        """``t`` was saved for backward (the tensor cache packed it): its storage, when
+        allocated inside the window, counts as an activation, not as working set, until it
+        dies (NOTE [Working set by phase] in ``adaptive.py``)."""
+        if not _has_storage(t) or t.device.type != "cpu":
+            return
+        key = _key(t)
+        now = time.time_ns()
+        with self._lock:
+            i = self._by_storage.get(key)
+            if i is not None and i not in self._saved and i in self._live:
+                self._saved.add(i)
+                self._held.append((now, self._live[i][1]))
+
+    def phase(self, outside: bool) -> None:
+        """The step runs outside the layers (True) or inside one (False) from now on."""
+        now = time.time_ns()
+        with self._lock:
+            self._phases.append((now, outside))
+
+    def working_peaks(self) -> Tuple[int, int]:
+        """``(inside, outside)`` peaks of live bytes less the saved tensors' storages and
+        the read-back buffers alive (:func:`working_peaks`); read after the window
+        closed."""
+        with self._lock:
+            return working_peaks(self._events, self._held, self._phases)
 
     def _on_mapped(self, time_ns: int, delta: int, token: int) -> None:
         with self._lock:
@@ -152,6 +229,7 @@ class AllocatorTimeline:
             elif token not in self._tokens:
                 return  # mapped before the window: part of its base
             self._events.append((time_ns, delta))
+            self._held.append((time_ns, delta))  # a read-back buffer is an activation
 
     def __enter__(self) -> "AllocatorTimeline":
         from ..io.mapped import add_listener
@@ -190,6 +268,7 @@ class TimelinePeaks:
 
     def __init__(self) -> None:
         self._timeline: Optional[AllocatorTimeline] = None
+        self._working: Optional[Tuple[int, int]] = None
 
     def memory_allocated(self, dev: Any) -> int:
         return 0
@@ -207,8 +286,25 @@ class TimelinePeaks:
         if timeline is None:
             return 0, 0
         timeline.__exit__(None, None, None)
+        self._working = timeline.working_peaks()
         peak = int(timeline.peak_bytes or 0)
         return peak, peak
+
+    def saved(self, t: torch.Tensor) -> None:
+        """The cache packed ``t`` (its memory observer, NOTE [Working set by phase] in
+        ``adaptive.py``); nothing while no timeline is open."""
+        if self._timeline is not None:
+            self._timeline.saved(t)
+
+    def phase(self, outside: bool) -> None:
+        """The step left the layers (True) or entered one (False)."""
+        if self._timeline is not None:
+            self._timeline.phase(outside)
+
+    def working_peaks(self, dev: Any) -> Optional[Tuple[int, int]]:
+        """The last closed timeline's ``(inside, outside)`` working-set peaks; None before
+        one closed."""
+        return self._working
 
     def close(self) -> None:
         """Close a timeline left open (a run that ended before its first step did)."""

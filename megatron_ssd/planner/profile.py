@@ -326,6 +326,14 @@ class StageProfile:
     ``other_s``: they are saved after the layers run and freed before the layers'
     backward."""
 
+    head_working_bytes: Annotated[int, Integer(NonNegative())] = 0
+    """What the step holds outside the layers beyond its saved tensors and beyond the
+    working set its capacity already leaves out: the logits chain's temporaries and
+    gradients under a device-memory cap, measured by phase in the first step (NOTE
+    [Working set by phase] in ``adaptive.py``). Held over ``head_bytes``' span; not in
+    the tensor cache's count (NOTE [What the cache counts] in ``step_timeline.py``). 0:
+    none, or not measured."""
+
     def __post_init__(self) -> None:
         _settle(self)
         if self.microbatches_in_flight is None:  # after the checks: pipeline_rank is in range

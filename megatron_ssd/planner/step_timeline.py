@@ -241,18 +241,19 @@ class Timeline:
     """Total time forward waited for the in-flight bound (NOTE [In-flight bound])."""
     memory: List[Tuple[float, int]] = field(default_factory=list)
     """(time, resident bytes of the micro-batch) after each change, for plots."""
-    rebuilt: List[Tuple[float, float, int]] = field(default_factory=list)
-    """(start, end, bytes) of what recomputation holds (a RECOMPUTE layer's input, what it
-    rebuilds in backward), in ``memory`` but not in the tensor cache's count (NOTE [What
-    the cache counts])."""
+    uncounted: List[Tuple[float, float, int]] = field(default_factory=list)
+    """(start, end, bytes) of what is in ``memory`` but not in the tensor cache's count
+    (NOTE [What the cache counts]): what recomputation holds (a RECOMPUTE layer's input,
+    what it rebuilds in backward) and the head's working set
+    (``StageProfile.head_working_bytes``)."""
 
     @property
     def counted_peak_bytes(self) -> int:
         """Predicted stage peak as the tensor cache counts it: ``peak_bytes`` less what
         recomputation holds (NOTE [What the cache counts])."""
-        if not self.rebuilt:
+        if not self.uncounted:
             return self.peak_bytes
-        counted = max((resident - sum(n for start, end, n in self.rebuilt if start <= t < end)
+        counted = max((resident - sum(n for start, end, n in self.uncounted if start <= t < end)
                        for t, resident in self.memory), default=0)
         return counted + self.peak_bytes - self.microbatch_peak_bytes  # the parked micro-batches'
 
@@ -451,17 +452,17 @@ def predict(
                 end = queue.extend_to(crossed)
         return start, end
     events: List[Tuple[float, int, int]] = []  # (time, 0 = release / 1 = allocate, delta)
-    rebuilt: List[Tuple[float, float, int]] = []  # NOTE [What the cache counts]
+    uncounted: List[Tuple[float, float, int]] = []  # NOTE [What the cache counts]
 
     def hold(start: float, end: float, nbytes: int) -> None:
         if nbytes and end > start:
             events.append((start, 1, nbytes))
             events.append((end, 0, -nbytes))
 
-    def rebuild(start: float, end: float, nbytes: int) -> None:
+    def uncount(start: float, end: float, nbytes: int) -> None:
         hold(start, end, nbytes)
         if nbytes and end > start:
-            rebuilt.append((start, end, nbytes))
+            uncounted.append((start, end, nbytes))
 
     out: List[LayerTimeline] = []
     write_busy = read_busy = host_busy = write_wait = 0.0
@@ -501,6 +502,7 @@ def predict(
         out.append(lt)
     head_start, t = t, compute.run(t, stage.other_s)
     hold(head_start, t, stage.head_bytes)  # the output layer's and loss's saved tensors
+    uncount(head_start, t, stage.head_working_bytes)  # NOTE [Working set by phase] in adaptive.py
     gap = _pipeline_gap(stage, layers, placements, moved, transfer, queue, link, t, io)
     t += gap
 
@@ -551,7 +553,7 @@ def predict(
                 t = read.end
         exposed += lt.stall_s
         lt.backward_end = t = compute.run(t, (1.0 - done) * work)
-        _account(layer, lt, hold, rebuild)
+        _account(layer, lt, hold, uncount)
 
     microbatch_peak, memory = _peak(events)
     parked = sum(_parked_bytes(layer, lt) for layer, lt in zip(layers, out))
@@ -576,7 +578,7 @@ def predict(
         host_busy_s=host_busy,
         write_wait_s=write_wait,
         memory=memory,
-        rebuilt=rebuilt,
+        uncounted=uncounted,
     )
 
 
@@ -652,7 +654,9 @@ def _account(layer: LayerProfile, lt: LayerTimeline, hold: Callable[[float, floa
 # input reaches no pack hook of the cache either (each RECOMPUTE layer's measured
 # ``saved_bytes`` is 0, its ``input_bytes`` the input's size). So a measured cache count
 # (``peak_activation_bytes``) is compared with ``Timeline.counted_peak_bytes``, the same
-# replay without those bytes; where nothing is recomputed the two peaks are one.
+# replay without those bytes; where nothing is recomputed the two peaks are one. The
+# head's working set under a cap (``StageProfile.head_working_bytes``: temporaries, not
+# saved tensors) is left out of that count the same way.
 # Measured: docs/performance.md, "The job under caps".
 
 

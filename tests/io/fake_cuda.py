@@ -323,3 +323,6 @@ class FakeCuda:
     def peak_memory(self, dev: torch.device) -> Tuple[int, int]:
         self._call("peak_memory", torch.device(dev).index)
         return self.peak
+
+    def working_peaks(self, dev: torch.device) -> None:
+        return None  # as CudaOps: not resolved by phase on CUDA

@@ -14,6 +14,7 @@ import torch
 
 from megatron_ssd.io.mapped import mapped_bytes, mapped_empty
 from megatron_ssd.memory import AllocatorTimeline, PhaseMemory, RSSPeak, current_rss_bytes, peak_of_events
+from megatron_ssd.memory.allocator_timeline import working_peaks
 from megatron_ssd.memory.phase import live_block_sizes
 from megatron_ssd.memory.rss import reset_hwm
 from waits import HANG_S, wait_until  # tests/waits.py
@@ -78,6 +79,19 @@ def test_phase_memory_reports_per_step_and_above_base():
 def test_peak_of_events_frees_first_at_a_tie():
     assert peak_of_events([(0, 10), (1, -10), (1, 10), (2, 5)]) == 15
     assert peak_of_events([]) == 0
+
+
+def test_working_peaks_take_out_what_the_cache_holds_and_split_inside_from_outside_the_layers():
+    """NOTE [Working set by phase]: an embedding output (100) outside; inside a layer a
+    saved tensor (50, which the cache then holds) and a temporary (30); outside again the
+    logits (200); backward frees the saved tensor as the cache lets it go."""
+    events = [(1, 100), (3, 50), (4, 30), (5, -30), (7, 200), (8, -200), (10, -50)]
+    held = [(3, 50), (10, -50)]
+    phases = [(2, False), (6, True), (9, False)]
+    assert working_peaks(events, held, phases) == (100 + 30, 100 + 200)
+    assert working_peaks(events, [], phases) == (100 + 50 + 30, 100 + 50 + 200)  # nothing held: all working
+    assert working_peaks(events, held, []) == (0, 100 + 200)  # never inside a layer
+    assert working_peaks([], [], []) == (0, 0)
 
 
 def test_allocator_timeline_counts_fresh_storages_views_threads_and_mappings():
@@ -245,3 +259,21 @@ def test_phase_memory_on_cuda_reports_what_stays_allocated_between_steps(monkeyp
     assert out["cuda_step_start_above_base_bytes"] == 30 * MiB  # the third step started 30 MiB up
     assert out["cuda_peak_allocated_above_base_bytes"] == 80 * MiB
     assert out["cuda_live_blocks_after"] == [{"bytes": 3 * MiB, "count": 1}]
+
+
+def test_a_saved_tensor_is_an_activation_until_its_storage_dies_and_a_temporary_is_working_set():
+    """NOTE [Working set by phase]: inside a layer a saved tensor (told by ``saved``) and a
+    temporary; outside it a larger temporary. The saved tensor leaves the working set
+    whoever holds it, and its death takes it out of both counts."""
+    MiB = 1 << 20
+    with AllocatorTimeline() as timeline:
+        timeline.phase(False)
+        saved = torch.ones(MiB // 4)  # 1 MiB
+        timeline.saved(saved)
+        temporary = torch.ones(2 * MiB // 4)
+        del temporary
+        timeline.phase(True)
+        logits = torch.ones(3 * MiB // 4)
+        del logits, saved
+        torch.zeros(1)  # an operator: the frees are polled
+    assert timeline.working_peaks() == (2 * MiB, 3 * MiB)

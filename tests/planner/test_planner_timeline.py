@@ -232,7 +232,7 @@ def test_the_cache_counts_neither_a_checkpoints_input_nor_what_recompute_rebuild
     tl = predict(stage, [K, R])
     assert tl.peak_bytes == 100 + 10 + 100  # layer 0 kept, layer 1's input and its rebuilt 100 bytes
     assert tl.counted_peak_bytes == 100 + 30  # layer 0 kept, and the head before backward
-    assert [(start, end, n) for start, end, n in tl.rebuilt] == [(2.0, tl.layers[1].backward_end, 10),
+    assert [(start, end, n) for start, end, n in tl.uncounted] == [(2.0, tl.layers[1].backward_end, 10),
                                                                 (tl.layers[1].backward_start,
                                                                  tl.layers[1].backward_end, 100)]
     kept = predict(stage, [K, K])
@@ -240,3 +240,39 @@ def test_the_cache_counts_neither_a_checkpoints_input_nor_what_recompute_rebuild
     two = predict(StageProfile(layers=layers, io=IOProfile(100.0, 200.0), other_s=0.5, head_bytes=30,
                                microbatches_in_flight=2), [K, R])
     assert two.counted_peak_bytes == 130 + two.parked_bytes  # the parked micro-batch's bytes as in peak_bytes
+
+
+# ------------------------------------------------------------------ NOTE [Working set by phase]
+
+
+def _capped(head_working_bytes=0):
+    """Two layers of 100 saved bytes and 10 input bytes, drives unmeasured (no OFFLOAD)."""
+    layers = [LayerProfile(i, 1.0, 2.0, 100, boundary_bytes=10) for i in range(2)]
+    return StageProfile(layers, IOProfile(None, None), other_s=0.5, head_working_bytes=head_working_bytes)
+
+
+def test_the_head_working_set_is_held_over_the_heads_span_and_not_counted_by_the_cache():
+    """``head_working_bytes`` stands beside the head's saved tensors while ``other_s``
+    runs: in the predicted peak, out of the cache's count."""
+    tl = predict(_capped(head_working_bytes=280), [K, K])
+    assert tl.memory == [(0.0, 0), (1.0, 100), (2.0, 480), (2.5, 200), (4.5, 100), (6.5, 0)]
+    assert tl.peak_bytes == 480 and tl.counted_peak_bytes == 200
+
+
+def test_a_working_set_split_by_phase_fits_the_recomputing_plan_that_the_whole_one_rules_out():
+    """A step whose working set is 20 bytes inside the layers and 300 outside them, under
+    a cap of 400: charging all 300 against every instant leaves a capacity of 100, and no
+    placement fits (RECOMPUTE of both peaks at 120 in backward); charged by phase the
+    capacity is 380 with 280 held over the head, keep-everything (480 there, as on the
+    device: 200 + 300 > 400) is ruled out and a recomputing plan fits."""
+    from megatron_ssd.planner.request import PlanRequest
+    from megatron_ssd.planner.search import PlanInfeasibleError
+
+    cap, inside, outside = 400, 20, 300
+    with pytest.raises(PlanInfeasibleError):
+        make_plan(_capped(), PlanRequest(capacity_bytes=cap - outside))
+    split = _capped(head_working_bytes=outside - inside)
+    plan = make_plan(split, PlanRequest(capacity_bytes=cap - inside))
+    assert R in [c.placement for c in plan.layer_choices]
+    assert predict(split, plan.layer_choices).peak_bytes <= cap - inside
+    assert predict(split, [K, K]).peak_bytes > cap - inside

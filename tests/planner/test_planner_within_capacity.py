@@ -191,7 +191,8 @@ def test_the_h200_case_leaves_the_measured_working_set_and_fragmentation_free(ca
     assert planner.activation_capacity() == capacity - 16 * MiB
     assert planner.summary()["working_set"] == {"resident": H200_RESIDENT, "guard": 0, "peak_allocated": peak,
                                                 "peak_reserved": reserved, "working_bytes": working,
-                                                "fragmentation_bytes": fragmentation}
+                                                "fragmentation_bytes": fragmentation,
+                                                "by_phase": None, "head_bytes": 0}  # one number on CUDA
 
 
 def test_a_working_set_the_cap_cannot_hold_is_one_line_naming_cap_resident_and_need(caplog):
@@ -263,6 +264,8 @@ def test_on_a_cpu_the_first_step_measures_the_working_set_and_every_step_stays_u
     working = data["planner"]["working_set"]
     assert working["resident"] == 0 and working["guard"] == 0 and working["fragmentation_bytes"] == 0
     assert 0 < working["working_bytes"] < cap
+    inside, outside = working["by_phase"]  # NOTE [Working set by phase]
+    assert 0 < outside and working["working_bytes"] == inside and working["head_bytes"] == max(outside - inside, 0)
     assert data["planner"]["fit_bytes"]["capacity"] == cap - working["working_bytes"]
     plans = [e["plan"] for e in data["planner"]["events"] if e["plan"]]
     assert plans and all(p["peak_activation_bytes"] <= cap - working["working_bytes"] for p in plans)
