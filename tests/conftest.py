@@ -84,9 +84,11 @@ def pytest_collection_modifyitems(config, items):
 _RUNNING: Dict[str, Any] = {"item": None, "started": {}}
 
 
-_LIBRARY_PROBES = ("ldconfig", "gcc", "cc", "ld", "objdump", "uname")
-"""Commands libraries run to find a shared library or the platform (``ctypes.util.find_library``
-runs ``ldconfig -p``): not a test's process, whichever test first needs the library."""
+_LIBRARY_PROBES = ("ldconfig", "gcc", "cc", "c++", "g++", "ld", "objdump", "uname", "ninja")
+"""Commands libraries run to find a shared library, a build tool or the platform
+(``ctypes.util.find_library`` runs ``ldconfig -p``; PyTorch's extension loader runs
+``ninja --version`` and ``c++ -dumpfullversion`` when it first checks its build tools): not a test's
+process, whichever test first needs the library."""
 
 
 def _record_start(what: Any) -> None:

@@ -130,6 +130,7 @@ def test_tied_embeddings_pipeline(results, layout):
         torch.testing.assert_close(grads[name], ref_grads[name], rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.e2e
 def test_tensor_parallel_2(results):
     ref_losses, ref_grads = results[0]["none"]["losses"], results[0]["none"]["grads"]
     for rank in (0, 1):
