@@ -164,8 +164,9 @@ class PlanEvent:
 # recomputing plan for the logits it never holds beside a rebuilt layer: on gpt-tiny at
 # 300 MiB and micro-batch 9 the first step's working set was 80.4 MiB inside the layers
 # and 100.7 MiB outside them, and one number charged 100.7 MiB at every instant. So on a
-# CPU the first step under a cap is measured by phase. The cache tells its memory observer (``TensorCache.observe_memory``,
-# here the :class:`~megatron_ssd.memory.TimelinePeaks`) each tensor a layer saves and
+# CPU the first step under a cap is measured by phase. The cache tells its memory
+# observer (``TensorCache.observe_memory``, here the
+# :class:`~megatron_ssd.memory.TimelinePeaks`) each tensor a layer saves and
 # each entry into a layer (its forward, or its backward starting) and out of one (a
 # forward scope closing). The timeline takes the working set as the live bytes less the
 # activations among them, with one peak inside the layers and one outside them
@@ -500,8 +501,9 @@ class AdaptivePlanner:
             profile = stage_from_stats(self._keep_steps, self._offload_steps, self.pipeline_rank, self.pipeline_size,
                                        self._recompute_steps, self.cache.config.io.forward_write_bound,
                                        self._host_steps, self.host_bandwidth() if host_budget else None)
-        if self._head_working_bytes(profile.head_bytes):  # NOTE [Working set by phase]
-            profile = dataclasses.replace(profile, head_working_bytes=self._head_working_bytes(profile.head_bytes))
+        head_working = self._head_working_bytes(profile.head_bytes)  # NOTE [Working set by phase]
+        if head_working:
+            profile = dataclasses.replace(profile, head_working_bytes=head_working)
         if host_budget:  # NOTE [Shared link]: a GPU's SSD bytes cross it
             profile = profile.with_io(dataclasses.replace(
                 profile.io, host_bytes_per_s=profile.io.host_bytes_per_s or self.host_bandwidth(),

@@ -139,8 +139,8 @@ class WorkingSet:
     """The step's ``max_memory_reserved``."""
     by_phase: Optional[Tuple[int, int]] = None
     """The working set's peaks inside the layers and outside them (the embedding, the
-    head and loss): live bytes less what the cache held then (NOTE [Working set by phase]
-    in ``adaptive.py``). None: not resolved by phase (CUDA), the whole step's peak stands
+    head and loss): live bytes less the layers' saved tensors and the read-back buffers
+    alive then (NOTE [Working set by phase] in ``adaptive.py``). None: not resolved by phase (CUDA), the whole step's peak stands
     for both."""
 
     @property

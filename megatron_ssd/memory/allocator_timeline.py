@@ -158,8 +158,8 @@ class AllocatorTimeline:
         self._events: List[Tuple[int, int]] = []
         self._held: List[Tuple[int, int]] = []
         self._phases: List[Tuple[int, bool]] = []
-        self._live: Dict[int, Tuple[Any, int]] = {}
-        self._by_storage: Dict[int, int] = {}
+        self._live: Dict[int, Tuple[Any, int, int]] = {}  # id: (weak reference, bytes, storage key)
+        self._by_storage: Dict[int, int] = {}  # storage key: id, of the live ones
         self._saved: Set[int] = set()
         self._ids = itertools.count()
         self._tokens: Set[int] = set()
@@ -173,9 +173,9 @@ class AllocatorTimeline:
         storage = t.untyped_storage()
         nbytes = storage.nbytes()
         with self._lock:
-            i = next(self._ids)
-            self._live[i] = (StorageWeakRef(storage), nbytes)
-            self._by_storage[_key(t)] = i
+            i, key = next(self._ids), _key(t)
+            self._live[i] = (StorageWeakRef(storage), nbytes, key)
+            self._by_storage[key] = i
             self._events.append((time.time_ns(), nbytes))
             self.allocations += 1
 
@@ -183,16 +183,15 @@ class AllocatorTimeline:
         """Record the frees of tracked storages that have died since the last poll."""
         now = time.time_ns()
         with self._lock:
-            dead = [k for k, (ref, _) in self._live.items() if ref.expired()]
+            dead = [k for k, (ref, _, _) in self._live.items() if ref.expired()]
             for k in dead:
-                nbytes = self._live.pop(k)[1]
+                _, nbytes, key = self._live.pop(k)
                 self._events.append((now, -nbytes))
+                if self._by_storage.get(key) == k:  # not yet taken by a storage at the same address
+                    del self._by_storage[key]
                 if k in self._saved:
                     self._saved.discard(k)
                     self._held.append((now, -nbytes))
-            if dead:
-                gone = set(dead)
-                self._by_storage = {key: i for key, i in self._by_storage.items() if i not in gone}
 
     def saved(self, t: torch.Tensor) -> None:
         """``t`` was saved for backward (the tensor cache packed it): its storage, when
