@@ -193,6 +193,37 @@ class PlanEvent:
 # step, so the working set stays one number there (``CudaOps.working_peaks`` is None)
 # and the capacity is the cap less all of it, as before.
 
+# NOTE [Working set by layer]
+# One peak for the whole inside of the layers still charged every instant with the
+# largest transient of any layer, on top of every byte the plan holds. That transient is
+# a layer's own: on configs/gpt-ref-cpu.yaml at micro-batch 8 the inside peak (192.0 MiB)
+# was three attention-score tensors of 64 MiB (``baddbmm``, ``masked_fill``, ``_softmax``)
+# alive at once in one layer's forward, before that layer had saved most of its tensors,
+# and the softmax's output becomes one of them. Added to the layer's whole saved bytes it
+# counted those bytes twice, and full recompute, measured at 633.5 MiB at micro-batch 16,
+# was priced over the 700 MiB cap, so the planner called the cap unreachable from
+# micro-batch 13 (benchmarks/results/rok-largest-gpt-ref-cpu.json). So on a CPU the first
+# step under a cap is measured per layer too: the cache names the layer whose forward or
+# backward starts (``phase``) and the layer that saved each tensor (``saved``), and the
+# timeline takes per layer (``layer_peaks``):
+# - its forward's peak: live bytes less the other layers' saved tensors, that is what it
+#   has saved so far and its temporaries (``LayerProfile.forward_peak_bytes``; 232.3 MiB
+#   at micro-batch 8, its saved tensors 192.2 MiB);
+# - its backward's working set: live bytes less every saved tensor and read-back buffer,
+#   less the read-back buffers freed since its backward began, so what it needs beyond
+#   its saved tensors where each dies when used (``backward_working_bytes``; 72.0 MiB).
+# The plan's timeline holds the first over the layer's forward and the second over its
+# backward, uncounted as the head's working set is. A layer that runs a forward again
+# in backward (RECOMPUTE, or modules recomputed inside it) holds there at least its
+# forward's peak and two gradients of its input's size (the one coming in and the
+# residual's) beyond its saved bytes (``step_timeline.backward_working_bytes``). Full
+# recompute's layer backward was measured at 264.3 MiB at micro-batch 8 (its input
+# included); it is priced at 272.2 MiB. The capacity then leaves no room for a working
+# set inside the layers (``WorkingSet.working_bytes`` is 0). What runs after the first
+# layer's backward starts (the embedding's backward, the optimizer step) counts as that
+# layer's backward. What the first step makes for the steps after it (gradients,
+# optimizer state) is no working set (NOTE [Survivors] in ``memory/allocator_timeline.py``):
+# later steps find it allocated at their start.
 
 FIRST_STEP_GUARD = 0
 """The cache's capacity guard in the first step under a cap (NOTE [Working set under a
@@ -390,8 +421,9 @@ class AdaptivePlanner:
         capacity = self.capacity_at_start
         keep = stats.peak_saved_bytes
         in_flight = max(1, stats.peak_open_microbatches)
-        held = largest = 0
+        held = largest = beyond = 0
         head_saved = 0
+        per_layer = (self.working_set.by_layer if self.working_set is not None else None) or {}
         for layer_id, lc in stats.layers.items():
             if not lc.microbatches:
                 continue
@@ -400,11 +432,16 @@ class AdaptivePlanner:
                 head_saved = per_mb
             if layer_id in OUTSIDE or layer_id is None:
                 held += per_mb
-            else:
-                held += lc.input_bytes // lc.microbatches
-                largest = max(largest, per_mb)
+                continue
+            held += lc.input_bytes // lc.microbatches
+            largest = max(largest, per_mb)
+            if layer_id in per_layer:  # NOTE [Working set by layer]
+                forward, backward = per_layer[layer_id]
+                beyond = max(beyond, forward - per_mb, backward)
+                rerun = forward + 2 * (lc.input_bytes // lc.microbatches) - per_mb
+                largest = max(largest, per_mb + max(backward, rerun))
         head = self._head_working_bytes(head_saved)  # NOTE [Working set by phase]
-        keep += head
+        keep += max(head, beyond)
         recompute = held * in_flight + max(largest, head)
         self.fits = {"keep": keep <= capacity, "recompute": recompute <= capacity}
         self.fit_bytes = {"keep": keep, "recompute": recompute, "capacity": capacity}
@@ -430,8 +467,10 @@ class AdaptivePlanner:
         if self.cache.device.type != "cuda":
             self.cache.observe_memory(None)  # NOTE [Working set by phase]
         peak_allocated, peak_reserved = self.peaks.peak_memory(device)
+        by_layer = getattr(self.peaks, "layer_peaks", None)  # NOTE [Working set by layer]
         self.working_set = WorkingSet(self.peaks.memory_allocated(device), FIRST_STEP_GUARD, peak_allocated,
-                                      peak_reserved, self.peaks.working_peaks(device))
+                                      peak_reserved, self.peaks.working_peaks(device),
+                                      by_layer(device) if by_layer is not None else None)
         cap = self.cache.config.device_memory_cap
         short = self.working_set.shortfall(cap)
         if short is not None:
@@ -439,10 +478,16 @@ class AdaptivePlanner:
         self.capacity_at_start = self.activation_capacity()
         self.cache.policy.resident_limit = self.capacity_at_start
         logger.info("megatron_ssd: the first step under offload.device_memory_cap = %s needed a working set of %s "
-                    "(%s more outside the layers) and %s of fragmentation beyond %s allocated between steps: "
+                    "(%s more outside the layers) and %s of fragmentation beyond %s allocated between steps%s: "
                     "activation capacity %s", gib(cap), gib(self.working_set.working_bytes),
                     gib(self.working_set.head_bytes), gib(self.working_set.fragmentation_bytes),
-                    gib(self.working_set.resident), gib(self.capacity_at_start))
+                    gib(self.working_set.resident), self._survivors_clause(), gib(self.capacity_at_start))
+
+    def _survivors_clause(self) -> str:
+        """On a CPU, what the first step made for the steps after it (NOTE [Survivors] in
+        ``memory/allocator_timeline.py``), which its working set leaves out."""
+        kept = getattr(self.peaks, "surviving_bytes", 0)
+        return f" (and {gib(kept)} it made for later steps: optimizer state, gradients)" if kept else ""
 
     def out_of_memory_line(self) -> Optional[str]:
         """When the first step under a cap on CUDA, run with the guard at
@@ -504,6 +549,7 @@ class AdaptivePlanner:
         head_working = self._head_working_bytes(profile.head_bytes)  # NOTE [Working set by phase]
         if head_working:
             profile = dataclasses.replace(profile, head_working_bytes=head_working)
+        profile = self._with_layer_peaks(profile)  # NOTE [Working set by layer]
         if host_budget:  # NOTE [Shared link]: a GPU's SSD bytes cross it
             profile = profile.with_io(dataclasses.replace(
                 profile.io, host_bytes_per_s=profile.io.host_bytes_per_s or self.host_bandwidth(),
@@ -531,6 +577,17 @@ class AdaptivePlanner:
         self._drift.rebase(profile, plan)
         self.events.append(PlanEvent(step, reason, plan, search_s))
         logger.info("megatron_ssd: plan after step %d (%s; searched %.2f s):\n%s", step, reason, search_s, plan.table())
+
+    def _with_layer_peaks(self, profile: StageProfile) -> StageProfile:
+        """``profile`` with each layer's peaks measured by layer in the first step under a
+        cap (NOTE [Working set by layer]); unchanged where not measured."""
+        per_layer = self.working_set.by_layer if self.working_set is not None else None
+        if not per_layer:
+            return profile
+        layers = [dataclasses.replace(layer, forward_peak_bytes=per_layer[layer.layer_id][0],
+                                      backward_working_bytes=per_layer[layer.layer_id][1])
+                  if layer.layer_id in per_layer else layer for layer in profile.layers]
+        return dataclasses.replace(profile, layers=layers)
 
     def activation_capacity(self) -> Optional[int]:
         """The hard limit on the plan's predicted peak: ``activation_capacity_bytes`` when

@@ -186,7 +186,7 @@ class EntryTable:
                       refs=1, site=site)
         entry.releasable = self.return_pages and placement is Placement.OFFLOAD and allocator_owned(t)
         if self.observer is not None and layer_id != HEAD:  # NOTE [Working set by phase] in adaptive.py
-            self.observer.saved(t)
+            self.observer.saved(t, layer_id)
         self._set_data(entry, data)
         self.live += nbytes
         self.counters.peak_live_bytes = max(self.counters.peak_live_bytes, self.live)

@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Optional, Protocol, Tuple
+from typing import Dict, Hashable, Optional, Protocol, Tuple
 
 import torch
 
@@ -94,12 +94,13 @@ class MemoryObserver(Protocol):
     [Working set by phase] in ``adaptive.py``): :class:`~megatron_ssd.memory.TimelinePeaks`
     on a CPU."""
 
-    def saved(self, t: torch.Tensor) -> None:
-        """The cache packed ``t``: its storage is an activation while it lives."""
+    def saved(self, t: torch.Tensor, layer: Hashable = None) -> None:
+        """``layer`` saved ``t``, which the cache packed: its storage is an activation while
+        it lives."""
 
-    def phase(self, outside: bool) -> None:
-        """The step left the layers (the embedding, the head and loss run) or entered one
-        (its forward or its backward)."""
+    def phase(self, outside: bool, layer: Hashable = None, backward: bool = False) -> None:
+        """The step left the layers (the embedding, the head and loss run) or entered one:
+        ``layer``'s forward, or with ``backward`` its backward."""
 
 
 def capacity_under_cap(cap: int, reserve: float, resident: int, working_set: Optional[int] = None) -> int:
@@ -143,10 +144,20 @@ class WorkingSet:
     alive then (NOTE [Working set by phase] in ``adaptive.py``). None: not resolved by phase (CUDA), the whole step's peak stands
     for both."""
 
+    by_layer: Optional[Dict[Hashable, Tuple[int, int]]] = None
+    """Per layer, the most its forward and its backward held beyond the other layers'
+    saved tensors (NOTE [Working set by layer] in ``adaptive.py``): the plan's timeline
+    holds them over each layer's spans, so the capacity leaves no room for a working set
+    inside the layers. None: not measured by layer."""
+
     @property
     def working_bytes(self) -> int:
-        """The step's transient working set inside the layers, or without ``by_phase``
-        its peak less the resident bytes and less the guard's limit (at least 0)."""
+        """What the capacity leaves out for the step's transients inside the layers: 0 where
+        they are measured by layer (the timeline holds them), else the peak inside the
+        layers, or without ``by_phase`` the step's peak less the resident bytes and less
+        the guard's limit (at least 0)."""
+        if self.by_layer:
+            return 0
         if self.by_phase is not None:
             return self.by_phase[0]
         return max(self.peak_allocated - self.resident - self.guard, 0)
@@ -158,7 +169,7 @@ class WorkingSet:
         without ``by_phase``."""
         if self.by_phase is None:
             return 0
-        return max(self.by_phase[1] - self.by_phase[0], 0)
+        return max(self.by_phase[1] - self.working_bytes, 0)
 
     @property
     def fragmentation_bytes(self) -> int:
@@ -173,10 +184,15 @@ class WorkingSet:
         return self.working_bytes + self.fragmentation_bytes
 
     @property
+    def layer_bytes(self) -> int:
+        """The most one layer's forward or backward held at once (``by_layer``; 0 without)."""
+        return max((max(p) for p in (self.by_layer or {}).values()), default=0)
+
+    @property
     def need(self) -> int:
         """What a step holding no activations needs under the cap: resident bytes, room and
-        the head's part."""
-        return self.resident + self.room + self.head_bytes
+        the larger of the head's part and one layer's peak."""
+        return self.resident + self.room + max(self.head_bytes, self.layer_bytes)
 
     def shortfall(self, cap: int) -> Optional[str]:
         """One line naming the cap, the resident bytes and the measured need when the

@@ -194,9 +194,9 @@ class Scopes:
         EXIT_GUARD.raise_interrupted()  # NOTE [Interrupts in finalisers] in exit_guard.py
         record = self.current_record()
         stack = self._tls.__dict__.setdefault("layers", [])
+        if record is not None and not stack and self.entries.observer is not None:
+            self.entries.observer.phase(False, layer_id)  # NOTE [Working set by layer] in adaptive.py
         stack.append((layer_id, self.entries.clock.mark()))  # NOTE [Device time] in device.py
-        if record is not None and self.entries.observer is not None:
-            self.entries.observer.phase(False)  # NOTE [Working set by phase] in adaptive.py
         if record is not None and layer_id not in record.layer_order:
             record.layer_order.append(layer_id)
         first = next((t for t in _flatten(inputs) if isinstance(t, torch.Tensor)), None)

@@ -390,7 +390,7 @@ class TensorCache:
         freed pages]).
         """
         if self.entries.observer is not None:
-            self.entries.observer.phase(False)  # NOTE [Working set by phase] in adaptive.py
+            self.entries.observer.phase(False, layer_id, backward=True)  # NOTE [Working set by layer] in adaptive.py
         finished = self.entries.backward_started(record, layer_id)
         # NOTE [Returning freed pages]: after a recomputed layer's backward
         if finished is not None and self.policy.layer(finished) is Placement.RECOMPUTE:

@@ -25,7 +25,7 @@ import os
 import statistics
 import sys
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -380,7 +380,9 @@ class TrainRecipe:
             next_step = steps
             if cfg.allocator_timeline:
                 sink = []
-                memory.allocator_peak_bytes, memory.allocator_device_peak_bytes = _profiled_step(run_step, next_step)
+                grads = (p.grad for p in self.model.parameters() if p.grad is not None)  # a generator: holds none
+                memory.allocator_peak_bytes, memory.allocator_device_peak_bytes = _profiled_step(run_step, next_step,
+                                                                                                 grads)
                 next_step += 1
             result.memory = memory.summary(result.measured_from)
             if pairs and planner.fits.get("keep") is False:  # NOTE [Paired steps]
@@ -582,9 +584,11 @@ def _closing(memory: Any) -> Iterator[Any]:
             memory.close()
 
 
-def _profiled_step(run_step: Any, step: int) -> Tuple[Optional[int], Optional[int]]:
-    """Run ``step`` under :class:`AllocatorTimeline`; (host peak, CUDA peak) in bytes."""
-    with AllocatorTimeline() as timeline:
+def _profiled_step(run_step: Any, step: int, existing: Iterable[torch.Tensor] = ()) -> Tuple[Optional[int], Optional[int]]:
+    """Run ``step`` under :class:`AllocatorTimeline`, ``existing``'s frees seen (NOTE [Frees
+    of what came before] in ``memory/allocator_timeline.py``; an iterator, so that no
+    reference outlives the timeline's weak ones); (host peak, CUDA peak) in bytes."""
+    with AllocatorTimeline(existing) as timeline:
         run_step(step)
     return timeline.peak_bytes, timeline.device_peak_bytes
 

@@ -25,6 +25,22 @@ window's start. Not seen: scratch memory an operator allocates and frees inside 
 The PyTorch profiler's ``profile_memory`` events were tried first: they record only
 the profiled thread's frees, and the I/O threads drop offloaded tensors, so offloaded
 bytes looked alive until the end of the step (``profile_all_threads`` records none).
+
+NOTE [Frees of what came before]: a storage allocated before the window is not seen when
+it dies, so a step that frees the previous step's gradients at its start
+(``zero_grad(set_to_none=True)``) and allocates new ones in backward counted the new ones
+above its start and never the freed ones: on configs/gpt-ref-cpu.yaml at micro-batch 16
+the step's peak came in the head's backward with 57 MiB of new gradients counted, over a
+700 MiB cap the step kept. The tensors the caller names (``existing``: the train command
+names the parameters' gradients before its measured step) are watched from the window's
+start, and their deaths count as frees, so the peak is what the step adds above its start.
+
+NOTE [Survivors]: a storage allocated inside the window and still alive when it closes,
+other than a saved tensor, is state the window made for what runs after it: the first
+training step's gradients and optimizer state (113.2 MiB on configs/gpt-ref-cpu.yaml,
+its 29.7M parameters' gradients). A later step finds it allocated at its start, so a
+cap measured above that start does not count it, and the working set (:func:`working_peaks`,
+:func:`layer_peaks`) leaves it out from its allocation on, as it does the activations.
 """
 
 from __future__ import annotations
@@ -32,12 +48,12 @@ from __future__ import annotations
 import itertools
 import threading
 import time
-from typing import Any, Dict, List, Optional, Set, Tuple
+from typing import Any, Dict, Hashable, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["AllocatorTimeline", "TimelinePeaks", "peak_of_events", "working_peaks"]
+__all__ = ["AllocatorTimeline", "TimelinePeaks", "layer_peaks", "peak_of_events", "working_peaks"]
 
 
 def peak_of_events(events: List[Tuple[int, int]]) -> int:
@@ -88,6 +104,64 @@ def working_peaks(events: List[Tuple[int, int]], held: List[Tuple[int, int]],
             live += delta
         peaks[outside] = max(peaks[outside], live - cached)
     return peaks[0], peaks[1]
+
+
+def layer_peaks(events: List[Tuple[int, int]], saved: List[Tuple[int, int, Hashable]],
+                spans: List[Tuple[int, Optional[Tuple[Hashable, bool]]]],
+                mapped: Sequence[Tuple[int, int]] = ()) -> Dict[Hashable, Tuple[int, int]]:
+    """Per layer, the most its forward held at once beyond the other layers' saved
+    tensors, and the largest working set of its backward (NOTE [Working set by layer] in
+    ``adaptive.py``).
+
+    Args:
+        events: ``(time_ns, delta)`` of live tensor bytes (:func:`peak_of_events`'s).
+        saved: ``(time_ns, delta, layer)`` of the live bytes that are activations: a layer's
+            saved tensors, or with ``layer`` None read-back buffers and what survives the
+            window.
+        spans: ``(time_ns, (layer, backward))``: from then on the step runs that layer's
+            forward or backward; ``(time_ns, None)``: outside any layer.
+        mapped: ``(time_ns, delta)`` of the read-back buffers, activations too.
+
+    Returns:
+        ``{layer: (forward, backward)}`` (0 where it never ran): in its forward the largest
+        live bytes less the other layers' saved tensors (what it has saved so far and its
+        temporaries); in its backward the largest of its temporaries (live bytes less every
+        saved tensor and read-back buffer) less the read-back buffers freed since it began:
+        what it needs beyond its saved tensors where each dies when its use is done.
+    """
+    merged = sorted([(t, 0, 0, key) for t, key in spans]
+                    + [(t, 1, d, layer) for t, d, layer in saved if d > 0]  # an activation before it shows
+                    + [(t, 2 if d < 0 else 3, d, None) for t, d in events]
+                    + [(t, 4, d, layer) for t, d, layer in saved if d < 0]
+                    + [(t, 1, d, _MAPPED) for t, d in mapped if d > 0] + [(t, 4, d, _MAPPED) for t, d in mapped if d < 0],
+                    key=lambda e: (e[0], e[1]))
+    live = held = freed = 0
+    by_layer: Dict[Hashable, int] = {}
+    span: Optional[Tuple[Hashable, bool]] = None
+    peaks: Dict[Hashable, List[int]] = {}
+    for _, kind, delta, tag in merged:
+        if kind == 0:
+            span, freed = tag, 0
+            if span is not None:
+                peaks.setdefault(span[0], [0, 0])
+            continue
+        if kind in (1, 4):
+            held += delta
+            if tag is _MAPPED:
+                freed -= min(delta, 0)
+            elif tag is not None:
+                by_layer[tag] = by_layer.get(tag, 0) + delta
+        else:
+            live += delta
+        if span is not None:
+            layer, backward = span
+            peak = peaks[layer]
+            peak[backward] = max(peak[backward], live - held - freed if backward else live - held + by_layer.get(layer, 0))
+    return {layer: (p[0], p[1]) for layer, p in peaks.items()}
+
+
+_MAPPED = object()
+"""The tag of a read-back buffer's event in :func:`layer_peaks`."""
 
 
 def _storages(obj: Any, out: List[Any]) -> None:
@@ -148,23 +222,40 @@ def _key(t: torch.Tensor) -> int:
 class AllocatorTimeline:
     """Context manager: the peak of live tensor bytes while it is open (NOTE [Allocator timeline])."""
 
-    def __init__(self) -> None:
+    def __init__(self, existing: Iterable[torch.Tensor] = ()) -> None:
+        """``existing``: tensors allocated before the window whose storages' deaths inside
+        it count as frees (NOTE [Frees of what came before]), such as the previous step's
+        gradients."""
         self.peak_bytes: Optional[int] = None
         """Host (CPU) peak above the window's start, read-back mappings included."""
         self.device_peak_bytes: Optional[int] = None
         """Reserved for CUDA; on a GPU use ``torch.cuda.max_memory_allocated`` instead."""
         self.allocations = 0
         """Number of storages and mappings allocated inside the window."""
+        self.surviving_bytes = 0
+        """Bytes allocated inside the window and still alive when it closed, other than saved
+        tensors: state the step made for the steps after it (NOTE [Survivors])."""
+        self._survivors: List[Tuple[int, int]] = []
         self._events: List[Tuple[int, int]] = []
         self._held: List[Tuple[int, int]] = []
         self._phases: List[Tuple[int, bool]] = []
-        self._live: Dict[int, Tuple[Any, int, int]] = {}  # id: (weak reference, bytes, storage key)
+        self._live: Dict[int, Tuple[Any, int, int, int]] = {}  # id: (weak reference, bytes, storage key, time)
         self._by_storage: Dict[int, int] = {}  # storage key: id, of the live ones
-        self._saved: Set[int] = set()
+        self._saved: Dict[int, Hashable] = {}  # id: the layer that saved it
+        self._saved_events: List[Tuple[int, int, Hashable]] = []
+        self._spans: List[Tuple[int, Optional[Tuple[Hashable, bool]]]] = []
+        self._mapped: List[Tuple[int, int]] = []
         self._ids = itertools.count()
         self._tokens: Set[int] = set()
         self._lock = threading.Lock()
         self._mode: Optional[_Tracker] = None
+        self._before: Dict[int, Tuple[Any, int]] = {}  # storage key: (weak reference, bytes)
+        from torch.multiprocessing.reductions import StorageWeakRef
+
+        for t in existing:  # weak references only: a strong one would keep it alive
+            if _has_storage(t) and t.device.type == "cpu" and _key(t) not in self._before:
+                self._before[_key(t)] = (StorageWeakRef(t.untyped_storage()), t.untyped_storage().nbytes())
+        t = None  # noqa: F841 (the last one)
 
     def allocated(self, t: torch.Tensor) -> None:
         """Count ``t``'s storage as allocated now (called by the dispatch mode)."""
@@ -173,30 +264,34 @@ class AllocatorTimeline:
         storage = t.untyped_storage()
         nbytes = storage.nbytes()
         with self._lock:
-            i, key = next(self._ids), _key(t)
-            self._live[i] = (StorageWeakRef(storage), nbytes, key)
+            i, key, now = next(self._ids), _key(t), time.time_ns()
+            self._live[i] = (StorageWeakRef(storage), nbytes, key, now)
             self._by_storage[key] = i
-            self._events.append((time.time_ns(), nbytes))
+            self._events.append((now, nbytes))
             self.allocations += 1
 
     def poll(self) -> None:
         """Record the frees of tracked storages that have died since the last poll."""
         now = time.time_ns()
         with self._lock:
-            dead = [k for k, (ref, _, _) in self._live.items() if ref.expired()]
+            for key in [k for k, (ref, _) in self._before.items() if ref.expired()]:  # NOTE [Frees of what came before]
+                self._events.append((now, -self._before.pop(key)[1]))
+            dead = [k for k, (ref, _, _, _) in self._live.items() if ref.expired()]
             for k in dead:
-                _, nbytes, key = self._live.pop(k)
+                _, nbytes, key, _ = self._live.pop(k)
                 self._events.append((now, -nbytes))
                 if self._by_storage.get(key) == k:  # not yet taken by a storage at the same address
                     del self._by_storage[key]
                 if k in self._saved:
-                    self._saved.discard(k)
+                    layer = self._saved.pop(k)
                     self._held.append((now, -nbytes))
+                    self._saved_events.append((now, -nbytes, layer))
 
-    def saved(self, t: torch.Tensor) -> None:
-        """``t`` was saved for backward (the tensor cache packed it): its storage, when
-        allocated inside the window, counts as an activation, not as working set, until it
-        dies (NOTE [Working set by phase] in ``adaptive.py``)."""
+    def saved(self, t: torch.Tensor, layer: Hashable = None) -> None:
+        """``t`` was saved for backward by ``layer`` (the tensor cache packed it): its
+        storage, when allocated inside the window, counts as an activation, not as working
+        set, until it dies (NOTE [Working set by phase], NOTE [Working set by layer] in
+        ``adaptive.py``)."""
         if not _has_storage(t) or t.device.type != "cpu":
             return
         key = _key(t)
@@ -204,21 +299,32 @@ class AllocatorTimeline:
         with self._lock:
             i = self._by_storage.get(key)
             if i is not None and i not in self._saved and i in self._live:
-                self._saved.add(i)
+                self._saved[i] = layer
                 self._held.append((now, self._live[i][1]))
+                self._saved_events.append((now, self._live[i][1], layer))
 
-    def phase(self, outside: bool) -> None:
-        """The step runs outside the layers (True) or inside one (False) from now on."""
+    def phase(self, outside: bool, layer: Hashable = None, backward: bool = False) -> None:
+        """The step runs outside the layers (True) or inside one (False) from now on:
+        ``layer``'s backward or forward where it is named."""
         now = time.time_ns()
         with self._lock:
             self._phases.append((now, outside))
+            self._spans.append((now, None if outside or layer is None else (layer, backward)))
 
-    def working_peaks(self) -> Tuple[int, int]:
-        """``(inside, outside)`` peaks of live bytes less the saved tensors' storages and
-        the read-back buffers alive (:func:`working_peaks`); read after the window
+    def layer_peaks(self) -> Dict[Hashable, Tuple[int, int]]:
+        """Per layer, its forward's and its backward's peaks beyond the other layers' saved
+        tensors and what survived the window (:func:`layer_peaks`); read after the window
         closed."""
         with self._lock:
-            return working_peaks(self._events, self._held, self._phases)
+            return layer_peaks(self._events, self._saved_events + [(t, n, None) for t, n in self._survivors],
+                               self._spans, self._mapped)
+
+    def working_peaks(self) -> Tuple[int, int]:
+        """``(inside, outside)`` peaks of live bytes less the saved tensors' storages, the
+        read-back buffers alive and what survived the window (:func:`working_peaks`, NOTE
+        [Survivors]); read after the window closed."""
+        with self._lock:
+            return working_peaks(self._events, self._held + self._survivors, self._phases)
 
     def _on_mapped(self, time_ns: int, delta: int, token: int) -> None:
         with self._lock:
@@ -229,6 +335,7 @@ class AllocatorTimeline:
                 return  # mapped before the window: part of its base
             self._events.append((time_ns, delta))
             self._held.append((time_ns, delta))  # a read-back buffer is an activation
+            self._mapped.append((time_ns, delta))
 
     def __enter__(self) -> "AllocatorTimeline":
         from ..io.mapped import add_listener
@@ -250,6 +357,9 @@ class AllocatorTimeline:
         self.poll()
         with self._lock:
             self.peak_bytes = peak_of_events(self._events)
+            # NOTE [Survivors]: held from their allocation, as the activations are
+            self._survivors = [(t, n) for i, (_, n, _, t) in self._live.items() if i not in self._saved]
+            self.surviving_bytes = sum(n for _, n in self._survivors)
 
 
 class TimelinePeaks:
@@ -268,6 +378,9 @@ class TimelinePeaks:
     def __init__(self) -> None:
         self._timeline: Optional[AllocatorTimeline] = None
         self._working: Optional[Tuple[int, int]] = None
+        self._layers: Optional[Dict[Hashable, Tuple[int, int]]] = None
+        self.surviving_bytes = 0
+        """The last closed timeline's :attr:`AllocatorTimeline.surviving_bytes`."""
 
     def memory_allocated(self, dev: Any) -> int:
         return 0
@@ -286,19 +399,27 @@ class TimelinePeaks:
             return 0, 0
         timeline.__exit__(None, None, None)
         self._working = timeline.working_peaks()
+        self._layers = timeline.layer_peaks()
+        self.surviving_bytes = timeline.surviving_bytes
         peak = int(timeline.peak_bytes or 0)
         return peak, peak
 
-    def saved(self, t: torch.Tensor) -> None:
-        """The cache packed ``t`` (its memory observer, NOTE [Working set by phase] in
-        ``adaptive.py``); nothing while no timeline is open."""
+    def saved(self, t: torch.Tensor, layer: Hashable = None) -> None:
+        """``layer`` packed ``t`` (the cache's memory observer, NOTE [Working set by phase]
+        in ``adaptive.py``); nothing while no timeline is open."""
         if self._timeline is not None:
-            self._timeline.saved(t)
+            self._timeline.saved(t, layer)
 
-    def phase(self, outside: bool) -> None:
-        """The step left the layers (True) or entered one (False)."""
+    def phase(self, outside: bool, layer: Hashable = None, backward: bool = False) -> None:
+        """The step left the layers (True) or entered one (False): ``layer``'s forward, or
+        its backward."""
         if self._timeline is not None:
-            self._timeline.phase(outside)
+            self._timeline.phase(outside, layer, backward)
+
+    def layer_peaks(self, dev: Any) -> Optional[Dict[Hashable, Tuple[int, int]]]:
+        """The last closed timeline's per-layer peaks (NOTE [Working set by layer] in
+        ``adaptive.py``); None before one closed."""
+        return self._layers
 
     def working_peaks(self, dev: Any) -> Optional[Tuple[int, int]]:
         """The last closed timeline's ``(inside, outside)`` working-set peaks; None before

@@ -149,6 +149,18 @@ class LayerProfile:
     backward's start to its end. 0 in a measured profile; set on the layer a plan's
     ``LayerChoice.recompute`` derives from it (``module_recompute.recomputed_layer``)."""
 
+    forward_peak_bytes: Annotated[int, Integer(NonNegative())] = 0
+    """The most the layer's forward held at once beyond the other layers' saved tensors:
+    what it has saved so far and its temporaries (attention scores and the like), held
+    over its forward's span in the timeline. Measured under a device-memory cap in the
+    first step on a CPU (NOTE [Working set by layer] in ``adaptive.py``); 0: not measured,
+    the capacity leaves room for one working set instead."""
+
+    backward_working_bytes: Annotated[int, Integer(NonNegative())] = 0
+    """What the layer's backward needs beyond its saved tensors: its gradients and their
+    temporaries, less the saved tensors already used and freed. Held over its backward's
+    span (NOTE [Working set by layer] in ``adaptive.py``); 0: not measured."""
+
     def __post_init__(self) -> None:
         _settle(self)
 

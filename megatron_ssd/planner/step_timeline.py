@@ -500,6 +500,7 @@ def predict(
             if writing and q is queue:  # the last site cannot complete before it is saved
                 writing[-1] = (lt.write_end, writing[-1][1])
         out.append(lt)
+        uncount(start, t, layer.forward_peak_bytes)  # NOTE [Working set by layer] in adaptive.py
     head_start, t = t, compute.run(t, stage.other_s)
     hold(head_start, t, stage.head_bytes)  # the output layer's and loss's saved tensors
     uncount(head_start, t, stage.head_working_bytes)  # NOTE [Working set by phase] in adaptive.py
@@ -624,11 +625,25 @@ def _admitted(writing: List[Tuple[float, int]], t: float, nbytes: int, bound: in
     return t  # not reached: after the last end nothing is outstanding
 
 
+def backward_working_bytes(layer: LayerProfile, placement: Placement) -> int:
+    """What ``layer``'s backward needs beyond the bytes a plan holds for it there (NOTE
+    [Working set by layer] in ``adaptive.py``): its measured backward working set, or where
+    it runs a forward again (RECOMPUTE, or modules recomputed inside it) at least its
+    forward's peak with two gradients of its input's size beside it (the one coming in,
+    the residual's), beyond its saved bytes."""
+    need = layer.backward_working_bytes
+    if layer.forward_peak_bytes and (placement is Placement.RECOMPUTE or layer.rebuilt_bytes):
+        held = layer.saved_bytes + layer.kept_bytes + layer.rebuilt_bytes
+        need = max(need, layer.forward_peak_bytes + 2 * layer.boundary_bytes - held)
+    return need
+
+
 def _account(layer: LayerProfile, lt: LayerTimeline, hold: Callable[[float, float, int], None],
              rebuild: Callable[[float, float, int], None]) -> None:
     """Record the layer's resident intervals, with ``rebuild`` what recomputation rebuilds
     in backward; see NOTE [Memory accounting]."""
     rebuild(lt.backward_start, lt.backward_end, layer.rebuilt_bytes)
+    rebuild(lt.backward_start, lt.backward_end, backward_working_bytes(layer, lt.placement))
     if lt.placement is Placement.KEEP:
         hold(lt.forward_end, lt.backward_end, layer.saved_bytes + layer.kept_bytes)
     elif lt.placement is Placement.RECOMPUTE:

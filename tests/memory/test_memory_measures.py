@@ -14,7 +14,7 @@ import torch
 
 from megatron_ssd.io.mapped import mapped_bytes, mapped_empty
 from megatron_ssd.memory import AllocatorTimeline, PhaseMemory, RSSPeak, current_rss_bytes, peak_of_events
-from megatron_ssd.memory.allocator_timeline import working_peaks
+from megatron_ssd.memory.allocator_timeline import layer_peaks, working_peaks
 from megatron_ssd.memory.phase import live_block_sizes
 from megatron_ssd.memory.rss import reset_hwm
 from waits import HANG_S, wait_until  # tests/waits.py
@@ -92,6 +92,43 @@ def test_working_peaks_take_out_what_the_cache_holds_and_split_inside_from_outsi
     assert working_peaks(events, [], phases) == (100 + 50 + 30, 100 + 50 + 200)  # nothing held: all working
     assert working_peaks(events, held, []) == (0, 100 + 200)  # never inside a layer
     assert working_peaks([], [], []) == (0, 0)
+
+
+def test_layer_peaks_take_a_forward_beyond_the_other_layers_and_a_backward_beyond_every_saved_tensor():
+    """NOTE [Working set by layer], values worked by hand. Layer 0's forward saves 40 and
+    keeps it (written out later); layer 1's forward saves 50 beside a 30 temporary, its
+    peak 50 + 30 = 80 whatever layer 0 holds. Layer 1's backward reads 20 and 30 back,
+    frees the first when used and makes a 25 gradient: 25 beyond its saved bytes, less
+    the 20 already freed at the 25's birth. What survives the window (a 7 gradient) is no
+    one's working set."""
+    events = [(1, 40), (3, 50), (4, 30), (5, -30), (7, -50), (9, 20), (10, 30), (11, -20), (12, 25), (13, 7),
+              (14, -25), (15, -30)]
+    saved = [(1, 40, 0), (3, 50, 1), (7, -50, 1), (13, 7, None)]
+    mapped = [(9, 20), (10, 30), (11, -20), (15, -30)]
+    spans = [(0, (0, False)), (2, (1, False)), (6, None), (8, (1, True)), (16, None)]
+    assert layer_peaks(events, saved, spans, mapped) == {0: (40, 0), 1: (80, 5)}
+    # had the first read stayed to the end, the gradient would stand beside all of it
+    later = [e if e != (11, -20) else (16, -20) for e in events]
+    assert layer_peaks(later, saved, spans, [(9, 20), (10, 30), (15, -30), (16, -20)]) == {0: (40, 0), 1: (80, 25)}
+    assert layer_peaks([], [], []) == {}
+
+
+def test_what_survives_the_window_is_no_working_set():
+    """NOTE [Survivors]: a storage made inside the window and alive when it closes (a
+    first step's gradients, its optimizer state) is state for later steps: counted in the
+    window's peak, not in its working set."""
+    MiB = 1 << 20
+    kept = []
+    with AllocatorTimeline() as timeline:
+        timeline.phase(False, 0)
+        kept.append(torch.ones(MiB // 4))  # 1 MiB, alive after the window
+        temporary = torch.ones(2 * MiB // 4)
+        del temporary
+        torch.zeros(1)
+    assert timeline.surviving_bytes == MiB
+    assert timeline.peak_bytes >= 3 * MiB
+    assert timeline.working_peaks()[0] == 2 * MiB
+    assert timeline.layer_peaks() == {0: (2 * MiB, 0)}
 
 
 def test_allocator_timeline_counts_fresh_storages_views_threads_and_mappings():
@@ -277,3 +314,22 @@ def test_a_saved_tensor_is_an_activation_until_its_storage_dies_and_a_temporary_
         del logits, saved
         torch.zeros(1)  # an operator: the frees are polled
     assert timeline.working_peaks() == (2 * MiB, 3 * MiB)
+
+
+def test_a_storage_from_before_the_window_that_dies_inside_it_is_a_free():
+    """NOTE [Frees of what came before]: the previous step's gradient (4 MiB), set to None at
+    the step's start, and a new one made in backward: the step adds nothing above its
+    start where the timeline is told of the old one, and 4 MiB where it is not."""
+    MiB = 1 << 20
+
+    def step(param):
+        param.grad = None
+        param.grad = torch.ones(MiB)  # 4 MiB
+
+    for told, added in ((True, 0), (False, 4 * MiB)):
+        param = torch.nn.Parameter(torch.zeros(MiB))
+        param.grad = torch.ones(MiB)
+        with AllocatorTimeline((p.grad for p in [param]) if told else ()) as timeline:
+            step(param)
+            torch.zeros(1)  # an operator: the frees are polled (its 4 bytes count too)
+        assert timeline.peak_bytes == added + 4

@@ -276,3 +276,36 @@ def test_a_working_set_split_by_phase_fits_the_recomputing_plan_that_the_whole_o
     assert R in [c.placement for c in plan.layer_choices]
     assert predict(split, plan.layer_choices).peak_bytes <= cap - inside
     assert predict(split, [K, K]).peak_bytes > cap - inside
+
+
+# ------------------------------------------------------------------ NOTE [Working set by layer]
+
+
+def _by_layer():
+    """Two layers of 100 saved and 10 input bytes whose forward peaked at 130 (saved so far
+    and temporaries) and whose backward needs 15 beyond its saved bytes."""
+    layers = [LayerProfile(i, 1.0, 2.0, 100, boundary_bytes=10, forward_peak_bytes=130, backward_working_bytes=15)
+              for i in range(2)]
+    return StageProfile(layers, IOProfile(None, None), other_s=0.5)
+
+
+def test_a_layers_forward_peak_and_backward_working_set_are_held_over_its_spans_uncounted():
+    """Worked by hand: layer 1's forward runs beside layer 0's 100 kept bytes (100 + 130);
+    each backward holds 15 beside what is kept; the cache counts neither."""
+    tl = predict(_by_layer(), [K, K])
+    assert tl.memory == [(0.0, 130), (1.0, 230), (2.0, 200), (2.5, 215), (4.5, 115), (6.5, 0)]
+    assert tl.peak_bytes == 230 and tl.counted_peak_bytes == 200
+
+
+def test_a_recomputed_layer_holds_its_forward_peak_again_in_backward_with_two_input_sized_gradients():
+    """RECOMPUTE runs the forward again in backward: beyond its 100 rebuilt bytes it holds
+    the larger of its backward working set (15) and its forward peak with two gradients of
+    its input's size less the rebuilt bytes (130 + 2 x 10 - 100 = 50); its input (10) is held
+    from its forward's end."""
+    from megatron_ssd.planner.step_timeline import backward_working_bytes
+
+    layer = _by_layer().layers[1]
+    assert backward_working_bytes(layer, R) == 50 and backward_working_bytes(layer, K) == 15
+    tl = predict(_by_layer(), [K, R])
+    assert tl.peak_bytes == 100 + 10 + 100 + 50
+    assert tl.counted_peak_bytes == 100  # only layer 0's kept bytes reach the cache

@@ -192,7 +192,7 @@ def test_the_h200_case_leaves_the_measured_working_set_and_fragmentation_free(ca
     assert planner.summary()["working_set"] == {"resident": H200_RESIDENT, "guard": 0, "peak_allocated": peak,
                                                 "peak_reserved": reserved, "working_bytes": working,
                                                 "fragmentation_bytes": fragmentation,
-                                                "by_phase": None, "head_bytes": 0}  # one number on CUDA
+                                                "by_phase": None, "by_layer": None, "head_bytes": 0}  # one number on CUDA
 
 
 def test_a_working_set_the_cap_cannot_hold_is_one_line_naming_cap_resident_and_need(caplog):
@@ -263,10 +263,18 @@ def test_on_a_cpu_the_first_step_measures_the_working_set_and_every_step_stays_u
     data = json.loads(out.read_text())
     working = data["planner"]["working_set"]
     assert working["resident"] == 0 and working["guard"] == 0 and working["fragmentation_bytes"] == 0
-    assert 0 < working["working_bytes"] < cap
     inside, outside = working["by_phase"]  # NOTE [Working set by phase]
-    assert 0 < outside and working["working_bytes"] == inside and working["head_bytes"] == max(outside - inside, 0)
-    assert data["planner"]["fit_bytes"]["capacity"] == cap - working["working_bytes"]
+    assert 0 < inside < cap and 0 < outside < cap
+    # NOTE [Working set by layer]: each layer's forward peak and backward working set are in
+    # the profile, held over its spans, so the capacity is the whole cap
+    by_layer = working["by_layer"]
+    layers = data["planner"]["profile"]["layers"]
+    measured = [layer for layer in layers if str(layer["layer_id"]) in by_layer]
+    assert len(measured) == len(by_layer) == data["config"]["model"]["num_layers"]
+    assert all(layer["forward_peak_bytes"] == by_layer[str(layer["layer_id"])][0] > layer["saved_bytes"] // 2
+               and layer["backward_working_bytes"] == by_layer[str(layer["layer_id"])][1] > 0 for layer in measured)
+    assert working["working_bytes"] == 0 and working["head_bytes"] == outside
+    assert data["planner"]["fit_bytes"]["capacity"] == cap
     plans = [e["plan"] for e in data["planner"]["events"] if e["plan"]]
-    assert plans and all(p["peak_activation_bytes"] <= cap - working["working_bytes"] for p in plans)
+    assert plans and all(p["peak_activation_bytes"] <= cap for p in plans)
     assert data["phases"][-1]["allocator_peak_bytes"] <= cap
