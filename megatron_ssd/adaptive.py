@@ -103,8 +103,10 @@ class PlanEvent:
 # cache's capacity guard (NOTE [Capacity guard] in ``cache/policy.py``), which holds it
 # within the capacity whatever the drives do, and measures what each layer saves. From
 # it: keep-everything would hold the step's ``peak_saved_bytes``; RECOMPUTE would hold
-# each micro-batch in flight's layer inputs and outside-layer tensors, plus one layer's
-# saved bytes while it is recomputed. A block whose placement would not fit runs OFFLOAD
+# each micro-batch in flight's layer inputs and embedding tensors, plus the larger of
+# the head's saved tensors (with its working set, NOTE [Working set by phase]) and one
+# layer's while it is recomputed (with its own, NOTE [Working set by layer]): the two
+# never meet, the head's are freed before the first layer's backward. A block whose placement would not fit runs OFFLOAD
 # instead (the KEEP block and the default placement's block, which keeps the last
 # layers, as one: keep-everything either fits or not), and those steps are measured as
 # OFFLOAD steps. Without KEEP steps the profile takes keep-everything's compute times
@@ -428,8 +430,9 @@ class AdaptivePlanner:
             if not lc.microbatches:
                 continue
             per_mb = (lc.saved_bytes + lc.small_bytes + lc.unmovable_bytes) // lc.microbatches
-            if layer_id == HEAD:
+            if layer_id == HEAD:  # held from the head's forward to its backward, no layer's beside it
                 head_saved = per_mb
+                continue
             if layer_id in OUTSIDE or layer_id is None:
                 held += per_mb
                 continue
@@ -442,7 +445,7 @@ class AdaptivePlanner:
                 largest = max(largest, per_mb + max(backward, rerun))
         head = self._head_working_bytes(head_saved)  # NOTE [Working set by phase]
         keep += max(head, beyond)
-        recompute = held * in_flight + max(largest, head)
+        recompute = held * in_flight + max(largest, head_saved + head)
         self.fits = {"keep": keep <= capacity, "recompute": recompute <= capacity}
         self.fit_bytes = {"keep": keep, "recompute": recompute, "capacity": capacity}
         if not self.fits["keep"]:
