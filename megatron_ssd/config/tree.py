@@ -368,8 +368,10 @@ class OffloadConfig:
     capacity: the smaller of its capacity without the cap and the cap less what is
     allocated between steps and less the working set and fragmentation measured in the
     first step, which runs with the capacity guard at 0 (on a CPU by the train command's
-    allocator timeline, the working set outside the layers held over the head instead:
-    NOTE [Working set by phase] in ``adaptive.py``; before that step, and where another
+    allocator timeline, and there instead each layer's forward peak and backward working
+    set held over its spans and the working set outside the layers over the head, with
+    the capacity the whole cap: NOTE [Working set by layer], NOTE [Working set by phase]
+    in ``adaptive.py``; before that step, and where another
     caller builds the planner on a CPU, ``planner.capacity_reserve`` of the cap; NOTE
     [Device memory cap] in ``cache/memory_cap.py``, NOTE [Working set under a cap] in
     ``adaptive.py``). None: no cap."""
@@ -556,9 +558,11 @@ class TrainConfig:
     kind's heap, and a plan that both recomputes and offloads needed two steps to shed
     it. 0 times the step right after the switch."""
     allocator_timeline: bool = False
-    """After each phase's steps, run one more step under the PyTorch profiler's memory
-    events and report ``allocator_peak_bytes``: the peak of live tensor bytes (read-back
-    buffers included) above the step's start, measured at the allocators, independently
+    """After each phase's steps, run one more step under the allocator timeline (a
+    dispatch mode that sees every storage torch allocates and when it dies, NOTE
+    [Allocator timeline]) and report ``allocator_peak_bytes``: the peak of live tensor
+    bytes (read-back buffers included) above the step's start, the previous step's
+    gradients it frees counted as frees (NOTE [Frees of what came before]), independently
     of the tensor cache. That step is not timed, planned from, or counted in the losses
     (``megatron-ssd rok`` turns it on)."""
     lr: Annotated[float, Positive(), AtMost(100.0)] = 0.01
