@@ -56,7 +56,9 @@ def test_planned_run_is_bit_identical_and_sets_a_plan(world, tmp_path):
     assert [lp.layer_id for lp in plan.layers] == ["embedding", 1, 2, 3, 4]
     assert plan.layers[0].placement is Placement.KEEP
     assert placements == {lp.layer_id: lp.placement for lp in plan.layers[1:]}
-    assert plan.layers[-1].placement is Placement.KEEP, "the layer backward needs first stays"
+    # Which layers move depends on the measured times, so on the machine's load (a loaded
+    # run offloaded the layer backward needs first, its read hidden by the head's time):
+    # the plan's decisions on constructed profiles are tested in test_planner_plan.py.
     profile = planner.profile
     assert isinstance(profile, StageProfile)
     assert all(l.saved_bytes > 0 and l.forward_s > 0 and l.backward_s > 0 for l in profile.layers[1:])
