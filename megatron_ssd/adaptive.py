@@ -179,8 +179,9 @@ class PlanEvent:
 # layer's saved bytes from its forward's end. The head's saved tensors are not told: the
 # loss saves its softmax after the logits chain peaks, so at that peak the tensor it
 # will save is still a temporary, and the outside peak is the head's whole need.
-# The capacity is the cap less the inside peak (``WorkingSet.working_bytes``); what the
-# outside peak adds beyond it (``WorkingSet.head_bytes``), less the head's saved tensors
+# The capacity is the cap less the inside peak (``WorkingSet.working_bytes``; 0 where the
+# layers are measured one by one, NOTE [Working set by layer]); what the outside peak
+# adds beyond it (``WorkingSet.head_bytes``), less the head's saved tensors
 # (``StageProfile.head_bytes``, which the timeline already holds there), goes into the
 # profile as ``StageProfile.head_working_bytes``, held over the head's span, so a plan's
 # predicted peak there meets the same capacity. The profile's KEEP block fits only with
