@@ -317,8 +317,9 @@ def test_rok_json_schema(tmp_path):
     # offloading the last layer too buys nothing: its read is due when the first backward starts
     assert by["keep-last"]["predicted_peak_activation_bytes"] == by["offload-all"]["predicted_peak_activation_bytes"]
     # every saved tensor is a storage allocated in the step; recompute rebuilds what it does not count
-    assert by["keep"]["allocator_peak_bytes"] >= by["keep"]["peak_activation_bytes"]
-    assert by["recompute"]["allocator_peak_bytes"] > by["recompute"]["peak_activation_bytes"]
+    # No order between the allocator's peak and the cache's count: the peak is what the step
+    # adds above its start, and the step frees the previous step's gradients first (NOTE
+    # [Frees of what came before]), which on this tiny model outweigh its activations.
     # each layer's placement_text: "offload", "offload 2/5", "keep +core_attn", ...
     assert all(pl.split()[0] in ("keep", "offload", "recompute") for pl in by["planner"]["plan"])
     planned = by["planner"]
