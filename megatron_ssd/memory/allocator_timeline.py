@@ -237,7 +237,6 @@ class AllocatorTimeline:
         tensors: state the step made for the steps after it (NOTE [Survivors])."""
         self._survivors: List[Tuple[int, int]] = []
         self._events: List[Tuple[int, int]] = []
-        self._held: List[Tuple[int, int]] = []
         self._phases: List[Tuple[int, bool]] = []
         self._live: Dict[int, Tuple[Any, int, int, int]] = {}  # id: (weak reference, bytes, storage key, time)
         self._by_storage: Dict[int, int] = {}  # storage key: id, of the live ones
@@ -284,7 +283,6 @@ class AllocatorTimeline:
                     del self._by_storage[key]
                 if k in self._saved:
                     layer = self._saved.pop(k)
-                    self._held.append((now, -nbytes))
                     self._saved_events.append((now, -nbytes, layer))
 
     def saved(self, t: torch.Tensor, layer: Hashable = None) -> None:
@@ -300,7 +298,6 @@ class AllocatorTimeline:
             i = self._by_storage.get(key)
             if i is not None and i not in self._saved and i in self._live:
                 self._saved[i] = layer
-                self._held.append((now, self._live[i][1]))
                 self._saved_events.append((now, self._live[i][1], layer))
 
     def phase(self, outside: bool, layer: Hashable = None, backward: bool = False) -> None:
@@ -324,7 +321,8 @@ class AllocatorTimeline:
         read-back buffers alive and what survived the window (:func:`working_peaks`, NOTE
         [Survivors]); read after the window closed."""
         with self._lock:
-            return working_peaks(self._events, self._held + self._survivors, self._phases)
+            held = [(t, d) for t, d, _ in self._saved_events] + self._mapped + self._survivors
+            return working_peaks(self._events, held, self._phases)
 
     def _on_mapped(self, time_ns: int, delta: int, token: int) -> None:
         with self._lock:
@@ -334,8 +332,7 @@ class AllocatorTimeline:
             elif token not in self._tokens:
                 return  # mapped before the window: part of its base
             self._events.append((time_ns, delta))
-            self._held.append((time_ns, delta))  # a read-back buffer is an activation
-            self._mapped.append((time_ns, delta))
+            self._mapped.append((time_ns, delta))  # a read-back buffer is an activation
 
     def __enter__(self) -> "AllocatorTimeline":
         from ..io.mapped import add_listener
