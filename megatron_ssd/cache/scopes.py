@@ -11,7 +11,6 @@ packer whose saved-tensor hooks a micro-batch installs, and two callbacks of its
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import threading
 from functools import partial
@@ -29,7 +28,7 @@ from .policy import PlacementPolicy
 from .record import Packed, Record
 from .stats import add_seconds
 
-__all__ = ["Packer", "Scopes"]
+__all__ = ["LayerScope", "MicrobatchScope", "Packer", "Scopes"]
 
 
 class Packer(Protocol):
@@ -71,29 +70,15 @@ class Scopes:
         self._tls = threading.local()
         self._keys = itertools.count()
 
-    @contextlib.contextmanager
-    def microbatch(self, key: Optional[Hashable] = None) -> Iterator[Record]:
-        """Run one micro-batch's forward with its saved tensors going to a new record."""
-        EXIT_GUARD.raise_interrupted()  # NOTE [Interrupts in finalisers] in exit_guard.py
-        record = self.entries.open(key if key is not None else next(self._keys))
-        previous = getattr(self._tls, "record", None)
-        self._tls.record = record
-        try:
-            with OffloadHooks(self.packer, record):
-                yield record
-        finally:
-            self._tls.record = previous
-            self.entries.forward_ended(record)
-            self._forward_ended()
+    def microbatch(self, key: Optional[Hashable] = None) -> "MicrobatchScope":
+        """Run one micro-batch's forward with its saved tensors going to a new record
+        (``with scopes.microbatch(key) as record:``)."""
+        return MicrobatchScope(self, key if key is not None else next(self._keys))
 
-    @contextlib.contextmanager
-    def layer(self, layer_id: Hashable) -> Iterator[Placement]:
-        """Scope for the forward of one layer (used by offload-aware layers)."""
-        self.enter_layer(layer_id)
-        try:
-            yield self.policy.layer(layer_id)
-        finally:
-            self.exit_layer(layer_id)
+    def layer(self, layer_id: Hashable) -> "LayerScope":
+        """Scope for the forward of one layer (used by offload-aware layers): ``with
+        scopes.layer(layer_id) as placement:``."""
+        return LayerScope(self, layer_id)
 
     def enter_group(self, name: str) -> None:
         """A module group (``core_attn``, ...) starts its forward on this thread: tensors
@@ -237,6 +222,100 @@ class Scopes:
     def post_hook(self, layer_id: Hashable, module: torch.nn.Module, args: Any, output: Any) -> None:
         """A forward hook of a registered layer (``partial(scopes.post_hook, layer_id)``)."""
         self.exit_layer(layer_id, output)
+
+
+# NOTE [Scopes an interrupt cannot leak]
+# Ctrl-C raises KeyboardInterrupt wherever the main thread runs Python when the signal is
+# handled: at a function's start, after a C call returns, at a backward jump (the points
+# tests/reliability/test_reliability_interruptible.py interrupts at in turn). A scope
+# written as a generator (``contextlib.contextmanager``) leaks when it lands after the
+# generator yielded but before ``with`` took its exit: in contextlib's ``__enter__``, at
+# the return of ``next(gen)``. The generator then stays suspended with the saved-tensor
+# hooks pushed and the cache active, and its ``finally`` runs whenever it is collected,
+# later, in another micro-batch's forward, popping that one's hooks: the rest of that
+# forward was packed by the closed cache's hooks and its backward failed with "unpack
+# after close()" (an interrupt at 4 of the first 120 points of an offloaded step, then a
+# clean step with a new cache). So the micro-batch scope is a class: its ``__enter__``
+# undoes what it did if anything raises in it, and once it returns ``with`` holds its
+# ``__exit__``; each undo step runs in its own ``finally`` so that one interrupted does
+# not skip the next; the hooks are popped, and the cache taken off the active stack,
+# only where they are its own; and what an interrupt inside an undo step still leaves
+# (the hooks on top, the cache active) is swept when the cache closes
+# (``TensorCache.close``).
+
+
+class MicrobatchScope:
+    """One micro-batch's forward scope (:meth:`Scopes.microbatch`); NOTE [Scopes an
+    interrupt cannot leak]."""
+
+    def __init__(self, scopes: Scopes, key: Hashable) -> None:
+        self._scopes = scopes
+        self._key = key
+        self._record: Optional[Record] = None
+        self._hooks: Optional[OffloadHooks] = None
+        self._previous: Optional[Record] = None
+        self._entered = False
+        self._key_taken = False  # open refuses a key still open: that record is another's
+
+    def __enter__(self) -> Record:
+        s = self._scopes
+        EXIT_GUARD.raise_interrupted()  # NOTE [Interrupts in finalisers] in exit_guard.py
+        self._previous = getattr(s._tls, "record", None)
+        try:
+            self._entered = True
+            self._key_taken = self._key in s.entries.records
+            self._record = s.entries.open(self._key)
+            s._tls.record = self._record
+            self._hooks = OffloadHooks(s.packer, self._record)
+            self._hooks.__enter__()
+        except BaseException:
+            self._end()
+            raise
+        return self._record
+
+    def __exit__(self, *exc: object) -> None:
+        self._end()
+
+    def _end(self) -> None:
+        s = self._scopes
+        try:
+            if self._hooks is not None:
+                self._hooks.__exit__(None, None, None)
+        finally:
+            try:
+                if self._entered:
+                    s._tls.record = self._previous
+            finally:
+                record = self._record
+                if record is None and self._entered and not self._key_taken:  # opened, not yet assigned
+                    record = s.entries.records.get(self._key)
+                if record is not None:
+                    s.entries.forward_ended(record)
+                    s._forward_ended()
+
+
+class LayerScope:
+    """One layer's forward scope (:meth:`Scopes.layer`); NOTE [Scopes an interrupt cannot
+    leak]."""
+
+    def __init__(self, scopes: Scopes, layer_id: Hashable) -> None:
+        self._scopes = scopes
+        self._layer_id = layer_id
+
+    def __enter__(self) -> Placement:
+        s = self._scopes
+        depth = len(s._tls.__dict__.get("layers") or ())
+        try:
+            s.enter_layer(self._layer_id)
+            return s.policy.layer(self._layer_id)
+        except BaseException:
+            stack = s._tls.__dict__.get("layers") or []
+            if len(stack) > depth and stack[-1][0] == self._layer_id:  # pushed before it raised
+                stack.pop()
+            raise
+
+    def __exit__(self, *exc: object) -> None:
+        self._scopes.exit_layer(self._layer_id)
 
 
 def _grad_hook(backward_started: Callable[[Record, Hashable], None], record: Record, layer_id: Hashable,

@@ -18,7 +18,7 @@ import logging
 import os
 import threading
 from functools import partial
-from typing import Dict, Hashable, Iterable, Iterator, List, Mapping, Optional, Sequence, Union
+from typing import Dict, Hashable, Iterable, List, Mapping, Optional, Sequence, Union
 
 import torch
 
@@ -35,7 +35,8 @@ from .identity import do_not_offload, is_plain, restore, storage_bytes, storage_
 from .pages import trim_heap
 from .record import Packed, Record
 from .stats import StepStats
-from .scopes import Scopes
+from .hooks import drop_leaked_hooks
+from .scopes import MicrobatchScope, Scopes
 from .policy import PlacementPolicy, PlanState
 from ..io import create_engine
 from ..io.host import open_host_pool
@@ -64,6 +65,43 @@ def resolve_device(name: str) -> torch.device:
     current device where the name gives none (a cache binds its own lazily instead: NOTE
     [Binding the device] in ``device.py``)."""
     return DeviceBinding(parse_device(name)).resolved()
+
+
+def _deactivate(cache: "TensorCache") -> None:
+    """Take ``cache`` off this thread's active stack, its last place there, if it is on it."""
+    stack = getattr(_ACTIVE, "stack", None) or []
+    for i in range(len(stack) - 1, -1, -1):
+        if stack[i] is cache:
+            del stack[i]
+            return
+
+
+class _ActiveMicrobatch:
+    """:meth:`TensorCache.microbatch`'s scope: the micro-batch scope, with the cache
+    active on this thread inside it (NOTE [Scopes an interrupt cannot leak] in
+    ``scopes.py``)."""
+
+    def __init__(self, cache: "TensorCache", scope: MicrobatchScope) -> None:
+        self._cache = cache
+        self._scope = scope
+
+    def __enter__(self) -> Record:
+        record = self._scope.__enter__()
+        try:
+            _ACTIVE.__dict__.setdefault("stack", []).append(self._cache)
+        except BaseException:
+            try:
+                _deactivate(self._cache)
+            finally:
+                self._scope.__exit__(None, None, None)
+            raise
+        return record
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            _deactivate(self._cache)
+        finally:
+            self._scope.__exit__(None, None, None)
 
 
 class TensorCache:
@@ -158,18 +196,12 @@ class TensorCache:
 
     # ------------------------------------------------------------------ scopes
 
-    @contextlib.contextmanager
-    def microbatch(self, key: Optional[Hashable] = None) -> Iterator[Record]:
-        """Run one micro-batch's forward with its saved tensors going to a new record; the
-        cache is :func:`active_cache` on this thread meanwhile."""
+    def microbatch(self, key: Optional[Hashable] = None) -> "_ActiveMicrobatch":
+        """Run one micro-batch's forward with its saved tensors going to a new record
+        (``with cache.microbatch(key) as record:``); the cache is :func:`active_cache` on
+        this thread meanwhile (NOTE [Scopes an interrupt cannot leak] in ``scopes.py``)."""
         self._check_open()
-        with self.scopes.microbatch(key) as record:
-            active = _ACTIVE.__dict__.setdefault("stack", [])
-            active.append(self)
-            try:
-                yield record
-            finally:
-                active.pop()
+        return _ActiveMicrobatch(self, self.scopes.microbatch(key))
 
     def layer(self, layer_id: Hashable) -> contextlib.AbstractContextManager[Placement]:
         """Scope for the forward of one layer (used by offload-aware layers); yields its placement."""
@@ -459,6 +491,8 @@ class TensorCache:
         for handle in self._hook_handles:
             handle.remove()
         self._hook_handles.clear()
+        drop_leaked_hooks(self)  # NOTE [Scopes an interrupt cannot leak] in scopes.py
+        _deactivate(self)
         for store in self.stores.values():
             store.close()
         self.entries.close()

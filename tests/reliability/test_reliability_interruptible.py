@@ -383,3 +383,68 @@ def test_an_interrupt_anywhere_in_an_offloaded_step_lets_the_cache_close_and_rem
         interrupted += 1
         assert isinstance(error, KeyboardInterrupt) or isinstance(error.__context__, KeyboardInterrupt), (k, error)
     assert interrupted >= 32, (interrupted, total)
+
+
+@needs_monitoring
+def test_an_interrupt_in_a_micro_batch_scopes_entry_or_exit_leaves_no_hooks_and_no_active_cache(tmp_path):
+    """NOTE [Scopes an interrupt cannot leak] in ``cache/scopes.py``: a micro-batch forward
+    with one layer scope, its tensors offloaded, interrupted at each of the first and last
+    150 points in turn (the scopes' entries and exits; the tensor traffic between is the
+    whole-step test's), then closed, leaves no saved-tensor hooks on the thread and no
+    active cache, and a new cache's step after it gives the same gradient. The scopes
+    were generators: an interrupt after they yielded left them suspended with their hooks
+    pushed, and their ``finally`` ran when collected, in the next cache's forward, popping
+    its hooks; that backward then failed with "unpack after close()" (4 of the first 120
+    points of an offloaded step)."""
+    import torch
+
+    from megatron_ssd import OffloadConfig, TensorCache
+    from megatron_ssd.cache import exit_guard
+    from megatron_ssd.cache.tensor_cache import active_cache
+
+    root = tmp_path / "act"
+    root.mkdir()
+    w = torch.randn(64, 64, requires_grad=True)
+    x = torch.randn(32, 64)
+
+    def cache():
+        c = TensorCache(OffloadConfig(paths=[str(root)], min_tensor_bytes=1024, min_free_bytes=0,
+                                      return_freed_pages=False))
+        c.set_plan({0: "offload"})
+        return c
+
+    def forward(c):
+        with c.microbatch():
+            with c.layer(0):
+                y = torch.tanh(x @ w)
+            return (y * y).sum()
+
+    def step(c):
+        w.grad = None
+        forward(c).backward()
+        c.finish_step()
+        return w.grad.clone()
+
+    with cache() as c:
+        expected = step(c)
+        total = _points(lambda: forward(c))
+    assert total > 300, total
+    fired_at = []
+    for k in list(range(1, 151)) + list(range(total - 150, total + 1)):
+        c = cache()
+        fired, error = interrupted_at(k, lambda: forward(c))
+        try:
+            c.close()
+        except KeyboardInterrupt as e:  # swallowed by a finaliser, raised again by the close
+            error = error or e
+        exit_guard.EXIT_GUARD.interrupted = False
+        top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        assert top is None and active_cache() is None, (k, top, active_cache(), error)
+        assert os.listdir(root) == [], (k, os.listdir(root))
+        if fired:
+            fired_at.append(k)
+            assert isinstance(error, KeyboardInterrupt) or isinstance(error.__context__, KeyboardInterrupt), (k, error)
+        if k % 10 == 0 or k == total:  # what the leak broke: the next cache's step
+            with cache() as fresh:
+                assert torch.equal(step(fresh), expected), k
+    assert len(fired_at) > 250, len(fired_at)
