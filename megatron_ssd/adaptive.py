@@ -34,6 +34,7 @@ from .planner.measurement import StepMeasurement
 from .planner.plan import Plan, PlanRequest, make_plan
 from .planner.profile import StageProfile
 from .planner.drives import write_limit_for
+from .planner.step_timeline import rerun_working_bytes
 from .io.cuda import CUDA, CudaOps
 from .io.rundir import check_space_for_plan
 from .units import gib
@@ -64,9 +65,9 @@ class PlanEvent:
 # step of every plan is longer by it, and a re-profile that used that step would count it
 # as time outside the layers (a median over steps leaves one such step out). It grows
 # with the layers per stage and the tiers to choose among (docs/getting-started.md has
-# measured times): the greedy start costs O(n) replays per move, each O(n) long, and the
-# rest of the search at most as much again plus about a second (NOTE [Search] in
-# ``planner/search.py``); with ``read_ahead_mode=auto`` the greedy start runs at each
+# measured times): the greedy start costs O(n) replays per move, each O(n) long (scored
+# lazily beyond 8 layers), and the rest of the search about a second more (NOTE [Search]
+# in ``planner/search.py``); with ``read_ahead_mode=auto`` the greedy start runs at each
 # read-ahead of a short ladder and the rest once (NOTE [Just-in-time reads]). Where it
 # matters more than the plan, ``planner.search=greedy`` keeps the greedy start alone.
 # Each plan event records it (``search_s``) and the plan's line prints it, so a step that
@@ -442,7 +443,7 @@ class AdaptivePlanner:
             if layer_id in per_layer:  # NOTE [Working set by layer]
                 forward, backward = per_layer[layer_id]
                 beyond = max(beyond, forward - per_mb, backward)
-                rerun = forward + 2 * (lc.input_bytes // lc.microbatches) - per_mb
+                rerun = rerun_working_bytes(forward, lc.input_bytes // lc.microbatches, per_mb)
                 largest = max(largest, per_mb + max(backward, rerun))
         head = self._head_working_bytes(head_saved)  # NOTE [Working set by phase]
         keep += max(head, beyond)

@@ -51,10 +51,9 @@ GOAL_CAPACITY = "capacity"
 device's activation capacity at the smallest predicted step time."""
 
 SEARCH_WORK = 100_000
-"""The least work the descent and the branch and bound may spend per search, in layers
-and sites walked by their replays (a replay walks each layer and site once; 10-20 us each
-on one core here): one to two seconds (NOTE [Search]). Where the greedy start spent more
-than twice as much, they may spend half what it did."""
+"""The work the descent and the branch and bound may spend per search, in layers and sites
+walked by their replays (a replay walks each layer and site once; 10-20 us each on one
+core here): one to two seconds (NOTE [Search])."""
 
 _KEEP = LayerChoice(Placement.KEEP)
 
@@ -122,10 +121,12 @@ class PlacementSearch(Judge):
     #    Where it ends, the plan is the model's optimum (``proven``), and a budget no plan
     #    meets is infeasible by proof.
     # Steps 2 and 3 share a budget of work (replays, counted in the layers and sites they
-    # walk): the greater of ``SEARCH_WORK`` and half what the greedy start spent, half of it
-    # for the descent; where it runs out, the best plan replayed so far is the plan. So the
-    # search costs at most about one and a half times the greedy one, plus a second or two,
-    # and is never slower than the greedy plan, which it holds from the start. On 200
+    # walk): ``SEARCH_WORK``, half of it for the descent; where it runs out, the best plan
+    # replayed so far is the plan. So the search costs the greedy one plus a second or
+    # two, and is never slower than the greedy plan, which it holds from the start. (The
+    # budget was once the greater of that and half what the greedy start spent: at 32 and
+    # 128 layers of the H200 check's layer the extra work found no better plan and more
+    # than doubled the search's time, benchmarks/results/planner-gap.json.) On 200
     # seeded 5-layer stages the greedy search alone reached the model's optimum in 65% of cases and called 2.3% of
     # feasible budgets infeasible (docs/planner.md, "How the search is checked", for what
     # this search reaches). ``PlanRequest.search = "greedy"`` keeps step 1 alone.
@@ -142,7 +143,7 @@ class PlacementSearch(Judge):
         else:
             built = greedy.fit_budget(budget, allow_recompute)
             starts = ([local.index_of(built)] if built is not None else []) + [local.still_plan(), local.floor_plan()]
-        local.work_left = max(SEARCH_WORK, greedy.replays * local.replay_cost // 2)  # NOTE [Search]
+        local.work_left = SEARCH_WORK  # NOTE [Search]
         if self.greedy_only:  # the greedy start's plan; where it found none, none (the search before this one)
             local.work_left = float("inf")
             best, self.proven = local.trial(starts[0] if budget is None or built is not None

@@ -22,8 +22,8 @@ from ..errors import ConfigError
 from .profile import IOProfile, LayerId, LayerProfile, StageProfile
 from .sites import ReadAhead, read_ahead_list, site_read_aheads, site_list, use_order
 
-__all__ = ["LayerTimeline", "ReadAhead", "SiteRead", "Timeline", "predict", "read_ahead_list", "site_read_aheads",
-           "site_list", "use_order"]
+__all__ = ["LayerTimeline", "ReadAhead", "SiteRead", "Timeline", "predict", "read_ahead_list", "rerun_working_bytes",
+           "site_read_aheads", "site_list", "use_order"]
 
 _EPS = 1e-12
 """Slack (seconds) when comparing event times, so float rounding cannot flip an order."""
@@ -634,8 +634,15 @@ def backward_working_bytes(layer: LayerProfile, placement: Placement) -> int:
     need = layer.backward_working_bytes
     if layer.forward_peak_bytes and (placement is Placement.RECOMPUTE or layer.rebuilt_bytes):
         held = layer.saved_bytes + layer.kept_bytes + layer.rebuilt_bytes
-        need = max(need, layer.forward_peak_bytes + 2 * layer.boundary_bytes - held)
+        need = max(need, rerun_working_bytes(layer.forward_peak_bytes, layer.boundary_bytes, held))
     return need
+
+
+def rerun_working_bytes(forward_peak: int, input_bytes: int, held: int) -> int:
+    """What a backward that runs its layer's forward again needs beyond the ``held`` bytes
+    kept for that layer: the forward's peak with two gradients of its input's size beside
+    it (the one coming in, the residual's; NOTE [Working set by layer] in ``adaptive.py``)."""
+    return forward_peak + 2 * input_bytes - held
 
 
 def _account(layer: LayerProfile, lt: LayerTimeline, hold: Callable[[float, float, int], None],
