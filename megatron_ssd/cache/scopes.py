@@ -254,7 +254,6 @@ class MicrobatchScope:
         self._record: Optional[Record] = None
         self._hooks: Optional[OffloadHooks] = None
         self._previous: Optional[Record] = None
-        self._entered = False
         self._key_taken = False  # open refuses a key still open: that record is another's
 
     def __enter__(self) -> Record:
@@ -262,7 +261,6 @@ class MicrobatchScope:
         EXIT_GUARD.raise_interrupted()  # NOTE [Interrupts in finalisers] in exit_guard.py
         self._previous = getattr(s._tls, "record", None)
         try:
-            self._entered = True
             self._key_taken = self._key in s.entries.records
             self._record = s.entries.open(self._key)
             s._tls.record = self._record
@@ -283,11 +281,10 @@ class MicrobatchScope:
                 self._hooks.__exit__(None, None, None)
         finally:
             try:
-                if self._entered:
-                    s._tls.record = self._previous
+                s._tls.record = self._previous
             finally:
                 record = self._record
-                if record is None and self._entered and not self._key_taken:  # opened, not yet assigned
+                if record is None and not self._key_taken:  # opened, not yet assigned
                     record = s.entries.records.get(self._key)
                 if record is not None:
                     s.entries.forward_ended(record)

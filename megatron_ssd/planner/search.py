@@ -52,8 +52,9 @@ device's activation capacity at the smallest predicted step time."""
 
 SEARCH_WORK = 100_000
 """The work the descent and the branch and bound may spend per search, in layers and sites
-walked by their replays (a replay walks each layer and site once; 10-20 us each on one
-core here): one to two seconds (NOTE [Search])."""
+walked by their replays (a replay walks each layer and site once), a branch and bound node
+counted as 2: about 3.5 s on one core here at 8 layers of 9 sites, three quarters of it in
+the nodes' bounds, about 1 s at 32 (NOTE [Search], docs/planner.md)."""
 
 _KEEP = LayerChoice(Placement.KEEP)
 
@@ -122,8 +123,8 @@ class PlacementSearch(Judge):
     #    meets is infeasible by proof.
     # Steps 2 and 3 share a budget of work (replays, counted in the layers and sites they
     # walk): ``SEARCH_WORK``, half of it for the descent; where it runs out, the best plan
-    # replayed so far is the plan. So the search costs the greedy one plus a second or
-    # two, and is never slower than the greedy plan, which it holds from the start. (The
+    # replayed so far is the plan. So the search costs the greedy one plus one to
+    # four seconds, and is never slower than the greedy plan, which it holds from the start. (The
     # budget was once the greater of that and half what the greedy start spent: at 32 and
     # 128 layers of the H200 check's layer the extra work found no better plan and more
     # than doubled the search's time, benchmarks/results/planner-gap.json.) On 200
