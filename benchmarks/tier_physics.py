@@ -49,7 +49,7 @@ sys.path.insert(0, REPO)
 
 from megatron_ssd.commands.output import write_json  # noqa: E402
 from megatron_ssd.errors import MegatronSSDError  # noqa: E402
-from megatron_ssd.planner import IOProfile, LayerProfile, StageProfile, make_plan  # noqa: E402
+from megatron_ssd.planner import IOProfile, LayerProfile, StageProfile, make_plan, PlanRequest  # noqa: E402
 from megatron_ssd.planner.simulate import spec_from_overrides, stage_profile  # noqa: E402
 
 MiB = 1 << 20
@@ -112,14 +112,14 @@ def hidden_share(stage: StageProfile, link: float, ssd: Optional[Tuple[float, fl
     """The most of keep's peak a plan within ``STEP_BOUND`` removes with these tiers."""
     write, read = ssd if ssd is not None else (None, None)
     stage = stage.with_io(IOProfile(write, read, host_bytes_per_s=link))
-    keep = make_plan(stage, safety_margin=0.0, default_read_ahead=READ_AHEAD, allow_recompute=False)
+    keep = make_plan(stage, PlanRequest(safety_margin=0.0, default_read_ahead=READ_AHEAD, allow_recompute=False))
     keep_peak, keep_step = keep.keep_peak_activation_bytes, keep.keep_step_s
     host = None if pool is None else int(pool * keep_peak)
 
     def plan_at(budget: int):
         try:
-            plan = make_plan(stage, memory_budget=budget, safety_margin=0.0, default_read_ahead=READ_AHEAD,
-                             allow_recompute=False, host_budget_bytes=host)
+            plan = make_plan(stage, PlanRequest(memory_budget=budget, safety_margin=0.0, default_read_ahead=READ_AHEAD,
+                             allow_recompute=False, host_budget_bytes=host))
         except MegatronSSDError:
             return None
         return plan if plan.step_s <= STEP_BOUND * keep_step * (1 + 1e-9) else None

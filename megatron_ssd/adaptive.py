@@ -346,7 +346,7 @@ class AdaptivePlanner:
         """What measures the first step's working set under a cap: the CUDA calls on a
         GPU, ``cpu_peaks`` on a CPU (NOTE [Working set under a cap])."""
         self.config = config
-        self.default_read_ahead = default_read_ahead or max(1, cache.config.default_read_ahead)
+        self.default_read_ahead = default_read_ahead or cache.config.default_read_ahead
         self.pipeline_rank = pipeline_rank
         self.pipeline_size = pipeline_size
         self.events: List[PlanEvent] = []

@@ -89,11 +89,11 @@ def test_unknown_key_in_a_yaml_section_names_its_dotted_key(tmp_path):
     ("seed=-1", "TrainConfig.seed = -1: must be >= 0"),
     ("offload.planner.warmup_steps=-1", "PlannerConfig.warmup_steps = -1: must be >= 0"),
     ("offload.planner.profile_steps=-1", "PlannerConfig.profile_steps = -1: must be >= 0"),
-    ("offload.planner.safety_margin=-0.1", "PlannerConfig.safety_margin = -0.1: must be >= 0"),
+    ("offload.planner.safety_margin=-0.1", "PlannerConfig.safety_margin = -0.1: must be a number in [0, 1)"),
     ("offload.planner.drive_count=-1", "PlannerConfig.drive_count = -1: must be >= 0"),
     ("offload.min_tensor_bytes=-1", "OffloadConfig.min_tensor_bytes = -1: must be >= 0"),
     ("offload.keep_last_layers=-1", "OffloadConfig.keep_last_layers = -1: must be >= 0"),
-    ("offload.default_read_ahead=-1", "OffloadConfig.default_read_ahead = -1: must be >= 0"),
+    ("offload.default_read_ahead=-1", "OffloadConfig.default_read_ahead = -1: must be an integer >= 1"),
     ("offload.min_free_bytes=-1GiB", "OffloadConfig.min_free_bytes = -1073741824: must be >= 0"),
     ("offload.host_pool_bytes=-1", "OffloadConfig.host_pool_bytes = -1: must be >= 0 or auto"),
     ("offload.io.stall_warning_s=-1s", "IOConfig.stall_warning_s = -1.0: must be >= 0"),
@@ -115,7 +115,7 @@ def test_unknown_key_in_a_yaml_section_names_its_dotted_key(tmp_path):
     ("offload.io.threads=65", "IOConfig.threads = 65: must be <= 64"),
     ("seed=4294967296", "TrainConfig.seed = 4294967296: must be <= 4294967295"),
     # ranges
-    ("offload.planner.safety_margin=1", "PlannerConfig.safety_margin = 1.0: must be in [0, 1)"),
+    ("offload.planner.safety_margin=1", "PlannerConfig.safety_margin = 1.0: must be a number in [0, 1)"),
     ("offload.planner.replan_threshold=0", "PlannerConfig.replan_threshold = 0.0: must be in (0, 1)"),
     ("offload.planner.replan_threshold=1", "PlannerConfig.replan_threshold = 1.0: must be in (0, 1)"),
     ("offload.planner.capacity_reserve=1", "PlannerConfig.capacity_reserve = 1.0: must be in [0, 1)"),
@@ -123,9 +123,9 @@ def test_unknown_key_in_a_yaml_section_names_its_dotted_key(tmp_path):
     ("offload.planner.drive_duty_cycle=0", "PlannerConfig.drive_duty_cycle = 0.0: must be in (0, 1]"),
     ("offload.planner.drive_duty_cycle=1.5", "PlannerConfig.drive_duty_cycle = 1.5: must be in (0, 1]"),
     # optional sizes: > 0 or null
-    ("offload.planner.memory_budget=0", "PlannerConfig.memory_budget = 0: must be > 0 bytes or null"),
+    ("offload.planner.memory_budget=0", "PlannerConfig.memory_budget = 0: must be an integer > 0 bytes or null"),
     ("offload.planner.activation_capacity_bytes=-1GiB",
-     "PlannerConfig.activation_capacity_bytes = -1073741824: must be > 0 bytes or null"),
+     "PlannerConfig.activation_capacity_bytes = -1073741824: must be an integer > 0 bytes or null"),
     ("offload.planner.drive_tbw_bytes=0", "PlannerConfig.drive_tbw_bytes = 0: must be > 0 bytes or null"),
     # finite
     ("lr=inf", "TrainConfig.lr = 'inf': must be a finite number"),
@@ -161,7 +161,7 @@ def test_direct_construction_runs_the_same_rules():
     with pytest.raises(ConfigError) as info:
         IOConfig(threads=0)
     assert str(info.value) == "megatron_ssd: IOConfig.threads = 0: must be > 0"
-    with pytest.raises(ConfigError, match=r"PlannerConfig.memory_budget = -1: must be > 0 bytes or null"):
+    with pytest.raises(ConfigError, match=r"PlannerConfig.memory_budget = -1: must be an integer > 0 bytes or null"):
         PlannerConfig(memory_budget=-1)
     assert PlannerConfig(memory_budget=None).memory_budget is None
     checksums = [IOConfig(checksum=v).checksum for v in (True, False, "auto", "OFF", "yes")]
@@ -339,7 +339,8 @@ def test_every_count_size_rate_and_duration_of_the_config_has_an_upper_bound():
     fields = list(_numeric_fields())
     assert len(fields) > 40
     for owner, name, key, spec in fields:
-        declared = any(isinstance(r, (AtMost, InRange)) for r in spec.rules)
+        declared = any(isinstance(r, (AtMost, InRange)) or isinstance(getattr(r, "rule", None), InRange)
+                       for r in spec.rules)
         assert declared != ((owner, name) in _MACHINE_BOUNDED), key
         try:
             config = load_config(TrainConfig, None, [f"{key}=1e30"])

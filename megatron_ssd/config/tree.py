@@ -18,6 +18,8 @@ from ..errors import ConfigError
 from ..placement import Placement
 from ..units import KiB, MiB, gib
 from .host_pool import local_ranks
+from .plan_settings import (MAX_LAYERS, AllowRecompute, CapacityBytes, MaxSlowdown, MemoryBudget, ReadAhead,
+                            ReadAheadMode, SafetyMargin, Search)
 from .rules import (MAX_BYTES, AtLeast, AtMost, ByteCount, Directories, Duration, InRange, MultipleOf, NonNegative, OneOf,
                     OrAuto, Positive, Switch, same_directory)
 from .schema import _broken, _settle, renamed_keys
@@ -49,10 +51,6 @@ CAPACITY_RESERVE = 0.15
 PROFILE_STEPS_MAX = 1000
 """The most steps of each kind an ``auto`` planner's profile runs (warm-up, measured,
 settle, recompute)."""
-MAX_LAYERS = 10_000
-"""The most layers a count of layers kept, read ahead or offloaded by a peer takes (NOTE
-[Bounded numbers] in ``rules.py``; the model's own size is bounded by the machine, NOTE
-[Bounds from the machine])."""
 MAX_DRIVES = 1 << 16
 """The most drives, and processes sharing them, the wear model takes."""
 
@@ -180,15 +178,15 @@ class PlannerConfig:
     measured capacity can still call for RECOMPUTE, priced as one forward unless this
     is set."""
 
-    safety_margin: Annotated[float, NonNegative(), InRange(0, 1, hi_open=True)] = 0.1
+    safety_margin: SafetyMargin = 0.1
     """Fraction by which measured bandwidths are derated when planning (and by which the
     measured compute slowdowns are inflated: divided by ``1 - safety_margin``)."""
 
-    memory_budget: Optional[Annotated[ByteCount, Positive()]] = None
+    memory_budget: MemoryBudget = None
     """Peak saved-activation bytes allowed per process; None plans for zero exposed I/O.
     Sizes such as ``2GiB`` are accepted."""
 
-    max_slowdown: Optional[Annotated[float, NonNegative(), AtMost(1000.0)]] = 0.05
+    max_slowdown: MaxSlowdown = 0.05
     """With no ``memory_budget``, the most the plan's predicted step may exceed
     keep-everything's, as a fraction (0.05: 5% longer). Hidden I/O still costs compute
     time where the I/O engine shares the cores with compute (a CPU run: the measured
@@ -196,10 +194,10 @@ class PlannerConfig:
     None: offload everything whose I/O hides, whatever it costs (NOTE [Slowdown bound]
     in ``planner/judge.py``)."""
 
-    allow_recompute: bool = True
+    allow_recompute: AllowRecompute = True
     """Whether the planner may place layers RECOMPUTE to meet ``memory_budget``."""
 
-    activation_capacity_bytes: Optional[Annotated[ByteCount, Positive()]] = None
+    activation_capacity_bytes: CapacityBytes = None
     """The most saved-activation bytes the device can hold: a hard limit on every plan,
     with or without ``memory_budget`` (a plan that offloads what hides but does not fit
     is replaced by one that fits, at the smallest predicted step time). None: on a CUDA
@@ -218,13 +216,13 @@ class PlannerConfig:
 
     _renamed_keys = {"read_ahead": "read_ahead_mode"}  # deprecated keys, read as the new (schema.renamed_keys)
 
-    read_ahead_mode: Annotated[str, OneOf("auto", "fixed")] = "auto"
+    read_ahead_mode: ReadAheadMode = "auto"
     """When each offloaded layer's read is issued during backward: ``auto``, as late as
     the plan predicts it still arrives in time, chosen per layer and then per site, a
     site's read due by when backward first uses it (NOTE [Just-in-time reads]);
     ``fixed``, ``default_read_ahead`` layers ahead for every layer."""
 
-    search: Annotated[str, OneOf("full", "greedy")] = "full"
+    search: Search = "full"
     """How the plan is searched (NOTE [Search] in ``planner/search.py``): ``full``, the
     greedy start improved by a local search and a branch and bound over every layer's
     whole choice set (the model's optimum wherever the branch and bound ends:
@@ -350,9 +348,9 @@ class OffloadConfig:
 
     _renamed_keys = {"prefetch_layers": "default_read_ahead"}  # deprecated keys (schema.renamed_keys)
 
-    default_read_ahead: Annotated[int, NonNegative(), AtMost(MAX_LAYERS)] = 1
+    default_read_ahead: ReadAhead = 1
     """How many layers ahead of the running backward layer to read back, where the plan sets
-    no read-ahead of its own."""
+    no read-ahead of its own; at least 1, as in ``simulate`` and the planner's request."""
 
     device: str = "auto"
     """Compute device whose tensors are offloaded: ``auto`` (CUDA when available,

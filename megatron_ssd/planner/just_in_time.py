@@ -1,5 +1,5 @@
 """Just-in-time reads: each offloaded layer's, then each site's, read issued as late as
-it still arrives in time (``make_plan(..., read_ahead_mode="auto")``).
+it still arrives in time (``make_plan(stage, PlanRequest(read_ahead_mode="auto"))``).
 
 :func:`just_in_time` plans placements at each read-ahead of a ladder, keeps the best, then
 lowers each layer's and each site's read-ahead while the timeline model

@@ -6,7 +6,7 @@ in, a :class:`Plan` out, no I/O. It searches placements with the timeline model 
 ``safety_margin`` and reporting their predictions at the measured bandwidths::
 
     plan = make_plan(stage)                          # offload all that hides behind compute
-    plan = make_plan(stage, memory_budget=8 << 30)   # fit 8 GiB at the smallest step time
+    plan = make_plan(stage, PlanRequest(memory_budget=8 << 30))  # fit 8 GiB at the smallest step time
     print(plan.table())
     open("plan.json", "w").write(plan.to_json())
 
@@ -336,7 +336,7 @@ class Plan:
 # ---------------------------------------------------------------------- planning
 
 
-def make_plan(stage: StageProfile, request: Optional[PlanRequest] = None, **fields: Any) -> Plan:
+def make_plan(stage: StageProfile, request: Optional[PlanRequest] = None) -> Plan:
     """Choose a placement per layer of ``stage``.
 
     Without a budget (goal ``max_offload``) layers are offloaded, first layer first, as
@@ -349,8 +349,8 @@ def make_plan(stage: StageProfile, request: Optional[PlanRequest] = None, **fiel
 
     Args:
         stage: The measured (or simulated) stage.
-        request: The goal, bounds and read-ahead (:class:`PlanRequest`); or, without
-            it, its fields as keywords (``make_plan(stage, memory_budget=8 << 30)``).
+        request: The goal, bounds and read-ahead (:class:`PlanRequest`, which checks
+            its fields when it is made); None: ``PlanRequest()``, the ``max_offload`` goal.
 
     Returns:
         The :class:`Plan`, its predictions at the measured bandwidths.
@@ -362,9 +362,9 @@ def make_plan(stage: StageProfile, request: Optional[PlanRequest] = None, **fiel
     if not isinstance(stage, StageProfile):
         raise ConfigError(f"stage = {type(stage).__name__}: must be a StageProfile")
     if request is None:
-        request = PlanRequest(**fields)
-    elif fields:
-        raise ConfigError(f"make_plan: {sorted(fields)} given with a request: give the request alone")
+        request = PlanRequest()
+    elif not isinstance(request, PlanRequest):
+        raise ConfigError(f"request = {type(request).__name__}: must be a PlanRequest")
     if request.host_budget_bytes and stage.io.host_bytes_per_s is None:
         raise ConfigError(f"host_budget_bytes = {request.host_budget_bytes}: needs IOProfile.host_bytes_per_s, the "
                           "host tier's copy bandwidth")

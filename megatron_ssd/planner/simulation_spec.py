@@ -18,6 +18,7 @@ from typing import Annotated, Any, Dict, Optional, Sequence
 from ..config import (AtLeast, AtMost, Bytes, InRange, Integer, NonNegative, Number, OneOf, Positive, field_docs,
                       load_config)
 from ..config import _broken, _settle
+from ..config.plan_settings import AllowRecompute, MemoryBudget, ReadAhead, ReadAheadMode, SafetyMargin
 from ..errors import ConfigError
 from .drives import DRIVES, Drive, drive_preset
 
@@ -170,19 +171,19 @@ class SimulationSpec:
     target_lifetime_years: Optional[Annotated[float, Number(Positive())]] = 3.0
     """Years the drives must last: the planner writes no faster than their endurance
     allows (NOTE [Wear model]); ``null``: lifetime is reported, not constrained."""
-    memory_budget: Optional[Annotated[int, Bytes, Integer(NonNegative()), AtMost(MAX_BYTES)]] = None
+    memory_budget: MemoryBudget = None
     """Activation budget for the planner (``None``: offload what hides behind compute)."""
-    safety_margin: Annotated[float, Number(InRange(0, 1, hi_open=True))] = 0.1
+    safety_margin: SafetyMargin = 0.1
     """Bandwidth derating while planning, in [0, 1)."""
     _renamed_keys = {"prefetch_depth": "default_read_ahead", "read_ahead": "read_ahead_mode"}  # deprecated keys
 
-    default_read_ahead: Annotated[int, Integer(AtLeast(1)), AtMost(MAX_LAYERS)] = 1
+    default_read_ahead: ReadAhead = 1
     """Layers ahead that reads are issued (with ``read_ahead_mode=fixed``; the first
-    read-ahead tried with ``auto``); in [1, 512]."""
-    read_ahead_mode: Annotated[str, OneOf("auto", "fixed")] = "auto"
+    read-ahead tried with ``auto``); at least 1."""
+    read_ahead_mode: ReadAheadMode = "auto"
     """``auto``: each offloaded layer's read is issued just in time, chosen by the
     planner (NOTE [Just-in-time reads]); ``fixed``: ``default_read_ahead`` ahead for all."""
-    allow_recompute: bool = True
+    allow_recompute: AllowRecompute = True
     """Whether the planner may recompute to meet a budget."""
 
     def __post_init__(self) -> None:

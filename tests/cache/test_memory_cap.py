@@ -21,6 +21,7 @@ from megatron_ssd.errors import ConfigError
 from megatron_ssd.io.cuda import CUDA
 from megatron_ssd.planner.plan import GOAL_CAPACITY, make_plan
 from megatron_ssd.planner.profile import IOProfile, uniform_stage
+from megatron_ssd.planner.request import PlanRequest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "io"))
 from fake_cuda import FakeCuda  # noqa: E402
@@ -114,7 +115,7 @@ def test_a_plan_under_the_cap_fits_it_where_the_uncapped_plan_does_not():
     free = make_plan(stage)
     cap = int(free.peak_activation_bytes / 2 / 0.85)
     capacity = AdaptivePlanner.activation_capacity(_planner(PlannerConfig(), OffloadConfig(device_memory_cap=cap)))
-    plan = make_plan(stage, capacity_bytes=capacity)
+    plan = make_plan(stage, PlanRequest(capacity_bytes=capacity))
     assert plan.goal == GOAL_CAPACITY and plan.peak_activation_bytes <= capacity < free.peak_activation_bytes
 
 

@@ -24,6 +24,7 @@ from megatron_ssd_lab import gpu_check, gpu_check_array, gpu_check_report, gpu_c
 from megatron_ssd_lab.gpu_check_report import NO_CUDA
 from megatron_ssd.commands.timing import StepTimer, synchronized
 from megatron_ssd.errors import MegatronSSDError
+from megatron_ssd.planner.request import PlanRequest
 from moved_bytes import assert_bytes_come_back  # tests/moved_bytes.py
 from waits import HANG_S  # tests/waits.py
 
@@ -1246,7 +1247,7 @@ def test_job_predictions_compare_the_peak_the_cache_counts():
 
     layers = [LayerProfile(0, 1.0, 2.0, 100, boundary_bytes=10), LayerProfile(1, 1.0, 2.0, 100, boundary_bytes=10)]
     stage = StageProfile(layers=layers, io=IOProfile(100.0, 200.0), other_s=0.5, head_bytes=30)
-    plan = make_plan(stage, memory_budget=140, safety_margin=0.0)
+    plan = make_plan(stage, PlanRequest(memory_budget=140, safety_margin=0.0))
     assert Placement.RECOMPUTE in [c.placement for c in plan.layer_choices]
 
     def row(name, measured, step_time, **more):

@@ -9,7 +9,7 @@ import pytest
 
 from megatron_ssd.config import Placement
 from megatron_ssd.errors import ConfigError
-from megatron_ssd.planner import IOProfile, LayerProfile, ModuleProfile, Plan, StageProfile, make_plan, predict
+from megatron_ssd.planner import IOProfile, LayerProfile, ModuleProfile, Plan, StageProfile, make_plan, predict, PlanRequest
 
 GB = 10**9
 K, O, H, R = Placement.KEEP, Placement.OFFLOAD, Placement.HOST, Placement.RECOMPUTE
@@ -41,18 +41,18 @@ def test_host_copies_run_on_the_link_not_on_the_ssd_queue():
 
 
 def test_without_a_host_budget_nothing_is_hosted():
-    plan = make_plan(stage(), read_ahead_mode="fixed")
+    plan = make_plan(stage(), PlanRequest(read_ahead_mode="fixed"))
     assert plan.layers_with(H) == [] and plan.hosted_bytes == 0 and plan.request.host_budget_bytes is None
     with pytest.raises(ConfigError, match=r"host_budget_bytes = 1000: needs IOProfile.host_bytes_per_s"):
-        make_plan(stage(host_bytes_per_s=None), host_budget_bytes=1000)
-    with pytest.raises(ConfigError, match=r"host_budget_bytes = -1: must be None or an integer number of bytes >= 0"):
-        make_plan(stage(), host_budget_bytes=-1)
+        make_plan(stage(host_bytes_per_s=None), PlanRequest(host_budget_bytes=1000))
+    with pytest.raises(ConfigError, match=r"PlanRequest.host_budget_bytes = -1: must be an integer >= 0 bytes or null"):
+        make_plan(stage(), PlanRequest(host_budget_bytes=-1))
 
 
 def test_the_host_pool_takes_what_it_hides_within_its_budget_and_the_ssds_the_rest():
     st = stage()
-    ssd_only = make_plan(st, read_ahead_mode="fixed")
-    plan = make_plan(st, read_ahead_mode="fixed", host_budget_bytes=3 * GB)
+    ssd_only = make_plan(st, PlanRequest(read_ahead_mode="fixed"))
+    plan = make_plan(st, PlanRequest(read_ahead_mode="fixed", host_budget_bytes=3 * GB))
     assert [lp.placement for lp in plan.layers[:3]] == [H, H, H]  # the pool, full, takes the earliest
     assert 0 < plan.offloaded_bytes < ssd_only.offloaded_bytes  # the SSDs take part of what is left
     assert plan.hosted_bytes == 3 * GB and plan.host_pool_bytes == 3 * GB
@@ -68,7 +68,7 @@ def test_the_host_pool_takes_what_it_hides_within_its_budget_and_the_ssds_the_re
 def test_the_pool_holds_every_micro_batch_in_flight():
     """With 4 micro-batches in flight the pool holds four copies of what one hosts."""
     st = stage(in_flight=4)
-    plan = make_plan(st, read_ahead_mode="fixed", host_budget_bytes=2 * GB)
+    plan = make_plan(st, PlanRequest(read_ahead_mode="fixed", host_budget_bytes=2 * GB))
     assert plan.hosted_bytes * 4 <= 2 * GB and plan.host_pool_bytes == plan.hosted_bytes * 4
 
 
@@ -76,8 +76,8 @@ def test_a_budget_is_met_through_the_host_pool_before_recompute():
     """4 GB of the 8 kept: the SSDs carry half of four layers, so without the pool two
     layers are recomputed; hosting costs no step time and replaces them."""
     st = stage()
-    without = make_plan(st, memory_budget=4 * GB, read_ahead_mode="fixed")
-    with_host = make_plan(st, memory_budget=4 * GB, read_ahead_mode="fixed", host_budget_bytes=4 * GB)
+    without = make_plan(st, PlanRequest(memory_budget=4 * GB, read_ahead_mode="fixed"))
+    with_host = make_plan(st, PlanRequest(memory_budget=4 * GB, read_ahead_mode="fixed", host_budget_bytes=4 * GB))
     assert len(without.layers_with(R)) == 2 and with_host.layers_with(R) == []
     assert with_host.hosted_bytes > 0 and with_host.peak_activation_bytes <= 4 * GB
     assert with_host.step_s == pytest.approx(with_host.keep_step_s)
@@ -127,7 +127,7 @@ def test_a_plan_on_both_tiers_prices_the_host_copies_behind_the_ssd_staging():
     st = stage(host_bytes_per_s=GB / 0.008, write_s=0.025, read_s=0.010)
     placements = [O, O, H, H, H, K, K, K]
     for search in ("greedy", "full"):
-        plan = make_plan(st, memory_budget=3 * GB, read_ahead_mode="fixed", host_budget_bytes=3 * GB, search=search)
+        plan = make_plan(st, PlanRequest(memory_budget=3 * GB, read_ahead_mode="fixed", host_budget_bytes=3 * GB, search=search))
         assert plan.peak_activation_bytes <= 3 * GB and plan.exposed_s == 0.0
         assert plan.step_s == pytest.approx(plan.keep_step_s)
         assert (plan.offloaded_bytes, plan.hosted_bytes) == (2 * GB, 3 * GB)
@@ -144,12 +144,12 @@ def test_a_hidden_host_copy_beats_the_ssd():
     planner offloads four; with room in the pool it hosts them instead (no drive wear,
     a faster copy), under either goal."""
     st = stage(write_s=0.020, read_s=0.010, host_bytes_per_s=GB / 0.005)
-    ssd_only = make_plan(st, read_ahead_mode="fixed")
+    ssd_only = make_plan(st, PlanRequest(read_ahead_mode="fixed"))
     assert ssd_only.layers_with(O) and ssd_only.hosted_bytes == 0
-    hosted = make_plan(st, read_ahead_mode="fixed", host_budget_bytes=8 * GB)
+    hosted = make_plan(st, PlanRequest(read_ahead_mode="fixed", host_budget_bytes=8 * GB))
     assert hosted.offloaded_bytes == 0 and hosted.hosted_bytes >= ssd_only.offloaded_bytes
     assert hosted.peak_activation_bytes <= ssd_only.peak_activation_bytes and hosted.exposed_s == 0.0
-    budget = make_plan(st, memory_budget=5 * GB, read_ahead_mode="fixed", host_budget_bytes=8 * GB)
+    budget = make_plan(st, PlanRequest(memory_budget=5 * GB, read_ahead_mode="fixed", host_budget_bytes=8 * GB))
     assert budget.offloaded_bytes == 0 and budget.hosted_bytes == 3 * GB
     assert budget.step_s == pytest.approx(budget.keep_step_s)
 
@@ -162,12 +162,12 @@ def test_a_full_pool_spills_to_the_ssds():
     offloaded); the search interleaves the tiers and reaches a lower peak at both.
     Under a 3 GB budget the plan meets it without recompute."""
     st = stage(write_s=0.025, read_s=0.010, host_bytes_per_s=GB / 0.005)
-    plan = make_plan(st, read_ahead_mode="fixed", host_budget_bytes=3 * GB)
+    plan = make_plan(st, PlanRequest(read_ahead_mode="fixed", host_budget_bytes=3 * GB))
     assert plan.hosted_bytes == 3 * GB and plan.offloaded_bytes >= 2 * GB
     derated = predict(st, plan.layer_choices, io=st.io.derated(plan.request.safety_margin))
     assert derated.peak_bytes < 4 * GB and plan.peak_activation_bytes < 3 * GB and plan.exposed_s == 0.0
-    assert plan.peak_activation_bytes < make_plan(st, read_ahead_mode="fixed").peak_activation_bytes
-    budget = make_plan(st, memory_budget=3 * GB, read_ahead_mode="fixed", host_budget_bytes=3 * GB)
+    assert plan.peak_activation_bytes < make_plan(st, PlanRequest(read_ahead_mode="fixed")).peak_activation_bytes
+    budget = make_plan(st, PlanRequest(memory_budget=3 * GB, read_ahead_mode="fixed", host_budget_bytes=3 * GB))
     assert budget.layers_with(R) == [] and budget.hosted_bytes == 3 * GB and budget.offloaded_bytes > 0
     assert budget.step_s == pytest.approx(budget.keep_step_s)
 
@@ -180,7 +180,7 @@ def test_the_clean_up_turns_a_recomputed_layer_into_a_host_one_when_that_is_free
     sizes = [(0.020, 0.020, 2), (0.005, 0.040, 1), (0.020, 0.020, 1), (0.010, 0.020, 2), (0.010, 0.040, 2)]
     st = StageProfile(layers=[LayerProfile(i, f, b, g * GB) for i, (f, b, g) in enumerate(sizes)],
                       io=IOProfile(None, None, host_bytes_per_s=50 * GB))
-    plan = make_plan(st, memory_budget=int(2.4 * GB), host_budget_bytes=8 * GB)
+    plan = make_plan(st, PlanRequest(memory_budget=int(2.4 * GB), host_budget_bytes=8 * GB))
     assert [lp.placement for lp in plan.layers] == [R, H, R, R, K]
     assert plan.step_s == pytest.approx(0.255) and plan.peak_activation_bytes <= int(2.4 * GB)
 
@@ -217,10 +217,10 @@ def test_where_host_copies_cost_compute_recompute_inside_a_layer_wins():
     recomputes core attention in three layers instead (the fourth's would be rebuilt
     while every layer's bytes are still held)."""
     budget = int(2.5 * GB)
-    free = make_plan(cpu_stage(0.0), memory_budget=budget, read_ahead_mode="fixed", host_budget_bytes=4 * GB)
+    free = make_plan(cpu_stage(0.0), PlanRequest(memory_budget=budget, read_ahead_mode="fixed", host_budget_bytes=4 * GB))
     assert free.hosted_bytes >= 1.5 * GB and free.step_s == pytest.approx(free.keep_step_s)
     assert not any(lp.choice.recompute for lp in free.layers)
-    costly = make_plan(cpu_stage(1.0), memory_budget=budget, read_ahead_mode="fixed", host_budget_bytes=4 * GB)
+    costly = make_plan(cpu_stage(1.0), PlanRequest(memory_budget=budget, read_ahead_mode="fixed", host_budget_bytes=4 * GB))
     assert costly.hosted_bytes == 0 and costly.peak_activation_bytes <= budget
     assert sum(bool(lp.choice.recompute) for lp in costly.layers) == 3
     assert costly.step_s == pytest.approx(costly.keep_step_s + 0.006)

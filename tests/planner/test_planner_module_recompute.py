@@ -14,6 +14,7 @@ from megatron_ssd.placement import LayerChoice, Placement
 from megatron_ssd.planner import (IOProfile, LayerProfile, ModuleProfile, Plan, StageProfile, make_plan, predict,
                                   recomputed_layer)
 from megatron_ssd.planner.search import replay
+from megatron_ssd.planner.request import PlanRequest
 
 MB = 1 << 20
 K, O = Placement.KEEP, Placement.OFFLOAD
@@ -62,7 +63,7 @@ def test_rebuilt_bytes_are_held_while_the_layer_runs_backward():
 
 
 def test_the_planner_recomputes_inside_a_layer_where_moving_would_stall():
-    plan = make_plan(stage(1e6), memory_budget=100 * MB)  # 1 MB/s: a write of 10 MB takes 10 s
+    plan = make_plan(stage(1e6), PlanRequest(memory_budget=100 * MB))  # 1 MB/s: a write of 10 MB takes 10 s
     assert [c.recompute for c in plan.choices().values()] == [("core_attn",)] * 3 + [()]
     assert plan.placements == [K] * 4
     assert plan.peak_activation_bytes <= 100 * MB
@@ -70,13 +71,13 @@ def test_the_planner_recomputes_inside_a_layer_where_moving_would_stall():
 
 
 def test_the_planner_moves_where_moving_hides():
-    plan = make_plan(stage(1e9), memory_budget=100 * MB)
+    plan = make_plan(stage(1e9), PlanRequest(memory_budget=100 * MB))
     assert all(not c.recompute for c in plan.choices().values())
     assert O in plan.placements and plan.step_s == pytest.approx(plan.keep_step_s)
 
 
 def test_recompute_inside_a_layer_combines_with_offloading_its_other_sites():
-    plan = make_plan(stage(3e7), memory_budget=70 * MB)  # neither alone fits 70 MB at the least step time
+    plan = make_plan(stage(3e7), PlanRequest(memory_budget=70 * MB))  # neither alone fits 70 MB at the least step time
     first = plan.layers[0]
     assert first.placement is O and first.choice.recompute == ("core_attn",)
     assert first.site_count == 2 and first.offloaded == 20 * MB  # the sites left, moved
@@ -87,7 +88,7 @@ def test_recompute_inside_a_layer_combines_with_offloading_its_other_sites():
 
 
 def test_read_ahead_auto_plans_the_sites_left():
-    plan = make_plan(stage(6e7), memory_budget=70 * MB, read_ahead_mode="auto")
+    plan = make_plan(stage(6e7), PlanRequest(memory_budget=70 * MB, read_ahead_mode="auto"))
     for lp in plan.layers:
         if lp.site_read_ahead is not None:
             assert len(lp.site_read_ahead) == lp.site_count
@@ -95,7 +96,7 @@ def test_read_ahead_auto_plans_the_sites_left():
 
 
 def test_plan_json_round_trip_keeps_the_modules_and_reads_plans_without_them():
-    plan = make_plan(stage(3e7), memory_budget=70 * MB)
+    plan = make_plan(stage(3e7), PlanRequest(memory_budget=70 * MB))
     data = json.loads(plan.to_json())
     assert data["schema"] == "megatron_ssd.plan/2"
     assert data["layers"][0]["choice"]["recompute"] == ["core_attn"]
@@ -103,7 +104,7 @@ def test_plan_json_round_trip_keeps_the_modules_and_reads_plans_without_them():
     back = Plan.from_json(plan.to_json())
     assert back.choices() == plan.choices()
     assert back.layers[0].choice.recompute == ("core_attn",)
-    old = json.loads(make_plan(stage(1e9), memory_budget=100 * MB).to_json())  # a plan/2 of before: no key
+    old = json.loads(make_plan(stage(1e9), PlanRequest(memory_budget=100 * MB)).to_json())  # a plan/2 of before: no key
     assert all(set(layer["choice"]) == {"placement", "sites", "read_ahead"} for layer in old["layers"])
     assert all(c.recompute == () for c in Plan.from_dict(old).choices().values())
 
@@ -113,7 +114,7 @@ def test_an_unknown_module_is_one_clear_error():
         LayerChoice.of(3, LayerChoice(K, recompute=("attention",)))
     assert str(err.value) == ("megatron_ssd: plan[3].recompute = ['attention']: 'attention' is not a module a plan "
                               "can recompute inside a layer; must be names of ['core_attn', 'mlp']")
-    bad = json.loads(make_plan(stage(3e7), memory_budget=70 * MB).to_json())
+    bad = json.loads(make_plan(stage(3e7), PlanRequest(memory_budget=70 * MB)).to_json())
     bad["layers"][0]["choice"]["recompute"] = ["core_attn", "layernorm"]
     with pytest.raises(ConfigError, match=r"^megatron_ssd: plan\[0\]\.recompute = \['core_attn', 'layernorm'\]: "
                                           r"'layernorm' is not a module"):
@@ -143,7 +144,7 @@ def test_profile_modules_round_trip_and_are_checked():
 def test_predict_refuses_nothing_new_for_layers_without_modules():
     """A stage without measured modules plans as before: no module move is offered."""
     plain = StageProfile(layers=[LayerProfile(i, 1.0, 2.0, 40 * MB) for i in range(4)], io=IOProfile(1e6, 1e6))
-    plan = make_plan(plain, memory_budget=100 * MB)
+    plan = make_plan(plain, PlanRequest(memory_budget=100 * MB))
     assert all(not c.recompute for c in plan.choices().values())
     assert predict(plain, [K] * 4).peak_bytes == 160 * MB
 

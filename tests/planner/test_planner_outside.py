@@ -8,7 +8,7 @@ import pytest
 
 from megatron_ssd.config import EMBEDDING, Placement
 from megatron_ssd.errors import ConfigError
-from megatron_ssd.planner import IOProfile, LayerProfile, StageProfile, make_plan, predict, simulate, spec_from_overrides
+from megatron_ssd.planner import IOProfile, LayerProfile, StageProfile, make_plan, predict, simulate, spec_from_overrides, PlanRequest
 
 GB = 10**9
 K, O, R = Placement.KEEP, Placement.OFFLOAD, Placement.RECOMPUTE
@@ -41,7 +41,7 @@ def test_the_embedding_has_the_longest_window_and_is_offloaded_first():
     """Its write runs beside layer 0's forward and its read is due last: with drives too
     slow for any whole layer (35 ms a layer against 20 ms of backward, one layer of
     read-ahead) the embedding's 250 MB still hides, and it lowers the peak."""
-    plan = make_plan(stage(), read_ahead_mode="fixed")
+    plan = make_plan(stage(), PlanRequest(read_ahead_mode="fixed"))
     assert plan.layers[0].layer_id == EMBEDDING and plan.layers[0].placement is O
     assert all(lp.placement is K for lp in plan.layers[1:])
     assert plan.exposed_s == 0.0 and plan.step_s == pytest.approx(plan.keep_step_s)
@@ -54,7 +54,7 @@ def test_a_budget_never_recomputes_the_embedding():
     slow = IOProfile(1e3, 1e3)
     s = stage(io=slow)
     keep = predict(s, [K] * 5).peak_bytes
-    plan = make_plan(s, memory_budget=keep - 2 * GB, read_ahead_mode="fixed")
+    plan = make_plan(s, PlanRequest(memory_budget=keep - 2 * GB, read_ahead_mode="fixed"))
     assert plan.layers[0].placement is K
     assert R in [lp.placement for lp in plan.layers[1:]]
     assert plan.peak_activation_bytes <= keep - 2 * GB

@@ -21,6 +21,7 @@ from megatron_ssd.placement import LayerChoice
 from megatron_ssd.planner.profile import IOProfile, StageProfile, uniform_stage
 from megatron_ssd.planner.search import replay
 from megatron_ssd.planner.step_timeline import predict
+from megatron_ssd.planner.request import PlanRequest
 
 GB = 10**9
 K, O, R = Placement.KEEP, Placement.OFFLOAD, Placement.RECOMPUTE
@@ -55,7 +56,7 @@ def test_window_fits_offloads_every_layer_that_lowers_the_peak():
 
 def test_window_does_not_fit_offloads_a_prefix_without_stall():
     stage = slow_stage()
-    plan = make_plan(stage, safety_margin=0.1)
+    plan = make_plan(stage, PlanRequest(safety_margin=0.1))
     offloaded = plan.layers_with(O)
     assert 0 < len(offloaded) < 7
     assert offloaded == list(range(len(offloaded)))  # the first layers
@@ -83,22 +84,22 @@ def test_slowdown_bound_holds_the_hidden_offload_to_a_step_time():
     met whatever the bound."""
     stage = uniform_stage(8, 1.0, 2.0, GB, IOProfile(10 * GB, 10 * GB, compute_slowdown=0.5))
     assert make_plan(stage).placements == [O] * 6 + [K] * 2
-    bounded = make_plan(stage, max_slowdown=0.01)
+    bounded = make_plan(stage, PlanRequest(max_slowdown=0.01))
     assert bounded.placements == [O] * 3 + [K] * 5
     assert bounded.step_s <= 1.01 * bounded.keep_step_s < predict(stage, [O] * 4 + [K] * 4).step_s
     assert bounded.request.max_slowdown == 0.01 and "step at most 1.010x keep-everything" in bounded.table()
     assert Plan.from_dict(bounded.to_dict()).request.max_slowdown == 0.01
-    assert make_plan(stage, max_slowdown=0.0).placements == [K] * 8
-    budget = make_plan(stage, memory_budget=3 * GB, max_slowdown=0.0)
+    assert make_plan(stage, PlanRequest(max_slowdown=0.0)).placements == [K] * 8
+    budget = make_plan(stage, PlanRequest(memory_budget=3 * GB, max_slowdown=0.0))
     assert budget.goal == GOAL_MEMORY_BUDGET and budget.peak_activation_bytes <= 3 * GB
-    with pytest.raises(ConfigError, match=r"max_slowdown = -0.1: must be None or a number >= 0"):
-        make_plan(stage, max_slowdown=-0.1)
+    with pytest.raises(ConfigError, match=r"PlanRequest.max_slowdown = -0.1: must be a number >= 0 or null"):
+        make_plan(stage, PlanRequest(max_slowdown=-0.1))
 
 
 def test_budget_met_with_offload_and_recompute():
     stage = slow_stage()
     budget = 3 * GB
-    plan = make_plan(stage, memory_budget=budget)
+    plan = make_plan(stage, PlanRequest(memory_budget=budget))
     assert plan.goal == GOAL_MEMORY_BUDGET and plan.request.memory_budget == budget
     assert plan.peak_activation_bytes <= budget
     assert plan.layers_with(O) and plan.layers_with(R)
@@ -110,13 +111,13 @@ def test_budget_met_with_offload_and_recompute():
 
 
 def test_budget_already_met_keeps_everything():
-    plan = make_plan(fast_stage(), memory_budget=8 * GB)
+    plan = make_plan(fast_stage(), PlanRequest(memory_budget=8 * GB))
     assert plan.placements == [K] * 8
     assert plan.step_s == plan.keep_step_s
 
 
 def test_budget_without_recompute_uses_offload_only():
-    plan = make_plan(fast_stage(), memory_budget=4 * GB, allow_recompute=False)
+    plan = make_plan(fast_stage(), PlanRequest(memory_budget=4 * GB, allow_recompute=False))
     assert plan.peak_activation_bytes <= 4 * GB
     assert not plan.layers_with(R)
     assert plan.step_s == plan.keep_step_s
@@ -125,7 +126,7 @@ def test_budget_without_recompute_uses_offload_only():
 def test_budget_impossible_names_smallest_peak():
     # everything recomputed still materializes one layer (1 GB) during its backward
     with pytest.raises(PlanInfeasibleError) as info:
-        make_plan(slow_stage(), memory_budget=GB // 2)
+        make_plan(slow_stage(), PlanRequest(memory_budget=GB // 2))
     err = info.value
     assert isinstance(err, MegatronSSDError)
     assert err.memory_budget == GB // 2
@@ -138,15 +139,15 @@ def test_budget_impossible_names_smallest_peak():
 
 def test_budget_impossible_without_recompute():
     with pytest.raises(PlanInfeasibleError) as info:
-        make_plan(slow_stage(), memory_budget=2 * GB, allow_recompute=False)
+        make_plan(slow_stage(), PlanRequest(memory_budget=2 * GB, allow_recompute=False))
     assert info.value.smallest_peak > 2 * GB
     assert str(info.value.smallest_peak) in str(info.value)
 
 
 def test_first_pipeline_stage_offloads_more_for_the_same_budget():
     budget = 6 * GB
-    first = make_plan(fast_stage(pipeline_rank=0, pipeline_size=4), memory_budget=budget)
-    last = make_plan(fast_stage(pipeline_rank=3, pipeline_size=4), memory_budget=budget)
+    first = make_plan(fast_stage(pipeline_rank=0, pipeline_size=4), PlanRequest(memory_budget=budget))
+    last = make_plan(fast_stage(pipeline_rank=3, pipeline_size=4), PlanRequest(memory_budget=budget))
     assert first.microbatches_in_flight == 4 and last.microbatches_in_flight == 1
     assert first.keep_peak_activation_bytes == 32 * GB and last.keep_peak_activation_bytes == 8 * GB
     assert first.peak_activation_bytes <= budget and last.peak_activation_bytes <= budget
@@ -156,7 +157,7 @@ def test_first_pipeline_stage_offloads_more_for_the_same_budget():
 
 
 def test_plan_json_round_trip_and_schema():
-    plan = make_plan(slow_stage(), memory_budget=3 * GB)
+    plan = make_plan(slow_stage(), PlanRequest(memory_budget=3 * GB))
     data = json.loads(plan.to_json())
     assert data["schema"] == PLAN_SCHEMA
     assert data["goal"] == "memory_budget"
@@ -172,7 +173,7 @@ def test_plan_json_round_trip_and_schema():
 
 def test_a_plan_written_in_the_first_schema_loads_as_the_same_plan():
     """plan/1 held a layer's decision as four side-by-side fields; plan/2 as one choice."""
-    for plan in (make_plan(slow_stage(), memory_budget=3 * GB), make_plan(fast_stage(), read_ahead_mode="auto")):
+    for plan in (make_plan(slow_stage(), PlanRequest(memory_budget=3 * GB)), make_plan(fast_stage(), PlanRequest(read_ahead_mode="auto"))):
         old = plan.to_dict()
         old["schema"] = "megatron_ssd.plan/1"
         for entry in old["layers"]:
@@ -216,7 +217,7 @@ def test_a_plan_read_back_is_checked_like_a_config(change, match):
 
 
 def test_table_lists_every_layer():
-    plan = make_plan(fast_stage(), memory_budget=3 * GB)
+    plan = make_plan(fast_stage(), PlanRequest(memory_budget=3 * GB))
     text = plan.table()
     lines = text.splitlines()
     assert len(lines) == 1 + 8 + 2
@@ -238,7 +239,7 @@ def test_table_lists_every_layer():
 )
 def test_bad_arguments_name_field_and_rule(kwargs, match):
     with pytest.raises(ConfigError, match=match):
-        make_plan(fast_stage(), **kwargs)
+        make_plan(fast_stage(), PlanRequest(**kwargs))
 
 
 def test_unequal_layers_skip_the_one_that_does_not_fit():
@@ -261,10 +262,10 @@ def test_drives_not_measured_get_nothing_and_the_plan_says_so():
     assert plan.placements == [K] * 8 and plan.offloaded_bytes == 0
     assert Plan.from_json(plan.to_json()) == plan
     assert "drives: not measured (no profiling step moved a byte to them), so nothing is placed on them" in plan.table()
-    assert O not in make_plan(unmeasured, memory_budget=4 * GB).placements
+    assert O not in make_plan(unmeasured, PlanRequest(memory_budget=4 * GB)).placements
     with pytest.raises(PlanInfeasibleError, match=r"cannot be met without the drives \(their bandwidth was not "
                                                     r"measured"):
-        make_plan(unmeasured, memory_budget=4 * GB, allow_recompute=False)
+        make_plan(unmeasured, PlanRequest(memory_budget=4 * GB, allow_recompute=False))
     with pytest.raises(ConfigError, match=r"placements: 'offload' needs the drives' measured bandwidths"):
         predict(unmeasured, [O] + [K] * 7)
     assert "not measured" not in make_plan(fast_stage()).table()
@@ -335,19 +336,19 @@ def test_a_budget_that_recomputing_every_layer_meets_is_met_where_no_single_move
     stage = StageProfile.from_dict(PLATEAU_STAGE)
     both = [LayerChoice(Placement.KEEP), LayerChoice(Placement.RECOMPUTE), LayerChoice(Placement.RECOMPUTE)]
     for read_ahead in ("fixed", "auto"):
-        plan = make_plan(stage, memory_budget=759872, default_read_ahead=2, read_ahead_mode=read_ahead)
+        plan = make_plan(stage, PlanRequest(memory_budget=759872, default_read_ahead=2, read_ahead_mode=read_ahead))
         assert plan.peak_activation_bytes <= 759872
         assert plan.step_s < replay(stage, both, 2).step_s
         assert [lp.placement for lp in plan.layers] == [Placement.KEEP, Placement.RECOMPUTE, Placement.OFFLOAD]
         assert plan.layers[2].choice.recompute == ("core_attn",)
-    assert make_plan(stage, memory_budget=696320, default_read_ahead=2).peak_activation_bytes <= 696320
+    assert make_plan(stage, PlanRequest(memory_budget=696320, default_read_ahead=2)).peak_activation_bytes <= 696320
     with pytest.raises(PlanInfeasibleError, match="smallest reachable predicted peak is 696320 bytes"):
-        make_plan(stage, memory_budget=696319, default_read_ahead=2)
+        make_plan(stage, PlanRequest(memory_budget=696319, default_read_ahead=2))
 
 
 @pytest.mark.parametrize("name, made", [
-    ("plan2_memory_budget.json", lambda: make_plan(slow_stage(), memory_budget=3 * GB, default_read_ahead=2)),
-    ("plan2_read_ahead_auto.json", lambda: make_plan(fast_stage(), read_ahead_mode="auto")),
+    ("plan2_memory_budget.json", lambda: make_plan(slow_stage(), PlanRequest(memory_budget=3 * GB, default_read_ahead=2))),
+    ("plan2_read_ahead_auto.json", lambda: make_plan(fast_stage(), PlanRequest(read_ahead_mode="auto"))),
 ])
 def test_a_plan_written_before_the_read_ahead_names_loads_as_the_same_plan(name, made):
     """Plans written with ``prefetch_depth`` and ``read_ahead`` (the mode) at the top

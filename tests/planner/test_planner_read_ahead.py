@@ -7,7 +7,7 @@ import pytest
 
 from megatron_ssd.config import Placement
 from megatron_ssd.errors import ConfigError
-from megatron_ssd.planner import IOProfile, LayerProfile, StageProfile, make_plan, predict, uniform_stage
+from megatron_ssd.planner import IOProfile, LayerProfile, StageProfile, make_plan, predict, uniform_stage, PlanRequest
 
 from layer_choices import choices_of
 
@@ -35,9 +35,9 @@ def test_per_layer_depths_replay_like_one_depth():
 
 def test_fixed_depth_one_offloads_nothing_and_auto_hides_reads_further_ahead():
     stage = gpu_like_stage()
-    fixed = make_plan(stage, read_ahead_mode="fixed")
+    fixed = make_plan(stage, PlanRequest(read_ahead_mode="fixed"))
     assert fixed.layers_with(O) == []
-    auto = make_plan(stage, read_ahead_mode="auto")
+    auto = make_plan(stage, PlanRequest(read_ahead_mode="auto"))
     offloaded = auto.layers_with(O)
     assert len(offloaded) >= 2
     assert auto.exposed_s == 0.0 and auto.step_s == pytest.approx(auto.keep_step_s)
@@ -50,7 +50,7 @@ def test_fixed_depth_one_offloads_nothing_and_auto_hides_reads_further_ahead():
 
 def test_auto_reads_are_issued_as_late_as_they_still_arrive_in_time():
     stage = gpu_like_stage()
-    plan = make_plan(stage, read_ahead_mode="auto")
+    plan = make_plan(stage, PlanRequest(read_ahead_mode="auto"))
     depths = [lp.read_ahead for lp in plan.layers]
     base = predict(stage, choices_of(plan.placements, depths))
     assert base.exposed_s == 0.0
@@ -68,7 +68,7 @@ def test_auto_reads_are_issued_as_late_as_they_still_arrive_in_time():
 def test_every_offloaded_layer_lowers_the_peak(read_ahead):
     """No zero-benefit writes: putting any offloaded layer back to KEEP raises the peak."""
     for stage in (gpu_like_stage(), uniform_stage(8, 1.0, 2.0, GB, IOProfile(10 * GB, 10 * GB))):
-        plan = make_plan(stage, read_ahead_mode=read_ahead)
+        plan = make_plan(stage, PlanRequest(read_ahead_mode=read_ahead))
         depths = [lp.read_ahead for lp in plan.layers]
         for i in plan.layers_with(O):
             kept = plan.placements[:i] + [K] + plan.placements[i + 1:]
@@ -81,7 +81,7 @@ def test_under_a_budget_equal_step_times_go_to_the_fewest_bytes_written():
     among equal times the plan writes the least (drive wear)."""
     layers = [LayerProfile(i, 0.010, 0.020, GB, recompute_s=0.0) for i in range(4)]
     stage = StageProfile(layers=layers, io=IOProfile(GB / 0.035, GB / 0.035))
-    plan = make_plan(stage, memory_budget=3 * GB, read_ahead_mode="auto")
+    plan = make_plan(stage, PlanRequest(memory_budget=3 * GB, read_ahead_mode="auto"))
     assert plan.peak_activation_bytes <= 3 * GB
     assert plan.offloaded_bytes == 0 and plan.layers_with(R)
 

@@ -9,7 +9,7 @@ import pytest
 from megatron_ssd.config import Placement
 from megatron_ssd.errors import ConfigError
 from megatron_ssd.placement import LayerChoice
-from megatron_ssd.planner import IOProfile, LayerProfile, Plan, StageProfile, make_plan, predict
+from megatron_ssd.planner import IOProfile, LayerProfile, Plan, StageProfile, make_plan, predict, PlanRequest
 
 from layer_choices import choices_of
 from megatron_ssd.planner.simulate import spec_from_overrides, stage_profile
@@ -64,7 +64,7 @@ def test_a_stall_at_a_use_point_waits_mid_backward():
 
 
 def test_auto_plan_reads_a_late_used_site_late():
-    plan = make_plan(three_layers(), read_ahead_mode="auto")
+    plan = make_plan(three_layers(), PlanRequest(read_ahead_mode="auto"))
     assert plan.placements == [O, K, K]
     lp = plan.layers[0]
     assert (lp.read_ahead, lp.site_read_ahead, lp.read_ahead_text) == (1, [0, 1], "0..1")
@@ -75,12 +75,12 @@ def test_auto_plan_reads_a_late_used_site_late():
     assert again.layers[0].site_read_ahead == [0, 1]
     assert predict(three_layers(), again.layer_choices).peak_bytes == 200
     # the fixed mode reads every site default_read_ahead ahead
-    fixed = make_plan(three_layers(), read_ahead_mode="fixed")
+    fixed = make_plan(three_layers(), PlanRequest(read_ahead_mode="fixed"))
     assert fixed.layers[0].site_read_ahead is None and fixed.peak_activation_bytes == 300
 
 
 def test_auto_plan_without_use_points_keeps_one_read_ahead_per_layer():
-    plan = make_plan(three_layers(site_use=None), read_ahead_mode="auto")
+    plan = make_plan(three_layers(site_use=None), PlanRequest(read_ahead_mode="auto"))
     assert plan.placements == [O, K, K]
     assert plan.layers[0].site_read_ahead is None and plan.layers[0].read_ahead == 1
     assert plan.peak_activation_bytes == 300

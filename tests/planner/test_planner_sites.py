@@ -9,7 +9,7 @@ import pytest
 from megatron_ssd.config import Placement
 from megatron_ssd.errors import ConfigError
 from megatron_ssd.placement import LayerChoice
-from megatron_ssd.planner import IOProfile, LayerProfile, Plan, StageProfile, make_plan, predict
+from megatron_ssd.planner import IOProfile, LayerProfile, Plan, StageProfile, make_plan, predict, PlanRequest
 
 from layer_choices import choices_of
 
@@ -55,8 +55,8 @@ def test_max_offload_moves_the_longest_prefix_each_window_carries():
     the first layers offloads the two tensors (17.5 ms) that fit."""
     stage = split_stage()
     whole = StageProfile(layers=[LayerProfile(i, 0.010, 0.020, GB) for i in range(8)], io=stage.io)
-    assert make_plan(whole, read_ahead_mode="fixed").layers_with(O) == []
-    plan = make_plan(stage, read_ahead_mode="fixed")
+    assert make_plan(whole, PlanRequest(read_ahead_mode="fixed")).layers_with(O) == []
+    plan = make_plan(stage, PlanRequest(read_ahead_mode="fixed"))
     # the fifth layer's first site lowers the measured peak only (see the next test)
     assert [lp.placement_text for lp in plan.layers] == ["offload 2/4"] * 4 + ["offload 1/4"] + ["keep"] * 3
     sites = [c.sites for c in plan.layer_choices]
@@ -83,7 +83,7 @@ def test_a_site_whose_write_ends_after_the_peak_is_not_offloaded():
     neither, so nothing of it moves. (The greedy search, judging by the derated
     bandwidths alone, kept the fifth layer whole: a 6.0 GB measured peak for 5.75.)"""
     stage = split_stage()
-    plan = make_plan(stage, read_ahead_mode="fixed")
+    plan = make_plan(stage, PlanRequest(read_ahead_mode="fixed"))
     assert plan.placement(4) is O and plan.layers[4].offload_sites == 1 and plan.placement(5) is K
     sites = [c.sites for c in plan.layer_choices]
     derated = stage.io.derated(plan.request.safety_margin)
@@ -108,13 +108,13 @@ def test_under_a_wear_bound_a_budget_is_met_with_the_share_the_drives_can_take()
     limit = 0.6 * GB / 0.240  # bytes per second over keep-everything's 240 ms step
     budget = int(6.5 * GB)
     whole = StageProfile(layers=[LayerProfile(i, 0.010, 0.020, GB) for i in range(8)], io=stage.io)
-    by_layer = make_plan(whole, memory_budget=budget, max_write_bytes_per_s=limit, read_ahead_mode="fixed")
-    by_site = make_plan(stage, memory_budget=budget, max_write_bytes_per_s=limit, read_ahead_mode="fixed")
+    by_layer = make_plan(whole, PlanRequest(memory_budget=budget, max_write_bytes_per_s=limit, read_ahead_mode="fixed"))
+    by_site = make_plan(stage, PlanRequest(memory_budget=budget, max_write_bytes_per_s=limit, read_ahead_mode="fixed"))
     assert by_layer.offloaded_bytes == 0 and len(by_layer.layers_with(R)) == 2
     assert [c.sites for c in by_site.layer_choices] == [2] + [None] * (len(by_site.layers) - 1) and by_site.offloaded_bytes == GB // 2
     assert len(by_site.layers_with(R)) == 1
     assert by_site.step_s < by_layer.step_s and by_site.peak_activation_bytes <= budget
-    loose = make_plan(stage, memory_budget=int(7.5 * GB), max_write_bytes_per_s=limit, read_ahead_mode="fixed")
+    loose = make_plan(stage, PlanRequest(memory_budget=int(7.5 * GB), max_write_bytes_per_s=limit, read_ahead_mode="fixed"))
     assert [lp.placement_text for lp in loose.layers] == ["offload 2/4"] + ["keep"] * 7
     assert loose.step_s == pytest.approx(loose.keep_step_s)
 
@@ -123,14 +123,14 @@ def test_a_budget_plan_writes_no_site_it_does_not_need():
     """With fast drives the greedy offloads whole layers; a 6.5 GB budget needs only half
     of the second one, so the plan writes 1.5 GB, not 2 GB."""
     stage = split_stage(io=IOProfile(GB / 0.005, GB / 0.005))
-    plan = make_plan(stage, memory_budget=int(6.5 * GB), read_ahead_mode="fixed", allow_recompute=False)
+    plan = make_plan(stage, PlanRequest(memory_budget=int(6.5 * GB), read_ahead_mode="fixed", allow_recompute=False))
     assert plan.peak_activation_bytes <= 6.5 * GB
     assert plan.offloaded_bytes == int(1.5 * GB)
     assert plan.step_s == pytest.approx(plan.keep_step_s)
 
 
 def test_plans_with_sites_round_trip_and_report_site_changes():
-    plan = make_plan(split_stage(), read_ahead_mode="fixed")
+    plan = make_plan(split_stage(), PlanRequest(read_ahead_mode="fixed"))
     again = Plan.from_json(plan.to_json())
     assert again.choices() == plan.choices() and again.layers[0].offload_sites == 2
     assert again.layers[0].site_count == 4 and again.layers[0].offloaded == GB // 2

@@ -9,6 +9,7 @@ from megatron_ssd.errors import ConfigError
 from megatron_ssd.planner.profile import IOProfile, LayerProfile, StageProfile
 from megatron_ssd.planner.plan import make_plan
 from megatron_ssd.planner.step_timeline import predict
+from megatron_ssd.planner.request import PlanRequest
 
 from layer_choices import choices_of
 
@@ -216,9 +217,9 @@ def test_the_hidden_offload_admits_no_write_wait():
     stage = StageProfile(layers, IOProfile(100.0, 100.0, max_inflight_bytes=100), other_s=5.0)
     waits = [predict(stage, [Placement.OFFLOAD] * n + [Placement.KEEP] * (4 - n)).write_wait_s for n in (1, 2, 3)]
     assert waits == pytest.approx([0.0, 0.8, 1.7])
-    hidden = make_plan(stage, safety_margin=0.0)
+    hidden = make_plan(stage, PlanRequest(safety_margin=0.0))
     assert hidden.placements == [Placement.KEEP] * 4 and hidden.step_s == hidden.keep_step_s  # layer 0 alone buys nothing
-    budget = make_plan(stage, memory_budget=300, safety_margin=0.0, allow_recompute=False)
+    budget = make_plan(stage, PlanRequest(memory_budget=300, safety_margin=0.0, allow_recompute=False))
     assert budget.peak_activation_bytes <= 300 and budget.step_s == pytest.approx(budget.keep_step_s + 0.7)
 
 

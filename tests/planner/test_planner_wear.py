@@ -13,6 +13,7 @@ from megatron_ssd.planner.plan import Plan, PlanInfeasibleError, make_plan
 from megatron_ssd.planner.profile import IOProfile, uniform_stage
 from megatron_ssd.planner.drives import lifetime_for, write_limit_for
 from megatron_ssd.planner.wear import drive_lifetime_years, write_limit_bytes_per_s
+from megatron_ssd.planner.request import PlanRequest
 
 GB = 10**9
 K, O, R = Placement.KEEP, Placement.OFFLOAD, Placement.RECOMPUTE
@@ -39,7 +40,7 @@ def test_no_limit_offloads_what_hides():
 
 @pytest.mark.parametrize("limit, offloaded", [(0.15 * GB / 1, 3), (1 * GB / 24 + 1, 1), (0.0, 0)])
 def test_write_limit_caps_max_offload(limit, offloaded):
-    plan = make_plan(fast_stage(), max_write_bytes_per_s=limit)
+    plan = make_plan(fast_stage(), PlanRequest(max_write_bytes_per_s=limit))
     assert plan.placements == [O] * offloaded + [K] * (8 - offloaded)
     assert plan.write_bytes_per_s <= limit
     assert "the drives' endurance allows this process" in plan.table()
@@ -49,9 +50,9 @@ def test_write_limit_caps_max_offload(limit, offloaded):
 def test_write_limit_turns_a_budget_to_recompute():
     keep_peak = make_plan(fast_stage()).keep_peak_activation_bytes
     budget = keep_peak // 2
-    free = make_plan(fast_stage(), memory_budget=budget)
+    free = make_plan(fast_stage(), PlanRequest(memory_budget=budget))
     assert O in free.placements
-    worn = make_plan(fast_stage(), memory_budget=budget, max_write_bytes_per_s=0.0)
+    worn = make_plan(fast_stage(), PlanRequest(memory_budget=budget, max_write_bytes_per_s=0.0))
     assert O not in worn.placements and R in worn.placements
     assert worn.peak_activation_bytes <= budget
 
@@ -59,13 +60,13 @@ def test_write_limit_turns_a_budget_to_recompute():
 def test_budget_that_needs_writes_beyond_the_limit_is_one_clear_error():
     keep_peak = make_plan(fast_stage()).keep_peak_activation_bytes
     with pytest.raises(PlanInfeasibleError, match=r"cannot be met within the drive-wear write limit of 0\.0 MB/s"):
-        make_plan(fast_stage(), memory_budget=keep_peak // 2, allow_recompute=False, max_write_bytes_per_s=0.0)
+        make_plan(fast_stage(), PlanRequest(memory_budget=keep_peak // 2, allow_recompute=False, max_write_bytes_per_s=0.0))
 
 
 @pytest.mark.parametrize("bad", [-1.0, True, "fast"])
 def test_bad_write_limit_is_named(bad):
-    with pytest.raises(ConfigError, match=r"max_write_bytes_per_s = .*: must be None or a number >= 0"):
-        make_plan(fast_stage(), max_write_bytes_per_s=bad)
+    with pytest.raises(ConfigError, match=r"PlanRequest.max_write_bytes_per_s = .*: must be a number >= 0 or null"):
+        make_plan(fast_stage(), PlanRequest(max_write_bytes_per_s=bad))
 
 
 def test_config_fields_give_the_limit_per_process():
@@ -99,6 +100,6 @@ def test_plans_write_within_the_limit_at_their_own_predicted_step_time(limit_gb_
     slow = uniform_stage(8, 1.0, 2.0, GB, IOProfile(GB / 1.5, GB / 1.5))
     limit = limit_gb_s * GB
     keep_peak = make_plan(slow).keep_peak_activation_bytes
-    for plan in (make_plan(slow, max_write_bytes_per_s=limit),
-                 make_plan(slow, memory_budget=keep_peak // 2, max_write_bytes_per_s=limit)):
+    for plan in (make_plan(slow, PlanRequest(max_write_bytes_per_s=limit)),
+                 make_plan(slow, PlanRequest(memory_budget=keep_peak // 2, max_write_bytes_per_s=limit))):
         assert plan.write_bytes_per_s <= limit
