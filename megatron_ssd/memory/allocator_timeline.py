@@ -69,6 +69,21 @@ def peak_of_events(events: List[Tuple[int, int]]) -> int:
     return peak
 
 
+def _in_order(markers: Sequence[Tuple[int, Any]], activations: Sequence[Tuple[int, int, Any]],
+              events: Sequence[Tuple[int, int]]) -> List[Tuple[int, int, int, Any]]:
+    """The one sweep :func:`working_peaks` and :func:`layer_peaks` take: ``(time_ns, kind,
+    delta, tag)`` in time order, at one instant a marker (kind 0: a phase or a layer's span
+    starts before what happens then), an activation's allocation (1: counted as one before
+    the allocator shows it), the allocator's frees (2), its allocations (3), an
+    activation's free (4). ``activations`` are ``(time_ns, delta, tag)``; the allocator's
+    events carry the tag None."""
+    return sorted([(t, 0, 0, tag) for t, tag in markers]
+                  + [(t, 1, d, tag) for t, d, tag in activations if d > 0]
+                  + [(t, 2 if d < 0 else 3, d, None) for t, d in events]
+                  + [(t, 4, d, tag) for t, d, tag in activations if d < 0],
+                  key=lambda e: (e[0], e[1]))
+
+
 def working_peaks(events: List[Tuple[int, int]], held: List[Tuple[int, int]],
                   phases: List[Tuple[int, bool]]) -> Tuple[int, int]:
     """Peaks of the working set, live bytes less the activations among them, inside and
@@ -86,15 +101,10 @@ def working_peaks(events: List[Tuple[int, int]], held: List[Tuple[int, int]],
         ``(inside, outside)``: the largest working set seen in each phase (0 where a phase
         never ran).
     """
-    merged = sorted([(t, 0, 0, outside) for t, outside in phases]  # a phase starts before what happens then
-                    + [(t, 1, d, True) for t, d in held if d > 0]  # counted as an activation before it shows
-                    + [(t, 2 if d < 0 else 3, d, False) for t, d in events]  # frees before allocations
-                    + [(t, 4, d, True) for t, d in held if d < 0],
-                    key=lambda e: (e[0], e[1]))
     live = cached = 0
     outside = True
     peaks = [0, 0]
-    for _, kind, delta, flag in merged:
+    for _, kind, delta, flag in _in_order(phases, [(t, d, True) for t, d in held], events):
         if kind == 0:
             outside = flag
             continue
@@ -129,17 +139,12 @@ def layer_peaks(events: List[Tuple[int, int]], saved: List[Tuple[int, int, Hasha
         saved tensor and read-back buffer) less the read-back buffers freed since it began:
         what it needs beyond its saved tensors where each dies when its use is done.
     """
-    merged = sorted([(t, 0, 0, key) for t, key in spans]
-                    + [(t, 1, d, layer) for t, d, layer in saved if d > 0]  # an activation before it shows
-                    + [(t, 2 if d < 0 else 3, d, None) for t, d in events]
-                    + [(t, 4, d, layer) for t, d, layer in saved if d < 0]
-                    + [(t, 1, d, _MAPPED) for t, d in mapped if d > 0] + [(t, 4, d, _MAPPED) for t, d in mapped if d < 0],
-                    key=lambda e: (e[0], e[1]))
+    activations = list(saved) + [(t, d, _MAPPED) for t, d in mapped]
     live = held = freed = 0
     by_layer: Dict[Hashable, int] = {}
     span: Optional[Tuple[Hashable, bool]] = None
     peaks: Dict[Hashable, List[int]] = {}
-    for _, kind, delta, tag in merged:
+    for _, kind, delta, tag in _in_order(spans, activations, events):
         if kind == 0:
             span, freed = tag, 0
             if span is not None:
