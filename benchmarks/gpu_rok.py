@@ -39,7 +39,7 @@ MODEL = ["model.num_layers=24", "model.hidden_size=2048", "model.num_attention_h
 def _fewest_steps(mode):
     """The fewest steps a ``train`` run of ``mode`` measures one step of its placement in
     (NOTE [Step kinds]): fewer are refused before the model is built."""
-    from megatron_ssd.adaptive import profile_counts
+    from megatron_ssd.profiling import profile_counts
     from megatron_ssd.config import PlannerConfig
 
     return profile_counts(PlannerConfig(mode="auto")).total + 1 if mode == "auto" else 2

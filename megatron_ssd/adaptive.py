@@ -21,13 +21,10 @@ import time
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional
 
-import torch
-
 from .cache.memory_cap import WorkingSet, capacity_under_cap
 from .cache.tensor_cache import TensorCache
 from .config import FIXED_MODES, PlannerConfig
 from .placement import HEAD, OUTSIDE, Placement
-from .errors import ConfigError
 from .planner.drift import DriftDetector
 from .planner.measured_profile import stage_from_stats
 from .planner.measurement import StepMeasurement
@@ -37,9 +34,10 @@ from .planner.drives import write_limit_for
 from .planner.step_timeline import rerun_working_bytes
 from .io.cuda import CUDA, CudaOps
 from .io.rundir import check_space_for_plan
+from .profiling import measure_host_bandwidth, profile_schedule
 from .units import gib
 
-__all__ = ["AdaptivePlanner", "PlanEvent", "ProfileCounts", "ProfileStep", "profile_counts", "profile_schedule"]
+__all__ = ["AdaptivePlanner", "PlanEvent"]
 
 logger = logging.getLogger("megatron_ssd")
 
@@ -72,27 +70,6 @@ class PlanEvent:
 # matters more than the plan, ``planner.search=greedy`` keeps the greedy start alone.
 # Each plan event records it (``search_s``) and the plan's line prints it, so a step that
 # held a search is seen as one.
-
-# NOTE [Profiling steps]
-# ``auto`` measures two kinds of steps after warm-up: KEEP steps give each layer's compute
-# time with no I/O running and its saved bytes; OFFLOAD steps (the default placement) give
-# the bandwidth the engine achieves while the model computes, and how much the I/O slows
-# compute down (on a CPU both share the cores; on a GPU the factor comes out near 0).
-# The kinds run in two blocks, KEEP first (``profile_steps = 2`` measures one of each;
-# an odd count gives KEEP the extra step), and every measured step follows a step of its
-# own kind: the warm-up steps run the first block's placement, and ``settle_steps``
-# untimed OFFLOAD steps run between the blocks. A step right after a switch inherits the
-# other kind's heap: a KEEP step right after an OFFLOAD step runs slower than after a
-# KEEP step, and an OFFLOAD step after a KEEP step skips the page faults its own steady
-# state pays, so alternating the kinds hides most of what offloading costs
-# (docs/planner.md). Measured: docs/performance.md#run-2026-11-24-switch-heap.
-# A KEEP step holds every activation, which a user of this plugin often cannot hold: see
-# NOTE [Profiling within the capacity].
-# When RECOMPUTE may be chosen (``recompute_profile_steps``), a RECOMPUTE block runs
-# between the two, after its own settle steps (NOTE [Pricing recompute] in
-# ``planner/measured_profile.py``). Where the plan may use a host pool (``host_budget``),
-# a HOST block as long as the OFFLOAD one runs last, after its settle steps: its copies'
-# cost to compute is measured as the drives' I/O is (NOTE [Pricing host copies] there).
 
 # NOTE [Profiling within the capacity]
 # No step may hold more saved bytes than the device's activation capacity
@@ -232,86 +209,6 @@ class PlanEvent:
 FIRST_STEP_GUARD = 0
 """The cache's capacity guard in the first step under a cap (NOTE [Working set under a
 cap])."""
-
-
-@dataclass(frozen=True)
-class ProfileStep:
-    """One step of the profiling phase (NOTE [Profiling steps])."""
-
-    placement: Optional[Placement]
-    """KEEP, RECOMPUTE or HOST for every layer, or None for the cache's default placement
-    (offload)."""
-    measured: bool
-    """Whether the profile uses the step; warm-up and settle steps are not."""
-
-
-def profile_schedule(config: PlannerConfig, host: bool = False) -> List[ProfileStep]:
-    """The steps an ``auto`` planner runs before its first plan, in order (NOTE
-    [Profiling steps]); empty for the other modes. ``host``: the plan may use a host pool,
-    so a HOST block follows, as long as the OFFLOAD one (NOTE [Pricing host copies] in
-    ``planner/measured_profile.py``)."""
-    if config.mode != "auto":
-        return []
-    keep = (config.profile_steps + 1) // 2 if config.profile_steps >= 2 else 0
-    blocks = [(Placement.KEEP, keep), (Placement.RECOMPUTE, config.recompute_profiling),
-              (None, config.profile_steps - keep),
-              (Placement.HOST, (config.profile_steps - keep) if host and keep else 0)]
-    blocks = [(placement, n) for placement, n in blocks if n]
-    schedule = [ProfileStep(blocks[0][0], False)] * config.warmup_steps
-    for i, (placement, n) in enumerate(blocks):
-        if i:
-            schedule += [ProfileStep(placement, False)] * config.settle_steps
-        schedule += [ProfileStep(placement, True)] * n
-    return schedule
-
-
-@dataclass(frozen=True)
-class ProfileCounts:
-    """How many steps of each kind :func:`profile_schedule` runs."""
-
-    warmup: int
-    """Warm-up steps (not used)."""
-    measured: int
-    """Steps the profile measures."""
-    settle: int
-    """Settle steps before each kind's measured block but the first (not used)."""
-
-    @property
-    def total(self) -> int:
-        """Every step of the profile; a run needs one more to run its plan."""
-        return self.warmup + self.measured + self.settle
-
-
-def profile_counts(config: PlannerConfig, host: bool = False) -> ProfileCounts:
-    """The step counts of ``profile_schedule(config, host)`` by kind."""
-    schedule = profile_schedule(config, host)
-    measured = sum(step.measured for step in schedule)
-    warmup = config.warmup_steps if schedule else 0
-    return ProfileCounts(warmup, measured, len(schedule) - warmup - measured)
-
-
-def measure_host_bandwidth(device: torch.device, nbytes: int = 256 << 20, repeats: int = 3) -> float:
-    """Bytes per second of a copy between ``device`` and pinned host memory: the slower
-    direction's best of ``repeats`` copies of ``nbytes`` (the host tier's link, NOTE
-    [Host tier]). CUDA only.
-
-    Raises:
-        ConfigError: ``device`` is not a CUDA device.
-    """
-    if device.type != "cuda":
-        raise ConfigError(f"measure_host_bandwidth: device = {device}: the host tier is measured on a CUDA device")
-    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    best = {"d2h": float("inf"), "h2d": float("inf")}
-    for _ in range(repeats):
-        for name, (dst, origin) in (("d2h", (host, src)), ("h2d", (src, host))):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            dst.copy_(origin, non_blocking=True)
-            end.record()
-            end.synchronize()
-            best[name] = min(best[name], start.elapsed_time(end) / 1e3)
-    return nbytes / max(best.values())
 
 
 class AdaptivePlanner:

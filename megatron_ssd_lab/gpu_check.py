@@ -148,12 +148,12 @@ def copy_bandwidth(nbytes: int, repeats: int, device: str = "cuda", pin: bool = 
 
 def copy_bandwidth_part(nbytes: int = GiB, repeats: int = 5) -> Dict[str, Any]:
     """Pinned copy bandwidth both ways, and the planner's own probe
-    (``adaptive.measure_host_bandwidth``: the slower direction, 256 MiB, best of 3) beside it."""
+    (``profiling.measure_host_bandwidth``: the slower direction, 256 MiB, best of 3) beside it."""
     if not _cuda_available():
         return part("copy-bandwidth", "skipped", NO_CUDA)
     import torch
 
-    from megatron_ssd.adaptive import measure_host_bandwidth
+    from megatron_ssd.profiling import measure_host_bandwidth
 
     numbers = copy_bandwidth(nbytes, repeats)
     numbers["planner_probe_bytes_per_s"] = measure_host_bandwidth(torch.device("cuda", torch.cuda.current_device()))

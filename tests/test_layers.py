@@ -41,7 +41,9 @@ LAYERS = {
     "megatron_ssd.memory": 3,
     # the tensor cache, above I/O
     "megatron_ssd.cache": 4,
-    # the adaptive planner: the cache's measurements into the pure planner
+    # what the adaptive planner runs before it plans (its profiling steps, the host-link
+    # probe), then the adaptive planner: the cache's measurements into the pure planner
+    "megatron_ssd.profiling": 2,
     "megatron_ssd.adaptive": 5,
     # the Megatron integration, then the CPU reference workloads built on it
     "megatron_ssd.megatron": 6,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
-from ..adaptive import profile_counts
+from ..profiling import profile_counts
 from .steps import may_profile_host
 from ..config import TrainConfig, load_config, to_dict
 from ..errors import MegatronSSDError

@@ -11,7 +11,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
-from ..adaptive import profile_counts, profile_schedule
+from ..profiling import profile_counts, profile_schedule
 from ..cache import StepStats
 from ..config import OffloadConfig, PlannerConfig, TrainConfig
 from ..placement import OUTSIDE
@@ -30,13 +30,13 @@ warning next to its interval: a handful of steps cannot separate a few percent f
 
 def step_kinds(config: PlannerConfig, steps: int, host: bool = False) -> List[str]:
     """What each step of a phase is: ``warm-up``, ``profile`` or ``measured`` (``host``:
-    the planner profiles a host tier too, NOTE [Profiling steps] in ``adaptive.py``).
+    the planner profiles a host tier too, NOTE [Profiling steps] in ``profiling.py``).
 
     NOTE [Step kinds]: an ``auto`` phase runs ``warmup_steps`` warm-up steps, then its
     profiling steps (``profile_steps`` measured ones, every layer kept and then the
     default placement, with ``settle_steps`` untimed ones between, a RECOMPUTE block
     between those when ``recompute_profile_steps`` asks, and a HOST block last where the
-    plan may use a host pool: NOTE [Profiling steps] in ``adaptive.py``), and only the
+    plan may use a host pool: NOTE [Profiling steps] in ``profiling.py``), and only the
     steps after those run the planner's placement;
     every other phase's first step warms up the allocator and the page cache. Only
     ``measured`` steps enter the summary; a phase with none is short
@@ -52,7 +52,7 @@ def step_kinds(config: PlannerConfig, steps: int, host: bool = False) -> List[st
 
 def may_profile_host(offload: OffloadConfig) -> bool:
     """Whether an ``auto`` planner of ``offload`` may profile a host tier (its HOST block,
-    NOTE [Profiling steps] in ``adaptive.py``): a pool that is not 0, paced on a CPU
+    NOTE [Profiling steps] in ``profiling.py``): a pool that is not 0, paced on a CPU
     (``host_copy_bytes_per_s``), or on a GPU. Decided before any step, so on a GPU an
     ``auto`` pool counts though it may size to none (``AdaptivePlanner.profiles_host``
     says what the run does)."""

@@ -162,7 +162,7 @@ class PlannerConfig:
     settle_steps: Annotated[int, NonNegative(), AtMost(PROFILE_STEPS_MAX)] = 1
     """Untimed offload steps run between the kept and the offloaded profiling steps, so
     the first offloaded step measured does not inherit keep-everything's heap (NOTE
-    [Profiling steps] in ``adaptive.py``). The warm-up steps run with every layer kept
+    [Profiling steps] in ``profiling.py``). The warm-up steps run with every layer kept
     when there are kept profiling steps."""
 
     recompute_profile_steps: Optional[Annotated[int, NonNegative(), AtMost(PROFILE_STEPS_MAX)]] = None

@@ -1,7 +1,7 @@
 """The planner's profile from measured steps: :class:`StepMeasurement` in, :class:`StageProfile` out.
 
 The run-time planner builds its profile with :func:`stage_from_stats` from the steps of
-its profiling phase, by kind (NOTE [Profiling steps] in ``adaptive.py``).
+its profiling phase, by kind (NOTE [Profiling steps] in ``profiling.py``).
 """
 
 from __future__ import annotations

@@ -233,7 +233,7 @@ def test_stage_from_stats_needs_a_step():
 def test_profile_schedule_settles_each_kind_before_measuring_it():
     """NOTE [Profiling steps]: warm-up steps run the first measured kind, KEEP steps come
     first, and settle steps of the default placement run between the kinds."""
-    from megatron_ssd.adaptive import ProfileStep, profile_schedule
+    from megatron_ssd.profiling import ProfileStep, profile_schedule
 
     K, D = Placement.KEEP, None
     def kinds(**kw):
@@ -612,14 +612,14 @@ def test_a_paced_host_tier_is_planned_on_a_cpu(world, tmp_path):
 
 @pytest.mark.gpu
 def test_host_link_bandwidth_is_measured_on_the_gpu():
-    from megatron_ssd.adaptive import measure_host_bandwidth
+    from megatron_ssd.profiling import measure_host_bandwidth
 
     bw = measure_host_bandwidth(torch.device("cuda", torch.cuda.current_device()), nbytes=64 << 20)
     assert 1e9 < bw < 1e12  # PCIe or NVLink-C2C: between 1 GB/s and 1 TB/s
 
 
 def test_host_link_bandwidth_needs_a_cuda_device():
-    from megatron_ssd.adaptive import measure_host_bandwidth
+    from megatron_ssd.profiling import measure_host_bandwidth
     from megatron_ssd.errors import ConfigError
 
     with pytest.raises(ConfigError, match="device = cpu: the host tier is measured on a CUDA device"):

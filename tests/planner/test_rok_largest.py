@@ -150,7 +150,7 @@ def test_on_a_gpu_the_probe_is_held_to_max_memory_allocated_and_timed_by_cuda_ev
 
 
 def test_the_planners_steps_cover_its_profiling_before_the_measured_ones():
-    from megatron_ssd.adaptive import profile_counts
+    from megatron_ssd.profiling import profile_counts
     from megatron_ssd.config import TrainConfig, load_config
 
     tiny = str(ROOT / "configs" / "gpt-tiny.yaml")
