@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Dict, Hashable, List, Optional, Sequence, Tuple
 
-from .placement import Placement
+from .placement import FGO_MODULES, Placement
 
 __all__ = [
     "FGO_MIN_TENSOR_ELEMENTS",
@@ -29,10 +29,6 @@ __all__ = [
     "first_layers_placement",
     "first_layers_read_ahead",
 ]
-
-FGO_MODULES = ("attn_norm", "qkv_linear", "core_attn", "attn_proj", "mlp_norm")
-"""Megatron-core's ``offload_modules`` of a dense layer, in forward order (0.19 adds
-``expert_fc1``, ``moe_act`` and ``fused_group_mlp`` for MoE layers, not modelled)."""
 
 FGO_MIN_TENSOR_ELEMENTS = 1024 * 1024
 """Megatron's ``min_offloaded_tensor_size`` default: smaller tensors stay on the device."""

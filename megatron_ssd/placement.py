@@ -17,7 +17,7 @@ from typing import Hashable, Mapping, Optional, Sequence, Tuple, Union
 
 from .errors import ConfigError
 
-__all__ = ["Placement", "MOVED", "EMBEDDING", "HEAD", "OUTSIDE", "RECOMPUTE_MODULES", "LayerChoice",
+__all__ = ["Placement", "MOVED", "EMBEDDING", "HEAD", "OUTSIDE", "RECOMPUTE_MODULES", "FGO_MODULES", "LayerChoice",
            "default_placement", "placement_named"]
 
 
@@ -57,6 +57,12 @@ RECOMPUTE_MODULES = ("core_attn", "mlp")
 megatron-core's ``recompute_modules`` names: ``core_attn``, the core attention (the
 attention scores, softmax and dropout between the QKV and output projections); ``mlp``,
 the whole MLP. NOTE [Recompute inside a layer] in ``planner/module_recompute.py``."""
+
+FGO_MODULES = ("attn_norm", "qkv_linear", "core_attn", "attn_proj", "mlp_norm")
+"""Megatron-core's ``offload_modules`` of a dense layer, in forward order: the module groups
+whose saved tensors its fine-grained activation offloading moves (0.19 adds
+``expert_fc1``, ``moe_act`` and ``fused_group_mlp`` for MoE layers, not modelled); the
+config's ``offload.peer.offload_modules`` names them, the peer rule decides by them."""
 
 IssuePoint = Union[int, Tuple[int, ...]]
 """A read-issue point (NOTE [Write and read issue points] in ``planner/step_timeline.py``):

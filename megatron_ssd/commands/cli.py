@@ -28,7 +28,7 @@ from typing import List, Optional
 
 from ..config.rules import MAX_SECONDS
 from ..config.schema import parse_count_option, parse_list_option, parse_size_option
-from ..config.tree import MAX_LAYERS
+from ..config.plan_settings import MAX_LAYERS
 from ..errors import ConfigError, MegatronSSDError
 from .children import ending_signals
 

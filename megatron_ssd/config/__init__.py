@@ -21,7 +21,8 @@ The package, one job per module: :mod:`.rules` (what a field's annotation may ca
 :mod:`.schema` (validation, the dict / YAML round trip, the field docstrings), :mod:`.files`
 (reading a config file, bounded: NOTE [Config file bounds]), :mod:`.presets` (the
 presets shipped with the package, found by name), :mod:`.tree` (the
-configuration megatron-ssd reads), :mod:`.host_pool` (``host_pool_bytes: auto`` sized
+configuration megatron-ssd reads; its planner and peer sections in :mod:`.planning`, the
+settings a plan is asked for declared once in :mod:`.plan_settings`), :mod:`.host_pool` (``host_pool_bytes: auto`` sized
 from the node); the placements they name are
 :mod:`megatron_ssd.placement`'s. Every public name is importable from here.
 
@@ -39,8 +40,9 @@ from .rules import (MAX_BYTES, MAX_SECONDS, AtLeast, AtMost, Boolean, ByteCount,
 from .schema import (apply_overrides, field_docs, from_dict, is_duration_field, is_size_field, load_config,
                      parse_count_option, parse_list_option, parse_size_option, to_dict, takes_auto, validate)
 from .schema import _broken, _fail, _parse_size, _settle  # noqa: F401 - private, imported from here by io, commands, planner and tests
-from .tree import (CAPACITY_RESERVE, FIXED_MODES, MICROBATCH_RECORD_BYTES, PLANNER_MODES, STEP_RECORD_BYTES, IOConfig,
-                   ModelConfig, OffloadConfig, PeerConfig, PlannerConfig, TrainConfig, host_memory_bytes)
+from .planning import CAPACITY_RESERVE, FIXED_MODES, PLANNER_MODES, PeerConfig, PlannerConfig
+from .tree import (MICROBATCH_RECORD_BYTES, STEP_RECORD_BYTES, IOConfig, ModelConfig, OffloadConfig, TrainConfig,
+                   host_memory_bytes)
 
 __all__ = [
     "Placement",
