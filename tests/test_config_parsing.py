@@ -333,7 +333,7 @@ def test_every_count_size_rate_and_duration_of_the_config_has_an_upper_bound():
     """NOTE [Bounded numbers]: ``device_memory_cap=1e30`` was accepted. Every number of the
     configuration now has an upper bound: its own, its unit's (sizes 1 EiB, durations a
     week), or the machine's; 1e30 is refused in one line naming the field."""
-    from megatron_ssd.commands.train import check_model_fits
+    from megatron_ssd.commands.model_fit import check_model_fits
     from megatron_ssd.config import AtMost, InRange
 
     fields = list(_numeric_fields())

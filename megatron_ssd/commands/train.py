@@ -11,20 +11,19 @@ the offload-aware wrapper, first with every activation kept (the measured refere
 then with any fixed placements to compare (``compare``), then with the configured
 planner. Every phase starts from the same weights and data (NOTE [Same start]), so the
 losses of the same steps can be compared; print a summary table of them
-(:mod:`.train_report`).
+(:mod:`.train_report`). What a phase measured is a :class:`~.phase_result.PhaseResult`;
+whether the model can fit its device at all is checked first (:mod:`.model_fit`).
 """
 
 from __future__ import annotations
 
 import contextlib
-import copy
 import dataclasses
 import gc
 import math
 import os
 import statistics
 import sys
-from dataclasses import dataclass, field
 from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
@@ -35,9 +34,7 @@ from ..cache import StepStats, TensorCache
 from ..cache.device import check_device
 from ..cache.memory_cap import apply_device_memory_cap, out_of_memory
 from ..cache.pages import trim_heap
-from ..planner.measured_profile import median_or_zero as med
-from ..config import (HostPoolChoice, OffloadConfig, PlannerConfig, TrainConfig, from_dict, host_memory_bytes,
-                      load_config, local_ranks, to_dict)
+from ..config import HostPoolChoice, OffloadConfig, PlannerConfig, TrainConfig, from_dict, load_config, local_ranks, to_dict
 from ..placement import Placement
 from ..errors import ConfigError
 from ..io.rundir import stranded_run_dirs
@@ -50,9 +47,11 @@ from ..planner.drives import lifetime_for
 from ..units import MiB, gib
 from ..workloads.data import TextFileData
 from ..workloads.harness import SGD, SyntheticData, finalize_embedding_grads, gpt_forward_step, train_step
-from ..workloads.models import build_gpt, build_hybrid_gpt, hybrid_available, tiny_transformer_config
+from ..workloads.models import build_gpt, build_hybrid_gpt, tiny_transformer_config
 from ..workloads.parallel import destroy_parallel, init_parallel
 from .intervals import median_ci95
+from .phase_result import PhaseResult
+from .model_fit import check_model_fits, device_memory_bytes, model_bytes, model_class
 from .output import Progress, write_json
 from .train_report import format_drive_wear, format_summary
 from .steps import (format_choices, format_loss_identity, format_paired, format_plans, loss_identity,
@@ -60,103 +59,12 @@ from .steps import (format_choices, format_loss_identity, format_paired, format_
 from .timing import StepTimer, synchronized
 
 __all__ = ["TrainRecipe", "PhaseResult", "run_train", "format_summary", "format_drive_wear", "check_model_fits",
-           "model_bytes", "COMPARE_MODES"]
+           "model_bytes", "COMPARE_MODES"]  # PhaseResult, check_model_fits, model_bytes: re-exported
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 COMPARE_MODES = {"recompute": "recompute", "offload": "offload-all", "static": "keep-last", "host": "host"}
 """``TrainConfig.compare`` names: the planner mode each runs, and its phase's name."""
-
-
-@dataclass
-class PhaseResult:
-    """Measurements of one phase (keep-everything or offload) of the job."""
-
-    name: str
-    steps: List[StepStats] = field(default_factory=list)
-    losses: List[float] = field(default_factory=list)
-    memory: Dict[str, Any] = field(default_factory=dict)
-    """Memory measured independently of the cache (:meth:`PhaseMemory.summary`)."""
-    kinds: List[str] = field(default_factory=list)
-    """What each step was (NOTE [Step kinds]): ``warm-up``, ``profile`` or ``measured``."""
-    device_step_s: List[float] = field(default_factory=list)
-    """On a GPU, each step's CUDA-event time (NOTE [Device step time]); empty on a CPU."""
-    oom: Optional[str] = None
-    """The first line of the out-of-memory error that ended the phase (NOTE [Out of memory,
-    recorded]); None: it ran all its steps."""
-    oom_step: Optional[int] = None
-    """The step (1-based) that ran out of memory."""
-
-    @property
-    def measured_kind(self) -> str:
-        """``measured``; for a short run (``--allow-short``), the kind of its last step,
-        which the summary then comes from; ``oom`` for a phase that ran out of memory."""
-        if self.oom is not None:
-            return "oom"
-        return "measured" if "measured" in self.kinds else (self.kinds[-1] if self.kinds else "measured")
-
-    @property
-    def label(self) -> str:
-        """The column name: the phase, and what its numbers come from when not measured steps."""
-        kind = self.measured_kind
-        return self.name if kind == "measured" else f"{self.name} [{kind} step]"
-
-    @property
-    def measured_from(self) -> int:
-        """Index of the first measured step; the memory peaks are taken from there on."""
-        return self.kinds.index("measured") if "measured" in self.kinds else max(len(self.steps) - 1, 0)
-
-    @property
-    def measured(self) -> List[StepStats]:
-        m = [s for s, k in zip(self.steps, self.kinds) if k == "measured"]
-        return m or self.steps[-1:]
-
-    def summary(self) -> Dict[str, Any]:
-        """Medians over the measured steps; peaks over them. A phase that ran out of
-        memory has no figures to compare: its error, its step and the losses before it."""
-        if self.oom is not None:
-            return {"name": self.name, "oom": self.oom, "oom_step": self.oom_step, "measured_kind": "oom",
-                    "measured_steps": 0, "peak_activation_bytes": None, "independent_peak_bytes": None,
-                    "median_step_s": None, "step_s": [], "device_step_s": None, "median_device_step_s": None,
-                    "final_loss": None, "losses": list(self.losses), **self.memory}
-        m = self.measured
-        step_s = med([s.wall_s for s in m])
-        device = [t for t, k in zip(self.device_step_s, self.kinds) if k == "measured"] or self.device_step_s[-1:]
-        written = med([s.bytes_offloaded for s in m])
-        return {
-            "name": self.label,
-            "measured_steps": len(m) if self.measured_kind == "measured" else 0,
-            "measured_kind": self.measured_kind,
-            "warmup_steps": self.kinds.count("warm-up"),
-            "profile_steps": self.kinds.count("profile"),
-            "peak_activation_bytes": max(s.peak_resident_bytes for s in m),
-            "median_step_s": step_s,
-            "step_s": [s.wall_s for s in m],
-            # NOTE [Device step time]: CUDA events on a GPU; None on a CPU
-            "device_step_s": device or None,
-            "median_device_step_s": med(device) if device else None,
-            "cpu_s_per_step": med([s.cpu_s for s in m]),
-            "io_cpu_s_per_step": med([s.io_cpu_s for s in m]),
-            "bytes_written_per_step": written,
-            # what the placements sent to the drives, whether or not the drive finished it in
-            # the step (written, cancelled, or completing in a later one): fixed by the plan
-            "bytes_queued_per_step": med([sum(lc.offloaded_bytes for lc in s.layers.values()) for s in m]),
-            "bytes_read_per_step": med([s.bytes_reloaded for s in m]),
-            "bytes_forwarded_per_step": med([s.bytes_forwarded for s in m]),
-            "bytes_write_cancelled_per_step": med([s.bytes_write_cancelled for s in m]),
-            "write_bytes_per_s": med([s.write_bytes_per_s for s in m if s.write_bytes_per_s]),
-            "read_bytes_per_s": med([s.read_bytes_per_s for s in m if s.read_bytes_per_s]),
-            "stall_s_per_step": med([s.stall_s for s in m]),
-            "write_wait_s_per_step": med([s.backpressure_wait_s for s in m]),
-            "write_fallbacks": sum(s.write_fallbacks for s in self.steps),
-            "peak_ssd_bytes": max(s.peak_ssd_bytes for s in m),
-            "bytes_to_host_per_step": med([s.bytes_to_host for s in m]),
-            "peak_host_bytes": max(s.peak_host_bytes for s in m),
-            "ssd_bytes_written_per_day": written / step_s * 86400 if step_s else 0.0,
-            "final_loss": self.losses[-1] if self.losses else None,
-            "losses": list(self.losses),
-            **self.memory,
-        }
 
 
 class TrainRecipe:
@@ -591,87 +499,6 @@ def _profiled_step(run_step: Any, step: int, existing: Iterable[torch.Tensor] = 
     with AllocatorTimeline(existing) as timeline:
         run_step(step)
     return timeline.peak_bytes, timeline.device_peak_bytes
-
-
-def model_class(builder: str) -> str:
-    """The megatron-core class ``ModelConfig.builder`` builds here: ``HybridModel`` for
-    ``hybrid``, and for ``recommended`` where megatron-core has it (0.19+, where it
-    deprecates ``GPTModel``); else ``GPTModel``."""
-    if builder == "hybrid" or (builder == "recommended" and hybrid_available()):
-        return "HybridModel"
-    return "GPTModel"
-
-
-def device_memory_bytes(device: str) -> int:
-    """Memory of the device the job trains on: the current CUDA device's, or this
-    machine's physical memory on a CPU (0 where unknown)."""
-    if device == "cuda":
-        return int(torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory)
-    return host_memory_bytes()
-
-
-_DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
-
-
-def model_bytes(config: TrainConfig) -> Tuple[int, int]:
-    """A lower bound of the memory the job's GPT needs on its device: (its parameters and
-    their gradients, one micro-batch's logits and one layer's MLP activations)."""
-    m = config.model
-    width = _DTYPE_BYTES[m.params_dtype]
-    h, ffn = m.hidden_size, m.ffn_hidden_size or 4 * m.hidden_size
-    params = (m.vocab_size + m.seq_length) * h + m.num_layers * (4 * h * h + 2 * h * ffn)
-    activations = config.micro_batch_size * m.seq_length * (m.vocab_size + ffn)
-    return 2 * params * width, activations * width
-
-
-_MODEL_FIELDS = (("model", "num_layers"), ("model", "hidden_size"), ("model", "ffn_hidden_size"),
-                 ("model", "seq_length"), ("model", "vocab_size"), (None, "micro_batch_size"))
-
-
-def _with(config: TrainConfig, owner: Optional[str], name: str, value: Any) -> TrainConfig:
-    """A copy of ``config`` with one field set (unvalidated: only for :func:`model_bytes`)."""
-    out = copy.copy(config)
-    if owner is None:
-        object.__setattr__(out, name, value)
-    else:
-        inner = copy.copy(getattr(config, owner))
-        object.__setattr__(inner, name, value)
-        object.__setattr__(out, owner, inner)
-    return out
-
-
-def check_model_fits(config: TrainConfig, device: str, memory: int) -> None:
-    """Refuse a model that cannot fit its device (NOTE [Bounds from the machine] in
-    ``config/tree.py``): :func:`model_bytes` is a lower bound, so only what cannot work is
-    refused. The error names the field whose default would shrink the need most, and the
-    largest value of it that would fit.
-
-    Raises:
-        ConfigError: the lower bound exceeds ``memory`` (0: unknown, no check).
-    """
-    need = sum(model_bytes(config))
-    if not memory or need <= memory:
-        return
-    defaults = TrainConfig()
-
-    def default_of(owner: Optional[str], name: str) -> Any:
-        return getattr(getattr(defaults, owner) if owner else defaults, name)
-
-    owner, name = min(_MODEL_FIELDS, key=lambda f: sum(model_bytes(_with(config, *f, default_of(*f)))))
-    value = getattr(getattr(config, owner) if owner else config, name)
-    low, high = 0, value if isinstance(value, int) else 4 * config.model.hidden_size
-    while low < high:  # the largest value that fits, the others as given
-        mid = (low + high + 1) // 2
-        if sum(model_bytes(_with(config, owner, name, mid))) <= memory:
-            low = mid
-        else:
-            high = mid - 1
-    params, activations = model_bytes(config)
-    cls = "ModelConfig" if owner else "TrainConfig"
-    raise ConfigError(
-        f"{cls}.{name} = {value!r}: must be <= {low} here: the model needs at least {gib(need)} on {device} (parameters "
-        f"and their gradients {gib(params)}, one micro-batch's logits and MLP activations {gib(activations)}), and "
-        f"{'this machine' if device == 'cpu' else 'the CUDA device'} has {gib(memory)}")
 
 
 def _may_use_host(planner: PlannerConfig, offload: OffloadConfig) -> bool:

@@ -463,7 +463,7 @@ _AUTO_IS_NO_SIZE = {False: "", True: " (auto is sized when the cache starts, and
 # together not. An ``auto`` pool counts 0 there: it is sized within half of what the node
 # has available, less the engines (NOTE [Auto host pool] in ``host_pool.py``).
 # Whether the model itself fits its device is checked by the train job before it builds
-# the model (``check_model_fits`` in ``commands/train.py``).
+# the model (``check_model_fits`` in ``commands/model_fit.py``).
 
 STEP_RECORD_BYTES = 8 * KiB
 """Memory the train job keeps per step at least (its statistics and report)."""

@@ -257,11 +257,11 @@ GiB16 = 16 << 30
 def machine_of_16_gib(monkeypatch):
     """The machine's memory, as the bounds read it, set to 16 GiB (NOTE [Bounds from the
     machine])."""
-    from megatron_ssd.commands import train
+    from megatron_ssd.commands import model_fit
     from megatron_ssd.config import tree
 
     monkeypatch.setattr(tree, "host_memory_bytes", lambda: GiB16)
-    monkeypatch.setattr(train, "host_memory_bytes", lambda: GiB16)
+    monkeypatch.setattr(model_fit, "host_memory_bytes", lambda: GiB16)
     monkeypatch.setattr("torch.cuda.is_available", lambda: False)
     monkeypatch.chdir(REPO)
 
@@ -305,7 +305,7 @@ def test_a_model_that_cannot_fit_is_refused_naming_the_field_and_its_largest_val
         machine_of_16_gib, monkeypatch, capsys, override, field):
     """Item: ``model.seq_length=1e12`` failed allocating 1 PB; ``model.num_layers=1e9``
     was still building after 300 s. The largest value named fits, one more does not."""
-    from megatron_ssd.commands.train import check_model_fits
+    from megatron_ssd.commands.model_fit import check_model_fits
 
     err = _refused_before_setup(monkeypatch, capsys, ["train", override])
     value = int(float(override.split("=")[1]))
