@@ -37,7 +37,7 @@ from ..cache.pages import trim_heap
 from ..config import HostPoolChoice, OffloadConfig, PlannerConfig, TrainConfig, from_dict, load_config, local_ranks, to_dict
 from ..placement import Placement
 from ..errors import ConfigError
-from ..io.rundir import stranded_run_dirs
+from ..io.stranded import stranded_run_dirs
 from ..io.scratch import default_offload_dir, make_private_dir
 from ..io.smart import path_wear
 from ..megatron import get_forward_backward_func, offload_layer_spec
@@ -396,7 +396,7 @@ class TrainRecipe:
             self._say(format_plans(self.planner_summary["events"], cfg.steps))
         summaries = [self._with_wear(p.summary()) for p in phases]
         identity = loss_identity(summaries)
-        stranded = stranded_run_dirs()[stranded_before:]  # NOTE [Stranded run directories] in io/rundir.py
+        stranded = stranded_run_dirs()[stranded_before:]  # NOTE [Stranded run directories] in io/stranded.py
         drives = [path_wear(path) for path in dict.fromkeys(self.offload.paths)]
         report = {
             "model_class": self.model_class,

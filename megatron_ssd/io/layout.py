@@ -238,7 +238,7 @@ class Layout(abc.ABC):
             except OSError:
                 pass  # a dead filesystem may answer EIO: the descriptor is gone all the same
         for d in self.run_dirs:
-            d.close()  # what stays is named (NOTE [Stranded run directories] in rundir.py)
+            d.close()  # what stays is named (NOTE [Stranded run directories] in stranded.py)
 
 
 class ExtentLayout(Layout):
