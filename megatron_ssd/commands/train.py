@@ -35,7 +35,6 @@ from ..cache.device import check_device
 from ..cache.memory_cap import apply_device_memory_cap, out_of_memory
 from ..cache.pages import trim_heap
 from ..config import HostPoolChoice, OffloadConfig, PlannerConfig, TrainConfig, from_dict, load_config, local_ranks, to_dict
-from ..placement import Placement
 from ..errors import ConfigError
 from ..io.stranded import stranded_run_dirs
 from ..io.scratch import default_offload_dir, make_private_dir
@@ -49,7 +48,7 @@ from ..workloads.data import TextFileData
 from ..workloads.harness import SGD, SyntheticData, finalize_embedding_grads, gpt_forward_step, train_step
 from ..workloads.models import build_gpt, build_hybrid_gpt, tiny_transformer_config
 from ..workloads.parallel import destroy_parallel, init_parallel
-from .intervals import median_ci95
+from .paired import run_pairs
 from .phase_result import PhaseResult
 from .model_fit import check_model_fits, device_memory_bytes, model_bytes, model_class
 from .output import Progress, write_json
@@ -300,64 +299,9 @@ class TrainRecipe:
                                        "under the capacity guard, offloading, and not be keep")
             elif pairs:
                 sink = []
-                self.paired = self._pairs(cache, run_step, next_step, pairs, sink, timer)
+                self.paired = run_pairs(cache, run_step, next_step, pairs, sink, timer,
+                                        self.config.paired_settle_steps, self.out)
         return result
-
-    def _pairs(self, cache: TensorCache, run_step: Any, first_step: int, pairs: int,
-               sink: List[StepStats], timer: StepTimer) -> Dict[str, Any]:
-        """``pairs`` pairs of steps, keep-everything against the cache's final placement.
-
-        NOTE [Paired steps]: the two steps of a pair run back to back in one process, so
-        a drift of the machine's speed over minutes hits both alike and cancels out of
-        their ratio; which step goes first alternates (keep first in even pairs), so a
-        drift within a pair cancels over two pairs. The keep step sets every layer to
-        KEEP; the other restores the plan and the default placement the offload phase
-        ended with. Each timed step follows ``paired_settle_steps`` (default 2) untimed
-        steps of its own kind: a step right after a switch inherits the other kind's
-        memory state (keep's backward leaves glibc's heap full of resident free pages
-        that the plan's trims would otherwise have given back and faulted in again), so
-        unsettled pairs understate the plan's cost, and one settle step is not always
-        enough (measured: docs/performance.md#run-2026-11-24-paired-settle). The planner
-        sees none of these steps: it neither re-plans nor profiles. Where keep-everything
-        does not fit the planner's capacity (its ``fits``), no pair runs: the keep step
-        would run under the capacity guard, which offloads (``paired_not_run`` says so;
-        on the H200 such "keep" steps wrote 2.3 GB and the pairs read 0.21x). They continue
-        training, so the model after them differs from the offload phase's
-        (``final_loss`` stays the offload phase's). On a GPU each timed step's time is its
-        CUDA-event time (NOTE [Device step time]), elsewhere its ``wall_s``.
-        """
-        plan = cache.plan()
-        keep_s: List[float] = []
-        offload_s: List[float] = []
-        written = {True: 0, False: 0}
-        cancelled = {True: 0, False: 0}
-        step = first_step
-        progress = Progress("paired keep/offload", pairs, self.out)
-        settle, recorded = self.config.paired_settle_steps, len(sink)
-        for i in range(pairs):
-            for keep in ((True, False) if i % 2 == 0 else (False, True)):
-                if keep:
-                    cache.set_plan({}, Placement.KEEP)
-                else:
-                    cache.set_plan(plan.choices, plan.default)
-                cache.policy.rule_active = not keep  # a peer's rule too (OffloadConfig.peer)
-                for _ in range(settle + 1):  # the last one is timed
-                    loss = run_step(step)
-                    step += 1
-                (keep_s if keep else offload_s).append(timer.last_s if timer.enabled else sink[-1].wall_s)
-                written[keep] += sink[-1].bytes_offloaded
-                cancelled[keep] += sink[-1].bytes_write_cancelled
-            progress.step(step_line("pair", loss, sink[-1]))
-        progress.close()
-        cache.set_plan(plan.choices, plan.default)
-        cache.policy.rule_active = True
-        ratios = [o / k for o, k in zip(offload_s, keep_s)]
-        return {"pairs": pairs, "settle_steps": settle, "steps_run": len(sink) - recorded,
-                "timing": "cuda_events" if timer.enabled else "wall_s",
-                "keep_step_s": keep_s, "offload_step_s": offload_s, "ratios": ratios,
-                "median_ratio": statistics.median(ratios), "ratio_ci95": median_ci95(ratios),
-                "keep_bytes_written": written[True], "offload_bytes_written_per_step": written[False] / pairs,
-                "offload_bytes_write_cancelled_per_step": cancelled[False] / pairs}
 
     def _with_wear(self, summary: Dict[str, Any]) -> Dict[str, Any]:
         """Add the drives' projected lifetime at the phase's write rate (NOTE [Wear model])."""

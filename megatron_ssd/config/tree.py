@@ -343,7 +343,7 @@ class TrainConfig:
     seconds apart, so the machine's drift cancels out of it (0: none)."""
     paired_settle_steps: Annotated[int, NonNegative(), AtMost(PROFILE_STEPS_MAX)] = 2
     """Untimed steps of the same kind before each timed step of a pair (NOTE [Paired
-    steps] in ``commands/train.py``): a step right after a switch inherits the other
+    steps] in ``commands/paired.py``): a step right after a switch inherits the other
     kind's heap, and a plan that both recomputes and offloads needed two steps to shed
     it. 0 times the step right after the switch."""
     allocator_timeline: bool = False

@@ -404,8 +404,8 @@ def test_paired_steps_on_a_gpu_take_their_ratios_from_cuda_events():
     """Before: the pairs used the cache's wall_s, which on a GPU times the queueing."""
     from types import SimpleNamespace
 
-    from megatron_ssd.commands.train import TrainRecipe
-    from megatron_ssd.config import Placement, TrainConfig
+    from megatron_ssd.commands.paired import run_pairs
+    from megatron_ssd.config import Placement
     from megatron_ssd.cache.policy import PlanState
     from megatron_ssd.placement import LayerChoice
 
@@ -429,8 +429,7 @@ def test_paired_steps_on_a_gpu_take_their_ratios_from_cuda_events():
         sink.append(SimpleNamespace(wall_s=0.001, bytes_offloaded=0, bytes_write_cancelled=0, peak_resident_bytes=0))
         return 0.0
 
-    recipe = TrainRecipe(TrainConfig(paired_settle_steps=0), out=io.StringIO())
-    paired = recipe._pairs(cache, run_step, 0, 2, sink, timer)
+    paired = run_pairs(cache, run_step, 0, 2, sink, timer, settle=0, out=io.StringIO())
     assert paired["timing"] == "cuda_events"
     assert paired["ratios"] == pytest.approx([(3.0 + 2.5) / (1.0 + 2.5)] * 2)
 
