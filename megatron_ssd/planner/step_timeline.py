@@ -8,25 +8,24 @@ saved-activation bytes and how busy the array was. The planner searches placemen
 it; :mod:`megatron_ssd.planner.simulate` uses it for hardware that is not at hand.
 
 The model's ordering assumptions are the ``NOTE`` blocks below; ``docs/planner.md``
-discusses their limits.
+discusses their limits. The replay is :class:`_Replay`, one method per event kind, on the
+queue, link and compute of :mod:`~megatron_ssd.planner.queues`.
 """
 
 from __future__ import annotations
 
-import bisect
 from dataclasses import dataclass, field
 from typing import Callable, List, Optional, Sequence, Tuple, Union
 
 from ..placement import MOVED, LayerChoice, Placement
 from ..errors import ConfigError
 from .profile import IOProfile, LayerId, LayerProfile, StageProfile
+from .queues import EPS, Compute, DeviceQueue, Link, admitted, resident_peak
 from .sites import ReadAhead, read_ahead_list, site_read_aheads, site_list, use_order
 
 __all__ = ["LayerTimeline", "ReadAhead", "SiteRead", "Timeline", "predict", "read_ahead_list", "rerun_working_bytes",
            "site_read_aheads", "site_list", "use_order"]
 
-_EPS = 1e-12
-"""Slack (seconds) when comparing event times, so float rounding cannot flip an order."""
 
 
 # NOTE [One device queue]
@@ -273,111 +272,6 @@ class Timeline:
         return sum(lt.offloaded_bytes for lt in self.layers if lt.placement is Placement.HOST)
 
 
-class _DeviceQueue:
-    """The SSD array's FIFO queue; see NOTE [One device queue]."""
-
-    def __init__(self) -> None:
-        self.free_at = 0.0
-        self.busy: List[Tuple[float, float]] = []
-
-    def extend_to(self, end: float) -> float:
-        """The last request cannot end before ``end`` (a layer's last tensor is saved
-        when its forward ends); returns when it ends."""
-        self.free_at = max(self.free_at, end)
-        if self.busy:
-            self.busy[-1] = (self.busy[-1][0], self.free_at)
-        return self.free_at
-
-    def submit(self, issue: float, duration: float) -> Tuple[float, float]:
-        start = max(issue, self.free_at)
-        end = start + duration
-        self.free_at = end
-        if duration > 0:
-            self.busy.append((start, end))
-        return start, end
-
-
-class _Link:
-    """The device's host link: transfers one at a time, each in the earliest idle span
-    from its start on that is long enough (NOTE [Shared link])."""
-
-    def __init__(self) -> None:
-        self.busy: List[Tuple[float, float]] = []  # disjoint, in time order
-        self.free_at = 0.0
-        """When the last transfer ends (or the last host copy's layer finished saving)."""
-
-    def reserve(self, start: float, duration: float) -> Tuple[float, float]:
-        """Book ``duration`` seconds from ``start`` on; returns the transfer's (start, end)."""
-        if duration <= 0:
-            return start, start
-        busy = self.busy
-        if not busy or start >= busy[-1][1] - _EPS:  # the usual case: after every booked transfer
-            start = max(start, busy[-1][1]) if busy else start
-        else:
-            for begin, end in busy[max(bisect.bisect_right(busy, (start, float("inf"))) - 1, 0):]:
-                if end <= start + _EPS:
-                    continue
-                if start + duration <= begin + _EPS:
-                    break
-                start = max(start, end)
-        end = start + duration
-        if busy and abs(busy[-1][1] - start) <= _EPS:  # joins the last span
-            busy[-1] = (busy[-1][0], end)
-        else:
-            bisect.insort(busy, (start, end))
-        self.free_at = max(self.free_at, end)
-        return start, end
-
-    def extend_to(self, end: float, request_end: float) -> float:
-        """A host copy ends no earlier than ``end`` (its layer's last tensor is saved then),
-        though the link idles meanwhile; returns when it ends."""
-        self.free_at = max(self.free_at, end)
-        return max(request_end, end)
-
-
-class _Compute:
-    """Replays compute segments, slowed while the queue or the link is busy (NOTE [Compute
-    slowdown])."""
-
-    def __init__(self, channels: Sequence[Tuple[List[Tuple[float, float]], float]]) -> None:
-        self.channels = [(busy, s) for busy, s in channels if s > 0]
-        """(busy intervals, slowdown) of each channel that slows compute: the queue's list
-        is appended to in time order, the link's kept sorted; both only ever gain
-        intervals that start at or after the compute already replayed."""
-        self.cursors = [0] * len(self.channels)
-
-    def run(self, t: float, work: float) -> float:
-        """End time of ``work`` seconds of no-I/O compute started at ``t``."""
-        if work <= 0:
-            return t
-        if not self.channels:
-            return t + work
-        for c, (busy, _) in enumerate(self.channels):
-            while self.cursors[c] < len(busy) and busy[self.cursors[c]][1] <= t:
-                self.cursors[c] += 1
-        at = list(self.cursors)
-        while True:
-            factor, change = 1.0, float("inf")
-            for c, (busy, s) in enumerate(self.channels):
-                while at[c] < len(busy) and busy[at[c]][1] <= t:
-                    at[c] += 1
-                if at[c] == len(busy):
-                    continue
-                start, end = busy[at[c]]
-                if start > t:
-                    change = min(change, start)
-                else:
-                    factor += s
-                    change = min(change, end)
-            if change == float("inf"):
-                return t + work * factor
-            progress = (change - t) / factor
-            if work <= progress:
-                return t + work * factor
-            work -= progress
-            t = change
-
-
 def predict(
     stage: StageProfile,
     choices: Sequence[Union[LayerChoice, Placement, str]],
@@ -428,107 +322,11 @@ def predict(
         raise ConfigError("placements: 'offload' needs the drives' measured bandwidths (IOProfile.write_bytes_per_s "
                           "and read_bytes_per_s are null: no profiling step moved a byte to the drives)")
 
-    queue = _DeviceQueue()
-    link = _Link()  # NOTE [Host tier], NOTE [Shared link]
-    shared = io.host_bytes_per_s is not None and io.shared_host_link
-    compute = _Compute([(queue.busy, io.compute_slowdown), (link.busy, io.host_compute_slowdown)])
-
-    def channel(placement: Placement) -> Tuple[Union[_DeviceQueue, _Link], float, float]:
-        """The queue and the write and read bandwidths of a moved placement."""
-        if placement is Placement.HOST:
-            return link, io.host_bytes_per_s, io.host_bytes_per_s  # type: ignore[return-value]
-        return queue, io.write_bytes_per_s, io.read_bytes_per_s
-
-    def transfer(q: Union[_DeviceQueue, _Link], issue: float, nbytes: int, bandwidth: float) -> Tuple[float, float]:
-        """(start, end) of ``nbytes`` moved through ``q`` from ``issue`` on: a host copy on
-        the link; an SSD request on the array, and on a shared link across it too (NOTE
-        [Shared link])."""
-        if q is link:
-            return link.reserve(issue, nbytes / bandwidth)
-        start, end = queue.submit(issue, nbytes / bandwidth)
-        if shared:
-            crossed = link.reserve(start, nbytes / io.host_bytes_per_s)[1]  # type: ignore[operator]
-            if crossed > end:  # the array waits for its bytes
-                end = queue.extend_to(crossed)
-        return start, end
-    events: List[Tuple[float, int, int]] = []  # (time, 0 = release / 1 = allocate, delta)
-    uncounted: List[Tuple[float, float, int]] = []  # NOTE [What the cache counts]
-
-    def hold(start: float, end: float, nbytes: int) -> None:
-        if nbytes and end > start:
-            events.append((start, 1, nbytes))
-            events.append((end, 0, -nbytes))
-
-    def uncount(start: float, end: float, nbytes: int) -> None:
-        hold(start, end, nbytes)
-        if nbytes and end > start:
-            uncounted.append((start, end, nbytes))
-
-    out: List[LayerTimeline] = []
-    write_busy = read_busy = host_busy = write_wait = 0.0
-    bound = io.max_inflight_bytes
-    writing: List[Tuple[float, int]] = []  # (end, bytes) of SSD writes maybe in flight (NOTE [In-flight bound])
-    t = 0.0
+    replay = _Replay(stage, layers, io)
     for layer, placement, nbytes, k in zip(layers, placements, moved, counts):
-        start = t
-        streamed = None
-        admitted = start
-        if nbytes:
-            q, write_bw, _ = channel(placement)
-            if q is queue and bound is not None:
-                first = None
-                for size in layer.sites[: len(layer.sites) if k is None else k]:
-                    admitted = _admitted(writing, admitted, size, bound)
-                    request = transfer(q, admitted, size, write_bw)
-                    writing.append((request[1], size))
-                    first = request[0] if first is None else first
-                streamed = (first, request[1])
-            else:
-                streamed = transfer(q, start, nbytes, write_bw)  # NOTE [Write and read issue points]
-            if q is queue:
-                write_busy += nbytes / write_bw
-            else:
-                host_busy += nbytes / write_bw
-        computed = compute.run(start, layer.forward_s)
-        t = max(computed, admitted)
-        lt = LayerTimeline(layer.layer_id, placement, start, t, 0.0, 0.0, offloaded_bytes=nbytes,
-                           write_wait_s=t - computed)
-        write_wait += lt.write_wait_s
-        if streamed is not None:
-            lt.write_start = streamed[0]
-            lt.write_end = link.extend_to(t, streamed[1]) if q is link else queue.extend_to(t)
-            if writing and q is queue:  # the last site cannot complete before it is saved
-                writing[-1] = (lt.write_end, writing[-1][1])
-        out.append(lt)
-        uncount(start, t, layer.forward_peak_bytes)  # NOTE [Working set by layer] in adaptive.py
-    head_start, t = t, compute.run(t, stage.other_s)
-    hold(head_start, t, stage.head_bytes)  # the output layer's and loss's saved tensors
-    uncount(head_start, t, stage.head_working_bytes)  # NOTE [Working set by phase] in adaptive.py
-    gap = _pipeline_gap(stage, layers, placements, moved, transfer, queue, link, t, io)
-    t += gap
-
-    def issue_read(i: int, s: int, now: float) -> None:
-        nonlocal read_busy, host_busy
-        lt = out[i]
-        if lt.write_end is None or lt.forwarded:
-            return
-        if not lt.reads and lt.write_end > now + _EPS:
-            lt.forwarded = True  # NOTE [Forwarding]
-            return
-        q, _, read_bw = channel(lt.placement)
-        nbytes = layers[i].sites[s]
-        duration = nbytes / read_bw
-        start, end = transfer(q, now, nbytes, read_bw)
-        lt.reads.append(SiteRead(s, nbytes, now, start, end))
-        if lt.read_issue is None:
-            lt.read_issue, lt.read_start = now, start
-        lt.read_end = end
-        if q is queue:
-            read_busy += duration
-        else:
-            host_busy += duration
-
-    exposed = 0.0
+        replay.forward(layer, placement, nbytes, k)
+    replay.head()
+    gap = replay.pipeline_gap(placements, moved)
     # every moved site, needed-first (later layers first, then in use order), due at the
     # first backward j, counting down, with i + its read-ahead >= j
     due_at: List[List[Tuple[int, int]]] = [[] for _ in range(n)]
@@ -538,8 +336,163 @@ def predict(
                 due_at[min(i + aheads[i][s], n - 1)].append((i, s))
     for j in range(n - 1, -1, -1):
         for i, s in due_at[j]:
-            issue_read(i, s, t)
-        lt, layer = out[j], layers[j]
+            replay.issue_read(i, s)
+        replay.backward(j)
+    return replay.timeline(placements, gap)
+
+
+class _Replay:
+    """One micro-batch of a stage replayed by :func:`predict`, an event kind per method:
+    a layer's forward with its writes (:meth:`forward`), the head (:meth:`head`), the
+    other micro-batches' I/O in a pipeline's wait (:meth:`pipeline_gap`), a site's read
+    (:meth:`issue_read`), a layer's backward with its stalls (:meth:`backward`); then the
+    :class:`Timeline` (:meth:`timeline`). Between them it holds the clock (``t``), the
+    SSD array's queue and the host link with the compute they slow, the resident bytes'
+    events and the busy totals."""
+
+    def __init__(self, stage: StageProfile, layers: Sequence[LayerProfile], io: IOProfile) -> None:
+        self.stage, self.layers, self.io = stage, layers, io
+        self.queue = DeviceQueue()
+        self.link = Link()  # NOTE [Host tier], NOTE [Shared link]
+        self.shared = io.host_bytes_per_s is not None and io.shared_host_link
+        self.compute = Compute([(self.queue.busy, io.compute_slowdown), (self.link.busy, io.host_compute_slowdown)])
+        self.events: List[Tuple[float, int, int]] = []  # (time, 0 = release / 1 = allocate, delta)
+        self.uncounted: List[Tuple[float, float, int]] = []  # NOTE [What the cache counts]
+        self.out: List[LayerTimeline] = []
+        self.write_busy = self.read_busy = self.host_busy = self.write_wait = self.exposed = 0.0
+        self.writing: List[Tuple[float, int]] = []  # (end, bytes) of SSD writes maybe in flight (NOTE [In-flight bound])
+        self.t = 0.0
+
+    def channel(self, placement: Placement) -> Tuple[Union[DeviceQueue, Link], float, float]:
+        """The queue and the write and read bandwidths of a moved placement."""
+        io = self.io
+        if placement is Placement.HOST:
+            return self.link, io.host_bytes_per_s, io.host_bytes_per_s  # type: ignore[return-value]
+        return self.queue, io.write_bytes_per_s, io.read_bytes_per_s  # type: ignore[return-value]
+
+    def transfer(self, q: Union[DeviceQueue, Link], issue: float, nbytes: int, bandwidth: float) -> Tuple[float, float]:
+        """(start, end) of ``nbytes`` moved through ``q`` from ``issue`` on: a host copy on
+        the link; an SSD request on the array, and on a shared link across it too (NOTE
+        [Shared link])."""
+        link = self.link
+        if q is link:
+            return link.reserve(issue, nbytes / bandwidth)
+        start, end = self.queue.submit(issue, nbytes / bandwidth)
+        if self.shared:
+            crossed = link.reserve(start, nbytes / self.io.host_bytes_per_s)[1]  # type: ignore[operator]
+            if crossed > end:  # the array waits for its bytes
+                end = self.queue.extend_to(crossed)
+        return start, end
+
+    def hold(self, start: float, end: float, nbytes: int) -> None:
+        if nbytes and end > start:
+            self.events.append((start, 1, nbytes))
+            self.events.append((end, 0, -nbytes))
+
+    def uncount(self, start: float, end: float, nbytes: int) -> None:
+        self.hold(start, end, nbytes)
+        if nbytes and end > start:
+            self.uncounted.append((start, end, nbytes))
+
+    def forward(self, layer: LayerProfile, placement: Placement, nbytes: int, k: Optional[int]) -> None:
+        """One layer's forward from ``t``: its moved sites' writes queued as it saves them
+        (NOTE [Write and read issue points]), each SSD write admitted under the in-flight
+        bound (NOTE [In-flight bound]), and the compute they slow."""
+        start = self.t
+        streamed = None
+        admitted_at = start
+        queue, link = self.queue, self.link
+        if nbytes:
+            q, write_bw, _ = self.channel(placement)
+            bound = self.io.max_inflight_bytes
+            if q is queue and bound is not None:
+                first = None
+                for size in layer.sites[: len(layer.sites) if k is None else k]:
+                    admitted_at = admitted(self.writing, admitted_at, size, bound)
+                    request = self.transfer(q, admitted_at, size, write_bw)
+                    self.writing.append((request[1], size))
+                    first = request[0] if first is None else first
+                streamed = (first, request[1])
+            else:
+                streamed = self.transfer(q, start, nbytes, write_bw)  # NOTE [Write and read issue points]
+            if q is queue:
+                self.write_busy += nbytes / write_bw
+            else:
+                self.host_busy += nbytes / write_bw
+        computed = self.compute.run(start, layer.forward_s)
+        t = self.t = max(computed, admitted_at)
+        lt = LayerTimeline(layer.layer_id, placement, start, t, 0.0, 0.0, offloaded_bytes=nbytes,
+                           write_wait_s=t - computed)
+        self.write_wait += lt.write_wait_s
+        if streamed is not None:
+            lt.write_start = streamed[0]
+            lt.write_end = link.extend_to(t, streamed[1]) if q is link else queue.extend_to(t)
+            if self.writing and q is queue:  # the last site cannot complete before it is saved
+                self.writing[-1] = (lt.write_end, self.writing[-1][1])
+        self.out.append(lt)
+        self.uncount(start, t, layer.forward_peak_bytes)  # NOTE [Working set by layer] in adaptive.py
+
+    def head(self) -> None:
+        """The output layer and the loss, between the last forward and the first backward."""
+        stage = self.stage
+        head_start, self.t = self.t, self.compute.run(self.t, stage.other_s)
+        self.hold(head_start, self.t, stage.head_bytes)  # the output layer's and loss's saved tensors
+        self.uncount(head_start, self.t, stage.head_working_bytes)  # NOTE [Working set by phase] in adaptive.py
+
+    def pipeline_gap(self, placements: Sequence[Placement], moved: Sequence[int]) -> float:
+        """The 1F1B wait between the replayed micro-batch's forward and its backward, with
+        the other micro-batches' I/O queued in it (NOTE [Pipeline micro-batches]) through
+        :meth:`transfer` (NOTE [Shared link]); ``t`` moves past it."""
+        stage, layers, io, now = self.stage, self.layers, self.io, self.t
+        m = stage.microbatches_in_flight or 1
+        if m <= 1:
+            return 0.0
+        forward = sum(layer.forward_s for layer in layers)
+        slot = forward + sum(
+            layer.backward_s + (layer.recompute_time if p is Placement.RECOMPUTE else 0.0)
+            for layer, p in zip(layers, placements)
+        ) + stage.other_s
+        offloaded = sum(b for b, p in zip(moved, placements) if p is Placement.OFFLOAD)
+        hosted = sum(b for b, p in zip(moved, placements) if p is Placement.HOST)
+        for k in range(m - 1):
+            if offloaded:
+                self.transfer(self.queue, now + k * slot, offloaded, io.write_bytes_per_s)  # type: ignore[arg-type]
+                self.transfer(self.queue, now + k * slot + forward, offloaded, io.read_bytes_per_s)  # type: ignore[arg-type]
+            if hosted:
+                self.transfer(self.link, now + k * slot, hosted, io.host_bytes_per_s)  # type: ignore[arg-type]
+                self.transfer(self.link, now + k * slot + forward, hosted, io.host_bytes_per_s)  # type: ignore[arg-type]
+        gap = (m - 1) * slot
+        self.t += gap
+        return gap
+
+    def issue_read(self, i: int, s: int) -> None:
+        """Layer ``i``'s site ``s`` read back from ``t``, unless its write is still in
+        flight there and nothing of the layer was read yet: then the layer is served from
+        memory (NOTE [Forwarding])."""
+        lt, now = self.out[i], self.t
+        if lt.write_end is None or lt.forwarded:
+            return
+        if not lt.reads and lt.write_end > now + EPS:
+            lt.forwarded = True  # NOTE [Forwarding]
+            return
+        q, _, read_bw = self.channel(lt.placement)
+        nbytes = self.layers[i].sites[s]
+        duration = nbytes / read_bw
+        start, end = self.transfer(q, now, nbytes, read_bw)
+        lt.reads.append(SiteRead(s, nbytes, now, start, end))
+        if lt.read_issue is None:
+            lt.read_issue, lt.read_start = now, start
+        lt.read_end = end
+        if q is self.queue:
+            self.read_busy += duration
+        else:
+            self.host_busy += duration
+
+    def backward(self, j: int) -> None:
+        """Layer ``j``'s backward from ``t``, recompute included, waiting at each read's
+        use point for a read still in flight (NOTE [Site use times]); then its memory
+        (NOTE [Memory accounting])."""
+        lt, layer, t = self.out[j], self.layers[j], self.t
         work = layer.backward_s
         if lt.placement is Placement.RECOMPUTE:
             work += layer.recompute_time
@@ -547,82 +500,43 @@ def predict(
         done = 0.0
         for read in sorted(lt.reads, key=lambda r: layer.use_at(r.site)):  # NOTE [Site use times]
             use = layer.use_at(read.site)
-            t = compute.run(t, (use - done) * work)
+            t = self.compute.run(t, (use - done) * work)
             done = use
             if read.end > t:
                 lt.stall_s += read.end - t
                 t = read.end
-        exposed += lt.stall_s
-        lt.backward_end = t = compute.run(t, (1.0 - done) * work)
-        _account(layer, lt, hold, uncount)
+        self.exposed += lt.stall_s
+        lt.backward_end = self.t = self.compute.run(t, (1.0 - done) * work)
+        _account(layer, lt, self.hold, self.uncount)
 
-    microbatch_peak, memory = _peak(events)
-    parked = sum(_parked_bytes(layer, lt) for layer, lt in zip(layers, out))
-    in_flight = stage.microbatches_in_flight or 1
-    compute_s = (
-        sum(layer.forward_s + layer.backward_s for layer in layers)
-        + sum(layer.recompute_time for layer, p in zip(layers, placements) if p is Placement.RECOMPUTE)
-        + stage.other_s
-    )
-    return Timeline(
-        layers=out,
-        step_s=t - gap,
-        compute_s=compute_s,
-        exposed_s=exposed,
-        slowdown_s=max(0.0, t - compute_s - exposed - write_wait),
-        peak_bytes=microbatch_peak + (in_flight - 1) * parked,  # NOTE [Pipeline micro-batches]
-        microbatch_peak_bytes=microbatch_peak,
-        parked_bytes=parked,
-        write_busy_s=write_busy,
-        read_busy_s=read_busy,
-        io_end_s=max(queue.free_at, link.free_at),
-        host_busy_s=host_busy,
-        write_wait_s=write_wait,
-        memory=memory,
-        uncounted=uncounted,
-    )
-
-
-def _pipeline_gap(stage: StageProfile, layers: Sequence[LayerProfile], placements: Sequence[Placement], moved: Sequence[int],
-                  transfer: Callable[..., Tuple[float, float]], queue: "_DeviceQueue", link: "_Link", now: float,
-                  io: IOProfile) -> float:
-    """The 1F1B wait between the replayed micro-batch's forward and its backward, with
-    the other micro-batches' I/O queued in it (NOTE [Pipeline micro-batches]) through
-    ``transfer`` (NOTE [Shared link])."""
-    m = stage.microbatches_in_flight or 1
-    if m <= 1:
-        return 0.0
-    forward = sum(layer.forward_s for layer in layers)
-    slot = forward + sum(
-        layer.backward_s + (layer.recompute_time if p is Placement.RECOMPUTE else 0.0)
-        for layer, p in zip(layers, placements)
-    ) + stage.other_s
-    offloaded = sum(b for b, p in zip(moved, placements) if p is Placement.OFFLOAD)
-    hosted = sum(b for b, p in zip(moved, placements) if p is Placement.HOST)
-    for k in range(m - 1):
-        if offloaded:
-            transfer(queue, now + k * slot, offloaded, io.write_bytes_per_s)
-            transfer(queue, now + k * slot + forward, offloaded, io.read_bytes_per_s)
-        if hosted:
-            transfer(link, now + k * slot, hosted, io.host_bytes_per_s)
-            transfer(link, now + k * slot + forward, hosted, io.host_bytes_per_s)
-    return (m - 1) * slot
-
-
-def _admitted(writing: List[Tuple[float, int]], t: float, nbytes: int, bound: int) -> float:
-    """The earliest time from ``t`` at which a write of ``nbytes`` is admitted under the
-    in-flight ``bound``, given the ``(end, bytes)`` of earlier writes in queue order (their
-    ends do not decrease); drops those complete by ``t`` (NOTE [In-flight bound])."""
-    while writing and writing[0][0] <= t + _EPS:
-        writing.pop(0)
-    outstanding = sum(b for _, b in writing)
-    if outstanding == 0 or outstanding + nbytes <= bound:
-        return t
-    for end, b in writing:
-        outstanding -= b
-        if outstanding == 0 or outstanding + nbytes <= bound:
-            return end
-    return t  # not reached: after the last end nothing is outstanding
+    def timeline(self, placements: Sequence[Placement], gap: float) -> Timeline:
+        """The replay's :class:`Timeline` (its step without the pipeline's wait)."""
+        stage, layers, out = self.stage, self.layers, self.out
+        microbatch_peak, memory = resident_peak(self.events)
+        parked = sum(_parked_bytes(layer, lt) for layer, lt in zip(layers, out))
+        in_flight = stage.microbatches_in_flight or 1
+        compute_s = (
+            sum(layer.forward_s + layer.backward_s for layer in layers)
+            + sum(layer.recompute_time for layer, p in zip(layers, placements) if p is Placement.RECOMPUTE)
+            + stage.other_s
+        )
+        return Timeline(
+            layers=out,
+            step_s=self.t - gap,
+            compute_s=compute_s,
+            exposed_s=self.exposed,
+            slowdown_s=max(0.0, self.t - compute_s - self.exposed - self.write_wait),
+            peak_bytes=microbatch_peak + (in_flight - 1) * parked,  # NOTE [Pipeline micro-batches]
+            microbatch_peak_bytes=microbatch_peak,
+            parked_bytes=parked,
+            write_busy_s=self.write_busy,
+            read_busy_s=self.read_busy,
+            io_end_s=max(self.queue.free_at, self.link.free_at),
+            host_busy_s=self.host_busy,
+            write_wait_s=self.write_wait,
+            memory=memory,
+            uncounted=self.uncounted,
+        )
 
 
 def backward_working_bytes(layer: LayerProfile, placement: Placement) -> int:
@@ -689,17 +603,3 @@ def _parked_bytes(layer: LayerProfile, lt: LayerTimeline) -> int:
     if lt.placement is Placement.RECOMPUTE:
         return layer.boundary_bytes
     return layer.kept_bytes + layer.saved_bytes - lt.offloaded_bytes  # OFFLOAD, HOST
-
-
-def _peak(events: List[Tuple[float, int, int]]) -> Tuple[int, List[Tuple[float, int]]]:
-    """Peak and trace of resident bytes; releases sort before allocations at a tie."""
-    resident = peak = 0
-    memory: List[Tuple[float, int]] = [(0.0, 0)]
-    for time, _, delta in sorted(events):
-        resident += delta
-        peak = max(peak, resident)
-        if memory[-1][0] == time:
-            memory[-1] = (time, resident)
-        else:
-            memory.append((time, resident))
-    return peak, memory
