@@ -352,8 +352,7 @@ class _Replay:
 
     def __init__(self, stage: StageProfile, layers: Sequence[LayerProfile], io: IOProfile) -> None:
         self.stage, self.layers, self.io = stage, layers, io
-        self.queue = DeviceQueue()
-        self.link = Link()  # NOTE [Host tier], NOTE [Shared link]
+        self.queue, self.link = DeviceQueue(), Link()  # NOTE [Host tier], NOTE [Shared link]
         self.shared = io.host_bytes_per_s is not None and io.shared_host_link
         self.compute = Compute([(self.queue.busy, io.compute_slowdown), (self.link.busy, io.host_compute_slowdown)])
         self.events: List[Tuple[float, int, int]] = []  # (time, 0 = release / 1 = allocate, delta)
@@ -398,9 +397,8 @@ class _Replay:
         """One layer's forward from ``t``: its moved sites' writes queued as it saves them
         (NOTE [Write and read issue points]), each SSD write admitted under the in-flight
         bound (NOTE [In-flight bound]), and the compute they slow."""
-        start = self.t
+        start = admitted_at = self.t
         streamed = None
-        admitted_at = start
         queue, link = self.queue, self.link
         if nbytes:
             q, write_bw, _ = self.channel(placement)
@@ -434,8 +432,8 @@ class _Replay:
 
     def head(self) -> None:
         """The output layer and the loss, between the last forward and the first backward."""
-        stage = self.stage
-        head_start, self.t = self.t, self.compute.run(self.t, stage.other_s)
+        stage, head_start = self.stage, self.t
+        self.t = self.compute.run(head_start, stage.other_s)
         self.hold(head_start, self.t, stage.head_bytes)  # the output layer's and loss's saved tensors
         self.uncount(head_start, self.t, stage.head_working_bytes)  # NOTE [Working set by phase] in adaptive.py
 
@@ -448,10 +446,8 @@ class _Replay:
         if m <= 1:
             return 0.0
         forward = sum(layer.forward_s for layer in layers)
-        slot = forward + sum(
-            layer.backward_s + (layer.recompute_time if p is Placement.RECOMPUTE else 0.0)
-            for layer, p in zip(layers, placements)
-        ) + stage.other_s
+        slot = forward + sum(layer.backward_s + (layer.recompute_time if p is Placement.RECOMPUTE else 0.0)
+                             for layer, p in zip(layers, placements)) + stage.other_s
         offloaded = sum(b for b, p in zip(moved, placements) if p is Placement.OFFLOAD)
         hosted = sum(b for b, p in zip(moved, placements) if p is Placement.HOST)
         for k in range(m - 1):
@@ -493,9 +489,7 @@ class _Replay:
         use point for a read still in flight (NOTE [Site use times]); then its memory
         (NOTE [Memory accounting])."""
         lt, layer, t = self.out[j], self.layers[j], self.t
-        work = layer.backward_s
-        if lt.placement is Placement.RECOMPUTE:
-            work += layer.recompute_time
+        work = layer.backward_s + (layer.recompute_time if lt.placement is Placement.RECOMPUTE else 0.0)
         lt.backward_start = t
         done = 0.0
         for read in sorted(lt.reads, key=lambda r: layer.use_at(r.site)):  # NOTE [Site use times]
