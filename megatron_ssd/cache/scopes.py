@@ -19,7 +19,7 @@ from typing import Any, Callable, Hashable, Iterator, Optional, Protocol, Union
 import torch
 
 from ..errors import CacheStateError
-from ..placement import Placement
+from ..placement import EMBEDDING, HEAD, Placement
 from ..planner.measurement import ModuleMeasurement
 from .entries import EntryTable
 from .exit_guard import EXIT_GUARD
@@ -169,6 +169,20 @@ class Scopes:
         """The innermost layer whose forward scope is open on this thread, else None."""
         stack = self._tls.__dict__.get("layers")
         return stack[-1][0] if stack else None
+
+    def site_layer(self, record: Record) -> Hashable:
+        """The layer a tensor saved now in ``record`` belongs to: the current layer, else
+        the embedding before any layer ran and the head after (NOTE [Sites outside the
+        layers])."""
+        layer_id = self.current_layer()
+        if layer_id is not None:
+            return layer_id
+        order = record.layer_order
+        if order and order[-1] != EMBEDDING:
+            return HEAD
+        if not order:
+            order.append(EMBEDDING)
+        return EMBEDDING
 
     def enter_layer(self, layer_id: Hashable, inputs: Any = None) -> None:
         """Start ``layer_id``'s forward scope on this thread.

@@ -22,8 +22,8 @@ from typing import Dict, Hashable, Iterable, List, Mapping, Optional, Sequence, 
 
 import torch
 
-from ..config import NodeMemory, OffloadConfig, size_host_pool
-from ..placement import EMBEDDING, HEAD, OUTSIDE, LayerChoice, Placement
+from ..config import OffloadConfig
+from ..placement import OUTSIDE, LayerChoice, Placement
 from ..errors import CacheStateError, ConfigError
 from ..io.base import Engine
 from .accounting import StepAccountant
@@ -37,9 +37,9 @@ from .record import Packed, Record
 from .stats import StepStats
 from .hooks import drop_leaked_hooks
 from .scopes import MicrobatchScope, Scopes
+from .tier_stores import open_tier_stores
 from .policy import PlacementPolicy, PlanState
 from ..io import create_engine
-from ..io.host import open_host_pool
 from ..io.store import BlobStore
 from ..io.made_dirs import remove_made
 from ..io.rundir import check_offload_paths
@@ -141,23 +141,12 @@ class TensorCache:
             check_offload_paths(config.paths, config.min_free_bytes)
             engine = create_engine(config, rank=rank)
         self.engine = engine
-        self.ssd = BlobStore(engine, "ssd")
-        """The SSD engine's blobs (``Placement.OFFLOAD``)."""
-        engine_bytes = sum(v for k, v in config.startup_host_bytes().items() if k != "host_pool_bytes")
-        self.host, self.host_pool = open_host_pool(  # NOTE [Auto host pool], NOTE [Pinning fails]
-            size_host_pool(config.host_pool_bytes, self.binding.device.type, NodeMemory.read(), engine_bytes),
-            config.host_copy_bytes_per_s)
-        """The host-memory tier's engine (``Placement.HOST``), when the pool is not 0; and
-        :attr:`host_pool`, its size and why (``offload.host_pool_bytes``, ``auto`` sized)."""
-        self.host_store: Optional[BlobStore] = None
-        """Its blobs."""
-        if self.host is not None:
-            self.host_store = BlobStore(self.host, "host")
-        logger.info("megatron_ssd: %s", self.host_pool.line())
-        self.stores: Dict[Placement, BlobStore] = {Placement.OFFLOAD: self.ssd}
+        self.tiers = tiers = open_tier_stores(config, engine, self.binding.device.type)
+        self.ssd, self.host, self.host_pool, self.host_store = tiers.ssd, tiers.host, tiers.host_pool, tiers.host_store
+        """The SSD engine's blobs; the host tier's engine (None: no pool), its pool's size
+        and why, and its blobs (:class:`~.tier_stores.TierStores`)."""
+        self.stores: Dict[Placement, BlobStore] = tiers.by_placement
         """The store each moved placement's tensors go to (NOTE [Blob stores])."""
-        if self.host_store is not None:
-            self.stores[Placement.HOST] = self.host_store
         self._pid = os.getpid()
         self._run_parents = tuple(os.path.dirname(d) for d in engine.paths) if config.remove_empty_parents else ()
         """Where the run directories are, for NOTE [Emptied parents]."""
@@ -330,18 +319,6 @@ class TensorCache:
     # backward unpacks it). Both number their sites like a layer (NOTE [Sites]), keep
     # unless a plan names them, and cannot be recomputed.
 
-    def _site_layer(self, record: Record) -> Hashable:
-        """The layer a tensor saved now belongs to (NOTE [Sites outside the layers])."""
-        layer_id = self.scopes.current_layer()
-        if layer_id is not None:
-            return layer_id
-        order = record.layer_order
-        if order and order[-1] != EMBEDDING:
-            return HEAD
-        if not order:
-            order.append(EMBEDDING)
-        return EMBEDDING
-
     def _skippable(self, t: torch.Tensor) -> bool:
         """Left to autograd, uncounted: tensors on another device, and what the policy
         leaves to autograd (:meth:`PlacementPolicy.left_to_autograd`)."""
@@ -360,7 +337,7 @@ class TensorCache:
         key = storage_key(t) if plain else ("held", id(t))
         meta = view_meta(t) if plain else None
         with self.entries.lock:
-            entry, moves = self.entries.saved(record, key, t, self._site_layer(record), unmovable,
+            entry, moves = self.entries.saved(record, key, t, self.scopes.site_layer(record), unmovable,
                                               self.scopes.current_group())
         # before the write: its release runs if it raises
         # a subclass is held whole by its entry: it is its own probe (NOTE [In-place changes])
@@ -493,8 +470,7 @@ class TensorCache:
         self._hook_handles.clear()
         drop_leaked_hooks(self)  # NOTE [Scopes an interrupt cannot leak] in scopes.py
         _deactivate(self)
-        for store in self.stores.values():
-            store.close()
+        self.tiers.close()
         self.entries.close()
         self._closed = True
         for d in self._remove_empty_parents():
@@ -513,8 +489,7 @@ class TensorCache:
         I/O, no locks (NOTE [Exit cleanup], NOTE [Marker last])."""
         if self._closed or os.getpid() != self._pid:
             return
-        for store in self.stores.values():
-            store.remove_files_now()
+        self.tiers.remove_files_now()
         for d in self._remove_empty_parents():  # one write a line: the logging lock may be held
             os.write(2, f"megatron_ssd: removed the emptied directory {d}, made for this run "
                         f"(offload.remove_empty_parents={self.config.remove_empty_parents})\n".encode())
