@@ -64,6 +64,41 @@ def _shutdown(workers: Workers, layout: Layout, watchdog: Optional[StallWatchdog
             watchdog.stop()
 
 
+def _start(config: OffloadConfig, rank: Optional[int], fault: Optional[Fault]
+           ) -> Tuple[Optional[StallWatchdog], Layout, Workers]:
+    """The engine's watchdog (none when ``io.stall_warning_s`` is 0), its layout and its
+    ``2 x io.threads`` workers, in that order: the watchdog first, so creating the run
+    directories and files is watched too; where one fails to start, what started before
+    it is stopped (no thread of ours is left running, no run directory left behind) and
+    the error names the setting."""
+    watchdog: Optional[StallWatchdog] = None
+    if config.io.stall_warning_s > 0:
+        try:
+            watchdog = StallWatchdog(config.io.stall_warning_s)
+        except Exception as e:
+            raise OffloadIOError(f"cannot start the I/O engine's watchdog thread "
+                                 f"(io.stall_warning_s = {config.io.stall_warning_s:g}): {e}") from e
+    try:
+        layout = make_layout(config.paths, config.io, rank, fault, watchdog)
+    except BaseException:
+        if watchdog is not None:
+            watchdog.stop()
+        raise
+    try:
+        workers = Workers(2 * config.io.threads, "megatron_ssd-io", config.io.priority)
+    except BaseException as e:
+        try:
+            layout.close()
+        finally:
+            if watchdog is not None:
+                watchdog.stop()
+        if not isinstance(e, Exception):
+            raise
+        raise OffloadIOError(f"cannot start the I/O engine's {2 * config.io.threads} worker threads "
+                             f"(io.threads = {config.io.threads}): {e}") from e
+    return watchdog, layout, workers
+
+
 class StripedEngine(Engine):
     """Block striping over a :class:`~megatron_ssd.io.layout.Layout` with a worker pool,
     blocks moved by a backend (NOTE [Block backends]).
@@ -93,38 +128,13 @@ class StripedEngine(Engine):
         """The device-to-host and host-to-device copy streams (NOTE [Copy streams])."""
         self.fresh = FreshBuffers()
         """CUDA read buffers from :meth:`alloc` not read into yet (NOTE [Fresh read buffers])."""
-        # The watchdog starts first: creating the run directories and files is watched too.
-        self._watchdog: Optional[StallWatchdog] = None
-        if config.io.stall_warning_s > 0:
-            try:
-                self._watchdog = StallWatchdog(config.io.stall_warning_s)
-            except Exception as e:
-                raise OffloadIOError(f"cannot start the I/O engine's watchdog thread "
-                                     f"(io.stall_warning_s = {config.io.stall_warning_s:g}): {e}") from e
-        try:
-            self._layout = make_layout(config.paths, config.io, rank, fault, self._watchdog)
-        except BaseException:
-            if self._watchdog is not None:
-                self._watchdog.stop()
-            raise
+        self._watchdog, self._layout, self._workers = _start(config, rank, fault)
         # NOTE [I/O slots]: io.threads is the number of requests kept in flight on the
         # disk. Twice as many workers run blocks, and a worker holds one of io.threads
         # slots only inside a syscall, so staging copies and checksums of the next
         # blocks overlap the transfers instead of leaving the disk idle between them.
         self.io_slots = threading.BoundedSemaphore(config.io.threads)
         """Held by a backend around each transfer: ``io.threads`` requests on the disks."""
-        try:
-            self._workers = Workers(2 * config.io.threads, "megatron_ssd-io", config.io.priority)
-        except BaseException as e:  # no thread of ours is left running: close the run directories too
-            try:
-                self._layout.close()
-            finally:
-                if self._watchdog is not None:
-                    self._watchdog.stop()
-            if not isinstance(e, Exception):
-                raise
-            raise OffloadIOError(f"cannot start the I/O engine's {2 * config.io.threads} worker threads "
-                                 f"(io.threads = {config.io.threads}): {e}") from e
         self._finalizer = weakref.finalize(self, _shutdown, self._workers, self._layout, self._watchdog)
         self.admission = Admission(config.io.max_inflight_bytes)
         """Bounds the bytes of writes in flight (NOTE [Backpressure])."""
