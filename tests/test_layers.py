@@ -285,3 +285,31 @@ def test_the_wheel_holds_no_lab_module(checkout_wheel):
     lab = sorted(p.name for p in (repo / LAB_PACKAGE).glob("*.py"))
     assert {"gpu_check.py", "sizing_tables.py", "blkio.py"} <= set(lab)
     assert [n for n in names if n.startswith(LAB_PACKAGE) or n.rsplit("/", 1)[-1] in set(lab) - {"__init__.py"}] == []
+
+
+MODULE_LINES_MAX = 600
+"""The most lines a library module holds (CONTRIBUTING.md, "Size")."""
+CLASS_LINES_MAX = 400
+"""The most lines one class holds, its docstring and NOTE blocks included."""
+
+
+def _sizes(source: str):
+    """``(lines of the module, [(class, its lines)])`` of one module's source."""
+    tree = ast.parse(source)
+    classes = [(n.name, n.end_lineno - n.lineno + 1) for n in ast.walk(tree) if isinstance(n, ast.ClassDef)]
+    return len(source.splitlines()), classes
+
+
+@pytest.mark.parametrize("path", MODULES, ids=lambda p: str(p.relative_to(ROOT.parent)))
+def test_no_module_and_no_class_outgrows_its_limit(path):
+    lines, classes = _sizes(path.read_text(encoding="utf-8"))
+    assert lines <= MODULE_LINES_MAX, f"{path.name}: {lines} lines, more than {MODULE_LINES_MAX}: split it by job"
+    large = [(name, n) for name, n in classes if n > CLASS_LINES_MAX]
+    assert not large, f"{path.name}: classes over {CLASS_LINES_MAX} lines: {large}; give part of their job to another"
+
+
+def test_the_size_check_counts_a_class_with_its_docstring_and_nested_classes():
+    body = "\n".join(f"    x{i} = {i}" for i in range(CLASS_LINES_MAX))
+    lines, classes = _sizes(f'class Big:\n    """Doc."""\n{body}\n\n\nclass Small:\n    class Inner:\n        pass\n')
+    assert dict(classes) == {"Big": CLASS_LINES_MAX + 2, "Small": 3, "Inner": 2}
+    assert lines == CLASS_LINES_MAX + 7
