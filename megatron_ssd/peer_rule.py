@@ -36,7 +36,7 @@ FGO_MIN_TENSOR_ELEMENTS = 1024 * 1024
 TE_MIN_TENSOR_ELEMENTS = 256 * 1024
 """Transformer Engine's CPU offload skips tensors under this many elements."""
 
-GROUP_RULES = ("megatron-fine-grained",)
+GROUP_RULES = ("megatron-offload",)
 """The ``PeerConfig.rule`` values that decide by a tensor's module group: only for these
 do the offload-aware layers label their submodules (NOTE [Module groups] in
 ``megatron/groups.py``)."""

@@ -25,7 +25,7 @@ from __future__ import annotations
 import abc
 from typing import Dict, Hashable, List, Optional, Sequence, Set, Tuple
 
-from ..config import PeerConfig
+from ..config import MEGATRON_OFFLOAD, TE_OFFLOAD, PeerConfig
 from ..placement import OUTSIDE, Placement
 from ..errors import ConfigError
 from ..peer_rule import (FGO_MIN_TENSOR_ELEMENTS, FGO_MODULES, TE_MIN_TENSOR_ELEMENTS,
@@ -81,7 +81,7 @@ class FineGrainedRule(PeerRule):
         min_elements: ``min_offloaded_tensor_size``.
     """
 
-    name = "megatron-fine-grained"
+    name = MEGATRON_OFFLOAD
 
     def __init__(self, modules: Sequence[str] = FGO_MODULES, fraction: float = 1.0,
                  min_elements: int = FGO_MIN_TENSOR_ELEMENTS) -> None:
@@ -143,7 +143,7 @@ class FirstLayersRule(PeerRule):
         min_elements: Transformer Engine skips smaller tensors.
     """
 
-    name = "te-cpu-offload"
+    name = TE_OFFLOAD
 
     def __init__(self, num_layers: int, min_elements: int = TE_MIN_TENSOR_ELEMENTS) -> None:
         self.num_layers = num_layers
@@ -172,10 +172,10 @@ def rule_for(peer: Optional[PeerConfig]) -> Optional[PeerRule]:
     """The rule ``peer`` names, at its settings; None for ``rule: none`` (or no ``peer``)."""
     if peer is None:
         return None
-    if peer.rule == "megatron-fine-grained":
+    if peer.rule == MEGATRON_OFFLOAD:
         minimum = FGO_MIN_TENSOR_ELEMENTS if peer.min_tensor_elements is None else peer.min_tensor_elements
         return FineGrainedRule(peer.offload_modules, peer.offload_fraction, minimum)
-    if peer.rule == "te-cpu-offload":
+    if peer.rule == TE_OFFLOAD:
         minimum = TE_MIN_TENSOR_ELEMENTS if peer.min_tensor_elements is None else peer.min_tensor_elements
         return FirstLayersRule(peer.num_layers, minimum)
     return None

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+from ..config import MEGATRON_OFFLOAD, TE_OFFLOAD  # noqa: F401 - the rok placements of the peers' rules
+
 __all__ = ["BUDGET", "CURVE_PREFIXES", "FIXED", "KEEP_LAST", "MEGATRON_FULL", "MEGATRON_OFFLOAD", "MEGATRON_SELECTIVE",
            "TE_OFFLOAD", "add_dominance", "format_dominance"]
 
@@ -19,10 +21,6 @@ BUDGET = "budget"
 """The ``rok`` placement that runs the planner with memory budgets (fractions of keep's
 peak; one point ``budget-<bytes>`` each). It needs ``keep``, which measures that peak."""
 
-MEGATRON_OFFLOAD = "megatron-offload"
-"""Megatron-core's fine-grained activation offloading, on the host tier (``megatron-offload-<fraction>``)."""
-TE_OFFLOAD = "te-offload"
-"""Transformer Engine's CPU offload of the first N layers, on the host tier (``te-offload-<N>``)."""
 MEGATRON_SELECTIVE = "megatron-selective"
 """Megatron's own selective recompute of core attention, run by megatron-core."""
 MEGATRON_FULL = "megatron-full"

@@ -91,8 +91,8 @@ PEER_HOST_POOL = "4GiB"
 allocation (on a CPU each blob maps its own memory)."""
 
 PEERS: Dict[str, List[str]] = {
-    MEGATRON_OFFLOAD: ["offload.planner.mode=keep", "offload.peer.rule=megatron-fine-grained"],
-    TE_OFFLOAD: ["offload.planner.mode=keep", "offload.peer.rule=te-cpu-offload"],
+    MEGATRON_OFFLOAD: ["offload.planner.mode=keep", f"offload.peer.rule={MEGATRON_OFFLOAD}"],
+    TE_OFFLOAD: ["offload.planner.mode=keep", f"offload.peer.rule={TE_OFFLOAD}"],
     MEGATRON_SELECTIVE: ["offload.planner.mode=keep", "model.recompute_granularity=selective",
                          "model.recompute_modules=core_attn"],
     MEGATRON_FULL: ["offload.planner.mode=keep", "model.recompute_granularity=full"],

@@ -40,7 +40,8 @@ from .rules import (MAX_BYTES, MAX_SECONDS, AtLeast, AtMost, Boolean, ByteCount,
 from .schema import (apply_overrides, field_docs, from_dict, is_duration_field, is_size_field, load_config,
                      parse_count_option, parse_list_option, parse_size_option, to_dict, takes_auto, validate)
 from .schema import _broken, _fail, _parse_size, _settle  # noqa: F401 - private, imported from here by io, commands, planner and tests
-from .planning import CAPACITY_RESERVE, FIXED_MODES, PLANNER_MODES, PeerConfig, PlannerConfig
+from .planning import (CAPACITY_RESERVE, FIXED_MODES, MEGATRON_OFFLOAD, PEER_RULE_ALIASES, PLANNER_MODES, TE_OFFLOAD,
+                       PeerConfig, PlannerConfig)
 from .tree import (MICROBATCH_RECORD_BYTES, STEP_RECORD_BYTES, IOConfig, ModelConfig, OffloadConfig, TrainConfig,
                    host_memory_bytes)
 

@@ -16,10 +16,10 @@ from ..placement import FGO_MODULES, Placement
 from .plan_settings import (MAX_LAYERS, AllowRecompute, CapacityBytes, MaxSlowdown, MemoryBudget, ReadAheadMode,
                             SafetyMargin, Search)
 from .rules import MAX_BYTES, AtLeast, AtMost, ByteCount, InRange, NonNegative, OneOf, Positive
-from .schema import _broken, _settle
+from .schema import _broken, _settle, warn_renamed
 
-__all__ = ["CAPACITY_RESERVE", "FIXED_MODES", "MAX_DRIVES", "PLANNER_MODES", "PROFILE_STEPS_MAX", "PeerConfig",
-           "PlannerConfig"]
+__all__ = ["CAPACITY_RESERVE", "FIXED_MODES", "MAX_DRIVES", "MEGATRON_OFFLOAD", "PEER_RULE_ALIASES", "PLANNER_MODES",
+           "PROFILE_STEPS_MAX", "PeerConfig", "PlannerConfig", "TE_OFFLOAD"]
 
 FIXED_MODES = tuple(p.value for p in Placement)
 """The planner modes that place every layer alike, one per :class:`Placement`."""
@@ -179,6 +179,16 @@ class PlannerConfig:
         return 1 if self.allow_recompute and limited else 0
 
 
+MEGATRON_OFFLOAD = "megatron-offload"
+"""Megatron-core's fine-grained activation offloading: its name as ``offload.peer.rule``,
+as ``rok``'s placement and in every table."""
+TE_OFFLOAD = "te-offload"
+"""Transformer Engine's CPU offload of the first layers: its name everywhere."""
+PEER_RULE_ALIASES = {"megatron-fine-grained": MEGATRON_OFFLOAD, "te-cpu-offload": TE_OFFLOAD}
+"""The rules' names before 2026-12-07, still read as ``offload.peer.rule`` with one
+warning line."""
+
+
 @dataclass
 class PeerConfig:
     """A peer's placement rule run on this cache and its engines, for measured comparisons
@@ -186,12 +196,13 @@ class PeerConfig:
     measured"). The rule decides which saved tensors go to the host tier; every other
     tensor is kept, so it needs ``offload.planner.mode`` ``keep`` and a host pool."""
 
-    rule: Annotated[str, OneOf("none", "megatron-fine-grained", "te-cpu-offload")] = "none"
-    """``none``; ``megatron-fine-grained``: megatron-core's fine-grained activation
-    offloading (the inputs of the ``offload_modules`` of every layer to host memory, the
-    last layer's groups kept, ``offload_fraction`` of the other groups offloaded);
-    ``te-cpu-offload``: Transformer Engine's CPU offload (every saved tensor of the first
-    ``num_layers`` layers to host memory)."""
+    rule: Annotated[str, OneOf("none", MEGATRON_OFFLOAD, TE_OFFLOAD)] = "none"
+    """``none``; ``megatron-offload``: megatron-core's fine-grained activation offloading
+    (the inputs of the ``offload_modules`` of every layer to host memory, the last layer's
+    groups kept, ``offload_fraction`` of the other groups offloaded); ``te-offload``:
+    Transformer Engine's CPU offload (every saved tensor of the first ``num_layers``
+    layers to host memory). The names before 2026-12-07, ``megatron-fine-grained`` and
+    ``te-cpu-offload``, are still read, with one warning line."""
 
     offload_fraction: Annotated[float, InRange(0, 1)] = 1.0
     """Megatron's ``activation_offload_fraction``: the share of the eligible groups that
@@ -212,6 +223,9 @@ class PeerConfig:
     most the model's layers - 1, as Transformer Engine requires)."""
 
     def __post_init__(self) -> None:
+        if isinstance(self.rule, str) and self.rule in PEER_RULE_ALIASES:  # a deprecated name, read as the new
+            warn_renamed(f"offload.peer.rule={self.rule}", f"offload.peer.rule={PEER_RULE_ALIASES[self.rule]}")
+            self.rule = PEER_RULE_ALIASES[self.rule]
         _settle(self)
 
     def _check(self) -> None:

@@ -18,7 +18,7 @@ from ..errors import ConfigError
 from ..units import KiB, MiB, gib
 from .host_pool import local_ranks
 from .plan_settings import MAX_LAYERS, ReadAhead
-from .planning import PROFILE_STEPS_MAX, PeerConfig, PlannerConfig
+from .planning import PROFILE_STEPS_MAX, TE_OFFLOAD, PeerConfig, PlannerConfig
 from .rules import (AtMost, ByteCount, Directories, Duration, InRange, MultipleOf, NonNegative, OneOf,
                     OrAuto, Positive, Switch, same_directory)
 from .schema import _broken, _settle, renamed_keys
@@ -395,7 +395,7 @@ class TrainConfig:
         if self.budget_of_keep is not None and self.offload.planner.memory_budget is not None:
             raise _broken(self, "budget_of_keep", "must be null when offload.planner.memory_budget is set")
         peer = self.offload.peer
-        if peer.rule == "te-cpu-offload" and self.model.builder == "gpt" and peer.num_layers > self.model.num_layers - 1:
+        if peer.rule == TE_OFFLOAD and self.model.builder == "gpt" and peer.num_layers > self.model.num_layers - 1:
             raise _broken(peer, "num_layers", f"must be <= {self.model.num_layers - 1} (model.num_layers - 1: "
                                               "Transformer Engine offloads at most all layers but the last)")
         if self.data != "synthetic":

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 from ..placement import OUTSIDE, LayerChoice, Placement
+from ..config import MEGATRON_OFFLOAD, TE_OFFLOAD
 from ..errors import ConfigError
 from ..peer_rule import (FGO_MIN_TENSOR_ELEMENTS, FGO_MODULES, TE_MIN_TENSOR_ELEMENTS, fine_grained_choice,
                          fine_grained_member, first_layers_placement, first_layers_read_ahead)
@@ -112,7 +113,7 @@ class PeerPoint:
     """One peer rule at one setting on one stage, ready to price."""
 
     peer: str
-    """``keep``, ``megatron-fine-grained``, ``te-cpu-offload`` or ``megatron-recompute``."""
+    """``keep``, ``megatron-offload``, ``te-offload`` or ``megatron-recompute``."""
     setting: str
     """The setting in the peer's own terms (``fraction 0.5``, ``10 layers``, ...)."""
     stage: StageProfile
@@ -270,7 +271,7 @@ def megatron_fine_grained(
         for s in members:
             read_ahead.setdefault(i, {})[s] = ahead
     setting = f"fraction {fraction:g}"
-    return _hosted("megatron-fine-grained", setting, stage, moved, read_ahead)
+    return _hosted(MEGATRON_OFFLOAD, setting, stage, moved, read_ahead)
 
 
 def te_cpu_offload(stage: StageProfile, anatomy: Mapping[LayerId, LayerAnatomy], num_layers: int,
@@ -294,7 +295,7 @@ def te_cpu_offload(stage: StageProfile, anatomy: Mapping[LayerId, LayerAnatomy],
     setting = f"{num_layers} of {total} layers"
     if stage.pipeline_size > 1:
         point = keep_everything(stage)
-        point.peer, point.setting = "te-cpu-offload", setting
+        point.peer, point.setting = TE_OFFLOAD, setting
         point.refused = (f"--cpu-offloading with pipeline parallelism (pp = {stage.pipeline_size}): \"Currently there "
                          "is no support for Pipeline parallelism with CPU offloading\"")
         return point
@@ -307,7 +308,7 @@ def te_cpu_offload(stage: StageProfile, anatomy: Mapping[LayerId, LayerAnatomy],
         moved[i] = [s for s in range(len(layer.sites)) if first_layers_placement(
             index, roles.elements(s, layer.sites[s]), num_layers, min_tensor_elements) is Placement.HOST]
         read_ahead[i] = {s: ahead for s in moved[i]}
-    return _hosted("te-cpu-offload", setting, stage, moved, read_ahead)
+    return _hosted(TE_OFFLOAD, setting, stage, moved, read_ahead)
 
 
 def full_recompute(stage: StageProfile, num_layers: Optional[int] = None) -> PeerPoint:

@@ -4,6 +4,8 @@ Transformer Engine's first-N-layers rule moves, and when each one's reads are is
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 
 from megatron_ssd.placement import LayerChoice
@@ -111,11 +113,11 @@ def test_te_refuses_every_layer():
 
 def test_rule_for_takes_the_peers_own_minimum_unless_given():
     assert rule_for(PeerConfig()) is None and rule_for(None) is None
-    fgo = rule_for(PeerConfig(rule="megatron-fine-grained", offload_fraction=0.25, offload_modules=["core_attn"]))
+    fgo = rule_for(PeerConfig(rule="megatron-offload", offload_fraction=0.25, offload_modules=["core_attn"]))
     assert (fgo.min_elements, fgo.fraction, fgo.modules) == (1024 * 1024, 0.25, ("core_attn",))
-    te = rule_for(PeerConfig(rule="te-cpu-offload", num_layers=3, min_tensor_elements=7))
+    te = rule_for(PeerConfig(rule="te-offload", num_layers=3, min_tensor_elements=7))
     assert (te.num_layers, te.min_elements) == (3, 7)
-    assert rule_for(PeerConfig(rule="te-cpu-offload")).min_elements == 256 * 1024
+    assert rule_for(PeerConfig(rule="te-offload")).min_elements == 256 * 1024
 
 
 def _policy(peer):
@@ -128,7 +130,7 @@ def _policy(peer):
 
 
 def test_the_policy_asks_the_rule_only_for_offloadable_tensors_the_plan_keeps():
-    policy = _policy(PeerConfig(rule="te-cpu-offload", num_layers=2, min_tensor_elements=1))
+    policy = _policy(PeerConfig(rule="te-offload", num_layers=2, min_tensor_elements=1))
     assert policy.tensor(1, site=0, group=None, elements=10) is Placement.HOST
     assert policy.tensor(1, site=None, group=None, elements=10) is Placement.KEEP  # under min_tensor_bytes
     assert policy.tensor(3, site=0, group=None, elements=10) is Placement.KEEP
@@ -144,15 +146,31 @@ def test_the_policy_asks_the_rule_only_for_offloadable_tensors_the_plan_keeps():
 
 
 def test_a_peer_rule_needs_keep_and_a_host_pool():
-    with pytest.raises(ConfigError, match=r"PlannerConfig.mode = 'auto': must be keep with peer.rule te-cpu-offload"):
-        OffloadConfig(paths=["/tmp"], host_pool_bytes=1 << 20, peer=PeerConfig(rule="te-cpu-offload"))
+    with pytest.raises(ConfigError, match=r"PlannerConfig.mode = 'auto': must be keep with peer.rule te-offload"):
+        OffloadConfig(paths=["/tmp"], host_pool_bytes=1 << 20, peer=PeerConfig(rule="te-offload"))
     with pytest.raises(ConfigError, match=r"OffloadConfig.host_pool_bytes = 0: must be > 0 with peer.rule"):
         OffloadConfig(paths=["/tmp"], host_pool_bytes=0, planner=PlannerConfig(mode="keep"),
-                      peer=PeerConfig(rule="megatron-fine-grained"))
+                      peer=PeerConfig(rule="megatron-offload"))
     with pytest.raises(ConfigError, match=r"OffloadConfig.host_pool_bytes = 'auto': must be > 0 with peer.rule .*: "
                                           r"the rule moves tensors to the host tier \(auto is sized when"):
-        OffloadConfig(paths=["/tmp"], planner=PlannerConfig(mode="keep"), peer=PeerConfig(rule="megatron-fine-grained"))
+        OffloadConfig(paths=["/tmp"], planner=PlannerConfig(mode="keep"), peer=PeerConfig(rule="megatron-offload"))
     with pytest.raises(ConfigError, match=r"PeerConfig.offload_modules = \['attn_proj'\]: must name core_attn"):
         PeerConfig(offload_modules=["attn_proj"])
     with pytest.raises(ConfigError, match=r"PeerConfig.offload_fraction = 1.5: must be in \[0, 1\]"):
         PeerConfig(offload_fraction=1.5)
+
+
+@pytest.mark.parametrize("old, new", [("megatron-fine-grained", "megatron-offload"), ("te-cpu-offload", "te-offload")])
+def test_a_peers_old_name_is_read_as_its_one_name_with_one_warning(old, new, caplog):
+    """Each peer has one name, in the config, in rok and in every table; its name before
+    2026-12-07 is still read, with one warning line per process."""
+    from megatron_ssd.config import load_config, schema
+
+    schema._WARNED.discard((f"offload.peer.rule={old}", f"offload.peer.rule={new}"))
+    with caplog.at_level(logging.WARNING, logger="megatron_ssd"):
+        first = load_config(OffloadConfig, None, [f"peer.rule={old}", "planner.mode=keep", "host_pool_bytes=1MiB",
+                                                  "paths=[/tmp]"])
+        second = PeerConfig(rule=old)
+    assert first.peer.rule == second.rule == new
+    lines = [r.getMessage() for r in caplog.records if old in r.getMessage()]
+    assert lines == [f"megatron_ssd: offload.peer.rule={old} is deprecated; use offload.peer.rule={new}"]

@@ -105,8 +105,8 @@ def test_peer_rows_obey_the_rules(peers):
         rows = [r for r in peers if r["model"] == model]
         assert len(rows) == len(FGO_FRACTIONS) + 2 + 3
         pipelined = "pp" in rows[0]["layout"]
-        assert all(("refused" in r) == (pipelined and r["peer"] == "te-cpu-offload") for r in rows)
-        fgo = [r["peer_host_bytes_per_node"] for r in rows if r["peer"] == "megatron-fine-grained"]
+        assert all(("refused" in r) == (pipelined and r["peer"] == "te-offload") for r in rows)
+        fgo = [r["peer_host_bytes_per_node"] for r in rows if r["peer"] == "megatron-offload"]
         assert fgo == sorted(fgo) and fgo[0] > 0
         attention = next(r for r in rows if r["setting"] == "selective core_attn")
         assert attention["peer_saved_bytes"] == 0 and attention["peer_overhead_fraction"] > 0  # fused attention

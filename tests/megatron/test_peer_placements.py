@@ -64,7 +64,7 @@ def _identical(a, b):
     assert [n for n in a.grads if not torch.equal(a.grads[n], b.grads[n])] == []
 
 
-GROUPED = PeerConfig(rule="megatron-fine-grained")
+GROUPED = PeerConfig(rule="megatron-offload")
 """A rule that reads the module groups (it moves nothing of these small layers)."""
 
 
@@ -89,7 +89,7 @@ def _group_hooks(model):
     return found
 
 
-@pytest.mark.parametrize("rule", ["none", "te-cpu-offload", "megatron-fine-grained"])
+@pytest.mark.parametrize("rule", ["none", "te-offload", "megatron-offload"])
 def test_the_layers_carry_group_hooks_only_under_a_rule_that_reads_groups(world, tmp_path, rule):
     model = build_gpt(tiny_transformer_config(LAYERS, 64, 4), VOCAB, SEQ,
                       layer_spec=offload_layer_spec(get_gpt_layer_local_spec()))
@@ -101,7 +101,7 @@ def test_the_layers_carry_group_hooks_only_under_a_rule_that_reads_groups(world,
         get_forward_backward_func(cache=cache).register_model([model])  # a second schedule labels nothing again
     names = [name for _, name in MODULE_GROUPS]
     layers = [layer for _, layer in find_offload_layers(model)]
-    if rule == "megatron-fine-grained":
+    if rule == "megatron-offload":
         assert _group_hooks(model) == {(layer, name): 2 for layer in range(1, LAYERS + 1) for name in names}
         assert [layer.ssd_module_groups for layer in layers] == [names] * LAYERS
     else:
@@ -144,7 +144,7 @@ def test_a_group_closes_when_its_module_raises(world):
 
 def test_fine_grained_moves_the_groups_to_the_host_tier_bit_identically(world, tmp_path):
     keep, keep_stats, _, _ = _run(tmp_path)
-    peer = PeerConfig(rule="megatron-fine-grained", min_tensor_elements=4096, offload_fraction=0.5)
+    peer = PeerConfig(rule="megatron-offload", min_tensor_elements=4096, offload_fraction=0.5)
     moved, stats, _, rule = _run(tmp_path, peer)
     _identical(keep, moved)
     assert rule.offloaded is not None and len(rule.groups) == 5 * LAYERS
@@ -156,8 +156,8 @@ def test_fine_grained_moves_the_groups_to_the_host_tier_bit_identically(world, t
 
 def test_first_layers_moves_whole_layers_bit_identically(world, tmp_path):
     keep, keep_stats, _, _ = _run(tmp_path)
-    one, stats_one, _, _ = _run(tmp_path, PeerConfig(rule="te-cpu-offload", num_layers=1, min_tensor_elements=4096))
-    three, stats_three, _, _ = _run(tmp_path, PeerConfig(rule="te-cpu-offload", num_layers=3,
+    one, stats_one, _, _ = _run(tmp_path, PeerConfig(rule="te-offload", num_layers=1, min_tensor_elements=4096))
+    three, stats_three, _, _ = _run(tmp_path, PeerConfig(rule="te-offload", num_layers=3,
                                                          min_tensor_elements=4096))
     _identical(keep, one)
     _identical(keep, three)
