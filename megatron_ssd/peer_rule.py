@@ -10,6 +10,7 @@ prices them over a stage profile (``planner/peers.py``), so the two cannot diffe
     fine_grained_member(group, elements, modules, min_elements)    # True: in its group
     fine_grained_choice(groups, fraction)                           # {group: read-ahead}
     first_layers_placement(index, elements, num_layers, min_elements)  # HOST or KEEP
+    first_layers_bound(total)                                       # L - 1: the most N
     first_layers_read_ahead(total, num_layers)                      # L - N - 1
 """
 
@@ -20,6 +21,10 @@ from typing import Dict, Hashable, List, Optional, Sequence, Tuple
 from .placement import FGO_MODULES, Placement
 
 __all__ = [
+    "MEGATRON_OFFLOAD",
+    "PEER_RULE_ALIASES",
+    "TE_OFFLOAD",
+    "first_layers_bound",
     "FGO_MIN_TENSOR_ELEMENTS",
     "FGO_MODULES",
     "GROUP_RULES",
@@ -36,7 +41,16 @@ FGO_MIN_TENSOR_ELEMENTS = 1024 * 1024
 TE_MIN_TENSOR_ELEMENTS = 256 * 1024
 """Transformer Engine's CPU offload skips tensors under this many elements."""
 
-GROUP_RULES = ("megatron-offload",)
+MEGATRON_OFFLOAD = "megatron-offload"
+"""Megatron-core's fine-grained activation offloading: its one name, as
+``offload.peer.rule``, as ``rok``'s placement and in every table."""
+TE_OFFLOAD = "te-offload"
+"""Transformer Engine's CPU offload of the first layers: its one name."""
+PEER_RULE_ALIASES = {"megatron-fine-grained": MEGATRON_OFFLOAD, "te-cpu-offload": TE_OFFLOAD}
+"""The rules' names before 2026-12-07, still read as ``offload.peer.rule`` with one
+warning line."""
+
+GROUP_RULES = (MEGATRON_OFFLOAD,)
 """The ``PeerConfig.rule`` values that decide by a tensor's module group: only for these
 do the offload-aware layers label their submodules (NOTE [Module groups] in
 ``megatron/groups.py``)."""
@@ -90,6 +104,14 @@ def first_layers_placement(index: Optional[int], elements: int, num_layers: int,
     ``num_layers`` layers when it has at least ``min_elements``, else KEEP."""
     moved = index is not None and index < num_layers and elements >= min_elements
     return Placement.HOST if moved else Placement.KEEP
+
+
+def first_layers_bound(total: int) -> int:
+    """The most first layers Transformer Engine's CPU offload moves of a model of ``total``
+    layers: all but the last (it refuses more: the last layer's backward runs first, so its
+    read could not be hidden). The config, the cache's rule, the planner's pricing and
+    ``rok --te-layers`` all bound ``num_layers`` by it."""
+    return total - 1
 
 
 def first_layers_read_ahead(total: int, num_layers: int) -> int:

@@ -31,25 +31,26 @@ LAYERS = {
     "megatron_ssd.placement": 0,
     "megatron_ssd.interruptible": 0,
     "megatron_ssd.ranks": 1,
-    "megatron_ssd.config": 1,
     "megatron_ssd.peer_rule": 1,
+    # the configuration (which names the peers' rules and bounds them by peer_rule's)
+    "megatron_ssd.config": 2,
     # the pure planner: measurements in, plans out
-    "megatron_ssd.planner": 2,
+    "megatron_ssd.planner": 3,
     # I/O, measurement and metrics writers
-    "megatron_ssd.io": 2,
-    "megatron_ssd.metrics": 2,
-    "megatron_ssd.memory": 3,
+    "megatron_ssd.io": 3,
+    "megatron_ssd.metrics": 3,
+    "megatron_ssd.memory": 4,
     # the tensor cache, above I/O
-    "megatron_ssd.cache": 4,
+    "megatron_ssd.cache": 5,
     # what the adaptive planner runs before it plans (its profiling steps, the host-link
     # probe), then the adaptive planner: the cache's measurements into the pure planner
-    "megatron_ssd.profiling": 2,
-    "megatron_ssd.adaptive": 5,
+    "megatron_ssd.profiling": 3,
+    "megatron_ssd.adaptive": 6,
     # the Megatron integration, then the CPU reference workloads built on it
-    "megatron_ssd.megatron": 6,
-    "megatron_ssd.workloads": 7,
+    "megatron_ssd.megatron": 7,
+    "megatron_ssd.workloads": 8,
     # the commands, above everything
-    "megatron_ssd.commands": 8,
+    "megatron_ssd.commands": 9,
 }
 PLANNER_MAY_IMPORT = {"megatron_ssd.config", "megatron_ssd.errors", "megatron_ssd.peer_rule", "megatron_ssd.placement",
                       "megatron_ssd.units"}

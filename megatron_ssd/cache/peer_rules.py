@@ -28,7 +28,7 @@ from typing import Dict, Hashable, List, Optional, Sequence, Set, Tuple
 from ..config import MEGATRON_OFFLOAD, TE_OFFLOAD, PeerConfig
 from ..placement import OUTSIDE, Placement
 from ..errors import ConfigError
-from ..peer_rule import (FGO_MIN_TENSOR_ELEMENTS, FGO_MODULES, TE_MIN_TENSOR_ELEMENTS,
+from ..peer_rule import (FGO_MIN_TENSOR_ELEMENTS, FGO_MODULES, TE_MIN_TENSOR_ELEMENTS, first_layers_bound,
                          fine_grained_choice, fine_grained_member, first_layers_placement, first_layers_read_ahead)
 
 __all__ = ["FineGrainedRule", "FirstLayersRule", "PeerRule", "rule_for"]
@@ -150,8 +150,9 @@ class FirstLayersRule(PeerRule):
         self.min_elements = min_elements
 
     def _check(self, layers: Sequence[Hashable]) -> None:
-        if self.num_layers > len(layers) - 1:
-            raise ConfigError(f"PeerConfig.num_layers = {self.num_layers}: must be <= {len(layers) - 1} (the model's "
+        most = first_layers_bound(len(layers))
+        if self.num_layers > most:
+            raise ConfigError(f"PeerConfig.num_layers = {self.num_layers}: must be <= {most} (the model's "
                               f"{len(layers)} layers - 1: Transformer Engine offloads at most all layers but the last)")
 
     def placement(self, layers: Sequence[Hashable], layer_id: Hashable, group: Optional[str],

@@ -16,8 +16,9 @@ import os
 import subprocess
 import sys
 import tempfile
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
+from ..peer_rule import first_layers_bound
 from ..planner.measured_profile import median_or_zero
 from ..config import MAX_BYTES, TrainConfig, load_config, to_dict
 from ..placement import LayerChoice, Placement
@@ -353,19 +354,19 @@ def _check_measurable(config_path: Optional[str], overrides: Sequence[str], sele
 
 def _check_layer_counts(config_path: Optional[str], overrides: Sequence[str], names: Sequence[str],
                         counts: Sequence[int], field: str, placement: str, low: int, what: str,
-                        why: str) -> List[int]:
+                        why: str, most: Callable[[int], int] = lambda layers: layers - 1) -> List[int]:
     """Layer counts given to ``placement`` (``--keep-last``, ``--te-layers``), checked: distinct
-    integers from ``low`` to one below the model's layer count, and ``placement`` selected."""
+    integers from ``low`` to ``most(the model's layer count)``, and ``placement`` selected."""
     values = list(counts)
     if not values:
         return values
     if placement not in names:
         raise ConfigError(f"rok: {field} = {values}: needs {placement!r} among the placements {list(names)}")
     layers = load_config(TrainConfig, config_path, overrides).model.num_layers
-    bad = [n for n in values if isinstance(n, bool) or not isinstance(n, int) or not low <= n < layers]
+    bad = [n for n in values if isinstance(n, bool) or not isinstance(n, int) or not low <= n <= most(layers)]
     if bad or len(set(values)) != len(values):
         raise ConfigError(f"rok: {field} = {values}: each must be a distinct number of {what} from {low} to "
-                          f"{layers - 1} (model.num_layers = {layers}; {why})")
+                          f"{most(layers)} (model.num_layers = {layers}; {why})")
     return values
 
 
@@ -396,7 +397,7 @@ def _check_te_layers(config_path: Optional[str], overrides: Sequence[str], names
     """The ``--te-layers`` of ``te-offload``: 1 to the model's layers - 1 (Transformer
     Engine's bound), and the placement selected."""
     return _check_layer_counts(config_path, overrides, names, counts, "te_layers", TE_OFFLOAD, 1,
-                               "offloaded first layers", "Transformer Engine keeps the last")
+                               "offloaded first layers", "Transformer Engine keeps the last", first_layers_bound)
 
 
 def plan_counted_peak_bytes(profile: Optional[Dict[str, Any]], plan: Dict[str, Any]) -> Optional[int]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Annotated, List, Optional
 
+from ..peer_rule import MEGATRON_OFFLOAD, PEER_RULE_ALIASES, TE_OFFLOAD
 from ..placement import FGO_MODULES, Placement
 from .plan_settings import (MAX_LAYERS, AllowRecompute, CapacityBytes, MaxSlowdown, MemoryBudget, ReadAheadMode,
                             SafetyMargin, Search)
@@ -177,16 +178,6 @@ class PlannerConfig:
             return self.recompute_profile_steps
         limited = self.memory_budget is not None or self.activation_capacity_bytes is not None
         return 1 if self.allow_recompute and limited else 0
-
-
-MEGATRON_OFFLOAD = "megatron-offload"
-"""Megatron-core's fine-grained activation offloading: its name as ``offload.peer.rule``,
-as ``rok``'s placement and in every table."""
-TE_OFFLOAD = "te-offload"
-"""Transformer Engine's CPU offload of the first layers: its name everywhere."""
-PEER_RULE_ALIASES = {"megatron-fine-grained": MEGATRON_OFFLOAD, "te-cpu-offload": TE_OFFLOAD}
-"""The rules' names before 2026-12-07, still read as ``offload.peer.rule`` with one
-warning line."""
 
 
 @dataclass

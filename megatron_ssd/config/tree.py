@@ -16,6 +16,7 @@ from typing import Annotated, Any, Dict, List, Mapping, Optional
 
 from ..errors import ConfigError
 from ..units import KiB, MiB, gib
+from ..peer_rule import first_layers_bound
 from .host_pool import local_ranks
 from .plan_settings import MAX_LAYERS, ReadAhead
 from .planning import PROFILE_STEPS_MAX, TE_OFFLOAD, PeerConfig, PlannerConfig
@@ -395,8 +396,9 @@ class TrainConfig:
         if self.budget_of_keep is not None and self.offload.planner.memory_budget is not None:
             raise _broken(self, "budget_of_keep", "must be null when offload.planner.memory_budget is set")
         peer = self.offload.peer
-        if peer.rule == TE_OFFLOAD and self.model.builder == "gpt" and peer.num_layers > self.model.num_layers - 1:
-            raise _broken(peer, "num_layers", f"must be <= {self.model.num_layers - 1} (model.num_layers - 1: "
+        most = first_layers_bound(self.model.num_layers)
+        if peer.rule == TE_OFFLOAD and self.model.builder == "gpt" and peer.num_layers > most:
+            raise _broken(peer, "num_layers", f"must be <= {most} (model.num_layers - 1: "
                                               "Transformer Engine offloads at most all layers but the last)")
         if self.data != "synthetic":
             if not os.path.isfile(self.data):

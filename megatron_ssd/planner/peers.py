@@ -26,7 +26,7 @@ from ..placement import OUTSIDE, LayerChoice, Placement
 from ..config import MEGATRON_OFFLOAD, TE_OFFLOAD
 from ..errors import ConfigError
 from ..peer_rule import (FGO_MIN_TENSOR_ELEMENTS, FGO_MODULES, TE_MIN_TENSOR_ELEMENTS, fine_grained_choice,
-                         fine_grained_member, first_layers_placement, first_layers_read_ahead)
+                         fine_grained_member, first_layers_bound, first_layers_placement, first_layers_read_ahead)
 from .profile import LayerId, LayerProfile, StageProfile
 from .step_timeline import Timeline, predict
 
@@ -289,8 +289,9 @@ def te_cpu_offload(stage: StageProfile, anatomy: Mapping[LayerId, LayerAnatomy],
     """
     inside = _inside(stage)
     total = len(inside)
-    if isinstance(num_layers, bool) or not isinstance(num_layers, int) or not 1 <= num_layers <= total - 1:
-        raise ConfigError(f"num_layers = {num_layers!r}: must be an integer in [1, {total - 1}] (Transformer "
+    most = first_layers_bound(total)
+    if isinstance(num_layers, bool) or not isinstance(num_layers, int) or not 1 <= num_layers <= most:
+        raise ConfigError(f"num_layers = {num_layers!r}: must be an integer in [1, {most}] (Transformer "
                           f"Engine offloads at most model_layers - 1 of the {total} layers)")
     setting = f"{num_layers} of {total} layers"
     if stage.pipeline_size > 1:
