@@ -339,13 +339,14 @@ class Plan:
 def make_plan(stage: StageProfile, request: Optional[PlanRequest] = None) -> Plan:
     """Choose a placement per layer of ``stage``.
 
-    Without a budget (goal ``max_offload``) layers are offloaded, first layer first, as
-    long as the timeline model predicts no stall, no forwarding and (with
-    ``max_slowdown``) a step within that fraction of keep-everything's, with the
-    bandwidths derated by ``safety_margin``; the last layers, whose tensors backward
-    needs first, stay resident. With a budget (goal ``memory_budget``) placements are changed one
-    layer at a time, best peak reduction per second of predicted step time first, until
-    the predicted peak fits, then any change the budget does not need is undone.
+    Without a budget (goal ``max_offload``): the lowest predicted peak whose I/O the
+    timeline model hides (no stall, no forwarding and, with ``max_slowdown``, a step within
+    that fraction of keep-everything's), with the bandwidths derated by ``safety_margin``.
+    With a budget (goal ``memory_budget``): the shortest predicted step whose peak fits.
+    Either way the search of :mod:`~megatron_ssd.planner.search` chooses, over each layer's
+    whole choice set (keep, a prefix of its sites on each tier, recompute, modules
+    recomputed inside it): a greedy start, a local search and a branch and bound that,
+    where it ends within its work, proves the plan the model's optimum (NOTE [Search]).
 
     Args:
         stage: The measured (or simulated) stage.
