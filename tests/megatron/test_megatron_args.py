@@ -178,7 +178,7 @@ ON = ["--ssd-offload", "--ssd-offload-paths", "/ok"]
         (ON + ["--ssd-offload-block-size", "1000"], ["--ssd-offload-block-size = '1000'", "multiple of 4096"]),
         (ON + ["--ssd-offload-max-inflight", "lots"], ["--ssd-offload-max-inflight = 'lots'", "size such as 4MiB"]),
         (ON + ["--ssd-offload-keep-last-layers", "-1"], ["--ssd-offload-keep-last-layers = '-1'", "must be >= 0"]),
-        (ON + ["--ssd-offload-prefetch-layers", "-2"], ["--ssd-offload-prefetch-layers = '-2'", "must be >= 0"]),
+        (ON + ["--ssd-offload-prefetch-layers", "-2"], ["--ssd-offload-prefetch-layers = '-2'", "must be an integer >= 1"]),
         (ON + ["--ssd-offload-memory-budget", "0"], ["--ssd-offload-memory-budget = '0'", "> 0 bytes or null"]),
         (ON + ["--ssd-offload-drive-sharing", "0"], ["--ssd-offload-drive-sharing = '0'", "drive_sharing", ">= 1"]),
         (ON + ["--ssd-offload-drive-tbw", "0"], ["--ssd-offload-drive-tbw = '0'", "> 0 bytes or null"]),
