@@ -59,9 +59,10 @@ run: $(VENV)/.installed
 test:
 	$(MAKE) --no-print-directory -j2 -O test-default test-oldest
 
-# The tests that start no process (NOTE [Test tiers] in tests/conftest.py): a quick answer while developing.
+# The tests that start no process and are not slow (NOTE [Test tiers] in tests/conftest.py): a quick
+# answer while developing.
 test-fast: $(VENV)/.installed
-	$(PY) -m pytest -q -m "not e2e" $(PYTEST_ARGS)
+	$(PY) -m pytest -q -m "not e2e and not slow" $(PYTEST_ARGS)
 
 test-default: $(VENV)/.installed
 	$(PY) -m pytest -q --durations=25 $(PYTEST_ARGS)

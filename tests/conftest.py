@@ -69,10 +69,11 @@ def pytest_collection_modifyitems(config, items):
 
 
 # NOTE [Test tiers]
-# ``make test-fast`` runs every test not marked ``e2e``: those start no process (no
-# training run, no ``megatron-ssd`` command, no ``torchrun``, no SLURM job, no wheel build)
-# (412 s together on two cores: CONTRIBUTING.md says what is still slow in it). Which tests start one is not left to
-# memory: while any test runs (its fixtures' set-up and tear-down included), every
+# ``make test-fast`` runs every test marked neither ``e2e`` nor ``slow``: none starts a
+# process (no training run, no ``megatron-ssd`` command, no ``torchrun``, no SLURM job, no
+# wheel build), and none took a second or more on two idle cores (``slow``: in-process
+# training, large simulated plans; placed from one ``--durations=0`` run of the tier,
+# CONTRIBUTING.md). Which tests start a process is not left to memory: while any test runs (its fixtures' set-up and tear-down included), every
 # ``subprocess.Popen`` and ``multiprocessing`` process start is recorded against it. In a
 # run that leaves ``e2e`` out (``-m "not e2e"``, the fast tier) a test that started one
 # fails, naming the command; in a run of everything (``make test``, CI) the mark changes

@@ -19,6 +19,7 @@ def test_help_lists_every_subcommand(capsys):
         assert name in out
 
 
+@pytest.mark.slow
 def test_bench_io_measures_and_suggests(tmp_path, capsys):
     target = tmp_path / "ssd"
     target.mkdir()
@@ -218,6 +219,7 @@ def test_simulate_help_lists_every_key_and_model(capsys):
         assert f"\n  {name} " in out, name
 
 
+@pytest.mark.slow
 def test_simulate_knows_every_shipped_model_preset(capsys):
     import os
 

@@ -209,6 +209,7 @@ def _train_lines() -> List[str]:
             format_loss_identity(loss_identity([keep, off]))]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("block", [b for b in BLOCKS if b.marker == "output of"], ids=repr)
 def test_output_samples_match_what_the_command_prints(block, capsys):
     command = shlex.split(block.note)

@@ -405,6 +405,7 @@ def test_megatron_cores_two_notices_are_hidden_and_megatron_ssds_own_warnings_ar
     assert not [w for w in shown if w[2] == source]
 
 
+@pytest.mark.slow
 def test_a_placement_that_runs_out_of_memory_is_recorded_and_the_others_run(monkeypatch, tmp_path):
     """NOTE [Out of memory, recorded]: keep-everything under a device-memory cap that is too
     small raises ``torch.OutOfMemoryError`` on a GPU; here the second micro-batch of the

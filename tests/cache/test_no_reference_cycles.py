@@ -52,6 +52,7 @@ def _ours(garbage: list) -> list:
     return sorted(set(names))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["offload", "keep"])
 def test_finished_microbatches_leave_no_cyclic_garbage(offload_dir, mode):
     torch.manual_seed(0)

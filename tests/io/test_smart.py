@@ -228,6 +228,7 @@ def test_bench_io_names_the_wear_and_the_setting_that_starts_from_it():
     assert none is None and none_lines[1:] == ["  /tmp: vda is not NVMe (no SMART log to read)"]
 
 
+@pytest.mark.slow
 def test_bench_io_reports_wear_in_its_output_and_json(tmp_path, capsys):
     import json
 

@@ -526,6 +526,7 @@ def _fake_runs(monkeypatch, reports, change=None, fail=None):
     return ran
 
 
+@pytest.mark.slow
 def test_the_training_part_reports_memory_time_bytes_predictions_and_loss_identity(tmp_path, monkeypatch,
                                                                                    cpu_reports):
     ran = _fake_runs(monkeypatch, cpu_reports)

@@ -143,6 +143,7 @@ def test_drive_rows_obey_the_rules(drives):
         assert ssd["overhead_fraction"] <= recompute["overhead_fraction"] + 1e-9
 
 
+@pytest.mark.slow
 def test_without_the_safety_margin_the_planner_meets_the_peer():
     """Where the host-tier planner does not dominate a peer, the peer's copies finish just
     in time at the link's full bandwidth: planned at that bandwidth (no safety margin),

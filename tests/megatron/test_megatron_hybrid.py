@@ -140,6 +140,7 @@ def cpu_world():
             destroy_parallel()
 
 
+@pytest.mark.slow
 def test_hybrid_offload_is_bit_identical_to_stock(cpu_world, tmp_path):
     _, stock, _, _ = _run()
     model, offloaded, stats, (io, layer_ids) = _run("offload", str(tmp_path))

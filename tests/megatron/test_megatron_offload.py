@@ -99,6 +99,7 @@ def world(cpu_only):  # gloo even where CUDA is available
     destroy_parallel()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["gpt", "bert", "t5"])
 def test_offload_is_bit_identical_to_stock(world, tmp_path, kind):
     _, stock, _ = _run(kind)

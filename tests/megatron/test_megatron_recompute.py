@@ -397,6 +397,7 @@ def test_the_recomputation_leaves_module_attributes_as_it_found_them():
     assert control.added_in_recompute
 
 
+@pytest.mark.slow
 def test_no_recomputed_tensor_outlives_the_backward_of_a_megatron_layer(world):
     """megatron-core's layer under checkpoint_layer leaves nothing alive after backward that
     the plain layer does not (with torch's checkpoint alone, megatron-core 0.19 keeps the

@@ -67,6 +67,7 @@ def test_simulate_drive_fills_the_drive_fields_keys_override_them():
     assert spec_from_overrides(["drive=null"]).ssd_tbw_bytes == GENERIC_DRIVE["ssd_tbw_bytes"]
 
 
+@pytest.mark.slow
 def test_simulate_wear_bound_follows_the_drive_and_its_used_life():
     base = ["ssd_count=8", "gpus_per_array=8", "gpu_memory_bytes=null"]
     tlc = simulate(spec_from_overrides([*base, "drive=micron-7450-pro-3.84tb"], model="gpt-1.3b"))

@@ -49,6 +49,7 @@ def test_without_a_host_budget_nothing_is_hosted():
         make_plan(stage(), PlanRequest(host_budget_bytes=-1))
 
 
+@pytest.mark.slow
 def test_the_host_pool_takes_what_it_hides_within_its_budget_and_the_ssds_the_rest():
     st = stage()
     ssd_only = make_plan(st, PlanRequest(read_ahead_mode="fixed"))
@@ -72,6 +73,7 @@ def test_the_pool_holds_every_micro_batch_in_flight():
     assert plan.hosted_bytes * 4 <= 2 * GB and plan.host_pool_bytes == plan.hosted_bytes * 4
 
 
+@pytest.mark.slow
 def test_a_budget_is_met_through_the_host_pool_before_recompute():
     """4 GB of the 8 kept: the SSDs carry half of four layers, so without the pool two
     layers are recomputed; hosting costs no step time and replaces them."""
@@ -116,6 +118,7 @@ def test_a_link_faster_than_the_drives_leaves_ssd_only_predictions_unchanged():
     assert [(lt.write_end, lt.read_end) for lt in fast.layers] == [(lt.write_end, lt.read_end) for lt in alone.layers]
 
 
+@pytest.mark.slow
 def test_a_plan_on_both_tiers_prices_the_host_copies_behind_the_ssd_staging():
     """8 ms of link per GB, the SSDs 25 ms per GB written, a 3 GB pool and a 3 GB budget:
     offloading layers 0 and 1 and hosting 2 to 4 meets the budget at keep's step time.
@@ -139,6 +142,7 @@ def test_a_plan_on_both_tiers_prices_the_host_copies_behind_the_ssd_staging():
     assert (own.layers[2].write_start, own.layers[2].write_end) == pytest.approx((0.020, 0.030))
 
 
+@pytest.mark.slow
 def test_a_hidden_host_copy_beats_the_ssd():
     """The SSDs hide whole layers here (20 ms writes, 10 ms reads): without a pool the
     planner offloads four; with room in the pool it hosts them instead (no drive wear,
@@ -154,6 +158,7 @@ def test_a_hidden_host_copy_beats_the_ssd():
     assert budget.step_s == pytest.approx(budget.keep_step_s)
 
 
+@pytest.mark.slow
 def test_a_full_pool_spills_to_the_ssds():
     """A 3 GB pool on a stage where the SSDs hide three whole layers and the link every
     one: the pool takes three layers and the SSDs more, where filling the SSDs first

@@ -156,6 +156,7 @@ def test_the_oracle_enumerates_every_choice_the_search_may_make():
     assert len(layer_options(layer, [Placement.HOST, Placement.OFFLOAD], True)) == 1 + 18 + 1 + 1 + 16
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("seed", range(8))
 def test_on_deeper_stages_the_search_is_never_slower_than_the_eager_greedy_search(seed, monkeypatch):
     """Beyond 8 layers the greedy start scores lazily and keeps a part move's prefix until

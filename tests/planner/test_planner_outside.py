@@ -60,6 +60,7 @@ def test_a_budget_never_recomputes_the_embedding():
     assert plan.peak_activation_bytes <= keep - 2 * GB
 
 
+@pytest.mark.slow
 def test_simulate_puts_the_embedding_mask_on_the_first_stage_only():
     spec = spec_from_overrides(["target_lifetime_years=1"], model="gpt-7b")
     result = simulate(spec)

@@ -33,6 +33,7 @@ def test_per_layer_depths_replay_like_one_depth():
         predict(stage, choices_of(placements, 0))
 
 
+@pytest.mark.slow
 def test_fixed_depth_one_offloads_nothing_and_auto_hides_reads_further_ahead():
     stage = gpu_like_stage()
     fixed = make_plan(stage, PlanRequest(read_ahead_mode="fixed"))
@@ -48,6 +49,7 @@ def test_fixed_depth_one_offloads_nothing_and_auto_hides_reads_further_ahead():
     assert "read ahead" in auto.table()
 
 
+@pytest.mark.slow
 def test_auto_reads_are_issued_as_late_as_they_still_arrive_in_time():
     stage = gpu_like_stage()
     plan = make_plan(stage, PlanRequest(read_ahead_mode="auto"))
@@ -64,6 +66,7 @@ def test_auto_reads_are_issued_as_late_as_they_still_arrive_in_time():
                 or derated.exposed_s > 0 or derated.forwarded), i
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("read_ahead", ["fixed", "auto"])
 def test_every_offloaded_layer_lowers_the_peak(read_ahead):
     """No zero-benefit writes: putting any offloaded layer back to KEEP raises the peak."""

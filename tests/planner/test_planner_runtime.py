@@ -39,6 +39,7 @@ def _run(cache=None, planner_config=None, steps=6):
                        steps=steps)
 
 
+@pytest.mark.slow
 def test_planned_run_is_bit_identical_and_sets_a_plan(world, tmp_path):
     stock, _, _ = _run()
     cfg = OffloadConfig(paths=[str(tmp_path)], min_tensor_bytes=4096, io=IOConfig(max_inflight_bytes=1 << 20))
@@ -70,6 +71,7 @@ def test_planned_run_is_bit_identical_and_sets_a_plan(world, tmp_path):
     assert profile.layers[0].kept_bytes < VOCAB * SEQ * MBS * 4
 
 
+@pytest.mark.slow
 def test_runtime_plan_honours_the_drive_wear_limit(world, tmp_path):
     """The measured plan under a drive endurance too small for any write: nothing is
     offloaded, the plan carries the limit, and training stays bit-identical."""
@@ -86,6 +88,7 @@ def test_runtime_plan_honours_the_drive_wear_limit(world, tmp_path):
     assert stats[-1].bytes_offloaded == 0
 
 
+@pytest.mark.slow
 def test_runtime_plan_fits_the_activation_capacity(world, tmp_path):
     """A CPU has no measured capacity; a configured one holds the measured plan under it
     (here half of keep-everything's predicted peak), bit-identical."""
@@ -103,6 +106,7 @@ def test_runtime_plan_fits_the_activation_capacity(world, tmp_path):
     assert held.plan.peak_activation_bytes <= capacity
 
 
+@pytest.mark.slow
 def test_budget_run_profiles_recompute_and_prices_it_from_the_steps(world, tmp_path):
     """NOTE [Pricing recompute]: with a memory budget the profile adds a RECOMPUTE block
     (a settle step, then a measured one) between KEEP and OFFLOAD; each recomputable
@@ -162,6 +166,7 @@ def test_recompute_factor_from_constructed_steps():
     assert _recompute_factor([], layers, per_layer) is None
 
 
+@pytest.mark.slow
 def test_a_keeping_engine_bounds_no_forward_in_the_profile(world, tmp_path):
     """``io.on_backpressure: keep`` keeps a tensor the bound refuses instead of waiting, so
     the planner's profile carries no in-flight bound (NOTE [In-flight bound])."""
@@ -568,6 +573,7 @@ def test_rok_runs_every_placement_throttled_and_removes_its_group(tmp_path):
     assert not os.path.exists(os.path.join(BLKIO_ROOT, f"megatron-ssd-{proc.pid}"))
 
 
+@pytest.mark.slow
 def test_the_host_tier_is_planned_on_a_gpu_only_and_runs_bit_identical(world, tmp_path, monkeypatch):
     """On a CPU the host pool saves nothing, so the runtime planner gives it no budget.
     With the budget a GPU would give (the pool's size, at a fixed link speed standing in
@@ -594,6 +600,7 @@ def test_the_host_tier_is_planned_on_a_gpu_only_and_runs_bit_identical(world, tm
     assert all(torch.equal(a, b) for a, b in zip(stock.losses, planned.losses, strict=True))
 
 
+@pytest.mark.slow
 def test_a_paced_host_tier_is_planned_on_a_cpu(world, tmp_path):
     """With the host tier's copies paced (NOTE [Paced host tier] in ``adaptive.py``) the
     CPU planner's host budget is the pool and its bandwidth the pace, on a link of its

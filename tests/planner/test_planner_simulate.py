@@ -83,6 +83,7 @@ def test_distributed_optimizer_shards_the_optimizer_state_over_dp_and_cp():
     assert state_bytes_per_param(SimulationSpec(**GPT_1_3B, dp=8, distributed_optimizer=False)) == 18
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("seq_len, layout", [
     (2048, dict(tp=2, dp=4)),
     (32768, dict(tp=2, cp=2, dp=2)),
@@ -129,6 +130,7 @@ def test_stage_profile_from_dimensions():
     assert t5.layers[3].saved_bytes > t5.layers[2].saved_bytes  # decoder adds cross-attention
 
 
+@pytest.mark.slow
 def test_gpt_1_3b_simulation_is_plausible():
     spec = SimulationSpec(**GPT_1_3B, flash_attention=True, ssd_count=8, gpu_flops=312e12, mfu=0.45,
                           target_lifetime_years=None)
@@ -222,6 +224,7 @@ def test_result_json_form():
     assert data["spec"]["hidden"] == 2048
 
 
+@pytest.mark.slow
 def test_gpu_memory_holds_the_plan_under_what_the_model_state_leaves():
     """NOTE [Simulated capacity]: 13B at tp 8, sequence 32k on an 80 GB GPU keeps 87 GB of
     activations without a limit; with the GPU's memory the plan fits what remains."""
@@ -242,6 +245,7 @@ def test_model_state_that_alone_overflows_the_gpu_is_one_clear_error():
         simulate(SimulationSpec(num_layers=40, hidden=5120, heads=40, gpu_memory_bytes=80e9))
 
 
+@pytest.mark.slow
 def test_target_lifetime_bounds_the_write_rate():
     spec = dict(num_layers=40, hidden=5120, heads=40, ssd_count=4, gpu_flops=312e12, gpu_memory_bytes=None)  # A100
     free = simulate(SimulationSpec(**spec, target_lifetime_years=None))
@@ -251,6 +255,7 @@ def test_target_lifetime_bounds_the_write_rate():
     assert worn.lifetime_years >= 3
 
 
+@pytest.mark.slow
 def test_the_in_flight_bound_reaches_the_model_and_costs_no_hidden_wait():
     """NOTE [In-flight bound]: with the runtime's 256 MiB the plan of a GPT 7B at 32k on
     four drives moves a shorter prefix of every layer, so no forward waits."""

@@ -49,6 +49,7 @@ def test_a_partly_offloaded_layer_holds_the_sites_it_keeps():
     assert none.peak_bytes == predict(stage, [K]).peak_bytes and none.write_busy_s == 0.0
 
 
+@pytest.mark.slow
 def test_max_offload_moves_the_longest_prefix_each_window_carries():
     """Whole layers take 35 ms to read back against 20 ms of backward: with one layer of
     read-ahead none hides, so whole-layer planning offloads nothing; with sites, each of
@@ -99,6 +100,7 @@ def test_a_site_whose_write_ends_after_the_peak_is_not_offloaded():
         assert more.peak_bytes >= tl.peak_bytes
 
 
+@pytest.mark.slow
 def test_under_a_wear_bound_a_budget_is_met_with_the_share_the_drives_can_take():
     """The drives allow 0.6 GB per step: no whole layer fits, so whole-layer planning
     recomputes two layers to reach 6.5 GB; with sites the first layer offloads two of its
@@ -129,6 +131,7 @@ def test_a_budget_plan_writes_no_site_it_does_not_need():
     assert plan.step_s == pytest.approx(plan.keep_step_s)
 
 
+@pytest.mark.slow
 def test_plans_with_sites_round_trip_and_report_site_changes():
     plan = make_plan(split_stage(), PlanRequest(read_ahead_mode="fixed"))
     again = Plan.from_json(plan.to_json())

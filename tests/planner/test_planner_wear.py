@@ -47,6 +47,7 @@ def test_write_limit_caps_max_offload(limit, offloaded):
     assert Plan.from_json(plan.to_json()).request.max_write_bytes_per_s == limit
 
 
+@pytest.mark.slow
 def test_write_limit_turns_a_budget_to_recompute():
     keep_peak = make_plan(fast_stage()).keep_peak_activation_bytes
     budget = keep_peak // 2
@@ -93,6 +94,7 @@ def test_drive_fields_are_checked(field, value, rule):
         PlannerConfig(**{field: value})
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("limit_gb_s", [0.02, 0.05, 0.1, 0.3])
 def test_plans_write_within_the_limit_at_their_own_predicted_step_time(limit_gb_s):
     """Slow drives: offloads stall and lengthen the step, and the bound still holds at

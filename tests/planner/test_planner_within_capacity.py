@@ -87,6 +87,7 @@ def _config(tmp_path, **planner):
                          planner=PlannerConfig(mode="auto", warmup_steps=1, profile_steps=2, **planner))
 
 
+@pytest.mark.slow
 def test_a_capacity_below_keep_everything_holds_every_step_within_it(world, tmp_path):
     keep_result, keep_stats, _, keep_alloc = _run(steps=3)
     keep_count = max(s.peak_resident_bytes for s in keep_stats)
@@ -109,6 +110,7 @@ def test_a_capacity_below_keep_everything_holds_every_step_within_it(world, tmp_
     assert max(alloc) <= keep_peak - (keep_count - capacity) // 2, (alloc, keep_alloc)
 
 
+@pytest.mark.slow
 def test_a_capacity_keep_everything_fits_still_profiles_keep(world, tmp_path):
     _, keep_stats, _, _ = _run(steps=2)
     keep_count = max(s.peak_resident_bytes for s in keep_stats)
@@ -120,6 +122,7 @@ def test_a_capacity_keep_everything_fits_still_profiles_keep(world, tmp_path):
     assert planner.plan is not None
 
 
+@pytest.mark.slow
 def test_no_capacity_keeps_the_schedule_unchanged(world, tmp_path):
     config = _config(tmp_path)
     with TensorCache(config) as cache:

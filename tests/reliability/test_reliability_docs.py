@@ -6,6 +6,8 @@ import ast
 import os
 import re
 
+import pytest
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -15,6 +17,7 @@ def _test_names(path: str) -> set:
     return {n.name for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name.startswith("test_")}
 
 
+@pytest.mark.slow
 def test_every_test_named_in_reliability_md_exists():
     with open(os.path.join(REPO, "docs", "reliability.md"), encoding="utf-8") as fh:
         text = fh.read()

@@ -155,6 +155,7 @@ def _alias_bomb() -> str:
     return "\n".join(lines) + "\n"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("content, rule", [
     (_alias_bomb(), "expands to more than 100000 YAML nodes (141166 by line 7, each alias counted as the nodes it "
                    "names wherever it is used): must expand to at most 100000"),
@@ -192,6 +193,7 @@ def test_a_config_within_the_bounds_still_loads(tmp_path):
         load_config(TrainConfig, str(deep))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("source, shown_part", [
     ("override", "TrainConfig.steps = 'xxxxxxxxxx"),
     ("file", "ModelConfig.num_layers = [1, 1, 1"),

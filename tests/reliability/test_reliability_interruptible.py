@@ -331,6 +331,7 @@ def _offloaded_step(cache, model, batch) -> None:
     cache.finish_step()
 
 
+@pytest.mark.slow
 @needs_monitoring
 def test_an_interrupt_anywhere_in_an_offloaded_step_lets_the_cache_close_and_remove_its_files(tmp_path):
     """The whole of one training step with every layer offloaded through the real engine
@@ -385,6 +386,7 @@ def test_an_interrupt_anywhere_in_an_offloaded_step_lets_the_cache_close_and_rem
     assert interrupted >= 32, (interrupted, total)
 
 
+@pytest.mark.slow
 @needs_monitoring
 def test_an_interrupt_in_a_micro_batch_scopes_entry_or_exit_leaves_no_hooks_and_no_active_cache(tmp_path):
     """NOTE [Scopes an interrupt cannot leak] in ``cache/scopes.py``: a micro-batch forward
