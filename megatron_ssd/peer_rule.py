@@ -12,6 +12,7 @@ prices them over a stage profile (``planner/peers.py``), so the two cannot diffe
     first_layers_placement(index, elements, num_layers, min_elements)  # HOST or KEEP
     first_layers_bound(total)                                       # L - 1: the most N
     first_layers_read_ahead(total, num_layers)                      # L - N - 1
+    fine_grained_modules_rule(modules)                              # None, or the rule broken
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ __all__ = [
     "TE_MIN_TENSOR_ELEMENTS",
     "fine_grained_choice",
     "fine_grained_member",
+    "fine_grained_modules_rule",
     "first_layers_placement",
     "first_layers_read_ahead",
 ]
@@ -54,6 +56,19 @@ GROUP_RULES = (MEGATRON_OFFLOAD,)
 """The ``PeerConfig.rule`` values that decide by a tensor's module group: only for these
 do the offload-aware layers label their submodules (NOTE [Module groups] in
 ``megatron/groups.py``)."""
+
+
+def fine_grained_modules_rule(modules: Sequence[str]) -> Optional[str]:
+    """The rule Megatron's ``offload_modules`` list breaks, in words, or None: distinct
+    names of :data:`FGO_MODULES`, at least one, and ``core_attn`` wherever ``attn_proj``
+    is named (Megatron refuses ``attn_proj`` alone: core attention's backward needs the
+    output projection's input). The config and the planner's pricing both check it here."""
+    if not modules or len(set(modules)) != len(modules) or any(m not in FGO_MODULES for m in modules):
+        return f"must be distinct names of {list(FGO_MODULES)}"
+    if "attn_proj" in modules and "core_attn" not in modules:
+        return ("must name core_attn when it names attn_proj (Megatron refuses attn_proj alone: core attention's "
+                "backward needs its output)")
+    return None
 
 
 def fine_grained_member(group: Optional[str], elements: int, modules: Sequence[str], min_elements: int) -> bool:

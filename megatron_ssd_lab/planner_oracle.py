@@ -98,7 +98,7 @@ def every_choice(layer: LayerProfile, tiers: Sequence[Placement], recompute: boo
 def _held(layer: LayerProfile, derived: LayerProfile, choice: LayerChoice) -> int:
     if choice.placement is Placement.RECOMPUTE:
         return layer.boundary_bytes
-    moved = derived.offloaded_bytes(choice.sites) if choice.moved else 0
+    moved = derived.moved_bytes(choice.sites) if choice.moved else 0
     return derived.saved_bytes + derived.kept_bytes - moved
 
 
@@ -155,7 +155,7 @@ def _allowed(search: PlacementSearch, layers: Sequence[LayerProfile], choices: S
     """``PlacementSearch.allowed`` of a plan replayed on its derived layers."""
     if tl.forwarded or not search.hosts_ok(tl):
         return False
-    written = sum(layer.offloaded_bytes(c.sites) for layer, c in zip(layers, choices)
+    written = sum(layer.moved_bytes(c.sites) for layer, c in zip(layers, choices)
                   if c.placement is Placement.OFFLOAD)
     return written <= search.written_limit()
 

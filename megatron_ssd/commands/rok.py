@@ -170,7 +170,8 @@ def _point(placement: str, reports: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
     planned = plans[0]
     if planned:
         plan = planned[-1]["plan"]
-        point["plan"] = [lp.placement_text for lp in Plan.from_dict(plan).layers]
+        made = Plan.from_dict(plan)
+        point["plan"] = [lp.placement_text for lp in made.layers]
         point["plan_same_every_round"] = all(
             p and [lp.placement_text for lp in Plan.from_dict(p[-1]["plan"]).layers] == point["plan"] for p in plans
         )
@@ -178,7 +179,7 @@ def _point(placement: str, reports: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
         point["predicted_step_s"] = plan["step_s"]
         point["predicted_peak_activation_bytes"] = plan["peak_activation_bytes"]
         point["predicted_counted_peak_bytes"] = plan_counted_peak_bytes(reports[0]["planner"].get("profile"), plan)
-        point["plan_offloaded_bytes"] = sum(l["offloaded"] for l in plan["layers"])
+        point["plan_moved_bytes"] = {Placement.OFFLOAD.value: made.offloaded_bytes, Placement.HOST.value: made.hosted_bytes}
         point["plan_io"] = plan["io"]  # the measured profile it was made from: bandwidths, compute_slowdown
         point["plan_keep_step_s"] = plan["keep_step_s"]
     paired = [r["paired"] for r in reports if r.get("paired")]

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Annotated, List, Optional
 
-from ..peer_rule import MEGATRON_OFFLOAD, PEER_RULE_ALIASES, TE_OFFLOAD
+from ..peer_rule import MEGATRON_OFFLOAD, PEER_RULE_ALIASES, TE_OFFLOAD, fine_grained_modules_rule
 from ..placement import FGO_MODULES, Placement
 from .plan_settings import (MAX_LAYERS, AllowRecompute, CapacityBytes, MaxSlowdown, MemoryBudget, ReadAheadMode,
                             SafetyMargin, Search)
@@ -220,10 +220,6 @@ class PeerConfig:
         _settle(self)
 
     def _check(self) -> None:
-        known = FGO_MODULES
-        unknown = [m for m in self.offload_modules if m not in known]
-        if unknown or not self.offload_modules or len(set(self.offload_modules)) != len(self.offload_modules):
-            raise _broken(self, "offload_modules", f"must be distinct names of {list(known)}")
-        if "attn_proj" in self.offload_modules and "core_attn" not in self.offload_modules:
-            raise _broken(self, "offload_modules", "must name core_attn when it names attn_proj (Megatron refuses "
-                                                   "attn_proj alone: core attention's backward needs its output)")
+        broken = fine_grained_modules_rule(self.offload_modules)
+        if broken:
+            raise _broken(self, "offload_modules", broken)

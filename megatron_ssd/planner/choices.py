@@ -68,7 +68,7 @@ def _option(layer: LayerProfile, derived: LayerProfile, choice: LayerChoice) -> 
     if placement is Placement.RECOMPUTE:
         return Option(choice, derived, layer.boundary_bytes,
                       layer.forward_s + layer.backward_s + layer.recompute_time, 0)
-    moved = derived.offloaded_bytes(choice.sites) if choice.moved else 0
+    moved = derived.moved_bytes(choice.sites) if choice.moved else 0
     return Option(choice, derived, derived.saved_bytes + derived.kept_bytes - moved,
                   derived.forward_s + derived.backward_s, moved)
 

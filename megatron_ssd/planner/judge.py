@@ -76,7 +76,7 @@ class Judge:
         own step time whatever bandwidth judged it. Always true without a limit."""
         if self.max_write_bytes_per_s is None:
             return True
-        written = sum(layer.offloaded_bytes(c.sites) for layer, c in zip(with_recompute(self.stage, choices).layers,
+        written = sum(layer.moved_bytes(c.sites) for layer, c in zip(with_recompute(self.stage, choices).layers,
                                                                          choices) if c.placement is Placement.OFFLOAD)
         return written <= self.written_limit()
 

@@ -26,6 +26,7 @@ from ..placement import OUTSIDE, LayerChoice, Placement
 from ..config import MEGATRON_OFFLOAD, TE_OFFLOAD
 from ..errors import ConfigError
 from ..peer_rule import (FGO_MIN_TENSOR_ELEMENTS, FGO_MODULES, TE_MIN_TENSOR_ELEMENTS, fine_grained_choice,
+                         fine_grained_modules_rule,
                          fine_grained_member, first_layers_bound, first_layers_placement, first_layers_read_ahead)
 from .profile import LayerId, LayerProfile, StageProfile
 from .step_timeline import Timeline, predict
@@ -231,7 +232,7 @@ def megatron_fine_grained(
         stage: The stage (its ``io.host_bytes_per_s`` is the pinned-copy bandwidth).
         anatomy: Per transformer layer id, its sites' roles.
         fraction: ``activation_offload_fraction``, in [0, 1].
-        modules: ``offload_modules`` (of :data:`~megatron_ssd.peer_rule.FGO_MODULES`).
+        modules: ``offload_modules`` (the rule: ``peer_rule.fine_grained_modules_rule``).
         transformer_engine: Transformer Engine's layer spec (norms fused into the
             following linears, so ``attn_norm`` and ``mlp_norm`` capture nothing), else
             the local spec.
@@ -244,11 +245,9 @@ def megatron_fine_grained(
     """
     if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 <= fraction <= 1:
         raise ConfigError(f"activation_offload_fraction = {fraction!r}: must be a number in [0, 1]")
-    unknown = [m for m in modules if m not in FGO_MODULES]
-    if unknown:
-        raise ConfigError(f"offload_modules = {list(modules)!r}: {unknown} not among {list(FGO_MODULES)}")
-    if "attn_proj" in modules and "core_attn" not in modules:
-        raise ConfigError(f"offload_modules = {list(modules)!r}: attn_proj needs core_attn (Megatron refuses it)")
+    broken = fine_grained_modules_rule(modules)
+    if broken:
+        raise ConfigError(f"offload_modules = {list(modules)!r}: {broken}")
     table = _FGO_GROUPS_TE if transformer_engine else _FGO_GROUPS_LOCAL
     names = [m for m in FGO_MODULES if m in modules]
     inside = _inside(stage)

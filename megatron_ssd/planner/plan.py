@@ -46,15 +46,19 @@ __all__ = [
     "make_plan",
 ]
 
-PLAN_SCHEMA = "megatron_ssd.plan/2"
-"""Value of the ``schema`` key of a plan's JSON form (``plan/2``: each layer's decision
-is one ``choice`` object). A choice that recomputes modules inside its layer carries a
+PLAN_SCHEMA = "megatron_ssd.plan/3"
+"""Value of the ``schema`` key of a plan's JSON form (``plan/3``: each layer's decision
+is one ``choice`` object, and the bytes it moves off the device to any tier are its
+``moved``). A choice that recomputes modules inside its layer carries a
 ``recompute`` list too; the key is written only then, so a plan without it reads as
 before, and a choice without it (every plan written before it existed) recomputes no
 module (``LayerChoice.from_dict``)."""
+_PLAN_SCHEMA_2 = "megatron_ssd.plan/2"
+"""The form before, still read: a layer's moved bytes were its ``offloaded``, whichever
+tier they went to."""
 _PLAN_SCHEMA_1 = "megatron_ssd.plan/1"
-"""The earlier form, still read: a layer's ``placement``, ``offload_sites``,
-``read_ahead`` and ``site_read_ahead`` side by side."""
+"""The earliest form, still read: a layer's ``placement``, ``offload_sites``,
+``read_ahead`` and ``site_read_ahead`` side by side, and ``offloaded`` as in ``plan/2``."""
 _RENAMED = {"prefetch_depth": "default_read_ahead", "read_ahead": "read_ahead_mode"}
 """Request fields under the names plans written before them carry (still read)."""
 _REQUEST_FIELDS = [f.name for f in dataclasses.fields(PlanRequest)]
@@ -82,9 +86,9 @@ class LayerPlan:
     """How many sites the layer has (offloadable tensors it saves); with modules
     recomputed inside it, those left (NOTE [Recompute inside a layer] in
     ``module_recompute.py``)."""
-    offloaded: int = 0
-    """Bytes moved off the device and back per micro-batch: to the SSDs (OFFLOAD) or to
-    the host pool (HOST)."""
+    moved: int = 0
+    """Bytes moved off the device and back per micro-batch, to whichever tier the
+    placement names: the SSDs (OFFLOAD) or the host pool (HOST)."""
     write_s: float = 0.0
     """Predicted time the array spends writing the layer."""
     read_s: float = 0.0
@@ -220,12 +224,12 @@ class Plan:
     @property
     def offloaded_bytes(self) -> int:
         """Bytes written to the SSD array per micro-batch."""
-        return sum(lp.offloaded for lp in self.layers if lp.placement is Placement.OFFLOAD)
+        return sum(lp.moved for lp in self.layers if lp.placement is Placement.OFFLOAD)
 
     @property
     def hosted_bytes(self) -> int:
         """Bytes copied into the host pool per micro-batch (HOST layers)."""
-        return sum(lp.offloaded for lp in self.layers if lp.placement is Placement.HOST)
+        return sum(lp.moved for lp in self.layers if lp.placement is Placement.HOST)
 
     @property
     def host_pool_bytes(self) -> int:
@@ -258,8 +262,9 @@ class Plan:
         """Rebuild a plan from :meth:`to_dict` output; a wrong schema raises ConfigError."""
         data = dict(data)
         schema = data.pop("schema", None)
-        if schema not in (PLAN_SCHEMA, _PLAN_SCHEMA_1):
-            raise ConfigError(f"Plan.schema = {schema!r}: must be {PLAN_SCHEMA!r} (or {_PLAN_SCHEMA_1!r}, read too)")
+        if schema not in (PLAN_SCHEMA, _PLAN_SCHEMA_2, _PLAN_SCHEMA_1):
+            raise ConfigError(f"Plan.schema = {schema!r}: must be {PLAN_SCHEMA!r} "
+                              f"(or {_PLAN_SCHEMA_2!r} or {_PLAN_SCHEMA_1!r}, read too)")
         for old, new in _RENAMED.items():  # plans written before the rename
             if old in data:
                 data.setdefault(new, data.pop(old))
@@ -410,7 +415,7 @@ def _build(
     layers = []
     for layer, lt, choice in zip(with_recompute(stage, choices).layers, tl.layers, choices):
         bandwidth = stage.io.host_bytes_per_s if lt.placement is Placement.HOST else stage.io.write_bytes_per_s
-        write_s = 0.0 if lt.write_end is None else lt.offloaded_bytes / bandwidth  # type: ignore[operator]
+        write_s = 0.0 if lt.write_end is None else lt.moved_bytes / bandwidth  # type: ignore[operator]
         read_s = 0.0 if lt.read_end is None else lt.read_end - lt.read_start
         layers.append(
             LayerPlan(
@@ -418,7 +423,7 @@ def _build(
                 choice=choice if choice.moved else dataclasses.replace(choice, sites=None),
                 bytes=layer.saved_bytes,
                 site_count=len(layer.sites),
-                offloaded=lt.offloaded_bytes,
+                moved=lt.moved_bytes,
                 write_s=write_s,
                 read_s=read_s,
                 exposed_s=lt.stall_s,
@@ -448,10 +453,13 @@ def _build(
 
 def _with_choice(layer: Any, schema: str) -> Any:
     """A JSON layer with its ``choice`` checked (:meth:`LayerChoice.from_dict`); a
-    ``plan/1`` layer's four decision fields become that one ``choice`` first."""
+    ``plan/1`` layer's four decision fields become that one ``choice`` first, and an
+    older layer's ``offloaded`` its ``moved``."""
     if not isinstance(layer, Mapping):
         return layer  # from_dict names the bad entry
     layer = dict(layer)
+    if schema != PLAN_SCHEMA and "offloaded" in layer:
+        layer.setdefault("moved", layer.pop("offloaded"))
     if schema == _PLAN_SCHEMA_1:
         placement, sites = layer.pop("placement", None), layer.pop("offload_sites", None)
         ahead, per_site = layer.pop("read_ahead", 1), layer.pop("site_read_ahead", None)
@@ -462,7 +470,7 @@ def _with_choice(layer: Any, schema: str) -> Any:
     return layer
 
 
-_LAYER_AMOUNTS = ("bytes", "offloaded", "site_count", "write_s", "read_s", "exposed_s", "forward_s", "backward_s")
+_LAYER_AMOUNTS = ("bytes", "moved", "site_count", "write_s", "read_s", "exposed_s", "forward_s", "backward_s")
 _PLAN_AMOUNTS = ("peak_activation_bytes", "step_s", "exposed_s", "slowdown_s", "keep_peak_activation_bytes",
                  "keep_step_s", "write_busy_s", "read_busy_s")
 

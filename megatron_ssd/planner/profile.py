@@ -195,8 +195,8 @@ class LayerProfile:
         (``site_use``, else 0)."""
         return 0.0 if self.site_use is None else float(self.site_use[site])
 
-    def offloaded_bytes(self, sites: Optional[int] = None) -> int:
-        """Bytes moved when the first ``sites`` sites are offloaded (None: all)."""
+    def moved_bytes(self, sites: Optional[int] = None) -> int:
+        """Bytes moved to a tier when the first ``sites`` sites are (None: all)."""
         if sites is None:
             return self.saved_bytes
         return sum(self.sites[:sites])

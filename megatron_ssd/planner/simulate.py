@@ -127,7 +127,7 @@ class SimulationResult:
         part = [lp for lp in self.plan.layers if lp.placement.value == "offload" and lp.offload_sites is not None]
         if not part:
             return ""
-        share = sum(lp.offloaded for lp in part) / max(1, sum(lp.bytes for lp in part))
+        share = sum(lp.moved for lp in part) / max(1, sum(lp.bytes for lp in part))
         return f" ({len(part)} in part: {share:.0%} of their bytes)"
 
     def summary(self) -> str:

@@ -193,9 +193,9 @@ class LayerTimeline:
     """The write had not completed when the read was due: served from memory."""
     write_wait_s: float = 0.0
     """Time its forward waited for the in-flight bound (NOTE [In-flight bound])."""
-    offloaded_bytes: int = 0
-    """Bytes written and read back (OFFLOAD: all its sites, or the prefix the plan
-    names, NOTE [Sites])."""
+    moved_bytes: int = 0
+    """Bytes moved off the device and back, to the tier its placement names (OFFLOAD,
+    HOST: all its sites, or the prefix the plan names, NOTE [Sites])."""
 
     @property
     def forward_s(self) -> float:
@@ -264,12 +264,12 @@ class Timeline:
     @property
     def offloaded_bytes(self) -> int:
         """Bytes written to the SSD array per micro-batch."""
-        return sum(lt.offloaded_bytes for lt in self.layers if lt.placement is Placement.OFFLOAD)
+        return sum(lt.moved_bytes for lt in self.layers if lt.placement is Placement.OFFLOAD)
 
     @property
     def hosted_bytes(self) -> int:
         """Bytes copied into the host pool per micro-batch."""
-        return sum(lt.offloaded_bytes for lt in self.layers if lt.placement is Placement.HOST)
+        return sum(lt.moved_bytes for lt in self.layers if lt.placement is Placement.HOST)
 
 
 def predict(
@@ -314,7 +314,7 @@ def predict(
     counts = site_list([c.sites for c in choices], layers)
     ahead = read_ahead_list([1 if c.read_ahead is None else c.read_ahead for c in choices], n)
     aheads = [site_read_aheads(d, layer) for d, layer in zip(ahead, layers)]
-    moved = [layer.offloaded_bytes(k) if p in MOVED else 0 for layer, p, k in zip(layers, placements, counts)]
+    moved = [layer.moved_bytes(k) if p in MOVED else 0 for layer, p, k in zip(layers, placements, counts)]
     io = stage.io if io is None else io
     if io.host_bytes_per_s is None and Placement.HOST in placements:
         raise ConfigError("placements: 'host' needs IOProfile.host_bytes_per_s (the host tier's copy bandwidth)")
@@ -419,7 +419,7 @@ class _Replay:
                 self.host_busy += nbytes / write_bw
         computed = self.compute.run(start, layer.forward_s)
         t = self.t = max(computed, admitted_at)
-        lt = LayerTimeline(layer.layer_id, placement, start, t, 0.0, 0.0, offloaded_bytes=nbytes,
+        lt = LayerTimeline(layer.layer_id, placement, start, t, 0.0, 0.0, moved_bytes=nbytes,
                            write_wait_s=t - computed)
         self.write_wait += lt.write_wait_s
         if streamed is not None:
@@ -565,7 +565,7 @@ def _account(layer: LayerProfile, lt: LayerTimeline, hold: Callable[[float, floa
         rebuild(lt.forward_end, lt.backward_end, layer.boundary_bytes)  # held by the checkpoint, not packed
         rebuild(lt.backward_start, lt.backward_end, layer.saved_bytes + layer.kept_bytes)
     else:
-        moved = lt.offloaded_bytes
+        moved = lt.moved_bytes
         hold(lt.forward_end, lt.backward_end, layer.kept_bytes + layer.saved_bytes - moved)
         if lt.write_end is None or lt.forwarded:
             hold(lt.forward_end, lt.backward_end, moved)
@@ -596,4 +596,4 @@ def _parked_bytes(layer: LayerProfile, lt: LayerTimeline) -> int:
         return layer.saved_bytes + layer.kept_bytes
     if lt.placement is Placement.RECOMPUTE:
         return layer.boundary_bytes
-    return layer.kept_bytes + layer.saved_bytes - lt.offloaded_bytes  # OFFLOAD, HOST
+    return layer.kept_bytes + layer.saved_bytes - lt.moved_bytes  # OFFLOAD, HOST

@@ -100,7 +100,7 @@ def test_fine_grained_local_spec_has_norm_groups_and_honours_the_minimum_size():
 
 def test_fine_grained_refuses_what_megatron_refuses():
     st = stage()
-    with pytest.raises(ConfigError, match="attn_proj needs core_attn"):
+    with pytest.raises(ConfigError, match=r"offload_modules = \['qkv_linear', 'attn_proj'\]: must name core_attn when it names attn_proj"):
         megatron_fine_grained(st, anatomy(st), modules=("qkv_linear", "attn_proj"))
     with pytest.raises(ConfigError, match=r"activation_offload_fraction = 1\.5: must be a number in \[0, 1\]"):
         megatron_fine_grained(st, anatomy(st), 1.5)

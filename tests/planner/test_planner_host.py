@@ -60,7 +60,7 @@ def test_the_host_pool_takes_what_it_hides_within_its_budget_and_the_ssds_the_re
     assert plan.peak_activation_bytes < ssd_only.peak_activation_bytes
     assert plan.exposed_s == 0.0 and plan.step_s == pytest.approx(plan.keep_step_s)
     hosted = [lp for lp in plan.layers if lp.placement is H]
-    assert hosted and all(lp.offloaded > 0 for lp in hosted)
+    assert hosted and all(lp.moved > 0 for lp in hosted)
     assert "host pool" in plan.table() and any(lp.placement_text.startswith("host") for lp in plan.layers)
     again = Plan.from_json(plan.to_json())
     assert again.hosted_bytes == plan.hosted_bytes and again.request.host_budget_bytes == 3 * GB

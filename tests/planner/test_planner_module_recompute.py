@@ -80,7 +80,7 @@ def test_recompute_inside_a_layer_combines_with_offloading_its_other_sites():
     plan = make_plan(stage(3e7), PlanRequest(memory_budget=70 * MB))  # neither alone fits 70 MB at the least step time
     first = plan.layers[0]
     assert first.placement is O and first.choice.recompute == ("core_attn",)
-    assert first.site_count == 2 and first.offloaded == 20 * MB  # the sites left, moved
+    assert first.site_count == 2 and first.moved == 20 * MB  # the sites left, moved
     assert first.placement_text == "offload +core_attn"
     assert plan.peak_activation_bytes <= 70 * MB and plan.exposed_s == 0.0
     again = replay(stage(3e7), list(plan.choices().values()), read_ahead=1)
@@ -98,13 +98,13 @@ def test_read_ahead_auto_plans_the_sites_left():
 def test_plan_json_round_trip_keeps_the_modules_and_reads_plans_without_them():
     plan = make_plan(stage(3e7), PlanRequest(memory_budget=70 * MB))
     data = json.loads(plan.to_json())
-    assert data["schema"] == "megatron_ssd.plan/2"
+    assert data["schema"] == "megatron_ssd.plan/3"
     assert data["layers"][0]["choice"]["recompute"] == ["core_attn"]
     assert "recompute" not in data["layers"][3]["choice"]  # written only where a module is named
     back = Plan.from_json(plan.to_json())
     assert back.choices() == plan.choices()
     assert back.layers[0].choice.recompute == ("core_attn",)
-    old = json.loads(make_plan(stage(1e9), PlanRequest(memory_budget=100 * MB)).to_json())  # a plan/2 of before: no key
+    old = json.loads(make_plan(stage(1e9), PlanRequest(memory_budget=100 * MB)).to_json())  # a plan of before: no key
     assert all(set(layer["choice"]) == {"placement", "sites", "read_ahead"} for layer in old["layers"])
     assert all(c.recompute == () for c in Plan.from_dict(old).choices().values())
 

@@ -187,8 +187,8 @@ def test_a_plan_written_in_the_first_schema_loads_as_the_same_plan():
 
 def test_plan_json_rejects_wrong_schema_and_unknown_keys():
     data = make_plan(fast_stage()).to_dict()
-    with pytest.raises(ConfigError, match=r"^megatron_ssd: Plan.schema = 'other/9': must be 'megatron_ssd.plan/2' "
-                                          r"\(or 'megatron_ssd.plan/1', read too\)$"):
+    with pytest.raises(ConfigError, match=r"^megatron_ssd: Plan.schema = 'other/9': must be 'megatron_ssd.plan/3' "
+                                          r"\(or 'megatron_ssd.plan/2' or 'megatron_ssd.plan/1', read too\)$"):
         Plan.from_dict({**data, "schema": "other/9"})
     bad = {**data, "layers": [{**data["layers"][0], "choice": {"placement": "offload", "sites": -2, "read_ahead": 1}}]}
     with pytest.raises(ConfigError, match=r"sites\[0\] = -2: must be an integer >= 0"):
@@ -352,9 +352,10 @@ def test_a_budget_that_recomputing_every_layer_meets_is_met_where_no_single_move
 ])
 def test_a_plan_written_before_the_read_ahead_names_loads_as_the_same_plan(name, made):
     """Plans written with ``prefetch_depth`` and ``read_ahead`` (the mode) at the top
-    level read those as ``default_read_ahead`` and ``read_ahead_mode``."""
+    level read those as ``default_read_ahead`` and ``read_ahead_mode``, and a ``plan/2``
+    layer's ``offloaded`` as its ``moved``."""
     path = os.path.join(os.path.dirname(__file__), "fixtures", name)
     with open(path, encoding="utf-8") as fh:
         text = fh.read()
-    assert '"prefetch_depth"' in text and '"read_ahead_mode"' not in text
+    assert '"prefetch_depth"' in text and '"read_ahead_mode"' not in text and '"offloaded"' in text
     assert Plan.from_json(text) == made()

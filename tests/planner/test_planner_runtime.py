@@ -329,7 +329,8 @@ def test_rok_json_schema(tmp_path):
     assert all(pl.split()[0] in ("keep", "offload", "recompute") for pl in by["planner"]["plan"])
     planned = by["planner"]
     assert planned["plan_io"]["compute_slowdown"] >= 0 and planned["plan_io"]["write_bytes_per_s"] > 0
-    assert planned["plan_keep_step_s"] > 0 and planned["plan_offloaded_bytes"] >= 0
+    assert planned["plan_keep_step_s"] > 0 and set(planned["plan_moved_bytes"]) == {"offload", "host"} \
+        and planned["plan_moved_bytes"]["host"] == 0  # no host pool here
     # NOTE [What the cache counts]: the plan replayed on its profile; what recomputation holds is left out
     assert planned["predicted_counted_peak_bytes"] <= planned["predicted_peak_activation_bytes"]
     if "recompute" not in planned["plan"]:

@@ -220,7 +220,7 @@ def test_result_json_form():
     result = simulate(SimulationSpec(**GPT_1_3B))  # the default 3-year wear bound of 1 drive allows no write
     data = json.loads(json.dumps(result.to_dict()))
     assert data["lifetime_years"] is None and data["write_bytes_per_s_per_gpu"] == 0.0
-    assert data["plan"]["schema"] == "megatron_ssd.plan/2"
+    assert data["plan"]["schema"] == "megatron_ssd.plan/3"
     assert data["spec"]["hidden"] == 2048
 
 

@@ -32,7 +32,7 @@ def test_site_bytes_must_be_positive_and_sum_to_saved_bytes():
         LayerProfile(0, 0.1, 0.2, 4, site_bytes=[0, 4])
     assert LayerProfile(0, 0.1, 0.2, 4).sites == [4] and LayerProfile(0, 0.1, 0.2, 0).sites == []
     layer = LayerProfile(0, 0.1, 0.2, 6, site_bytes=[1, 2, 3])
-    assert [layer.offloaded_bytes(k) for k in (0, 1, 2, 3, None)] == [0, 1, 3, 6, 6]
+    assert [layer.moved_bytes(k) for k in (0, 1, 2, 3, None)] == [0, 1, 3, 6, 6]
     stage = StageProfile(layers=[layer], io=IOProfile(1.0, 1.0))
     assert StageProfile.from_json(stage.to_json()) == stage
 
@@ -42,7 +42,7 @@ def test_a_partly_offloaded_layer_holds_the_sites_it_keeps():
     with pytest.raises(ConfigError, match=r"sites\[0\] = 5: must be None or an integer in \[0, 4\]"):
         predict(stage, choices_of([O], sites=[5]))
     whole, half, none = (predict(stage, choices_of([O], sites=[k])) for k in (None, 2, 0))
-    assert [lt.offloaded_bytes for lt in (whole.layers[0], half.layers[0], none.layers[0])] == [GB, GB // 2, 0]
+    assert [lt.moved_bytes for lt in (whole.layers[0], half.layers[0], none.layers[0])] == [GB, GB // 2, 0]
     assert half.write_busy_s == pytest.approx(whole.write_busy_s / 2)
     # the half it keeps stays resident from the forward's end to the backward's end
     assert (half.parked_bytes, none.parked_bytes, whole.parked_bytes) == (GB // 2, GB, 0)
@@ -136,7 +136,7 @@ def test_plans_with_sites_round_trip_and_report_site_changes():
     plan = make_plan(split_stage(), PlanRequest(read_ahead_mode="fixed"))
     again = Plan.from_json(plan.to_json())
     assert again.choices() == plan.choices() and again.layers[0].offload_sites == 2
-    assert again.layers[0].site_count == 4 and again.layers[0].offloaded == GB // 2
+    assert again.layers[0].site_count == 4 and again.layers[0].moved == GB // 2
     whole = Plan.from_json(plan.to_json())
     whole.layers[0].choice = LayerChoice(Placement.OFFLOAD)
     assert plan.changes_from(whole) == ["layer 0: offload -> offload 2/4"]
