@@ -71,7 +71,7 @@ def test_recompute_inside_layers_with_their_other_sites_offloaded_is_bit_identic
         derived = recomputed_layer(layers[layer_id], choice.recompute)
         measured = stats[-1].layers[layer_id]
         assert [b // 2 for b in measured.site_bytes] == derived.sites  # 2 micro-batches; the cache's sites
-        assert measured.offloaded_bytes // 2 == derived.offloaded_bytes(choice.sites)
+        assert measured.offloaded_bytes // 2 == derived.moved_bytes(choice.sites)
         assert measured.offloaded_bytes > 0
     assert stats[-1].peak_resident_bytes < keep_stats[-1].peak_resident_bytes
 
