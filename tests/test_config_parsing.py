@@ -368,3 +368,25 @@ def test_a_size_past_1_eib_is_refused_whatever_its_spelling(text):
     with pytest.raises(ConfigError) as info:
         load_config(OffloadConfig, None, [f"io.max_inflight_bytes={text}"])
     assert str(info.value).endswith(": must be <= 1152921504606846976 bytes (1 EiB)")
+
+
+@pytest.mark.parametrize("field, value, rule", [
+    ("profile_steps", 1.5, "must be an integer"),
+    ("profile_steps", True, "must be an integer"),
+    ("drive_count", 2.5, "must be an integer"),
+    ("replan_threshold", True, "must be a number"),
+    ("drive_lifetime_years", "3", "must be a number"),
+    ("memory_budget", 2.5e9, "must be an integer > 0 bytes or null"),  # its own rule judges the kind
+    ("mode", 3, "must be one of ['auto', 'static', 'keep', 'offload', 'recompute', 'host']"),
+])
+def test_a_config_built_in_python_is_held_to_the_kinds_yaml_is(field, value, rule):
+    """``PlannerConfig(profile_steps=1.5)`` was taken (only the bounds were checked), where
+    YAML and overrides are converted to the field's kind first; now both refuse it in one
+    line (a field whose rule judges the kind says it in that rule's words), and an
+    integer still goes where a number does."""
+    from megatron_ssd.errors import shown
+
+    with pytest.raises(ConfigError) as info:
+        PlannerConfig(**{field: value})
+    assert str(info.value) == f"megatron_ssd: PlannerConfig.{field} = {shown(value)}: {rule}"
+    assert PlannerConfig(replan_threshold=0.5, drive_lifetime_years=3).drive_lifetime_years == 3

@@ -63,6 +63,8 @@ def configuration_reference() -> str:
         "meant is suggested). Each number is parsed as what it is: a count is a whole number",
         "(`1_000` and `1e3` are 1000; `1KiB` is refused), a byte field also takes sizes",
         "(`4MiB`, `2GiB`) and a seconds field durations (`500ms`, `30s`, `2min`, `1h`).",
+        "A config built in Python (`PlannerConfig(profile_steps=2)`) is held to the same kinds",
+        "and rules: `profile_steps=1.5` or `True` is refused in one line, as in a YAML file.",
         "",
     ]
     for prefix, cls in _SECTIONS:

@@ -27,7 +27,8 @@ from typing import Annotated, Any, Dict, List, Mapping, Optional, Sequence, Set,
 
 from ..errors import ConfigError, shown
 from .files import read_config_file
-from .rules import (LIST_RULE, MAX_BYTES, AtMost, Directories, InRange, OrAuto, Rule, Seconds, Switch, Unit, Bytes,
+from .rules import (LIST_RULE, MAX_BYTES, AtMost, Boolean, Directories, InRange, Number, OneOf, OneOfKinds, OrAuto, Rule, Seconds,
+                    Switch, Unit, Bytes,
                     split_list)
 
 __all__ = [
@@ -168,6 +169,10 @@ def validate(obj: Any) -> None:
             continue
         if spec.auto and value == OrAuto.word:
             continue
+        kind = None if any(isinstance(r, (Number, Boolean, OneOf, OneOfKinds)) for r in spec.rules) else \
+            _kind_error(spec.base, value)  # a rule that judges the kind says it in its own words
+        if kind is not None:
+            raise _fail(cls_name, f.name, value, f"{kind} or null" if spec.optional else kind)
         for rule in spec.rules:
             text = rule.check(value)
             if text is not None:
@@ -180,6 +185,23 @@ def validate(obj: Any) -> None:
     check = getattr(obj, "_check", None)
     if check is not None:
         check()
+
+
+def _kind_error(base: Any, value: Any) -> Optional[str]:
+    """The rule ``value`` breaks by its kind alone, in :func:`_coerce`'s words, or None: a
+    config built in Python (``PlannerConfig(profile_steps=1.5)``) is held to the kinds a
+    YAML file or an override is converted to. An integer is a number; a bool is neither."""
+    if base is bool:
+        return None if isinstance(value, bool) else "must be a boolean (true/false)"
+    if base is int:
+        return None if isinstance(value, int) and not isinstance(value, bool) else "must be an integer"
+    if base is float:
+        return None if isinstance(value, (int, float)) and not isinstance(value, bool) else "must be a number"
+    if base is str:
+        return None if isinstance(value, str) else "must be a string"
+    if typing.get_origin(base) in (list, List):
+        return None if isinstance(value, (list, tuple)) else "must be a list"
+    return None
 
 
 # ----------------------------------------------------------------- dict / YAML round trip
