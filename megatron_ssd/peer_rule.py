@@ -13,15 +13,25 @@ prices them over a stage profile (``planner/peers.py``), so the two cannot diffe
     first_layers_bound(total)                                       # L - 1: the most N
     first_layers_read_ahead(total, num_layers)                      # L - N - 1
     fine_grained_modules_rule(modules)                              # None, or the rule broken
+
+Each rule is also one :class:`Peer` value (:data:`PEERS`): its name, its old names, its
+title, the settings it reads and the one ``rok`` sweeps. The config, ``rok``, the ROK
+plot and the tensor cache read those; the cache's runtime rules
+(``cache/peer_rules.py``, ``RUNTIME``) and the planner's pricing (``planner/peers.py``,
+``PRICING``) are keyed by its name, and a test checks every peer has both.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Dict, Hashable, List, Optional, Sequence, Tuple
 
 from .placement import FGO_MODULES, Placement
 
 __all__ = [
+    "PEERS",
+    "PEER_BY_NAME",
+    "Peer",
     "MEGATRON_OFFLOAD",
     "PEER_RULE_ALIASES",
     "TE_OFFLOAD",
@@ -48,14 +58,45 @@ MEGATRON_OFFLOAD = "megatron-offload"
 ``offload.peer.rule``, as ``rok``'s placement and in every table."""
 TE_OFFLOAD = "te-offload"
 """Transformer Engine's CPU offload of the first layers: its one name."""
-PEER_RULE_ALIASES = {"megatron-fine-grained": MEGATRON_OFFLOAD, "te-cpu-offload": TE_OFFLOAD}
+
+
+@dataclass(frozen=True)
+class Peer:
+    """One peer's placement rule, as every part of the code that names it reads it."""
+
+    name: str
+    """Its one name: ``offload.peer.rule``'s value, ``rok``'s placement, the tables' label."""
+    title: str
+    """Its name in prose: the ROK plot's legend."""
+    aliases: Tuple[str, ...]
+    """Its names before, still read as ``offload.peer.rule`` with one warning line."""
+    settings: Tuple[str, ...]
+    """The ``PeerConfig`` fields it reads (their rules are on those fields)."""
+    swept: str
+    """The ``PeerConfig`` field ``rok`` runs once per value (``--fractions``,
+    ``--te-layers``), one point ``<name>-<value>`` each."""
+    min_tensor_elements: int
+    """Its own default for ``PeerConfig.min_tensor_elements``: smaller tensors stay."""
+    by_group: bool = False
+    """Whether it decides by a tensor's module group: only then do the offload-aware
+    layers label their submodules (NOTE [Module groups] in ``megatron/groups.py``)."""
+
+
+PEERS: Tuple[Peer, ...] = (
+    Peer(MEGATRON_OFFLOAD, "Megatron fine-grained offload", ("megatron-fine-grained",),
+         ("offload_fraction", "offload_modules", "min_tensor_elements"), "offload_fraction",
+         FGO_MIN_TENSOR_ELEMENTS, by_group=True),
+    Peer(TE_OFFLOAD, "Transformer Engine CPU offload", ("te-cpu-offload",), ("num_layers", "min_tensor_elements"),
+         "num_layers", TE_MIN_TENSOR_ELEMENTS),
+)
+"""Every peer rule, in the order tables list them."""
+PEER_BY_NAME: Dict[str, Peer] = {p.name: p for p in PEERS}
+PEER_RULE_ALIASES = {alias: p.name for p in PEERS for alias in p.aliases}
 """The rules' names before 2026-12-07, still read as ``offload.peer.rule`` with one
 warning line."""
 
-GROUP_RULES = (MEGATRON_OFFLOAD,)
-"""The ``PeerConfig.rule`` values that decide by a tensor's module group: only for these
-do the offload-aware layers label their submodules (NOTE [Module groups] in
-``megatron/groups.py``)."""
+GROUP_RULES = tuple(p.name for p in PEERS if p.by_group)
+"""The ``PeerConfig.rule`` values that decide by a tensor's module group (``Peer.by_group``)."""
 
 
 def fine_grained_modules_rule(modules: Sequence[str]) -> Optional[str]:

@@ -29,8 +29,8 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from megatron_ssd.placement import EMBEDDING, OUTSIDE, Placement
 from megatron_ssd.planner.drives import DRIVES, drive_preset
-from megatron_ssd.planner.peers import (LayerAnatomy, PeerPoint, full_recompute, keep_everything, megatron_fine_grained,
-                                         price, selective_recompute, te_cpu_offload)
+from megatron_ssd.planner.peers import (LayerAnatomy, PeerPoint, full_recompute, keep_everything, megatron_offload,
+                                         price, selective_recompute, te_offload)
 from megatron_ssd.planner.plan import Plan, PlanInfeasibleError, PlanRequest, make_plan
 from megatron_ssd.planner.profile import StageProfile
 from megatron_ssd.planner.simulate import (
@@ -88,8 +88,8 @@ def peer_points(stage: StageProfile, anatomy: Mapping[Any, LayerAnatomy]) -> Lis
     full overlap), Megatron's selective recompute of core attention (its default) and of
     the MLP, and full recompute of every layer."""
     layers = sum(1 for layer in stage.layers if layer.layer_id not in OUTSIDE)
-    points = [megatron_fine_grained(stage, anatomy, f) for f in FGO_FRACTIONS]
-    points += [te_cpu_offload(stage, anatomy, n) for n in sorted({layers // 2, layers - 2}) if n >= 1]
+    points = [megatron_offload(stage, anatomy, f) for f in FGO_FRACTIONS]
+    points += [te_offload(stage, anatomy, n) for n in sorted({layers // 2, layers - 2}) if n >= 1]
     points += [selective_recompute(stage, anatomy, ("core_attn",)), selective_recompute(stage, anatomy, ("mlp",)),
                full_recompute(stage)]
     return points

@@ -10,7 +10,7 @@ from megatron_ssd.cache.peer_rules import FineGrainedRule, FirstLayersRule
 from megatron_ssd.peer_rule import (FGO_MIN_TENSOR_ELEMENTS, FGO_MODULES, TE_MIN_TENSOR_ELEMENTS, fine_grained_choice,
                                     fine_grained_member, first_layers_placement, first_layers_read_ahead)
 from megatron_ssd.placement import EMBEDDING, Placement
-from megatron_ssd.planner.peers import LayerAnatomy, megatron_fine_grained, te_cpu_offload
+from megatron_ssd.planner.peers import LayerAnatomy, megatron_offload, te_offload
 from megatron_ssd.planner.profile import IOProfile, LayerProfile, StageProfile
 
 MB = 10**6
@@ -85,7 +85,7 @@ def _run(rule, ids, forwards):
 @pytest.mark.parametrize("modules, minimum", [(FGO_MODULES, FGO_MIN_TENSOR_ELEMENTS), (("core_attn",), 3 * MB)])
 def test_fine_grained_runtime_moves_what_the_pricing_assumes(fraction, modules, minimum):
     stage = _stage(4)
-    point = megatron_fine_grained(stage, {i: ANATOMY for i in range(4)}, fraction, modules, transformer_engine=False,
+    point = megatron_offload(stage, {i: ANATOMY for i in range(4)}, fraction, modules, transformer_engine=False,
                                   min_tensor_elements=minimum)
     runtime = _run(FineGrainedRule(modules, fraction, minimum), list(range(4)), forwards=2)  # warm-up, then decided
     assert runtime == _priced(point)
@@ -97,7 +97,35 @@ def test_fine_grained_runtime_moves_what_the_pricing_assumes(fraction, modules, 
 @pytest.mark.parametrize("minimum", [TE_MIN_TENSOR_ELEMENTS, 4 * MB])
 def test_first_layers_runtime_moves_what_the_pricing_assumes(num_layers, minimum):
     stage = _stage(4)
-    point = te_cpu_offload(stage, {i: ANATOMY for i in range(4)}, num_layers, minimum)
+    point = te_offload(stage, {i: ANATOMY for i in range(4)}, num_layers, minimum)
     runtime = _run(FirstLayersRule(num_layers, minimum), list(range(4)), forwards=1)
     assert runtime == _priced(point)
     assert sorted(runtime) == list(range(num_layers))
+
+
+def test_each_peer_is_one_descriptor_that_every_part_reads():
+    """``peer_rule.PEERS``: each peer has a runtime rule and a pricing keyed by its one
+    name, its settings are ``PeerConfig`` fields, its old names read as it, and the
+    config, ``rok`` and the plot list exactly these peers."""
+    import dataclasses
+
+    from megatron_ssd.cache.peer_rules import RUNTIME, rule_for
+    from megatron_ssd.commands import dominance, rok, rok_plot
+    from megatron_ssd.config import PeerConfig
+    from megatron_ssd.config.schema import _specs
+    from megatron_ssd.peer_rule import GROUP_RULES, PEER_BY_NAME, PEER_RULE_ALIASES, PEERS
+    from megatron_ssd.planner.peers import PRICING
+
+    names = [p.name for p in PEERS]
+    assert set(RUNTIME) == set(PRICING) == set(names) == set(PEER_BY_NAME)
+    fields = {f.name for f in dataclasses.fields(PeerConfig)}
+    for p in PEERS:
+        assert p.swept in p.settings and set(p.settings) <= fields, p
+        assert all(PEER_RULE_ALIASES[a] == p.name for a in p.aliases)
+        assert rule_for(PeerConfig(rule=p.name)).name == p.name
+        assert rule_for(PeerConfig(rule=p.name)).min_elements == p.min_tensor_elements
+        assert rok.CURVES[p.name] == f"offload.peer.{p.swept}" and p.name in rok.PEERS and p.name in rok.MATCHED
+        assert rok_plot.KINDS[p.name][0] == p.title and p.name in dominance.CURVE_PREFIXES
+    assert GROUP_RULES == tuple(p.name for p in PEERS if p.by_group)
+    rule_choices = next(r for r in _specs(PeerConfig)["rule"].rules).choices
+    assert list(rule_choices) == ["none", *names]

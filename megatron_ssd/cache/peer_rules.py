@@ -23,15 +23,16 @@ what it leaves out: docs/planner.md, "The peers' rules, measured".
 from __future__ import annotations
 
 import abc
-from typing import Dict, Hashable, List, Optional, Sequence, Set, Tuple
+from typing import Callable, Dict, Hashable, List, Optional, Sequence, Set, Tuple
 
 from ..config import MEGATRON_OFFLOAD, TE_OFFLOAD, PeerConfig
 from ..placement import OUTSIDE, Placement
 from ..errors import ConfigError
-from ..peer_rule import (FGO_MIN_TENSOR_ELEMENTS, FGO_MODULES, TE_MIN_TENSOR_ELEMENTS, first_layers_bound,
-                         fine_grained_choice, fine_grained_member, first_layers_placement, first_layers_read_ahead)
+from ..peer_rule import (FGO_MIN_TENSOR_ELEMENTS, FGO_MODULES, PEER_BY_NAME, TE_MIN_TENSOR_ELEMENTS,
+                         first_layers_bound, fine_grained_choice, fine_grained_member, first_layers_placement,
+                         first_layers_read_ahead)
 
-__all__ = ["FineGrainedRule", "FirstLayersRule", "PeerRule", "rule_for"]
+__all__ = ["FineGrainedRule", "FirstLayersRule", "PeerRule", "RUNTIME", "rule_for"]
 
 Group = Tuple[Hashable, str]
 """A module group: (layer id, group name)."""
@@ -169,14 +170,17 @@ class FirstLayersRule(PeerRule):
         return first_layers_read_ahead(len(layers), self.num_layers)
 
 
+RUNTIME: Dict[str, Callable[[PeerConfig, int], PeerRule]] = {
+    MEGATRON_OFFLOAD: lambda peer, minimum: FineGrainedRule(peer.offload_modules, peer.offload_fraction, minimum),
+    TE_OFFLOAD: lambda peer, minimum: FirstLayersRule(peer.num_layers, minimum),
+}
+"""Per peer's name (``peer_rule.PEERS``), its runtime rule from the config's settings and
+the smallest tensor it moves."""
+
+
 def rule_for(peer: Optional[PeerConfig]) -> Optional[PeerRule]:
     """The rule ``peer`` names, at its settings; None for ``rule: none`` (or no ``peer``)."""
-    if peer is None:
+    if peer is None or peer.rule not in RUNTIME:
         return None
-    if peer.rule == MEGATRON_OFFLOAD:
-        minimum = FGO_MIN_TENSOR_ELEMENTS if peer.min_tensor_elements is None else peer.min_tensor_elements
-        return FineGrainedRule(peer.offload_modules, peer.offload_fraction, minimum)
-    if peer.rule == TE_OFFLOAD:
-        minimum = TE_MIN_TENSOR_ELEMENTS if peer.min_tensor_elements is None else peer.min_tensor_elements
-        return FirstLayersRule(peer.num_layers, minimum)
-    return None
+    minimum = peer.min_tensor_elements
+    return RUNTIME[peer.rule](peer, PEER_BY_NAME[peer.rule].min_tensor_elements if minimum is None else minimum)

@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from ..config import MEGATRON_OFFLOAD, TE_OFFLOAD  # noqa: F401 - the rok placements of the peers' rules
+from ..peer_rule import PEER_BY_NAME
 
 __all__ = ["BUDGET", "CURVE_PREFIXES", "FIXED", "KEEP_LAST", "MEGATRON_FULL", "MEGATRON_OFFLOAD", "MEGATRON_SELECTIVE",
            "TE_OFFLOAD", "add_dominance", "format_dominance"]
@@ -40,7 +41,7 @@ FIXED = ("recompute", "offload-all", MEGATRON_SELECTIVE, MEGATRON_FULL)
 """The fixed placements a planner point is compared with, beside every point of the
 rules run at several settings (:data:`CURVE_PREFIXES`)."""
 
-CURVE_PREFIXES = (KEEP_LAST, MEGATRON_OFFLOAD, TE_OFFLOAD)
+CURVE_PREFIXES = (KEEP_LAST, *PEER_BY_NAME)
 """Fixed rules measured at one or more settings: ``keep-last``, ``keep-last-N``, ..."""
 
 

@@ -18,6 +18,7 @@ import sys
 import tempfile
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
+from .. import peer_rule
 from ..peer_rule import first_layers_bound
 from ..planner.measured_profile import median_or_zero
 from ..config import MAX_BYTES, TrainConfig, load_config, to_dict
@@ -92,8 +93,7 @@ PEER_HOST_POOL = "4GiB"
 allocation (on a CPU each blob maps its own memory)."""
 
 PEERS: Dict[str, List[str]] = {
-    MEGATRON_OFFLOAD: ["offload.planner.mode=keep", f"offload.peer.rule={MEGATRON_OFFLOAD}"],
-    TE_OFFLOAD: ["offload.planner.mode=keep", f"offload.peer.rule={TE_OFFLOAD}"],
+    **{p.name: ["offload.planner.mode=keep", f"offload.peer.rule={p.name}"] for p in peer_rule.PEERS},
     MEGATRON_SELECTIVE: ["offload.planner.mode=keep", "model.recompute_granularity=selective",
                          "model.recompute_modules=core_attn"],
     MEGATRON_FULL: ["offload.planner.mode=keep", "model.recompute_granularity=full"],
@@ -105,8 +105,7 @@ recompute run by megatron-core's code. SSDTrain's rule is ``keep-last``."""
 
 CURVES: Dict[str, str] = {
     KEEP_LAST: "offload.keep_last_layers",
-    MEGATRON_OFFLOAD: "offload.peer.offload_fraction",
-    TE_OFFLOAD: "offload.peer.num_layers",
+    **{p.name: f"offload.peer.{p.swept}" for p in peer_rule.PEERS},
 }
 """The placements run once per setting (``--keep-last``, ``--fractions``, ``--te-layers``),
 one point ``<placement>-<setting>`` each, and the field each setting sets."""
@@ -115,7 +114,7 @@ UNPAIRED = (MEGATRON_SELECTIVE, MEGATRON_FULL)
 """Placements run without paired steps: Megatron's recompute is built into the model, so
 a keep step of a pair could not turn it off; their step time is the fresh-process ratio."""
 
-MATCHED = (KEEP_LAST, MEGATRON_OFFLOAD, TE_OFFLOAD, MEGATRON_SELECTIVE, MEGATRON_FULL)
+MATCHED = (KEEP_LAST, *peer_rule.PEER_BY_NAME, MEGATRON_SELECTIVE, MEGATRON_FULL)
 """With ``--match-peers``, the points of these placements each get a planner point whose
 budget is their measured peak by the cache's count. Under Megatron's recompute the
 cache counts what the forward saves, not what the recompute rebuilds during backward, so
@@ -273,7 +272,7 @@ def rok_points(config_path: Optional[str], overrides: Sequence[str], budgets: Se
     # its runs get the peers' pool, so both use the same tier
     planned_pool = pool if host_throttle is not None else []
     base = {**PLACEMENTS, "planner": [*PLACEMENTS["planner"], *planned_pool],
-            **{name: [*extra, *(pool if name in (MEGATRON_OFFLOAD, TE_OFFLOAD) else [])] for name, extra in PEERS.items()}}
+            **{name: [*extra, *(pool if name in peer_rule.PEER_BY_NAME else [])] for name, extra in PEERS.items()}}
     selected = {name: [*base[name], *(pairs if name != "keep" and name not in UNPAIRED else [])] for name in names}
     for curve, values in settings.items():  # one point per setting, where the placement stood in the order
         if not values:

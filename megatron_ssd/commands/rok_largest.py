@@ -387,8 +387,8 @@ def largest_searches(config_path: Optional[str], overrides: Sequence[str], cap: 
     """
     import sys
 
+    from ..peer_rule import PEER_BY_NAME
     from .rok import PEER_HOST_POOL, PEERS, PLACEMENTS
-    from .dominance import MEGATRON_OFFLOAD, TE_OFFLOAD
 
     out = sys.stdout if out is None else out
     names = list(placements or ["keep", "recompute", "offload-all", "planner"])
@@ -416,7 +416,7 @@ def largest_searches(config_path: Optional[str], overrides: Sequence[str], cap: 
                              "run without it would plan for an unlimited device")
             print(f"largest {name}: skipped: {skipped[name]}", file=out, flush=True)
             continue
-        extra = [*known[name], *(pool if name in (MEGATRON_OFFLOAD, TE_OFFLOAD) else [])]
+        extra = [*known[name], *(pool if name in PEER_BY_NAME else [])]
 
         def probe(size: int, extra: List[str] = extra) -> Probe:
             return run_probe(config_path, [*overrides, *extra], by, size, cap, device, timeout_s)

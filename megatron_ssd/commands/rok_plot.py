@@ -20,24 +20,27 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from ..errors import MegatronSSDError
 from ..units import MiB
-from .dominance import BUDGET, KEEP_LAST, MEGATRON_FULL, MEGATRON_OFFLOAD, MEGATRON_SELECTIVE, TE_OFFLOAD
+from ..peer_rule import PEER_BY_NAME, PEERS
+from .dominance import BUDGET, KEEP_LAST, MEGATRON_FULL, MEGATRON_SELECTIVE
 
 __all__ = ["KINDS", "budget_label", "point_label", "point_kind", "memory_measure", "draw_rok", "place_labels",
            "plot_rok"]
+
+_PEER_MARKS = (("^", "C4"), ("v", "C5"), ("<", "C8"), (">", "C9"))
+"""Markers and colours for the peers' rules (``peer_rule.PEERS``), in their order."""
 
 KINDS: Dict[str, Tuple[str, str, str]] = {
     "fixed": ("keep / recompute / offload-all", "o", "C0"),
     "planner": ("planner", "*", "C3"),
     BUDGET: ("planner at a memory budget", "D", "C1"),
     KEEP_LAST: ("keep the last N layers (SSDTrain)", "s", "C2"),
-    MEGATRON_OFFLOAD: ("Megatron fine-grained offload", "^", "C4"),
-    TE_OFFLOAD: ("Transformer Engine CPU offload", "v", "C5"),
+    **{p.name: (p.title, *_PEER_MARKS[i % len(_PEER_MARKS)]) for i, p in enumerate(PEERS)},
     "megatron-recompute": ("Megatron's own recompute", "P", "C6"),
     "other": ("other", "X", "C7"),
 }
 """Each kind of point: its legend entry, marker and colour, in legend order."""
 
-CURVE_KINDS = (BUDGET, KEEP_LAST, MEGATRON_OFFLOAD, TE_OFFLOAD)
+CURVE_KINDS = (BUDGET, KEEP_LAST, *PEER_BY_NAME)
 """Kinds run at several settings: their points are joined in the order of the setting."""
 
 MEASURES: Tuple[Tuple[str, str], ...] = (
@@ -60,7 +63,7 @@ def point_kind(name: str) -> str:
         return "fixed"
     if name in (MEGATRON_SELECTIVE, MEGATRON_FULL):
         return "megatron-recompute"
-    for prefix in (BUDGET, KEEP_LAST, MEGATRON_OFFLOAD, TE_OFFLOAD):
+    for prefix in CURVE_KINDS:
         if name == prefix or name.startswith(prefix + "-"):
             return prefix
     return "other"

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Annotated, List, Optional
 
-from ..peer_rule import MEGATRON_OFFLOAD, PEER_RULE_ALIASES, TE_OFFLOAD, fine_grained_modules_rule
+from ..peer_rule import MEGATRON_OFFLOAD, PEER_BY_NAME, PEER_RULE_ALIASES, TE_OFFLOAD, fine_grained_modules_rule
 from ..placement import FGO_MODULES, Placement
 from .plan_settings import (MAX_LAYERS, AllowRecompute, CapacityBytes, MaxSlowdown, MemoryBudget, ReadAheadMode,
                             SafetyMargin, Search)
@@ -187,7 +187,7 @@ class PeerConfig:
     measured"). The rule decides which saved tensors go to the host tier; every other
     tensor is kept, so it needs ``offload.planner.mode`` ``keep`` and a host pool."""
 
-    rule: Annotated[str, OneOf("none", MEGATRON_OFFLOAD, TE_OFFLOAD)] = "none"
+    rule: Annotated[str, OneOf("none", *PEER_BY_NAME)] = "none"
     """``none``; ``megatron-offload``: megatron-core's fine-grained activation offloading
     (the inputs of the ``offload_modules`` of every layer to host memory, the last layer's
     groups kept, ``offload_fraction`` of the other groups offloaded); ``te-offload``:

@@ -8,7 +8,7 @@ where a layer's saved tensors go by a fixed rule. Each function here turns a
 recompute that rule would choose, as a :class:`PeerPoint` that :func:`price` replays on
 the same timeline model the planner plans with::
 
-    point = megatron_fine_grained(stage, anatomy, fraction=0.5)
+    point = megatron_offload(stage, anatomy, fraction=0.5)
     timeline = price(point)          # step_s, peak_bytes, hosted_bytes
 
 Each rule's decision is written once, in ``megatron_ssd/peer_rule.py``, which the
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from ..placement import OUTSIDE, LayerChoice, Placement
 from ..config import MEGATRON_OFFLOAD, TE_OFFLOAD
@@ -33,14 +33,15 @@ from .step_timeline import Timeline, predict
 
 __all__ = [
     "LayerAnatomy",
+    "PRICING",
     "PeerPoint",
     "SITE_ROLES",
     "full_recompute",
     "keep_everything",
-    "megatron_fine_grained",
+    "megatron_offload",
     "price",
     "selective_recompute",
-    "te_cpu_offload",
+    "te_offload",
 ]
 
 SITE_ROLES = (
@@ -217,7 +218,7 @@ def _hosted(peer: str, setting: str, stage: StageProfile, moved: Mapping[int, Li
 # group, up to that layer's preceding backward earlier than Megatron issues it.
 
 
-def megatron_fine_grained(
+def megatron_offload(
     stage: StageProfile,
     anatomy: Mapping[LayerId, LayerAnatomy],
     fraction: float = 1.0,
@@ -273,7 +274,7 @@ def megatron_fine_grained(
     return _hosted(MEGATRON_OFFLOAD, setting, stage, moved, read_ahead)
 
 
-def te_cpu_offload(stage: StageProfile, anatomy: Mapping[LayerId, LayerAnatomy], num_layers: int,
+def te_offload(stage: StageProfile, anatomy: Mapping[LayerId, LayerAnatomy], num_layers: int,
                    min_tensor_elements: int = TE_MIN_TENSOR_ELEMENTS) -> PeerPoint:
     """Transformer Engine's ``get_cpu_offload_context(num_layers=N, model_layers=L)``, as
     Megatron's ``--cpu-offloading --cpu-offloading-num-layers N`` uses it: the saved
@@ -309,6 +310,14 @@ def te_cpu_offload(stage: StageProfile, anatomy: Mapping[LayerId, LayerAnatomy],
             index, roles.elements(s, layer.sites[s]), num_layers, min_tensor_elements) is Placement.HOST]
         read_ahead[i] = {s: ahead for s in moved[i]}
     return _hosted(TE_OFFLOAD, setting, stage, moved, read_ahead)
+
+
+PRICING: Dict[str, Callable[[StageProfile, Mapping[LayerId, LayerAnatomy], Any], PeerPoint]] = {
+    MEGATRON_OFFLOAD: lambda stage, anatomy, fraction: megatron_offload(stage, anatomy, fraction),
+    TE_OFFLOAD: lambda stage, anatomy, num_layers: te_offload(stage, anatomy, num_layers),
+}
+"""Per peer's name (``peer_rule.PEERS``), its pricing at one value of the setting ``rok``
+sweeps (``Peer.swept``), at its other settings' defaults."""
 
 
 def full_recompute(stage: StageProfile, num_layers: Optional[int] = None) -> PeerPoint:

@@ -151,12 +151,12 @@ def test_without_the_safety_margin_the_planner_meets_the_peer():
     import dataclasses
 
     from megatron_ssd_lab.sizing_tables import _Planner, _anatomy, _spec
-    from megatron_ssd.planner.peers import keep_everything, megatron_fine_grained, price
+    from megatron_ssd.planner.peers import keep_everything, megatron_offload, price
     from megatron_ssd.planner.simulate import stage_profile
 
     spec = _spec("gpt-7b", COMPARISON_DRIVE, 8, 256e9)
     stage = stage_profile(spec)
-    peer = price(megatron_fine_grained(stage, _anatomy(spec, stage), 0.5))
+    peer = price(megatron_offload(stage, _anatomy(spec, stage), 0.5))
     keep = price(keep_everything(stage))
     margined = _Planner(spec, stage, 3.0)
     bare = _Planner(dataclasses.replace(spec, safety_margin=0.0), stage, 3.0)

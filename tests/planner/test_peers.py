@@ -12,10 +12,10 @@ from megatron_ssd.planner.peers import (
     LayerAnatomy,
     full_recompute,
     keep_everything,
-    megatron_fine_grained,
+    megatron_offload,
     price,
     selective_recompute,
-    te_cpu_offload,
+    te_offload,
 )
 from megatron_ssd.planner.profile import IOProfile, LayerProfile, StageProfile
 from megatron_ssd.planner.simulate import layer_anatomy, layer_site_bytes, spec_from_overrides, stage_profile
@@ -65,7 +65,7 @@ def moved(point, i):
 ])
 def test_fine_grained_counts_groups_keeps_the_last_layer_and_reloads_k_groups_ahead(fraction, host_layers, depth):
     st = stage()
-    point = megatron_fine_grained(st, anatomy(st), fraction)
+    point = megatron_offload(st, anatomy(st), fraction)
     assert placements(point) == [H] * host_layers + [K] * (5 - host_layers)
     for i in range(host_layers):
         # qkv_linear's two (the fused norm's input and output), core_attn's Q, K, V, attn_proj's input
@@ -79,7 +79,7 @@ def test_fine_grained_fraction_counts_groups_not_bytes():
     their bytes: layer 2 moves qkv_linear's two tensors (7 MB), not core attention's
     Q, K, V (18 MB)."""
     st = stage()
-    point = megatron_fine_grained(st, anatomy(st), fraction=7 / 12)  # int(12 x 5/12) = 5 kept
+    point = megatron_offload(st, anatomy(st), fraction=7 / 12)  # int(12 x 5/12) = 5 kept
     assert placements(point) == [H, H, H, K, K]
     assert moved(point, 2) == ["attn_norm_input", "qkv_input"]
     # 7 offloaded, 8 kept after them: layer 0's three groups reload (0 + 8) // 3 = 2 and
@@ -89,11 +89,11 @@ def test_fine_grained_fraction_counts_groups_not_bytes():
 
 def test_fine_grained_local_spec_has_norm_groups_and_honours_the_minimum_size():
     st = stage()
-    local = megatron_fine_grained(st, anatomy(st), 1.0, transformer_engine=False)
+    local = megatron_offload(st, anatomy(st), 1.0, transformer_engine=False)
     assert moved(local, 0) == ["attn_norm_input", "qkv_input", "query", "key", "value", "attn_output",
                                "mlp_norm_input"]  # 5 groups a layer, the last layer's 5 kept: one layer ahead
     assert list(local.choices[0].read_ahead[:7]) == [1, 1, 1, 1, 1, 1, 1]
-    small = megatron_fine_grained(st, anatomy(st), 1.0, min_tensor_elements=3 * MB)
+    small = megatron_offload(st, anatomy(st), 1.0, min_tensor_elements=3 * MB)
     # Q (5 MB) is 2.5M elements, under 3M; K (6 MB) is 3M
     assert moved(small, 0) == ["key", "value", "attn_output"]
 
@@ -101,18 +101,18 @@ def test_fine_grained_local_spec_has_norm_groups_and_honours_the_minimum_size():
 def test_fine_grained_refuses_what_megatron_refuses():
     st = stage()
     with pytest.raises(ConfigError, match=r"offload_modules = \['qkv_linear', 'attn_proj'\]: must name core_attn when it names attn_proj"):
-        megatron_fine_grained(st, anatomy(st), modules=("qkv_linear", "attn_proj"))
+        megatron_offload(st, anatomy(st), modules=("qkv_linear", "attn_proj"))
     with pytest.raises(ConfigError, match=r"activation_offload_fraction = 1\.5: must be a number in \[0, 1\]"):
-        megatron_fine_grained(st, anatomy(st), 1.5)
+        megatron_offload(st, anatomy(st), 1.5)
     with pytest.raises(ConfigError, match=r"anatomy\[0\] = None: must name the role of each of the layer's 12 sites"):
-        megatron_fine_grained(st, {}, 1.0)
+        megatron_offload(st, {}, 1.0)
 
 
 def test_moved_sites_keep_their_bytes_and_use_points():
     spec = spec_from_overrides(["host_ram_bytes_per_node=256e9", "gpu_memory_bytes=null"], model="gpt-1.3b")
     st = stage_profile(spec)
     an = {layer.layer_id: layer_anatomy(spec) for layer in st.layers if layer.layer_id != EMBEDDING}
-    point = megatron_fine_grained(st, an, 1.0)
+    point = megatron_offload(st, an, 1.0)
     before, after = st.layers[1], point.stage.layers[1]
     assert sorted(zip(before.sites, before.site_use)) == sorted(zip(after.sites, after.site_use))
     moved = set(zip(after.sites[:point.choices[1].sites], after.site_use[:point.choices[1].sites]))
@@ -124,20 +124,20 @@ def test_moved_sites_keep_their_bytes_and_use_points():
 
 def test_te_offloads_the_first_n_whole_layers_reloading_l_minus_n_minus_1_ahead():
     st = stage(with_embedding=True)
-    point = te_cpu_offload(st, anatomy(st), 2)
+    point = te_offload(st, anatomy(st), 2)
     assert placements(point) == [K, H, H, K, K, K]  # the embedding's tensors are not a layer
     assert [c.sites for c in point.choices[1:3]] == [None, None]
     assert list(point.choices[1].read_ahead) == [2] * 12  # 5 - 2 - 1
-    last = te_cpu_offload(st, anatomy(st), 4)
+    last = te_offload(st, anatomy(st), 4)
     assert list(last.choices[1].read_ahead) == [0] * 12  # N = L - 1: each reload starts at its own backward
     assert price(last).exposed_s > 0 and price(point).exposed_s == 0
     with pytest.raises(ConfigError, match=r"num_layers = 5: must be an integer in \[1, 4\]"):
-        te_cpu_offload(st, anatomy(st), 5)
+        te_offload(st, anatomy(st), 5)
 
 
 def test_te_with_pipelining_is_refused_as_megatron_refuses_it():
     st = stage(pipeline_size=2)
-    point = te_cpu_offload(st, anatomy(st), 2)
+    point = te_offload(st, anatomy(st), 2)
     assert "Pipeline parallelism" in point.refused
     with pytest.raises(ConfigError, match="not priced, Megatron refuses it"):
         price(point)
@@ -175,7 +175,7 @@ def test_selective_mlp_frees_fc1_activation_and_fc2_inputs_until_its_backward():
 
 def test_price_is_the_planners_own_replay():
     st = stage()
-    point = megatron_fine_grained(st, anatomy(st), 0.5)
+    point = megatron_offload(st, anatomy(st), 0.5)
     direct = predict(point.stage, point.choices)
     assert price(point).step_s == direct.step_s and price(point).peak_bytes == direct.peak_bytes
 
