@@ -265,7 +265,11 @@ def _slowdown_in_flight(stats: StepMeasurement, layer_ids: List[LayerId], clean_
     ``slowdown = extra / (w - extra)``. Spread over the whole step instead, the factor
     comes out a fraction of what the replay needs, and the plan sees that fraction of
     the cost. Where ``w`` is too short to hold the extra, the denominator is held at a
-    tenth of ``w``. Measured: docs/performance.md#run-2026-11-24-slowdown.
+    tenth of ``w``. Measured: docs/performance.md#run-2026-11-24-slowdown. The factor
+    moves faster than the extra it is made from, but the replay of compute beside ``w``
+    seconds of I/O charges ``w * s / (1 + s)``, the extra itself (up to 0.9 ``w``), so
+    a prediction moves with the measured extra; between fresh profiles on an idle
+    machine: docs/performance.md#run-2026-12-07-host-price-spread.
     """
     busy = 0.0
     for layer_id in layer_ids:
