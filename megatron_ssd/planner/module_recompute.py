@@ -26,7 +26,8 @@ that recomputes selectively is inside the planner's space:
 - The plan sees the layer with those sites gone (:func:`recomputed_layer`): its other
   sites keep their order and are renumbered, so a choice's ``sites`` counts among them,
   as the cache numbers them at run time (the module saves nothing then); its backward is
-  longer by the modules' forward times; and the freed bytes are held again while its
+  longer by the modules' forward times (times the layer's rerun factor, NOTE [Pricing a
+  module's rerun]); and the freed bytes are held again while its
   backward runs (``LayerProfile.rebuilt_bytes``, NOTE [Memory accounting] in
   ``step_timeline.py``), as a recomputed layer's are.
 - The search (:class:`ModuleMoves`) offers "recompute M in layer i" beside the tier
@@ -50,7 +51,7 @@ from ..errors import ConfigError
 from ..placement import MOVED, LayerChoice, Placement
 from .profile import LayerProfile, ModuleProfile, StageProfile
 
-__all__ = ["MODULE_MOVE", "ModuleMoves", "recomputed_layer", "with_recompute"]
+__all__ = ["MODULE_MOVE", "ModuleMoves", "recomputed_layer", "rerun_factor", "with_recompute"]
 
 MODULE_MOVE = "recompute:"
 """Prefix of a search move that recomputes one module inside a layer (``recompute:core_attn``)."""
@@ -71,12 +72,37 @@ def _kept_sites(layer: LayerProfile, modules: Sequence[str]) -> List[int]:
     return [s for s in range(len(layer.sites)) if s not in freed]
 
 
+# NOTE [Pricing a module's rerun]
+# A module recomputed inside a layer runs its forward again in the layer's backward, on
+# fresh allocations (page faults on a CPU) under a second autograd graph: what makes a
+# whole layer's rerun cost more than its forward (NOTE [Pricing recompute] in
+# ``measured_profile.py``) makes a module's cost more than its clocked forward too.
+# Priced at its forward alone, selective recompute of core attention in every layer of
+# configs/gpt-deep-cpu.yaml was predicted at 1.133x keep and measured at 1.170x (fresh
+# processes), and every plan of configs/gpt-ref-cpu.yaml that recomputed core attention
+# measured 2-9% slower than predicted (docs/performance.md, "The reference workload on an
+# idle machine"). So the module's forward is scaled by the layer's measured rerun factor,
+# its ``recompute_s`` over its forward (at least 1; 1 where the profile measured no
+# RECOMPUTE steps): on a gpt-deep profile 1.11-1.51 (two layers below 1), which
+# predicts the selective point at 1.161x.
+
+
+def rerun_factor(layer: LayerProfile) -> float:
+    """What running ``layer``'s forward again in its backward costs per second of that
+    forward (NOTE [Pricing a module's rerun]): its ``recompute_s`` over its
+    ``forward_s``, at least 1; 1 without a measured ``recompute_s``."""
+    if layer.recompute_s is None or layer.forward_s <= 0:
+        return 1.0
+    return max(1.0, layer.recompute_s / layer.forward_s)
+
+
 def recomputed_layer(layer: LayerProfile, modules: Sequence[str]) -> LayerProfile:
     """``layer`` as a plan that recomputes ``modules`` inside it sees it (NOTE [Recompute
     inside a layer]): the sites the modules free are gone and the others renumbered in
-    order, the modules' forward is added to the backward and their freed bytes are rebuilt
-    during it, and the modules left may still be recomputed (their sites renumbered). It
-    may not be recomputed whole. ``layer`` itself when ``modules`` is empty.
+    order, the modules' forward (times :func:`rerun_factor`) is added to the backward
+    and their freed bytes are rebuilt during it, and the modules left may still be
+    recomputed (their sites renumbered). It may not be recomputed whole. ``layer``
+    itself when ``modules`` is empty.
 
     Raises:
         ConfigError: a module the profile did not measure in the layer.
@@ -96,7 +122,7 @@ def recomputed_layer(layer: LayerProfile, modules: Sequence[str]) -> LayerProfil
         site_bytes=site_bytes,
         site_use=None if layer.site_use is None or not kept else [layer.site_use[s] for s in kept],
         kept_bytes=layer.kept_bytes + sum(m.held_bytes for m in chosen),
-        backward_s=layer.backward_s + sum(m.forward_s for m in chosen),
+        backward_s=layer.backward_s + rerun_factor(layer) * sum(m.forward_s for m in chosen),
         rebuilt_bytes=layer.rebuilt_bytes + sum(sites) - sum(site_bytes),
         modules=rest,
         recomputable=False,

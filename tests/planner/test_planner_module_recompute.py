@@ -49,6 +49,22 @@ def test_a_recomputed_module_frees_its_sites_and_lengthens_the_backward():
         recomputed_layer(LayerProfile(0, 1.0, 2.0, 10), ("core_attn",))
 
 
+@pytest.mark.parametrize("recompute_s, factor", [(None, 1.0), (1.5, 1.5), (0.8, 1.0), (1.0, 1.0)])
+def test_a_module_rerun_costs_the_layer_s_measured_rerun_factor(recompute_s, factor):
+    """NOTE [Pricing a module's rerun]: where the profile measured RECOMPUTE steps, a
+    module's forward run again in backward costs the layer's ``recompute_s`` over its
+    forward (at least 1) per second; without them, its forward."""
+    import dataclasses
+
+    layer = dataclasses.replace(attention_layer(0), recompute_s=recompute_s)  # 1 s forward
+    assert recomputed_layer(layer, ("core_attn",)).backward_s == pytest.approx(2.0 + 0.05 * factor)
+    assert recomputed_layer(layer, ("core_attn", "mlp")).backward_s == pytest.approx(2.0 + 0.55 * factor)
+    one = StageProfile(layers=[layer], io=IOProfile(1e9, 1e9))
+    kept = replay(one, [LayerChoice(K)], read_ahead=1)
+    assert replay(one, [LayerChoice(K, recompute=("core_attn",))], read_ahead=1).step_s == \
+        pytest.approx(kept.step_s + 0.05 * factor)
+
+
 def test_rebuilt_bytes_are_held_while_the_layer_runs_backward():
     one = StageProfile(layers=[attention_layer(0)], io=IOProfile(1e9, 1e9), other_s=1.0)
     kept = replay(one, [LayerChoice(K)], read_ahead=1)
