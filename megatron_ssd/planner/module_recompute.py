@@ -79,9 +79,10 @@ def _kept_sites(layer: LayerProfile, modules: Sequence[str]) -> List[int]:
 # ``measured_profile.py``) makes a module's cost more than its clocked forward too.
 # Priced at its forward alone, selective recompute of core attention in every layer of
 # configs/gpt-deep-cpu.yaml was predicted at 1.133x keep and measured at 1.170x (fresh
-# processes), and every plan of configs/gpt-ref-cpu.yaml that recomputed core attention
-# measured 2-9% slower than predicted (docs/performance.md, "The reference workload on an
-# idle machine"). So the module's forward is scaled by the layer's measured rerun factor,
+# processes), and six of the seven plans of configs/gpt-ref-cpu.yaml that recomputed core
+# attention measured 2-9% slower than predicted (docs/performance.md, "The reference
+# workload on an idle machine"; with the factor the largest of those errors fell from 8.6%
+# to 6.4%). So the module's forward is scaled by the layer's measured rerun factor,
 # its ``recompute_s`` over its forward (at least 1; 1 where the profile measured no
 # RECOMPUTE steps): on a gpt-deep profile 1.11-1.51 (two layers below 1), which
 # predicts the selective point at 1.161x.
