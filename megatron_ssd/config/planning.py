@@ -68,7 +68,7 @@ class PlannerConfig:
     kept and the offloaded profiling steps after ``settle_steps`` untimed ones; from them
     the profile prices RECOMPUTE per layer (``recompute_s``: one stage-wide factor, the
     layers' forward plus backward under RECOMPUTE less their kept ones over their kept
-    forward, times the layer's forward) instead of as one more forward, which falls
+    forward, at least 1, times the layer's forward) instead of as one more forward, which falls
     short on a CPU (NOTE [Pricing recompute] in ``planner/measured_profile.py``;
     docs/performance.md#run-2026-11-24-recompute-price). None: 1 when the planner may choose RECOMPUTE to
     meet a limit (``allow_recompute`` with ``memory_budget`` or

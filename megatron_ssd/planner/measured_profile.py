@@ -37,7 +37,10 @@ def median_or_zero(xs: Iterable[float]) -> float:
 # layer's forward and its backward, which includes the re-run. Summed over the layers,
 # that less their kept forward and backward is what recomputing them all costs; over
 # their summed forward it is a factor, and each layer's ``recompute_s`` is the factor
-# times its forward (at least 0). The sum, not each layer's own difference: one step's
+# times its forward (at least 1: running a forward again costs at least that forward,
+# and a smaller measured extra is load that changed between the blocks; under a loaded
+# machine a gpt-ref-cpu profile priced three recomputed layers at 1.000x keep's step,
+# 2026-12-07). The sum, not each layer's own difference: one step's
 # differences scatter between layers of equal size, as the clocks split work at layer
 # boundaries, while their sum matches the step. With no KEEP steps to compare against,
 # the offload steps' compute (stalls and write waits taken out) stands in.
@@ -192,8 +195,8 @@ def _recompute_factor(recompute_steps: Steps, layers: List[LayerProfile],
                       per_layer: Callable[[Steps, LayerId], Optional[LayerMedians]]) -> Optional[float]:
     """What RECOMPUTE costs per second of forward, from RECOMPUTE steps (NOTE [Pricing
     recompute]): over the recomputable layers, their forward plus backward in those
-    steps less the same in ``layers``' profile, over their profiled forward; None without
-    such steps or forward time."""
+    steps less the same in ``layers``' profile, over their profiled forward, at least 1;
+    None without such steps or forward time."""
     extra = forward = 0.0
     for layer in layers:
         if not layer.recomputable:
@@ -203,7 +206,7 @@ def _recompute_factor(recompute_steps: Steps, layers: List[LayerProfile],
             continue
         extra += r["fwd"] + r["bwd"] - layer.forward_s - layer.backward_s
         forward += layer.forward_s
-    return max(0.0, extra / forward) if forward > 0 else None
+    return max(1.0, extra / forward) if forward > 0 else None
 
 
 def _use_shares(lc: LayerMeasurement, backward_s: float) -> Optional[List[float]]:

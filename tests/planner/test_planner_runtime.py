@@ -133,7 +133,7 @@ def test_budget_run_profiles_recompute_and_prices_it_from_the_steps(world, tmp_p
     extra = sum((recompute.layers[l.layer_id].forward_s + recompute.layers[l.layer_id].backward_s)
                 / recompute.layers[l.layer_id].microbatches for l in inside) - sum(l.forward_s + l.backward_s
                                                                                 for l in inside)
-    factor = max(0.0, extra / sum(l.forward_s for l in inside))
+    factor = max(1.0, extra / sum(l.forward_s for l in inside))
     assert keep.layers[1].forward_s / keep.layers[1].microbatches == pytest.approx(layers[1].forward_s)
     for l in inside:
         assert l.recompute_s == pytest.approx(factor * l.forward_s)
@@ -162,7 +162,9 @@ def test_recompute_factor_from_constructed_steps():
     # layer 1 took 0.5 s more, layer 2 0.1 s more: 0.6 s over 0.2 s of forward, 3x each
     steps = [counters({1: (0.1, 0.7), 2: (0.1, 0.3)})]
     assert _recompute_factor(steps, layers, per_layer) == pytest.approx(3.0)
-    assert _recompute_factor([counters({1: (0.1, 0.15), 2: (0.1, 0.2)})], layers, per_layer) == 0.0  # never below 0
+    # never below 1: a forward run again costs at least that forward (NOTE [Pricing recompute])
+    assert _recompute_factor([counters({1: (0.1, 0.15), 2: (0.1, 0.2)})], layers, per_layer) == 1.0
+    assert _recompute_factor([counters({1: (0.1, 0.25), 2: (0.1, 0.3)})], layers, per_layer) == pytest.approx(1.0)
     assert _recompute_factor([], layers, per_layer) is None
 
 
