@@ -27,9 +27,8 @@ from typing import Annotated, Any, Dict, List, Mapping, Optional, Sequence, Set,
 
 from ..errors import ConfigError, shown
 from .files import read_config_file
-from .rules import (LIST_RULE, MAX_BYTES, AtMost, Boolean, Directories, InRange, Number, OneOf, OneOfKinds, OrAuto, Rule, Seconds,
-                    Switch, Unit, Bytes,
-                    split_list)
+from .rules import (LIST_RULE, MAX_BYTES, AtMost, Boolean, Directories, InRange, Integer, Number, OneOf, OneOfKinds,
+                    OrAuto, Rule, Seconds, Switch, Unit, Bytes, split_list)
 
 __all__ = [
     "load_config",
@@ -187,16 +186,17 @@ def validate(obj: Any) -> None:
         check()
 
 
+_KIND_RULES: Dict[Any, Rule] = {int: Integer(), float: Number(), bool: Boolean()}
+"""The rule a field's declared type implies where none of its own judges the kind."""
+
+
 def _kind_error(base: Any, value: Any) -> Optional[str]:
-    """The rule ``value`` breaks by its kind alone, in :func:`_coerce`'s words, or None: a
-    config built in Python (``PlannerConfig(profile_steps=1.5)``) is held to the kinds a
-    YAML file or an override is converted to. An integer is a number; a bool is neither."""
-    if base is bool:
-        return None if isinstance(value, bool) else "must be a boolean (true/false)"
-    if base is int:
-        return None if isinstance(value, int) and not isinstance(value, bool) else "must be an integer"
-    if base is float:
-        return None if isinstance(value, (int, float)) and not isinstance(value, bool) else "must be a number"
+    """The rule ``value`` breaks by its kind alone, or None: a config built in Python
+    (``PlannerConfig(profile_steps=1.5)``) is held to the kinds a YAML file or an
+    override is converted to. Numbers and bools are judged by the kind rules of
+    :mod:`.rules` (an integer is a number; a bool is neither)."""
+    if base in _KIND_RULES:
+        return _KIND_RULES[base].check(value)
     if base is str:
         return None if isinstance(value, str) else "must be a string"
     if typing.get_origin(base) in (list, List):

@@ -275,7 +275,7 @@ def megatron_offload(
 
 
 def te_offload(stage: StageProfile, anatomy: Mapping[LayerId, LayerAnatomy], num_layers: int,
-                   min_tensor_elements: int = TE_MIN_TENSOR_ELEMENTS) -> PeerPoint:
+               min_tensor_elements: int = TE_MIN_TENSOR_ELEMENTS) -> PeerPoint:
     """Transformer Engine's ``get_cpu_offload_context(num_layers=N, model_layers=L)``, as
     Megatron's ``--cpu-offloading --cpu-offloading-num-layers N`` uses it: the saved
     tensors of the first N layers (those of at least ``min_tensor_elements``) go to host
@@ -313,8 +313,8 @@ def te_offload(stage: StageProfile, anatomy: Mapping[LayerId, LayerAnatomy], num
 
 
 PRICING: Dict[str, Callable[[StageProfile, Mapping[LayerId, LayerAnatomy], Any], PeerPoint]] = {
-    MEGATRON_OFFLOAD: lambda stage, anatomy, fraction: megatron_offload(stage, anatomy, fraction),
-    TE_OFFLOAD: lambda stage, anatomy, num_layers: te_offload(stage, anatomy, num_layers),
+    MEGATRON_OFFLOAD: megatron_offload,
+    TE_OFFLOAD: te_offload,
 }
 """Per peer's name (``peer_rule.PEERS``), its pricing at one value of the setting ``rok``
 sweeps (``Peer.swept``), at its other settings' defaults."""
