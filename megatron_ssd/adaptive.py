@@ -59,17 +59,25 @@ class PlanEvent:
 
 # NOTE [Search time]
 # The search runs on the training thread, between the step that ends the profile (or
-# shows drift) and the next, so its time is in that next step's wall time: the first
-# step of every plan is longer by it, and a re-profile that used that step would count it
-# as time outside the layers (a median over steps leaves one such step out). It grows
+# shows drift) and the next: in the schedule's step callback, after the cache closed the
+# step's numbers. The schedule starts the cache's step clock again when the callback
+# returns (``StepAccountant.restart_step_clock``), so the search's time is in no step's
+# ``wall_s`` or ``cpu_s``: not in the next step's, where it once was, which made the first
+# planned step of a run longer by it (``rok --largest-within`` measures two planned
+# steps, whose median is their mean: the planner on configs/gpt-tiny.yaml at micro-batch
+# 1 measured 0.57 s a step for 0.33 s, its first planned step 0.81 s), and which a
+# re-profile would have counted as time outside the layers. On a GPU the step's CUDA
+# events (NOTE [Device step time]) span the callback of the step that ends the profile,
+# a profiling step no summary measures; a drift re-plan's search falls in a measured
+# step's events there, once per re-plan. It grows
 # with the layers per stage and the tiers to choose among (docs/getting-started.md has
 # measured times): the greedy start costs O(n) replays per move, each O(n) long (scored
 # lazily beyond 8 layers), and the rest of the search about a second more (NOTE [Search]
 # in ``planner/search.py``); with ``read_ahead_mode=auto`` the greedy start runs at each
 # read-ahead of a short ladder and the rest once (NOTE [Just-in-time reads]). Where it
 # matters more than the plan, ``planner.search=greedy`` keeps the greedy start alone.
-# Each plan event records it (``search_s``) and the plan's line prints it, so a step that
-# held a search is seen as one.
+# Each plan event records it (``search_s``) and the plan's line prints it: its cost is
+# said there, once.
 
 # NOTE [Profiling within the capacity]
 # No step may hold more saved bytes than the device's activation capacity

@@ -122,6 +122,14 @@ class StepAccountant:
         self._say_if_nothing_moved(stats)
         return stats
 
+    def restart_step_clock(self) -> None:
+        """Start the next step's wall and CPU clocks from now (NOTE [Search time] in
+        ``adaptive.py``: the schedule calls it once its step callback returns, so the time
+        spent there, the planner's search among it, is in no step's ``wall_s`` or
+        ``cpu_s``)."""
+        with self.entries.lock:
+            self._step_started, self._cpu_started = time.perf_counter(), time.process_time()
+
     def _moving_layers(self) -> List[Hashable]:
         """The layers (and outside sites) whose placement moves at least one site now."""
         policy = self.policy

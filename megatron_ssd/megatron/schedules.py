@@ -75,7 +75,9 @@ class OffloadSchedule:
         cache: the tensor cache the records go to.
         finish_step: call ``cache.finish_step()`` after each training call (not
             ``forward_only``) and keep the result in :attr:`last_stats`.
-        on_step: optional callback receiving each step's :class:`StepStats`.
+        on_step: optional callback receiving each step's :class:`StepStats`; the time it
+            takes is in no step's numbers (the cache's step clock starts again when it
+            returns, NOTE [Search time] in ``adaptive.py``).
     """
 
     def __init__(
@@ -135,6 +137,7 @@ class OffloadSchedule:
             self.last_stats = self.cache.finish_step()
             if self.on_step is not None:
                 self.on_step(self.last_stats)
+                self.cache.accountant.restart_step_clock()  # NOTE [Search time] in adaptive.py
         return result
 
 

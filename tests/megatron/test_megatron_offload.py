@@ -212,6 +212,33 @@ def test_stock_function_when_no_cache():
     assert get_forward_backward_func() is stock()
 
 
+def test_step_callback_time_is_in_no_step(tmp_path, monkeypatch):
+    """NOTE [Search time]: what the step callback spends (the planner's search) is in
+    neither the step it follows nor the next, on a clock the test moves by hand."""
+    from types import SimpleNamespace
+
+    from megatron_ssd.cache import accounting
+    from megatron_ssd.megatron.schedules import OffloadSchedule
+
+    now = [0.0]
+    monkeypatch.setattr(accounting, "time", SimpleNamespace(perf_counter=lambda: now[0], process_time=lambda: now[0]))
+    stats = []
+
+    def callback(step_stats):  # a 100 s search between two steps
+        stats.append(step_stats)
+        now[0] += 100.0
+
+    def inner(**kwargs):  # a 2 s step
+        now[0] += 2.0
+
+    with TensorCache(OffloadConfig(paths=[str(tmp_path)])) as cache:
+        schedule = OffloadSchedule(inner, cache, on_step=callback)
+        for _ in range(3):
+            schedule(forward_step_func=None, model=torch.nn.Linear(2, 2))
+    assert [s.wall_s for s in stats] == [2.0, 2.0, 2.0]
+    assert [s.cpu_s for s in stats] == [2.0, 2.0, 2.0]
+
+
 # ------------------------------------------------------------------ two gloo processes
 
 LAYOUTS = {"1f1b": (1, 2, None), "interleaved": (1, 2, 2), "tp2": (2, 1, None), "dp2": (1, 1, None)}
