@@ -365,10 +365,12 @@ class AdaptivePlanner:
     def _head_working_bytes(self, head_saved: int) -> int:
         """What the step needs outside the layers beyond the working set inside them and
         beyond the head's ``head_saved`` bytes of saved tensors (NOTE [Working set by
-        phase]); 0 where not measured by phase."""
+        phase]), and at least what the head's backward needs beyond them (NOTE [Working
+        set of the head's backward] in ``cache/memory_cap.py``); 0 where not measured by
+        phase."""
         if self.working_set is None:
             return 0
-        return max(self.working_set.head_bytes - head_saved, 0)
+        return max(self.working_set.head_bytes - head_saved, self.working_set.head_backward_bytes, 0)
 
     def _measure_working_set(self) -> None:
         """After the first step under a cap: its working set, and from it the capacity and

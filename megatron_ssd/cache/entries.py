@@ -306,7 +306,11 @@ class EntryTable:
         return self.backward.backward_started(record, layer_id)
 
     def needed(self, entry: Entry, name: str = "") -> torch.Tensor:
-        """Backward unpacks ``entry``: its bytes, once read (:meth:`BackwardReads.needed`)."""
+        """Backward unpacks ``entry``: its bytes, once read (:meth:`BackwardReads.needed`).
+        An entry of the head's tells the memory observer the head's backward runs (NOTE
+        [Working set of the head's backward] in ``memory_cap.py``)."""
+        if self.observer is not None and entry.layer == HEAD:
+            self.observer.phase(True, HEAD, backward=True)
         return self.backward.needed(entry, name)
 
     # ------------------------------------------------------------------ release

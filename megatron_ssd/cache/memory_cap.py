@@ -45,6 +45,7 @@ import torch
 
 from ..errors import ConfigError
 from ..io.cuda import CUDA, CudaOps
+from ..placement import HEAD
 from ..units import gib
 
 __all__ = ["MemoryObserver", "WorkingSet", "apply_device_memory_cap", "capacity_under_cap", "out_of_memory"]
@@ -100,7 +101,9 @@ class MemoryObserver(Protocol):
 
     def phase(self, outside: bool, layer: Hashable = None, backward: bool = False) -> None:
         """The step left the layers (the embedding, the head and loss run) or entered one:
-        ``layer``'s forward, or with ``backward`` its backward."""
+        ``layer``'s forward, or with ``backward`` its backward; outside, with ``layer``
+        the head and ``backward``, the head's backward runs (told at each of its
+        unpacks)."""
 
 
 def capacity_under_cap(cap: int, reserve: float, resident: int, working_set: Optional[int] = None) -> int:
@@ -123,6 +126,26 @@ def capacity_under_cap(cap: int, reserve: float, resident: int, working_set: Opt
         return max(int(cap * (1.0 - reserve)) - resident, 0)
     return max(cap - resident - working_set, 0)
 
+
+# NOTE [Working set of the head's backward]
+# The outside peak is the head's forward: the logits chain before the loss saves its
+# softmax. Its backward needs more beside the head's saved tensors: the gradient of the
+# final hidden states and, in every micro-batch after the first, the output layer's
+# weight gradient computed apart before it is added to the one accumulated (on
+# configs/gpt-tiny.yaml at micro-batch 22, 5.5 and 8 MiB, with the 176 MiB logits alive).
+# In the first step under a cap the head's saved tensors are moved and read back into
+# buffers counted as activations, so the outside peak (181.8 MiB there) came out below the
+# head's saved bytes (187.1 MiB), the head's working set at 0, and a plan's second
+# micro-batch 13.5 MiB over what its replay held (311.1 MiB measured against a 300 MiB cap,
+# 297.7 predicted; docs/performance.md, "Under a capacity"). So the cache tells the
+# observer, at each unpack of a head tensor, that the head's backward runs
+# (``EntryTable.needed``; the timeline keeps the first), and the head's backward is
+# measured as a layer's is (``layer_peaks`` in ``memory/allocator_timeline.py``: live
+# bytes less every saved tensor and read-back buffer, less the buffers freed since it
+# began). The head's working set (``AdaptivePlanner._head_working_bytes``, NOTE [Working
+# set by phase] in ``adaptive.py``) is the larger of the two: ``head_backward_bytes`` and
+# the outside peak beyond the head's saved bytes. Measured after: that plan's step 294.6
+# MiB, its replay 294.7 MiB.
 
 @dataclass(frozen=True)
 class WorkingSet:
@@ -185,8 +208,16 @@ class WorkingSet:
 
     @property
     def layer_bytes(self) -> int:
-        """The most one layer's forward or backward held at once (``by_layer``; 0 without)."""
-        return max((max(p) for p in (self.by_layer or {}).values()), default=0)
+        """The most one layer's forward or backward held at once (``by_layer``, the head
+        left out; 0 without)."""
+        return max((max(p) for k, p in (self.by_layer or {}).items() if k != HEAD), default=0)
+
+    @property
+    def head_backward_bytes(self) -> int:
+        """What the head's backward held beyond every saved tensor and read-back buffer
+        (``by_layer``'s head entry, NOTE [Working set of the head's backward]); 0 where
+        not measured."""
+        return (self.by_layer or {}).get(HEAD, (0, 0))[1]
 
     @property
     def need(self) -> int:

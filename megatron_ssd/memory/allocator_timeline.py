@@ -129,7 +129,8 @@ def layer_peaks(events: List[Tuple[int, int]], saved: List[Tuple[int, int, Hasha
             saved tensors, or with ``layer`` None read-back buffers and what survives the
             window.
         spans: ``(time_ns, (layer, backward))``: from then on the step runs that layer's
-            forward or backward; ``(time_ns, None)``: outside any layer.
+            forward or backward (the head's backward too: NOTE [Working set of the head's
+            backward] in ``cache/memory_cap.py``); ``(time_ns, None)``: outside any layer.
         mapped: ``(time_ns, delta)`` of the read-back buffers, activations too.
 
     Returns:
@@ -307,11 +308,17 @@ class AllocatorTimeline:
 
     def phase(self, outside: bool, layer: Hashable = None, backward: bool = False) -> None:
         """The step runs outside the layers (True) or inside one (False) from now on:
-        ``layer``'s backward or forward where it is named."""
+        ``layer``'s backward or forward where it is named; outside, only a backward is
+        named (the head's, NOTE [Working set of the head's backward] in
+        ``cache/memory_cap.py``).
+        The span running already, told again, changes nothing."""
         now = time.time_ns()
+        span = None if layer is None or (outside and not backward) else (layer, backward)
         with self._lock:
+            if span is not None and self._spans and self._spans[-1][1] == span:
+                return
             self._phases.append((now, outside))
-            self._spans.append((now, None if outside or layer is None else (layer, backward)))
+            self._spans.append((now, span))
 
     def layer_peaks(self) -> Dict[Hashable, Tuple[int, int]]:
         """Per layer, its forward's and its backward's peaks beyond the other layers' saved

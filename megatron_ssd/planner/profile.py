@@ -342,7 +342,8 @@ class StageProfile:
     """What the step holds outside the layers beyond its saved tensors and beyond the
     working set its capacity already leaves out: the logits chain's temporaries and
     gradients under a device-memory cap, measured by phase in the first step (NOTE
-    [Working set by phase] in ``adaptive.py``). Held over ``head_bytes``' span; not in
+    [Working set by phase] in ``adaptive.py``, NOTE [Working set of the head's backward]
+    in ``cache/memory_cap.py``). Held over ``head_bytes``' span; not in
     the tensor cache's count (NOTE [What the cache counts] in ``step_timeline.py``). 0:
     none, or not measured."""
 

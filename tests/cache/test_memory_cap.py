@@ -107,6 +107,20 @@ def test_a_measured_working_set_replaces_the_reserve_under_the_cap():
         f"megatron_ssd: offload.device_memory_cap = {cap} (4.67 GiB) leaves no room for activations: {resident} bytes")
 
 
+def test_the_head_backward_is_not_one_layer_and_sets_the_head_working_set_where_larger():
+    """NOTE [Working set of the head's backward]: the head's entry of ``by_layer`` is the
+    head's, not a layer's, and the larger of it and the outside peak beyond the head's
+    saved bytes is the head's working set (gpt-tiny's micro-batch 22, in MiB)."""
+    MiB = 1 << 20
+    by_layer = {1: (160 * MiB, 46 * MiB), "head": (0, 13 * MiB)}
+    measured = WorkingSet(0, 0, 222 * MiB, 222 * MiB, (138 * MiB, 182 * MiB), by_layer)
+    assert (measured.layer_bytes, measured.head_backward_bytes) == (160 * MiB, 13 * MiB)
+    planner = SimpleNamespace(working_set=measured)
+    assert AdaptivePlanner._head_working_bytes(planner, 187 * MiB) == 13 * MiB  # outside peak below the saved
+    assert AdaptivePlanner._head_working_bytes(planner, 150 * MiB) == 32 * MiB  # outside peak beyond them
+    assert WorkingSet(0, 0, 1, 1, (1, 2)).head_backward_bytes == 0  # not measured by layer
+
+
 def test_a_plan_under_the_cap_fits_it_where_the_uncapped_plan_does_not():
     """On a constructed profile (8 layers of 1 GB whose I/O all hides): uncapped, the
     planner's goal is to hide I/O and it holds more than the cap leaves; with the cap's

@@ -113,6 +113,24 @@ def test_layer_peaks_take_a_forward_beyond_the_other_layers_and_a_backward_beyon
     assert layer_peaks([], [], []) == {}
 
 
+def test_the_head_backward_is_measured_as_a_layer_backward_is():
+    """NOTE [Working set of the head's backward], values worked by hand: the head's
+    forward makes a 200 logits temporary, moved and read back into a 200 buffer; its
+    backward makes a 10 gradient beside the buffer, then layer 0's backward a 5 one. The
+    head's backward needs 10 beyond what it saved; told at each unpack, it is one span."""
+    events = [(1, 40), (4, 200), (5, -200), (7, 200), (8, 10), (9, -10), (10, -200), (12, 5), (13, -5)]
+    saved = [(1, 40, 0)]
+    mapped = [(7, 200), (10, -200)]
+    spans = [(0, (0, False)), (2, None), (6, ("head", True)), (11, (0, True)), (14, None)]
+    assert layer_peaks(events, saved, spans, mapped) == {0: (40, 5), "head": (0, 10)}
+    with AllocatorTimeline() as timeline:
+        timeline.phase(True, "head", backward=True)
+        timeline.phase(True, "head", backward=True)  # a second unpack: the same span
+        timeline.phase(True)  # leaving the layers names no span
+        timeline.phase(False, 0, backward=True)
+    assert [span for _, span in timeline._spans] == [("head", True), None, (0, True)]
+
+
 def test_what_survives_the_window_is_no_working_set():
     """NOTE [Survivors]: a storage made inside the window and alive when it closes (a
     first step's gradients, its optimizer state) is state for later steps: counted in the

@@ -270,7 +270,9 @@ def test_on_a_cpu_the_first_step_measures_the_working_set_and_every_step_stays_u
     assert 0 < inside < cap and 0 < outside < cap
     # NOTE [Working set by layer]: each layer's forward peak and backward working set are in
     # the profile, held over its spans, so the capacity is the whole cap
-    by_layer = working["by_layer"]
+    by_layer = dict(working["by_layer"])
+    head = by_layer.pop("head")  # NOTE [Working set of the head's backward]: measured too, not a layer
+    assert head[0] == 0 and 0 < head[1] <= data["planner"]["profile"]["head_working_bytes"]
     layers = data["planner"]["profile"]["layers"]
     measured = [layer for layer in layers if str(layer["layer_id"]) in by_layer]
     assert len(measured) == len(by_layer) == data["config"]["model"]["num_layers"]
