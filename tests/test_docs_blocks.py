@@ -199,8 +199,10 @@ def _train_lines() -> List[str]:
 
     keep, off = phase("keep-everything", 3 << 20), phase("offload (auto)", 1 << 20)
     paired = {"median_ratio": 1.2, "pairs": 3, "ratio_ci95": [1.1, 1.3]}
-    # the demo (configs/demo.yaml): keep, recompute, offload-all and the planner at a budget, one table
-    demo = [keep, phase("recompute", 1 << 20), phase("offload-all", 1 << 20), phase("planner, budget 89.1 MiB", 2 << 20)]
+    # the demo (configs/demo.yaml): keep, recompute, offload-all and the planner at a budget, one table,
+    # each placement but keep with its paired steps
+    demo = [keep, *({**phase(name, peak), "paired": paired} for name, peak in
+                    (("recompute", 1 << 20), ("offload-all", 1 << 20), ("planner, budget 89.1 MiB", 2 << 20)))]
     plan = Plan([LayerPlan(1, LayerChoice(Placement.OFFLOAD), bytes=0, site_count=2),
                  LayerPlan(2, LayerChoice(Placement.RECOMPUTE), bytes=0), LayerPlan(3, LayerChoice(Placement.KEEP), bytes=0)],
                 "memory_budget", 0, 0.0, 0.0, 0.0, 0, 0.0, IOProfile(1e9, 1e9)).to_dict()

@@ -470,3 +470,26 @@ def test_a_layer_recomputing_modules_inside_it_is_named_so_in_the_summary_and_th
     assert plan_summary(plan.to_dict()) == "host +core_attn part of 3; keep 4; keep +core_attn 1-2"
     assert [lp.placement_text for lp in plan.layers] == ["keep +core_attn", "keep +core_attn",
                                                          "host 1/3 +core_attn", "keep"]
+
+
+def test_a_compared_placement_with_paired_steps_reads_its_pairs_ratio():
+    """NOTE [Paired steps]: where a compared phase ran pairs with keep-everything, its row's
+    ratio and interval are the pairs'; a phase without pairs keeps the ratio of the
+    medians; the footer says which."""
+    from megatron_ssd.commands.steps import format_choices
+
+    def phase(name, step, paired=None):
+        return {"name": name, "peak_activation_bytes": 1 << 20, "median_step_s": step, "step_s": [step] * 5,
+                "measured_steps": 5, "independent_peak_bytes": 2 << 20, "independent_peak_source": "rss (vmhwm)",
+                "paired": paired}
+
+    pairs = {"pairs": 3, "median_ratio": 1.5, "ratio_ci95": [1.4, 1.6]}
+    lines = format_choices([phase("keep-everything", 1.0), phase("recompute", 2.0, pairs), phase("offload-all", 3.0)],
+                           None, TrainConfig()).splitlines()
+    recompute, offload, footer = lines[4], lines[5], lines[6]
+    assert recompute.split()[3:6] == ["2.000", "1.50", "1.40-1.60"]  # its medians' ratio would read 2.00
+    assert offload.split()[3:6] == ["3.000", "3.00", "3.00-3.00"]
+    assert footer.endswith("x keep: the median ratio of the pairs of steps each phase ran with keep-everything "
+                           "after its own (at least 3), with a 95% interval")
+    unpaired = format_choices([phase("keep-everything", 1.0), phase("recompute", 2.0)], None, TrainConfig())
+    assert unpaired.endswith("its ratio to keep-everything's with a 95% interval")

@@ -30,6 +30,9 @@ class PhaseResult:
     recorded]); None: it ran all its steps."""
     oom_step: Optional[int] = None
     """The step (1-based) that ran out of memory."""
+    paired: Optional[Dict[str, Any]] = None
+    """The paired steps run after the phase's own, against keep-everything (NOTE [Paired
+    steps] in ``paired.py``, ``TrainConfig.paired_steps``); None: none ran."""
 
     @property
     def measured_kind(self) -> str:
@@ -62,7 +65,7 @@ class PhaseResult:
             return {"name": self.name, "oom": self.oom, "oom_step": self.oom_step, "measured_kind": "oom",
                     "measured_steps": 0, "peak_activation_bytes": None, "independent_peak_bytes": None,
                     "median_step_s": None, "step_s": [], "device_step_s": None, "median_device_step_s": None,
-                    "final_loss": None, "losses": list(self.losses), **self.memory}
+                    "final_loss": None, "losses": list(self.losses), "paired": None, **self.memory}
         m = self.measured
         step_s = med([s.wall_s for s in m])
         device = [t for t, k in zip(self.device_step_s, self.kinds) if k == "measured"] or self.device_step_s[-1:]
@@ -99,5 +102,6 @@ class PhaseResult:
             "ssd_bytes_written_per_day": written / step_s * 86400 if step_s else 0.0,
             "final_loss": self.losses[-1] if self.losses else None,
             "losses": list(self.losses),
+            "paired": self.paired,
             **self.memory,
         }

@@ -261,8 +261,9 @@ _FIXED_WORDS = {"keep-everything": "every layer kept", "recompute": "every layer
 def format_choices(phases: Sequence[Dict[str, Any]], plan: Optional[Dict[str, Any]], config: TrainConfig) -> str:
     """The comparison table of ``train`` with ``compare``: per phase, its independent peak
     memory (NOTE [Headline memory]), the cache's count, its median step and ratio to
-    keep-everything with the ratio's 95% interval, and what it placed; then the line on
-    the losses (:func:`format_loss_identity`)."""
+    keep-everything with the ratio's 95% interval (its paired steps' where it ran them,
+    NOTE [Paired steps]), and what it placed; then the line on the losses
+    (:func:`format_loss_identity`)."""
     keep = phases[0]
     source = next((p.get("independent_peak_source") for p in phases if p.get("independent_peak_source")), "")
     measure = ("torch.cuda.max_memory_allocated above the pre-forward level" if source in _INDEPENDENT
@@ -282,6 +283,8 @@ def format_choices(phases: Sequence[Dict[str, Any]], plan: Optional[Dict[str, An
             interval = ""
         else:
             lo, hi = ratio_ci95([p["step_s"]], [keep["step_s"]])
+            if p.get("paired"):  # NOTE [Paired steps]: the machine's drift cancelled out
+                ratio, (lo, hi) = p["paired"]["median_ratio"], p["paired"]["ratio_ci95"]
             interval = f"{lo:.2f}-{hi:.2f}"
         if p is phases[-1] and plan is not None:
             what = plan_summary(plan)
@@ -294,6 +297,9 @@ def format_choices(phases: Sequence[Dict[str, Any]], plan: Optional[Dict[str, An
                      f"{p['peak_activation_bytes'] / MiB:>13.1f}{p['median_step_s']:>9.3f}{ratio_text:>8}"
                      f"{interval:>15}  {what}")
     steps = min((p.get("measured_steps", 0) for p in phases if p.get("oom") is None), default=0)
+    pairs = min((p["paired"]["pairs"] for p in phases[1:] if p.get("paired")), default=0)
+    ratio = (f"x keep: the median ratio of the pairs of steps each phase ran with keep-everything after its own "
+             f"(at least {pairs}), with a 95% interval" if pairs else "its ratio to keep-everything's with a 95% interval")
     lines.append(f"peak memory: {measure}; cache count: the saved activations the cache held; step: median of "
-                 f"the measured steps (at least {steps} per phase), its ratio to keep-everything's with a 95% interval")
+                 f"the measured steps (at least {steps} per phase); {ratio}")
     return "\n".join(lines)

@@ -299,8 +299,8 @@ class TrainRecipe:
                                        "under the capacity guard, offloading, and not be keep")
             elif pairs:
                 sink = []
-                self.paired = run_pairs(cache, run_step, next_step, pairs, sink, timer,
-                                        self.config.paired_settle_steps, self.out)
+                result.paired = self.paired = run_pairs(cache, run_step, next_step, pairs, sink, timer,
+                                                        self.config.paired_settle_steps, self.out)
         return result
 
     def _with_wear(self, summary: Dict[str, Any]) -> Dict[str, Any]:
@@ -323,7 +323,7 @@ class TrainRecipe:
             phases.append(self._phase("keep-everything", cfg.baseline_steps, keep))
         for name in cfg.compare:
             fixed = dataclasses.replace(cfg.offload.planner, mode=name, memory_budget=None)
-            phases.append(self._phase(COMPARE_MODES[name], cfg.baseline_steps, fixed))
+            phases.append(self._phase(COMPARE_MODES[name], cfg.baseline_steps, fixed, pairs=cfg.paired_steps))
         self.paired: Optional[Dict[str, Any]] = None
         self.paired_not_run: Optional[str] = None
         planner, label = cfg.offload.planner, f"offload ({cfg.offload.planner.mode})"

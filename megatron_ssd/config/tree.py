@@ -340,8 +340,10 @@ class TrainConfig:
     """After the offload steps, this many pairs of steps in the same process: one with
     every layer kept, one with the offload phase's final placement, alternating which
     goes first, each timed after ``paired_settle_steps`` untimed steps of its own kind
-    (so a pair runs six steps by default). Each pair's step-time ratio compares runs
-    seconds apart, so the machine's drift cancels out of it (0: none)."""
+    (so a pair runs six steps by default); with ``compare``, after each compared
+    placement's steps too, and its row's ratio to keep-everything is then its pairs'.
+    Each pair's step-time ratio compares runs seconds apart, so the machine's drift
+    cancels out of it (0: none)."""
     paired_settle_steps: Annotated[int, NonNegative(), AtMost(PROFILE_STEPS_MAX)] = 2
     """Untimed steps of the same kind before each timed step of a pair (NOTE [Paired
     steps] in ``commands/paired.py``): a step right after a switch inherits the other
