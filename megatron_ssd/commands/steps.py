@@ -282,9 +282,10 @@ def format_choices(phases: Sequence[Dict[str, Any]], plan: Optional[Dict[str, An
         if p is keep or keep.get("oom") is not None:
             interval = ""
         else:
-            lo, hi = ratio_ci95([p["step_s"]], [keep["step_s"]])
             if p.get("paired"):  # NOTE [Paired steps]: the machine's drift cancelled out
                 ratio, (lo, hi) = p["paired"]["median_ratio"], p["paired"]["ratio_ci95"]
+            else:
+                lo, hi = ratio_ci95([p["step_s"]], [keep["step_s"]])
             interval = f"{lo:.2f}-{hi:.2f}"
         if p is phases[-1] and plan is not None:
             what = plan_summary(plan)

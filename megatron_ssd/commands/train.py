@@ -299,8 +299,8 @@ class TrainRecipe:
                                        "under the capacity guard, offloading, and not be keep")
             elif pairs:
                 sink = []
-                result.paired = self.paired = run_pairs(cache, run_step, next_step, pairs, sink, timer,
-                                                        self.config.paired_settle_steps, self.out)
+                result.paired = run_pairs(cache, run_step, next_step, pairs, sink, timer,
+                                          self.config.paired_settle_steps, self.out)
         return result
 
     def _with_wear(self, summary: Dict[str, Any]) -> Dict[str, Any]:
@@ -324,7 +324,6 @@ class TrainRecipe:
         for name in cfg.compare:
             fixed = dataclasses.replace(cfg.offload.planner, mode=name, memory_budget=None)
             phases.append(self._phase(COMPARE_MODES[name], cfg.baseline_steps, fixed, pairs=cfg.paired_steps))
-        self.paired: Optional[Dict[str, Any]] = None
         self.paired_not_run: Optional[str] = None
         planner, label = cfg.offload.planner, f"offload ({cfg.offload.planner.mode})"
         if cfg.budget_of_keep is not None and phases[0].oom is not None:  # NOTE [Out of memory, recorded]
@@ -353,7 +352,7 @@ class TrainRecipe:
             "losses_identical": identity,
             "planner": self.planner_summary,
             "steps": [{"kind": k, **s.to_dict()} for s, k in zip(offload.steps, offload.kinds)],
-            "paired": self.paired,
+            "paired": offload.paired,
             "paired_not_run": self.paired_not_run,
             "host_pool": self.host_pool.to_dict(),  # the planner phase's (NOTE [Auto host pool])
             "device_memory_cap": self.memory_cap,  # NOTE [Device memory cap]
@@ -380,8 +379,8 @@ class TrainRecipe:
                 what = "the planner's placement" if "profile" in phase.kinds else "its placement"
                 self._say(f"WARNING: {phase.name}: no measured step (steps: {', '.join(phase.kinds)}); its column "
                           f"shows its last {phase.measured_kind} step, not {what}")
-        if self.paired:
-            self._say(format_paired(self.paired))
+        if offload.paired:
+            self._say(format_paired(offload.paired))
         elif self.paired_not_run:
             self._say(f"paired steps: not run: {self.paired_not_run}")
         wear = format_drive_wear(drives, self.config.offload.planner.drive_used_fraction)

@@ -310,8 +310,7 @@ class AllocatorTimeline:
         """The step runs outside the layers (True) or inside one (False) from now on:
         ``layer``'s backward or forward where it is named; outside, only a backward is
         named (the head's, NOTE [Working set of the head's backward] in
-        ``cache/memory_cap.py``).
-        The span running already, told again, changes nothing."""
+        ``cache/memory_cap.py``). The span running already, told again, changes nothing."""
         now = time.time_ns()
         span = None if layer is None or (outside and not backward) else (layer, backward)
         with self._lock:
