@@ -28,7 +28,7 @@ from ..placement import MOVED
 from .device import HostClock
 from .policy import PlacementPolicy
 from .record import Entry, EntryState, Record
-from .stats import Counters, LayerCounters, add_seconds
+from .stats import Counters, LayerCounters, add_seconds, time_site
 
 __all__ = ["BackwardReads", "TableState"]
 
@@ -206,11 +206,7 @@ class BackwardReads:
         if entry.site is None or running is None or running[0] != entry.layer:
             return
         lc = self.table.layer(entry.layer)
-        while len(lc.site_use_s) <= entry.site:
-            lc.site_use_s.append(0.0)
-            lc.site_uses.append(0)
-        self.table.clock.since(running[1], partial(_add_at, lc.site_use_s, entry.site))
-        lc.site_uses[entry.site] += 1
+        time_site(self.table.clock, running[1], lc.site_use_s, lc.site_uses, entry.site)
 
     def _note_forwarded(self, entry: Entry) -> None:
         if entry.placement in MOVED and not entry.wanted:
@@ -286,10 +282,6 @@ class BackwardReads:
         named = type(err)(f"{err} ({name or f'layer {entry.layer!r}'})")
         named.errno = getattr(err, "errno", None)
         return named
-
-
-def _add_at(values: List[float], index: int, seconds: float) -> None:
-    values[index] += seconds
 
 
 def _add_stall(counters: Counters, layer: Optional[LayerCounters], seconds: float) -> None:

@@ -48,7 +48,7 @@ from .identity import held_bytes, is_plain, storage_bytes, storage_weakref
 from .pages import allocator_owned
 from .policy import PlacementPolicy
 from .record import Entry, EntryState, Record
-from .stats import Counters, LayerCounters
+from .stats import Counters, LayerCounters, time_site
 from .writes import ForwardWrites
 
 __all__ = ["EntryTable"]
@@ -131,12 +131,14 @@ class EntryTable:
     # ------------------------------------------------------------------ saved
 
     def saved(self, record: Record, key: Hashable, t: torch.Tensor, layer_id: Hashable,
-              unmovable: bool = False, group: Optional[str] = None) -> Tuple[Entry, bool]:
+              unmovable: bool = False, group: Optional[str] = None, started: Any = None) -> Tuple[Entry, bool]:
         """``t`` is saved for backward in ``layer_id``: its entry, and whether it is new
         and moves (then call :meth:`write` outside the lock). A storage the record holds
         already gains a use (NOTE [Dedup identity]). An ``unmovable`` tensor (NOTE
         [Unmovable saved tensors] in ``identity.py``) is held as it is and never moves.
-        ``group``: the module group it was saved in, for a peer's rule (``peer_rules.py``)."""
+        ``group``: the module group it was saved in, for a peer's rule (``peer_rules.py``).
+        ``started``: the clock mark of the layer forward saving it, which times a new
+        site's save (NOTE [Site save times] in ``planner/profile.py``)."""
         with self.lock:
             self.counters.tensors_packed += 1
             entry = self._lookup(record, key)
@@ -144,6 +146,9 @@ class EntryTable:
                 self._add_use(entry, layer_id)
                 return entry, False
             entry = self._new_entry(record, key, t, layer_id, unmovable, group)
+            if started is not None and entry.site is not None:
+                lc = self.layer(layer_id)
+                time_site(self.clock, started, lc.site_save_s, lc.site_saves, entry.site)
             return entry, entry.placement in MOVED
 
     def skipped(self) -> None:

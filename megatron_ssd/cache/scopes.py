@@ -170,6 +170,12 @@ class Scopes:
         stack = self._tls.__dict__.get("layers")
         return stack[-1][0] if stack else None
 
+    def layer_started(self) -> Any:
+        """The clock mark at which the innermost open layer's forward started on this
+        thread (NOTE [Site save times] in ``planner/profile.py``), else None."""
+        stack = self._tls.__dict__.get("layers")
+        return stack[-1][1] if stack else None
+
     def site_layer(self, record: Record) -> Hashable:
         """The layer a tensor saved now in ``record`` belongs to: the current layer, else
         the embedding before any layer ran and the head after (NOTE [Sites outside the

@@ -4,18 +4,36 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Dict, Hashable, Optional
+from functools import partial
+from typing import Any, Dict, Hashable, List, Optional
 
 from ..planner.measurement import LayerMeasurement, StepMeasurement
 from ..units import MiB
 
-__all__ = ["StepStats", "Counters", "LayerCounters", "add_seconds"]
+__all__ = ["StepStats", "Counters", "LayerCounters", "add_seconds", "time_site"]
 
 
 def add_seconds(counters: Any, field: str, seconds: float) -> None:
     """A clock span's seconds added to ``counters.field``: what the cache's clock calls
     with each span it times (NOTE [Device time] in ``device.py``)."""
     setattr(counters, field, getattr(counters, field) + seconds)
+
+
+def time_site(clock: Any, start: Any, seconds: List[float], counts: List[int], site: int) -> None:
+    """One micro-batch's span from ``start`` to now added to ``seconds[site]`` and counted
+    in ``counts[site]``, growing both lists as needed: a site's save point in its layer's
+    forward (NOTE [Site save times]) or its use point in its layer's backward (NOTE [Site
+    use times], both in ``planner/profile.py``). ``clock``: the cache's (NOTE [Device time]
+    in ``device.py``)."""
+    while len(seconds) <= site:
+        seconds.append(0.0)
+        counts.append(0)
+    clock.since(start, partial(_add_at, seconds, site))
+    counts[site] += 1
+
+
+def _add_at(values: List[float], index: int, seconds: float) -> None:
+    values[index] += seconds
 
 
 @dataclass

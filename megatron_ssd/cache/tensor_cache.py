@@ -338,7 +338,7 @@ class TensorCache:
         meta = view_meta(t) if plain else None
         with self.entries.lock:
             entry, moves = self.entries.saved(record, key, t, self.scopes.site_layer(record), unmovable,
-                                              self.scopes.current_group())
+                                              self.scopes.current_group(), self.scopes.layer_started())
         # before the write: its release runs if it raises
         # a subclass is held whole by its entry: it is its own probe (NOTE [In-place changes])
         packed = Packed(entry, meta, self, t._version, version_probe(t) if plain else t)

@@ -11,7 +11,7 @@ import statistics
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence
 
 from ..placement import EMBEDDING, HEAD, OUTSIDE, RECOMPUTE_MODULES
-from .measurement import LayerMeasurement, ModuleMeasurement, StepMeasurement
+from .measurement import ModuleMeasurement, StepMeasurement
 from .profile import IOProfile, LayerId, LayerProfile, ModuleProfile, StageProfile
 
 __all__ = ["median_or_zero", "stage_from_stats"]
@@ -19,7 +19,7 @@ __all__ = ["median_or_zero", "stage_from_stats"]
 Steps = Sequence[StepMeasurement]
 LayerMedians = Dict[str, Any]
 """One layer's medians over steps, per micro-batch: ``fwd``, ``bwd``, ``saved``, ``small``,
-``input`` (numbers), ``sites`` and ``use`` (per site, or None)."""
+``input`` (numbers), ``sites``, ``use`` and ``save`` (per site, or None)."""
 
 
 def median_or_zero(xs: Iterable[float]) -> float:
@@ -85,7 +85,7 @@ def stage_from_stats(
         k for k in measured if k is not None and k not in OUTSIDE]
 
     def per_layer(steps: Steps, layer_id: LayerId) -> LayerMedians:
-        fwd, bwd, saved, small, sites, inputs, uses = [], [], [], [], [], [], []
+        fwd, bwd, saved, small, sites, inputs, uses, saves = [], [], [], [], [], [], [], []
         for s in steps:
             lc = s.layers.get(layer_id)
             if lc is None or not lc.microbatches:
@@ -97,11 +97,13 @@ def stage_from_stats(
             small.append(_per_mb(lc.small_bytes + lc.unmovable_bytes, n))  # held whatever the placement
             sites.append([int(_per_mb(b, n)) for b in lc.site_bytes])
             inputs.append(_per_mb(lc.input_bytes, n))
-            uses.append(_use_shares(lc, bwd[-1]))
+            uses.append(_shares(lc.site_use_s, lc.site_uses, len(lc.site_bytes), bwd[-1]))
+            saves.append(_shares(lc.site_save_s, lc.site_saves, len(lc.site_bytes), _per_mb(lc.forward_s, n)))
         site_bytes = _site_medians(sites)
+        count = len(site_bytes) if site_bytes else (1 if median_or_zero(saved) else 0)
         return {"fwd": median_or_zero(fwd), "bwd": median_or_zero(bwd), "saved": median_or_zero(saved),
                 "small": median_or_zero(small), "sites": site_bytes, "input": median_or_zero(inputs),
-                "use": _use_medians(uses, len(site_bytes) if site_bytes else (1 if median_or_zero(saved) else 0))}
+                "use": _share_medians(uses, count), "save": _share_medians(saves, count)}
 
     layers = []
     clean_compute = 0.0
@@ -117,6 +119,7 @@ def stage_from_stats(
                 kept_bytes=int(m["small"]),
                 site_bytes=m["sites"],
                 site_use=m["use"],
+                site_save=m["save"],
                 boundary_bytes=int(m["input"]),
                 recomputable=layer_id != EMBEDDING,
                 modules=_module_profiles(source, layer_id, len(m["sites"]) if m["sites"] else None),
@@ -209,20 +212,21 @@ def _recompute_factor(recompute_steps: Steps, layers: List[LayerProfile],
     return max(1.0, extra / forward) if forward > 0 else None
 
 
-def _use_shares(lc: LayerMeasurement, backward_s: float) -> Optional[List[float]]:
-    """One step's site use points as shares of the layer's backward (NOTE [Site use
-    times] in ``planner/profile.py``); None when no site was timed. A site never timed
-    in its own layer's backward (a storage a later layer saved again, whose backward
+def _shares(seconds: List[float], counts: List[int], site_count: int, span_s: float) -> Optional[List[float]]:
+    """One step's site points as shares of the layer's ``span_s`` per micro-batch: use
+    points of its backward, save points of its forward (NOTE [Site use times], NOTE [Site
+    save times] in ``planner/profile.py``); None when no site was timed. A site never
+    timed in its own layer's backward (a storage a later layer saved again, whose backward
     unpacked it first) counts as needed when the layer's backward starts (0)."""
-    if not any(lc.site_uses) or backward_s <= 0:
+    if not any(counts) or span_s <= 0:
         return None
-    timed = [min(1.0, s / k / backward_s) if k else 0.0 for s, k in zip(lc.site_use_s, lc.site_uses)]
-    return timed + [0.0] * (len(lc.site_bytes) - len(timed))
+    timed = [min(1.0, s / k / span_s) if k else 0.0 for s, k in zip(seconds, counts)]
+    return timed + [0.0] * (site_count - len(timed))
 
 
-def _use_medians(per_step: List[Optional[List[float]]], site_count: int) -> Optional[List[float]]:
-    """Per site, the median over steps of its use point; None (every site needed when
-    the layer's backward starts) unless every step timed all ``site_count`` sites."""
+def _share_medians(per_step: List[Optional[List[float]]], site_count: int) -> Optional[List[float]]:
+    """Per site, the median over steps of its use (or save) point; None (every site at
+    0) unless every step timed all ``site_count`` sites."""
     if not per_step or site_count == 0 or any(u is None or len(u) != site_count for u in per_step):
         return None
     return [round(statistics.median(column), 6) for column in zip(*per_step)]  # type: ignore[arg-type]

@@ -56,6 +56,11 @@ class LayerMeasurement:
     unpack of the site, summed over micro-batches (NOTE [Site use times])."""
     site_uses: List[int] = field(default_factory=list)
     """Per site, how many micro-batches ``site_use_s`` sums."""
+    site_save_s: List[float] = field(default_factory=list)
+    """Per site, seconds from the start of the layer's forward to the site's save,
+    summed over micro-batches (NOTE [Site save times])."""
+    site_saves: List[int] = field(default_factory=list)
+    """Per site, how many micro-batches ``site_save_s`` sums."""
     forward_s: float = 0.0
     """Wall time inside the layer's forward."""
     backward_s: float = 0.0

@@ -117,11 +117,9 @@ def recomputed_layer(layer: LayerProfile, modules: Sequence[str]) -> LayerProfil
     rest = [dataclasses.replace(m, freed_sites=[renumbered[s] for s in m.freed_sites if s in renumbered])
             for m in layer.modules or () if m.name not in modules]
     site_bytes = [sites[s] for s in kept]
-    return dataclasses.replace(
-        layer,
+    return layer.with_sites(
+        kept,
         saved_bytes=sum(site_bytes),
-        site_bytes=site_bytes,
-        site_use=None if layer.site_use is None or not kept else [layer.site_use[s] for s in kept],
         kept_bytes=layer.kept_bytes + sum(m.held_bytes for m in chosen),
         backward_s=layer.backward_s + rerun_factor(layer) * sum(m.forward_s for m in chosen),
         rebuilt_bytes=layer.rebuilt_bytes + sum(sites) - sum(site_bytes),

@@ -174,12 +174,9 @@ def keep_everything(stage: StageProfile) -> PeerPoint:
 
 def _moved_first(layer: LayerProfile, moved: Sequence[int]) -> LayerProfile:
     """``layer`` with the sites in ``moved`` first (in save order), the rest after: the
-    timeline moves a prefix of sites (NOTE [Sites]); a layer's write is one request and
-    each site keeps its own use point, so the order changes nothing else."""
-    order = sorted(moved) + [s for s in range(len(layer.sites)) if s not in set(moved)]
-    sites = layer.sites
-    use = None if layer.site_use is None else [layer.site_use[s] for s in order]
-    return dataclasses.replace(layer, site_bytes=[sites[s] for s in order], site_use=use)
+    timeline moves a prefix of sites (NOTE [Sites]); each site keeps its own use and save
+    points, so the order changes nothing else."""
+    return layer.with_sites(sorted(moved) + [s for s in range(len(layer.sites)) if s not in set(moved)])
 
 
 def _hosted(peer: str, setting: str, stage: StageProfile, moved: Mapping[int, List[int]],
@@ -360,11 +357,8 @@ def selective_recompute(stage: StageProfile, anatomy: Mapping[LayerId, LayerAnat
         freed = [s for s, role in enumerate(roles.site_roles) if role in freed_roles]
         held = sum(b for s, b in enumerate(layer.sites) if s not in set(freed)) + layer.kept_bytes
         share = sum(roles.forward_share.get(m, 0.0) for m in modules)
-        sites = [layer.sites[s] for s in freed]
-        layers.append(dataclasses.replace(
-            layer, saved_bytes=sum(sites), kept_bytes=0, boundary_bytes=held, site_bytes=sites or None,
-            site_use=None if layer.site_use is None or not sites else [layer.site_use[s] for s in freed],
-            recompute_s=share * layer.forward_s))
+        layers.append(layer.with_sites(freed, saved_bytes=sum(layer.sites[s] for s in freed), kept_bytes=0,
+                                       boundary_bytes=held, recompute_s=share * layer.forward_s))
         placements.append(Placement.RECOMPUTE)
     return PeerPoint("megatron-recompute", "selective " + ", ".join(modules), dataclasses.replace(stage, layers=layers),
                      [LayerChoice(p) for p in placements])

@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from dataclasses import dataclass
-from typing import Annotated, Any, Dict, List, Mapping, Optional, Union
+from typing import Annotated, Any, Dict, List, Mapping, Optional, Sequence, Union
 
 from ..config import (AtLeast, Boolean, InRange, Integer, ListOf, NonNegative, Number, OneOf, OneOfKinds, Positive,
                       from_dict, to_dict)
@@ -62,6 +62,18 @@ LayerId = Union[str, int]
 # that site's read, and the planner issues each site's read as late as that allows
 # (NOTE [Just-in-time reads] in ``just_in_time.py``), down to the start of the layer's own
 # backward.
+
+# NOTE [Site save times]
+# A layer's forward does not save its tensors at once either: the attention's are saved
+# early, the MLP's late, and a site's write cannot start before the site is saved.
+# ``LayerProfile.site_save`` gives, per site, the share of the layer's forward that has
+# run when the site is saved. The cache measures it (``LayerMeasurement.site_save_s``:
+# seconds from the layer's forward start to the site's save) and the profile divides by
+# the layer's forward time. The timeline issues each moved site's write no earlier than
+# that point, so a large site saved late in the last moved layer (an MLP projection's
+# output) may still be writing, and resident, when the layers after it run (NOTE [Write
+# and read issue points] in ``step_timeline.py``). ``None`` (profiles from estimates, or
+# written before the field): every site counts as saved when its forward starts.
 
 
 @dataclass
@@ -134,6 +146,11 @@ class LayerProfile:
     need only be complete by then. ``None``: every site is needed when the layer's
     backward starts."""
 
+    site_save: Optional[Annotated[List[float], ListOf(Number(InRange(0, 1)))]] = None
+    """Per site (as ``site_bytes``), the share of the layer's forward, from 0 to 1, that
+    has run when the forward saves it (NOTE [Site save times]): the site's write starts no
+    earlier. ``None``: every site counts as saved when the forward starts."""
+
     recomputable: Annotated[bool, Boolean()] = True
     """Whether RECOMPUTE may be chosen. False for the tensors a micro-batch saves before
     its first layer (layer id ``embedding``, NOTE [Sites outside the layers]): nothing
@@ -172,8 +189,9 @@ class LayerProfile:
         """The rules that compare fields: the sites sum to the saved bytes, one use each."""
         if self.site_bytes is not None and sum(self.site_bytes) != self.saved_bytes:
             raise _broken(self, "site_bytes", f"must sum to saved_bytes = {self.saved_bytes}")
-        if self.site_use is not None and len(self.site_use) != len(self.sites):
-            raise _broken(self, "site_use", f"must have one entry per site ({len(self.sites)})")
+        for name in ("site_use", "site_save"):
+            if getattr(self, name) is not None and len(getattr(self, name)) != len(self.sites):
+                raise _broken(self, name, f"must have one entry per site ({len(self.sites)})")
         if self.modules is not None:
             names = [m.name for m in self.modules if isinstance(m, ModuleProfile)]
             if len(names) != len(self.modules) or len(set(names)) != len(names):
@@ -194,6 +212,20 @@ class LayerProfile:
         """The share of the layer's backward run when ``site`` is first needed
         (``site_use``, else 0)."""
         return 0.0 if self.site_use is None else float(self.site_use[site])
+
+    def saved_at(self, site: int) -> float:
+        """The share of the layer's forward run when ``site`` is saved (``site_save``,
+        else 0)."""
+        return 0.0 if self.site_save is None else float(self.site_save[site])
+
+    def with_sites(self, order: Sequence[int], **changes: Any) -> "LayerProfile":
+        """This layer with only the sites in ``order``, in that order, each keeping its
+        bytes, use point and save point (None when none are left), and ``changes``
+        applied; its saved bytes are left to ``changes``."""
+        def pick(values: Optional[List[Any]]) -> Optional[List[Any]]:
+            return None if values is None or not order else [values[s] for s in order]
+        return dataclasses.replace(self, site_bytes=pick(self.sites), site_use=pick(self.site_use),
+                                   site_save=pick(self.site_save), **changes)
 
     def moved_bytes(self, sites: Optional[int] = None) -> int:
         """Bytes moved to a tier when the first ``sites`` sites are (None: all)."""

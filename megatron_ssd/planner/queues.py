@@ -1,8 +1,8 @@
 """What :func:`~megatron_ssd.planner.step_timeline.predict` replays a micro-batch on: the SSD
 array's queue (:class:`DeviceQueue`), the host link (:class:`Link`), compute slowed while
 either is busy (:class:`Compute`), the in-flight bound on writes (:func:`admitted`) and the
-peak of the resident bytes (:func:`resident_peak`). Their rules are NOTE blocks in
-``step_timeline.py``."""
+peak of the resident bytes (:func:`resident_peak`). Their rules are NOTE blocks here and
+in ``step_timeline.py``."""
 
 from __future__ import annotations
 
@@ -15,8 +15,20 @@ EPS = 1e-12
 """Slack (seconds) when comparing event times, so float rounding cannot flip an order."""
 
 
+# NOTE [One device queue]
+# Reads and writes share one FIFO queue in front of the SSD array: a request starts when
+# the array finished the previous one, writes run at write bandwidth and reads at read
+# bandwidth, one at a time. So a prefetch issued while writes are still draining waits
+# behind them. This is what one RAID0 array does when both directions would otherwise
+# split its bandwidth, and it is the conservative choice: the model never assumes a read
+# and a write each get full bandwidth at once. Requests are issued in time order (writes
+# during forward, reads during backward), so each request's start and end are fixed the
+# moment it is issued, and the queue's busy intervals are known before any compute that
+# could overlap them is replayed.
+
+
 class DeviceQueue:
-    """The SSD array's FIFO queue; see NOTE [One device queue] in ``step_timeline.py``."""
+    """The SSD array's FIFO queue (NOTE [One device queue])."""
 
     def __init__(self) -> None:
         self.free_at = 0.0

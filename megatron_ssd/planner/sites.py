@@ -1,6 +1,7 @@
 """A plan's per-layer site arguments: how many of a layer's sites move, each site's
-read-ahead, and the order in which backward uses them (NOTE [Sites] in ``profile.py``,
-NOTE [Write and read issue points] and NOTE [Site use times]); :func:`predict
+read-ahead, the order in which backward uses them, and when their writes can be done
+(NOTE [Sites], NOTE [Site use times] and NOTE [Site save times] in ``profile.py``, NOTE
+[Write and read issue points]); :func:`predict
 <megatron_ssd.planner.step_timeline.predict>` reads them through here."""
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from ..config import is_int
 from ..errors import ConfigError
 from .profile import LayerProfile
 
-__all__ = ["ReadAhead", "read_ahead_list", "site_read_aheads", "site_list", "use_order"]
+__all__ = ["ReadAhead", "read_ahead_list", "site_read_aheads", "site_list", "use_order", "writes_done"]
 
 ReadAhead = Union[int, Sequence[int]]
 """One layer's read-issue point: a read-ahead in layers (>= 1) for all its sites, or one
@@ -84,3 +85,17 @@ def use_order(layer: LayerProfile, count: Optional[int]) -> List[int]:
     them: by use point (NOTE [Site use times]), ties last saved first."""
     moved = range(len(layer.sites) if count is None else count)
     return sorted(moved, key=lambda s: (layer.use_at(s), -s))
+
+
+def writes_done(layer: LayerProfile, moved: Sequence[int], first: float, start: float, computed: float,
+                bandwidth: float) -> float:
+    """When a layer's moved sites are all written, one at a time from ``first`` on, each
+    no earlier than its save point (NOTE [Site save times] in ``profile.py``) on the
+    forward's replayed span ``start`` to ``computed``; ``first`` where the profile has no
+    save points."""
+    if layer.site_save is None:
+        return first
+    done, span, sites = first, computed - start, layer.sites
+    for s in sorted(moved, key=layer.saved_at):
+        done = max(done, start + layer.saved_at(s) * span) + sites[s] / bandwidth
+    return done

@@ -21,28 +21,19 @@ from ..placement import MOVED, LayerChoice, Placement
 from ..errors import ConfigError
 from .profile import IOProfile, LayerId, LayerProfile, StageProfile
 from .queues import EPS, Compute, DeviceQueue, Link, admitted, resident_peak
-from .sites import ReadAhead, read_ahead_list, site_read_aheads, site_list, use_order
+from .sites import ReadAhead, read_ahead_list, site_read_aheads, site_list, use_order, writes_done
 
 __all__ = ["LayerTimeline", "ReadAhead", "SiteRead", "Timeline", "predict", "read_ahead_list", "rerun_working_bytes",
            "site_read_aheads", "site_list", "use_order"]
 
 
 
-# NOTE [One device queue]
-# Reads and writes share one FIFO queue in front of the SSD array: a request starts when
-# the array finished the previous one, writes run at write bandwidth and reads at read
-# bandwidth, one at a time. So a prefetch issued while writes are still draining waits
-# behind them. This is what one RAID0 array does when both directions would otherwise
-# split its bandwidth, and it is the conservative choice: the model never assumes a read
-# and a write each get full bandwidth at once. Requests are issued in time order (writes
-# during forward, reads during backward), so each request's start and end are fixed the
-# moment it is issued, and the queue's busy intervals are known before any compute that
-# could overlap them is replayed.
-
 # NOTE [Write and read issue points]
 # A layer's offloadable bytes enter the queue as one write when its forward starts: the
 # cache writes each tensor as it is saved, so the layer's write streams behind its
-# forward; it cannot end before the forward does (the last tensor is saved then). Each
+# forward; it cannot end before the forward does, nor before each site, written no
+# earlier than its save point (NOTE [Site save times] in ``profile.py``) after the sites
+# saved before it, is written (``sites.writes_done``). Each
 # moved site is read on its own: site s of layer i is read when the backward of layer
 # i + d_(i,s) starts (its backward hook), d_(i,s) being the site's read-ahead
 # (``read_ahead``: one for every layer, one per layer, or one per site as the
@@ -62,10 +53,11 @@ __all__ = ["LayerTimeline", "ReadAhead", "SiteRead", "Timeline", "predict", "rea
 # [Backpressure] in ``io/striped.py``); a blob's bytes leave the count when its write
 # completes, and a forward whose tensor is not admitted waits. The replay admits an
 # OFFLOAD layer's sites one by one in save order, each as its own write request: a
-# site is admitted at the earliest time, from the layer's forward start on and after
-# the site before it, at which it fits. The forward's compute runs meanwhile (a site
-# is saved somewhere in the forward), and the forward ends when its compute has run and
-# its last site is admitted; the difference is the layer's write wait. So the bound
+# site is admitted at the earliest time, from its save point on (the forward's start
+# without save points) and after the site before it, at which it fits. The forward's
+# compute runs meanwhile, and the forward ends when its compute has run and, after its
+# last site is admitted, the share of it left after that site's save point (none without
+# save points); the difference is the layer's write wait. So the bound
 # slows a forward that writes faster than the array drains, and caps the bytes waiting
 # to be written; without a bound (``None``) each layer is one request and nothing waits.
 # The host tier has no such bound (its pool is checked by the search).
@@ -397,16 +389,21 @@ class _Replay:
         """One layer's forward from ``t``: its moved sites' writes queued as it saves them
         (NOTE [Write and read issue points]), each SSD write admitted under the in-flight
         bound (NOTE [In-flight bound]), and the compute they slow."""
-        start = admitted_at = self.t
+        start = admitted_at = blocked = self.t
         streamed = None
         queue, link = self.queue, self.link
+        moved = range(len(layer.sites) if k is None else k)
         if nbytes:
             q, write_bw, _ = self.channel(placement)
             bound = self.io.max_inflight_bytes
             if q is queue and bound is not None:
                 first = None
-                for size in layer.sites[: len(layer.sites) if k is None else k]:
-                    admitted_at = admitted(self.writing, admitted_at, size, bound)
+                for s in moved:  # NOTE [Site save times] in profile.py: admitted from its save on
+                    size, share = layer.sites[s], layer.saved_at(s)
+                    admitted_at = admitted(self.writing, max(admitted_at, start + share * layer.forward_s), size, bound)
+                    # a site saved at a known point blocks the rest of the forward until admitted
+                    rest = (1.0 - share) * layer.forward_s if layer.site_save is not None else 0.0
+                    blocked = max(blocked, admitted_at + rest)
                     request = self.transfer(q, admitted_at, size, write_bw)
                     self.writing.append((request[1], size))
                     first = request[0] if first is None else first
@@ -418,13 +415,14 @@ class _Replay:
             else:
                 self.host_busy += nbytes / write_bw
         computed = self.compute.run(start, layer.forward_s)
-        t = self.t = max(computed, admitted_at)
+        t = self.t = max(computed, blocked)
         lt = LayerTimeline(layer.layer_id, placement, start, t, 0.0, 0.0, moved_bytes=nbytes,
                            write_wait_s=t - computed)
         self.write_wait += lt.write_wait_s
         if streamed is not None:
             lt.write_start = streamed[0]
-            lt.write_end = link.extend_to(t, streamed[1]) if q is link else queue.extend_to(t)
+            done = max(t, writes_done(layer, moved, streamed[0], start, computed, write_bw))
+            lt.write_end = link.extend_to(done, streamed[1]) if q is link else queue.extend_to(done)
             if self.writing and q is queue:  # the last site cannot complete before it is saved
                 self.writing[-1] = (lt.write_end, self.writing[-1][1])
         self.out.append(lt)

@@ -1,5 +1,6 @@
-"""The site use points the cache measures (NOTE [Site use times]); the reads issued at
-each site's own read-ahead are tested in test_read_ahead.py."""
+"""The site use and save points the cache measures (NOTE [Site use times], NOTE [Site
+save times]); the reads issued at each site's own read-ahead are tested in
+test_read_ahead.py."""
 
 import torch
 
@@ -40,10 +41,30 @@ def test_site_use_points_follow_backward_order(offload_dir):
         assert use[0] > use[-1]  # first saved, used after the last saved
 
 
-def test_a_site_first_used_by_another_layer_counts_as_needed_at_the_start():
-    from megatron_ssd.planner.measured_profile import _use_shares
-    from megatron_ssd.cache.stats import LayerCounters
+def test_site_save_points_follow_forward_order(offload_dir):
+    # Each site is timed once per micro-batch from its layer's forward start, in save
+    # order, so the shares rise from the first site to the last.
+    torch.manual_seed(0)
+    model = TinyGPT(layers=3, hidden=64, seq=64)
+    (batch,) = make_batches(steps=1, microbatches=1, batch=4, seq=64, vocab=256)[0]
+    config = OffloadConfig(paths=[offload_dir], min_tensor_bytes=4096)
+    with TensorCache(config) as cache:
+        cache.register_layers(model.layers)
+        cache.set_plan({i: "keep" for i in range(3)})
+        steps = [run_step(model, cache, batch) for _ in range(2)]
+    for step in steps:
+        lc = step.layers[1]
+        assert lc.site_saves == [1] * len(lc.site_bytes)
+        assert lc.site_save_s == sorted(lc.site_save_s) and lc.site_save_s[-1] <= lc.forward_s
+    for layer in stage_from_stats(steps, []).layers:
+        if layer.layer_id in (0, 1, 2):
+            save = layer.site_save
+            assert save is not None and len(save) == len(layer.sites)
+            assert save == sorted(save) and all(0.0 <= s <= 1.0 for s in save)
 
-    lc = LayerCounters(site_bytes=[8192, 8192, 8192, 8192], site_use_s=[1.0, 0.0, 0.2], site_uses=[2, 0, 1])
-    assert _use_shares(lc, 1.0) == [0.5, 0.0, 0.2, 0.0]
-    assert _use_shares(LayerCounters(site_bytes=[8192]), 1.0) is None
+
+def test_a_site_first_used_by_another_layer_counts_as_needed_at_the_start():
+    from megatron_ssd.planner.measured_profile import _shares
+
+    assert _shares([1.0, 0.0, 0.2], [2, 0, 1], 4, 1.0) == [0.5, 0.0, 0.2, 0.0]
+    assert _shares([], [], 1, 1.0) is None

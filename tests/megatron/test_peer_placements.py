@@ -45,9 +45,9 @@ def _run(path, peer=None, recompute=None, builder=build_gpt, steps=3, nmb=1):
     with TensorCache(config) as cache:
         pack = cache.entries.saved
 
-        def counted(record, key, t, layer_id, unmovable=False, group=None):
+        def counted(record, key, t, layer_id, unmovable=False, group=None, started=None):
             saved[(layer_id, group)] += 1
-            return pack(record, key, t, layer_id, unmovable, group)
+            return pack(record, key, t, layer_id, unmovable, group, started)
 
         cache.entries.saved = counted
         planner = AdaptivePlanner(cache, PlannerConfig(mode="keep"))

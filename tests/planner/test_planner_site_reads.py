@@ -1,6 +1,7 @@
 """Reads site by site: each moved site's read at its own read-ahead, waited for at its use
 point in the layer's backward (NOTE [Write and read issue points], NOTE [Site use
-times]), on constructed profiles."""
+times]); writes site by site from each site's save point (NOTE [Site save times]); on
+constructed profiles."""
 
 from __future__ import annotations
 
@@ -84,6 +85,45 @@ def test_auto_plan_without_use_points_keeps_one_read_ahead_per_layer():
     assert plan.placements == [O, K, K]
     assert plan.layers[0].site_read_ahead is None and plan.layers[0].read_ahead == 1
     assert plan.peak_activation_bytes == 300
+
+
+def saved_late(save, write_bytes_per_s=200.0, bound=None) -> StageProfile:
+    """Layer 0 (forward 1 s) saves two 100-byte sites, at ``save`` shares of its forward;
+    layers 1 and 2 (forward 0.2 s and 0.5 s) keep 100 bytes each."""
+    first = LayerProfile(0, 1.0, 2.0, 200, site_bytes=[100, 100], site_save=save)
+    rest = [LayerProfile(1, 0.2, 2.0, 0, kept_bytes=100), LayerProfile(2, 0.5, 2.0, 0, kept_bytes=100)]
+    return StageProfile([first, *rest], IOProfile(write_bytes_per_s, 200.0, max_inflight_bytes=bound))
+
+
+@pytest.mark.parametrize("bound", [None, 100])
+def test_a_site_saved_late_is_written_after_its_save_point(bound):
+    # Without save points both sites are written 0-1 s, done as the forward ends. Saved at
+    # 0.9 s, the second is written 0.9-1.4 s, so layer 0's 200 bytes stay resident past
+    # layer 1's forward end (1.2 s), beside its kept 100: the peak is 300, not 200.
+    choices = choices_of([O, K, K], [[0, 0], 1, 1])
+    early = predict(saved_late(None, bound=bound), choices)
+    late = predict(saved_late([0.0, 0.9], bound=bound), choices)
+    assert (early.layers[0].write_end, early.peak_bytes) == (1.0, 200)
+    assert late.layers[0].write_end == pytest.approx(1.4)
+    assert late.peak_bytes == 300 and late.memory[1:4] == [(1.0, 200), (1.2, 300), (pytest.approx(1.4), 100)]
+    assert late.step_s == early.step_s == pytest.approx(8.7)
+
+
+def test_a_site_saved_late_and_not_admitted_holds_the_rest_of_its_forward():
+    # At 100 B/s under a 100-byte bound the first site is written 0-1 s, so the second,
+    # saved at 0.9 s, is admitted at 1 s, and the 0.1 s of forward after its save point
+    # runs after that: the forward ends at 1.1 s, 0.1 s of write wait. Without save points
+    # the forward ran past 1 s anyway: no wait.
+    choices = choices_of([O, K, K], [[0, 0], 1, 1])
+    late = predict(saved_late([0.0, 0.9], write_bytes_per_s=100.0, bound=100), choices).layers[0]
+    assert (late.forward_end, late.write_wait_s) == (pytest.approx(1.1), pytest.approx(0.1))
+    early = predict(saved_late(None, write_bytes_per_s=100.0, bound=100), choices).layers[0]
+    assert (early.forward_end, early.write_wait_s, early.write_end) == (1.0, 0.0, 2.0)
+
+
+def test_save_points_are_validated():
+    with pytest.raises(ConfigError, match=r"site_save = \[0.5\]: must have one entry per site \(2\)"):
+        LayerProfile(0, 1.0, 2.0, 200, site_bytes=[100, 100], site_save=[0.5])
 
 
 def test_per_site_read_aheads_are_validated():
