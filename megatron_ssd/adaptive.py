@@ -26,12 +26,12 @@ from .cache.tensor_cache import TensorCache
 from .config import FIXED_MODES, PlannerConfig
 from .placement import HEAD, OUTSIDE, Placement
 from .planner.drift import DriftDetector
-from .planner.measured_profile import stage_from_stats
+from .planner.measured_profile import stage_from_stats, with_layer_peaks
 from .planner.measurement import StepMeasurement
 from .planner.plan import Plan, PlanRequest, make_plan
 from .planner.profile import StageProfile
 from .planner.drives import write_limit_for
-from .planner.step_timeline import rerun_working_bytes
+from .planner.holds import rerun_working_bytes
 from .io.cuda import CUDA, CudaOps
 from .io.rundir import check_space_for_plan
 from .profiling import measure_host_bandwidth, profile_schedule
@@ -205,7 +205,7 @@ class PlanEvent:
 # backward, uncounted as the head's working set is. A layer that runs a forward again
 # in backward (RECOMPUTE, or modules recomputed inside it) holds there at least its
 # forward's peak and two gradients of its input's size (the one coming in and the
-# residual's) beyond its saved bytes (``step_timeline.backward_working_bytes``). Full
+# residual's) beyond its saved bytes (``holds.backward_working_bytes``). Full
 # recompute's layer backward was measured at 264.3 MiB at micro-batch 8 (its input
 # included); it is priced at 272.2 MiB. The capacity then leaves no room for a working
 # set inside the layers (``WorkingSet.working_bytes`` is 0). What runs after the first
@@ -461,7 +461,9 @@ class AdaptivePlanner:
         head_working = self._head_working_bytes(profile.head_bytes)  # NOTE [Working set by phase]
         if head_working:
             profile = dataclasses.replace(profile, head_working_bytes=head_working)
-        profile = self._with_layer_peaks(profile)  # NOTE [Working set by layer]
+        remade = getattr(self.peaks, "remade", None)  # NOTE [Gradients remade each step] in planner/holds.py
+        profile = with_layer_peaks(profile, self.working_set and self.working_set.by_layer,  # NOTE [Working set by layer]
+                                   remade and remade(self.cache.binding.resolved()), self._one_microbatch())
         if host_budget:  # NOTE [Shared link]: a GPU's SSD bytes cross it
             profile = profile.with_io(dataclasses.replace(
                 profile.io, host_bytes_per_s=profile.io.host_bytes_per_s or self.host_bandwidth(),
@@ -490,16 +492,10 @@ class AdaptivePlanner:
         self.events.append(PlanEvent(step, reason, plan, search_s))
         logger.info("megatron_ssd: plan after step %d (%s; searched %.2f s):\n%s", step, reason, search_s, plan.table())
 
-    def _with_layer_peaks(self, profile: StageProfile) -> StageProfile:
-        """``profile`` with each layer's peaks measured by layer in the first step under a
-        cap (NOTE [Working set by layer]); unchanged where not measured."""
-        per_layer = self.working_set.by_layer if self.working_set is not None else None
-        if not per_layer:
-            return profile
-        layers = [dataclasses.replace(layer, forward_peak_bytes=per_layer[layer.layer_id][0],
-                                      backward_working_bytes=per_layer[layer.layer_id][1])
-                  if layer.layer_id in per_layer else layer for layer in profile.layers]
-        return dataclasses.replace(profile, layers=layers)
+    def _one_microbatch(self) -> bool:
+        """Whether the profile's steps ran one micro-batch each."""
+        steps = self._offload_steps or self._keep_steps
+        return bool(steps) and steps[-1].microbatches == 1
 
     def activation_capacity(self) -> Optional[int]:
         """The hard limit on the plan's predicted peak: ``activation_capacity_bytes`` when

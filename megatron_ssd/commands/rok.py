@@ -438,7 +438,7 @@ def add_predictions(points: List[Dict[str, Any]], reports: Dict[str, Dict[str, A
             p["predicted_exposed_s"] = t.exposed_s
             p["predicted_step_s"] = t.step_s
             p["predicted_peak_activation_bytes"] = t.peak_bytes
-            p["predicted_counted_peak_bytes"] = t.counted_peak_bytes  # NOTE [What the cache counts]
+            p["predicted_counted_peak_bytes"] = t.counted_peak_bytes  # NOTE [What the cache counts] in planner/holds.py
         if "predicted_exposed_s" in p:
             p["predicted_exposed_s_per_step"] = p["predicted_exposed_s"] * mbs
             p["measured_exposed_s_per_step"] = p["stall_s"] + p["write_wait_s"]

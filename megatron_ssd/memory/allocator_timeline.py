@@ -41,10 +41,14 @@ training step's gradients and optimizer state (113.2 MiB on configs/gpt-ref-cpu.
 its 29.7M parameters' gradients). A later step finds it allocated at its start, so a
 cap measured above that start does not count it, and the working set (:func:`working_peaks`,
 :func:`layer_peaks`) leaves it out from its allocation on, as it does the activations.
+Those a backward made and a later step freed (``AllocatorTimeline.remade``: gradients a
+loop sets to None between steps) are remade each step: NOTE [Gradients remade each step]
+in ``planner/holds.py``.
 """
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import threading
 import time
@@ -368,6 +372,25 @@ class AllocatorTimeline:
             # NOTE [Survivors]: held from their allocation, as the activations are
             self._survivors = [(t, n) for i, (_, n, _, t) in self._live.items() if i not in self._saved]
             self.surviving_bytes = sum(n for _, n in self._survivors)
+            self._made_in_backward = [(ref, n, self._backward_at(t)) for i, (ref, n, _, t) in self._live.items()
+                                      if i not in self._saved and self._backward_at(t) is not None]
+
+    def _backward_at(self, time_ns: int) -> Hashable:
+        """The layer (or the head) whose backward the step ran at ``time_ns``, else None."""
+        k = bisect.bisect_right([t for t, _ in self._spans], time_ns) - 1
+        span = self._spans[k][1] if k >= 0 else None
+        return span[0] if span is not None and span[1] else None
+
+    def remade(self) -> Dict[Hashable, int]:
+        """Per layer (and the head), the bytes its backward made in this window that
+        outlived it and have died since: what a later step freed to make again (NOTE
+        [Survivors], NOTE [Gradients remade each step] in ``planner/holds.py``); read after
+        the window closed, once a later step ran."""
+        out: Dict[Hashable, int] = {}
+        for ref, nbytes, layer in getattr(self, "_made_in_backward", ()):
+            if ref.expired():
+                out[layer] = out.get(layer, 0) + nbytes
+        return out
 
 
 class TimelinePeaks:
@@ -387,6 +410,7 @@ class TimelinePeaks:
         self._timeline: Optional[AllocatorTimeline] = None
         self._working: Optional[Tuple[int, int]] = None
         self._layers: Optional[Dict[Hashable, Tuple[int, int]]] = None
+        self._closed: Optional[AllocatorTimeline] = None
         self.surviving_bytes = 0
         """The last closed timeline's :attr:`AllocatorTimeline.surviving_bytes`."""
 
@@ -408,6 +432,7 @@ class TimelinePeaks:
         timeline.__exit__(None, None, None)
         self._working = timeline.working_peaks()
         self._layers = timeline.layer_peaks()
+        self._closed = timeline
         self.surviving_bytes = timeline.surviving_bytes
         peak = int(timeline.peak_bytes or 0)
         return peak, peak
@@ -428,6 +453,11 @@ class TimelinePeaks:
         """The last closed timeline's per-layer peaks (NOTE [Working set by layer] in
         ``adaptive.py``); None before one closed."""
         return self._layers
+
+    def remade(self, dev: Any) -> Optional[Dict[Hashable, int]]:
+        """Per layer, what the last closed timeline's backward made that a later step freed
+        (:meth:`AllocatorTimeline.remade`); None before one closed."""
+        return self._closed.remade() if self._closed is not None else None
 
     def working_peaks(self, dev: Any) -> Optional[Tuple[int, int]]:
         """The last closed timeline's ``(inside, outside)`` working-set peaks; None before

@@ -121,17 +121,20 @@ def layer_options(layer: LayerProfile, tiers: Sequence[Placement], recompute: bo
 
 def held_floor_weights(stage: StageProfile) -> Tuple[List[int], int]:
     """Per layer, how many times its held bytes count in the peak bound (0 or m, NOTE
-    [Bounds before a replay]), and the bytes the bound adds whatever the plan (the head's)."""
+    [Bounds before a replay]), and the bytes the bound adds whatever the plan (the head's,
+    less every gradient the step frees at its start: NOTE [Gradients remade each step] in
+    ``holds.py``, at most that credit outstanding at the bound's instant)."""
     m = stage.microbatches_in_flight or 1
+    credit = stage.head_grad_bytes + sum(layer.grad_bytes for layer in stage.layers)
     if stage.other_s > 0:
-        return [m] * len(stage.layers), stage.head_bytes
+        return [m] * len(stage.layers), stage.head_bytes - credit
     gap = m > 1 and (sum(layer.forward_s + layer.backward_s for layer in stage.layers) > 0)
     after = 0.0
     weights: List[int] = []
     for layer in reversed(stage.layers):
         weights.append(m if (after > 0 or gap) else (m - 1))
         after += layer.forward_s
-    return weights[::-1], 0
+    return weights[::-1], -credit
 
 
 # NOTE [Drain and read floors]

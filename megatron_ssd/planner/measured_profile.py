@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import dataclasses
 import statistics
-from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence
+from typing import Any, Callable, Dict, Hashable, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 from ..placement import EMBEDDING, HEAD, OUTSIDE, RECOMPUTE_MODULES
 from .measurement import ModuleMeasurement, StepMeasurement
 from .profile import IOProfile, LayerId, LayerProfile, ModuleProfile, StageProfile
 
-__all__ = ["median_or_zero", "stage_from_stats"]
+__all__ = ["median_or_zero", "stage_from_stats", "with_layer_peaks"]
 
 Steps = Sequence[StepMeasurement]
 LayerMedians = Dict[str, Any]
@@ -325,3 +325,20 @@ def _host_slowdown(host_steps: Steps, layer_ids: List[LayerId], clean_compute: O
             found.append(_slowdown_in_flight(s, layer_ids, clean_compute,
                                              2 * hosted / max(1, s.microbatches) / host_bytes_per_s))
     return statistics.median(found) if found else 0.0
+
+
+def with_layer_peaks(profile: StageProfile, by_layer: Optional[Mapping[Hashable, Tuple[int, int]]],
+                     remade: Optional[Mapping[Hashable, int]] = None, one_microbatch: bool = False) -> StageProfile:
+    """``profile`` with each layer's forward peak and backward working set measured by
+    layer in the first step under a cap (NOTE [Working set by layer] in ``adaptive.py``),
+    and, for a step of ``one_microbatch``, the gradients each backward makes again that a
+    later step freed (``remade``, NOTE [Gradients remade each step] in ``holds.py``);
+    unchanged where not measured."""
+    if not by_layer:
+        return profile
+    grads = dict(remade or {}) if one_microbatch else {}
+    layers = [dataclasses.replace(layer, forward_peak_bytes=by_layer[layer.layer_id][0],
+                                  backward_working_bytes=by_layer[layer.layer_id][1],
+                                  grad_bytes=grads.get(layer.layer_id, 0))
+              if layer.layer_id in by_layer else layer for layer in profile.layers]
+    return dataclasses.replace(profile, layers=layers, head_grad_bytes=grads.get(HEAD, 0))

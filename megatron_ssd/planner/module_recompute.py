@@ -29,7 +29,7 @@ that recomputes selectively is inside the planner's space:
   longer by the modules' forward times (times the layer's rerun factor, NOTE [Pricing a
   module's rerun]); and the freed bytes are held again while its
   backward runs (``LayerProfile.rebuilt_bytes``, NOTE [Memory accounting] in
-  ``step_timeline.py``), as a recomputed layer's are.
+  ``holds.py``), as a recomputed layer's are.
 - The search (:class:`ModuleMoves`) offers "recompute M in layer i" beside the tier
   moves, scored the same way, peak removed per second of step time added, and combined
   with the layer's OFFLOAD or HOST of the sites left (their prefix is carried over). A

@@ -173,6 +173,13 @@ class LayerProfile:
     first step on a CPU (NOTE [Working set by layer] in ``adaptive.py``); 0: not measured,
     the capacity leaves room for one working set instead."""
 
+    grad_bytes: Annotated[int, Integer(NonNegative())] = 0
+    """Gradients the layer's backward makes again each step, which the step freed at its
+    start (a loop that sets gradients to None between steps): the replay credits the step
+    with them from its start and holds them from the layer's backward on (NOTE [Gradients
+    remade each step] in ``holds.py``). Measured in the first step under a device-memory
+    cap on a CPU; 0: kept between steps, or not measured."""
+
     backward_working_bytes: Annotated[int, Integer(NonNegative())] = 0
     """What the layer's backward needs beyond its saved tensors: its gradients and their
     temporaries, less the saved tensors already used and freed. Held over its backward's
@@ -376,8 +383,13 @@ class StageProfile:
     gradients under a device-memory cap, measured by phase in the first step (NOTE
     [Working set by phase] in ``adaptive.py``, NOTE [Working set of the head's backward]
     in ``cache/memory_cap.py``). Held over ``head_bytes``' span; not in
-    the tensor cache's count (NOTE [What the cache counts] in ``step_timeline.py``). 0:
+    the tensor cache's count (NOTE [What the cache counts] in ``holds.py``). 0:
     none, or not measured."""
+
+    head_grad_bytes: Annotated[int, Integer(NonNegative())] = 0
+    """Gradients the head's backward makes again each step (the output layer's), which the
+    step freed at its start, as ``LayerProfile.grad_bytes`` is for a layer (NOTE
+    [Gradients remade each step] in ``holds.py``). 0: none, or not measured."""
 
     def __post_init__(self) -> None:
         _settle(self)

@@ -19,12 +19,13 @@ from typing import Callable, List, Optional, Sequence, Tuple, Union
 
 from ..placement import MOVED, LayerChoice, Placement
 from ..errors import ConfigError
+from .holds import account, account_gradients, parked_bytes
 from .profile import IOProfile, LayerId, LayerProfile, StageProfile
 from .queues import EPS, Compute, DeviceQueue, Link, admitted, resident_peak
 from .sites import ReadAhead, read_ahead_list, site_read_aheads, site_list, use_order, writes_done
 
-__all__ = ["LayerTimeline", "ReadAhead", "SiteRead", "Timeline", "predict", "read_ahead_list", "rerun_working_bytes",
-           "site_read_aheads", "site_list", "use_order"]
+__all__ = ["LayerTimeline", "ReadAhead", "SiteRead", "Timeline", "predict", "read_ahead_list", "site_read_aheads",
+           "site_list", "use_order"]
 
 
 
@@ -107,18 +108,6 @@ __all__ = ["LayerTimeline", "ReadAhead", "SiteRead", "Timeline", "predict", "rea
 # Its memory is then never freed between forward and backward, and its write, already
 # queued, still runs (requests are not cancelled). A plan with forwarded layers offloads
 # bytes for nothing; the planner rejects such plans.
-
-# NOTE [Memory accounting]
-# Bytes appear when a layer's forward ends and leave when its backward ends: KEEP holds
-# saved + kept bytes; OFFLOAD holds kept bytes (and the sites it does not offload,
-# NOTE [Sites]) throughout and its offloaded bytes until its write completes, then each
-# site's bytes again from its read issue (the read buffer) to the layer's backward end;
-# RECOMPUTE holds boundary bytes, plus saved + kept bytes during its backward (the rerun
-# forward materializes them). A layer that recomputes modules inside it holds the bytes
-# they rebuild (``LayerProfile.rebuilt_bytes``) during its backward too (NOTE [Recompute
-# inside a layer] in ``module_recompute.py``). Events at the same instant release before
-# they allocate. Bytes inside a running layer that are not saved for backward are not
-# counted.
 
 # NOTE [Pipeline micro-batches]
 # One micro-batch is replayed. A pipeline stage running 1F1B holds up to m micro-batches
@@ -234,14 +223,14 @@ class Timeline:
     """(time, resident bytes of the micro-batch) after each change, for plots."""
     uncounted: List[Tuple[float, float, int]] = field(default_factory=list)
     """(start, end, bytes) of what is in ``memory`` but not in the tensor cache's count
-    (NOTE [What the cache counts]): what recomputation holds (a RECOMPUTE layer's input,
+    (NOTE [What the cache counts] in ``holds.py``): what recomputation holds (a RECOMPUTE layer's input,
     what it rebuilds in backward) and the head's working set
     (``StageProfile.head_working_bytes``)."""
 
     @property
     def counted_peak_bytes(self) -> int:
         """Predicted stage peak as the tensor cache counts it: ``peak_bytes`` less what
-        recomputation holds (NOTE [What the cache counts])."""
+        recomputation holds (NOTE [What the cache counts] in ``holds.py``)."""
         if not self.uncounted:
             return self.peak_bytes
         counted = max((resident - sum(n for start, end, n in self.uncounted if start <= t < end)
@@ -348,11 +337,11 @@ class _Replay:
         self.shared = io.host_bytes_per_s is not None and io.shared_host_link
         self.compute = Compute([(self.queue.busy, io.compute_slowdown), (self.link.busy, io.host_compute_slowdown)])
         self.events: List[Tuple[float, int, int]] = []  # (time, 0 = release / 1 = allocate, delta)
-        self.uncounted: List[Tuple[float, float, int]] = []  # NOTE [What the cache counts]
+        self.uncounted: List[Tuple[float, float, int]] = []  # NOTE [What the cache counts] in holds.py
         self.out: List[LayerTimeline] = []
         self.write_busy = self.read_busy = self.host_busy = self.write_wait = self.exposed = 0.0
         self.writing: List[Tuple[float, int]] = []  # (end, bytes) of SSD writes maybe in flight (NOTE [In-flight bound])
-        self.t = 0.0
+        self.t = self.head_start = 0.0
 
     def channel(self, placement: Placement) -> Tuple[Union[DeviceQueue, Link], float, float]:
         """The queue and the write and read bandwidths of a moved placement."""
@@ -431,6 +420,7 @@ class _Replay:
     def head(self) -> None:
         """The output layer and the loss, between the last forward and the first backward."""
         stage, head_start = self.stage, self.t
+        self.head_start = head_start
         self.t = self.compute.run(head_start, stage.other_s)
         self.hold(head_start, self.t, stage.head_bytes)  # the output layer's and loss's saved tensors
         self.uncount(head_start, self.t, stage.head_working_bytes)  # NOTE [Working set by phase] in adaptive.py
@@ -485,7 +475,7 @@ class _Replay:
     def backward(self, j: int) -> None:
         """Layer ``j``'s backward from ``t``, recompute included, waiting at each read's
         use point for a read still in flight (NOTE [Site use times]); then its memory
-        (NOTE [Memory accounting])."""
+        (NOTE [Memory accounting] in ``holds.py``)."""
         lt, layer, t = self.out[j], self.layers[j], self.t
         work = layer.backward_s + (layer.recompute_time if lt.placement is Placement.RECOMPUTE else 0.0)
         lt.backward_start = t
@@ -499,13 +489,14 @@ class _Replay:
                 t = read.end
         self.exposed += lt.stall_s
         lt.backward_end = self.t = self.compute.run(t, (1.0 - done) * work)
-        _account(layer, lt, self.hold, self.uncount)
+        account(layer, lt, self.hold, self.uncount)
 
     def timeline(self, placements: Sequence[Placement], gap: float) -> Timeline:
         """The replay's :class:`Timeline` (its step without the pipeline's wait)."""
         stage, layers, out = self.stage, self.layers, self.out
+        account_gradients(stage, layers, out, self.head_start, self.t, self.uncount)  # NOTE [Gradients remade each step]
         microbatch_peak, memory = resident_peak(self.events)
-        parked = sum(_parked_bytes(layer, lt) for layer, lt in zip(layers, out))
+        parked = sum(parked_bytes(layer, lt) for layer, lt in zip(layers, out))
         in_flight = stage.microbatches_in_flight or 1
         compute_s = (
             sum(layer.forward_s + layer.backward_s for layer in layers)
@@ -529,69 +520,3 @@ class _Replay:
             memory=memory,
             uncounted=self.uncounted,
         )
-
-
-def backward_working_bytes(layer: LayerProfile, placement: Placement) -> int:
-    """What ``layer``'s backward needs beyond the bytes a plan holds for it there (NOTE
-    [Working set by layer] in ``adaptive.py``): its measured backward working set, or where
-    it runs a forward again (RECOMPUTE, or modules recomputed inside it) at least its
-    forward's peak with two gradients of its input's size beside it (the one coming in,
-    the residual's), beyond its saved bytes."""
-    need = layer.backward_working_bytes
-    if layer.forward_peak_bytes and (placement is Placement.RECOMPUTE or layer.rebuilt_bytes):
-        held = layer.saved_bytes + layer.kept_bytes + layer.rebuilt_bytes
-        need = max(need, rerun_working_bytes(layer.forward_peak_bytes, layer.boundary_bytes, held))
-    return need
-
-
-def rerun_working_bytes(forward_peak: int, input_bytes: int, held: int) -> int:
-    """What a backward that runs its layer's forward again needs beyond the ``held`` bytes
-    kept for that layer: the forward's peak with two gradients of its input's size beside
-    it (the one coming in, the residual's; NOTE [Working set by layer] in ``adaptive.py``)."""
-    return forward_peak + 2 * input_bytes - held
-
-
-def _account(layer: LayerProfile, lt: LayerTimeline, hold: Callable[[float, float, int], None],
-             rebuild: Callable[[float, float, int], None]) -> None:
-    """Record the layer's resident intervals, with ``rebuild`` what recomputation rebuilds
-    in backward; see NOTE [Memory accounting]."""
-    rebuild(lt.backward_start, lt.backward_end, layer.rebuilt_bytes)
-    rebuild(lt.backward_start, lt.backward_end, backward_working_bytes(layer, lt.placement))
-    if lt.placement is Placement.KEEP:
-        hold(lt.forward_end, lt.backward_end, layer.saved_bytes + layer.kept_bytes)
-    elif lt.placement is Placement.RECOMPUTE:
-        rebuild(lt.forward_end, lt.backward_end, layer.boundary_bytes)  # held by the checkpoint, not packed
-        rebuild(lt.backward_start, lt.backward_end, layer.saved_bytes + layer.kept_bytes)
-    else:
-        moved = lt.moved_bytes
-        hold(lt.forward_end, lt.backward_end, layer.kept_bytes + layer.saved_bytes - moved)
-        if lt.write_end is None or lt.forwarded:
-            hold(lt.forward_end, lt.backward_end, moved)
-        else:
-            hold(lt.forward_end, lt.write_end, moved)
-            for read in lt.reads:
-                hold(read.issue, lt.backward_end, read.nbytes)
-
-
-# NOTE [What the cache counts]
-# The timeline's peak is every byte a placement holds, what recomputation holds included
-# (NOTE [Memory accounting]): a RECOMPUTE layer's input, which its checkpoint keeps until
-# backward, and the tensors a recomputation rebuilds in backward. The tensor cache counts
-# neither: the rebuilt tensors are saved inside the checkpoint's region, to PyTorch's own
-# hooks (NOTE [Recompute and saved-tensor hooks] in ``megatron/recompute.py``), and the
-# input reaches no pack hook of the cache either (each RECOMPUTE layer's measured
-# ``saved_bytes`` is 0, its ``input_bytes`` the input's size). So a measured cache count
-# (``peak_activation_bytes``) is compared with ``Timeline.counted_peak_bytes``, the same
-# replay without those bytes; where nothing is recomputed the two peaks are one. The
-# head's working set under a cap (``StageProfile.head_working_bytes``: temporaries, not
-# saved tensors) is left out of that count the same way.
-# Measured: docs/performance.md, "The job under caps".
-
-
-def _parked_bytes(layer: LayerProfile, lt: LayerTimeline) -> int:
-    """Bytes a micro-batch waiting between forward and backward holds for ``layer``."""
-    if lt.placement is Placement.KEEP:
-        return layer.saved_bytes + layer.kept_bytes
-    if lt.placement is Placement.RECOMPUTE:
-        return layer.boundary_bytes
-    return layer.kept_bytes + layer.saved_bytes - lt.moved_bytes  # OFFLOAD, HOST

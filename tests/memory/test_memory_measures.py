@@ -149,6 +149,28 @@ def test_what_survives_the_window_is_no_working_set():
     assert timeline.layer_peaks() == {0: (2 * MiB, 0)}
 
 
+def test_what_a_backward_made_and_a_later_step_freed_is_remade():
+    """NOTE [Gradients remade each step]: of what survives the window, the storages a
+    backward made (layer 1's 1 MiB, the head's 2 MiB) count once they have died since,
+    those the forward made (a cache of 4 MiB) never; a storage still alive counts not."""
+    MiB = 1 << 20
+    kept = {}
+    with AllocatorTimeline() as timeline:
+        timeline.phase(False, 1)
+        kept["cache"] = torch.ones(4 * MiB // 4)
+        timeline.phase(True, "head", backward=True)
+        kept["head"] = torch.ones(2 * MiB // 4)
+        timeline.phase(False, 1, backward=True)
+        kept["grad"] = torch.ones(MiB // 4)
+        kept["other"] = torch.ones(MiB // 4)
+    assert timeline.surviving_bytes == 8 * MiB
+    assert timeline.remade() == {}  # nothing freed yet
+    del kept["head"], kept["grad"], kept["cache"]
+    assert timeline.remade() == {"head": 2 * MiB, 1: MiB}
+    del kept["other"]
+    assert timeline.remade() == {"head": 2 * MiB, 1: 2 * MiB}
+
+
 def test_allocator_timeline_counts_fresh_storages_views_threads_and_mappings():
     """Values of a known sequence: views and in-place ops allocate nothing; a free on
     another thread and an unmap are seen; what existed before the window is the base."""

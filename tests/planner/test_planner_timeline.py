@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from megatron_ssd.config import Placement
@@ -298,12 +300,27 @@ def test_a_layers_forward_peak_and_backward_working_set_are_held_over_its_spans_
     assert tl.peak_bytes == 230 and tl.counted_peak_bytes == 200
 
 
+def test_gradients_freed_at_the_start_are_credited_until_each_backward_makes_them_again():
+    """NOTE [Gradients remade each step], worked by hand on the stage above: each layer's
+    backward makes 20 of gradients again, the head's 8, all 48 freed when the step starts.
+    So the step holds 48 less from its start, 40 less from the head's (2.0), 20 less from
+    layer 1's backward (2.5) and nothing less from layer 0's (4.5); the peak moves from
+    layer 1's forward end (230) to its backward (215 - 20); the cache counts none of it."""
+    stage = _by_layer()
+    stage = dataclasses.replace(stage, layers=[dataclasses.replace(layer, grad_bytes=20) for layer in stage.layers],
+                                head_grad_bytes=8)
+    tl = predict(stage, [K, K])
+    assert tl.memory == [(0.0, 82), (1.0, 182), (2.0, 160), (2.5, 195), (4.5, 115), (6.5, 0)]
+    assert tl.peak_bytes == 195 and tl.counted_peak_bytes == 200
+    assert predict(_by_layer(), [K, K]).peak_bytes == 230  # without the term: as before
+
+
 def test_a_recomputed_layer_holds_its_forward_peak_again_in_backward_with_two_input_sized_gradients():
     """RECOMPUTE runs the forward again in backward: beyond its 100 rebuilt bytes it holds
     the larger of its backward working set (15) and its forward peak with two gradients of
     its input's size less the rebuilt bytes (130 + 2 x 10 - 100 = 50); its input (10) is held
     from its forward's end."""
-    from megatron_ssd.planner.step_timeline import backward_working_bytes
+    from megatron_ssd.planner.holds import backward_working_bytes
 
     layer = _by_layer().layers[1]
     assert backward_working_bytes(layer, R) == 50 and backward_working_bytes(layer, K) == 15

@@ -279,6 +279,15 @@ def test_on_a_cpu_the_first_step_measures_the_working_set_and_every_step_stays_u
     assert all(layer["forward_peak_bytes"] == by_layer[str(layer["layer_id"])][0] > layer["saved_bytes"] // 2
                and layer["backward_working_bytes"] == by_layer[str(layer["layer_id"])][1] > 0 for layer in measured)
     assert working["working_bytes"] == 0 and working["head_bytes"] == outside
+    # NOTE [Gradients remade each step]: each backward makes its weights' gradients again
+    # (fp32: 12h^2 + 13h parameters a layer), the first layer's span the embeddings' too,
+    # the head's the final norm's; each step frees them at its start, so they are credited
+    model = data["config"]["model"]
+    h, v, s = model["hidden_size"], model["vocab_size"], model["seq_length"]
+    layer_grads = 4 * (12 * h * h + 13 * h)
+    grads = {layer["layer_id"]: layer["grad_bytes"] for layer in measured}
+    assert grads == {1: layer_grads + 4 * (v * h + s * h), **{i: layer_grads for i in range(2, len(measured) + 1)}}
+    assert data["planner"]["profile"]["head_grad_bytes"] == 4 * 2 * h
     assert data["planner"]["fit_bytes"]["capacity"] == cap
     plans = [e["plan"] for e in data["planner"]["events"] if e["plan"]]
     assert plans and all(p["peak_activation_bytes"] <= cap for p in plans)
