@@ -176,6 +176,11 @@ class EntryTable:
             if self.policy.layer(layer_id) not in MOVED:
                 entry.pinned = True
                 self.writes.cancel(entry)
+            if entry.site is not None:  # NOTE [Sites]: it keeps its place here, with no bytes of this layer's
+                taken = entry.record.sites.get(layer_id, 0)
+                entry.record.sites[layer_id] = taken + 1
+                sites = self.layer(layer_id).site_bytes
+                sites.extend([0] * (taken + 1 - len(sites)))
 
     def _new_entry(self, record: Record, key: Any, t: torch.Tensor, layer_id: Hashable, unmovable: bool,
                    group: Optional[str] = None) -> Entry:

@@ -233,13 +233,13 @@ def _share_medians(per_step: List[Optional[List[float]]], site_count: int) -> Op
 
 
 def _site_medians(per_step: List[List[int]]) -> Optional[List[int]]:
-    """Per site, the median over steps of its bytes per micro-batch (NOTE [Sites]); None
-    when the steps disagree on the site count or a site has no bytes, so the layer is
-    planned whole."""
+    """Per site, the median over steps of its bytes per micro-batch (NOTE [Sites]: a site
+    another layer saved first has none here); None when the steps disagree on the site
+    count or no site has bytes, so the layer is planned whole."""
     if not per_step or any(len(sites) != len(per_step[0]) for sites in per_step) or not per_step[0]:
         return None
     medians = [int(statistics.median(column)) for column in zip(*per_step)]
-    return medians if all(b > 0 for b in medians) else None
+    return medians if any(b > 0 for b in medians) else None
 
 
 def _io_profile(offload_steps: Steps, layer_ids: List[LayerId], clean_compute: Optional[float]) -> IOProfile:

@@ -49,6 +49,14 @@ LayerId = Union[str, int]
 # numbers sites the same way (``Entry.site``), reports their bytes per layer
 # (``LayerMeasurement.site_bytes``) and applies a plan's site counts
 # (``LayerChoice.sites`` in ``TensorCache.set_plan``).
+# A storage another layer saved first (the attention mask every layer saves) keeps its
+# place in this layer's count too, as a site of no bytes here: its bytes are its first
+# layer's. Otherwise the numbering would depend on the other layers' placements. On
+# configs/gpt-ref-cpu.yaml the mask (0.25 MiB) is layer 1's in every profiling step, so
+# layer 8 numbered the attention probabilities site 3; a plan recomputing layers 1-7 (whose
+# saves then reach the cache no more) made the mask layer 8's site 3 and the
+# probabilities site 4, so "move 4 sites" moved 70 MiB instead of the 182 MiB the plan
+# priced, and the step ran 33 MiB over a 500 MiB cap at micro-batch 14.
 
 # NOTE [Site use times]
 # A layer's backward does not need all its saved tensors at once: it runs its ops in
@@ -135,7 +143,7 @@ class LayerProfile:
     """Bytes a RECOMPUTE layer still holds between forward and backward: its input.
     0 when the previous layer keeps that tensor anyway (its output is saved there)."""
 
-    site_bytes: Optional[Annotated[List[int], ListOf(Integer(Positive()))]] = None
+    site_bytes: Optional[Annotated[List[int], ListOf(Integer(NonNegative()))]] = None
     """The layer's offloadable saved tensors one by one, in the order its forward saves
     them (its *sites*, NOTE [Sites]); they sum to ``saved_bytes``. A plan may offload a
     prefix of them and keep the rest. ``None``: one site of ``saved_bytes``."""

@@ -63,6 +63,46 @@ def test_sites_are_numbered_stably_and_a_plan_moves_only_its_prefix(offload_dir)
         assert torch.equal(a.grad, b.grad)
 
 
+def _mask_layers(cache, first_seen: bool):
+    """Two layers, each saving exp(x), a mask both share, and exp(exp(x) * mask); layer 0's
+    saves reach the cache or, as under RECOMPUTE (a checkpoint's own hooks), do not. The
+    sites of layer 1's step (its site bytes, and the site of each of its entries)."""
+    torch.manual_seed(0)
+    x = torch.randn(64, 64, requires_grad=True)  # 16 KiB a tensor
+    mask = torch.rand(64, 64)
+    with cache.microbatch():
+        out = x
+        for i in range(2):
+            cache.enter_layer(i, (out,))
+            hooks = torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)
+            if i == 0 and not first_seen:
+                hooks.__enter__()
+            out = torch.exp(torch.exp(out) * mask)
+            if i == 0 and not first_seen:
+                hooks.__exit__(None, None, None)
+            cache.exit_layer(i, out)
+        record = cache.scopes.current_record()
+        entries = sorted((e.site, e.nbytes) for e in record.layer_entries[1] if e.layer == 1)
+    out.sum().backward()
+    return cache.finish_step().layers[1].site_bytes, entries
+
+
+def test_a_storage_another_layer_saved_first_keeps_its_site(offload_dir):
+    """NOTE [Sites]: layer 1's sites are numbered alike whether the mask it shares with
+    layer 0 reached the cache first from layer 0 (a site of no bytes in layer 1) or first
+    from layer 1 (layer 0 recomputed): before, the last tensor was site 1 in one step and
+    site 2 in the other, so a plan's site count moved other tensors than it priced."""
+    config = OffloadConfig(paths=[offload_dir], min_tensor_bytes=4096)
+    size = 64 * 64 * 4
+    with TensorCache(config) as cache:
+        cache.register_layers([torch.nn.Identity(), torch.nn.Identity()])
+        cache.set_plan({0: "keep", 1: "keep"})
+        shared = _mask_layers(cache, first_seen=True)
+        alone = _mask_layers(cache, first_seen=False)
+    assert shared == ([size, 0, size], [(0, size), (2, size)])
+    assert alone == ([size, size, size], [(0, size), (1, size), (2, size)])
+
+
 def test_a_layer_is_read_back_last_saved_first(offload_dir):
     torch.manual_seed(0)
     model = TinyGPT(layers=2, hidden=64, seq=64)

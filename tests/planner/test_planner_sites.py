@@ -25,11 +25,12 @@ def split_stage(n: int = 8, sites: int = 4, io: IOProfile = IOProfile(GB / 0.035
                         io=io)
 
 
-def test_site_bytes_must_be_positive_and_sum_to_saved_bytes():
+def test_site_bytes_must_be_non_negative_and_sum_to_saved_bytes():
     with pytest.raises(ConfigError, match=r"LayerProfile\(layer_id=0\)\.site_bytes = \[1, 2\]: must sum to saved_bytes = 4"):
         LayerProfile(0, 0.1, 0.2, 4, site_bytes=[1, 2])
-    with pytest.raises(ConfigError, match=r"site_bytes = \[0, 4\]: must be a list of integers > 0 or null"):
-        LayerProfile(0, 0.1, 0.2, 4, site_bytes=[0, 4])
+    with pytest.raises(ConfigError, match=r"site_bytes = \[-1, 5\]: must be a list of integers >= 0 or null"):
+        LayerProfile(0, 0.1, 0.2, 4, site_bytes=[-1, 5])
+    assert LayerProfile(0, 0.1, 0.2, 4, site_bytes=[0, 4]).moved_bytes(1) == 0  # another layer's storage (NOTE [Sites])
     assert LayerProfile(0, 0.1, 0.2, 4).sites == [4] and LayerProfile(0, 0.1, 0.2, 0).sites == []
     layer = LayerProfile(0, 0.1, 0.2, 6, site_bytes=[1, 2, 3])
     assert [layer.moved_bytes(k) for k in (0, 1, 2, 3, None)] == [0, 1, 3, 6, 6]
