@@ -27,6 +27,7 @@ search is checked"): the search's own moves close that gap.
 from __future__ import annotations
 
 import heapq
+import itertools
 from typing import List, Optional, Tuple
 
 from ..placement import MOVED, LayerChoice, Placement
@@ -125,8 +126,12 @@ class Greedy(FirstFit, ModuleMoves):
         tl = self.judge(choices)
         eps = 1e-9 * tl.compute_s + 1e-12
         area = _byte_seconds(tl, self.stage)
-        heap: List[Tuple[Tuple[int, float, float, int, int], int, int, int, str, Optional[LayerChoice]]] = []
+        # (key, version, layer, rank, move, tick, target, resolved): ``tick`` orders entries
+        # equal in all before it (a site of no bytes makes two prefixes score alike, NOTE
+        # [Sites]), so targets are never compared
+        heap: List[Tuple[Tuple[int, float, float, int, int], int, int, int, str, int, Optional[LayerChoice], bool]] = []
         version = 0
+        tick = itertools.count()
 
         def moves(i: int) -> List[str]:
             layer = self.stage.layers[i]
@@ -136,12 +141,12 @@ class Greedy(FirstFit, ModuleMoves):
 
         def push_moves(i: int) -> None:
             for rank, move in enumerate(moves(i)):
-                heapq.heappush(heap, (_TOP, -1, i, rank, move, None, False))
+                heapq.heappush(heap, (_TOP, -1, i, rank, move, next(tick), None, False))
 
         lazy = self.n > _EAGER_LAYERS
 
         def rescore_all() -> None:  # lazily, each part move from the prefix it found (NOTE [Lazy prefixes])
-            heap[:] = [(_TOP, -1, e[2], e[3], e[4], e[5] if lazy else None, False) for e in heap]
+            heap[:] = [(_TOP, -1, e[2], e[3], e[4], next(tick), e[6] if lazy else None, False) for e in heap]
             heapq.heapify(heap)
 
         for i in range(self.n):
@@ -150,7 +155,7 @@ class Greedy(FirstFit, ModuleMoves):
         while not self.fits(choices, tl, budget):
             taken = False
             while heap:
-                key, seen, i, rank, move, target, resolved = heapq.heappop(heap)
+                key, seen, i, rank, move, _, target, resolved = heapq.heappop(heap)
                 if move not in moves(i):
                     continue  # the layer moved since this entry was stored
                 if seen != version:
@@ -158,12 +163,12 @@ class Greedy(FirstFit, ModuleMoves):
                     if resolved:
                         target = self._resolve(choices, tl, eps, i, move)
                     key = self._score(tl, area, choices, target, eps, i, rank)
-                    heapq.heappush(heap, (key, version, i, rank, move, target, resolved))  # equal keys: equal targets
+                    heapq.heappush(heap, (key, version, i, rank, move, next(tick), target, resolved))
                     continue
                 if key[0] < _NO_BENEFIT and not resolved:  # about to be taken: its longest free prefix now
                     target = self._resolve(choices, tl, eps, i, move)
                     key = self._score(tl, area, choices, target, eps, i, rank)
-                    heapq.heappush(heap, (key, version, i, rank, move, target, True))
+                    heapq.heappush(heap, (key, version, i, rank, move, next(tick), target, True))
                     continue
                 if key[0] < _NO_BENEFIT:
                     choices = self._take(choices, i, target)
@@ -177,12 +182,12 @@ class Greedy(FirstFit, ModuleMoves):
                 elif refreshed != version:
                     # the best fresh move does not help: stored scores may be stale
                     # the other way, so score every move against the current placements
-                    heapq.heappush(heap, (key, seen, i, rank, move, target, resolved))
+                    heapq.heappush(heap, (key, seen, i, rank, move, next(tick), target, resolved))
                     refreshed = version
                     rescore_all()
                     continue
                 else:
-                    heapq.heappush(heap, (key, seen, i, rank, move, target, resolved))
+                    heapq.heappush(heap, (key, seen, i, rank, move, next(tick), target, resolved))
                 break
             if not taken:
                 uniform = self._uniform_fit(budget, allow_recompute)  # NOTE [Uniform fallback]

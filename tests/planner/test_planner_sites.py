@@ -141,3 +141,23 @@ def test_plans_with_sites_round_trip_and_report_site_changes():
     whole = Plan.from_json(plan.to_json())
     whole.layers[0].choice = LayerChoice(Placement.OFFLOAD)
     assert plan.changes_from(whole) == ["layer 0: offload -> offload 2/4"]
+
+
+def test_a_measured_profile_with_sites_of_no_bytes_plans_under_its_capacity():
+    """configs/gpt-ref-cpu.yaml at micro-batch 8 under a 500 MiB cap, as the first step
+    measured it (tests/planner/fixtures/profile_gpt_ref_cpu_mb8_cap500.json): layers 2-8 hold
+    the attention mask layer 1 saved first as a site of no bytes (NOTE [Sites]). Two
+    prefixes that differ by that site score alike, and the greedy start's heap then
+    compared their targets: "TypeError: '<' not supported between instances of
+    'LayerChoice' and 'LayerChoice'", which ``rok --largest-within`` recorded as "cannot
+    be met" at micro-batches 7 and 8. Its plan there measured 471.4 MiB; predicted 471.5."""
+    import json
+    import os
+
+    path = os.path.join(os.path.dirname(__file__), "fixtures", "profile_gpt_ref_cpu_mb8_cap500.json")
+    with open(path) as f:
+        stage = StageProfile.from_dict(json.load(f))
+    assert [layer.sites[3] for layer in stage.layers[2:]] == [0] * 7
+    plan = make_plan(stage, PlanRequest(capacity_bytes=500 << 20, allow_recompute=True, read_ahead_mode="auto",
+                                        max_slowdown=0.05, safety_margin=0.1, default_read_ahead=1))
+    assert plan.peak_activation_bytes <= 500 << 20
