@@ -17,9 +17,8 @@ def run_step(model, cache, batch):
     return cache.finish_step()
 
 
-def test_site_use_points_follow_backward_order(offload_dir):
-    # Backward runs a block's ops in reverse: the MLP's input to fc2 (saved last) is
-    # unpacked first, the block input saved first by its layernorm is unpacked last.
+def two_kept_steps(offload_dir):
+    """Two steps of a 3-layer TinyGPT with every layer kept."""
     torch.manual_seed(0)
     model = TinyGPT(layers=3, hidden=64, seq=64)
     (batch,) = make_batches(steps=1, microbatches=1, batch=4, seq=64, vocab=256)[0]
@@ -27,7 +26,13 @@ def test_site_use_points_follow_backward_order(offload_dir):
     with TensorCache(config) as cache:
         cache.register_layers(model.layers)
         cache.set_plan({i: "keep" for i in range(3)})
-        steps = [run_step(model, cache, batch) for _ in range(2)]
+        return [run_step(model, cache, batch) for _ in range(2)]
+
+
+def test_site_use_points_follow_backward_order(offload_dir):
+    # Backward runs a block's ops in reverse: the MLP's input to fc2 (saved last) is
+    # unpacked first, the block input saved first by its layernorm is unpacked last.
+    steps = two_kept_steps(offload_dir)
     for step in steps:
         lc = step.layers[1]
         assert lc.site_uses == [1] * len(lc.site_bytes)
@@ -44,14 +49,7 @@ def test_site_use_points_follow_backward_order(offload_dir):
 def test_site_save_points_follow_forward_order(offload_dir):
     # Each site is timed once per micro-batch from its layer's forward start, in save
     # order, so the shares rise from the first site to the last.
-    torch.manual_seed(0)
-    model = TinyGPT(layers=3, hidden=64, seq=64)
-    (batch,) = make_batches(steps=1, microbatches=1, batch=4, seq=64, vocab=256)[0]
-    config = OffloadConfig(paths=[offload_dir], min_tensor_bytes=4096)
-    with TensorCache(config) as cache:
-        cache.register_layers(model.layers)
-        cache.set_plan({i: "keep" for i in range(3)})
-        steps = [run_step(model, cache, batch) for _ in range(2)]
+    steps = two_kept_steps(offload_dir)
     for step in steps:
         lc = step.layers[1]
         assert lc.site_saves == [1] * len(lc.site_bytes)
