@@ -223,12 +223,20 @@ def recorded_oom(report: Dict[str, Any]) -> Optional[str]:
 
 
 def probe_numbers(report: Dict[str, Any]) -> Dict[str, Any]:
-    """What a probe's ``train`` report says about memory and speed."""
+    """What a probe's ``train`` report says about memory and speed, and the planner's
+    last plan (per layer, as the plan line prints it) with its predicted peak."""
     phase = report["phases"][-1]
     cfg = report["config"]
     step = phase.get("median_device_step_s") or phase["median_step_s"]
     tokens = cfg["micro_batch_size"] * cfg["num_microbatches"] * cfg["model"]["seq_length"]
-    return {
+    plans = [e["plan"] for e in (report.get("planner") or {}).get("events", ()) if e.get("plan")]
+    planned = {}
+    if plans:
+        from ..planner.plan import Plan
+
+        planned = {"plan": [lp.placement_text for lp in Plan.from_dict(plans[-1]).layers],
+                   "predicted_peak_bytes": plans[-1]["peak_activation_bytes"]}
+    return {**planned,
         "micro_batch_size": cfg["micro_batch_size"], "seq_length": cfg["model"]["seq_length"],
         "tokens_per_step": tokens, "step_s": step, "tokens_per_s": tokens / step if step else None,
         "step_timing": "cuda_events" if phase.get("median_device_step_s") else "wall_s",

@@ -149,6 +149,23 @@ def test_on_a_gpu_the_probe_is_held_to_max_memory_allocated_and_timed_by_cuda_ev
     assert probe.numbers["step_timing"] == "cuda_events" and probe.numbers["tokens_per_s"] == 2 * 2 * 128 / 0.25
 
 
+def test_a_probe_keeps_the_planners_last_plan_and_its_predicted_peak():
+    """A probe over the cap says which plan ran there and what it was predicted at, so a
+    model error is found from the JSON (gpt-tiny's probe at 24 measured 300.8 MiB against
+    a 300 MiB cap, and its plan was not kept)."""
+    from megatron_ssd.planner import IOProfile, LayerProfile, PlanRequest, StageProfile, make_plan
+
+    stage = StageProfile([LayerProfile(i, 1.0, 2.0, 100 * MiB, recompute_s=1.0) for i in range(3)],
+                         IOProfile(1e9, 1e9), other_s=0.5)
+    plan = make_plan(stage, PlanRequest(memory_budget=150 * MiB, allow_recompute=True))
+    report = _report()
+    report["planner"] = {"events": [{"plan": None}, {"plan": plan.to_dict()}]}
+    numbers = rok_largest.probe_numbers(report)
+    assert numbers["plan"] == [lp.placement_text for lp in plan.layers]
+    assert numbers["predicted_peak_bytes"] == plan.peak_activation_bytes <= 150 * MiB
+    assert "plan" not in rok_largest.probe_numbers(_report())  # no planner: no plan
+
+
 def test_the_planners_steps_cover_its_profiling_before_the_measured_ones():
     from megatron_ssd.profiling import profile_counts
     from megatron_ssd.config import TrainConfig, load_config
