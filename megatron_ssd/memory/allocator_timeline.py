@@ -246,6 +246,7 @@ class AllocatorTimeline:
         """Bytes allocated inside the window and still alive when it closed, other than saved
         tensors: state the step made for the steps after it (NOTE [Survivors])."""
         self._survivors: List[Tuple[int, int]] = []
+        self._made_in_backward: List[Tuple[Any, int, Hashable]] = []  # (weak reference, bytes, layer) of survivors
         self._events: List[Tuple[int, int]] = []
         self._phases: List[Tuple[int, bool]] = []
         self._live: Dict[int, Tuple[Any, int, int, int]] = {}  # id: (weak reference, bytes, storage key, time)
@@ -372,8 +373,8 @@ class AllocatorTimeline:
             # NOTE [Survivors]: held from their allocation, as the activations are
             self._survivors = [(t, n) for i, (_, n, _, t) in self._live.items() if i not in self._saved]
             self.surviving_bytes = sum(n for _, n in self._survivors)
-            self._made_in_backward = [(ref, n, self._backward_at(t)) for i, (ref, n, _, t) in self._live.items()
-                                      if i not in self._saved and self._backward_at(t) is not None]
+            made = [(ref, n, self._backward_at(t)) for i, (ref, n, _, t) in self._live.items() if i not in self._saved]
+            self._made_in_backward = [m for m in made if m[2] is not None]
 
     def _backward_at(self, time_ns: int) -> Hashable:
         """The layer (or the head) whose backward the step ran at ``time_ns``, else None."""
@@ -387,7 +388,7 @@ class AllocatorTimeline:
         [Survivors], NOTE [Gradients remade each step] in ``planner/holds.py``); read after
         the window closed, once a later step ran."""
         out: Dict[Hashable, int] = {}
-        for ref, nbytes, layer in getattr(self, "_made_in_backward", ()):
+        for ref, nbytes, layer in self._made_in_backward:
             if ref.expired():
                 out[layer] = out.get(layer, 0) + nbytes
         return out
