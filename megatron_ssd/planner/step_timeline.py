@@ -15,7 +15,7 @@ queue, link and compute of :mod:`~megatron_ssd.planner.queues`.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, List, Optional, Sequence, Tuple, Union
+from typing import List, Optional, Sequence, Tuple, Union
 
 from ..placement import MOVED, LayerChoice, Placement
 from ..errors import ConfigError
