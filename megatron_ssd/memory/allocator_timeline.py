@@ -373,12 +373,15 @@ class AllocatorTimeline:
             # NOTE [Survivors]: held from their allocation, as the activations are
             self._survivors = [(t, n) for i, (_, n, _, t) in self._live.items() if i not in self._saved]
             self.surviving_bytes = sum(n for _, n in self._survivors)
-            made = [(ref, n, self._backward_at(t)) for i, (ref, n, _, t) in self._live.items() if i not in self._saved]
+            starts = [t for t, _ in self._spans]
+            made = [(ref, n, self._backward_at(starts, t)) for i, (ref, n, _, t) in self._live.items()
+                    if i not in self._saved]
             self._made_in_backward = [m for m in made if m[2] is not None]
 
-    def _backward_at(self, time_ns: int) -> Hashable:
-        """The layer (or the head) whose backward the step ran at ``time_ns``, else None."""
-        k = bisect.bisect_right([t for t, _ in self._spans], time_ns) - 1
+    def _backward_at(self, starts: List[int], time_ns: int) -> Hashable:
+        """The layer (or the head) whose backward the step ran at ``time_ns``, else None;
+        ``starts``: the spans' start times."""
+        k = bisect.bisect_right(starts, time_ns) - 1
         span = self._spans[k][1] if k >= 0 else None
         return span[0] if span is not None and span[1] else None
 
