@@ -7,7 +7,7 @@ gradients a step frees at its start and makes again in backward
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Protocol, Sequence
+from typing import Any, Callable, Optional, Protocol, Sequence, Tuple
 
 from ..placement import Placement
 from .profile import LayerProfile, StageProfile
@@ -25,6 +25,7 @@ class LayerSpans(Protocol):
     backward_end: float
     moved_bytes: int
     write_end: Optional[float]
+    site_writes: Sequence[Tuple[float, int]]
     forwarded: bool
     reads: Sequence[Any]
 
@@ -36,8 +37,9 @@ Hold = Callable[[float, float, int], None]
 # NOTE [Memory accounting]
 # Bytes appear when a layer's forward ends and leave when its backward ends: KEEP holds
 # saved + kept bytes; OFFLOAD holds kept bytes (and the sites it does not offload,
-# NOTE [Sites]) throughout and its offloaded bytes until its write completes, then each
-# site's bytes again from its read issue (the read buffer) to the layer's backward end;
+# NOTE [Sites]) throughout and each offloaded site's bytes until that site's write
+# completes (``LayerTimeline.site_writes``: the cache drops a tensor once its write is
+# done or staged, not at the layer's last), then each site's bytes again from its read issue (the read buffer) to the layer's backward end;
 # RECOMPUTE holds boundary bytes, plus saved + kept bytes during its backward (the rerun
 # forward materializes them). A layer that recomputes modules inside it holds the bytes
 # they rebuild (``LayerProfile.rebuilt_bytes``) during its backward too (NOTE [Recompute
@@ -82,7 +84,8 @@ def account(layer: LayerProfile, lt: LayerSpans, hold: Hold, rebuild: Hold) -> N
         if lt.write_end is None or lt.forwarded:
             hold(lt.forward_end, lt.backward_end, moved)
         else:
-            hold(lt.forward_end, lt.write_end, moved)
+            for end, nbytes in lt.site_writes or ((lt.write_end, moved),):
+                hold(lt.forward_end, end, nbytes)
             for read in lt.reads:
                 hold(read.issue, lt.backward_end, read.nbytes)
 

@@ -80,7 +80,10 @@ LayerId = Union[str, int]
 # the layer's forward time. The timeline issues each moved site's write no earlier than
 # that point, so a large site saved late in the last moved layer (an MLP projection's
 # output) may still be writing, and resident, when the layers after it run (NOTE [Write
-# and read issue points] in ``step_timeline.py``). ``None`` (profiles from estimates, or
+# and read issue points] in ``step_timeline.py``). Writes are admitted in save order,
+# whatever the sites' order, and a site of no bytes (saved first by another layer, NOTE
+# [Sites]) writes nothing and admits nothing: its save point, 0 when no save of its own
+# was timed, must not hold back the forward. ``None`` (profiles from estimates, or
 # written before the field): every site counts as saved when its forward starts.
 
 

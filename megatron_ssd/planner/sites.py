@@ -6,13 +6,13 @@ read-ahead, the order in which backward uses them, and when their writes can be 
 
 from __future__ import annotations
 
-from typing import List, Optional, Sequence, Union
+from typing import List, Optional, Sequence, Tuple, Union
 
 from ..config import is_int
 from ..errors import ConfigError
 from .profile import LayerProfile
 
-__all__ = ["ReadAhead", "read_ahead_list", "site_read_aheads", "site_list", "use_order", "writes_done"]
+__all__ = ["ReadAhead", "read_ahead_list", "site_read_aheads", "site_list", "site_write_ends", "use_order"]
 
 ReadAhead = Union[int, Sequence[int]]
 """One layer's read-issue point: a read-ahead in layers (>= 1) for all its sites, or one
@@ -87,15 +87,17 @@ def use_order(layer: LayerProfile, count: Optional[int]) -> List[int]:
     return sorted(moved, key=lambda s: (layer.use_at(s), -s))
 
 
-def writes_done(layer: LayerProfile, moved: Sequence[int], first: float, start: float, computed: float,
-                bandwidth: float) -> float:
-    """When a layer's moved sites are all written, one at a time from ``first`` on, each
-    no earlier than its save point (NOTE [Site save times] in ``profile.py``) on the
-    forward's replayed span ``start`` to ``computed``; ``first`` where the profile has no
-    save points."""
-    if layer.site_save is None:
-        return first
+def site_write_ends(layer: LayerProfile, moved: Sequence[int], first: float, start: float, computed: float,
+                    bandwidth: float) -> List[Tuple[float, int]]:
+    """(end, bytes) of each moved site's write, in save order, one at a time from ``first``
+    on, each no earlier than its save point (NOTE [Site save times] in ``profile.py``) on
+    the forward's replayed span ``start`` to ``computed``; sites of no bytes write
+    nothing and are left out."""
     done, span, sites = first, computed - start, layer.sites
+    ends: List[Tuple[float, int]] = []
     for s in sorted(moved, key=layer.saved_at):
-        done = max(done, start + layer.saved_at(s) * span) + sites[s] / bandwidth
-    return done
+        if sites[s]:
+            done = max(done, start + layer.saved_at(s) * span) + sites[s] / bandwidth
+            ends.append((done, sites[s]))
+    return ends
+

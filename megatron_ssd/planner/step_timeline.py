@@ -22,7 +22,7 @@ from ..errors import ConfigError
 from .holds import account, account_gradients, parked_bytes
 from .profile import IOProfile, LayerId, LayerProfile, StageProfile
 from .queues import EPS, Compute, DeviceQueue, Link, admitted, resident_peak
-from .sites import ReadAhead, read_ahead_list, site_read_aheads, site_list, use_order, writes_done
+from .sites import ReadAhead, read_ahead_list, site_read_aheads, site_list, site_write_ends, use_order
 
 __all__ = ["LayerTimeline", "ReadAhead", "SiteRead", "Timeline", "predict", "read_ahead_list", "site_read_aheads",
            "site_list", "use_order"]
@@ -34,8 +34,9 @@ __all__ = ["LayerTimeline", "ReadAhead", "SiteRead", "Timeline", "predict", "rea
 # cache writes each tensor as it is saved, so the layer's write streams behind its
 # forward; it cannot end before the forward does, nor before each site, written no
 # earlier than its save point (NOTE [Site save times] in ``profile.py``) after the sites
-# saved before it, is written (``sites.writes_done``). Each
-# moved site is read on its own: site s of layer i is read when the backward of layer
+# saved before it, is written (``sites.site_write_ends``); each site leaves memory
+# when its own write ends (NOTE [Memory accounting] in ``holds.py``). Each moved site
+# is read on its own: site s of layer i is read when the backward of layer
 # i + d_(i,s) starts (its backward hook), d_(i,s) being the site's read-ahead
 # (``read_ahead``: one for every layer, one per layer, or one per site as the
 # planner's just-in-time choice gives; a site's read-ahead may be 0, issued when its own
@@ -177,6 +178,9 @@ class LayerTimeline:
     moved_bytes: int = 0
     """Bytes moved off the device and back, to the tier its placement names (OFFLOAD,
     HOST: all its sites, or the prefix the plan names, NOTE [Sites])."""
+    site_writes: List[Tuple[float, int]] = field(default_factory=list)
+    """(end, bytes) of each moved site's write in save order, the last ending at
+    ``write_end``: when each leaves memory (NOTE [Memory accounting] in ``holds.py``)."""
 
     @property
     def forward_s(self) -> float:
@@ -387,8 +391,10 @@ class _Replay:
             bound = self.io.max_inflight_bytes
             if q is queue and bound is not None:
                 first = None
-                for s in moved:  # NOTE [Site save times] in profile.py: admitted from its save on
+                for s in sorted(moved, key=layer.saved_at):  # NOTE [Site save times] in profile.py
                     size, share = layer.sites[s], layer.saved_at(s)
+                    if not size:  # saved first by another layer: nothing to write (NOTE [Sites])
+                        continue
                     admitted_at = admitted(self.writing, max(admitted_at, start + share * layer.forward_s), size, bound)
                     # a site saved at a known point blocks the rest of the forward until admitted
                     rest = (1.0 - share) * layer.forward_s if layer.site_save is not None else 0.0
@@ -410,10 +416,13 @@ class _Replay:
         self.write_wait += lt.write_wait_s
         if streamed is not None:
             lt.write_start = streamed[0]
-            done = max(t, writes_done(layer, moved, streamed[0], start, computed, write_bw))
-            lt.write_end = link.extend_to(done, streamed[1]) if q is link else queue.extend_to(done)
+            ends = site_write_ends(layer, moved, streamed[0], start, computed, write_bw)
+            done = max(t, ends[-1][0]) if ends and layer.site_save is not None else t
+            end = lt.write_end = link.extend_to(done, streamed[1]) if q is link else queue.extend_to(done)
             if self.writing and q is queue:  # the last site cannot complete before it is saved
-                self.writing[-1] = (lt.write_end, self.writing[-1][1])
+                self.writing[-1] = (end, self.writing[-1][1])
+            # NOTE [Memory accounting] in holds.py: each site leaves memory when written
+            lt.site_writes = [(min(e, end), b) for e, b in ends[:-1]] + [(end, ends[-1][1])]
         self.out.append(lt)
         self.uncount(start, t, layer.forward_peak_bytes)  # NOTE [Working set by layer] in adaptive.py
 

@@ -7,6 +7,7 @@ import math
 
 import pytest
 
+from megatron_ssd.config import Placement
 from megatron_ssd.errors import ConfigError
 from megatron_ssd.planner import predict
 from megatron_ssd.planner.simulate import (
@@ -138,8 +139,13 @@ def test_gpt_1_3b_simulation_is_plausible():
     plan = result.plan
     offloaded = plan.layers_with("offload")
     assert 0 < len(offloaded) < 24
-    # the embedding's mask first (the longest window), then layers in forward order
-    assert offloaded == ["embedding", *range(len(offloaded) - 1)]
+    # the embedding's mask first (the longest window), then layers in forward order; the
+    # last layer may add the sites its forward saves early, written before the head's
+    # peak (each site leaves memory when its own write ends: NOTE [Memory accounting])
+    prefix = offloaded[:-1] if offloaded[-1] == 23 else offloaded
+    assert prefix == ["embedding", *range(len(prefix) - 1)]
+    last = plan.layers[-1]
+    assert last.layer_id == 23 and (last.placement is Placement.KEEP or 0 < last.choice.sites < last.site_count)
     # layers + the embedding's mask and token ids + fp32 softmax of the logits
     assert plan.keep_peak_activation_bytes == 24 * SBH * 34 + SBH + 8 * 2048 + 4 * 2048 * 50304
     assert 0.2 < result.memory_saved_fraction < 1.0

@@ -97,15 +97,19 @@ def saved_late(save, write_bytes_per_s=200.0, bound=None) -> StageProfile:
 
 @pytest.mark.parametrize("bound", [None, 100])
 def test_a_site_saved_late_is_written_after_its_save_point(bound):
-    # Without save points both sites are written 0-1 s, done as the forward ends. Saved at
-    # 0.9 s, the second is written 0.9-1.4 s, so layer 0's 200 bytes stay resident past
-    # layer 1's forward end (1.2 s), beside its kept 100: the peak is 300, not 200.
+    # Without save points both sites are written 0-1 s, done as the forward ends: 100
+    # bytes resident at 1.2 s (layer 1's). Saved at 0.9 s, the second is written 0.9-1.4
+    # s, so its 100 bytes stay resident past layer 1's forward end, beside layer 1's kept
+    # 100: 200 at 1.2 s. The first, written 0-0.5 s, has left by then (each site leaves
+    # when its own write ends; held to the layer's last write, 300 were resident). The
+    # peak, 200, is also the backward's (layer 0's read buffers).
     choices = choices_of([O, K, K], [[0, 0], 1, 1])
     early = predict(saved_late(None, bound=bound), choices)
     late = predict(saved_late([0.0, 0.9], bound=bound), choices)
-    assert (early.layers[0].write_end, early.peak_bytes) == (1.0, 200)
+    assert (early.layers[0].write_end, early.peak_bytes) == (1.0, 200) and early.memory[1] == (1.2, 100)
     assert late.layers[0].write_end == pytest.approx(1.4)
-    assert late.peak_bytes == 300 and late.memory[1:4] == [(1.0, 200), (1.2, 300), (pytest.approx(1.4), 100)]
+    assert late.layers[0].site_writes == [(0.5, 100), (pytest.approx(1.4), 100)]
+    assert late.peak_bytes == 200 and late.memory[1:4] == [(1.0, 100), (1.2, 200), (pytest.approx(1.4), 100)]
     assert late.step_s == early.step_s == pytest.approx(8.7)
 
 
@@ -119,6 +123,19 @@ def test_a_site_saved_late_and_not_admitted_holds_the_rest_of_its_forward():
     assert (late.forward_end, late.write_wait_s) == (pytest.approx(1.1), pytest.approx(0.1))
     early = predict(saved_late(None, write_bytes_per_s=100.0, bound=100), choices).layers[0]
     assert (early.forward_end, early.write_wait_s, early.write_end) == (1.0, 0.0, 2.0)
+
+
+def test_a_site_of_no_bytes_holds_back_nothing():
+    # Layer 0 saves 100 bytes at 0.1 s and 100 at 0.9 s; between them in site order a site
+    # of no bytes (saved first by another layer) with no save time of its own (0). It is
+    # written by nobody, so under a bound the forward ends at 1 s with no write wait; were
+    # it admitted after the first site, the whole forward would run after 0.1 s: 1.1 s.
+    first = LayerProfile(0, 1.0, 2.0, 200, site_bytes=[100, 0, 100], site_save=[0.1, 0.0, 0.9])
+    rest = [LayerProfile(1, 0.2, 2.0, 0, kept_bytes=100), LayerProfile(2, 0.5, 2.0, 0, kept_bytes=100)]
+    stage = StageProfile([first, *rest], IOProfile(1000.0, 200.0, max_inflight_bytes=1000))
+    lt = predict(stage, choices_of([O, K, K], [[0, 0, 0], 1, 1])).layers[0]
+    assert (lt.forward_end, lt.write_wait_s) == (1.0, 0.0)
+    assert lt.write_end == pytest.approx(1.0)  # the last site, saved at 0.9 s, written in 0.1 s
 
 
 def test_save_points_are_validated():
