@@ -107,14 +107,14 @@ class FirstFit(Judge):
         for i in layers:
             if choices[i].placement is not placed:
                 continue
-            alone = replaced(choices, i, LayerChoice(Placement.HOST))
+            alone = replaced(choices, i, LayerChoice(Placement.HOST, recompute=choices[i].recompute))
             if better(alone, self.judge(alone)):
                 choices = alone
                 continue
             for j, c in enumerate(choices):
                 if c.placement is not Placement.HOST:
                     continue
-                trial = replaced(alone, j, LayerChoice(Placement.OFFLOAD, c.sites))
+                trial = replaced(alone, j, LayerChoice(Placement.OFFLOAD, c.sites, recompute=c.recompute))
                 if better(trial, self.judge(trial)):
                     choices = trial
                     break
@@ -126,19 +126,20 @@ class FirstFit(Judge):
         """Move KEEP layers to ``target`` in forward order, each whole or the longest prefix
         of its sites that hides within the limits, then drop the latest moved until the
         measured bandwidths hide them too (in place)."""
-        for i, layer in enumerate(self.stage.layers):
+        for i in range(self.n):
+            layer, modules = self.layer_at(i, choices[i]), choices[i].recompute
             if layer.saved_bytes == 0 or choices[i].placement is not Placement.KEEP:
                 continue
             m = len(layer.sites)
 
             def fits_with(k: int) -> bool:
-                trial = replaced(choices, i, LayerChoice(target, None if k == m else k))
+                trial = replaced(choices, i, LayerChoice(target, None if k == m else k, recompute=modules))
                 tl = self.judge(trial)
                 return self.within_bound(tl) and self.allowed(trial, tl)
 
             k = m if fits_with(m) else _largest(1, m - 1, fits_with)
             if k:
-                choices[i] = LayerChoice(target, None if k == m else k)
+                choices[i] = LayerChoice(target, None if k == m else k, recompute=modules)
         # Derating makes I/O slower, so the measured bandwidths normally agree; if
         # they do not (slowdown interplay), drop the latest admitted layers until they do.
         while not self.within_bound(self.check(choices)) and any(c.placement is target for c in choices):
@@ -161,7 +162,9 @@ class FirstFit(Judge):
         def trial(i: int, k: int) -> Choices:
             if k == 0:
                 return replaced(choices, i, _KEEP)
-            return replaced(choices, i, LayerChoice(choices[i].placement, None if k == len(self.stage.layers[i].sites) else k))
+            now = choices[i]
+            return replaced(choices, i, LayerChoice(now.placement, None if k == len(self.layer_at(i, now).sites) else k,
+                                                    recompute=now.recompute))
 
         def no_higher(i: int, k: int) -> bool:
             c = trial(i, k)
@@ -175,7 +178,7 @@ class FirstFit(Judge):
                 if choices[i].placement not in MOVED:
                     continue
                 sites = choices[i].sites
-                current = self.stage.layers[i].sites[: sites] if sites is not None else self.stage.layers[i].sites
+                current = self.layer_at(i, choices[i]).sites[: sites]  # all of them when sites is None
                 k = _smallest(0, len(current), lambda k: no_higher(i, k))
                 if k < len(current):
                     choices = trial(i, k)

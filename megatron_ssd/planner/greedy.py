@@ -121,7 +121,6 @@ class Greedy(FirstFit, ModuleMoves):
         cases and was never more than 8% slower in predicted step time, at a seventh of
         the planning time.
         """
-        self._modules_start()
         choices: Choices = [_KEEP] * self.n
         tl = self.judge(choices)
         eps = 1e-9 * tl.compute_s + 1e-12
@@ -134,7 +133,7 @@ class Greedy(FirstFit, ModuleMoves):
         tick = itertools.count()
 
         def moves(i: int) -> List[str]:
-            layer = self.stage.layers[i]
+            layer = self.layer_at(i, choices[i])
             return _moves(choices[i], len(layer.sites), allow_recompute and layer.recomputable,
                           self.host_budget_bytes > 0, self.drives, host_first
                           ) + self._module_moves(i, choices[i], allow_recompute)
@@ -171,7 +170,7 @@ class Greedy(FirstFit, ModuleMoves):
                     heapq.heappush(heap, (key, version, i, rank, move, next(tick), target, True))
                     continue
                 if key[0] < _NO_BENEFIT:
-                    choices = self._take(choices, i, target)
+                    choices = replaced(choices, i, target)
                     tl = self.judge(choices)
                     area = _byte_seconds(tl, self.stage)
                     version += 1
@@ -194,7 +193,6 @@ class Greedy(FirstFit, ModuleMoves):
                 if uniform is not None:
                     choices, tl = uniform
                     continue
-                self._modules_reset()
                 return None
         choices = self._relax(choices, tl, budget, eps)
         if self.host_budget_bytes:  # NOTE [Tier preference]
@@ -216,10 +214,8 @@ class Greedy(FirstFit, ModuleMoves):
 
     def _uniform_fit(self, budget: int, allow_recompute: bool) -> Optional[Tuple[Choices, Timeline]]:
         """The first uniform placement that fits ``budget`` and is allowed, with its
-        timeline, or None (NOTE [Uniform fallback]). Judged on the measured stage, no
-        module recomputed (the search's module moves are dropped when one fits)."""
-        searched = self.stage, self._recomputed
-        self._modules_start()
+        timeline, or None (NOTE [Uniform fallback]): no module recomputed (the search's
+        module moves are dropped when one fits)."""
         candidates: List[Choices] = []
         if allow_recompute:
             candidates.append([LayerChoice(Placement.RECOMPUTE) if layer.recomputable else _KEEP
@@ -231,7 +227,6 @@ class Greedy(FirstFit, ModuleMoves):
             tl = self.judge(choices)
             if self.fits(choices, tl, budget) and self.allowed(choices, tl):
                 return choices, tl
-        self.stage, self._recomputed = searched
         return None
 
     # NOTE [Lazy prefixes]
@@ -252,27 +247,27 @@ class Greedy(FirstFit, ModuleMoves):
             return False
         now, placement = choices[i], _target_placement(move)
         current = now.sites if now.placement is placement and now.sites is not None else 0
-        return target.placement is placement and target.sites > current
+        return target.placement is placement and target.sites > current and target.recompute == now.recompute
 
     def _resolve(self, choices: Choices, tl: Timeline, eps: float, i: int, move: str) -> Optional[LayerChoice]:
         """The choice a move gives layer ``i`` (None: a part move with no admissible
         prefix)."""
         if move.startswith(MODULE_MOVE):
             return self._resolve_module(choices, i, move)
-        target = _target_placement(move)
+        target, now = _target_placement(move), choices[i]
+        modules = now.recompute
         if not move.endswith("-part"):
-            return LayerChoice(target)
-        m = len(self.stage.layers[i].sites)
-        now = choices[i]
+            return LayerChoice(target, recompute=modules)
+        m = len(self.layer_at(i, now).sites)
         current = now.sites if now.placement is target and now.sites is not None else 0
 
         def free(k: int) -> bool:
-            trial = replaced(choices, i, LayerChoice(target, k))
+            trial = replaced(choices, i, LayerChoice(target, k, recompute=modules))
             ttl = self.judge(trial)
             return self.allowed(trial, ttl) and ttl.step_s <= tl.step_s + eps
 
         k = _largest(current + 1, m - 1, free)
-        return None if k is None else LayerChoice(target, k)
+        return None if k is None else LayerChoice(target, k, recompute=modules)
 
     def _score(
         self, tl: Timeline, area: float, choices: Choices, target: Optional[LayerChoice], eps: float, i: int,
@@ -312,7 +307,7 @@ class Greedy(FirstFit, ModuleMoves):
                     if (target is Placement.OFFLOAD and not self.drives) or (
                             target is Placement.HOST and not self.host_budget_bytes):
                         continue
-                    trial = replaced(choices, i, LayerChoice(target))
+                    trial = replaced(choices, i, LayerChoice(target, recompute=choices[i].recompute))
                     ttl = self.judge(trial)
                     if (ttl.step_s > tl.step_s + eps or not self.fits(trial, ttl, budget)
                             or not self.allowed(trial, ttl)):
@@ -339,7 +334,7 @@ class Greedy(FirstFit, ModuleMoves):
             choices = self._exchange(choices, recomputed, Placement.RECOMPUTE, no_slower)
         for i, c in enumerate(choices):
             if c.placement is Placement.OFFLOAD:
-                trial = replaced(choices, i, LayerChoice(Placement.HOST, c.sites))
+                trial = replaced(choices, i, LayerChoice(Placement.HOST, c.sites, recompute=c.recompute))
                 if no_slower(trial, self.judge(trial)):
                     choices = trial
         return choices
@@ -351,21 +346,21 @@ class Greedy(FirstFit, ModuleMoves):
         choices = list(choices)
         step = self.judge(choices).step_s
         for i in range(self.n - 1, -1, -1):
-            m = len(self.stage.layers[i].sites)
-            placement = choices[i].placement
+            m = len(self.layer_at(i, choices[i]).sites)
+            placement, modules = choices[i].placement, choices[i].recompute
             if placement not in MOVED or m < 2:
                 continue
             current = m if choices[i].sites is None else choices[i].sites
 
             def ok(k: int) -> bool:
-                trial = replaced(choices, i, LayerChoice(placement, None if k == m else k))
+                trial = replaced(choices, i, LayerChoice(placement, None if k == m else k, recompute=modules))
                 ttl = self.judge(trial)
                 return (not ttl.forwarded and ttl.step_s <= step + eps
                         and ttl.peak_bytes <= budget and self.check(trial).peak_bytes <= budget)
 
             k = _smallest(1, current, ok)
             if k < current:
-                choices[i] = LayerChoice(placement, None if k == m else k)
+                choices[i] = LayerChoice(placement, None if k == m else k, recompute=modules)
                 step = self.judge(choices).step_s
         return choices
 

@@ -15,8 +15,8 @@ import dataclasses
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from ..placement import LayerChoice, Placement
-from .module_recompute import with_recompute
-from .profile import IOProfile, StageProfile
+from .module_recompute import recomputed_layer, with_recompute
+from .profile import IOProfile, LayerProfile, StageProfile
 from .step_timeline import Timeline, predict
 
 __all__ = ["Choices", "Judge", "replaced", "replay"]
@@ -63,8 +63,9 @@ class Judge:
         self.replays = 0
         """Replays :meth:`judge` and :meth:`check` made (a placement judged again is not
         replayed again: NOTE [Replays remembered])."""
-        self._judged: Dict[Tuple[int, Tuple[LayerChoice, ...]], Tuple[StageProfile, Timeline]] = {}
-        self._checked: Dict[Tuple[int, Tuple[LayerChoice, ...]], Tuple[StageProfile, Timeline]] = {}
+        self._judged: Dict[Tuple[LayerChoice, ...], Timeline] = {}
+        self._checked: Dict[Tuple[LayerChoice, ...], Timeline] = {}
+        self._derived: Dict[Tuple[int, Tuple[str, ...]], LayerProfile] = {}
         self.smallest_peak: Optional[int] = None
         # See wears_ok and within_bound: no placement's step is shorter than keeping everything.
         self._shortest_step_s = predict(stage, [Placement.KEEP] * self.n).step_s
@@ -76,8 +77,8 @@ class Judge:
         own step time whatever bandwidth judged it. Always true without a limit."""
         if self.max_write_bytes_per_s is None:
             return True
-        written = sum(layer.moved_bytes(c.sites) for layer, c in zip(with_recompute(self.stage, choices).layers,
-                                                                         choices) if c.placement is Placement.OFFLOAD)
+        written = sum(self.layer_at(i, c).moved_bytes(c.sites) for i, c in enumerate(choices)
+                      if c.placement is Placement.OFFLOAD)
         return written <= self.written_limit()
 
     def written_limit(self) -> float:
@@ -99,29 +100,41 @@ class Judge:
     # NOTE [Replays remembered]
     # The greedy start judges the same placement again and again (each round re-scores
     # every layer's move from a plan that changed in one layer): on a 16-layer stage 6,171
-    # judgements were 2,117 placements. A replay is a pure function of the placement (the
-    # stage, bandwidths and read-ahead are fixed per Judge), and no caller changes a
-    # Timeline, so each is replayed once and its Timeline handed out again. The stage is
-    # part of the key: the module moves (``ModuleMoves``) judge against a stage whose
-    # layers recompute modules, swapped in and out (each entry holds its stage, so the
-    # stage's id stays its own while the entry lives). Up to ``_REMEMBERED`` per kind; past
+    # judgements were 2,117 placements. A replay is a pure function of the choices (the
+    # stage, bandwidths and read-ahead are fixed per Judge; a choice's ``recompute``
+    # derives its layer, NOTE [Recompute inside a layer]), and no caller changes a
+    # Timeline, so each is replayed once and its Timeline handed out again. Each derived
+    # layer is made once too (:meth:`layer_at`). Up to ``_REMEMBERED`` per kind; past
     # that the memory starts over (a 128-layer Timeline is tens of KB). ``replays`` counts
     # the replays made, which the search's work budget reads.
 
     _REMEMBERED = 4096
 
-    def _remembered(self, memory: Dict[Tuple[int, Tuple[LayerChoice, ...]], Tuple[StageProfile, Timeline]],
-                    choices: Sequence[LayerChoice], io: Optional[IOProfile]) -> Tuple[Timeline, bool]:
-        key = (id(self.stage), tuple(choices))
-        entry = memory.get(key)
-        if entry is not None:
-            return entry[1], False
+    def layer_at(self, i: int, choice: LayerChoice) -> LayerProfile:
+        """Layer ``i`` as ``choice`` sees it: the measured layer with the modules its
+        ``recompute`` names recomputed inside it (:func:`recomputed_layer`), made once."""
+        if not choice.recompute:
+            return self.stage.layers[i]
+        key = (i, choice.recompute)
+        layer = self._derived.get(key)
+        if layer is None:
+            layer = self._derived[key] = recomputed_layer(self.stage.layers[i], choice.recompute)
+        return layer
+
+    def _remembered(self, memory: Dict[Tuple[LayerChoice, ...], Timeline], choices: Sequence[LayerChoice],
+                    io: Optional[IOProfile]) -> Tuple[Timeline, bool]:
+        key = tuple(choices)
+        tl = memory.get(key)
+        if tl is not None:
+            return tl, False
         if len(memory) >= self._REMEMBERED:
             self._judged.clear()
             self._checked.clear()
         self.replays += 1
-        tl = replay(self.stage, choices, self.read_ahead, io=io)
-        memory[key] = (self.stage, tl)
+        replayed = choices if self.read_ahead is None else [dataclasses.replace(c, read_ahead=self.read_ahead)
+                                                            for c in choices]
+        layers = [self.layer_at(i, c) for i, c in enumerate(choices)]
+        tl = memory[key] = predict(self.stage, replayed, io=io, layers=layers)
         return tl, True
 
     def judge(self, choices: Sequence[LayerChoice]) -> Timeline:

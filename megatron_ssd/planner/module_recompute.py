@@ -45,7 +45,7 @@ that recomputes selectively is inside the planner's space:
 from __future__ import annotations
 
 import dataclasses
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence
 
 from ..errors import ConfigError
 from ..placement import MOVED, LayerChoice, Placement
@@ -155,93 +155,62 @@ def _prefix_after(layer: LayerProfile, modules: Sequence[str], sites: Optional[i
 
 class ModuleMoves:
     """The placement search's moves that recompute a module inside a layer (NOTE
-    [Recompute inside a layer]), for :class:`~megatron_ssd.planner.search.PlacementSearch`.
+    [Recompute inside a layer]), for :class:`~megatron_ssd.planner.greedy.Greedy`.
 
-    While a greedy search runs, its ``stage`` is the measured stage with each layer as its
-    recomputed modules so far derive it, and its choices carry no ``recompute``: the tier
-    moves, the clean-up and the timeline see the derived layers as any others. A module
-    move's target is the layer's choice with ``recompute`` naming the one module more
-    (the replay derives it from the current layer); taking it derives the stage's layer
-    anew. When the search ends, each choice gets its layer's modules back and ``stage``
-    is the measured one again.
+    The search's choices carry their modules (``LayerChoice.recompute``) and the stage is
+    always the measured one: each layer is judged as its choice derives it
+    (``Judge.layer_at``), so a move is a value and judging it changes nothing. A module
+    move's target is the layer's choice recomputing one module more, its moved prefix
+    carried over (KEEP when no moved site is left); the tier moves keep the layer's
+    modules.
     """
 
     stage: StageProfile
     n: int
-
-    def _modules_start(self) -> None:
-        """Start a search from the measured stage, no module recomputed."""
-        self._base: StageProfile = getattr(self, "_base", self.stage)
-        self.stage = self._base
-        self._recomputed: List[Tuple[str, ...]] = [()] * self.n
-
-    def _modules_reset(self) -> None:
-        """The measured stage again (before judging placements of it whole)."""
-        self.stage = getattr(self, "_base", self.stage)
+    layer_at: Callable[[int, LayerChoice], LayerProfile]
+    """``Judge.layer_at``: layer i as a choice derives it."""
 
     def _module_moves(self, i: int, now: LayerChoice, allowed: bool) -> List[str]:
         """``recompute:<module>`` for each module of layer ``i`` left to recompute that
         frees a site, when recompute is ``allowed`` and the layer is not RECOMPUTE."""
         if not allowed or now.placement is Placement.RECOMPUTE:
             return []
-        return [MODULE_MOVE + m.name for m in self.stage.layers[i].modules or () if m.freed_sites]
+        return [MODULE_MOVE + m.name for m in self.layer_at(i, now).modules or () if m.freed_sites]
 
     def _resolve_module(self, choices: Sequence[LayerChoice], i: int, move: str) -> LayerChoice:
         """The target of a module move: layer ``i``'s choice recomputing that module too,
         its moved prefix carried over; KEEP when no moved site is left."""
-        name = move[len(MODULE_MOVE):]
         now, layer = choices[i], self.stage.layers[i]
-        kept = _kept_sites(layer, (name,))
+        more = now.recompute + (move[len(MODULE_MOVE):],)
+        kept = _kept_sites(layer, more)
         if now.placement not in MOVED:
-            return LayerChoice(now.placement, None, now.read_ahead, (name,))
-        sites = _prefix_after(layer, (), now.sites, (name,))
+            return LayerChoice(now.placement, None, now.read_ahead, more)
+        sites = _prefix_after(layer, now.recompute, now.sites, more)
         if not kept or sites == 0:
-            return LayerChoice(Placement.KEEP, None, now.read_ahead, (name,))
-        return LayerChoice(now.placement, None if sites == len(kept) else sites, now.read_ahead, (name,))
-
-    def _take(self, choices: List[LayerChoice], i: int, target: LayerChoice) -> List[LayerChoice]:
-        """``choices`` with layer ``i``'s set to ``target``; a module move's also derives
-        the stage's layer anew (its choice then carries no ``recompute``)."""
-        if target.recompute:
-            self._recomputed[i] = self._recomputed[i] + target.recompute
-            self._set_layer(i, self._recomputed[i])
-            target = dataclasses.replace(target, recompute=())
-        return choices[:i] + [target] + choices[i + 1:]
-
-    def _set_layer(self, i: int, modules: Tuple[str, ...]) -> None:
-        layers = list(self.stage.layers)
-        layers[i] = recomputed_layer(self._base.layers[i], modules)
-        self.stage = dataclasses.replace(self.stage, layers=layers)
+            return LayerChoice(Placement.KEEP, None, now.read_ahead, more)
+        return LayerChoice(now.placement, None if sites == len(kept) else sites, now.read_ahead, more)
 
     def _modules_finish(self, choices: List[LayerChoice], fits, eps: float) -> List[LayerChoice]:
         """Undo each module recompute the limit does not need where the step is no
-        slower, last layer first; then each choice with its layer's modules, and the
-        measured stage again.
+        slower, last layer first.
 
         Args:
-            choices: The search's choices (no ``recompute``).
+            choices: The search's choices.
             fits: ``fits(choices, timeline)``: the trial still meets the limit and the
                 search's other bounds.
             eps: Step-time slack.
         """
         step = self.judge(choices).step_s  # type: ignore[attr-defined]
         for i in range(self.n - 1, -1, -1):
-            for name in tuple(self._recomputed[i]):
-                fewer = tuple(m for m in self._recomputed[i] if m != name)
-                before, stage = self._recomputed[i], self.stage
+            layer = self.stage.layers[i]
+            for name in choices[i].recompute:
                 now = choices[i]
-                sites = now.sites if now.placement in MOVED else None
-                carried = _prefix_after(self._base.layers[i], before, sites, fewer)
-                trial = list(choices)
-                trial[i] = dataclasses.replace(now, sites=None if carried == len(_kept_sites(
-                    self._base.layers[i], fewer)) else carried)
-                self._recomputed[i] = fewer
-                self._set_layer(i, fewer)
+                fewer = tuple(m for m in now.recompute if m != name)
+                carried = _prefix_after(layer, now.recompute, now.sites if now.placement in MOVED else None, fewer)
+                undone = dataclasses.replace(now, sites=None if carried == len(_kept_sites(layer, fewer)) else carried,
+                                             recompute=fewer)
+                trial = choices[:i] + [undone] + choices[i + 1:]
                 tl = self.judge(trial)  # type: ignore[attr-defined]
                 if tl.step_s <= step + eps and fits(trial, tl):
                     choices, step = trial, tl.step_s
-                else:
-                    self._recomputed[i], self.stage = before, stage
-        out = [dataclasses.replace(c, recompute=r) for c, r in zip(choices, self._recomputed)]
-        self._modules_reset()
-        return out
+        return choices
