@@ -39,7 +39,8 @@ Hold = Callable[[float, float, int], None]
 # saved + kept bytes; OFFLOAD holds kept bytes (and the sites it does not offload,
 # NOTE [Sites]) throughout and each offloaded site's bytes until that site's write
 # completes (``LayerTimeline.site_writes``: the cache drops a tensor once its write is
-# done or staged, not at the layer's last), then each site's bytes again from its read issue (the read buffer) to the layer's backward end;
+# done or staged, not at the layer's last), then each site's bytes again from its read
+# issue (the read buffer) to the layer's backward end;
 # RECOMPUTE holds boundary bytes, plus saved + kept bytes during its backward (the rerun
 # forward materializes them). A layer that recomputes modules inside it holds the bytes
 # they rebuild (``LayerProfile.rebuilt_bytes``) during its backward too (NOTE [Recompute

@@ -30,9 +30,14 @@ def replay(stage: StageProfile, choices: Sequence[LayerChoice], read_ahead: Opti
     """:func:`~megatron_ssd.planner.step_timeline.predict` of ``choices`` (their
     placements, site counts and modules recomputed inside a layer, NOTE [Recompute inside
     a layer] in ``module_recompute.py``) at ``read_ahead``; None: each choice's own."""
-    if read_ahead is not None:
-        choices = [dataclasses.replace(c, read_ahead=read_ahead) for c in choices]
-    return predict(with_recompute(stage, choices), choices, io=io)
+    return predict(with_recompute(stage, choices), _at_read_ahead(choices, read_ahead), io=io)
+
+
+def _at_read_ahead(choices: Sequence[LayerChoice], read_ahead: Optional[int]) -> Sequence[LayerChoice]:
+    """``choices`` each at ``read_ahead``; None: each choice's own."""
+    if read_ahead is None:
+        return choices
+    return [dataclasses.replace(c, read_ahead=read_ahead) for c in choices]
 
 
 def replaced(values: List, i: int, value) -> List:
@@ -131,10 +136,8 @@ class Judge:
             self._judged.clear()
             self._checked.clear()
         self.replays += 1
-        replayed = choices if self.read_ahead is None else [dataclasses.replace(c, read_ahead=self.read_ahead)
-                                                            for c in choices]
         layers = [self.layer_at(i, c) for i, c in enumerate(choices)]
-        tl = memory[key] = predict(self.stage, replayed, io=io, layers=layers)
+        tl = memory[key] = predict(self.stage, _at_read_ahead(choices, self.read_ahead), io=io, layers=layers)
         return tl, True
 
     def judge(self, choices: Sequence[LayerChoice]) -> Timeline:

@@ -12,7 +12,7 @@ from ..config import is_int
 from ..errors import ConfigError
 from .profile import LayerProfile
 
-__all__ = ["ReadAhead", "read_ahead_list", "site_read_aheads", "site_list", "site_write_ends", "use_order"]
+__all__ = ["ReadAhead", "read_ahead_list", "site_read_aheads", "site_list", "site_write_ends", "use_order", "write_order"]
 
 ReadAhead = Union[int, Sequence[int]]
 """One layer's read-issue point: a read-ahead in layers (>= 1) for all its sites, or one
@@ -87,6 +87,13 @@ def use_order(layer: LayerProfile, count: Optional[int]) -> List[int]:
     return sorted(moved, key=lambda s: (layer.use_at(s), -s))
 
 
+def write_order(layer: LayerProfile, moved: Sequence[int]) -> List[int]:
+    """The moved sites that write bytes, in the order the forward saves them (NOTE [Site
+    save times] in ``profile.py``): a site of no bytes, saved first by another layer,
+    writes nothing (NOTE [Sites])."""
+    return [s for s in sorted(moved, key=layer.saved_at) if layer.sites[s]]
+
+
 def site_write_ends(layer: LayerProfile, moved: Sequence[int], first: float, start: float, computed: float,
                     bandwidth: float) -> List[Tuple[float, int]]:
     """(end, bytes) of each moved site's write, in save order, one at a time from ``first``
@@ -95,9 +102,7 @@ def site_write_ends(layer: LayerProfile, moved: Sequence[int], first: float, sta
     nothing and are left out."""
     done, span, sites = first, computed - start, layer.sites
     ends: List[Tuple[float, int]] = []
-    for s in sorted(moved, key=layer.saved_at):
-        if sites[s]:
-            done = max(done, start + layer.saved_at(s) * span) + sites[s] / bandwidth
-            ends.append((done, sites[s]))
+    for s in write_order(layer, moved):
+        done = max(done, start + layer.saved_at(s) * span) + sites[s] / bandwidth
+        ends.append((done, sites[s]))
     return ends
-

@@ -22,7 +22,7 @@ from ..errors import ConfigError
 from .holds import account, account_gradients, parked_bytes
 from .profile import IOProfile, LayerId, LayerProfile, StageProfile
 from .queues import EPS, Compute, DeviceQueue, Link, admitted, resident_peak
-from .sites import ReadAhead, read_ahead_list, site_read_aheads, site_list, site_write_ends, use_order
+from .sites import ReadAhead, read_ahead_list, site_read_aheads, site_list, site_write_ends, use_order, write_order
 
 __all__ = ["LayerTimeline", "ReadAhead", "SiteRead", "Timeline", "predict", "read_ahead_list", "site_read_aheads",
            "site_list", "use_order"]
@@ -391,10 +391,8 @@ class _Replay:
             bound = self.io.max_inflight_bytes
             if q is queue and bound is not None:
                 first = None
-                for s in sorted(moved, key=layer.saved_at):  # NOTE [Site save times] in profile.py
+                for s in write_order(layer, moved):  # NOTE [Site save times] in profile.py
                     size, share = layer.sites[s], layer.saved_at(s)
-                    if not size:  # saved first by another layer: nothing to write (NOTE [Sites])
-                        continue
                     admitted_at = admitted(self.writing, max(admitted_at, start + share * layer.forward_s), size, bound)
                     # a site saved at a known point blocks the rest of the forward until admitted
                     rest = (1.0 - share) * layer.forward_s if layer.site_save is not None else 0.0
