@@ -31,6 +31,16 @@ __all__ = ["ProfileCounts", "ProfileStep", "measure_host_bandwidth", "profile_co
 # KEEP step, and an OFFLOAD step after a KEEP step skips the page faults its own steady
 # state pays, so alternating the kinds hides most of what offloading costs
 # (docs/planner.md). Measured: docs/performance.md#run-2026-11-24-switch-heap.
+# NOTE [Warm-up steps]: a process's first steps run slower than its later ones (its
+# allocator and the kernel still map fresh pages), and the second one still does: over 48
+# keep-everything rounds of `rok` stored in benchmarks/results, step 1 took a median 1.021x
+# the round's later steps (quartiles 0.976-1.085) and step 2 0.995x (0.955-1.037). A KEEP
+# step measured at step 1 makes keep-everything slow, so every plan's ratio to it reads low,
+# and the host copies' price (measured against it) low too: on configs/gpt-deep-cpu.yaml
+# the default planner predicted 1.042x keep from such a profile and measured 1.086x and
+# 1.097x paired, over its 1.05x bound; with two warm-up steps it predicted 1.042x and
+# measured 1.032x (docs/performance.md#run-2026-12-07-warm-up). So ``warmup_steps``
+# defaults to 2.
 # A KEEP step holds every activation, which a user of this plugin often cannot hold: see
 # NOTE [Profiling within the capacity] in ``adaptive.py``.
 # When RECOMPUTE may be chosen (``recompute_profile_steps``), a RECOMPUTE block runs

@@ -36,14 +36,14 @@ def test_step_kinds_label_warm_up_profiling_and_measured_steps():
 
 
 def test_short_runs_are_named_with_the_steps_they_need():
-    assert short_run_problems(load_config(TrainConfig, None, ["steps=5"])) == []
-    assert short_run_problems(load_config(TrainConfig, None, ["steps=4", "baseline_steps=1"])) == [
+    assert short_run_problems(load_config(TrainConfig, None, ["steps=6"])) == []
+    assert short_run_problems(load_config(TrainConfig, None, ["steps=5", "baseline_steps=1"])) == [
         "TrainConfig.baseline_steps = 1: its one step is the warm-up step, so keep-everything would be measured "
         "from it; must be 0 or >= 2",
-        "TrainConfig.steps = 4: the planner uses 1 warm-up + 3 profiling steps (2 measured, 1 settling), so no step "
-        "would run its plan; must be >= 5 to measure the planner's placement",
+        "TrainConfig.steps = 5: the planner uses 2 warm-up + 3 profiling steps (2 measured, 1 settling), so no step "
+        "would run its plan; must be >= 6 to measure the planner's placement",
     ]
-    assert short_run_problems(load_config(TrainConfig, None, ["steps=4", "offload.planner.settle_steps=0"])) == []
+    assert short_run_problems(load_config(TrainConfig, None, ["steps=5", "offload.planner.settle_steps=0"])) == []
     assert short_run_problems(load_config(TrainConfig, None, ["steps=1", "offload.planner.mode=static"])) == [
         "TrainConfig.steps = 1: its one step is the warm-up step; must be >= 2"]
 
@@ -57,7 +57,7 @@ def test_a_short_train_exits_non_zero_before_building_anything(monkeypatch, caps
     monkeypatch.setattr(TrainRecipe, "setup", no_setup)
     assert main(["train", "--config", "configs/gpt-tiny.yaml", "steps=4"]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("megatron_ssd: TrainConfig.steps = 4: the planner uses 1 warm-up + 3 profiling steps")
+    assert err.startswith("megatron_ssd: TrainConfig.steps = 4: the planner uses 2 warm-up + 3 profiling steps")
     assert "(or pass --allow-short to run anyway" in err
     assert main(["train", "--config", "configs/gpt-tiny.yaml", "steps=2", "--no-baseline"]) == 2
 
@@ -248,18 +248,19 @@ def test_train_labels_its_steps_and_writes_tensorboard_scalars(tmp_path):
     from tensorboard.backend.event_processing import event_accumulator
 
     out, tb = tmp_path / "t.json", tmp_path / "tb"
-    stdout = _cli(tmp_path, "train", "--config", "configs/gpt-tiny.yaml", *TINY, "steps=6", "baseline_steps=2",
+    stdout = _cli(tmp_path, "train", "--config", "configs/gpt-tiny.yaml", *TINY, "steps=7", "baseline_steps=2",
                   "--tensorboard-dir", str(tb), "--json", str(out))
     data = json.loads(out.read_text())
-    assert [s["kind"] for s in data["steps"]] == ["warm-up", "profile", "profile", "profile", "measured", "measured"]
+    assert [s["kind"] for s in data["steps"]] == ["warm-up", "warm-up", "profile", "profile", "profile", "measured",
+                                                  "measured"]
     keep, off = data["phases"]
     assert (keep["name"], keep["warmup_steps"], keep["measured_steps"]) == ("keep-everything", 1, 1)
     assert (off["name"], off["warmup_steps"], off["profile_steps"], off["measured_steps"]) == \
-        ("offload (auto)", 1, 3, 2)
+        ("offload (auto)", 2, 3, 2)
     assert len(off["step_s"]) == 2 and off["measured_kind"] == "measured"
-    assert "offload (auto) 2/6: profile, loss " in stdout and "offload (auto) 5/6: measured, loss " in stdout
+    assert "offload (auto) 3/7: profile, loss " in stdout and "offload (auto) 6/7: measured, loss " in stdout
     # NOTE [Search time]: the plan's line says how long its search held the training thread
-    searched = re.search(r"plan set after step 4 \(profile; searched (\d+\.\d\d) s\):", stdout)
+    searched = re.search(r"plan set after step 5 \(profile; searched (\d+\.\d\d) s\):", stdout)
     assert searched is not None, stdout
     (event,) = [e for e in data["planner"]["events"] if e["plan"]]
     assert event["search_s"] > 0 and f"{event['search_s']:.2f}" == searched.group(1)
@@ -274,7 +275,7 @@ def test_train_labels_its_steps_and_writes_tensorboard_scalars(tmp_path):
 
     assert sorted(acc.Tags()["scalars"]) == sorted("megatron-ssd/" + name for name in SCALARS)
     written = acc.Scalars("megatron-ssd/offloaded_bytes")
-    assert [e.step for e in written] == [1, 2, 3, 4, 5, 6]
+    assert [e.step for e in written] == [1, 2, 3, 4, 5, 6, 7]
     assert [e.value for e in written] == [float(s["bytes_offloaded"]) for s in data["steps"]]
     peaks = [e.value for e in acc.Scalars("megatron-ssd/peak_resident_bytes")]
     assert peaks == [float(s["peak_resident_bytes"]) for s in data["steps"]]
@@ -284,7 +285,7 @@ def test_train_labels_its_steps_and_writes_tensorboard_scalars(tmp_path):
 def test_plan_prints_the_plan_and_not_a_training_table(tmp_path):
     stdout = _cli(tmp_path, "plan", "--config", "configs/gpt-tiny.yaml", *TINY)
     assert "megatron-ssd plan: GPT 2 layers" in stdout
-    assert "plan from 1 warm-up, 2 profiling and 1 settle steps:" in stdout
+    assert "plan from 2 warm-up, 2 profiling and 1 settle steps:" in stdout
     assert "   layer  placement" in stdout and "goal max_offload" in stdout
     assert "peak activation memory (MiB)" not in stdout and "megatron-ssd train" not in stdout
 
@@ -372,7 +373,7 @@ def test_compare_needs_keep_everything(capsys):
     assert ("TrainConfig.compare = ['offload', 'offload']: must be distinct names of ['recompute', 'offload', "
             "'static', 'host']") in capsys.readouterr().err
     assert main(["train", "--config", "configs/gpt-tiny.yaml", "budget_of_keep=0.5", "steps=6"]) == 2
-    assert "TrainConfig.steps = 6: the planner uses 1 warm-up" in capsys.readouterr().err  # a budget profiles recompute
+    assert "TrainConfig.steps = 6: the planner uses 2 warm-up" in capsys.readouterr().err  # a budget profiles recompute
 
 
 def test_megatron_cores_two_notices_are_hidden_and_megatron_ssds_own_warnings_are_not(tmp_path, caplog, recwarn,

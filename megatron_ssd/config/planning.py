@@ -49,9 +49,11 @@ class PlannerConfig:
 
     # The profiling schedule is a list of its steps (NOTE [Profiling steps]); a handful are
     # enough, and a count past any run's length (1e30) would not fit in a list.
-    warmup_steps: Annotated[int, NonNegative(), AtMost(PROFILE_STEPS_MAX)] = 1
+    warmup_steps: Annotated[int, NonNegative(), AtMost(PROFILE_STEPS_MAX)] = 2
     """Steps run before profiling starts (allocator and page-cache warm-up), with the
-    placement of the first profiling step."""
+    placement of the first profiling step. A process's second step still runs slower
+    than its later ones (NOTE [Warm-up steps] in ``profiling.py``), so the default
+    measures from the third."""
 
     profile_steps: Annotated[int, NonNegative(), AtMost(PROFILE_STEPS_MAX)] = 2
     """Steps measured before the first plan (``auto`` mode): the first half (rounded up)

@@ -118,7 +118,7 @@ def test_budget_run_profiles_recompute_and_prices_it_from_the_steps(world, tmp_p
     with TensorCache(cfg) as cache:
         _, kept, _ = _run(cache, PlannerConfig(mode="keep"), steps=2)
     with TensorCache(cfg) as cache:
-        budget = PlannerConfig(mode="auto", memory_budget=kept[-1].peak_resident_bytes // 2)
+        budget = PlannerConfig(mode="auto", warmup_steps=1, memory_budget=kept[-1].peak_resident_bytes // 2)
         planned, stats, planner = _run(cache, budget, steps=7)
     assert all(torch.equal(a, b) for a, b in zip(stock.losses, planned.losses, strict=True))
     assert [n for n in stock.grads if not torch.equal(stock.grads[n], planned.grads[n])] == []
@@ -223,7 +223,7 @@ def test_auto_mode_keeping_every_layer_finishes_with_its_summary(tmp_path):
            "steps=6", "offload.keep_last_layers=99", f"offload.paths={tmp_path}", "--json", str(out)]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    assert "final loss" in proc.stdout and "plan set after step 4 (profile; searched " in proc.stdout
+    assert "final loss" in proc.stdout and "plan set after step 5 (profile; searched " in proc.stdout
     assert "drives: not measured (no profiling step moved a byte to them), so nothing is placed on them" in proc.stdout
     data = json.loads(out.read_text())
     assert data["planner"]["profile"]["io"]["write_bytes_per_s"] is None
@@ -244,8 +244,12 @@ def test_profile_schedule_settles_each_kind_before_measuring_it():
 
     K, D = Placement.KEEP, None
     def kinds(**kw):
+        kw.setdefault("warmup_steps", 1)
         return [(p.placement, p.measured) for p in profile_schedule(PlannerConfig(**kw))]
     assert kinds() == [(K, False), (K, True), (D, False), (D, True)]
+    # NOTE [Warm-up steps]: by default the first KEEP step measured is a process's third
+    assert [(p.placement, p.measured) for p in profile_schedule(PlannerConfig())] == [
+        (K, False), (K, False), (K, True), (D, False), (D, True)]
     assert kinds(warmup_steps=2, profile_steps=3, settle_steps=2) == [
         (K, False), (K, False), (K, True), (K, True), (D, False), (D, False), (D, True)]
     assert kinds(profile_steps=1) == [(D, False), (D, True)]  # OFFLOAD only: nothing to settle
@@ -262,10 +266,10 @@ def test_profile_schedule_settles_each_kind_before_measuring_it():
     assert ProfileStep(K, True).measured
     # NOTE [Pricing host copies]: a host pool to plan with adds a settled HOST block, last
     H = Placement.HOST
-    assert [(p.placement, p.measured) for p in profile_schedule(PlannerConfig(), host=True)] == [
+    assert [(p.placement, p.measured) for p in profile_schedule(PlannerConfig(warmup_steps=1), host=True)] == [
         (K, False), (K, True), (D, False), (D, True), (H, False), (H, True)]
-    assert [(p.placement, p.measured) for p in profile_schedule(PlannerConfig(profile_steps=1), host=True)] == [
-        (D, False), (D, True)]  # no KEEP steps: nothing to price the copies against
+    assert [(p.placement, p.measured) for p in profile_schedule(PlannerConfig(profile_steps=1, warmup_steps=1),
+                                                                 host=True)] == [(D, False), (D, True)]  # no KEEP steps: nothing to price the copies against
 
 
 def test_slowdown_is_spread_over_the_time_io_is_in_flight():
@@ -295,7 +299,7 @@ def test_rok_json_schema(tmp_path):
     out = tmp_path / "rok.json"
     cmd = [
         sys.executable, "-m", "megatron_ssd.commands.cli", "rok", "--config", os.path.join(REPO, "configs", "gpt-tiny.yaml"),
-        *TINY_CLI, "num_microbatches=1", "steps=7", "--paired", "2", "--json", str(out),
+        *TINY_CLI, "num_microbatches=1", "steps=8", "--paired", "2", "--json", str(out),
     ]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
@@ -459,7 +463,7 @@ def test_rok_rounds_pool_steps_and_count_io_cpu(tmp_path):
     out = tmp_path / "rok.json"
     cmd = [
         sys.executable, "-m", "megatron_ssd.commands.cli", "rok", "--config", os.path.join(REPO, "configs", "gpt-tiny.yaml"),
-        *TINY_CLI, "num_microbatches=1", "steps=5", "--rounds", "2", "--placements", "keep,offload-all,planner",
+        *TINY_CLI, "num_microbatches=1", "steps=6", "--rounds", "2", "--placements", "keep,offload-all,planner",
         "--paired", "1", "--json", str(out),
     ]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
@@ -473,13 +477,13 @@ def test_rok_rounds_pool_steps_and_count_io_cpu(tmp_path):
     assert len(planner["paired_ratios"]) == 2  # one pair per round, pooled
     for p in (keep, off):
         assert p["rounds"] == 2 and len(p["round_median_step_s"]) == 2
-        assert p["measured_steps"] == 2 * 4  # steps=5: one warm-up step, four measured, per round
+        assert p["measured_steps"] == 2 * 5  # steps=6: one warm-up step, five measured, per round
         assert p["final_loss_same_every_round"] is True
         assert "plan" not in p  # fixed placements set no plan
         assert p["cpu_s_per_step"] > 0
     assert keep["round_ratios"] == [1.0, 1.0] and keep["x_keep"] == 1.0 and keep["x_keep_ci95"] == [1.0, 1.0]
-    assert [len(r) for r in off["round_step_s"]] == [4, 4]
-    assert planner["measured_steps"] == 2 * 1  # 1 warm-up + 3 profiling steps, then one with the plan
+    assert [len(r) for r in off["round_step_s"]] == [5, 5]
+    assert planner["measured_steps"] == 2 * 1  # 2 warm-up + 3 profiling steps, then one with the plan
     lo, hi = off["x_keep_ci95"]
     assert lo <= off["x_keep"] <= hi
     assert keep["io_cpu_s_per_step"] == 0.0
@@ -514,8 +518,8 @@ def test_ratio_interval_separates_a_real_slowdown_from_noise():
     ({"paired": -1}, r"rok: paired = -1: must be >= 0"),
     ({"placements": ["planner", "budget"]}, r"rok: placements = \['planner', 'budget'\]: 'budget' needs 'keep'"),
     ({"placements": ["keep", "planner"], "overrides": ["steps=4"]},
-     r"rok: placement 'planner': TrainConfig.steps = 4: the planner uses 1 warm-up \+ 3 profiling steps \(2 "
-     r"measured, 1 settling\), so no step would run its plan; must be >= 5"),
+     r"rok: placement 'planner': TrainConfig.steps = 4: the planner uses 2 warm-up \+ 3 profiling steps \(2 "
+     r"measured, 1 settling\), so no step would run its plan; must be >= 6"),
 ])
 def test_rok_rejects_bad_arguments_before_running(kwargs, match):
     from megatron_ssd.errors import ConfigError

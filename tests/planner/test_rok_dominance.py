@@ -144,7 +144,7 @@ def test_rok_runs_each_peer_at_its_settings_and_matches_a_budget_to_it(tmp_path)
     layer (the host tier paced), Megatron's full recompute; a budget point at
     te-offload-1's measured peak; every loss the same as keep's."""
     out = tmp_path / "rok.json"
-    cmd = [sys.executable, "-m", "megatron_ssd.commands.cli", "rok", "--config", TINY, *TINY_CLI, "steps=9",
+    cmd = [sys.executable, "-m", "megatron_ssd.commands.cli", "rok", "--config", TINY, *TINY_CLI, "steps=10",
            "offload.peer.min_tensor_elements=1024", "--placements", "keep,megatron-offload,te-offload,megatron-full",
            "--fractions", "0.5,1", "--te-layers", "1", "--match-peers", "--host-throttle", "1GiB",
            "--json", str(out)]
@@ -179,7 +179,7 @@ def test_rok_with_a_paced_host_tier_lets_the_planner_host_layers(tmp_path):
     ``adaptive.py``), so its plan hosts a layer, which the run copies to the pool; the
     loss is keep's."""
     out = tmp_path / "rok.json"
-    cmd = [sys.executable, "-m", "megatron_ssd.commands.cli", "rok", "--config", TINY, *TINY_CLI, "steps=7",
+    cmd = [sys.executable, "-m", "megatron_ssd.commands.cli", "rok", "--config", TINY, *TINY_CLI, "steps=8",
            "--placements", "keep,planner", "--host-throttle", "1GiB", "--json", str(out)]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
