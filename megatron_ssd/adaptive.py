@@ -125,12 +125,12 @@ class PlanEvent:
 # each tensor when it needs it (NOTE [Capacity guard] in ``cache/policy.py``). Any
 # larger limit is unknown room (one layer's bytes are not known before the first step)
 # that W would leave out. The price is a slow first step, a warm-up step by default
-# (``warmup_steps = 1``), whose times no profile uses. When even that step leaves no room
-# (resident + W + F >= the cap) one warning line names the cap, the resident bytes and
-# the need, and the guard stays at 0; when it runs out of memory, the train command
-# records it (NOTE [Out of memory, recorded]). On a CPU nothing enforces a cap, but
-# ``rok --largest-within`` holds a run to it by the allocator timeline's peak of live
-# tensor bytes above the step's start (NOTE [Fits within a cap] in
+# (the first of ``warmup_steps``), whose times no profile uses. When even that step
+# leaves no room (resident + W + F >= the cap) one warning line names the cap, the
+# resident bytes and the need, and the guard stays at 0; when it runs out of memory, the
+# train command records it (NOTE [Out of memory, recorded]). On a CPU nothing enforces a
+# cap, but ``rok --largest-within`` holds a run to it by the allocator timeline's peak of
+# live tensor bytes above the step's start (NOTE [Fits within a cap] in
 # ``commands/rok_largest.py``), which counts the same working set: the logits chain, the
 # temporaries. Before, the CPU planner took the cap less ``capacity_reserve`` as its
 # capacity and its steps ran over the cap from micro-batch 3 of gpt-tiny at 300 MiB

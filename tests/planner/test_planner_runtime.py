@@ -243,9 +243,9 @@ def test_profile_schedule_settles_each_kind_before_measuring_it():
     from megatron_ssd.profiling import ProfileStep, profile_schedule
 
     K, D = Placement.KEEP, None
-    def kinds(**kw):
+    def kinds(host=False, **kw):
         kw.setdefault("warmup_steps", 1)
-        return [(p.placement, p.measured) for p in profile_schedule(PlannerConfig(**kw))]
+        return [(p.placement, p.measured) for p in profile_schedule(PlannerConfig(**kw), host=host)]
     assert kinds() == [(K, False), (K, True), (D, False), (D, True)]
     # NOTE [Warm-up steps]: by default the first KEEP step measured is a process's third
     assert [(p.placement, p.measured) for p in profile_schedule(PlannerConfig())] == [
@@ -266,10 +266,8 @@ def test_profile_schedule_settles_each_kind_before_measuring_it():
     assert ProfileStep(K, True).measured
     # NOTE [Pricing host copies]: a host pool to plan with adds a settled HOST block, last
     H = Placement.HOST
-    assert [(p.placement, p.measured) for p in profile_schedule(PlannerConfig(warmup_steps=1), host=True)] == [
-        (K, False), (K, True), (D, False), (D, True), (H, False), (H, True)]
-    assert [(p.placement, p.measured) for p in profile_schedule(PlannerConfig(profile_steps=1, warmup_steps=1),
-                                                                 host=True)] == [(D, False), (D, True)]  # no KEEP steps: nothing to price the copies against
+    assert kinds(host=True) == [(K, False), (K, True), (D, False), (D, True), (H, False), (H, True)]
+    assert kinds(profile_steps=1, host=True) == [(D, False), (D, True)]  # no KEEP steps: nothing to price against
 
 
 def test_slowdown_is_spread_over_the_time_io_is_in_flight():
