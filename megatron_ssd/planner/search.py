@@ -108,7 +108,9 @@ class PlacementSearch(Judge):
     #    per second added and a clean-up, with ties to the host tier and with ties to the
     #    SSDs, the better plan kept (one order alone, with the descent's exchanges to cover
     #    the other, was 2x faster at 32 layers but ended 0.7% slower than the greedy plan
-    #    on the H200 check's 8-layer stage: the search must never be slower than its start);
+    #    on the H200 check's 8-layer stage: the search must never be slower than its start;
+    #    beyond 8 layers the search ended at the same plans with one order, NOTE [Tier
+    #    preference] in ``greedy.py``, so only up to 8 layers does the second run);
     #    under ``max_offload``, first fit in forward order;
     # 2. a descent (NOTE [Local search] in ``local_search.py``) by single changes from each
     #    starting plan: the greedy one; under a budget also the plan holding the fewest bytes
