@@ -189,7 +189,35 @@ def _point(placement: str, reports: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
         point["paired_x_keep_ci95"] = median_ci95(ratios)
         point["paired_keep_step_s"] = median_or_zero([t for p in paired for t in p["keep_step_s"]])
         point["paired_step_s"] = median_or_zero([t for p in paired for t in p["offload_step_s"]])
+        if planned and plan.get("pipeline_size", 1) == 1:
+            point.update(prediction_parts(plan, reports[0]["config"]["num_microbatches"], point))
     return point
+
+
+# NOTE [Two parts of a prediction's error]
+# A planned point's predicted ratio is the plan's replayed step over the replay of the
+# profile's KEEP step, and its paired ratio is the plan's measured steps over the keep
+# steps measured beside them, later in the same process. The ratio's error is then two
+# errors: the plan's step time against its prediction, and the paired keep steps against
+# the profile's KEEP step (one step, NOTE [Warm-up steps] in ``profiling.py``).
+# The second is no fault of the plan's price: on configs/gpt-ref-cpu.yaml (2026-12-07,
+# rok-gpt-ref-cpu-s60.json) a point predicted at 1.088x and measured at 1.240x had its
+# plan's step predicted within 1.6% and its profile's KEEP step 15.8% above the paired keep
+# steps. So each point reports both (docs/performance.md#two-parts-of-a-predictions-error).
+# With one pipeline stage a step is its micro-batches one after the other, so the plan's
+# per-micro-batch replay times the micro-batches is its step.
+
+
+def prediction_parts(plan: Dict[str, Any], microbatches: int, point: Dict[str, Any]) -> Dict[str, float]:
+    """The plan's predicted step, its error against the paired steps' median, and how far
+    the profile's KEEP step was from the paired keep steps (NOTE [Two parts of a
+    prediction's error]); empty where a median is missing."""
+    if not point.get("paired_step_s") or not point.get("paired_keep_step_s"):
+        return {}
+    predicted = plan["step_s"] * microbatches
+    return {"predicted_paired_step_s": predicted,
+            "plan_step_error": predicted / point["paired_step_s"] - 1.0,
+            "profile_keep_drift": plan["keep_step_s"] * microbatches / point["paired_keep_step_s"] - 1.0}
 
 
 def _max_of(phases: Sequence[Dict[str, Any]], key: str) -> Optional[int]:
@@ -531,6 +559,11 @@ def run_rok(config_path: Optional[str], overrides: Sequence[str], json_path: Opt
             lo, hi = p["paired_x_keep_ci95"]
             print(f"{p['placement']}: paired steps {p['paired_x_keep']:.3f}x keep "
                   f"(median of {len(p['paired_ratios'])} pairs; 95% interval {lo:.3f}-{hi:.3f})")
+        if "plan_step_error" in p:  # NOTE [Two parts of a prediction's error]
+            print(f"{p['placement']}: predicted {p['predicted_step_s'] / p['plan_keep_step_s']:.3f}x keep: its step "
+                  f"{p['predicted_paired_step_s']:.3f} s, measured {p['paired_step_s']:.3f} s "
+                  f"({100 * p['plan_step_error']:+.1f}%); the profile's keep step "
+                  f"{100 * p['profile_keep_drift']:+.1f}% from the paired keep steps")
     if json_path:
         write_json(json_path, {"points": points, "rounds": rounds, "workload": to_dict(config),
                                "machine": machine_info(),

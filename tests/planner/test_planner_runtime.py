@@ -335,6 +335,11 @@ def test_rok_json_schema(tmp_path):
     assert planned["plan_io"]["compute_slowdown"] >= 0 and planned["plan_io"]["write_bytes_per_s"] > 0
     assert planned["plan_keep_step_s"] > 0 and set(planned["plan_moved_bytes"]) == {"offload", "host"} \
         and planned["plan_moved_bytes"]["host"] == 0  # no host pool here
+    # NOTE [Two parts of a prediction's error]: one micro-batch a step here
+    assert planned["predicted_paired_step_s"] == planned["predicted_step_s"]
+    assert planned["plan_step_error"] == planned["predicted_step_s"] / planned["paired_step_s"] - 1
+    assert planned["profile_keep_drift"] == planned["plan_keep_step_s"] / planned["paired_keep_step_s"] - 1
+    assert "planner: predicted " in proc.stdout and "from the paired keep steps" in proc.stdout
     # NOTE [What the cache counts]: the plan replayed on its profile; what recomputation holds is left out
     assert planned["predicted_counted_peak_bytes"] <= planned["predicted_peak_activation_bytes"]
     if "recompute" not in planned["plan"]:
