@@ -202,7 +202,7 @@ def _point(placement: str, reports: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
 # the profile's KEEP step (one step, NOTE [Warm-up steps] in ``profiling.py``).
 # The second is no fault of the plan's price: on configs/gpt-ref-cpu.yaml (2026-12-07,
 # rok-gpt-ref-cpu-s60.json) a point predicted at 1.088x and measured at 1.240x had its
-# plan's step predicted within 1.6% and its profile's KEEP step 15.8% above the paired keep
+# plan's step predicted 4.7% fast and its profile's KEEP step 8.7% above the paired keep
 # steps. So each point reports both (docs/performance.md#two-parts-of-a-predictions-error).
 # With one pipeline stage a step is its micro-batches one after the other, so the plan's
 # per-micro-batch replay times the micro-batches is its step.

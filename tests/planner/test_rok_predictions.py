@@ -11,13 +11,16 @@ from megatron_ssd.commands.rok import prediction_parts
 
 def test_a_ratio_error_from_the_profiles_keep_step_is_told_apart_from_the_plans_price():
     # configs/gpt-ref-cpu.yaml at budget 0.7 (rok-gpt-ref-cpu-s60.json): predicted 1.088x,
-    # measured 1.240x paired; the plan's own step was predicted 1.6% high
-    plan = {"step_s": 2.4948, "keep_step_s": 2.293}
-    point = {"paired_step_s": 2.455, "paired_keep_step_s": 1.980}
+    # measured 1.240x paired; its plan's step predicted 4.7% fast, its KEEP step 8.7% slow
+    plan = {"step_s": 2.494808486198048, "keep_step_s": 2.29268704700371}
+    point = {"paired_step_s": 2.617571020993637, "paired_keep_step_s": 2.1098329960004776}
     parts = prediction_parts(plan, 1, point)
-    assert parts["predicted_paired_step_s"] == pytest.approx(2.4948)
-    assert parts["plan_step_error"] == pytest.approx(2.4948 / 2.455 - 1) and 0.015 < parts["plan_step_error"] < 0.017
-    assert parts["profile_keep_drift"] == pytest.approx(2.293 / 1.980 - 1) and 0.15 < parts["profile_keep_drift"] < 0.16
+    assert parts["predicted_paired_step_s"] == plan["step_s"]
+    assert parts["plan_step_error"] == pytest.approx(-0.0469, abs=5e-4)
+    assert parts["profile_keep_drift"] == pytest.approx(0.0867, abs=5e-4)
+    # the two parts make the ratio's error: 1.088 predicted against 1.240 measured
+    ratio_error = (1 + parts["plan_step_error"]) / (1 + parts["profile_keep_drift"]) - 1
+    assert ratio_error == pytest.approx(-0.123, abs=5e-4)
 
 
 def test_a_step_is_its_microbatches_replays_and_missing_medians_give_nothing():
