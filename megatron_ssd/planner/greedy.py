@@ -82,8 +82,9 @@ class Greedy(FirstFit, ModuleMoves):
     # Each alternative costs one more search, run only when both tiers are there, and
     # under a budget only up to ``_EAGER_LAYERS`` layers: beyond, the search ended at the
     # same plan without it at 32 and 128 layers of the H200 check's layer (budgets 0.3, 0.5
-    # and 0.7 of keep's peak) and on 80 seeded 9-16-layer stages with both tiers, and it
-    # was 11-43% of a 128-layer search's time (docs/planner.md, "How the search is checked").
+    # and 0.7 of keep's peak), on 80 seeded 9-16-layer stages with both tiers and on the
+    # measured gpt-deep-cpu and gpt-ref-cpu profiles (budgets 0.3-0.8), and it was 11-43%
+    # of a 128-layer search's time (docs/planner.md, "How the search is checked").
 
     def fit_budget(self, budget: int, allow_recompute: bool) -> Optional[Choices]:
         """Greedy moves until the predicted peak fits ``budget``, then the clean-up; see
