@@ -11,9 +11,8 @@ cache applies and the planner models.
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass
-from typing import Hashable, Mapping, Optional, Sequence, Tuple, Union
+from typing import ClassVar, Dict, Hashable, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
 
 from .errors import ConfigError
 
@@ -21,22 +20,121 @@ __all__ = ["Placement", "MOVED", "EMBEDDING", "HEAD", "OUTSIDE", "RECOMPUTE_MODU
            "default_placement", "placement_named"]
 
 
-class Placement(str, enum.Enum):
-    """Where a layer's saved activations live between its forward and backward."""
+class _Placements(type):
+    """The class of :class:`Placement`: iterating it gives every placement, the built-in
+    ones first, then the tiers registered after them (:mod:`megatron_ssd.tier`)."""
 
-    KEEP = "keep"
+    def __iter__(cls) -> Iterator["Placement"]:
+        return iter(list(cls._by_value.values()))  # type: ignore[attr-defined]
+
+    def __len__(cls) -> int:
+        return len(cls._by_value)  # type: ignore[attr-defined]
+
+
+# NOTE [Open placements]
+# A placement is one interned string: ``Placement("host") is Placement.HOST``, a plan's
+# JSON and the config name it by its value, and the code compares placements with
+# ``is``. The four built-in ones are attributes of the class; a storage tier registered
+# later (``megatron_ssd.tier.register``, NOTE [Tiers] there) adds its own with
+# :meth:`Placement.define`, so a new tier needs no member added here. ``Placement(x)``
+# raises ValueError for a name no one defined, as an enum's lookup does; a placement
+# pickles and copies as its value and comes back as the same object.
+
+
+class Placement(str, metaclass=_Placements):
+    """Where a layer's saved activations live between its forward and backward: the
+    built-in ``KEEP``, ``OFFLOAD``, ``RECOMPUTE`` and ``HOST``, and one per storage tier
+    registered after them (NOTE [Open placements])."""
+
+    _by_value: ClassVar[Dict[str, "Placement"]] = {}
+
+    KEEP: ClassVar["Placement"]
     """Held in compute-device memory (what autograd does by default)."""
-    OFFLOAD = "offload"
+    OFFLOAD: ClassVar["Placement"]
     """Written to the SSD array during forward, read back before backward."""
-    RECOMPUTE = "recompute"
+    RECOMPUTE: ClassVar["Placement"]
     """Not saved: the layer's forward runs again during backward (checkpointing)."""
-    HOST = "host"
+    HOST: ClassVar["Placement"]
     """Copied into a bounded pool of host memory during forward (pinned on a GPU), copied
     back before backward: no SSD bandwidth or wear. On a CPU it saves nothing (the device
     already is host memory); ``offload.host_pool_bytes`` must be set to use it."""
 
+    def __new__(cls, value: object) -> "Placement":
+        if isinstance(value, Placement):
+            return value
+        found = cls._by_value.get(value) if isinstance(value, str) else None
+        if found is None:
+            raise ValueError(f"{value!r} is not a valid Placement")
+        return found
 
-MOVED = (Placement.OFFLOAD, Placement.HOST)
+    @classmethod
+    def define(cls, value: str) -> "Placement":
+        """The placement named ``value``, made once (NOTE [Open placements]).
+
+        Raises:
+            ValueError: ``value`` is not a lowercase name of letters, digits, ``-`` and
+                ``_``.
+        """
+        if value in cls._by_value:
+            return cls._by_value[value]
+        if not isinstance(value, str) or not value or not all(ch.isalnum() or ch in "-_" for ch in value) \
+                or value != value.lower():
+            raise ValueError(f"placement name {value!r}: must be lowercase letters, digits, '-' or '_'")
+        made = cls._by_value[value] = str.__new__(cls, value)
+        return made
+
+    @property
+    def value(self) -> str:
+        """Its name: what plans, the config and the reports write."""
+        return str.__str__(self)
+
+    @property
+    def name(self) -> str:
+        """Its name in capitals (``KEEP``), as the class attribute of a built-in one."""
+        return self.value.upper().replace("-", "_")
+
+    def __getnewargs__(self) -> Tuple[str]:
+        return (self.value,)
+
+    def __repr__(self) -> str:
+        return f"<Placement.{self.name}: {self.value!r}>"
+
+    def __str__(self) -> str:
+        return f"Placement.{self.name}"
+
+    def __format__(self, spec: str) -> str:
+        return format(str(self), spec)
+
+
+for _name in ("keep", "offload", "recompute", "host"):
+    setattr(Placement, _name.upper(), Placement.define(_name))
+
+
+class _Moved:
+    """The placements whose tensors leave compute-device memory between forward and
+    backward: OFFLOAD, HOST and every tier registered after them (NOTE [Open
+    placements]); ``in`` and iteration read the registry as it is now."""
+
+    def __contains__(self, placement: object) -> bool:
+        return placement is not None and placement in _MOVED
+
+    def __iter__(self) -> Iterator[Placement]:
+        return iter(list(_MOVED))
+
+    def __len__(self) -> int:
+        return len(_MOVED)
+
+    def add(self, placement: Placement) -> None:
+        """``placement`` moves its tensors (a storage tier's, ``megatron_ssd.tier``)."""
+        if placement not in _MOVED:
+            _MOVED.append(placement)
+
+    def __repr__(self) -> str:
+        return repr(tuple(_MOVED))
+
+
+_MOVED: List[Placement] = [Placement.OFFLOAD, Placement.HOST]
+MOVED = _Moved()
 """Placements whose tensors leave compute-device memory between forward and backward."""
 
 EMBEDDING = "embedding"
