@@ -30,6 +30,7 @@ LAYERS = {
     "megatron_ssd.units": 0,
     "megatron_ssd.placement": 0,
     "megatron_ssd.interruptible": 0,
+    "megatron_ssd.tier": 1,
     "megatron_ssd.ranks": 1,
     "megatron_ssd.peer_rule": 1,
     # the configuration (which names the peers' rules and bounds them by peer_rule's)
@@ -53,7 +54,7 @@ LAYERS = {
     "megatron_ssd.commands": 9,
 }
 PLANNER_MAY_IMPORT = {"megatron_ssd.config", "megatron_ssd.errors", "megatron_ssd.peer_rule", "megatron_ssd.placement",
-                      "megatron_ssd.units"}
+                      "megatron_ssd.tier", "megatron_ssd.units"}
 LIBRARY = ("megatron_ssd.cache", "megatron_ssd.io", "megatron_ssd.planner", "megatron_ssd.megatron")
 """The product packages: what a Megatron-LM job imports."""
 HARNESS = ("megatron_ssd.commands", "megatron_ssd.workloads")

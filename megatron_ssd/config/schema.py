@@ -250,6 +250,8 @@ def _coerce(cls_name: str, name: str, hint: Any, value: Any) -> Any:
     if origin in (dict, Dict, Mapping):
         if not isinstance(value, Mapping):
             raise _fail(cls_name, name, value, "must be a mapping")
+        if len(args) == 2 and dataclasses.is_dataclass(args[1]):  # a mapping of settings by name
+            return {k: _coerce(cls_name, f"{name}[{k!r}]", args[1], v) for k, v in value.items()}
         return dict(value)
     if hint is Any:
         return value

@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from ..placement import LayerChoice, Placement
+from ..tier import HOST_LINK, TIERS
 from .module_recompute import recomputed_layer
 from .profile import LayerProfile, StageProfile
 
@@ -163,6 +164,10 @@ class Floors:
     Args:
         stage: The measured stage.
         io: The rates the key is judged at (the derated ones).
+
+    ``slots`` are the tiers the rates price, the SSDs first, then the host pool, then the
+    tiers registered after them (NOTE [Tiers] in ``megatron_ssd/tier.py``): :meth:`bound`
+    takes one byte count and one first layer per slot.
     """
 
     def __init__(self, stage: StageProfile, io) -> None:
@@ -174,40 +179,49 @@ class Floors:
         """Per layer, the forward compute from it on."""
         m = stage.microbatches_in_flight or 1
         self.drain = stage.other_s > 0 or m == 1
-        self.channels: List[Tuple[float, float]] = []  # (write rate, read rate) per channel slot
-        w = io.write_bytes_per_s if io.drives_measured else None
+        order = [Placement.OFFLOAD, Placement.HOST] + [p for p in TIERS if p not in (Placement.OFFLOAD, Placement.HOST)]
+        self.slots: List[Placement] = [p for p in order if io.rates(p) is not None]
+        """The tiers priced, in the order :meth:`bound` takes their bytes."""
+        links: Dict[str, List[int]] = {}
+        for slot, p in enumerate(self.slots):
+            links.setdefault(TIERS[p].link, []).append(slot)
+        rates = [io.rates(p) for p in self.slots]
+        self.links = [(slots, max(rates[x].write_bytes_per_s for x in slots), max(rates[x].read_bytes_per_s for x in slots))
+                      for slots in links.values()]
+        """Per link: its tiers' slots, its write and read rates (the fastest of its tiers')."""
         h = io.host_bytes_per_s
-        self.ssd = (w, io.read_bytes_per_s) if w is not None else None
-        self.host = (h, h) if h is not None else None
-        self.shared = h is not None and io.shared_host_link
+        crossing = [x for x, p in enumerate(self.slots) if TIERS[p].crosses_host_link and TIERS[p].link != HOST_LINK]
+        host = [x for x, p in enumerate(self.slots) if TIERS[p].link == HOST_LINK]
+        self.crossing = (crossing, host, h) if h is not None and io.shared_host_link and crossing else None
+        """The slots whose bytes cross the host link, the host link's own, and its rate
+        (NOTE [Shared link] in ``step_timeline.py``); None: no shared link."""
 
     def _out(self, d: float, loads: Sequence[Tuple[float, float, float]]) -> float:
         return sum(max(0.0, x - rate * (window + d)) for x, rate, window in loads)
 
-    def bound(self, held: int, compute_s: float, ssd_bytes: int, host_bytes: int, first_ssd: int, first_host: int,
+    def bound(self, held: int, compute_s: float, moved: Sequence[int], first: Sequence[int],
               budget: Optional[int]) -> Tuple[int, int, float]:
         """The peak bound without the drain (valid for every d), the peak bound at d = 0,
         and the step bound (at the smallest d that meets
         ``budget``; inf where none does), for a plan holding ``held`` (weighted), of
-        compute ``compute_s`` (``other_s`` included), moving ``ssd_bytes`` to the drives
-        and ``host_bytes`` to the pool, the first such layers ``first_ssd`` and
-        ``first_host`` (-1: none)."""
+        compute ``compute_s`` (``other_s`` included), moving ``moved[x]`` bytes to the tier
+        of slot ``x``, the first such layer ``first[x]`` (-1: none)."""
         peak = self.fixed + held
         loads: List[Tuple[float, float, float]] = []
         reads = 0.0
-        if self.ssd is not None and ssd_bytes:
-            loads.append((ssd_bytes, self.ssd[0], self.forward_from[first_ssd] + self.other_s))
-            reads = max(reads, ssd_bytes / self.ssd[1])
-        if self.host is not None and host_bytes:
-            loads.append((host_bytes, self.host[0], self.forward_from[first_host] + self.other_s))
-            reads = max(reads, host_bytes / self.host[1])
-        if self.shared and ssd_bytes:
-            first = first_ssd if first_host < 0 else min(first_ssd, first_host)
-            carried = ssd_bytes + host_bytes
-            reads = max(reads, carried / self.host[1])  # type: ignore[index]
-            shared_load = [(carried, self.host[0], self.forward_from[first] + self.other_s)]  # type: ignore[index]
-        else:
-            shared_load = []
+        for slots, write, read in self.links:
+            carried = sum(moved[x] for x in slots)
+            if carried:
+                start = min(first[x] for x in slots if moved[x])
+                loads.append((carried, write, self.forward_from[start] + self.other_s))
+                reads = max(reads, carried / read)
+        shared_load: List[Tuple[float, float, float]] = []
+        if self.crossing is not None and any(moved[x] for x in self.crossing[0]):
+            slots, rate = self.crossing[0] + self.crossing[1], self.crossing[2]
+            carried = sum(moved[x] for x in slots)
+            start = min(first[x] for x in slots if moved[x])
+            reads = max(reads, carried / rate)
+            shared_load = [(carried, rate, self.forward_from[start] + self.other_s)]
         step = max(compute_s, self.forward_s + self.other_s + reads)
         if not self.drain or not loads:
             return peak, peak, (step if budget is None or peak <= budget else float("inf"))

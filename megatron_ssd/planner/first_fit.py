@@ -72,6 +72,8 @@ class FirstFit(Judge):
             self._first_fit(choices, Placement.HOST)
         if self.drives:  # what the pool could not take goes to the SSDs
             self._first_fit(choices, Placement.OFFLOAD)
+        for tier in self.extra_tiers:  # then to each tier registered after them (NOTE [Tiers] in tier.py)
+            self._first_fit(choices, tier)
         if not self.both_tiers:
             return self.without_idle_writes(choices)
         peaks = [self.judge(choices).peak_bytes, self.check(choices).peak_bytes]
@@ -90,6 +92,8 @@ class FirstFit(Judge):
         by_order: Choices = [_KEEP] * self.n  # the SSDs first, then the pool
         self._first_fit(by_order, Placement.OFFLOAD)
         self._first_fit(by_order, Placement.HOST)
+        for tier in self.extra_tiers:
+            self._first_fit(by_order, tier)
         by_order = self.without_idle_writes(by_order)
 
         def price(c: Choices) -> Tuple[int, int, int]:

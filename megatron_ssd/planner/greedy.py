@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from typing import List, Optional, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 from ..placement import MOVED, LayerChoice, Placement
 from .first_fit import _KEEP, FirstFit, _largest, _smallest
@@ -140,7 +140,7 @@ class Greedy(FirstFit, ModuleMoves):
         def moves(i: int) -> List[str]:
             layer = self.layer_at(i, choices[i])
             return _moves(choices[i], len(layer.sites), allow_recompute and layer.recomputable,
-                          self.host_budget_bytes > 0, self.drives, host_first
+                          self.host_budget_bytes > 0, self.drives, host_first, self.extra_tiers
                           ) + self._module_moves(i, choices[i], allow_recompute)
 
         def push_moves(i: int) -> None:
@@ -308,9 +308,8 @@ class Greedy(FirstFit, ModuleMoves):
         while changed:
             changed = False
             for i in range(self.n - 1, -1, -1):
-                for target in _weaker(choices[i].placement):
-                    if (target is Placement.OFFLOAD and not self.drives) or (
-                            target is Placement.HOST and not self.host_budget_bytes):
+                for target in _weaker(choices[i].placement, self.extra_tiers):
+                    if target is not Placement.KEEP and target not in self.tiers:
                         continue
                     trial = replaced(choices, i, LayerChoice(target, recompute=choices[i].recompute))
                     ttl = self.judge(trial)
@@ -371,15 +370,16 @@ class Greedy(FirstFit, ModuleMoves):
 
 
 def _moves(now: LayerChoice, site_count: int, allow_recompute: bool, allow_host: bool,
-           allow_offload: bool = True, host_first: bool = True) -> List[str]:
+           allow_offload: bool = True, host_first: bool = True, others: Sequence[Placement] = ()) -> List[str]:
     """The moves that make a layer hold fewer bytes, in the order that breaks a tie of
     scores (NOTE [Tier preference]): ``host`` and ``host-part`` (into the host pool, whole
     or a longer prefix of its sites, NOTE [Sites]; with ``allow_host``), ``offload`` and
     ``offload-part`` (the same onto the SSDs; with ``allow_offload``), the SSDs' first
-    without ``host_first``; then ``recompute``."""
+    without ``host_first``; the same for each tier of ``others`` (registered after them,
+    NOTE [Tiers] in ``tier.py``); then ``recompute``."""
     current, sites = now.placement, now.sites
     out = []
-    tiers = (Placement.HOST, Placement.OFFLOAD) if host_first else (Placement.OFFLOAD, Placement.HOST)
+    tiers = ((Placement.HOST, Placement.OFFLOAD) if host_first else (Placement.OFFLOAD, Placement.HOST)) + tuple(others)
     for target in tiers:
         if (target is Placement.HOST and not allow_host) or (target is Placement.OFFLOAD and not allow_offload):
             continue
@@ -394,14 +394,14 @@ def _moves(now: LayerChoice, site_count: int, allow_recompute: bool, allow_host:
 
 
 def _target_placement(move: str) -> Placement:
-    return Placement(move.split("-")[0])
+    return Placement(move[: -len("-part")] if move.endswith("-part") else move)
 
 
-def _weaker(current: Placement) -> List[Placement]:
+def _weaker(current: Placement, others: Sequence[Placement] = ()) -> List[Placement]:
     """Placements that hold more bytes than ``current``, KEEP first, then HOST before
-    OFFLOAD (NOTE [Tier preference])."""
+    OFFLOAD (NOTE [Tier preference]), then ``others``."""
     if current is Placement.RECOMPUTE:
-        return [Placement.KEEP, Placement.HOST, Placement.OFFLOAD]
+        return [Placement.KEEP, Placement.HOST, Placement.OFFLOAD, *others]
     if current in MOVED:
         return [Placement.KEEP]
     return []

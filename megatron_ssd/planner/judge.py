@@ -15,6 +15,7 @@ import dataclasses
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from ..placement import LayerChoice, Placement
+from ..tier import TIERS
 from .module_recompute import recomputed_layer, with_recompute
 from .profile import IOProfile, LayerProfile, StageProfile
 from .step_timeline import Timeline, predict
@@ -61,6 +62,21 @@ class Judge:
         :meth:`max_offload` (NOTE [Slowdown bound]); None: no bound."""
         self.host_budget_bytes = host_budget_bytes if stage.io.host_bytes_per_s is not None else 0
         """Bytes the host pool may hold for this stage (0: no HOST placement)."""
+        self.tier_budgets: Dict[Placement, int] = {Placement.HOST: self.host_budget_bytes}
+        """Per tier with a byte bound, the bytes it may hold for the stage's micro-batches
+        in flight: the host pool's, and each other tier's ``TierRates.budget_bytes``."""
+        for name, rates in stage.io.tiers.items():
+            if name in TIERS and rates.budget_bytes is not None:
+                self.tier_budgets[Placement(name)] = rates.budget_bytes
+        self.tiers = ([Placement.HOST] if self.host_budget_bytes else []) + (
+            [Placement.OFFLOAD] if stage.io.drives_measured else []) + [
+            p for p in TIERS if p not in (Placement.HOST, Placement.OFFLOAD) and stage.io.rates(p) is not None
+            and self.tier_budgets.get(p) != 0]
+        """The tiers a plan may use, in the search's order (NOTE [Tiers] in
+        ``megatron_ssd/tier.py``): the host pool with a budget, the SSDs once measured,
+        then each tier registered after them that the profile has rates for."""
+        self.extra_tiers = [p for p in self.tiers if p not in (Placement.HOST, Placement.OFFLOAD)]
+        """Those of :attr:`tiers` registered after the SSDs and the host pool."""
         self.drives = stage.io.drives_measured
         """Whether OFFLOAD may be chosen: only with the drives' bandwidths measured (NOTE
         [Unmeasured drives] in ``profile.py``)."""
@@ -94,9 +110,10 @@ class Judge:
         return self.max_write_bytes_per_s * self._shortest_step_s * (1 + 1e-9)
 
     def hosts_ok(self, tl: Timeline) -> bool:
-        """The host pool holds what ``tl`` hosts for every micro-batch in flight (NOTE
-        [Host tier])."""
-        return tl.hosted_bytes * (self.stage.microbatches_in_flight or 1) <= self.host_budget_bytes
+        """The host pool, and every other tier with a byte bound, holds what ``tl`` moves
+        to it for every micro-batch in flight (NOTE [Host tier])."""
+        m = self.stage.microbatches_in_flight or 1
+        return all(tl.moved_to(p) * m <= budget for p, budget in self.tier_budgets.items())
 
     def allowed(self, choices: Sequence[LayerChoice], tl: Timeline) -> bool:
         """Within the drive-wear limit and the host pool, and nothing forwarded."""

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from ..placement import LayerChoice, Placement
+from ..tier import DRIVES_LINK, HOST_LINK, TIERS
 from .choices import Floors, Option
 from .step_timeline import Timeline, predict
 
@@ -110,9 +111,12 @@ class LocalSearch:
         self.floors = Floors(self.stage, search.derated)
         self._held = [[w * o.held for o in opts] for w, opts in zip(self.floors.weights, self.options)]
         self._cost = [[o.compute_s + self._io_floor_s(o) for o in opts] for opts in self.options]
-        self._ssd = [[o.moved if o.placement is Placement.OFFLOAD else 0 for o in opts] for opts in self.options]
-        self._host = [[o.moved if o.placement is Placement.HOST else 0 for o in opts] for opts in self.options]
-        self._steady = search.derated.compute_slowdown == 0 and search.derated.host_compute_slowdown == 0
+        slot_of = {p: x for x, p in enumerate(self.floors.slots)}
+        self._slot = [[slot_of[o.placement] if o.moved else -1 for o in opts] for opts in self.options]
+        """Per layer and option, the slot of its tier in ``floors.slots`` (-1: moves nothing)."""
+        self._drive_slots = [x for x, p in enumerate(self.floors.slots) if TIERS[p].drives]
+        self._drive_tiers = [self.floors.slots[x] for x in self._drive_slots]
+        self._steady = all(not search.derated.rates(p).compute_slowdown for p in self.floors.slots)
         """Whether a hidden plan's forward runs at compute speed, so the drain bound holds
         at d = 0 under ``max_offload`` (NOTE [Drain and read floors])."""
         self._replayed = [[LayerChoice(o.placement, o.choice.sites, search.read_ahead) for o in opts]
@@ -151,14 +155,27 @@ class LocalSearch:
         io = self.search.derated
         if not option.moved or (self.stage.microbatches_in_flight or 1) > 1:
             return 0.0
-        s, h = io.compute_slowdown, io.host_compute_slowdown
-        if s >= h:
-            if option.placement is not Placement.OFFLOAD or not s:
-                return 0.0
-            return s / (1 + s) * (option.moved / io.write_bytes_per_s + option.moved / io.read_bytes_per_s)
-        if option.placement is Placement.HOST or (io.shared_host_link and option.placement is Placement.OFFLOAD):
-            return h / (1 + h) * 2 * option.moved / io.host_bytes_per_s
+        link, s = self._slowest_link
+        if not s:
+            return 0.0
+        tier, rates = TIERS[option.placement], io.rates(option.placement)
+        if tier.link == link:
+            return s / (1 + s) * (option.moved / rates.write_bytes_per_s + option.moved / rates.read_bytes_per_s)
+        if link == HOST_LINK and tier.crosses_host_link and io.shared_host_link:
+            return s / (1 + s) * 2 * option.moved / io.host_bytes_per_s
         return 0.0
+
+    @property
+    def _slowest_link(self) -> Tuple[str, float]:
+        """The link whose transfers slow compute most and that slowdown (the drives' on a
+        tie: NOTE [Tiers] in ``megatron_ssd/tier.py``)."""
+        io = self.search.derated
+        best = (DRIVES_LINK, io.compute_slowdown)
+        for link, s in [(HOST_LINK, io.host_compute_slowdown)] + [
+                (TIERS[Placement(name)].link, r.compute_slowdown) for name, r in io.tiers.items() if name in TIERS]:
+            if s > best[1]:
+                best = (link, s)
+        return best
 
     def _replay(self, index: Index, io=None) -> Timeline:
         if self.work_left <= 0:
@@ -173,7 +190,8 @@ class LocalSearch:
         """How far a plan that is not allowed is from being so: its forwarded layers, then
         the bytes over the host pool and over the drive-wear bound."""
         search = self.search
-        over = max(0, tl.hosted_bytes * (self.stage.microbatches_in_flight or 1) - search.host_budget_bytes)
+        m = self.stage.microbatches_in_flight or 1
+        over = sum(max(0, tl.moved_to(p) * m - budget) for p, budget in search.tier_budgets.items())
         excess = tl.offloaded_bytes - search.written_limit()
         over += max(1, int(excess)) if excess > 0 else 0
         return len(tl.forwarded), over
@@ -188,7 +206,7 @@ class LocalSearch:
         if known is not None:
             return known
         tl = self._replay(index, self.search.derated)
-        moved = (tl.offloaded_bytes, tl.offloaded_bytes + tl.hosted_bytes)
+        moved = (sum(tl.moved_to(p) for p in self._drive_tiers), sum(lt.moved_bytes for lt in tl.layers))
         violation = self._violation(tl)
         allowed = not any(violation)
         if allowed and (self.smallest_peak is None or tl.peak_bytes < self.smallest_peak):
@@ -213,20 +231,18 @@ class LocalSearch:
     def bounds(self, index: Index) -> Tuple[int, float]:
         """The plan's peak and step bounds for its goal (NOTE [Bounds before a replay],
         NOTE [Drain and read floors] in ``choices.py``)."""
-        held = ssd = host = 0
+        held = 0
         cost = 0.0
-        first_ssd = first_host = -1
+        moved = [0] * len(self.floors.slots)
+        first = [-1] * len(moved)
         for i, k in enumerate(index):
             held += self._held[i][k]
             cost += self._cost[i][k]
-            if self._ssd[i][k]:
-                ssd += self._ssd[i][k]
-                first_ssd = i if first_ssd < 0 else first_ssd
-            if self._host[i][k]:
-                host += self._host[i][k]
-                first_host = i if first_host < 0 else first_host
-        plain, drained, step = self.floors.bound(held, cost + self.stage.other_s, ssd, host, first_ssd, first_host,
-                                                 self.budget)
+            x = self._slot[i][k]
+            if x >= 0:
+                moved[x] += self.options[i][k].moved
+                first[x] = i if first[x] < 0 else first[x]
+        plain, drained, step = self.floors.bound(held, cost + self.stage.other_s, moved, first, self.budget)
         return (plain if self.budget is not None or not self._steady else drained), step
 
     def promising(self, index: Index, held: Trial) -> bool:
@@ -398,40 +414,46 @@ class LocalSearch:
         budget, floors, other_s = self.budget, self.floors, self.stage.other_s
         node_cost = 2.0  # a node's bounds, in a replay's units
 
-        def beaten(held_sum: int, cost_sum: float, ssd: int, host: int, first_ssd: int, first_host: int,
+        drive_slots = self._drive_slots
+
+        def beaten(held_sum: int, cost_sum: float, by_slot: Tuple[int, ...], first: Tuple[int, ...],
                    moved_sum: int) -> bool:
-            plain, drained, step = floors.bound(held_sum, cost_sum + other_s, ssd, host, first_ssd,
-                                                first_host, budget)
+            plain, drained, step = floors.bound(held_sum, cost_sum + other_s, by_slot, first, budget)
             key = self.best_seen.key  # type: ignore[union-attr]
+            drives = sum(by_slot[x] for x in drive_slots)
             if budget is not None:
                 if plain > budget or step == float("inf"):
                     return True
-                return (0, 0, round(step / self.quantum), ssd, moved_sum) >= key
+                return (0, 0, round(step / self.quantum), drives, moved_sum) >= key
             peak = drained if self._steady else plain
-            return (0, peak, plain, ssd, moved_sum) >= key  # no key below is smaller (measured: no drain bound)
+            return (0, peak, plain, drives, moved_sum) >= key  # no key below is smaller (measured: no drain bound)
 
-        def visit(d: int, prefix: List[int], held_sum: int, cost_sum: float, ssd: int, host: int, first_ssd: int,
-                  first_host: int, moved_sum: int) -> None:
+        def visit(d: int, prefix: List[int], held_sum: int, cost_sum: float, by_slot: Tuple[int, ...],
+                  first: Tuple[int, ...], moved_sum: int) -> None:
             for k in orders[d]:
                 self.work_left -= node_cost
                 if self.work_left <= 0:
                     raise _OutOfWork
-                h, c = held_sum + self._held[d][k], cost_sum + self._cost[d][k]
-                s, hb, mv = ssd + self._ssd[d][k], host + self._host[d][k], moved_sum + moved[d][k]
-                fs = d if first_ssd < 0 and self._ssd[d][k] else first_ssd
-                fh = d if first_host < 0 and self._host[d][k] else first_host
-                if beaten(h + suffix_held[d + 1], c + suffix_cost[d + 1], s, hb, fs, fh, mv):
+                h, c, mv = held_sum + self._held[d][k], cost_sum + self._cost[d][k], moved_sum + moved[d][k]
+                x = self._slot[d][k]
+                slots, firsts = by_slot, first
+                if x >= 0:
+                    slots = by_slot[:x] + (by_slot[x] + moved[d][k],) + by_slot[x + 1:]
+                    if first[x] < 0:
+                        firsts = first[:x] + (d,) + first[x + 1:]
+                if beaten(h + suffix_held[d + 1], c + suffix_cost[d + 1], slots, firsts, mv):
                     continue
                 prefix.append(k)
                 if d + 1 == n:
                     self.trial(tuple(prefix))
                 else:
-                    visit(d + 1, prefix, h, c, s, hb, fs, fh, mv)
+                    visit(d + 1, prefix, h, c, slots, firsts, mv)
                 prefix.pop()
 
         try:
             self.trial(held.index)
-            visit(0, [], 0, 0.0, 0, 0, -1, -1, 0)
+            none = (0,) * len(floors.slots)
+            visit(0, [], 0, 0.0, none, (-1,) * len(none), 0)
             done = True
         except _OutOfWork:
             done = False

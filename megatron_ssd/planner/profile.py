@@ -29,7 +29,7 @@ from ..config import _broken, _fail, _settle
 from ..placement import OUTSIDE, RECOMPUTE_MODULES, Placement, default_placement
 from ..errors import ConfigError
 
-__all__ = ["LayerId", "LayerProfile", "ModuleProfile", "IOProfile", "StageProfile", "uniform_stage"]
+__all__ = ["LayerId", "LayerProfile", "ModuleProfile", "IOProfile", "TierRates", "StageProfile", "uniform_stage"]
 
 LayerId = Union[str, int]
 """How a layer is named: its index in the stage or a module path."""
@@ -274,8 +274,37 @@ _MARGIN = Number(InRange(0, 1, hi_open=True))
 
 
 @dataclass
+class TierRates:
+    """Measured speed of one storage tier (NOTE [Tiers] in ``megatron_ssd/tier.py``), as
+    ``IOProfile.rates`` gives it for every tier."""
+
+    write_bytes_per_s: Annotated[float, Number(Positive())]
+    """Bytes per second moved to the tier (forward)."""
+    read_bytes_per_s: Annotated[float, Number(Positive())]
+    """Bytes per second moved back (backward)."""
+    compute_slowdown: Annotated[float, Number(NonNegative())] = 0.0
+    """Fractional slowdown of compute while a transfer of the tier is in flight."""
+    max_inflight_bytes: Optional[Annotated[int, Integer(Positive())]] = None
+    """A drive tier: most bytes of writes its engine holds queued or in flight (NOTE
+    [In-flight bound] in ``step_timeline.py``); None: no bound."""
+    budget_bytes: Optional[Annotated[int, Integer(NonNegative())]] = None
+    """Most bytes it may hold for the stage's micro-batches in flight; None: no bound
+    but the plan's."""
+
+    def __post_init__(self) -> None:
+        _settle(self)
+
+    def derated(self, margin: float) -> "TierRates":
+        """Rates times ``1 - margin``, the slowdown divided by it (``IOProfile.derated``)."""
+        return dataclasses.replace(self, write_bytes_per_s=self.write_bytes_per_s * (1 - margin),
+                                   read_bytes_per_s=self.read_bytes_per_s * (1 - margin),
+                                   compute_slowdown=self.compute_slowdown / (1 - margin))
+
+
+@dataclass
 class IOProfile:
-    """Measured speed of the SSD array as the I/O engine sees it."""
+    """Measured speed of the SSD array as the I/O engine sees it, of the host link, and of
+    any other storage tier registered (``tiers``; :meth:`rates` gives every tier's alike)."""
 
     write_bytes_per_s: Optional[Annotated[float, Number(Positive())]]
     """Sustained write bandwidth of the whole array, in bytes per second, measured with
@@ -323,8 +352,32 @@ class IOProfile:
     written from memory in place and a paced host tier (``offload.host_copy_bytes_per_s``)
     is a link of its own. Without ``host_bytes_per_s`` it has no effect."""
 
+    tiers: Dict[str, TierRates] = dataclasses.field(default_factory=dict)
+    """Rates of the storage tiers registered beyond the SSDs and the host pool
+    (``megatron_ssd.tier.register``), by tier name; a tier without rates here is not
+    planned with. Empty in profiles written before the field."""
+
     def __post_init__(self) -> None:
+        if not isinstance(self.tiers, Mapping) or not all(isinstance(v, (TierRates, Mapping)) for v in self.tiers.values()):
+            raise _broken(self, "tiers", "must be a mapping of tier names to TierRates fields")
+        self.tiers = {k: v if isinstance(v, TierRates) else from_dict(TierRates, v) for k, v in self.tiers.items()}
         _settle(self)
+
+    def rates(self, placement: Placement) -> Optional[TierRates]:
+        """A moved placement's rates, the same form for every tier: the SSDs' from
+        ``write_bytes_per_s``, ``read_bytes_per_s``, ``compute_slowdown`` and
+        ``max_inflight_bytes``; the host pool's from ``host_bytes_per_s`` (both ways) and
+        ``host_compute_slowdown``; another tier's from ``tiers``. None: not measured, so
+        not planned with."""
+        if placement is Placement.OFFLOAD:
+            if self.write_bytes_per_s is None or self.read_bytes_per_s is None:
+                return None
+            return TierRates(self.write_bytes_per_s, self.read_bytes_per_s, self.compute_slowdown,
+                             self.max_inflight_bytes)
+        if placement is Placement.HOST:
+            h = self.host_bytes_per_s
+            return None if h is None else TierRates(h, h, self.host_compute_slowdown)
+        return self.tiers.get(placement.value)
 
     def _check(self) -> None:
         """The drives' speed is known in both directions or not at all."""
@@ -353,7 +406,8 @@ class IOProfile:
                                    read_bytes_per_s=scaled(self.read_bytes_per_s),
                                    host_bytes_per_s=scaled(self.host_bytes_per_s),
                                    compute_slowdown=self.compute_slowdown / (1 - margin),
-                                   host_compute_slowdown=self.host_compute_slowdown / (1 - margin))
+                                   host_compute_slowdown=self.host_compute_slowdown / (1 - margin),
+                                   tiers={name: r.derated(margin) for name, r in self.tiers.items()})
 
 
 @dataclass

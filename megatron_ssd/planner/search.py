@@ -135,7 +135,7 @@ class PlacementSearch(Judge):
     # this search reaches). ``PlanRequest.search = "greedy"`` keeps step 1 alone.
 
     def _search(self, budget: Optional[int], allow_recompute: bool) -> Trial:
-        tiers = ([Placement.HOST] if self.host_budget_bytes else []) + ([Placement.OFFLOAD] if self.drives else [])
+        tiers = self.tiers
         options = [layer_options(layer, tiers, allow_recompute and budget is not None) for layer in self.stage.layers]
         local = LocalSearch(self, options, budget)
         greedy = Greedy(self.stage, self.derated, self.read_ahead, self.max_write_bytes_per_s, self.host_budget_bytes,

@@ -15,12 +15,13 @@ queue, link and compute of :mod:`~megatron_ssd.planner.queues`.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import List, Optional, Sequence, Tuple, Union
+from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 from ..placement import MOVED, LayerChoice, Placement
 from ..errors import ConfigError
+from ..tier import DRIVES_LINK, HOST_LINK, TIERS
 from .holds import account, account_gradients, parked_bytes
-from .profile import IOProfile, LayerId, LayerProfile, StageProfile
+from .profile import IOProfile, LayerId, LayerProfile, StageProfile, TierRates
 from .queues import EPS, Compute, DeviceQueue, Link, admitted, resident_peak
 from .sites import ReadAhead, read_ahead_list, site_read_aheads, site_list, site_write_ends, use_order, write_order
 
@@ -221,6 +222,8 @@ class Timeline:
     """When the last request completes (after ``step_s`` if I/O spills over)."""
     host_busy_s: float = 0.0
     """Time the host link spent copying (``Placement.HOST``, both ways)."""
+    tier_busy_s: Dict[str, float] = field(default_factory=dict)
+    """Per tier that moved bytes, by name, the time its transfers took, both ways."""
     write_wait_s: float = 0.0
     """Total time forward waited for the in-flight bound (NOTE [In-flight bound])."""
     memory: List[Tuple[float, int]] = field(default_factory=list)
@@ -255,6 +258,10 @@ class Timeline:
     def hosted_bytes(self) -> int:
         """Bytes copied into the host pool per micro-batch."""
         return sum(lt.moved_bytes for lt in self.layers if lt.placement is Placement.HOST)
+
+    def moved_to(self, placement: Placement) -> int:
+        """Bytes moved to ``placement``'s tier per micro-batch."""
+        return sum(lt.moved_bytes for lt in self.layers if lt.placement is placement)
 
 
 def predict(
@@ -306,6 +313,9 @@ def predict(
     if not io.drives_measured and Placement.OFFLOAD in placements:  # NOTE [Unmeasured drives] in profile.py
         raise ConfigError("placements: 'offload' needs the drives' measured bandwidths (IOProfile.write_bytes_per_s "
                           "and read_bytes_per_s are null: no profiling step moved a byte to the drives)")
+    unpriced = sorted(p.value for p in set(placements) if p in MOVED and io.rates(p) is None)
+    if unpriced:
+        raise ConfigError(f"placements: {unpriced[0]!r} needs its tier's rates (IOProfile.tiers[{unpriced[0]!r}])")
 
     replay = _Replay(stage, layers, io)
     for layer, placement, nbytes, k in zip(layers, placements, moved, counts):
@@ -326,47 +336,91 @@ def predict(
     return replay.timeline(placements, gap)
 
 
+@dataclass
+class _Path:
+    """How one tier's transfers go in a replay (NOTE [Tiers] in ``megatron_ssd/tier.py``)."""
+
+    queue: Union[DeviceQueue, Link]
+    """Its own link's queue: a drive array's FIFO queue or a copy link."""
+    rates: TierRates
+    """Its rates (derated where the search judges)."""
+    writing: Optional[List[Tuple[float, int]]]
+    """A bounded drive tier's (end, bytes) of writes maybe in flight, shared by the tiers
+    of its link (NOTE [In-flight bound]); None: no bound."""
+    crosses: Optional[Tuple[Link, float]]
+    """The link its bytes also cross and that link's rate (NOTE [Shared link]); None."""
+
+
 class _Replay:
     """One micro-batch of a stage replayed by :func:`predict`, an event kind per method:
     a layer's forward with its writes (:meth:`forward`), the head (:meth:`head`), the
     other micro-batches' I/O in a pipeline's wait (:meth:`pipeline_gap`), a site's read
     (:meth:`issue_read`), a layer's backward with its stalls (:meth:`backward`); then the
-    :class:`Timeline` (:meth:`timeline`). Between them it holds the clock (``t``), the
-    SSD array's queue and the host link with the compute they slow, the resident bytes'
-    events and the busy totals."""
+    :class:`Timeline` (:meth:`timeline`). Between them it holds the clock (``t``), each
+    link's queue (the SSD array's, the host link, and any other tier's) with the compute
+    they slow, the resident bytes' events and the busy totals."""
 
     def __init__(self, stage: StageProfile, layers: Sequence[LayerProfile], io: IOProfile) -> None:
         self.stage, self.layers, self.io = stage, layers, io
         self.queue, self.link = DeviceQueue(), Link()  # NOTE [Host tier], NOTE [Shared link]
-        self.shared = io.host_bytes_per_s is not None and io.shared_host_link
-        self.compute = Compute([(self.queue.busy, io.compute_slowdown), (self.link.busy, io.host_compute_slowdown)])
+        self.links: Dict[str, Union[DeviceQueue, Link]] = {DRIVES_LINK: self.queue, HOST_LINK: self.link}
+        slowdown = {DRIVES_LINK: io.compute_slowdown, HOST_LINK: io.host_compute_slowdown}
+        for placement, rates in io.tiers.items():  # tiers beyond the built-in two (NOTE [Tiers])
+            tier = TIERS.get(Placement(placement)) if placement in MOVED else None
+            if tier is None:
+                continue
+            if tier.link not in self.links:
+                self.links[tier.link] = DeviceQueue() if tier.drives else Link()
+            slowdown[tier.link] = max(slowdown.get(tier.link, 0.0), rates.compute_slowdown)
+        self.compute = Compute([(self.links[name].busy, s) for name, s in slowdown.items()])
+        self.paths: Dict[Placement, _Path] = {}
+        self.inflight: Dict[str, List[Tuple[float, int]]] = {}  # per drive link (NOTE [In-flight bound])
         self.events: List[Tuple[float, int, int]] = []  # (time, 0 = release / 1 = allocate, delta)
         self.uncounted: List[Tuple[float, float, int]] = []  # NOTE [What the cache counts] in holds.py
         self.out: List[LayerTimeline] = []
         self.write_busy = self.read_busy = self.host_busy = self.write_wait = self.exposed = 0.0
-        self.writing: List[Tuple[float, int]] = []  # (end, bytes) of SSD writes maybe in flight (NOTE [In-flight bound])
+        self.tier_busy: Dict[Placement, float] = {}
         self.t = self.head_start = 0.0
 
-    def channel(self, placement: Placement) -> Tuple[Union[DeviceQueue, Link], float, float]:
-        """The queue and the write and read bandwidths of a moved placement."""
-        io = self.io
-        if placement is Placement.HOST:
-            return self.link, io.host_bytes_per_s, io.host_bytes_per_s  # type: ignore[return-value]
-        return self.queue, io.write_bytes_per_s, io.read_bytes_per_s  # type: ignore[return-value]
+    def channel(self, placement: Placement) -> _Path:
+        """How a moved placement's transfers go, made once per replay."""
+        path = self.paths.get(placement)
+        if path is None:
+            io, tier = self.io, TIERS[placement]
+            rates = io.rates(placement)
+            queue = self.links[tier.link]
+            host = io.host_bytes_per_s
+            crosses = (self.link, host) if (tier.crosses_host_link and host is not None and io.shared_host_link
+                                            and tier.link != HOST_LINK) else None
+            bound = rates.max_inflight_bytes if tier.drives else None  # type: ignore[union-attr]
+            writing = self.inflight.setdefault(tier.link, []) if bound is not None else None
+            path = self.paths[placement] = _Path(queue, rates, writing, crosses)  # type: ignore[arg-type]
+        return path
 
-    def transfer(self, q: Union[DeviceQueue, Link], issue: float, nbytes: int, bandwidth: float) -> Tuple[float, float]:
-        """(start, end) of ``nbytes`` moved through ``q`` from ``issue`` on: a host copy on
-        the link; an SSD request on the array, and on a shared link across it too (NOTE
-        [Shared link])."""
-        link = self.link
-        if q is link:
-            return link.reserve(issue, nbytes / bandwidth)
-        start, end = self.queue.submit(issue, nbytes / bandwidth)
-        if self.shared:
-            crossed = link.reserve(start, nbytes / self.io.host_bytes_per_s)[1]  # type: ignore[operator]
+    def transfer(self, path: _Path, issue: float, nbytes: int, bandwidth: float) -> Tuple[float, float]:
+        """(start, end) of ``nbytes`` moved on ``path`` from ``issue`` on: on its own
+        link, and on a link it crosses too (NOTE [Shared link])."""
+        q = path.queue
+        if isinstance(q, Link):
+            start, end = q.reserve(issue, nbytes / bandwidth)
+        else:
+            start, end = q.submit(issue, nbytes / bandwidth)
+        if path.crosses is not None:
+            crossed = path.crosses[0].reserve(start, nbytes / path.crosses[1])[1]
             if crossed > end:  # the array waits for its bytes
-                end = self.queue.extend_to(crossed)
+                end = q.extend_to(crossed) if isinstance(q, DeviceQueue) else crossed
         return start, end
+
+    def busy(self, placement: Placement, seconds: float, write: bool) -> None:
+        """Add ``seconds`` of ``placement``'s transfers to the busy totals."""
+        if placement is Placement.OFFLOAD:
+            if write:
+                self.write_busy += seconds
+            else:
+                self.read_busy += seconds
+        elif placement is Placement.HOST:
+            self.host_busy += seconds
+        self.tier_busy[placement] = self.tier_busy.get(placement, 0.0) + seconds
 
     def hold(self, start: float, end: float, nbytes: int) -> None:
         if nbytes and end > start:
@@ -383,42 +437,40 @@ class _Replay:
         (NOTE [Write and read issue points]), each SSD write admitted under the in-flight
         bound (NOTE [In-flight bound]), and the compute they slow."""
         start = admitted_at = blocked = self.t
-        streamed = None
-        queue, link = self.queue, self.link
+        streamed = path = None
         moved = range(len(layer.sites) if k is None else k)
         if nbytes:
-            q, write_bw, _ = self.channel(placement)
-            bound = self.io.max_inflight_bytes
-            if q is queue and bound is not None:
+            path = self.channel(placement)
+            write_bw, writing = path.rates.write_bytes_per_s, path.writing
+            if writing is not None:
+                bound = path.rates.max_inflight_bytes
                 first = None
                 for s in write_order(layer, moved):  # NOTE [Site save times] in profile.py
                     size, share = layer.sites[s], layer.saved_at(s)
-                    admitted_at = admitted(self.writing, max(admitted_at, start + share * layer.forward_s), size, bound)
+                    admitted_at = admitted(writing, max(admitted_at, start + share * layer.forward_s), size, bound)
                     # a site saved at a known point blocks the rest of the forward until admitted
                     rest = (1.0 - share) * layer.forward_s if layer.site_save is not None else 0.0
                     blocked = max(blocked, admitted_at + rest)
-                    request = self.transfer(q, admitted_at, size, write_bw)
-                    self.writing.append((request[1], size))
+                    request = self.transfer(path, admitted_at, size, write_bw)
+                    writing.append((request[1], size))
                     first = request[0] if first is None else first
                 streamed = (first, request[1])
             else:
-                streamed = self.transfer(q, start, nbytes, write_bw)  # NOTE [Write and read issue points]
-            if q is queue:
-                self.write_busy += nbytes / write_bw
-            else:
-                self.host_busy += nbytes / write_bw
+                streamed = self.transfer(path, start, nbytes, write_bw)  # NOTE [Write and read issue points]
+            self.busy(placement, nbytes / write_bw, True)
         computed = self.compute.run(start, layer.forward_s)
         t = self.t = max(computed, blocked)
         lt = LayerTimeline(layer.layer_id, placement, start, t, 0.0, 0.0, moved_bytes=nbytes,
                            write_wait_s=t - computed)
         self.write_wait += lt.write_wait_s
-        if streamed is not None:
+        if streamed is not None and path is not None:
             lt.write_start = streamed[0]
-            ends = site_write_ends(layer, moved, streamed[0], start, computed, write_bw)
+            ends = site_write_ends(layer, moved, streamed[0], start, computed, path.rates.write_bytes_per_s)
             done = max(t, ends[-1][0]) if ends and layer.site_save is not None else t
-            end = lt.write_end = link.extend_to(done, streamed[1]) if q is link else queue.extend_to(done)
-            if self.writing and q is queue:  # the last site cannot complete before it is saved
-                self.writing[-1] = (end, self.writing[-1][1])
+            q = path.queue
+            end = lt.write_end = q.extend_to(done, streamed[1]) if isinstance(q, Link) else q.extend_to(done)
+            if path.writing:  # the last site cannot complete before it is saved
+                path.writing[-1] = (end, path.writing[-1][1])
             # NOTE [Memory accounting] in holds.py: each site leaves memory when written
             lt.site_writes = [(min(e, end), b) for e, b in ends[:-1]] + [(end, ends[-1][1])]
         self.out.append(lt)
@@ -436,22 +488,24 @@ class _Replay:
         """The 1F1B wait between the replayed micro-batch's forward and its backward, with
         the other micro-batches' I/O queued in it (NOTE [Pipeline micro-batches]) through
         :meth:`transfer` (NOTE [Shared link]); ``t`` moves past it."""
-        stage, layers, io, now = self.stage, self.layers, self.io, self.t
+        stage, layers, now = self.stage, self.layers, self.t
         m = stage.microbatches_in_flight or 1
         if m <= 1:
             return 0.0
         forward = sum(layer.forward_s for layer in layers)
         slot = forward + sum(layer.backward_s + (layer.recompute_time if p is Placement.RECOMPUTE else 0.0)
                              for layer, p in zip(layers, placements)) + stage.other_s
-        offloaded = sum(b for b, p in zip(moved, placements) if p is Placement.OFFLOAD)
-        hosted = sum(b for b, p in zip(moved, placements) if p is Placement.HOST)
+        by_tier: Dict[Placement, int] = {}
+        for b, p in zip(moved, placements):
+            if b:
+                by_tier[p] = by_tier.get(p, 0) + b
+        order = [p for p in (Placement.OFFLOAD, Placement.HOST) if p in by_tier] + [
+            p for p in by_tier if p not in (Placement.OFFLOAD, Placement.HOST)]
         for k in range(m - 1):
-            if offloaded:
-                self.transfer(self.queue, now + k * slot, offloaded, io.write_bytes_per_s)  # type: ignore[arg-type]
-                self.transfer(self.queue, now + k * slot + forward, offloaded, io.read_bytes_per_s)  # type: ignore[arg-type]
-            if hosted:
-                self.transfer(self.link, now + k * slot, hosted, io.host_bytes_per_s)  # type: ignore[arg-type]
-                self.transfer(self.link, now + k * slot + forward, hosted, io.host_bytes_per_s)  # type: ignore[arg-type]
+            for p in order:
+                path = self.channel(p)
+                self.transfer(path, now + k * slot, by_tier[p], path.rates.write_bytes_per_s)
+                self.transfer(path, now + k * slot + forward, by_tier[p], path.rates.read_bytes_per_s)
         gap = (m - 1) * slot
         self.t += gap
         return gap
@@ -466,18 +520,15 @@ class _Replay:
         if not lt.reads and lt.write_end > now + EPS:
             lt.forwarded = True  # NOTE [Forwarding]
             return
-        q, _, read_bw = self.channel(lt.placement)
+        path = self.channel(lt.placement)
+        read_bw = path.rates.read_bytes_per_s
         nbytes = self.layers[i].sites[s]
-        duration = nbytes / read_bw
-        start, end = self.transfer(q, now, nbytes, read_bw)
+        start, end = self.transfer(path, now, nbytes, read_bw)
         lt.reads.append(SiteRead(s, nbytes, now, start, end))
         if lt.read_issue is None:
             lt.read_issue, lt.read_start = now, start
         lt.read_end = end
-        if q is self.queue:
-            self.read_busy += duration
-        else:
-            self.host_busy += duration
+        self.busy(lt.placement, nbytes / read_bw, False)
 
     def backward(self, j: int) -> None:
         """Layer ``j``'s backward from ``t``, recompute included, waiting at each read's
@@ -521,8 +572,9 @@ class _Replay:
             parked_bytes=parked,
             write_busy_s=self.write_busy,
             read_busy_s=self.read_busy,
-            io_end_s=max(self.queue.free_at, self.link.free_at),
+            io_end_s=max(q.free_at for q in self.links.values()),
             host_busy_s=self.host_busy,
+            tier_busy_s={p.value: busy for p, busy in self.tier_busy.items()},
             write_wait_s=self.write_wait,
             memory=memory,
             uncounted=self.uncounted,

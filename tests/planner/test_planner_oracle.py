@@ -146,20 +146,17 @@ def test_the_bounds_hold_for_every_plan_of_small_stages(seed):
         layers = [o.layer for o in plan]
         derated = predict(stage, choices, io=search.derated, layers=layers)
         measured = predict(stage, choices, layers=layers)
-        ssd = sum(o.moved for o in plan if o.placement is Placement.OFFLOAD)
-        host = sum(o.moved for o in plan if o.placement is Placement.HOST)
-        first = lambda p: next((i for i, o in enumerate(plan) if o.placement is p and o.moved), -1)  # noqa: E731
+        moved = [sum(o.moved for o in plan if o.placement is p) for p in floors.slots]  # per tier, as it orders them
+        first = [next((i for i, o in enumerate(plan) if o.placement is p and o.moved), -1) for p in floors.slots]
         held = sum(w * o.held for w, o in zip(weights, plan))
         compute = stage.other_s + sum(o.compute_s for o in plan)
-        plain, drained, _ = floors.bound(held, compute, ssd, host, first(Placement.OFFLOAD), first(Placement.HOST),
-                                         None)
+        plain, drained, _ = floors.bound(held, compute, moved, first, None)
         assert plain <= min(derated.peak_bytes, measured.peak_bytes)
         assert compute <= derated.step_s * (1 + 1e-12)
         if search.derated.compute_slowdown == 0 == search.derated.host_compute_slowdown and not derated.write_wait_s:
             assert drained <= derated.peak_bytes
         for budget in (derated.peak_bytes, derated.peak_bytes + MiB) if not derated.forwarded else ():
-            _, _, step = floors.bound(held, compute, ssd, host, first(Placement.OFFLOAD), first(Placement.HOST),
-                                      budget)
+            _, _, step = floors.bound(held, compute, moved, first, budget)
             assert step <= derated.step_s * (1 + 1e-9) + 1e-12, (step, derated.step_s)
         checked += 1
     assert checked == len(list(itertools.product(*[every_choice(layer, tiers, True) for layer in stage.layers])))

@@ -40,7 +40,8 @@ def test_json_round_trip(tmp_path):
     assert data["layers"][1]["layer_id"] == "decoder.layers.1"
     assert data["io"] == {"write_bytes_per_s": 1e9, "read_bytes_per_s": 2e9, "compute_slowdown": 0.3,
                           "host_bytes_per_s": 25e9, "host_compute_slowdown": 0.0, "max_inflight_bytes": None,
-                          "shared_host_link": True}
+                          "shared_host_link": True, "tiers": {}}
+    del data["io"]["tiers"]  # a profile written before the field: no tier beyond the SSDs and the host pool
     del data["io"]["host_compute_slowdown"]  # a profile written before the field: host copies priced at nothing
     del data["io"]["max_inflight_bytes"]  # a profile written before the field loads, unbounded
     del data["io"]["shared_host_link"]  # ... and before this one, on a shared link (NOTE [Shared link])

@@ -1,0 +1,112 @@
+"""Storage tiers: the places saved tensors go between forward and backward, as values.
+
+A :class:`Tier` names its placement and says how its transfers queue (its link, whether
+it is a drive array with an in-flight bound and wear, which other link its bytes cross).
+Its rates are measured per run and live in the stage's ``IOProfile``, keyed by the tier's
+name (``IOProfile.rates``). The planner searches over :func:`tiers` in their order, and
+the timeline queues each tier's transfers by its :class:`Tier`, so a tier registered
+with :func:`register` is priced and chosen by cost like the built-in two::
+
+    slow = register(Tier("slow-ssd", "the slower drive group", link="slow-ssd", drives=True))
+    stage.io.tiers["slow-ssd"] = TierRates(write_bytes_per_s=2e8, read_bytes_per_s=3e8)
+
+Pure: no torch, no I/O.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, List
+
+from .placement import MOVED, Placement
+
+__all__ = ["Tier", "TIERS", "register", "tier_of", "tiers", "DRIVES_LINK", "HOST_LINK"]
+
+DRIVES_LINK = "drives"
+"""The SSD array's queue."""
+HOST_LINK = "host"
+"""The host link: the host tier's copies, and on a GPU the SSDs' bytes too (NOTE [Shared
+link] in ``planner/step_timeline.py``)."""
+
+
+# NOTE [Tiers]
+# A tier is one value: its name (its placement's, and its key in the profile's rates,
+# the plan's JSON and the reports), its title, the link its transfers take and what kind
+# of queue that is. Tiers naming one link share it: one transfer at a time, the compute
+# slowdown of the busiest. A drive array (``drives``) queues its requests first come,
+# first served, holds its writes under the engine's in-flight bound and counts toward
+# drive wear; any other tier is a copy link, each transfer taking the earliest idle span
+# long enough (NOTE [Host tier] in ``planner/step_timeline.py``). A tier that
+# ``crosses_host_link`` also occupies the host link for its bytes where the profile says
+# the links are shared (``IOProfile.shared_host_link``: the SSDs' bytes cross a GPU's PCIe
+# link to the host). Drive wear is the SSDs' own (``planner.drive_tbw_bytes``).
+# The order of :data:`TIERS` is the search's preference on equal cost (NOTE [Tier
+# preference] in ``planner/greedy.py``): the host pool, the SSDs, then tiers in the order
+# registered.
+
+
+@dataclass(frozen=True)
+class Tier:
+    """A storage tier (NOTE [Tiers])."""
+
+    name: str
+    """Its placement's name (``offload``, ``host``): the plan's JSON, the config's planner
+    modes and the reports write it; lowercase letters, digits, ``-`` and ``_``."""
+    title: str
+    """What the tables call it (``the SSDs``)."""
+    link: str
+    """The link its transfers queue on; tiers naming one link share it."""
+    drives: bool = False
+    """A drive array: its requests queue first come, first served under its engine's
+    in-flight bound (``TierRates.max_inflight_bytes``), and a plan's tie of step times
+    goes to the plan writing fewer bytes to drive tiers."""
+    crosses_host_link: bool = False
+    """Its bytes also cross the host link where ``IOProfile.shared_host_link`` is true
+    (the SSDs' bytes on a GPU: NOTE [Shared link] in ``planner/step_timeline.py``)."""
+    placement: Placement = field(init=False, compare=False, repr=False)
+    """Its placement (made from ``name``)."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "placement", Placement.define(self.name))
+
+
+TIERS: Dict[Placement, Tier] = {}
+"""Every tier by placement, in the search's order of preference (NOTE [Tiers])."""
+
+
+def register(tier: Tier) -> Tier:
+    """Add ``tier`` after the ones there (its placement moves tensors from now on); the
+    same tier again is a no-op.
+
+    Raises:
+        ValueError: another tier has its name, or it names a built-in placement that
+            does not move tensors (``keep``, ``recompute``).
+    """
+    known = TIERS.get(tier.placement)
+    if known is not None:
+        if known != tier:
+            raise ValueError(f"tier {tier.name!r}: another tier has that name ({known.title})")
+        return known
+    if tier.placement in (Placement.KEEP, Placement.RECOMPUTE):
+        raise ValueError(f"tier {tier.name!r}: the name of a placement that keeps its tensors")
+    TIERS[tier.placement] = tier
+    MOVED.add(tier.placement)
+    return tier
+
+
+def tier_of(placement: Placement) -> Tier:
+    """The tier of a moved placement.
+
+    Raises:
+        KeyError: ``placement`` is no tier's.
+    """
+    return TIERS[placement]
+
+
+def tiers() -> List[Tier]:
+    """Every tier, in the order of :data:`TIERS`."""
+    return list(TIERS.values())
+
+
+register(Tier("host", "the host pool", link=HOST_LINK))
+register(Tier("offload", "the SSDs", link=DRIVES_LINK, drives=True, crosses_host_link=True))
