@@ -68,8 +68,10 @@ class Placement(str, metaclass=_Placements):
         return found
 
     @classmethod
-    def define(cls, value: str) -> "Placement":
-        """The placement named ``value``, made once (NOTE [Open placements]).
+    def define(cls, value: str, named: bool = True) -> "Placement":
+        """The placement named ``value``, made once (NOTE [Open placements]); with
+        ``named`` false, not yet found by its name (a tier's until it is registered:
+        :meth:`adopt`).
 
         Raises:
             ValueError: ``value`` is not a lowercase name of letters, digits, ``-`` and
@@ -80,8 +82,22 @@ class Placement(str, metaclass=_Placements):
         if not isinstance(value, str) or not value or not all(ch.isalnum() or ch in "-_" for ch in value) \
                 or value != value.lower():
             raise ValueError(f"placement name {value!r}: must be lowercase letters, digits, '-' or '_'")
-        made = cls._by_value[value] = str.__new__(cls, value)
+        made = str.__new__(cls, value)
+        if named:
+            cls._by_value[value] = made
         return made
+
+    @classmethod
+    def adopt(cls, placement: "Placement") -> None:
+        """Find ``placement`` by its name from now on (a tier's, when it is registered)."""
+        cls._by_value.setdefault(placement.value, placement)
+
+    @classmethod
+    def forget(cls, value: str) -> None:
+        """Drop a placement :meth:`define` made for a tier that is gone
+        (``megatron_ssd.tier.unregister``); the built-in four stay."""
+        if value not in ("keep", "offload", "recompute", "host"):
+            cls._by_value.pop(value, None)
 
     @property
     def value(self) -> str:
@@ -128,6 +144,11 @@ class _Moved:
         """``placement`` moves its tensors (a storage tier's, ``megatron_ssd.tier``)."""
         if placement not in _MOVED:
             _MOVED.append(placement)
+
+    def discard(self, placement: Placement) -> None:
+        """``placement`` no longer names a tier (``megatron_ssd.tier.unregister``)."""
+        if placement in _MOVED[2:]:
+            _MOVED.remove(placement)
 
     def __repr__(self) -> str:
         return repr(tuple(_MOVED))

@@ -20,7 +20,7 @@ from typing import Dict, List
 
 from .placement import MOVED, Placement
 
-__all__ = ["Tier", "TIERS", "register", "tier_of", "tiers", "DRIVES_LINK", "HOST_LINK"]
+__all__ = ["Tier", "TIERS", "register", "unregister", "tier_of", "tiers", "DRIVES_LINK", "HOST_LINK"]
 
 DRIVES_LINK = "drives"
 """The SSD array's queue."""
@@ -67,7 +67,7 @@ class Tier:
     """Its placement (made from ``name``)."""
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "placement", Placement.define(self.name))
+        object.__setattr__(self, "placement", Placement.define(self.name, named=False))  # named when registered
 
 
 TIERS: Dict[Placement, Tier] = {}
@@ -89,9 +89,20 @@ def register(tier: Tier) -> Tier:
         return known
     if tier.placement in (Placement.KEEP, Placement.RECOMPUTE):
         raise ValueError(f"tier {tier.name!r}: the name of a placement that keeps its tensors")
+    Placement.adopt(tier.placement)
     TIERS[tier.placement] = tier
     MOVED.add(tier.placement)
     return tier
+
+
+def unregister(tier: Tier) -> None:
+    """Remove a tier :func:`register` added, and its placement (a test's tier); the
+    SSDs and the host pool stay."""
+    if tier.placement in (Placement.OFFLOAD, Placement.HOST) or TIERS.get(tier.placement) != tier:
+        return
+    del TIERS[tier.placement]
+    MOVED.discard(tier.placement)
+    Placement.forget(tier.name)
 
 
 def tier_of(placement: Placement) -> Tier:

@@ -31,6 +31,7 @@ from megatron_ssd.planner.module_recompute import recomputed_layer
 from megatron_ssd.planner.profile import IOProfile, LayerProfile, ModuleProfile, StageProfile
 from megatron_ssd.planner.search import PlacementSearch
 from megatron_ssd.planner.step_timeline import Timeline, predict
+from megatron_ssd.tier import TIERS
 
 __all__ = ["Case", "Optimum", "every_choice", "optimum", "random_stage", "random_case", "cycled", "MiB"]
 
@@ -108,7 +109,7 @@ def optimum(case: Case, tiers: Optional[Sequence[Placement]] = None) -> Optimum:
     stage = search.stage
     budget = case.budget()
     if tiers is None:
-        tiers = ([Placement.HOST] if search.host_budget_bytes else []) + ([Placement.OFFLOAD] if search.drives else [])
+        tiers = search.tiers  # the host pool, the SSDs, then any tier registered after them
     recompute = case.allow_recompute and budget is not None  # max_offload moves bytes, it recomputes nothing
     per_layer = [every_choice(layer, tiers, recompute) for layer in stage.layers]
     derived: Dict[Tuple[int, Tuple[str, ...]], LayerProfile] = {}
@@ -138,16 +139,22 @@ def optimum(case: Case, tiers: Optional[Sequence[Placement]] = None) -> Optimum:
             measured = predict(stage, replayed, layers=layers)
             if not search.within_bound(measured):
                 continue
-            key = (tl.peak_bytes, measured.peak_bytes, tl.offloaded_bytes, tl.offloaded_bytes + tl.hosted_bytes)
+            key = (tl.peak_bytes, measured.peak_bytes) + _moved(tl, tiers)
         else:
             if tl.peak_bytes > budget or predict(stage, replayed, layers=layers).peak_bytes > budget:
                 continue
-            key = (tl.step_s, tl.offloaded_bytes, tl.offloaded_bytes + tl.hosted_bytes)
+            key = (tl.step_s,) + _moved(tl, tiers)
         if best_key is None or key < best_key:
             best_key, best = key, (tuple(choices), tl)
     if best is None:
         return Optimum(None, None, None, plans, judged)
     return Optimum(best[0], best[1].step_s, best[1].peak_bytes, plans, judged)
+
+
+def _moved(tl: Timeline, tiers: Sequence[Placement]) -> Tuple[int, int]:
+    """Bytes a plan writes to drive tiers (the SSDs, and any tier registered as drives),
+    and all it moves: the search's tie-breaks after the step or peak."""
+    return (sum(tl.moved_to(p) for p in tiers if TIERS[p].drives), sum(lt.moved_bytes for lt in tl.layers))
 
 
 def _allowed(search: PlacementSearch, layers: Sequence[LayerProfile], choices: Sequence[LayerChoice],

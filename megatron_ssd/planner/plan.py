@@ -31,6 +31,7 @@ from .module_recompute import with_recompute
 from .search import (GOAL_CAPACITY, GOAL_MAX_OFFLOAD, GOAL_MEMORY_BUDGET, Choices, PlacementSearch,
                      PlanInfeasibleError, replay)
 from .step_timeline import Timeline, predict
+from ..tier import tiers
 from ..units import MiB
 
 __all__ = [
@@ -231,6 +232,10 @@ class Plan:
         """Bytes copied into the host pool per micro-batch (HOST layers)."""
         return sum(lp.moved for lp in self.layers if lp.placement is Placement.HOST)
 
+    def moved_to(self, placement: Placement) -> int:
+        """Bytes moved to ``placement``'s tier per micro-batch."""
+        return sum(lp.moved for lp in self.layers if lp.placement is placement)
+
     @property
     def host_pool_bytes(self) -> int:
         """Host-pool bytes the plan holds at its peak: one micro-batch's hosted bytes for
@@ -330,6 +335,10 @@ class Plan:
         if self.hosted_bytes:
             rows.append(f"host pool {self.host_pool_bytes / MiB:.1f} MiB of "
                         f"{(self.request.host_budget_bytes or 0) / MiB:.1f} MiB ({self.hosted_bytes / MiB:.1f} MiB per micro-batch)")
+        for tier in tiers():  # the tiers registered after the SSDs and the host pool (NOTE [Tiers])
+            moved = self.moved_to(tier.placement) if tier.placement not in (Placement.OFFLOAD, Placement.HOST) else 0
+            if moved:
+                rows.append(f"{tier.name} ({tier.title}) {moved / MiB:.1f} MiB per micro-batch")
         if self.request.max_write_bytes_per_s is not None:
             rows.append(
                 f"SSD writes {self.write_bytes_per_s / 1e6:.1f} MB/s of the {self.request.max_write_bytes_per_s / 1e6:.1f} MB/s "
@@ -414,8 +423,8 @@ def _build(
 ) -> Plan:
     layers = []
     for layer, lt, choice in zip(with_recompute(stage, choices).layers, tl.layers, choices):
-        bandwidth = stage.io.host_bytes_per_s if lt.placement is Placement.HOST else stage.io.write_bytes_per_s
-        write_s = 0.0 if lt.write_end is None else lt.moved_bytes / bandwidth  # type: ignore[operator]
+        rates = stage.io.rates(lt.placement) if lt.placement in MOVED else None
+        write_s = 0.0 if lt.write_end is None or rates is None else lt.moved_bytes / rates.write_bytes_per_s
         read_s = 0.0 if lt.read_end is None else lt.read_end - lt.read_start
         layers.append(
             LayerPlan(

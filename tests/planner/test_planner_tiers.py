@@ -1,0 +1,100 @@
+"""A storage tier added in this file alone, planned with (NOTE [Tiers] in ``megatron_ssd/tier.py``).
+
+A second, slower drive group is registered here as a ``Tier`` and given rates in the
+stage's ``IOProfile.tiers``: no other file names it. The search places bytes on it by
+cost (only where it hides what the SSDs cannot, or costs less step time than they do),
+reaches the exhaustive oracle's optimum with three tiers on seeded random stages, and a
+plan using it round-trips through JSON and prints it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import pytest
+
+from megatron_ssd.placement import MOVED, LayerChoice, Placement
+from megatron_ssd.planner.plan import Plan, PlanRequest, make_plan
+from megatron_ssd.planner.profile import IOProfile, LayerProfile, StageProfile, TierRates
+from megatron_ssd.planner.step_timeline import predict
+from megatron_ssd.tier import TIERS, Tier, register, unregister
+from megatron_ssd_lab.planner_oracle import random_case
+
+from test_planner_oracle import check_against_oracle
+
+MiB = 1 << 20
+SLOW = Tier("slow-ssd", "a slower drive group", link="slow-ssd", drives=True)
+
+
+@pytest.fixture(autouse=True)
+def slow_tier():
+    """The tier, registered for each test and removed after it (the registry is global)."""
+    register(SLOW)
+    yield SLOW.placement
+    unregister(SLOW)
+
+
+def _stage(layers: int = 6, ssd: float = 400e6, slow: float = 300e6, slow_slowdown: float = 0.0,
+           ssd_slowdown: float = 0.0) -> StageProfile:
+    """Layers of 32 MiB saved in 4 sites, 40 ms forward, 80 ms backward; the SSDs and the
+    slower group each writing at the given rate (reads 1.5x)."""
+    sites = [8 * MiB] * 4
+    out = [LayerProfile(i, 0.04, 0.08, sum(sites), boundary_bytes=MiB, site_bytes=sites,
+                        site_use=[0.9, 0.6, 0.3, 0.1]) for i in range(layers)]
+    io = IOProfile(ssd, ssd * 1.5, compute_slowdown=ssd_slowdown,
+                   tiers={SLOW.name: TierRates(slow, slow * 1.5, compute_slowdown=slow_slowdown)})
+    return StageProfile(layers=out, io=io, other_s=0.01, head_bytes=4 * MiB)
+
+
+def test_the_tier_is_a_placement_while_registered():
+    assert Placement("slow-ssd") is SLOW.placement and SLOW.placement in MOVED
+    assert TIERS[SLOW.placement] is SLOW
+    assert LayerChoice.from_dict(0, {"placement": "slow-ssd", "sites": 2, "read_ahead": 1}).placement is SLOW.placement
+
+
+def test_a_second_drive_group_hides_what_the_ssds_alone_cannot():
+    """Two queues carry twice the bytes: the lowest hidden peak uses both tiers, and is
+    lower than the SSDs' alone."""
+    stage = _stage()
+    both = make_plan(stage)
+    alone = make_plan(dataclasses.replace(stage, io=dataclasses.replace(stage.io, tiers={})))
+    assert SLOW.placement in both.placements and Placement.OFFLOAD in both.placements
+    assert SLOW.placement not in alone.placements
+    assert both.peak_activation_bytes < alone.peak_activation_bytes
+    assert both.exposed_s == 0.0
+    assert both.moved_to(SLOW.placement) > 0
+    assert f"slow-ssd (a slower drive group) {both.moved_to(SLOW.placement) / MiB:.1f} MiB per micro-batch" \
+        in both.table()
+
+
+@pytest.mark.parametrize("ssd_slowdown, slow_slowdown, chosen", [(0.5, 0.0, "slow-ssd"), (0.0, 0.5, "offload")])
+def test_under_a_budget_the_tier_that_costs_less_step_time_carries_the_bytes(ssd_slowdown, slow_slowdown, chosen):
+    """Where each tier alone could carry what the budget needs, the one whose transfers
+    slow compute less carries it: the placement is chosen by cost, not by name."""
+    stage = _stage(layers=4, ssd=2e9, slow=2e9, ssd_slowdown=ssd_slowdown, slow_slowdown=slow_slowdown)
+    keep = predict(stage, [Placement.KEEP] * 4).peak_bytes
+    plan = make_plan(stage, PlanRequest(memory_budget=int(0.8 * keep), allow_recompute=False))
+    moved = {p.value for p in plan.placements if p in MOVED}
+    assert moved == {chosen}, plan.table()
+
+
+def test_a_plan_on_the_tier_round_trips_through_json():
+    plan = make_plan(_stage())
+    again = Plan.from_json(plan.to_json())
+    assert again.placements == plan.placements and SLOW.placement in again.placements
+    assert StageProfile.from_json(_stage().to_json()).io.tiers == {SLOW.name: _stage().io.tiers[SLOW.name]}
+
+
+@pytest.mark.parametrize("seed", range(24))
+def test_the_search_finds_the_oracles_plan_with_three_tiers(seed):
+    """The exhaustive oracle over every choice on three tiers (the host pool, the SSDs and
+    the slower group) agrees with the search on seeded random stages of 2 and 3 layers."""
+    rng = random.Random(5000 + seed)
+    case = random_case(rng, layers=2 + seed % 2)
+    io = case.stage.io
+    rates = TierRates(io.write_bytes_per_s * rng.uniform(0.2, 1.0), io.read_bytes_per_s * rng.uniform(0.2, 1.0),
+                      compute_slowdown=rng.choice([0.0, io.compute_slowdown, 0.5]),
+                      max_inflight_bytes=rng.choice([None, 8 * MiB]))
+    stage = dataclasses.replace(case.stage, io=dataclasses.replace(io, tiers={SLOW.name: rates}))
+    check_against_oracle(dataclasses.replace(case, stage=stage))
