@@ -19,14 +19,14 @@ import dataclasses
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 from .cache.memory_cap import WorkingSet, capacity_under_cap
 from .cache.tensor_cache import TensorCache
 from .config import FIXED_MODES, PlannerConfig
 from .placement import HEAD, OUTSIDE, Placement
 from .planner.drift import DriftDetector
-from .planner.measured_profile import stage_from_stats, with_layer_peaks
+from .planner.measured_profile import stage_from_stats, with_layer_peaks, with_probed_tiers
 from .planner.measurement import StepMeasurement
 from .planner.plan import Plan, PlanRequest, make_plan
 from .planner.profile import StageProfile
@@ -34,7 +34,7 @@ from .planner.drives import write_limit_for
 from .planner.holds import rerun_working_bytes
 from .io.cuda import CUDA, CudaOps
 from .io.rundir import check_space_for_plan
-from .profiling import measure_host_bandwidth, profile_schedule
+from .profiling import measure_host_bandwidth, probe_tiers, profile_schedule
 from .units import gib
 
 __all__ = ["AdaptivePlanner", "PlanEvent"]
@@ -267,6 +267,7 @@ class AdaptivePlanner:
         self._steps_seen = 0
         self._microbatches = 1
         self._host_bw: Optional[float] = None
+        self._probed: Dict[str, Tuple[float, float]] = {}  # NOTE [Probed tiers] in profiling.py
         self.profiles_host = self.host_budget() is not None
         """Whether the profile measures HOST steps too (the plan may use a host pool)."""
         self._schedule = profile_schedule(config, host=self.profiles_host)
@@ -468,6 +469,8 @@ class AdaptivePlanner:
             profile = profile.with_io(dataclasses.replace(
                 profile.io, host_bytes_per_s=profile.io.host_bytes_per_s or self.host_bandwidth(),
                 shared_host_link=self.cache.device.type == "cuda"))
+        if self.cache.tiers.others:  # NOTE [Probed tiers] in profiling.py
+            profile = with_probed_tiers(profile, probe_tiers(self.cache.tiers.others, self._probed))
         self.profile = profile
         started = time.perf_counter()
         plan = make_plan(profile, PlanRequest(  # PlanInfeasibleError propagates: the budget cannot be met

@@ -7,8 +7,9 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 import torch
 
@@ -16,7 +17,8 @@ from .config import PlannerConfig
 from .errors import ConfigError
 from .placement import Placement
 
-__all__ = ["ProfileCounts", "ProfileStep", "measure_host_bandwidth", "profile_counts", "profile_schedule"]
+__all__ = ["ProfileCounts", "ProfileStep", "measure_host_bandwidth", "probe_tiers", "profile_counts", "profile_schedule",
+           "PROBE_BYTES"]
 
 # NOTE [Profiling steps]
 # ``auto`` measures two kinds of steps after warm-up: KEEP steps give each layer's compute
@@ -128,3 +130,43 @@ def measure_host_bandwidth(device: torch.device, nbytes: int = 256 << 20, repeat
             end.synchronize()
             best[name] = min(best[name], start.elapsed_time(end) / 1e3)
     return nbytes / max(best.values())
+
+
+# NOTE [Probed tiers]
+# A tier registered after the SSDs and the host pool (NOTE [Tiers] in ``tier.py``) is
+# measured once, before the cache's first plan, by a probe through its own store's
+# engine: ``PROBE_BYTES`` written and read back into a buffer of the engine's, the best
+# of two of each, the bytes compared. Its rates are what its engine achieves alone; the
+# compute slowdown its transfers cause is not probed (``planner/measured_profile.py``,
+# ``with_probed_tiers``, prices a drive tier's at the SSDs' measured one).
+
+PROBE_BYTES = 16 << 20
+"""Bytes each probe of a tier writes and reads back."""
+
+
+def probe_tiers(stores: Mapping[Any, Any], probed: Dict[str, Tuple[float, float]]) -> Dict[str, Tuple[float, float]]:
+    """``probed`` with each store's tier not in it yet probed (NOTE [Probed tiers]): per
+    tier name, its (write, read) bytes per second.
+
+    Raises:
+        ConfigError: a probe's bytes did not come back as written.
+    """
+    for placement, store in stores.items():
+        name = placement.value
+        if name in probed:
+            continue
+        engine, data = store.engine, torch.randint(0, 256, (PROBE_BYTES,), dtype=torch.uint8)
+        best = [float("inf"), float("inf")]
+        for _ in range(2):
+            started = time.perf_counter()
+            handle = engine.write(data, block=True).get()
+            best[0] = min(best[0], time.perf_counter() - started)
+            dst = engine.alloc(PROBE_BYTES, torch.device("cpu"), handle)
+            started = time.perf_counter()
+            engine.read(handle, dst).get()
+            best[1] = min(best[1], time.perf_counter() - started)
+            engine.free(handle)
+            if not torch.equal(dst[:PROBE_BYTES], data):
+                raise ConfigError(f"tier {name}: its probe read back other bytes than it wrote")
+        probed[name] = (PROBE_BYTES / max(best[0], 1e-9), PROBE_BYTES / max(best[1], 1e-9))
+    return probed

@@ -16,7 +16,7 @@ Pure: no torch, no I/O.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List
+from typing import Any, Callable, Dict, List, Optional
 
 from .placement import MOVED, Placement
 
@@ -63,6 +63,12 @@ class Tier:
     crosses_host_link: bool = False
     """Its bytes also cross the host link where ``IOProfile.shared_host_link`` is true
     (the SSDs' bytes on a GPU: NOTE [Shared link] in ``planner/step_timeline.py``)."""
+    open_store: Optional[Callable[[Any, str], Any]] = field(default=None, compare=False, repr=False)
+    """A tier registered after the built-in two: ``open_store(config, device_type)``, the
+    cache's ``OffloadConfig`` and its device's type, gives the ``io.store.BlobStore`` its
+    blobs go to, or None where the tier is not there; the cache opens and closes it with
+    its others (``cache/tier_stores.py``). None: the built-in tiers, opened by the cache
+    itself."""
     placement: Placement = field(init=False, compare=False, repr=False)
     """Its placement (made from ``name``)."""
 

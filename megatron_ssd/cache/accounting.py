@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Hashable, List, Optional
+from typing import Hashable, List, Mapping, Optional
 
 import torch
 
 from ..config import OffloadConfig
 from ..io.base import Engine
 from ..io.store import BlobStore, StoreStep
-from ..placement import OUTSIDE
+from ..placement import OUTSIDE, Placement
 from .device import DeviceBinding
 from .entries import EntryTable
 from .policy import PlacementPolicy
@@ -40,10 +40,13 @@ class StepAccountant:
         ssd: the SSD engine's blob store.
         host_store: the host tier's blob store, if any.
         binding: the device the cache serves.
+        others: the stores of the other tiers, by placement (NOTE [Tiers] in ``tier.py``).
     """
 
     def __init__(self, config: OffloadConfig, entries: EntryTable, policy: PlacementPolicy, engine: Engine,
-                 ssd: BlobStore, host_store: Optional[BlobStore], binding: DeviceBinding) -> None:
+                 ssd: BlobStore, host_store: Optional[BlobStore], binding: DeviceBinding,
+                 others: Optional[Mapping[Placement, BlobStore]] = None) -> None:
+        self.others = dict(others or {})
         self.config = config
         self.entries = entries
         self.policy = policy
@@ -71,6 +74,7 @@ class StepAccountant:
         es = self.engine.stats()
         ssd = self.ssd.take_step()
         host = self.host_store.take_step() if self.host_store is not None else StoreStep(0, 0, 0)
+        others = {p.value: store.take_step() for p, store in self.others.items()}
         with self.entries.lock:
             clock.resolve()
             c, base = self.entries.take_step(), self._engine_base
@@ -115,6 +119,8 @@ class StepAccountant:
                 peak_saved_bytes=c.peak_live_bytes,
                 capacity_waits=c.capacity_waits,
                 peak_open_microbatches=c.peak_open_records,
+                tier_bytes={name: {"moved": o.put_bytes, "returned": o.got_bytes, "peak": o.peak_bytes}
+                            for name, o in others.items()},
             )
             self._engine_base = es
             self.step += 1

@@ -43,7 +43,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Dict, Hashable, List, Mapping, Optional, Set, Tuple, Union
+from typing import Dict, Hashable, List, Mapping, Optional, Sequence, Set, Tuple, Union
 
 import torch
 
@@ -73,11 +73,14 @@ class PlacementPolicy:
     Args:
         config: ``keep_last_layers``, ``default_read_ahead`` and ``min_tensor_bytes``.
         host_available: whether a host pool exists (``Placement.HOST`` needs one).
+        others: the other tiers with a store (NOTE [Tiers] in ``tier.py``).
     """
 
-    def __init__(self, config: OffloadConfig, host_available: bool) -> None:
+    def __init__(self, config: OffloadConfig, host_available: bool, others: Sequence[Placement] = ()) -> None:
         self.config = config
         self.host_available = host_available
+        self.others = frozenset(others)
+        """The tiers registered after the SSDs and the host pool that have a store here."""
         self.state = PlanState()
         self.layers: List[Hashable] = []
         """Registered layer ids in forward order (for the ``keep_last_layers`` rule)."""
@@ -119,9 +122,16 @@ class PlacementPolicy:
                     f"{', which gave no pool here' if setting == 'auto' else ''}; the host placement needs a "
                     "host pool (e.g. offload.host_pool_bytes=8GiB)"
                 )
+            if not self._open(choice.placement):
+                raise ConfigError(f"plan[{layer_id!r}] = {choice.placement.value!r}: that tier has no store in this "
+                                  "cache (its Tier.open_store gave none)")
         if default is not None:
             default = placement_named("set_plan(default=...)", default)
         self.state = PlanState(MappingProxyType(choices), default)
+
+    def _open(self, placement: Placement) -> bool:
+        """Whether a moved ``placement`` other than the SSDs and the host pool has a store."""
+        return placement in (Placement.OFFLOAD, Placement.HOST) or placement not in MOVED or placement in self.others
 
     def left_to_autograd(self, t: torch.Tensor) -> bool:
         """Whether the cache leaves a saved tensor to autograd, uncounted: parameters (and
@@ -169,7 +179,7 @@ class PlacementPolicy:
         """Whether the plan moves at least one site of ``layer_id`` (OFFLOAD, or HOST with
         a host pool, and not limited to 0 sites)."""
         placement, choice = self._lookup(layer_id)
-        if placement not in MOVED or (placement is Placement.HOST and not self.host_available):
+        if placement not in MOVED or (placement is Placement.HOST and not self.host_available) or not self._open(placement):
             return False
         return choice is None or choice.sites != 0
 
@@ -198,7 +208,7 @@ class PlacementPolicy:
             return Placement.KEEP
         if placement is Placement.HOST and not self.host_available:  # a default placement of host, no pool
             return Placement.KEEP
-        return placement
+        return placement if self._open(placement) else Placement.KEEP
 
     def read_ahead(self, layer_id: Hashable, site: Optional[int] = None) -> int:
         """Layers ahead that the read of ``layer_id``'s ``site`` is issued (NOTE [Write

@@ -152,6 +152,10 @@ class StepStats(StepMeasurement):
     capacity_waits: int = 0
     """Times the forward waited for writes to bring the resident bytes back under the
     activation capacity (NOTE [Capacity guard] in ``cache/policy.py``)."""
+    tier_bytes: Dict[str, Dict[str, int]] = field(default_factory=dict)
+    """Per tier registered after the SSDs and the host pool (NOTE [Tiers] in ``tier.py``),
+    by name: ``moved`` (bytes put there), ``returned`` (bytes got back) and ``peak``
+    (most bytes held at once) in the step; empty without such a tier."""
 
     def to_dict(self) -> Dict[str, Any]:
         """A JSON-ready dict (layer ids become strings)."""
@@ -168,4 +172,4 @@ class StepStats(StepMeasurement):
             f"writes cancelled {self.bytes_write_cancelled / MiB:.1f} MiB, "
             f"dedup {self.bytes_deduplicated / MiB:.1f} MiB, peak resident {self.peak_resident_bytes / MiB:.1f} MiB, "
             f"stall {self.stall_s * 1e3:.0f} ms"
-        )
+        ) + "".join(f", {name} {t['moved'] / MiB:.1f} MiB" for name, t in self.tier_bytes.items())

@@ -150,7 +150,7 @@ class TensorCache:
         self._pid = os.getpid()
         self._run_parents = tuple(os.path.dirname(d) for d in engine.paths) if config.remove_empty_parents else ()
         """Where the run directories are, for NOTE [Emptied parents]."""
-        self.policy = PlacementPolicy(config, host_available=self.host is not None)
+        self.policy = PlacementPolicy(config, host_available=self.host is not None, others=list(tiers.others))
         """Decides every placement (NOTE [One placement policy])."""
         self._return_pages = config.return_freed_pages and self.binding.device.type == "cpu"
         self.cuda = CudaCalls()
@@ -163,7 +163,7 @@ class TensorCache:
         self.scopes = Scopes(self.entries, self.policy, self, self.backward_started, self._return_freed_pages)
         """Which record, layer and module group a tensor saved now belongs to."""
         self.accountant = StepAccountant(config, self.entries, self.policy, engine, self.ssd, self.host_store,
-                                         self.binding)
+                                         self.binding, tiers.others)
         """Closes each step's counters (:meth:`finish_step`)."""
         EXIT_GUARD.add(self)
 

@@ -5,7 +5,7 @@ tier's (NOTE [Auto host pool], NOTE [Pinning fails])."""
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Dict, Optional
 
 from ..config import HostPoolChoice, NodeMemory, OffloadConfig, size_host_pool
@@ -13,6 +13,7 @@ from ..io.base import Engine
 from ..io.host import open_host_pool
 from ..io.store import BlobStore
 from ..placement import Placement
+from ..tier import tiers
 
 __all__ = ["TierStores", "open_tier_stores"]
 
@@ -31,6 +32,9 @@ class TierStores:
     """The pool's size and why (``offload.host_pool_bytes``, ``auto`` sized)."""
     host_store: Optional[BlobStore]
     """The host tier's blobs."""
+    others: Dict[Placement, BlobStore] = field(default_factory=dict)
+    """The stores of the tiers registered after the SSDs and the host pool, by placement
+    (``Tier.open_store``, NOTE [Tiers] in ``tier.py``)."""
 
     @property
     def by_placement(self) -> Dict[Placement, BlobStore]:
@@ -38,6 +42,7 @@ class TierStores:
         stores = {Placement.OFFLOAD: self.ssd}
         if self.host_store is not None:
             stores[Placement.HOST] = self.host_store
+        stores.update(self.others)
         return stores
 
     def close(self) -> None:
@@ -60,4 +65,9 @@ def open_tier_stores(config: OffloadConfig, engine: Engine, device_type: str) ->
                                 config.host_copy_bytes_per_s)
     stores = TierStores(ssd, host, pool, None if host is None else BlobStore(host, "host"))
     logger.info("megatron_ssd: %s", pool.line())
+    for tier in tiers():
+        store = tier.open_store(config, device_type) if tier.open_store is not None else None
+        if store is not None:
+            stores.others[tier.placement] = store
+            logger.info("megatron_ssd: tier %s (%s) opened", tier.name, tier.title)
     return stores

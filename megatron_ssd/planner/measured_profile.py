@@ -10,11 +10,12 @@ import dataclasses
 import statistics
 from typing import Any, Callable, Dict, Hashable, Iterable, List, Mapping, Optional, Sequence, Tuple
 
-from ..placement import EMBEDDING, HEAD, OUTSIDE, RECOMPUTE_MODULES
+from ..placement import EMBEDDING, HEAD, MOVED, OUTSIDE, RECOMPUTE_MODULES, Placement
+from ..tier import TIERS
 from .measurement import ModuleMeasurement, StepMeasurement
-from .profile import IOProfile, LayerId, LayerProfile, ModuleProfile, StageProfile
+from .profile import IOProfile, LayerId, LayerProfile, ModuleProfile, StageProfile, TierRates
 
-__all__ = ["median_or_zero", "stage_from_stats", "with_layer_peaks"]
+__all__ = ["median_or_zero", "stage_from_stats", "with_layer_peaks", "with_probed_tiers"]
 
 Steps = Sequence[StepMeasurement]
 LayerMedians = Dict[str, Any]
@@ -342,3 +343,15 @@ def with_layer_peaks(profile: StageProfile, by_layer: Optional[Mapping[Hashable,
                                   grad_bytes=grads.get(layer.layer_id, 0))
               if layer.layer_id in by_layer else layer for layer in profile.layers]
     return dataclasses.replace(profile, layers=layers, head_grad_bytes=grads.get(HEAD, 0))
+
+
+def with_probed_tiers(profile: StageProfile, probed: Mapping[str, Tuple[float, float]]) -> StageProfile:
+    """``profile`` with the rates of the tiers registered after the SSDs and the host
+    pool, probed by their engines (NOTE [Probed tiers] in ``profiling.py``): per tier
+    name, (write, read) bytes per second. A drive tier's transfers are priced at the SSDs'
+    measured compute slowdown and in-flight bound (its engine does the same work per byte
+    on the same cores, made from the same ``io`` settings), any other's at none."""
+    io = profile.io
+    tiers = {name: TierRates(w, r, *((io.compute_slowdown, io.max_inflight_bytes) if TIERS[Placement(name)].drives
+                                     else (0.0, None))) for name, (w, r) in probed.items() if name in MOVED}
+    return profile.with_io(dataclasses.replace(io, tiers={**io.tiers, **tiers}))

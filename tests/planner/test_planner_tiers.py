@@ -1,10 +1,13 @@
-"""A storage tier added in this file alone, planned with (NOTE [Tiers] in ``megatron_ssd/tier.py``).
+"""A storage tier added in this file alone (NOTE [Tiers] in ``megatron_ssd/tier.py``).
 
-A second, slower drive group is registered here as a ``Tier`` and given rates in the
-stage's ``IOProfile.tiers``: no other file names it. The search places bytes on it by
-cost (only where it hides what the SSDs cannot, or costs less step time than they do),
-reaches the exhaustive oracle's optimum with three tiers on seeded random stages, and a
-plan using it round-trips through JSON and prints it.
+A second drive group is registered here as a ``Tier``, its store a POSIX engine on a
+directory of its own: no other file names it. On constructed profiles (its rates in the
+stage's ``IOProfile.tiers``) the search places bytes on it by cost (only where it hides
+what the SSDs cannot, or costs less step time than they do), reaches the exhaustive
+oracle's optimum with three tiers on seeded random stages, and a plan using it
+round-trips through JSON and prints it. A real megatron-core GPT then trains with it:
+its rates probed, the plan's bytes on it, its bytes in the step's stats and their JSON,
+and the losses and gradients bit-identical.
 """
 
 from __future__ import annotations
@@ -14,17 +17,32 @@ import random
 
 import pytest
 
+import torch
+
+from megatron_ssd import IOConfig, OffloadConfig, TensorCache
+from megatron_ssd.config import PlannerConfig
+from megatron_ssd.io import create_engine
+from megatron_ssd.io.store import BlobStore
 from megatron_ssd.placement import MOVED, LayerChoice, Placement
 from megatron_ssd.planner.plan import Plan, PlanRequest, make_plan
 from megatron_ssd.planner.profile import IOProfile, LayerProfile, StageProfile, TierRates
 from megatron_ssd.planner.step_timeline import predict
 from megatron_ssd.tier import TIERS, Tier, register, unregister
+from megatron_ssd.workloads.parallel import destroy_parallel, init_parallel
 from megatron_ssd_lab.planner_oracle import random_case
 
+from planned_gpt import planned_run
 from test_planner_oracle import check_against_oracle
 
 MiB = 1 << 20
-SLOW = Tier("slow-ssd", "a slower drive group", link="slow-ssd", drives=True)
+
+
+def _second_drive_group(config: OffloadConfig, device_type: str) -> BlobStore:
+    """The tier's store: the cache's engine kind on each offload path's ``-slow`` sibling."""
+    return BlobStore(create_engine(dataclasses.replace(config, paths=[p + "-slow" for p in config.paths])), "ssd")
+
+
+SLOW = Tier("slow-ssd", "a second drive group", link="slow-ssd", drives=True, open_store=_second_drive_group)
 
 
 @pytest.fixture(autouse=True)
@@ -64,7 +82,7 @@ def test_a_second_drive_group_hides_what_the_ssds_alone_cannot():
     assert both.peak_activation_bytes < alone.peak_activation_bytes
     assert both.exposed_s == 0.0
     assert both.moved_to(SLOW.placement) > 0
-    assert f"slow-ssd (a slower drive group) {both.moved_to(SLOW.placement) / MiB:.1f} MiB per micro-batch" \
+    assert f"slow-ssd (a second drive group) {both.moved_to(SLOW.placement) / MiB:.1f} MiB per micro-batch" \
         in both.table()
 
 
@@ -98,3 +116,42 @@ def test_the_search_finds_the_oracles_plan_with_three_tiers(seed):
                       max_inflight_bytes=rng.choice([None, 8 * MiB]))
     stage = dataclasses.replace(case.stage, io=dataclasses.replace(io, tiers={SLOW.name: rates}))
     check_against_oracle(dataclasses.replace(case, stage=stage))
+
+
+@pytest.fixture
+def world():
+    init_parallel(seed=1234)
+    yield
+    destroy_parallel()
+
+
+@pytest.mark.slow
+def test_a_real_gpt_trains_with_the_tier_bit_identical(world, tmp_path):
+    """The cache opens the tier's store beside its others, the planner probes its rates
+    (NOTE [Probed tiers] in ``profiling.py``) and, with the SSDs unmeasured (every layer
+    kept by ``keep_last_layers``, NOTE [Unmeasured drives]) and recompute off, meets the
+    budget by moving bytes to it; the step's stats count them, and training is the stock
+    model's to the bit."""
+    run = dict(layers=4, hidden=64, vocab=128, seq=64, mbs=4, nmb=2)
+    stock, _, _ = planned_run(None, None, steps=7, **run)
+    (tmp_path / "ssd").mkdir()
+    (tmp_path / "ssd-slow").mkdir()
+    cfg = OffloadConfig(paths=[str(tmp_path / "ssd")], min_tensor_bytes=4096, keep_last_layers=4,
+                        io=IOConfig(max_inflight_bytes=1 << 20))
+    with TensorCache(cfg) as cache:
+        _, kept, _ = planned_run(cache, PlannerConfig(mode="keep"), steps=2, **run)
+    with TensorCache(cfg) as cache:
+        assert set(cache.stores) == {Placement.OFFLOAD, SLOW.placement}
+        budget = PlannerConfig(mode="auto", warmup_steps=1, allow_recompute=False,
+                               memory_budget=int(kept[-1].peak_resident_bytes * 0.7))
+        planned, stats, planner = planned_run(cache, budget, steps=7, **run)
+    assert all(torch.equal(a, b) for a, b in zip(stock.losses, planned.losses, strict=True))
+    assert [n for n in stock.grads if not torch.equal(stock.grads[n], planned.grads[n])] == []
+    rates = planner.profile.io.tiers["slow-ssd"]
+    assert rates.write_bytes_per_s > 0 and rates.read_bytes_per_s > 0 and not planner.profile.io.drives_measured
+    assert SLOW.placement in planner.plan.placements
+    last = stats[-1]
+    assert last.tier_bytes["slow-ssd"]["moved"] == planner.plan.moved_to(SLOW.placement) * 2  # two micro-batches
+    assert last.tier_bytes["slow-ssd"]["returned"] == last.tier_bytes["slow-ssd"]["moved"]
+    assert last.bytes_offloaded == 0
+    assert last.to_dict()["tier_bytes"]["slow-ssd"]["moved"] > 0 and "slow-ssd" in last.summary()
