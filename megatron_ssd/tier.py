@@ -15,12 +15,15 @@ Pure: no torch, no I/O.
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional
 
+from .errors import ConfigError
 from .placement import MOVED, Placement
 
-__all__ = ["Tier", "TIERS", "register", "unregister", "tier_of", "tiers", "DRIVES_LINK", "HOST_LINK"]
+__all__ = ["Tier", "TIERS", "register", "unregister", "load_tier_modules", "tier_of", "tiers", "DRIVES_LINK",
+           "HOST_LINK"]
 
 DRIVES_LINK = "drives"
 """The SSD array's queue."""
@@ -109,6 +112,20 @@ def unregister(tier: Tier) -> None:
     del TIERS[tier.placement]
     MOVED.discard(tier.placement)
     Placement.forget(tier.name)
+
+
+def load_tier_modules(names: List[str]) -> None:
+    """Import each module of ``offload.tier_modules``, which registers its tiers.
+
+    Raises:
+        ConfigError: a module could not be imported, naming it and why.
+    """
+    for name in names:
+        try:
+            importlib.import_module(name)
+        except Exception as exc:  # an import error, or the module's own: both are the setting's fault
+            raise ConfigError(f"offload.tier_modules: {name!r} could not be imported "
+                              f"({type(exc).__name__}: {exc})") from None
 
 
 def tier_of(placement: Placement) -> Tier:

@@ -46,10 +46,12 @@ class LayerCounters(LayerMeasurement):
     host pool)."""
 
     def add_queued(self, kind: str, nbytes: int) -> None:
-        """Count ``nbytes`` queued to the blob store of ``kind`` (``ssd`` or ``host``)."""
+        """Count ``nbytes`` queued to the blob store of ``kind`` (``ssd`` or ``host``; a
+        tier registered after them is counted per step in ``StepStats.tier_bytes``, not
+        per layer)."""
         if kind == "host":
             self.hosted_bytes += nbytes
-        else:
+        elif kind == "ssd":
             self.offloaded_bytes += nbytes
 
 

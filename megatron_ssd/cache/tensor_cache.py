@@ -24,6 +24,7 @@ import torch
 
 from ..config import OffloadConfig
 from ..placement import OUTSIDE, LayerChoice, Placement
+from ..tier import load_tier_modules
 from ..errors import CacheStateError, ConfigError
 from ..io.base import Engine
 from .accounting import StepAccountant
@@ -130,6 +131,7 @@ class TensorCache:
         if not config.paths and engine is None:
             raise ConfigError("OffloadConfig.paths = []: name at least one offload directory")
         check_device(config.device)
+        load_tier_modules(config.tier_modules)  # NOTE [Tiers] in tier.py; before anything is made on disk
         self.config = config
         self.binding = DeviceBinding(parse_device(config.device))
         """The device served (NOTE [Binding the device] in ``device.py``)."""

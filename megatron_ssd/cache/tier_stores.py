@@ -68,6 +68,7 @@ def open_tier_stores(config: OffloadConfig, engine: Engine, device_type: str) ->
     for tier in tiers():
         store = tier.open_store(config, device_type) if tier.open_store is not None else None
         if store is not None:
+            store.tier = tier.name
             stores.others[tier.placement] = store
             logger.info("megatron_ssd: tier %s (%s) opened", tier.name, tier.title)
     return stores

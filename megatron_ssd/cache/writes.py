@@ -105,7 +105,7 @@ class ForwardWrites:
                 table.counters.backpressure_keeps += 1
                 table.counters.bytes_kept += entry.nbytes
                 return
-            lc.add_queued(store.kind, entry.nbytes)
+            lc.add_queued(store.tier or store.kind, entry.nbytes)
             entry.store = store
             entry.state = EntryState.WRITING
             entry.write_future = future

@@ -99,6 +99,8 @@ class PhaseResult:
             "peak_ssd_bytes": max(s.peak_ssd_bytes for s in m),
             "bytes_to_host_per_step": med([s.bytes_to_host for s in m]),
             "peak_host_bytes": max(s.peak_host_bytes for s in m),
+            "tier_bytes_per_step": {name: med([s.tier_bytes.get(name, {}).get("moved", 0) for s in m])
+                                    for name in sorted({n for s in m for n in s.tier_bytes})},
             "ssd_bytes_written_per_day": written / step_s * 86400 if step_s else 0.0,
             "final_loss": self.losses[-1] if self.losses else None,
             "losses": list(self.losses),

@@ -67,6 +67,8 @@ def format_summary(phases: Sequence[Dict[str, Any]]) -> str:
             ("copied to host memory per step (MiB)", "bytes_to_host_per_step", 1 / MiB, "{:.1f}"),
             ("peak host pool (MiB)", "peak_host_bytes", 1 / MiB, "{:.1f}"),
         ]
+    for tier in sorted({name for p in phases for name in p.get("tier_bytes_per_step") or {}}):  # NOTE [Tiers]
+        rows.insert(-2, (f"moved to {tier} per step (MiB)", ("tier_bytes_per_step", tier), 1 / MiB, "{:.1f}"))
     names = [p["name"] for p in phases]
     width = max(len(r[0]) for r in rows) + 2
     colw = max(18, *(len(n) + 2 for n in names))
@@ -74,7 +76,7 @@ def format_summary(phases: Sequence[Dict[str, Any]]) -> str:
     for label, key, scale, fmt in rows:
         cells = []
         for p in phases:
-            v = p.get(key)
+            v = p.get(key) if isinstance(key, str) else (p.get(key[0]) or {}).get(key[1])
             cells.append(("-" if v is None else fmt.format(v * scale)).rjust(colw))
         lines.append(label.ljust(width) + "".join(cells))
     if len(phases) >= 2 and phases[0]["peak_activation_bytes"] and phases[-1].get("oom") is None:

@@ -215,6 +215,11 @@ class OffloadConfig:
     """A peer's placement rule (Megatron's fine-grained offloading, Transformer Engine's
     CPU offload) run on this cache, for comparisons; ``rule: none`` by default."""
 
+    tier_modules: List[str] = field(default_factory=list)
+    """Python modules the tensor cache imports when it starts, each registering storage
+    tiers of its own beyond the SSDs and the host pool (``megatron_ssd.tier.register``,
+    docs/extending.md); the planner places bytes on them by cost. ``[]``: none."""
+
     def __post_init__(self) -> None:
         _settle(self)
 

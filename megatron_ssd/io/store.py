@@ -60,6 +60,9 @@ class BlobStore:
             raise ValueError(f"BlobStore: kind = {kind!r}: must be one of {list(self.KINDS)}")
         self.engine = engine
         self.kind = kind
+        self.tier: Optional[str] = None
+        """The name of the storage tier it serves when that is not the SSDs or the host
+        pool (NOTE [Tiers] in ``tier.py``); None: ``kind`` names it."""
         self._lock = threading.Lock()
         self._held = 0
         self._peak = 0

@@ -13,7 +13,9 @@ and the losses and gradients bit-identical.
 from __future__ import annotations
 
 import dataclasses
+import os
 import random
+from typing import Optional
 
 import pytest
 
@@ -37,9 +39,13 @@ from test_planner_oracle import check_against_oracle
 MiB = 1 << 20
 
 
-def _second_drive_group(config: OffloadConfig, device_type: str) -> BlobStore:
-    """The tier's store: the cache's engine kind on each offload path's ``-slow`` sibling."""
-    return BlobStore(create_engine(dataclasses.replace(config, paths=[p + "-slow" for p in config.paths])), "ssd")
+def _second_drive_group(config: OffloadConfig, device_type: str) -> Optional[BlobStore]:
+    """The tier's store: the cache's engine kind on each offload path's ``-slow`` sibling;
+    none where those directories are not there."""
+    paths = [p + "-slow" for p in config.paths]
+    if not paths or not all(os.path.isdir(p) for p in paths):
+        return None
+    return BlobStore(create_engine(dataclasses.replace(config, paths=paths)), "ssd")
 
 
 SLOW = Tier("slow-ssd", "a second drive group", link="slow-ssd", drives=True, open_store=_second_drive_group)
@@ -155,3 +161,35 @@ def test_a_real_gpt_trains_with_the_tier_bit_identical(world, tmp_path):
     assert last.tier_bytes["slow-ssd"]["returned"] == last.tier_bytes["slow-ssd"]["moved"]
     assert last.bytes_offloaded == 0
     assert last.to_dict()["tier_bytes"]["slow-ssd"]["moved"] > 0 and "slow-ssd" in last.summary()
+
+
+def test_tier_modules_are_imported_when_the_cache_starts(tmp_path, monkeypatch):
+    """``offload.tier_modules`` names modules that register tiers; one that cannot be
+    imported is one error naming it, before anything is made on disk."""
+    from megatron_ssd.errors import ConfigError
+
+    (tmp_path / "my_tiers.py").write_text(
+        "from megatron_ssd.tier import Tier, register\n"
+        "register(Tier('cxl', 'CXL memory', link='cxl'))\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    (tmp_path / "ssd").mkdir()
+    cfg = OffloadConfig(paths=[str(tmp_path / "ssd")], tier_modules=["my_tiers"])
+    try:
+        with TensorCache(cfg):
+            assert Placement("cxl") in TIERS
+    finally:
+        if "cxl" in [p.value for p in TIERS]:
+            unregister(TIERS[Placement("cxl")])
+    with pytest.raises(ConfigError, match=r"^megatron_ssd: offload.tier_modules: 'no_such_tiers' could not be "
+                                          r"imported \(ModuleNotFoundError: "):
+        TensorCache(dataclasses.replace(cfg, tier_modules=["no_such_tiers"]))
+    assert not list((tmp_path / "ssd").iterdir())
+
+
+def test_the_train_summary_has_a_row_per_tier_that_moved_bytes():
+    from megatron_ssd.commands.train import format_summary
+
+    phase = {"name": "offload (auto)", "peak_activation_bytes": 100 << 20, "median_step_s": 1.0, "step_s": [1.0],
+             "measured_steps": 1, "measured_kind": "measured", "tier_bytes_per_step": {"slow-ssd": 3.5 * MiB}}
+    line = next(l for l in format_summary([phase]).splitlines() if l.startswith("moved to slow-ssd"))
+    assert line.split() == ["moved", "to", "slow-ssd", "per", "step", "(MiB)", "3.5"]
