@@ -189,6 +189,8 @@ class Floors:
         self.links = [(slots, max(rates[x].write_bytes_per_s for x in slots), max(rates[x].read_bytes_per_s for x in slots))
                       for slots in links.values()]
         """Per link: its tiers' slots, its write and read rates (the fastest of its tiers')."""
+        self._one = [(slots[0], write, read) for slots, write, read in self.links if len(slots) == 1]
+        self._many = [link for link in self.links if len(link[0]) > 1]
         h = io.host_bytes_per_s
         crossing = [x for x, p in enumerate(self.slots) if TIERS[p].crosses_host_link and TIERS[p].link != HOST_LINK]
         host = [x for x, p in enumerate(self.slots) if TIERS[p].link == HOST_LINK]
@@ -209,19 +211,23 @@ class Floors:
         peak = self.fixed + held
         loads: List[Tuple[float, float, float]] = []
         reads = 0.0
-        for slots, write, read in self.links:
-            carried = sum(moved[x] for x in slots)
+        for x, write, read in self._one:  # a link of one tier (the per-node path of the branch and bound)
+            carried = moved[x]
             if carried:
-                start = min(first[x] for x in slots if moved[x])
+                loads.append((carried, write, self.forward_from[first[x]] + self.other_s))
+                reads = max(reads, carried / read)
+        for slots, write, read in self._many:
+            carried, start = _carried(slots, moved, first)
+            if carried:
                 loads.append((carried, write, self.forward_from[start] + self.other_s))
                 reads = max(reads, carried / read)
         shared_load: List[Tuple[float, float, float]] = []
-        if self.crossing is not None and any(moved[x] for x in self.crossing[0]):
-            slots, rate = self.crossing[0] + self.crossing[1], self.crossing[2]
-            carried = sum(moved[x] for x in slots)
-            start = min(first[x] for x in slots if moved[x])
-            reads = max(reads, carried / rate)
-            shared_load = [(carried, rate, self.forward_from[start] + self.other_s)]
+        if self.crossing is not None:
+            crossing, host, rate = self.crossing
+            if _carried(crossing, moved, first)[0]:
+                carried, start = _carried(crossing + host, moved, first)
+                reads = max(reads, carried / rate)
+                shared_load = [(carried, rate, self.forward_from[start] + self.other_s)]
         step = max(compute_s, self.forward_s + self.other_s + reads)
         if not self.drain or not loads:
             return peak, peak, (step if budget is None or peak <= budget else float("inf"))
@@ -242,3 +248,13 @@ class Floors:
             else:
                 lo = mid
         return peak, at_zero, step + lo
+
+
+def _carried(slots: Sequence[int], moved: Sequence[int], first: Sequence[int]) -> Tuple[int, int]:
+    """The bytes the tiers of ``slots`` move and the first layer moving any (-1: none)."""
+    carried, start = 0, -1
+    for x in slots:
+        if moved[x]:
+            carried += moved[x]
+            start = first[x] if start < 0 else min(start, first[x])
+    return carried, start

@@ -415,12 +415,13 @@ class LocalSearch:
         node_cost = 2.0  # a node's bounds, in a replay's units
 
         drive_slots = self._drive_slots
+        one_drive = len(drive_slots) == 1
 
         def beaten(held_sum: int, cost_sum: float, by_slot: Tuple[int, ...], first: Tuple[int, ...],
                    moved_sum: int) -> bool:
             plain, drained, step = floors.bound(held_sum, cost_sum + other_s, by_slot, first, budget)
             key = self.best_seen.key  # type: ignore[union-attr]
-            drives = sum(by_slot[x] for x in drive_slots)
+            drives = by_slot[drive_slots[0]] if one_drive else sum(by_slot[x] for x in drive_slots)
             if budget is not None:
                 if plain > budget or step == float("inf"):
                     return True

@@ -301,6 +301,16 @@ class TierRates:
                                    compute_slowdown=self.compute_slowdown / (1 - margin))
 
 
+def _checked_rates(write: float, read: float, slowdown: float, inflight: Optional[int]) -> TierRates:
+    """A built-in tier's :class:`TierRates` from an ``IOProfile``'s fields, which its own
+    rules checked: made without checking them again (the replay asks for them per tier
+    on every prediction)."""
+    rates = object.__new__(TierRates)
+    rates.__dict__.update(write_bytes_per_s=write, read_bytes_per_s=read, compute_slowdown=slowdown,
+                          max_inflight_bytes=inflight, budget_bytes=None)
+    return rates
+
+
 @dataclass
 class IOProfile:
     """Measured speed of the SSD array as the I/O engine sees it, of the host link, and of
@@ -372,11 +382,11 @@ class IOProfile:
         if placement is Placement.OFFLOAD:
             if self.write_bytes_per_s is None or self.read_bytes_per_s is None:
                 return None
-            return TierRates(self.write_bytes_per_s, self.read_bytes_per_s, self.compute_slowdown,
-                             self.max_inflight_bytes)
+            return _checked_rates(self.write_bytes_per_s, self.read_bytes_per_s, self.compute_slowdown,
+                                  self.max_inflight_bytes)
         if placement is Placement.HOST:
             h = self.host_bytes_per_s
-            return None if h is None else TierRates(h, h, self.host_compute_slowdown)
+            return None if h is None else _checked_rates(h, h, self.host_compute_slowdown, None)
         return self.tiers.get(placement.value)
 
     def _check(self) -> None:
