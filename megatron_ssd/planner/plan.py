@@ -31,7 +31,7 @@ from .module_recompute import with_recompute
 from .search import (GOAL_CAPACITY, GOAL_MAX_OFFLOAD, GOAL_MEMORY_BUDGET, Choices, PlacementSearch,
                      PlanInfeasibleError, replay)
 from .step_timeline import Timeline, predict
-from ..tier import tiers
+from ..tier import TIERS, tiers
 from ..units import MiB
 
 __all__ = [
@@ -380,6 +380,10 @@ def make_plan(stage: StageProfile, request: Optional[PlanRequest] = None) -> Pla
         request = PlanRequest()
     elif not isinstance(request, PlanRequest):
         raise ConfigError(f"request = {type(request).__name__}: must be a PlanRequest")
+    unknown = [name for name in stage.io.tiers if name not in TIERS]
+    if unknown:
+        raise ConfigError(f"IOProfile.tiers[{unknown[0]!r}]: no tier of that name is registered "
+                          "(megatron_ssd.tier.register, or offload.tier_modules: docs/extending.md)")
     if request.host_budget_bytes and stage.io.host_bytes_per_s is None:
         raise ConfigError(f"host_budget_bytes = {request.host_budget_bytes}: needs IOProfile.host_bytes_per_s, the "
                           "host tier's copy bandwidth")

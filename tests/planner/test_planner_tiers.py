@@ -103,6 +103,15 @@ def test_under_a_budget_the_tier_that_costs_less_step_time_carries_the_bytes(ssd
     assert moved == {chosen}, plan.table()
 
 
+def test_a_profile_naming_a_tier_no_one_registered_is_one_error():
+    from megatron_ssd.errors import ConfigError
+
+    stage = _stage()
+    stage = dataclasses.replace(stage, io=dataclasses.replace(stage.io, tiers={"cxl": stage.io.tiers["slow-ssd"]}))
+    with pytest.raises(ConfigError, match=r"IOProfile.tiers\['cxl'\]: no tier of that name is registered"):
+        make_plan(stage)
+
+
 def test_a_plan_on_the_tier_round_trips_through_json():
     plan = make_plan(_stage())
     again = Plan.from_json(plan.to_json())
