@@ -313,7 +313,8 @@ def predict(
     if not io.drives_measured and Placement.OFFLOAD in placements:  # NOTE [Unmeasured drives] in profile.py
         raise ConfigError("placements: 'offload' needs the drives' measured bandwidths (IOProfile.write_bytes_per_s "
                           "and read_bytes_per_s are null: no profiling step moved a byte to the drives)")
-    unpriced = sorted(p.value for p in set(placements) if p in MOVED and io.rates(p) is None)
+    unpriced = sorted(p.value for p in set(placements) if p in MOVED and p is not Placement.OFFLOAD
+                      and p is not Placement.HOST and io.rates(p) is None)
     if unpriced:
         raise ConfigError(f"placements: {unpriced[0]!r} needs its tier's rates (IOProfile.tiers[{unpriced[0]!r}])")
 
@@ -336,19 +337,21 @@ def predict(
     return replay.timeline(placements, gap)
 
 
-@dataclass
 class _Path:
-    """How one tier's transfers go in a replay (NOTE [Tiers] in ``megatron_ssd/tier.py``)."""
+    """How one tier's transfers go in a replay (NOTE [Tiers] in ``megatron_ssd/tier.py``):
+    its own link's queue (a drive array's FIFO queue, or a copy link: ``copy``), its
+    write and read rates (derated where the search judges), a bounded drive tier's
+    (end, bytes) of writes maybe in flight, shared by the tiers of its link (NOTE
+    [In-flight bound]; None: no bound), the link its bytes also cross and that link's
+    rate (NOTE [Shared link]; None), and the seconds its writes and reads took."""
 
-    queue: Union[DeviceQueue, Link]
-    """Its own link's queue: a drive array's FIFO queue or a copy link."""
-    rates: TierRates
-    """Its rates (derated where the search judges)."""
-    writing: Optional[List[Tuple[float, int]]]
-    """A bounded drive tier's (end, bytes) of writes maybe in flight, shared by the tiers
-    of its link (NOTE [In-flight bound]); None: no bound."""
-    crosses: Optional[Tuple[Link, float]]
-    """The link its bytes also cross and that link's rate (NOTE [Shared link]); None."""
+    __slots__ = ("queue", "copy", "write_bw", "read_bw", "bound", "writing", "crosses", "write_busy", "read_busy")
+
+    def __init__(self, queue: Union[DeviceQueue, Link], rates: TierRates, writing: Optional[List[Tuple[float, int]]],
+                 crosses: Optional[Tuple[Link, float]]) -> None:
+        self.queue, self.copy, self.writing, self.crosses = queue, isinstance(queue, Link), writing, crosses
+        self.write_bw, self.read_bw, self.bound = rates.write_bytes_per_s, rates.read_bytes_per_s, rates.max_inflight_bytes
+        self.write_busy = self.read_busy = 0.0
 
 
 class _Replay:
@@ -378,8 +381,7 @@ class _Replay:
         self.events: List[Tuple[float, int, int]] = []  # (time, 0 = release / 1 = allocate, delta)
         self.uncounted: List[Tuple[float, float, int]] = []  # NOTE [What the cache counts] in holds.py
         self.out: List[LayerTimeline] = []
-        self.write_busy = self.read_busy = self.host_busy = self.write_wait = self.exposed = 0.0
-        self.tier_busy: Dict[Placement, float] = {}
+        self.write_wait = self.exposed = 0.0
         self.t = self.head_start = 0.0
 
     def channel(self, placement: Placement) -> _Path:
@@ -400,27 +402,13 @@ class _Replay:
     def transfer(self, path: _Path, issue: float, nbytes: int, bandwidth: float) -> Tuple[float, float]:
         """(start, end) of ``nbytes`` moved on ``path`` from ``issue`` on: on its own
         link, and on a link it crosses too (NOTE [Shared link])."""
-        q = path.queue
-        if isinstance(q, Link):
-            start, end = q.reserve(issue, nbytes / bandwidth)
-        else:
-            start, end = q.submit(issue, nbytes / bandwidth)
+        q, copy = path.queue, path.copy
+        start, end = q.reserve(issue, nbytes / bandwidth) if copy else q.submit(issue, nbytes / bandwidth)  # type: ignore[union-attr]
         if path.crosses is not None:
             crossed = path.crosses[0].reserve(start, nbytes / path.crosses[1])[1]
             if crossed > end:  # the array waits for its bytes
-                end = q.extend_to(crossed) if isinstance(q, DeviceQueue) else crossed
+                end = crossed if copy else q.extend_to(crossed)  # type: ignore[call-arg]
         return start, end
-
-    def busy(self, placement: Placement, seconds: float, write: bool) -> None:
-        """Add ``seconds`` of ``placement``'s transfers to the busy totals."""
-        if placement is Placement.OFFLOAD:
-            if write:
-                self.write_busy += seconds
-            else:
-                self.read_busy += seconds
-        elif placement is Placement.HOST:
-            self.host_busy += seconds
-        self.tier_busy[placement] = self.tier_busy.get(placement, 0.0) + seconds
 
     def hold(self, start: float, end: float, nbytes: int) -> None:
         if nbytes and end > start:
@@ -440,10 +428,10 @@ class _Replay:
         streamed = path = None
         moved = range(len(layer.sites) if k is None else k)
         if nbytes:
-            path = self.channel(placement)
-            write_bw, writing = path.rates.write_bytes_per_s, path.writing
+            path = self.paths.get(placement) or self.channel(placement)
+            write_bw, writing = path.write_bw, path.writing
             if writing is not None:
-                bound = path.rates.max_inflight_bytes
+                bound = path.bound
                 first = None
                 for s in write_order(layer, moved):  # NOTE [Site save times] in profile.py
                     size, share = layer.sites[s], layer.saved_at(s)
@@ -457,7 +445,7 @@ class _Replay:
                 streamed = (first, request[1])
             else:
                 streamed = self.transfer(path, start, nbytes, write_bw)  # NOTE [Write and read issue points]
-            self.busy(placement, nbytes / write_bw, True)
+            path.write_busy += nbytes / write_bw
         computed = self.compute.run(start, layer.forward_s)
         t = self.t = max(computed, blocked)
         lt = LayerTimeline(layer.layer_id, placement, start, t, 0.0, 0.0, moved_bytes=nbytes,
@@ -465,10 +453,10 @@ class _Replay:
         self.write_wait += lt.write_wait_s
         if streamed is not None and path is not None:
             lt.write_start = streamed[0]
-            ends = site_write_ends(layer, moved, streamed[0], start, computed, path.rates.write_bytes_per_s)
+            ends = site_write_ends(layer, moved, streamed[0], start, computed, path.write_bw)
             done = max(t, ends[-1][0]) if ends and layer.site_save is not None else t
             q = path.queue
-            end = lt.write_end = q.extend_to(done, streamed[1]) if isinstance(q, Link) else q.extend_to(done)
+            end = lt.write_end = q.extend_to(done, streamed[1]) if path.copy else q.extend_to(done)  # type: ignore[call-arg]
             if path.writing:  # the last site cannot complete before it is saved
                 path.writing[-1] = (end, path.writing[-1][1])
             # NOTE [Memory accounting] in holds.py: each site leaves memory when written
@@ -504,8 +492,8 @@ class _Replay:
         for k in range(m - 1):
             for p in order:
                 path = self.channel(p)
-                self.transfer(path, now + k * slot, by_tier[p], path.rates.write_bytes_per_s)
-                self.transfer(path, now + k * slot + forward, by_tier[p], path.rates.read_bytes_per_s)
+                self.transfer(path, now + k * slot, by_tier[p], path.write_bw)
+                self.transfer(path, now + k * slot + forward, by_tier[p], path.read_bw)
         gap = (m - 1) * slot
         self.t += gap
         return gap
@@ -520,15 +508,15 @@ class _Replay:
         if not lt.reads and lt.write_end > now + EPS:
             lt.forwarded = True  # NOTE [Forwarding]
             return
-        path = self.channel(lt.placement)
-        read_bw = path.rates.read_bytes_per_s
+        path = self.paths.get(lt.placement) or self.channel(lt.placement)
+        read_bw = path.read_bw
         nbytes = self.layers[i].sites[s]
         start, end = self.transfer(path, now, nbytes, read_bw)
         lt.reads.append(SiteRead(s, nbytes, now, start, end))
         if lt.read_issue is None:
             lt.read_issue, lt.read_start = now, start
         lt.read_end = end
-        self.busy(lt.placement, nbytes / read_bw, False)
+        path.read_busy += nbytes / read_bw
 
     def backward(self, j: int) -> None:
         """Layer ``j``'s backward from ``t``, recompute included, waiting at each read's
@@ -552,6 +540,7 @@ class _Replay:
     def timeline(self, placements: Sequence[Placement], gap: float) -> Timeline:
         """The replay's :class:`Timeline` (its step without the pipeline's wait)."""
         stage, layers, out = self.stage, self.layers, self.out
+        drives, host = self.paths.get(Placement.OFFLOAD), self.paths.get(Placement.HOST)
         account_gradients(stage, layers, out, self.head_start, self.t, self.uncount)  # NOTE [Gradients remade each step]
         microbatch_peak, memory = resident_peak(self.events)
         parked = sum(parked_bytes(layer, lt) for layer, lt in zip(layers, out))
@@ -570,11 +559,11 @@ class _Replay:
             peak_bytes=microbatch_peak + (in_flight - 1) * parked,  # NOTE [Pipeline micro-batches]
             microbatch_peak_bytes=microbatch_peak,
             parked_bytes=parked,
-            write_busy_s=self.write_busy,
-            read_busy_s=self.read_busy,
+            write_busy_s=drives.write_busy if drives is not None else 0.0,
+            read_busy_s=drives.read_busy if drives is not None else 0.0,
             io_end_s=max(q.free_at for q in self.links.values()),
-            host_busy_s=self.host_busy,
-            tier_busy_s={p.value: busy for p, busy in self.tier_busy.items()},
+            host_busy_s=host.write_busy + host.read_busy if host is not None else 0.0,
+            tier_busy_s={p.value: path.write_busy + path.read_busy for p, path in self.paths.items()},
             write_wait_s=self.write_wait,
             memory=memory,
             uncounted=self.uncounted,
