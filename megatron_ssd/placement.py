@@ -132,7 +132,7 @@ class _Moved:
     placements]); ``in`` and iteration read the registry as it is now."""
 
     def __contains__(self, placement: object) -> bool:
-        return placement is not None and placement in _MOVED
+        return placement in _MOVED
 
     def __iter__(self) -> Iterator[Placement]:
         return iter(list(_MOVED))

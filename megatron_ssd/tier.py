@@ -1,7 +1,7 @@
 """Storage tiers: the places saved tensors go between forward and backward, as values.
 
 A :class:`Tier` names its placement and says how its transfers queue (its link, whether
-it is a drive array with an in-flight bound and wear, which other link its bytes cross).
+it is a drive array with an in-flight bound, whether its bytes cross the host link too).
 Its rates are measured per run and live in the stage's ``IOProfile``, keyed by the tier's
 name (``IOProfile.rates``). The planner searches over :func:`tiers` in their order, and
 the timeline queues each tier's transfers by its :class:`Tier`, so a tier registered
@@ -22,7 +22,7 @@ from typing import Any, Callable, Dict, List, Optional
 from .errors import ConfigError
 from .placement import MOVED, Placement
 
-__all__ = ["Tier", "TIERS", "register", "unregister", "load_tier_modules", "tier_of", "tiers", "DRIVES_LINK",
+__all__ = ["Tier", "TIERS", "register", "unregister", "load_tier_modules", "tiers", "added", "DRIVES_LINK",
            "HOST_LINK"]
 
 DRIVES_LINK = "drives"
@@ -37,8 +37,8 @@ link] in ``planner/step_timeline.py``)."""
 # the plan's JSON and the reports), its title, the link its transfers take and what kind
 # of queue that is. Tiers naming one link share it: one transfer at a time, the compute
 # slowdown of the busiest. A drive array (``drives``) queues its requests first come,
-# first served, holds its writes under the engine's in-flight bound and counts toward
-# drive wear; any other tier is a copy link, each transfer taking the earliest idle span
+# first served and holds its writes under the engine's in-flight bound; any other tier
+# is a copy link, each transfer taking the earliest idle span
 # long enough (NOTE [Host tier] in ``planner/step_timeline.py``). A tier that
 # ``crosses_host_link`` also occupies the host link for its bytes where the profile says
 # the links are shared (``IOProfile.shared_host_link``: the SSDs' bytes cross a GPU's PCIe
@@ -128,18 +128,15 @@ def load_tier_modules(names: List[str]) -> None:
                               f"({type(exc).__name__}: {exc})") from None
 
 
-def tier_of(placement: Placement) -> Tier:
-    """The tier of a moved placement.
-
-    Raises:
-        KeyError: ``placement`` is no tier's.
-    """
-    return TIERS[placement]
-
-
 def tiers() -> List[Tier]:
     """Every tier, in the order of :data:`TIERS`."""
     return list(TIERS.values())
+
+
+def added() -> List[Placement]:
+    """The placements of the tiers registered after the host pool and the SSDs, in the
+    order registered."""
+    return [p for p in TIERS if p is not Placement.HOST and p is not Placement.OFFLOAD]
 
 
 register(Tier("host", "the host pool", link=HOST_LINK))

@@ -130,8 +130,12 @@ class PlacementPolicy:
         self.state = PlanState(MappingProxyType(choices), default)
 
     def _open(self, placement: Placement) -> bool:
-        """Whether a moved ``placement`` other than the SSDs and the host pool has a store."""
-        return placement in (Placement.OFFLOAD, Placement.HOST) or placement not in MOVED or placement in self.others
+        """Whether a moved ``placement`` has a store here: the SSDs always, the host pool
+        where there is one, another tier where its ``open_store`` gave one (True for a
+        placement that moves nothing)."""
+        if placement is Placement.HOST:
+            return self.host_available
+        return placement is Placement.OFFLOAD or placement not in MOVED or placement in self.others
 
     def left_to_autograd(self, t: torch.Tensor) -> bool:
         """Whether the cache leaves a saved tensor to autograd, uncounted: parameters (and
@@ -179,7 +183,7 @@ class PlacementPolicy:
         """Whether the plan moves at least one site of ``layer_id`` (OFFLOAD, or HOST with
         a host pool, and not limited to 0 sites)."""
         placement, choice = self._lookup(layer_id)
-        if placement not in MOVED or (placement is Placement.HOST and not self.host_available) or not self._open(placement):
+        if placement not in MOVED or not self._open(placement):
             return False
         return choice is None or choice.sites != 0
 
@@ -206,9 +210,7 @@ class PlacementPolicy:
             return Placement.KEEP
         if choice is not None and choice.sites is not None and site >= choice.sites:
             return Placement.KEEP
-        if placement is Placement.HOST and not self.host_available:  # a default placement of host, no pool
-            return Placement.KEEP
-        return placement if self._open(placement) else Placement.KEEP
+        return placement if self._open(placement) else Placement.KEEP  # a default placement of host, no pool: KEEP
 
     def read_ahead(self, layer_id: Hashable, site: Optional[int] = None) -> int:
         """Layers ahead that the read of ``layer_id``'s ``site`` is issued (NOTE [Write

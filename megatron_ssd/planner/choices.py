@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from ..placement import LayerChoice, Placement
-from ..tier import HOST_LINK, TIERS
+from ..tier import HOST_LINK, TIERS, added
 from .module_recompute import recomputed_layer
 from .profile import LayerProfile, StageProfile
 
@@ -179,18 +179,16 @@ class Floors:
         """Per layer, the forward compute from it on."""
         m = stage.microbatches_in_flight or 1
         self.drain = stage.other_s > 0 or m == 1
-        order = [Placement.OFFLOAD, Placement.HOST] + [p for p in TIERS if p not in (Placement.OFFLOAD, Placement.HOST)]
-        self.slots: List[Placement] = [p for p in order if io.rates(p) is not None]
+        self.slots: List[Placement] = [p for p in (Placement.OFFLOAD, Placement.HOST, *added()) if io.rates(p) is not None]
         """The tiers priced, in the order :meth:`bound` takes their bytes."""
         links: Dict[str, List[int]] = {}
         for slot, p in enumerate(self.slots):
             links.setdefault(TIERS[p].link, []).append(slot)
         rates = [io.rates(p) for p in self.slots]
-        self.links = [(slots, max(rates[x].write_bytes_per_s for x in slots), max(rates[x].read_bytes_per_s for x in slots))
-                      for slots in links.values()]
-        """Per link: its tiers' slots, its write and read rates (the fastest of its tiers')."""
-        self._one = [(slots[0], write, read) for slots, write, read in self.links if len(slots) == 1]
-        self._many = [link for link in self.links if len(link[0]) > 1]
+        per_link = [(slots, max(rates[x].write_bytes_per_s for x in slots), max(rates[x].read_bytes_per_s for x in slots))
+                    for slots in links.values()]  # a link's write and read rates: the fastest of its tiers'
+        self._one = [(slots[0], write, read) for slots, write, read in per_link if len(slots) == 1]
+        self._many = [link for link in per_link if len(link[0]) > 1]
         h = io.host_bytes_per_s
         crossing = [x for x, p in enumerate(self.slots) if TIERS[p].crosses_host_link and TIERS[p].link != HOST_LINK]
         host = [x for x, p in enumerate(self.slots) if TIERS[p].link == HOST_LINK]

@@ -15,7 +15,7 @@ import dataclasses
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from ..placement import LayerChoice, Placement
-from ..tier import TIERS
+from ..tier import TIERS, added
 from .module_recompute import recomputed_layer, with_recompute
 from .profile import IOProfile, LayerProfile, StageProfile
 from .step_timeline import Timeline, predict
@@ -68,15 +68,14 @@ class Judge:
         for name, rates in stage.io.tiers.items():
             if name in TIERS and rates.budget_bytes is not None:
                 self.tier_budgets[Placement(name)] = rates.budget_bytes
+        self.extra_tiers = [p for p in added() if stage.io.rates(p) is not None and self.tier_budgets.get(p) != 0]
+        """The tiers registered after the host pool and the SSDs that the profile has rates
+        for (and a budget above 0, where one is set)."""
         self.tiers = ([Placement.HOST] if self.host_budget_bytes else []) + (
-            [Placement.OFFLOAD] if stage.io.drives_measured else []) + [
-            p for p in TIERS if p not in (Placement.HOST, Placement.OFFLOAD) and stage.io.rates(p) is not None
-            and self.tier_budgets.get(p) != 0]
+            [Placement.OFFLOAD] if stage.io.drives_measured else []) + self.extra_tiers
         """The tiers a plan may use, in the search's order (NOTE [Tiers] in
         ``megatron_ssd/tier.py``): the host pool with a budget, the SSDs once measured,
-        then each tier registered after them that the profile has rates for."""
-        self.extra_tiers = [p for p in self.tiers if p not in (Placement.HOST, Placement.OFFLOAD)]
-        """Those of :attr:`tiers` registered after the SSDs and the host pool."""
+        then :attr:`extra_tiers`."""
         self.drives = stage.io.drives_measured
         """Whether OFFLOAD may be chosen: only with the drives' bandwidths measured (NOTE
         [Unmeasured drives] in ``profile.py``)."""

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from ..placement import LayerChoice, Placement
-from ..tier import DRIVES_LINK, HOST_LINK, TIERS
+from ..tier import HOST_LINK, TIERS
 from .choices import Floors, Option
 from .step_timeline import Timeline, predict
 
@@ -110,6 +110,9 @@ class LocalSearch:
         self._seen: Dict[Index, Trial] = {}
         self.floors = Floors(self.stage, search.derated)
         self._held = [[w * o.held for o in opts] for w, opts in zip(self.floors.weights, self.options)]
+        slowdowns = search.derated.link_slowdowns()
+        self._slowest_link = max(slowdowns.items(), key=lambda item: item[1])  # the drives' queue's on a tie
+        """The link whose transfers slow compute most and that slowdown (:meth:`_io_floor_s`)."""
         self._cost = [[o.compute_s + self._io_floor_s(o) for o in opts] for opts in self.options]
         slot_of = {p: x for x, p in enumerate(self.floors.slots)}
         self._slot = [[slot_of[o.placement] if o.moved else -1 for o in opts] for opts in self.options]
@@ -164,18 +167,6 @@ class LocalSearch:
         if link == HOST_LINK and tier.crosses_host_link and io.shared_host_link:
             return s / (1 + s) * 2 * option.moved / io.host_bytes_per_s
         return 0.0
-
-    @property
-    def _slowest_link(self) -> Tuple[str, float]:
-        """The link whose transfers slow compute most and that slowdown (the drives' on a
-        tie: NOTE [Tiers] in ``megatron_ssd/tier.py``)."""
-        io = self.search.derated
-        best = (DRIVES_LINK, io.compute_slowdown)
-        for link, s in [(HOST_LINK, io.host_compute_slowdown)] + [
-                (TIERS[Placement(name)].link, r.compute_slowdown) for name, r in io.tiers.items() if name in TIERS]:
-            if s > best[1]:
-                best = (link, s)
-        return best
 
     def _replay(self, index: Index, io=None) -> Timeline:
         if self.work_left <= 0:

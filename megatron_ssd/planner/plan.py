@@ -31,7 +31,7 @@ from .module_recompute import with_recompute
 from .search import (GOAL_CAPACITY, GOAL_MAX_OFFLOAD, GOAL_MEMORY_BUDGET, Choices, PlacementSearch,
                      PlanInfeasibleError, replay)
 from .step_timeline import Timeline, predict
-from ..tier import TIERS, tiers
+from ..tier import TIERS, added
 from ..units import MiB
 
 __all__ = [
@@ -335,10 +335,9 @@ class Plan:
         if self.hosted_bytes:
             rows.append(f"host pool {self.host_pool_bytes / MiB:.1f} MiB of "
                         f"{(self.request.host_budget_bytes or 0) / MiB:.1f} MiB ({self.hosted_bytes / MiB:.1f} MiB per micro-batch)")
-        for tier in tiers():  # the tiers registered after the SSDs and the host pool (NOTE [Tiers])
-            moved = self.moved_to(tier.placement) if tier.placement not in (Placement.OFFLOAD, Placement.HOST) else 0
-            if moved:
-                rows.append(f"{tier.name} ({tier.title}) {moved / MiB:.1f} MiB per micro-batch")
+        for p in added():  # the tiers registered after the SSDs and the host pool (NOTE [Tiers])
+            if self.moved_to(p):
+                rows.append(f"{p.value} ({TIERS[p].title}) {self.moved_to(p) / MiB:.1f} MiB per micro-batch")
         if self.request.max_write_bytes_per_s is not None:
             rows.append(
                 f"SSD writes {self.write_bytes_per_s / 1e6:.1f} MB/s of the {self.request.max_write_bytes_per_s / 1e6:.1f} MB/s "

@@ -27,6 +27,7 @@ from ..config import (AtLeast, Boolean, InRange, Integer, ListOf, NonNegative, N
                       from_dict, to_dict)
 from ..config import _broken, _fail, _settle
 from ..placement import OUTSIDE, RECOMPUTE_MODULES, Placement, default_placement
+from ..tier import DRIVES_LINK, HOST_LINK, TIERS
 from ..errors import ConfigError
 
 __all__ = ["LayerId", "LayerProfile", "ModuleProfile", "IOProfile", "TierRates", "StageProfile", "uniform_stage"]
@@ -388,6 +389,17 @@ class IOProfile:
             h = self.host_bytes_per_s
             return None if h is None else _checked_rates(h, h, self.host_compute_slowdown, None)
         return self.tiers.get(placement.value)
+
+    def link_slowdowns(self) -> Dict[str, float]:
+        """Per link, the compute slowdown while it carries a transfer (NOTE [Tiers] in
+        ``tier.py``): the drives' queue's, the host link's, then each link of a tier with
+        rates in :attr:`tiers`, the largest of the tiers naming it."""
+        out = {DRIVES_LINK: self.compute_slowdown, HOST_LINK: self.host_compute_slowdown}
+        for name, rates in self.tiers.items():
+            tier = TIERS.get(name)
+            if tier is not None:
+                out[tier.link] = max(out.get(tier.link, 0.0), rates.compute_slowdown)
+        return out
 
     def _check(self) -> None:
         """The drives' speed is known in both directions or not at all."""

@@ -19,7 +19,7 @@ from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 from ..placement import MOVED, LayerChoice, Placement
 from ..errors import ConfigError
-from ..tier import DRIVES_LINK, HOST_LINK, TIERS
+from ..tier import DRIVES_LINK, HOST_LINK, TIERS, added
 from .holds import account, account_gradients, parked_bytes
 from .profile import IOProfile, LayerId, LayerProfile, StageProfile, TierRates
 from .queues import EPS, Compute, DeviceQueue, Link, admitted, resident_peak
@@ -367,15 +367,11 @@ class _Replay:
         self.stage, self.layers, self.io = stage, layers, io
         self.queue, self.link = DeviceQueue(), Link()  # NOTE [Host tier], NOTE [Shared link]
         self.links: Dict[str, Union[DeviceQueue, Link]] = {DRIVES_LINK: self.queue, HOST_LINK: self.link}
-        slowdown = {DRIVES_LINK: io.compute_slowdown, HOST_LINK: io.host_compute_slowdown}
-        for placement, rates in io.tiers.items():  # tiers beyond the built-in two (NOTE [Tiers])
-            tier = TIERS.get(Placement(placement)) if placement in MOVED else None
-            if tier is None:
-                continue
-            if tier.link not in self.links:
+        for name in io.tiers:  # tiers beyond the built-in two (NOTE [Tiers])
+            tier = TIERS.get(name)
+            if tier is not None and tier.link not in self.links:
                 self.links[tier.link] = DeviceQueue() if tier.drives else Link()
-            slowdown[tier.link] = max(slowdown.get(tier.link, 0.0), rates.compute_slowdown)
-        self.compute = Compute([(self.links[name].busy, s) for name, s in slowdown.items()])
+        self.compute = Compute([(self.links[link].busy, s) for link, s in io.link_slowdowns().items()])
         self.paths: Dict[Placement, _Path] = {}
         self.inflight: Dict[str, List[Tuple[float, int]]] = {}  # per drive link (NOTE [In-flight bound])
         self.events: List[Tuple[float, int, int]] = []  # (time, 0 = release / 1 = allocate, delta)
@@ -487,8 +483,7 @@ class _Replay:
         for b, p in zip(moved, placements):
             if b:
                 by_tier[p] = by_tier.get(p, 0) + b
-        order = [p for p in (Placement.OFFLOAD, Placement.HOST) if p in by_tier] + [
-            p for p in by_tier if p not in (Placement.OFFLOAD, Placement.HOST)]
+        order = [p for p in (Placement.OFFLOAD, Placement.HOST, *added()) if p in by_tier]
         for k in range(m - 1):
             for p in order:
                 path = self.channel(p)
