@@ -164,9 +164,11 @@ def test_a_real_gpt_trains_with_the_tier_bit_identical(world, tmp_path):
     assert [n for n in stock.grads if not torch.equal(stock.grads[n], planned.grads[n])] == []
     rates = planner.profile.io.tiers["slow-ssd"]
     assert rates.write_bytes_per_s > 0 and rates.read_bytes_per_s > 0 and not planner.profile.io.drives_measured
-    assert SLOW.placement in planner.plan.placements
+    # the plan the last step ran under: a drift re-plan after it is not (NOTE [Search time] in adaptive.py)
+    in_force = [e.plan for e in planner.events if e.plan is not None and e.step < len(stats) - 1][-1]
+    assert SLOW.placement in in_force.placements
     last = stats[-1]
-    assert last.tier_bytes["slow-ssd"]["moved"] == planner.plan.moved_to(SLOW.placement) * 2  # two micro-batches
+    assert last.tier_bytes["slow-ssd"]["moved"] == in_force.moved_to(SLOW.placement) * 2  # two micro-batches
     assert last.tier_bytes["slow-ssd"]["returned"] == last.tier_bytes["slow-ssd"]["moved"]
     assert last.bytes_offloaded == 0
     assert last.to_dict()["tier_bytes"]["slow-ssd"]["moved"] > 0 and "slow-ssd" in last.summary()
