@@ -14,6 +14,8 @@ __all__ = ["EPS", "Compute", "DeviceQueue", "Link", "admitted", "resident_peak"]
 EPS = 1e-12
 """Slack (seconds) when comparing event times, so float rounding cannot flip an order."""
 
+_INF = float("inf")
+
 
 # NOTE [One device queue]
 # Reads and writes share one FIFO queue in front of the SSD array: a request starts when
@@ -68,7 +70,7 @@ class Link:
         if not busy or start >= busy[-1][1] - EPS:  # the usual case: after every booked transfer
             start = max(start, busy[-1][1]) if busy else start
         else:
-            for begin, end in busy[max(bisect.bisect_right(busy, (start, float("inf"))) - 1, 0):]:
+            for begin, end in busy[max(bisect.bisect_right(busy, (start, _INF)) - 1, 0):]:
                 if end <= start + EPS:
                     continue
                 if start + duration <= begin + EPS:
@@ -153,11 +155,14 @@ def resident_peak(events: List[Tuple[float, int, int]]) -> Tuple[int, List[Tuple
     """Peak and trace of resident bytes; releases sort before allocations at a tie."""
     resident = peak = 0
     memory: List[Tuple[float, int]] = [(0.0, 0)]
+    last = 0.0  # memory[-1]'s time (the hot loop of a replay: locals, no calls)
     for time, _, delta in sorted(events):
         resident += delta
-        peak = max(peak, resident)
-        if memory[-1][0] == time:
+        if resident > peak:
+            peak = resident
+        if last == time:
             memory[-1] = (time, resident)
         else:
             memory.append((time, resident))
+            last = time
     return peak, memory

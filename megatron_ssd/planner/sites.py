@@ -84,6 +84,8 @@ def use_order(layer: LayerProfile, count: Optional[int]) -> List[int]:
     """The first ``count`` (None: all) sites of ``layer`` in the order its backward uses
     them: by use point (NOTE [Site use times]), ties last saved first."""
     moved = range(len(layer.sites) if count is None else count)
+    if layer.site_use is None:  # every site used at 0: last saved first
+        return list(reversed(moved))
     return sorted(moved, key=lambda s: (layer.use_at(s), -s))
 
 
@@ -91,7 +93,8 @@ def write_order(layer: LayerProfile, moved: Sequence[int]) -> List[int]:
     """The moved sites that write bytes, in the order the forward saves them (NOTE [Site
     save times] in ``profile.py``): a site of no bytes, saved first by another layer,
     writes nothing (NOTE [Sites])."""
-    return [s for s in sorted(moved, key=layer.saved_at) if layer.sites[s]]
+    sites = layer.sites
+    return [s for s in sorted(moved, key=layer.saved_at) if sites[s]]
 
 
 def site_write_ends(layer: LayerProfile, moved: Sequence[int], first: float, start: float, computed: float,

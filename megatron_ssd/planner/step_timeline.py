@@ -15,6 +15,7 @@ queue, link and compute of :mod:`~megatron_ssd.planner.queues`.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from operator import itemgetter
 from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 from ..placement import MOVED, LayerChoice, Placement
@@ -126,7 +127,7 @@ __all__ = ["LayerTimeline", "ReadAhead", "SiteRead", "Timeline", "predict", "rea
 # fills it.
 
 
-@dataclass
+@dataclass(slots=True)
 class SiteRead:
     """One moved site's read (seconds from the micro-batch's start)."""
 
@@ -142,7 +143,7 @@ class SiteRead:
     """The read completes."""
 
 
-@dataclass
+@dataclass(slots=True)
 class LayerTimeline:
     """When one layer's compute and I/O happen (seconds from the micro-batch's start)."""
 
@@ -337,6 +338,9 @@ def predict(
     return replay.timeline(placements, gap)
 
 
+_FIRST = itemgetter(0)
+
+
 class _Path:
     """How one tier's transfers go in a replay (NOTE [Tiers] in ``megatron_ssd/tier.py``):
     its own link's queue (a drive array's FIFO queue, or a copy link: ``copy``), its
@@ -365,6 +369,7 @@ class _Replay:
 
     def __init__(self, stage: StageProfile, layers: Sequence[LayerProfile], io: IOProfile) -> None:
         self.stage, self.layers, self.io = stage, layers, io
+        self.sites = [layer.sites for layer in layers]  # each layer's, copied once per replay
         self.queue, self.link = DeviceQueue(), Link()  # NOTE [Host tier], NOTE [Shared link]
         self.links: Dict[str, Union[DeviceQueue, Link]] = {DRIVES_LINK: self.queue, HOST_LINK: self.link}
         for name in io.tiers:  # tiers beyond the built-in two (NOTE [Tiers])
@@ -428,9 +433,9 @@ class _Replay:
             write_bw, writing = path.write_bw, path.writing
             if writing is not None:
                 bound = path.bound
-                first = None
+                first, sites = None, layer.sites
                 for s in write_order(layer, moved):  # NOTE [Site save times] in profile.py
-                    size, share = layer.sites[s], layer.saved_at(s)
+                    size, share = sites[s], layer.saved_at(s)
                     admitted_at = admitted(writing, max(admitted_at, start + share * layer.forward_s), size, bound)
                     # a site saved at a known point blocks the rest of the forward until admitted
                     rest = (1.0 - share) * layer.forward_s if layer.site_save is not None else 0.0
@@ -505,7 +510,7 @@ class _Replay:
             return
         path = self.paths.get(lt.placement) or self.channel(lt.placement)
         read_bw = path.read_bw
-        nbytes = self.layers[i].sites[s]
+        nbytes = self.sites[i][s]
         start, end = self.transfer(path, now, nbytes, read_bw)
         lt.reads.append(SiteRead(s, nbytes, now, start, end))
         if lt.read_issue is None:
@@ -521,8 +526,10 @@ class _Replay:
         work = layer.backward_s + (layer.recompute_time if lt.placement is Placement.RECOMPUTE else 0.0)
         lt.backward_start = t
         done = 0.0
-        for read in sorted(lt.reads, key=lambda r: layer.use_at(r.site)):  # NOTE [Site use times]
-            use = layer.use_at(read.site)
+        use_at = layer.site_use
+        reads = ([(0.0, read) for read in lt.reads] if use_at is None
+                 else sorted(((float(use_at[read.site]), read) for read in lt.reads), key=_FIRST))
+        for use, read in reads:  # NOTE [Site use times]
             t = self.compute.run(t, (use - done) * work)
             done = use
             if read.end > t:
