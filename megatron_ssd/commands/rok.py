@@ -23,6 +23,7 @@ from ..peer_rule import first_layers_bound
 from ..planner.measured_profile import median_or_zero
 from ..config import MAX_BYTES, TrainConfig, load_config, to_dict
 from ..placement import LayerChoice, Placement
+from ..tier import added, load_tier_modules
 from ..errors import ConfigError, MegatronSSDError
 from ..io.scratch import default_offload_dir, make_private_dir
 from ..io.pacing import parse_rate
@@ -165,6 +166,10 @@ def _point(placement: str, reports: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
         "bytes_to_host": med("bytes_to_host_per_step"),
         "peak_host_bytes": max(p.get("peak_host_bytes", 0) for p in phases),
     }
+    moved_to = sorted({name for p in phases for name in p.get("tier_bytes_per_step") or {}})  # NOTE [Tiers]
+    if moved_to:
+        point["tier_bytes_per_step"] = {name: median_or_zero((p.get("tier_bytes_per_step") or {}).get(name, 0)
+                                                             for p in phases) for name in moved_to}
     plans = [[e for e in r["planner"]["events"] if e["plan"] is not None] for r in reports]
     planned = plans[0]
     if planned:
@@ -178,7 +183,8 @@ def _point(placement: str, reports: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
         point["predicted_step_s"] = plan["step_s"]
         point["predicted_peak_activation_bytes"] = plan["peak_activation_bytes"]
         point["predicted_counted_peak_bytes"] = plan_counted_peak_bytes(reports[0]["planner"].get("profile"), plan)
-        point["plan_moved_bytes"] = {Placement.OFFLOAD.value: made.offloaded_bytes, Placement.HOST.value: made.hosted_bytes}
+        point["plan_moved_bytes"] = {Placement.OFFLOAD.value: made.offloaded_bytes, Placement.HOST.value: made.hosted_bytes,
+                                     **{p.value: made.moved_to(p) for p in added() if made.moved_to(p)}}
         point["plan_io"] = plan["io"]  # the measured profile it was made from: bandwidths, compute_slowdown
         point["plan_keep_step_s"] = plan["keep_step_s"]
     paired = [r["paired"] for r in reports if r.get("paired")]
@@ -545,6 +551,7 @@ def run_rok(config_path: Optional[str], overrides: Sequence[str], json_path: Opt
     it (NOTE [blkio throttle]); with ``host_throttle`` the host tier's copies are paced
     to that rate (NOTE [Host copy rate])."""
     config = load_config(TrainConfig, config_path, overrides)  # validate before spending minutes
+    load_tier_modules(config.offload.tier_modules)  # its plans may name their tiers (NOTE [Tiers])
     limit = None if throttle is None else _throttle_for(config, throttle)
     with limit.applied() if limit is not None else contextlib.nullcontext():  # placements inherit the group
         points = rok_points(config_path, overrides, budgets=budgets, rounds=rounds, placements=placements,

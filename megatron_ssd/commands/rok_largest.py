@@ -44,6 +44,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from ..config import MAX_BYTES, OffloadConfig, TrainConfig, load_config
 from ..errors import ConfigError
+from ..tier import load_tier_modules
 from ..units import MiB
 from .children import ENDING_GRACE_S, child
 from .steps import short_run_problems
@@ -465,6 +466,7 @@ def run_largest(config_path: Optional[str], overrides: Sequence[str], cap: str, 
     cap_bytes = _parse_size("rok", "largest-within", cap)
     common = list(overrides) + host_throttle_overrides(host_throttle)
     config = load_config(TrainConfig, config_path, common)  # validate before spending minutes
+    load_tier_modules(config.offload.tier_modules)  # its plans may name their tiers (NOTE [Tiers])
     limiter = None if throttle is None else _throttle_for(config, throttle)
     with limiter.applied() if limiter is not None else contextlib.nullcontext():  # probes inherit the group
         result = largest_searches(config_path, common, cap_bytes, by=by, limit=limit, placements=placements)

@@ -87,8 +87,10 @@ def short_run_problems(config: TrainConfig) -> List[str]:
 
 def step_line(kind: str, loss: float, stats: StepStats) -> str:
     """One progress line's text: what the step was, and its numbers with their units."""
+    tiers = "".join(f", moved to {name} {counts['moved'] / MiB:.1f} MiB"  # NOTE [Tiers] in megatron_ssd/tier.py
+                    for name, counts in sorted(stats.tier_bytes.items()) if counts.get("moved"))
     return (f"{kind}, loss {loss:.3f}, {stats.wall_s:.2f} s, peak act {stats.peak_resident_bytes / MiB:.1f} MiB, "
-            f"wrote {stats.bytes_offloaded / MiB:.1f} MiB")
+            f"wrote {stats.bytes_offloaded / MiB:.1f} MiB{tiers}")
 
 
 _REASONS_SHOWN = 2

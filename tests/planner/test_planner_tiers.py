@@ -204,3 +204,47 @@ def test_the_train_summary_has_a_row_per_tier_that_moved_bytes():
              "measured_steps": 1, "measured_kind": "measured", "tier_bytes_per_step": {"slow-ssd": 3.5 * MiB}}
     line = next(l for l in format_summary([phase]).splitlines() if l.startswith("moved to slow-ssd"))
     assert line.split() == ["moved", "to", "slow-ssd", "per", "step", "(MiB)", "3.5"]
+
+
+def test_rok_reports_the_tiers_plan_and_bytes():
+    """rok's point of a planned run names the tier in its plan, the plan's bytes on it and
+    the bytes the run moved there per step (medians over rounds)."""
+    import collections
+
+    from megatron_ssd.commands.rok import _point
+
+    plan = make_plan(_stage())
+
+    def report(moved):
+        phase = collections.defaultdict(int, step_s=[1.0], median_step_s=1.0, final_loss=2.0,
+                                        tier_bytes_per_step={"slow-ssd": moved})
+        return collections.defaultdict(int, phases=[phase], planner={"events": [{"plan": plan.to_dict()}]})
+
+    point = _point("planner", [report(3.0 * MiB), report(5.0 * MiB), report(4.0 * MiB)])
+    assert point["tier_bytes_per_step"] == {"slow-ssd": 4.0 * MiB}
+    assert point["plan_moved_bytes"]["slow-ssd"] == plan.moved_to(SLOW.placement) > 0
+    assert any(text.startswith("slow-ssd") for text in point["plan"]) and point["plan_same_every_round"]
+
+
+def test_the_step_line_shows_the_bytes_moved_to_each_tier():
+    from types import SimpleNamespace
+
+    from megatron_ssd.commands.steps import step_line
+
+    stats = SimpleNamespace(wall_s=0.5, peak_resident_bytes=64 * MiB, bytes_offloaded=2 * MiB,  # what it reads
+                            tier_bytes={"slow-ssd": {"moved": 6 * MiB, "returned": 6 * MiB, "peak": 3 * MiB}})
+    assert step_line("measured", 2.5, stats) == (
+        "measured, loss 2.500, 0.50 s, peak act 64.0 MiB, wrote 2.0 MiB, moved to slow-ssd 6.0 MiB")
+    stats.tier_bytes = {"slow-ssd": {"moved": 0, "returned": 0, "peak": 0}}
+    assert step_line("measured", 2.5, stats).endswith("wrote 2.0 MiB")
+
+
+def test_rok_imports_the_tier_modules_before_it_runs(tmp_path, monkeypatch):
+    """rok reads its runs' plans in its own process, so it imports ``offload.tier_modules``
+    too; one that cannot be imported is one error before any run starts."""
+    from megatron_ssd.commands import rok
+    from megatron_ssd.errors import ConfigError
+
+    monkeypatch.setattr(rok, "rok_points", lambda *a, **k: pytest.fail("a run started"))
+    with pytest.raises(ConfigError, match=r"offload.tier_modules: 'no_such_tiers' could not be imported"):
+        rok.run_rok("configs/gpt-tiny.yaml", ["offload.tier_modules=[no_such_tiers]"])
