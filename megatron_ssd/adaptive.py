@@ -19,7 +19,7 @@ import dataclasses
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional
 
 from .cache.memory_cap import WorkingSet, capacity_under_cap
 from .cache.tensor_cache import TensorCache
@@ -34,7 +34,7 @@ from .planner.drives import write_limit_for
 from .planner.holds import rerun_working_bytes
 from .io.cuda import CUDA, CudaOps
 from .io.rundir import check_space_for_plan
-from .profiling import measure_host_bandwidth, probe_tiers, profile_schedule
+from .profiling import Probed, measure_host_bandwidth, probe_tiers, profile_schedule
 from .units import gib
 
 __all__ = ["AdaptivePlanner", "PlanEvent"]
@@ -267,7 +267,7 @@ class AdaptivePlanner:
         self._steps_seen = 0
         self._microbatches = 1
         self._host_bw: Optional[float] = None
-        self._probed: Dict[str, Tuple[float, float]] = {}  # NOTE [Probed tiers] in profiling.py
+        self._probed: Dict[str, Probed] = {}  # NOTE [Probed tiers] in profiling.py
         self.profiles_host = self.host_budget() is not None
         """Whether the profile measures HOST steps too (the plan may use a host pool)."""
         self._schedule = profile_schedule(config, host=self.profiles_host)

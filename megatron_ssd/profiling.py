@@ -16,8 +16,9 @@ import torch
 from .config import PlannerConfig
 from .errors import ConfigError
 from .placement import Placement
+from .tier import TIERS
 
-__all__ = ["ProfileCounts", "ProfileStep", "measure_host_bandwidth", "probe_tiers", "profile_counts", "profile_schedule",
+__all__ = ["Probed", "ProfileCounts", "ProfileStep", "measure_host_bandwidth", "probe_tiers", "profile_counts", "profile_schedule",
            "PROBE_BYTES"]
 
 # NOTE [Profiling steps]
@@ -138,15 +139,20 @@ def measure_host_bandwidth(device: torch.device, nbytes: int = 256 << 20, repeat
 # engine: ``PROBE_BYTES`` written and read back into a buffer of the engine's, the best
 # of two of each, the bytes compared. Its rates are what its engine achieves alone; the
 # compute slowdown its transfers cause is not probed (``planner/measured_profile.py``,
-# ``with_probed_tiers``, prices a drive tier's at the SSDs' measured one).
+# ``with_probed_tiers``, prices a drive tier's at the SSDs' measured one). Its byte
+# budget, where the tier has one (``Tier.budget``), is read from its store then too.
 
 PROBE_BYTES = 16 << 20
 """Bytes each probe of a tier writes and reads back."""
 
+Probed = Tuple[float, float, Optional[int]]
+"""A probed tier's write and read bytes per second and its byte budget (None: no bound)."""
 
-def probe_tiers(stores: Mapping[Any, Any], probed: Dict[str, Tuple[float, float]]) -> Dict[str, Tuple[float, float]]:
+
+def probe_tiers(stores: Mapping[Any, Any], probed: Dict[str, Probed]) -> Dict[str, Probed]:
     """``probed`` with each store's tier not in it yet probed (NOTE [Probed tiers]): per
-    tier name, its (write, read) bytes per second.
+    tier name, its (write, read) bytes per second and its byte budget (``Tier.budget``;
+    None: no bound).
 
     Raises:
         ConfigError: a probe's bytes did not come back as written.
@@ -168,5 +174,7 @@ def probe_tiers(stores: Mapping[Any, Any], probed: Dict[str, Tuple[float, float]
             engine.free(handle)
             if not torch.equal(dst[:PROBE_BYTES], data):
                 raise ConfigError(f"tier {name}: its probe read back other bytes than it wrote")
-        probed[name] = (PROBE_BYTES / max(best[0], 1e-9), PROBE_BYTES / max(best[1], 1e-9))
+        budget = TIERS[placement].budget
+        probed[name] = (PROBE_BYTES / max(best[0], 1e-9), PROBE_BYTES / max(best[1], 1e-9),
+                        None if budget is None else budget(store))
     return probed

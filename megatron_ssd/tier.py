@@ -72,6 +72,13 @@ class Tier:
     blobs go to, or None where the tier is not there; the cache opens and closes it with
     its others (``cache/tier_stores.py``). None: the built-in tiers, opened by the cache
     itself."""
+    budget: Optional[Callable[[Any], Optional[int]]] = field(default=None, compare=False, repr=False)
+    """A tier registered after the built-in two: ``budget(store)``, given the store
+    ``open_store`` opened, is the most bytes the tier may hold for a stage's micro-batches
+    in flight (a pool's size, a drive group's free space), read once when its rates are
+    probed (NOTE [Probed tiers] in ``profiling.py``) and kept by the search as the host
+    pool's budget is; None, or a budget of None: no bound. The host pool's budget is
+    ``offload.host_pool_bytes``."""
     placement: Placement = field(init=False, compare=False, repr=False)
     """Its placement (made from ``name``)."""
 

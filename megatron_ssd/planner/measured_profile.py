@@ -345,13 +345,15 @@ def with_layer_peaks(profile: StageProfile, by_layer: Optional[Mapping[Hashable,
     return dataclasses.replace(profile, layers=layers, head_grad_bytes=grads.get(HEAD, 0))
 
 
-def with_probed_tiers(profile: StageProfile, probed: Mapping[str, Tuple[float, float]]) -> StageProfile:
+def with_probed_tiers(profile: StageProfile, probed: Mapping[str, Tuple[float, float, Optional[int]]]) -> StageProfile:
     """``profile`` with the rates of the tiers registered after the SSDs and the host
     pool, probed by their engines (NOTE [Probed tiers] in ``profiling.py``): per tier
-    name, (write, read) bytes per second. A drive tier's transfers are priced at the SSDs'
-    measured compute slowdown and in-flight bound (its engine does the same work per byte
-    on the same cores, made from the same ``io`` settings), any other's at none."""
+    name, (write, read) bytes per second and its byte budget (None: no bound). A drive
+    tier's transfers are priced at the SSDs' measured compute slowdown and in-flight bound
+    (its engine does the same work per byte on the same cores, made from the same ``io``
+    settings), any other's at none."""
     io = profile.io
     tiers = {name: TierRates(w, r, *((io.compute_slowdown, io.max_inflight_bytes) if TIERS[Placement(name)].drives
-                                     else (0.0, None))) for name, (w, r) in probed.items() if name in MOVED}
+                                     else (0.0, None)), budget_bytes=budget)
+             for name, (w, r, budget) in probed.items() if name in MOVED}
     return profile.with_io(dataclasses.replace(io, tiers={**io.tiers, **tiers}))

@@ -248,3 +248,38 @@ def test_rok_imports_the_tier_modules_before_it_runs(tmp_path, monkeypatch):
     monkeypatch.setattr(rok, "rok_points", lambda *a, **k: pytest.fail("a run started"))
     with pytest.raises(ConfigError, match=r"offload.tier_modules: 'no_such_tiers' could not be imported"):
         rok.run_rok("configs/gpt-tiny.yaml", ["offload.tier_modules=[no_such_tiers]"])
+
+
+def test_the_search_keeps_a_tiers_byte_budget():
+    """A tier's ``TierRates.budget_bytes`` bounds what the plan moves to it for every
+    micro-batch in flight, as the host pool's budget does."""
+    stage = _stage()
+    free = make_plan(stage)
+    budget = free.moved_to(SLOW.placement) // 2
+    assert budget > 0
+    rates = dataclasses.replace(stage.io.tiers[SLOW.name], budget_bytes=budget)
+    bounded = make_plan(dataclasses.replace(stage, io=dataclasses.replace(stage.io, tiers={SLOW.name: rates})))
+    assert 0 < bounded.moved_to(SLOW.placement) <= budget
+    assert bounded.exposed_s == 0.0
+
+
+def test_a_tiers_budget_is_read_from_its_store_when_it_is_probed(tmp_path, monkeypatch):
+    """``Tier.budget(store)`` is read with the tier's probe and priced as its
+    ``TierRates.budget_bytes`` (NOTE [Probed tiers] in ``profiling.py``)."""
+    from megatron_ssd.planner.measured_profile import with_probed_tiers
+    from megatron_ssd.profiling import probe_tiers
+
+    (tmp_path / "ssd").mkdir()
+    (tmp_path / "ssd-slow").mkdir()
+    store = _second_drive_group(OffloadConfig(paths=[str(tmp_path / "ssd")]), "cpu")
+    seen = []
+    budgeted = dataclasses.replace(SLOW, budget=lambda s: seen.append(s) or 48 * MiB)
+    monkeypatch.setitem(TIERS, SLOW.placement, budgeted)
+    try:
+        probed = probe_tiers({SLOW.placement: store}, {})
+    finally:
+        store.close()
+    write, read, budget = probed["slow-ssd"]
+    assert write > 0 and read > 0 and budget == 48 * MiB and seen == [store]
+    rates = with_probed_tiers(_stage(), probed).io.tiers["slow-ssd"]
+    assert rates.budget_bytes == 48 * MiB and rates.write_bytes_per_s == write
