@@ -426,7 +426,8 @@ def test_paired_steps_on_a_gpu_take_their_ratios_from_cuda_events():
         FakeEvent.clock_ms += 1.0 if cache.keep else 3.0  # the device: offload steps 3x as long
         timer.stop()
         # the host: every step looks alike
-        sink.append(SimpleNamespace(wall_s=0.001, bytes_offloaded=0, bytes_write_cancelled=0, peak_resident_bytes=0))
+        sink.append(SimpleNamespace(wall_s=0.001, bytes_offloaded=0, bytes_write_cancelled=0, peak_resident_bytes=0,
+                                    tier_bytes={}))
         return 0.0
 
     paired = run_pairs(cache, run_step, 0, 2, sink, timer, settle=0, out=io.StringIO())
