@@ -472,13 +472,17 @@ class TensorCache:
         self._hook_handles.clear()
         drop_leaked_hooks(self)  # NOTE [Scopes an interrupt cannot leak] in scopes.py
         _deactivate(self)
-        self.tiers.close()
-        self.entries.close()
-        self._closed = True
-        for d in self._remove_empty_parents():
-            logger.warning("megatron_ssd: removed the emptied directory %s, made for this run "
-                           "(offload.remove_empty_parents=%d)", d, self.config.remove_empty_parents)
-        EXIT_GUARD.discard(self)
+        try:  # an exception raised into the wait (a signal handler's) still lets the rest go
+            self.tiers.close()
+        finally:
+            try:
+                self.entries.close()
+            finally:
+                self._closed = True
+                for d in self._remove_empty_parents():
+                    logger.warning("megatron_ssd: removed the emptied directory %s, made for this run "
+                                   "(offload.remove_empty_parents=%d)", d, self.config.remove_empty_parents)
+                EXIT_GUARD.discard(self)
 
     def _remove_empty_parents(self) -> List[str]:
         """NOTE [Emptied parents]: the directories above the run directories that were made

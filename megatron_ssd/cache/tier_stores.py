@@ -46,9 +46,16 @@ class TierStores:
         return stores
 
     def close(self) -> None:
-        """Close every store: wait for its I/O, remove its files."""
+        """Close every store: wait for its I/O, remove its files; every store is closed
+        before the first exception one raised is raised again."""
+        failed: Optional[BaseException] = None
         for store in self.by_placement.values():
-            store.close()
+            try:
+                store.close()
+            except BaseException as exc:  # a signal handler's exception in the wait, too
+                failed = failed or exc
+        if failed is not None:
+            raise failed
 
     def remove_files_now(self) -> None:
         """Remove every store's files at once: no waiting, no locks (the signal path)."""

@@ -56,12 +56,18 @@ class _AllocationFailed(Exception):
 
 
 def _shutdown(workers: Workers, layout: Layout, watchdog: Optional[StallWatchdog]) -> None:
-    workers.shutdown()  # waits for the requests in flight; the watchdog still warns about stuck ones
+    # The files go whatever stops the wait: an exception raised into it by a signal
+    # handler (PyTorch's DataLoader raises "DataLoader worker ... is killed by signal" from
+    # its SIGCHLD handler when a job's SIGTERM reached its workers too) left a SLURM rank's
+    # run directory behind (NOTE [Exit cleanup] in cache/exit_guard.py).
     try:
-        layout.close()  # its unlinks are watched too
+        workers.shutdown()  # waits for the requests in flight; the watchdog still warns about stuck ones
     finally:
-        if watchdog is not None:
-            watchdog.stop()
+        try:
+            layout.close()  # its unlinks are watched too
+        finally:
+            if watchdog is not None:
+                watchdog.stop()
 
 
 def _start(config: OffloadConfig, rank: Optional[int], fault: Optional[Fault]

@@ -272,6 +272,31 @@ def test_peak_ssd_footprint_is_reported(offload_dir):
     assert stats.ssd_bytes == 0  # all freed after backward
 
 
+def test_a_close_interrupted_in_its_wait_still_removes_the_run_and_its_emptied_parents(tmp_path, monkeypatch):
+    """A signal handler's exception raised into the wait for the I/O threads (PyTorch's
+    DataLoader raises one from SIGCHLD when a SLURM job's SIGTERM reached its workers
+    too) propagates out of close, and the run directory and the emptied directories made
+    for the run are still removed; the cache is closed."""
+    from megatron_ssd.io.workers import Workers
+
+    root = tmp_path / "megatron-ssd"
+    root.mkdir()
+    gpu = root / "job6" / "gpu0"
+    make_dirs(str(gpu))
+    cache = TensorCache(OffloadConfig(paths=[str(gpu)], min_free_bytes=0, remove_empty_parents=2))
+    stop = Workers.shutdown
+
+    def interrupted(self):
+        stop(self)
+        raise RuntimeError("DataLoader worker (pid 1) is killed by signal: Terminated.")
+
+    monkeypatch.setattr(Workers, "shutdown", interrupted)
+    with pytest.raises(RuntimeError, match="killed by signal"):
+        cache.close()
+    assert os.listdir(root) == []
+    cache.close()  # closed: nothing more to do
+
+
 def test_emptied_parents_go_with_the_last_process_of_the_job(tmp_path, caplog):
     """NOTE [Emptied parents]: each cache removes its run directory, then up to
     ``remove_empty_parents`` levels above it while they are empty and made for the run

@@ -396,3 +396,24 @@ def test_io_priority_that_cannot_be_applied_warns_and_runs(offload_dir, monkeypa
             h = engine.write(_blob(4096)).get()
             assert torch.equal(engine.read(h, engine.alloc(4096, "cpu")).get(), _blob(4096))
     assert "io.priority = 'low' could not be applied" in caplog.text
+
+
+def test_close_removes_the_files_when_the_wait_for_the_workers_is_interrupted(tmp_path, monkeypatch):
+    """A signal handler may raise into the wait for the I/O threads (PyTorch's DataLoader
+    does, from SIGCHLD, when a job's SIGTERM reached its workers too): the exception
+    propagates, and the run directories are still deleted."""
+    from megatron_ssd.io.workers import Workers
+
+    paths = _paths(tmp_path, 2)
+    engine = _engine(paths)
+    engine.write(_blob(300 * KiB)).get()
+    stop = Workers.shutdown
+
+    def interrupted(self):
+        stop(self)
+        raise RuntimeError("DataLoader worker (pid 1) is killed by signal: Terminated.")
+
+    monkeypatch.setattr(Workers, "shutdown", interrupted)
+    with pytest.raises(RuntimeError, match="killed by signal"):
+        engine.close()
+    assert [os.listdir(p) for p in paths] == [[], []]
