@@ -277,20 +277,14 @@ def test_a_close_interrupted_in_its_wait_still_removes_the_run_and_its_emptied_p
     DataLoader raises one from SIGCHLD when a SLURM job's SIGTERM reached its workers
     too) propagates out of close, and the run directory and the emptied directories made
     for the run are still removed; the cache is closed."""
-    from megatron_ssd.io.workers import Workers
+    from interrupted_wait import interrupt_the_wait  # tests/interrupted_wait.py
 
     root = tmp_path / "megatron-ssd"
     root.mkdir()
     gpu = root / "job6" / "gpu0"
     make_dirs(str(gpu))
     cache = TensorCache(OffloadConfig(paths=[str(gpu)], min_free_bytes=0, remove_empty_parents=2))
-    stop = Workers.shutdown
-
-    def interrupted(self):
-        stop(self)
-        raise RuntimeError("DataLoader worker (pid 1) is killed by signal: Terminated.")
-
-    monkeypatch.setattr(Workers, "shutdown", interrupted)
+    interrupt_the_wait(monkeypatch)
     with pytest.raises(RuntimeError, match="killed by signal"):
         cache.close()
     assert os.listdir(root) == []

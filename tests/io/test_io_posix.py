@@ -402,18 +402,12 @@ def test_close_removes_the_files_when_the_wait_for_the_workers_is_interrupted(tm
     """A signal handler may raise into the wait for the I/O threads (PyTorch's DataLoader
     does, from SIGCHLD, when a job's SIGTERM reached its workers too): the exception
     propagates, and the run directories are still deleted."""
-    from megatron_ssd.io.workers import Workers
+    from interrupted_wait import interrupt_the_wait  # tests/interrupted_wait.py
 
     paths = _paths(tmp_path, 2)
     engine = _engine(paths)
     engine.write(_blob(300 * KiB)).get()
-    stop = Workers.shutdown
-
-    def interrupted(self):
-        stop(self)
-        raise RuntimeError("DataLoader worker (pid 1) is killed by signal: Terminated.")
-
-    monkeypatch.setattr(Workers, "shutdown", interrupted)
+    interrupt_the_wait(monkeypatch)
     with pytest.raises(RuntimeError, match="killed by signal"):
         engine.close()
     assert [os.listdir(p) for p in paths] == [[], []]
