@@ -184,7 +184,7 @@ def _point(placement: str, reports: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
         point["predicted_peak_activation_bytes"] = plan["peak_activation_bytes"]
         point["predicted_counted_peak_bytes"] = plan_counted_peak_bytes(reports[0]["planner"].get("profile"), plan)
         point["plan_moved_bytes"] = {Placement.OFFLOAD.value: made.offloaded_bytes, Placement.HOST.value: made.hosted_bytes,
-                                     **{p.value: made.moved_to(p) for p in added() if made.moved_to(p)}}
+                                     **{p.value: moved for p in added() if (moved := made.moved_to(p))}}
         point["plan_io"] = plan["io"]  # the measured profile it was made from: bandwidths, compute_slowdown
         point["plan_keep_step_s"] = plan["keep_step_s"]
     paired = [r["paired"] for r in reports if r.get("paired")]

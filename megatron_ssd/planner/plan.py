@@ -336,8 +336,8 @@ class Plan:
             rows.append(f"host pool {self.host_pool_bytes / MiB:.1f} MiB of "
                         f"{(self.request.host_budget_bytes or 0) / MiB:.1f} MiB ({self.hosted_bytes / MiB:.1f} MiB per micro-batch)")
         for p in added():  # the tiers registered after the SSDs and the host pool (NOTE [Tiers])
-            if self.moved_to(p):
-                rows.append(f"{p.value} ({TIERS[p].title}) {self.moved_to(p) / MiB:.1f} MiB per micro-batch")
+            if moved := self.moved_to(p):
+                rows.append(f"{p.value} ({TIERS[p].title}) {moved / MiB:.1f} MiB per micro-batch")
         if self.request.max_write_bytes_per_s is not None:
             rows.append(
                 f"SSD writes {self.write_bytes_per_s / 1e6:.1f} MB/s of the {self.request.max_write_bytes_per_s / 1e6:.1f} MB/s "

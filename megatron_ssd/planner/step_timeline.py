@@ -429,7 +429,7 @@ class _Replay:
         streamed = path = None
         moved = range(len(layer.sites) if k is None else k)
         if nbytes:
-            path = self.paths.get(placement) or self.channel(placement)
+            path = self.channel(placement)
             write_bw, writing = path.write_bw, path.writing
             if writing is not None:
                 bound = path.bound
@@ -508,7 +508,7 @@ class _Replay:
         if not lt.reads and lt.write_end > now + EPS:
             lt.forwarded = True  # NOTE [Forwarding]
             return
-        path = self.paths.get(lt.placement) or self.channel(lt.placement)
+        path = self.channel(lt.placement)
         read_bw = path.read_bw
         nbytes = self.sites[i][s]
         start, end = self.transfer(path, now, nbytes, read_bw)
